@@ -1,0 +1,120 @@
+"""Tuned checkpoints: a `save_pretrained` directory (safetensors) + tokenizer + `selfspec.json`.
+
+The directory loads with plain `AutoModelForCausalLM.from_pretrained` and with
+`selfspec.load_tuned(path)`, which also reads the recommended exit layer E and draft length k.
+
+`selfspec.json` schema (version 1):
+    format_version  1
+    kind            "tuned" (a self-speculative fine-tune) or "base" (a pretrained base model)
+    exit_layer      E: the draft runs blocks [0, E)
+    num_speculations  k: default draft length
+    base_model      where the weights came from (path or hub id)
+    training        the run config (dict) that produced it
+    metrics         final metrics (per-layer agreement, perplexity, ...)
+    created         ISO timestamp
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+META_FILE = "selfspec.json"
+FORMAT_VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A directory that is not a usable selfspec checkpoint; the message says why and what to do."""
+
+
+def write_json_atomic(path: str | Path, data: Any) -> None:
+    """Write JSON via a temp file + rename, so readers never see half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as handle:
+        json.dump(data, handle, indent=2, default=str)
+        handle.write("\n")
+    os.replace(tmp, path)
+
+
+def save_tuned(path: str | Path, model, tokenizer=None, *, exit_layer: int, num_speculations: int = 4,
+               base_model: str | None = None, training: dict | None = None, metrics: dict | None = None,
+               kind: str = "tuned") -> Path:
+    """Save model (safetensors) + tokenizer + selfspec.json into `path`, atomically.
+
+    Everything is written into a temporary sibling directory first and renamed into place at the end,
+    so a crash leaves either the old checkpoint or the new one, never a mixture. A PEFT model is
+    merged into plain weights first (the saved model needs no peft to load).
+    """
+    path = Path(path)
+    num_layers = model.config.num_hidden_layers if hasattr(model, "config") else None
+    if num_layers is not None and not 1 <= exit_layer <= num_layers:
+        raise CheckpointError(f"exit_layer = {exit_layer} is outside 1..{num_layers} for this model")
+    if hasattr(model, "merge_and_unload"):
+        model = model.merge_and_unload()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.staging-"))
+    try:
+        model.save_pretrained(staging, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+        write_json_atomic(staging / META_FILE, {
+            "format_version": FORMAT_VERSION, "kind": kind, "exit_layer": exit_layer,
+            "num_speculations": num_speculations, "base_model": base_model, "training": training or {},
+            "metrics": metrics or {}, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        })
+        if path.exists():
+            old = path.with_name(f".{path.name}.old-{os.getpid()}")
+            os.replace(path, old)
+            os.replace(staging, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(staging, path)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return path
+
+
+def read_meta(path: str | Path) -> dict:
+    """The selfspec.json of a checkpoint directory (CheckpointError when missing or malformed)."""
+    meta_path = Path(path) / META_FILE
+    if not meta_path.is_file():
+        raise CheckpointError(f"{str(path)!r} has no {META_FILE}; pass a directory written by train/finetune.py "
+                              f"or use SelfSpecGenerator(model, tokenizer, exit_layer=E) for other models")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{meta_path} is not valid JSON ({exc.msg}); re-save the checkpoint") from None
+    if meta.get("format_version") != FORMAT_VERSION or "exit_layer" not in meta:
+        raise CheckpointError(f"{meta_path} has format_version {meta.get('format_version')!r}; "
+                              f"this selfspec reads version {FORMAT_VERSION}")
+    return meta
+
+
+def update_meta(path: str | Path, **fields) -> dict:
+    """Merge fields into a checkpoint's selfspec.json (e.g. the (E, k) a sweep recommends)."""
+    meta = read_meta(path)
+    meta.update(fields)
+    write_json_atomic(Path(path) / META_FILE, meta)
+    return meta
+
+
+def load_tuned(path: str | Path, device: str = "cpu", dtype: str = "auto", exit_layer: int | None = None,
+               num_speculations: int | str | None = None):
+    """Load a tuned checkpoint as a `SelfSpecGenerator` ready for lossless fast generation."""
+    from .decoding import SelfSpecGenerator
+    from .model.loading import load_causal_lm, load_tokenizer
+
+    meta = read_meta(path)
+    model = load_causal_lm(str(path), dtype=dtype, device=device).eval()
+    tokenizer = load_tokenizer(str(path)) if (Path(path) / "tokenizer_config.json").is_file() else None
+    return SelfSpecGenerator(model, tokenizer, exit_layer=exit_layer or meta["exit_layer"],
+                             num_speculations=num_speculations if num_speculations is not None
+                             else meta.get("num_speculations", "auto"))

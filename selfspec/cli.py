@@ -1,0 +1,166 @@
+"""The `selfspec` console script. Each subcommand is a plain function; argparse only maps flags to it.
+
+    selfspec demo                                  # the whole pipeline on the embedded default
+    selfspec layers runs/base/model                # per-exit-layer agreement table (test split)
+    selfspec eval gate --tuned runs/demo/model --base runs/base/model
+    selfspec eval speedup runs/demo/model          # α, draft cost, tokens/s, speedups vs plain and HF
+    selfspec generate runs/demo/model "def parse_args("
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .checkpoint import write_json_atomic
+
+DEFAULT_BASE_CONFIG = "configs/embedded_base.yaml"
+DEFAULT_FINETUNE_CONFIG = "configs/demo_finetune.yaml"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Plain functions
+# ---------------------------------------------------------------------------------------------------
+
+def eval_blocks(model_dir: str, source: str = "stdlib", split: str = "test", block_size: int = 256,
+                max_blocks: int = 64, cache_dir: str = "data/generated", tokenizer_dir: str | None = None):
+    """Held-out token blocks (n, block_size) of `split`, tokenized with the model's tokenizer."""
+    from . import data
+    from .model.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_dir or model_dir)
+    corpus = data.load_text_corpus(source, cache_dir=cache_dir)
+    if split not in corpus:
+        raise ValueError(f"split {split!r} is not in the data; choose one of {', '.join(corpus)}")
+    return data.pack_dataset(corpus[split], tokenizer, block_size, max_blocks=max_blocks)["input_ids"]
+
+
+def layers_report(model_dir: str, source: str = "stdlib", split: str = "test", block_size: int = 256,
+                  max_blocks: int = 64, json_out: str | None = None) -> dict:
+    """Training-free acceptance picture: every exit layer's agreement with the final layer."""
+    from .evaluation.exits import exit_layer_metrics, format_exit_table
+    from .model.loading import load_causal_lm
+
+    model = load_causal_lm(model_dir).eval()
+    blocks = eval_blocks(model_dir, source, split, block_size, max_blocks)
+    report = exit_layer_metrics(model, blocks, progress=True)
+    print(f"{model_dir}: {sum(p.numel() for p in model.parameters()):,} parameters, "
+          f"{model.config.num_hidden_layers} layers; {split} split, {blocks.numel():,} tokens")
+    print(format_exit_table(report))
+    if json_out:
+        write_json_atomic(json_out, {str(k): v for k, v in report.items()})
+    return report
+
+
+def gate(tuned: str, base: str, max_increase: float = 0.01, source: str = "stdlib", split: str = "test",
+         block_size: int = 256, max_blocks: int = 64, json_out: str | None = None) -> bool:
+    """Perplexity regression gate, tuned vs base; returns whether it passed."""
+    from .evaluation.perplexity import perplexity_gate
+    from .model.loading import load_causal_lm
+
+    blocks = eval_blocks(base, source, split, block_size, max_blocks)
+    result = perplexity_gate(load_causal_lm(tuned).eval(), load_causal_lm(base).eval(), blocks, max_increase)
+    print(result.summary())
+    if json_out:
+        write_json_atomic(json_out, result.to_dict())
+    return result.passed
+
+
+def generate(model_dir: str, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0,
+             num_speculations: str = "auto", seed: int | None = None) -> str:
+    """Generate a continuation with a tuned checkpoint and print it with the acceptance stats."""
+    from .checkpoint import load_tuned
+
+    gen = load_tuned(model_dir)
+    k = num_speculations if num_speculations == "auto" else int(num_speculations)
+    out = gen.generate([prompt], max_new_tokens=max_new_tokens, temperature=temperature, num_speculations=k,
+                       seed=seed)
+    text = gen.tokenizer.decode(out.sequences[0])
+    print(prompt + text)
+    stats = out.stats
+    print(f"\n[acceptance rate {stats.acceptance_rate:.3f}, mean accepted length "
+          f"{stats.mean_accepted_length:.2f}]", file=sys.stderr)
+    return text
+
+
+def demo(base_config: str = DEFAULT_BASE_CONFIG, finetune_config: str = DEFAULT_FINETUNE_CONFIG,
+         force: bool = False) -> None:
+    """The main job on the embedded default: corpus -> tokenizer -> base model -> per-layer table.
+
+    Each stage is cached: a second run reuses what the first built.
+    """
+    from .config import load_config
+    from .training.loop import train_or_reuse
+
+    cfg = load_config(base_config)
+    print("== 1/2 embedded base: corpus, tokenizer, pretraining (cached after the first run)")
+    base_dir, reused = train_or_reuse(cfg, kind="base", force=force)
+    print(f"{'reused' if reused else 'trained'} {base_dir}")
+    print("== 2/2 training-free acceptance per exit layer (test split)")
+    layers_report(str(base_dir), json_out=str(Path(cfg.output_dir) / "layers_test.json"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Argument parsing
+# ---------------------------------------------------------------------------------------------------
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="selfspec", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("demo", help="run the pipeline on the embedded default")
+    p.add_argument("--base-config", default=DEFAULT_BASE_CONFIG)
+    p.add_argument("--finetune-config", default=DEFAULT_FINETUNE_CONFIG)
+    p.add_argument("--force", action="store_true", help="retrain even when a cached model matches")
+
+    def data_flags(p):
+        p.add_argument("--data", default="stdlib", help="corpus: stdlib, a local file/glob, or a datasets name")
+        p.add_argument("--split", default="test")
+        p.add_argument("--block-size", type=int, default=256)
+        p.add_argument("--max-blocks", type=int, default=64)
+        p.add_argument("--json", help="also write the result to this JSON file")
+
+    p = sub.add_parser("layers", help="per-exit-layer agreement with the final layer")
+    p.add_argument("model")
+    data_flags(p)
+
+    p = sub.add_parser("generate", help="generate with a tuned checkpoint")
+    p.add_argument("model")
+    p.add_argument("prompt")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--num-speculations", default="auto", help="k, or auto")
+    p.add_argument("--seed", type=int)
+
+    ev = sub.add_parser("eval", help="evaluations: gate, speedup").add_subparsers(dest="eval_command", required=True)
+    p = ev.add_parser("gate", help="perplexity regression gate (exit code 1 when it fails)")
+    p.add_argument("--tuned", required=True)
+    p.add_argument("--base", required=True)
+    p.add_argument("--max-increase", type=float, default=0.01, help="allowed relative increase (0.01 = 1%%)")
+    data_flags(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "demo":
+            demo(args.base_config, args.finetune_config, args.force)
+        elif args.command == "layers":
+            layers_report(args.model, args.data, args.split, args.block_size, args.max_blocks, args.json)
+        elif args.command == "generate":
+            generate(args.model, args.prompt, args.max_new_tokens, args.temperature, args.num_speculations,
+                     args.seed)
+        elif args.command == "eval" and args.eval_command == "gate":
+            passed = gate(args.tuned, args.base, args.max_increase, args.data, args.split, args.block_size,
+                          args.max_blocks, args.json)
+            return 0 if passed else 1
+    except (ValueError, OSError) as exc:  # user mistakes: one line, no traceback
+        print(f"error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

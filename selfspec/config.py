@@ -1,0 +1,380 @@
+"""The configuration schema: dataclasses whose fields are documented where they are defined.
+
+A YAML file is an instance of `RunConfig`; `a.b=value` command-line overrides are applied on top;
+everything is validated at load time, and every error names the field, the bad value and what is
+allowed (an unknown key also names the closest valid one).
+
+    cfg = load_config("configs/demo_finetune.yaml", ["optim.max_steps=100", "early_exit.layers=2:8:2"])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A user mistake in a config file or override; its message is one line that says how to fix it."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Schema
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ArchConfig:
+    """Architecture of a model trained from scratch (only read when `model.from_scratch` is true)."""
+
+    model_type: Literal["llama"] = "llama"
+    """Family of the from-scratch model."""
+    hidden_size: int = 256
+    """Width D of the residual stream."""
+    num_layers: int = 12
+    """Number of decoder blocks N."""
+    num_heads: int = 8
+    """Attention heads per block."""
+    num_kv_heads: int = 4
+    """Key/value heads (grouped-query attention when fewer than num_heads)."""
+    intermediate_size: int = 688
+    """Width of the SwiGLU MLP."""
+    max_position_embeddings: int = 2048
+    """Longest sequence the rotary embedding is set up for."""
+    rope_theta: float = 10000.0
+    """Rotary base frequency."""
+    tie_word_embeddings: bool = True
+    """Share the input embedding and the LM head (fewer parameters for small models)."""
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = "runs/base"
+    """A Hugging Face model id or local directory to start from (or to create, with from_scratch)."""
+    from_scratch: bool = False
+    """Build a new random model from `arch` and the tokenizer instead of loading weights."""
+    arch: ArchConfig = field(default_factory=ArchConfig)
+    """Architecture for from_scratch models."""
+    tokenizer: str | None = None
+    """Tokenizer directory or id; None means the one beside the model (from_scratch: the embedded
+    tokenizer trained on the corpus, kept under data.cache_dir)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weight dtype when loading: auto = float32 on CPU, the checkpoint's dtype on GPU."""
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    """Attention kernel used by the Hugging Face blocks."""
+
+
+@dataclass
+class DataConfig:
+    source: str = "stdlib"
+    """`stdlib` (the embedded corpus), a local file/glob (.txt/.jsonl/.json/.parquet), a save_to_disk
+    directory, or a datasets hub name (where a network exists)."""
+    text_field: str = "text"
+    """Column that holds the text."""
+    cache_dir: str = "data/generated"
+    """Where built corpora and the embedded tokenizer are stored and reused."""
+    tokenizer_vocab_size: int = 4096
+    """Vocabulary size when the embedded tokenizer has to be trained."""
+    block_size: int = 256
+    """Tokens per packed training block."""
+    max_train_blocks: int | None = None
+    """Cap on training blocks (None: all)."""
+    max_eval_blocks: int = 64
+    """Validation/test blocks used by periodic evaluation."""
+
+
+@dataclass
+class LayerDropoutConfig:
+    p_max: float = 0.0
+    """Skip probability of the deepest block at full schedule, in [0, 1); recipes use 0.15-0.25."""
+    depth_curve: Literal["uniform", "linear", "exp"] = "exp"
+    """D(l): how the rate grows with depth (exp is LayerSkip's e^{l ln2/(N-1)} - 1)."""
+    schedule: Literal["constant", "linear", "exp"] = "constant"
+    """S(t): how the rate evolves over training steps."""
+    per_sample: bool = False
+    """Drop per row (the block still runs; rows are masked) instead of per batch (the block is
+    skipped, which saves its compute)."""
+    protect_draft_layers: bool = False
+    """Never drop the draft blocks [0, exit_layer)."""
+
+
+@dataclass
+class EarlyExitConfig:
+    layers: str | list[int] | None = None
+    """Candidate exit layers: a list, a slice "start:stop:step", "2,4,6" or "all"; None disables the
+    early-exit losses. Layer l is the output of block l-1 (counted like exit_layer)."""
+    kind: Literal["kl", "ce", "both"] = "kl"
+    """Loss at each exit: KL to the teacher's distribution, CE to the labels, or their sum."""
+    teacher: Literal["self", "frozen"] = "self"
+    """self: the detached final layer of the same forward; frozen: the original model run without
+    dropout (under LoRA, the base with adapters disabled)."""
+    temperature: float = 1.0
+    """Distillation temperature for the KL loss."""
+    scale: Literal["uniform", "linear", "sqrt", "sum_l"] = "uniform"
+    """Relative weight of the candidate layers (normalised over the active ones)."""
+    weight: float = 1.0
+    """Weight of the early-exit term against the final layer's CE loss."""
+    curriculum: Literal["none", "rotational", "gradual"] = "none"
+    """Which candidates are active at a step."""
+    rotation_period: int = 2
+    """R for the rotational curriculum: every R-th candidate is active, rotating each step."""
+    chunk_size: int = 1024
+    """Tokens per chunk when computing exit losses (bounds the (tokens, vocab) logits in memory)."""
+
+
+@dataclass
+class LoraSettings:
+    enabled: bool = False
+    """Train LoRA adapters through peft instead of all weights; merged into the weights on save."""
+    r: int = 16
+    """Adapter rank."""
+    alpha: int = 32
+    """LoRA scaling numerator."""
+    dropout: float = 0.0
+    """Dropout on the adapter input."""
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                               "gate_proj", "up_proj", "down_proj"])
+    """Module names that get adapters."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    """Peak learning rate of AdamW."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW betas."""
+    warmup_steps: int = 50
+    """Linear warm-up steps before cosine decay."""
+    min_lr_ratio: float = 0.1
+    """Cosine decay floor, as a fraction of lr."""
+    max_steps: int = 1000
+    """Optimizer steps to train."""
+    max_minutes: float | None = None
+    """Stop early after this wall-clock budget (the schedule still spans max_steps)."""
+    batch_size: int = 16
+    """Blocks per micro-batch per process."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step."""
+    grad_clip: float = 1.0
+    """Max global gradient norm (0 disables clipping)."""
+
+
+@dataclass
+class RunConfig:
+    """One training run: pretraining from scratch or the self-speculative fine-tune."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """What to train."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """What to train on."""
+    layer_dropout: LayerDropoutConfig = field(default_factory=LayerDropoutConfig)
+    """Stochastic depth during training."""
+    early_exit: EarlyExitConfig = field(default_factory=EarlyExitConfig)
+    """Losses at candidate exit layers."""
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    """Parameter-efficient fine-tuning."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and schedule."""
+    output_dir: str = "runs/finetune"
+    """Where checkpoints, logs and the final model go."""
+    seed: int = 0
+    """Seed for weights init, data order, layer dropout."""
+    exit_layer: int | None = None
+    """E: the draft runs blocks [0, E). None: half the depth (rounded down)."""
+    num_speculations: int = 4
+    """k written into selfspec.json as the default draft length."""
+    eval_every: int = 100
+    """Evaluate on the validation split every this many steps (0: only at the end)."""
+    save_every: int = 200
+    """accelerate save_state every this many steps (0: never)."""
+    log_with: list[str] = field(default_factory=lambda: ["jsonl"])
+    """Trackers: any of jsonl (always written), tensorboard, wandb (offline without WANDB_API_KEY)."""
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
+    """auto: bf16 on GPUs that support it, else fp32."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Loading, overrides, validation
+# ---------------------------------------------------------------------------------------------------
+
+T = typing.TypeVar("T")
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader with YAML 1.2 numbers: `2:8:2` stays a string (YAML 1.1 reads it as the base-60
+    integer 7682) and `1e-3` is a float (YAML 1.1 wants `1.0e-3`)."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    key: [(tag, rx) for tag, rx in resolvers if tag not in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")]
+    for key, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^[-+]?(0|[1-9][0-9_]*)$"), list("-+0123456789"))
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(\.[0-9]+|[0-9][0-9_]*(\.[0-9_]*)?)([eE][-+]?[0-9]+)?$|^[-+]?\.(inf|Inf|INF)$|^\.(nan|NaN|NAN)$"),
+    list("-+0123456789."))
+
+
+def _yaml(text: str):
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
+
+
+def load_config(path: str | Path | None, overrides: list[str] = (), schema: type[T] = RunConfig) -> T:
+    """Read a YAML file (or start from defaults when None), apply `a.b=value` overrides, validate."""
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist; pass an existing YAML file to --config")
+        try:
+            data = _yaml(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}".replace("\n", " ")) from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {str(path)!r} must hold a mapping of fields at the top level")
+    for item in overrides:
+        _apply_override(data, item)
+    return from_dict(schema, data)
+
+
+def _apply_override(data: dict, item: str) -> None:
+    key, sep, raw = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {item!r} must look like section.field=value, e.g. optim.lr=1e-4")
+    # YAML parses the value: numbers, booleans, null and [lists] come out typed.
+    value = _yaml(raw) if raw.strip() else ""
+    node = data
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {item!r}: {part!r} is a value, not a section")
+    node[parts[-1]] = value
+
+
+def from_dict(schema: type[T], data: dict, prefix: str = "") -> T:
+    """Build dataclass `schema` from a nested mapping, checking keys and value types."""
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    hints = typing.get_type_hints(schema)
+    kwargs = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {', '.join(fields)}"
+            raise ConfigError(f"unknown config key {name!r}{hint}")
+        kwargs[key] = _coerce(hints[key], value, name)
+    cfg = schema(**kwargs)
+    validate(cfg, prefix)
+    return cfg
+
+
+def _coerce(hint: Any, value: Any, name: str) -> Any:
+    origin = typing.get_origin(hint)
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{name} must be a section (a mapping of fields), got {value!r}")
+        return from_dict(hint, value, prefix=f"{name}.")
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(option, value, name)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        allowed = " or ".join(_describe(o) for o in options)
+        raise ConfigError(f"{name} = {value!r} is not allowed; expected {allowed}")
+    if origin is Literal:
+        allowed = typing.get_args(hint)
+        if value not in allowed:
+            raise ConfigError(f"{name} = {value!r} is not allowed; choose one of {', '.join(map(repr, allowed))}")
+        return value
+    if origin is list:
+        (item_hint,) = typing.get_args(hint)
+        if not isinstance(value, list):
+            raise ConfigError(f"{name} must be a list of {_describe(item_hint)}, got {value!r}")
+        return [_coerce(item_hint, v, f"{name}[{i}]") for i, v in enumerate(value)]
+    if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, str, bool) and type(value) is hint:
+        return value
+    raise ConfigError(f"{name} = {value!r} is not allowed; expected {_describe(hint)}")
+
+
+def _describe(hint: Any) -> str:
+    if typing.get_origin(hint) is Literal:
+        return "one of " + ", ".join(map(repr, typing.get_args(hint)))
+    if typing.get_origin(hint) is list:
+        return f"a list of {_describe(typing.get_args(hint)[0])}"
+    if hint is type(None):
+        return "null"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true/false"}.get(hint, str(hint))
+
+
+def _check(condition: bool, name: str, value: Any, allowed: str) -> None:
+    if not condition:
+        raise ConfigError(f"{name} = {value!r} is not allowed; {allowed}")
+
+
+def validate(cfg: Any, prefix: str = "") -> None:
+    """Range checks that types alone cannot express. Called for every section as it is built."""
+    p = prefix
+    if isinstance(cfg, LayerDropoutConfig):
+        _check(0.0 <= cfg.p_max < 1.0, f"{p}p_max", cfg.p_max, "it must be in [0, 1)")
+    elif isinstance(cfg, EarlyExitConfig):
+        _check(cfg.temperature > 0, f"{p}temperature", cfg.temperature, "it must be > 0")
+        _check(cfg.rotation_period >= 1, f"{p}rotation_period", cfg.rotation_period, "it must be >= 1")
+        _check(cfg.chunk_size >= 1, f"{p}chunk_size", cfg.chunk_size, "it must be >= 1")
+        _check(cfg.weight >= 0, f"{p}weight", cfg.weight, "it must be >= 0")
+    elif isinstance(cfg, OptimConfig):
+        _check(cfg.lr > 0, f"{p}lr", cfg.lr, "it must be > 0")
+        _check(cfg.max_steps >= 1, f"{p}max_steps", cfg.max_steps, "it must be >= 1")
+        _check(cfg.batch_size >= 1, f"{p}batch_size", cfg.batch_size, "it must be >= 1")
+        _check(cfg.grad_accum >= 1, f"{p}grad_accum", cfg.grad_accum, "it must be >= 1")
+        _check(cfg.warmup_steps >= 0, f"{p}warmup_steps", cfg.warmup_steps, "it must be >= 0")
+        _check(0.0 <= cfg.min_lr_ratio <= 1.0, f"{p}min_lr_ratio", cfg.min_lr_ratio, "it must be in [0, 1]")
+        _check(len(cfg.betas) == 2 and all(0 <= b < 1 for b in cfg.betas), f"{p}betas", cfg.betas,
+               "it must be two numbers in [0, 1)")
+        _check(cfg.grad_clip >= 0, f"{p}grad_clip", cfg.grad_clip, "it must be >= 0 (0 disables clipping)")
+    elif isinstance(cfg, DataConfig):
+        _check(cfg.block_size >= 2, f"{p}block_size", cfg.block_size, "it must be >= 2")
+        _check(cfg.tokenizer_vocab_size >= 260, f"{p}tokenizer_vocab_size", cfg.tokenizer_vocab_size,
+               "it must be >= 260 (256 bytes plus merges and the end-of-text token)")
+    elif isinstance(cfg, ArchConfig):
+        _check(cfg.num_layers >= 2, f"{p}num_layers", cfg.num_layers, "it must be >= 2")
+        _check(cfg.hidden_size % cfg.num_heads == 0, f"{p}hidden_size", cfg.hidden_size,
+               f"it must be a multiple of num_heads ({cfg.num_heads})")
+        _check(cfg.num_heads % cfg.num_kv_heads == 0, f"{p}num_kv_heads", cfg.num_kv_heads,
+               f"it must divide num_heads ({cfg.num_heads})")
+    elif isinstance(cfg, LoraSettings):
+        _check(cfg.r >= 1, f"{p}r", cfg.r, "it must be >= 1")
+        _check(len(cfg.target_modules) > 0, f"{p}target_modules", cfg.target_modules, "name at least one module")
+    elif isinstance(cfg, RunConfig):
+        _check(cfg.exit_layer is None or cfg.exit_layer >= 1, f"{p}exit_layer", cfg.exit_layer,
+               "it must be >= 1 (the number of blocks the draft runs)")
+        _check(cfg.num_speculations >= 0, f"{p}num_speculations", cfg.num_speculations, "it must be >= 0")
+        _check(cfg.eval_every >= 0 and cfg.save_every >= 0, f"{p}eval_every/save_every",
+               (cfg.eval_every, cfg.save_every), "they must be >= 0")
+        known = {"jsonl", "tensorboard", "wandb"}
+        bad = [t for t in cfg.log_with if t not in known]
+        _check(not bad, f"{p}log_with", bad, f"choose from {', '.join(sorted(known))}")
+
+
+def to_dict(cfg: Any) -> dict:
+    """Plain nested dict of a config (for selfspec.json and trackers)."""
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,1 @@
+"""Evaluation: per-exit-layer agreement, the perplexity gate, decoding benchmarks and reports."""

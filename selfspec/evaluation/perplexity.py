@@ -1,0 +1,47 @@
+"""The perplexity regression gate: the tuned model's final layer must not lose quality against its base."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .exits import exit_layer_metrics
+
+
+@torch.no_grad()
+def perplexity(model, blocks: torch.Tensor, batch_size: int = 8, progress: bool = False) -> float:
+    """Next-token perplexity of the full model on token blocks (n, T)."""
+    num_layers = model.config.num_hidden_layers
+    return exit_layer_metrics(model, blocks, [num_layers], batch_size, progress)[num_layers]["perplexity"]
+
+
+@dataclass
+class GateResult:
+    """Outcome of `perplexity_gate`; `passed` decides the command's exit code."""
+
+    base_perplexity: float
+    tuned_perplexity: float
+    relative_change: float  # (tuned - base) / base; negative means the tuned model is better
+    max_increase: float
+    tokens: int
+    passed: bool
+
+    def summary(self) -> str:
+        verdict = "PASS" if self.passed else "FAIL"
+        return (f"{verdict}: perplexity base {self.base_perplexity:.4f} -> tuned {self.tuned_perplexity:.4f} "
+                f"({self.relative_change:+.2%}; allowed +{self.max_increase:.2%}) on {self.tokens:,} tokens")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def perplexity_gate(tuned_model, base_model, blocks: torch.Tensor, max_increase: float = 0.01,
+                    batch_size: int = 8, progress: bool = False) -> GateResult:
+    """Compare full-model perplexity of tuned vs base on the same blocks; pass when the relative
+    increase is at most `max_increase` (0.01 = 1%)."""
+    base = perplexity(base_model, blocks, batch_size, progress)
+    tuned = perplexity(tuned_model, blocks, batch_size, progress)
+    change = (tuned - base) / base
+    tokens = blocks.shape[0] * (blocks.shape[1] - 1)
+    return GateResult(base, tuned, change, max_increase, tokens, change <= max_increase)

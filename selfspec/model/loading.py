@@ -1,0 +1,71 @@
+"""Creating and loading Hugging Face causal LMs and tokenizers, with clear errors for bad paths."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(ValueError):
+    """A model or tokenizer path that cannot be loaded; the message says what to do instead."""
+
+
+def resolve_dtype(name: str, device: torch.device | str = "cpu") -> torch.dtype | str:
+    """`auto` means float32 on CPU (fp16/bf16 matmuls are slow or inexact there) and the checkpoint's own
+    dtype on accelerators."""
+    if name == "auto":
+        return torch.float32 if torch.device(device).type == "cpu" else "auto"
+    return DTYPES[name]
+
+
+def build_llama(vocab_size: int, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
+                intermediate_size: int, max_position_embeddings: int = 2048, rope_theta: float = 10000.0,
+                tie_word_embeddings: bool = True, bos_token_id: int | None = None,
+                eos_token_id: int | None = None, pad_token_id: int | None = None,
+                attn_implementation: str = "sdpa", seed: int = 0) -> LlamaForCausalLM:
+    """A freshly initialised Llama-architecture model (deterministic for `seed`)."""
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
+        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings, rope_parameters={"rope_type": "default",
+                                                                          "rope_theta": rope_theta},
+        tie_word_embeddings=tie_word_embeddings, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+    )
+    config._attn_implementation = attn_implementation
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(config)
+
+
+def _looks_local(name_or_path: str) -> bool:
+    return name_or_path.startswith((".", "/", "~")) or Path(name_or_path).exists() or name_or_path.count("/") != 1
+
+
+def load_causal_lm(name_or_path: str, dtype: str = "auto", attn_implementation: str = "sdpa",
+                   device: torch.device | str = "cpu"):
+    """`AutoModelForCausalLM.from_pretrained` with a one-line error for paths that hold no model."""
+    path = Path(name_or_path).expanduser()
+    if _looks_local(name_or_path) and not (path / "config.json").is_file():
+        raise ModelLoadError(f"no model at {name_or_path!r} (no config.json there); build the embedded base with "
+                             f"`accelerate launch train/pretrain.py` or pass a model directory or hub id")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path) if path.exists() else name_or_path, dtype=resolve_dtype(dtype, device),
+            attn_implementation=attn_implementation)
+    except OSError as exc:
+        raise ModelLoadError(f"cannot load model {name_or_path!r}: {str(exc).splitlines()[0]}") from None
+    return model.to(device)
+
+
+def load_tokenizer(name_or_path: str):
+    """`AutoTokenizer.from_pretrained` with a one-line error."""
+    try:
+        return AutoTokenizer.from_pretrained(str(Path(name_or_path).expanduser())
+                                             if Path(name_or_path).expanduser().exists() else name_or_path)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load tokenizer {name_or_path!r}: {str(exc).splitlines()[0]}") from None

@@ -1,0 +1,169 @@
+"""`DecoderView`: a Hugging Face causal LM seen as embed -> blocks [0, N) -> final norm -> LM head.
+
+Self-speculative decoding and early-exit training both need to run a *range* of blocks, stop, and
+read logits out of an intermediate hidden state through the model's own final norm and LM head.
+`DecoderView` gives that uniform interface over every supported family; the family-specific module
+names live in `adapters.py`.
+
+Positions and caches. Every call takes per-row `positions` (B, T). A cache passed to `run_layers`
+must follow Hugging Face's `Cache.update(key, value, layer_idx, ...)` protocol and keep each row's
+keys at *slot index == position* (no left padding). Then one rule builds the attention mask for any
+batch: a query at position p sees the key in slot j iff j <= p (and p - j < window for sliding-window
+blocks). That rule covers prefill, one-token decoding, k+1-token verification and rows of different
+lengths alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .adapters import Adapter, adapter_for
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The bare *ForCausalLM inside DDP/FSDP (`.module`) and PEFT (`get_base_model()`) wrappers."""
+    while True:
+        if hasattr(model, "get_base_model") and callable(model.get_base_model):
+            inner = model.get_base_model()
+        elif isinstance(getattr(model, "module", None), nn.Module):
+            inner = model.module
+        else:
+            return model
+        if inner is model:
+            return model
+        model = inner
+
+
+@dataclass
+class LayerContext:
+    """What every block of one `run_layers` call shares: positions, masks per window, rotary extras."""
+
+    positions: torch.Tensor  # (B, T)
+    masks: dict  # window (int | None) -> additive mask (B, 1, T, S) or None for SDPA's causal kernel
+    extras: dict  # family-specific per-call tensors (rotary cos/sin)
+
+
+class DecoderView:
+    """Uniform, piecewise access to a decoder-only Hugging Face causal LM.
+
+    `exit_logits(run_layers(embed(x), 0, E))` is the draft model of self-speculative decoding: the
+    first E blocks, then the model's *final norm* and LM head (skipping the norm gives logits of the
+    wrong scale and an acceptance rate near zero).
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = unwrap_model(model)
+        self.adapter: Adapter = adapter_for(self.model)
+        self.config = self.model.config
+
+    # -- structure -----------------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return len(self.adapter.layers)
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.adapter.layers
+
+    @property
+    def final_norm(self) -> nn.Module:
+        return self.adapter.final_norm
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.adapter.lm_head
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    # -- pieces ----------------------------------------------------------------------------------------
+    @staticmethod
+    def default_positions(input_ids: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Positions start..start+T-1 for every row: (B, T)."""
+        batch, length = input_ids.shape[:2]
+        return torch.arange(start, start + length, device=input_ids.device).expand(batch, length)
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids (B, T) -> input of block 0 (B, T, D)."""
+        if positions is None:
+            positions = self.default_positions(input_ids)
+        return self.adapter.embed(input_ids, positions)
+
+    def exit_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head after the model's final norm: (..., D) -> (..., V)."""
+        return self.lm_head(self.final_norm(hidden))
+
+    def context(self, hidden: torch.Tensor, positions: torch.Tensor | None = None,
+                kv_length: int | None = None, cached: bool = False) -> LayerContext:
+        """Build the shared per-call state for blocks run on `hidden` (B, T, D).
+
+        positions: (B, T); None means 0..T-1 for every row (training on packed blocks).
+        kv_length: the key length S the cache returns after the update (slots 0..S-1); default
+            max(positions) + 1 when `cached`, else T (keys are the T inputs themselves).
+        """
+        batch, length = hidden.shape[:2]
+        contiguous = positions is None
+        if positions is None:
+            positions = torch.arange(length, device=hidden.device).expand(batch, length)
+        if cached:
+            if kv_length is None:
+                kv_length = int(positions.max()) + 1
+            key_positions = torch.arange(kv_length, device=hidden.device).expand(batch, kv_length)
+        else:
+            key_positions = positions
+        masks = {}
+        for index in range(self.num_layers):
+            window = self.adapter.sliding_window(index)
+            if window not in masks:
+                masks[window] = self._mask(positions, key_positions, window, hidden.dtype,
+                                           causal_fast_path=contiguous and not cached)
+        return LayerContext(positions, masks, self.adapter.block_extras(hidden, positions))
+
+    def _mask(self, positions, key_positions, window, dtype, causal_fast_path):
+        """Additive mask (B, 1, T, S): 0 where query position p may see key position j, else -inf-ish."""
+        length = positions.shape[1]
+        sdpa = getattr(self.config, "_attn_implementation", None) == "sdpa"
+        if causal_fast_path and sdpa and (window is None or window >= length):
+            return None  # SDPA's own causal kernel: same result, no (T, T) mask to read
+        visible = key_positions[:, None, :] <= positions[:, :, None]  # (B, T, S)
+        if window is not None:
+            visible &= positions[:, :, None] - key_positions[:, None, :] < window
+        mask = torch.zeros(visible.shape, dtype=dtype, device=positions.device)
+        mask.masked_fill_(~visible, torch.finfo(dtype).min)
+        return mask[:, None]
+
+    def run_layers(self, hidden: torch.Tensor, start: int, end: int, cache=None,
+                   positions: torch.Tensor | None = None, kv_length: int | None = None,
+                   context: LayerContext | None = None) -> torch.Tensor:
+        """Run blocks [start, end) on hidden (B, T, D); returns (B, T, D).
+
+        With a cache, each block writes its keys/values at `positions` and attends to slots
+        0..kv_length-1. Pass a prebuilt `context` to run several ranges with one mask/rotary build.
+        """
+        if context is None:
+            context = self.context(hidden, positions, kv_length, cached=cache is not None)
+        for index in range(start, end):
+            hidden = self.run_block(index, hidden, context, cache)
+        return hidden
+
+    def run_block(self, index: int, hidden: torch.Tensor, context: LayerContext, cache=None) -> torch.Tensor:
+        """Run block `index` once (the unit that layer dropout skips)."""
+        mask = context.masks[self.adapter.sliding_window(index)]
+        return self.adapter.call_block(index, hidden, mask, cache, context.extras)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, cache=None,
+                num_layers: int | None = None) -> torch.Tensor:
+        """Logits (B, T, V) of the first `num_layers` blocks (default all) + final norm + head."""
+        hidden = self.embed(input_ids, positions)
+        hidden = self.run_layers(hidden, 0, num_layers or self.num_layers, cache, positions)
+        return self.exit_logits(hidden)
+
+    __call__ = forward

@@ -1,0 +1,407 @@
+"""Early-exit losses: which exit layers to train, how to weight them, and a memory-light loss.
+
+Conventions: a model has N decoder blocks; the exit "at layer l" is the output of block l-1, i.e.
+the hidden state after l blocks (l in 1..N). Early-exit candidates are l in 1..N-1: the final layer
+N always gets its own CE loss in the training loop. Each exit is read out through the model's own
+final norm + LM head (``head_fn``).
+
+This module is pure torch and knows nothing of models.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+WEIGHT_KINDS = ("uniform", "linear", "sqrt", "sum_l")
+CURRICULUM_KINDS = ("none", "rotational", "gradual")
+LOSS_KINDS = ("kl", "ce", "both")
+
+
+def _check_kind(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
+
+
+def _check_layer(layer: object, num_layers: int, top: int) -> int:
+    # bool is an int subclass; True as a layer is a config mistake, not layer 1.
+    if not isinstance(layer, int) or isinstance(layer, bool) or not 1 <= layer <= top:
+        raise ValueError(
+            f"early-exit layer must be an int in [1, {top}] (num_layers={num_layers}), got {layer!r}"
+        )
+    return layer
+
+
+def parse_layers(spec: str | Sequence[int], num_layers: int) -> list[int]:
+    """Parse the early-exit candidate layers into a sorted list of unique ints in 1..N-1.
+
+    ``spec`` is a sequence of ints, or a string:
+
+    - ``"all"``: every candidate 1..N-1;
+    - a slice ``"start:stop:step"``: ``range(start, stop, step)``, where a missing start means 1, a
+      missing stop means N (exclusive: the final layer N has its own loss) and a missing step 1,
+      e.g. ``"::2"`` with N = 8 gives [1, 3, 5, 7] and ``"4:"`` gives [4, 5, 6, 7];
+    - a comma list ``"2,4,6"`` (a single ``"3"`` too).
+
+    Raises ValueError naming the bad value and the allowed range, or when nothing is selected.
+    """
+    if num_layers < 2:
+        raise ValueError(f"num_layers must be >= 2 to have early-exit candidates, got {num_layers}")
+    top = num_layers - 1
+    if isinstance(spec, str):
+        text = spec.strip()
+        if text == "all":
+            layers: list[object] = list(range(1, num_layers))
+        elif ":" in text:
+            parts = [p.strip() for p in text.split(":")]
+            if len(parts) > 3:
+                raise ValueError(f"early-exit layer slice must be 'start:stop:step', got {spec!r}")
+            parts += [""] * (3 - len(parts))
+            try:
+                start, stop, step = (
+                    int(p) if p else d for p, d in zip(parts, (1, num_layers, 1), strict=True)
+                )
+            except ValueError:
+                raise ValueError(
+                    f"early-exit layer slice must hold ints as 'start:stop:step', got {spec!r}"
+                ) from None
+            if step == 0:
+                raise ValueError(f"early-exit layer slice step must be non-zero, got {spec!r}")
+            layers = list(range(start, stop, step))
+        else:
+            layers = []
+            for token in text.split(","):
+                try:
+                    layers.append(int(token.strip()))
+                except ValueError:
+                    raise ValueError(
+                        f"early-exit layer must be an int in [1, {top}] (num_layers={num_layers}), got {token.strip()!r}"
+                    ) from None
+    else:
+        layers = list(spec)
+    result = sorted({_check_layer(layer, num_layers, top) for layer in layers})
+    if not result:
+        raise ValueError(
+            f"early-exit layers {spec!r} select no layer in [1, {top}] (num_layers={num_layers})"
+        )
+    return result
+
+
+def layer_weights(kind: str, layers: Sequence[int], num_layers: int) -> torch.Tensor:
+    """Return the loss weight of each exit layer, float32 of shape (len(layers),), summing to 1.
+
+    Pass the layers active at this step (after the curriculum): the weights are normalised over
+    exactly those, so the early-exit loss keeps the same scale whichever subset is on.
+    Unnormalised weight of exit layer l (blocks run, 1-based):
+
+    - ``uniform``: 1;
+    - ``linear``: l;
+    - ``sqrt``: sqrt(l);
+    - ``sum_l``: l * (l + 1) / 2 = sum(range(l + 1)).
+
+    torchtune's ``sum_l_loss_scale`` is ``cumsum(layer_ids + 1)`` over the listed exits, with 0-based
+    block ids, i.e. the running sum of the listed l's. That equals l * (l + 1) / 2 when the list is
+    every layer from 1 up (``"all"``); for a sparse list it would make a layer's weight depend on
+    which other layers happen to be active, so here it depends on l alone. ``linear`` and ``sqrt``
+    match torchtune's ``layer_ids + 1`` and ``sqrt(layer_ids + 1)``.
+
+    Layers may range over 1..N (N allowed for callers that weight the final layer together).
+    An empty ``layers`` gives an empty tensor.
+    """
+    _check_kind("early-exit weight kind", kind, WEIGHT_KINDS)
+    for layer in layers:
+        _check_layer(layer, num_layers, num_layers)
+    ls = torch.tensor(list(layers), dtype=torch.float64)  # (L,)
+    if kind == "uniform":
+        raw = torch.ones_like(ls)
+    elif kind == "linear":
+        raw = ls
+    elif kind == "sqrt":
+        raw = ls.sqrt()
+    else:  # sum_l
+        raw = ls * (ls + 1) / 2
+    if raw.numel() == 0:
+        return raw.float()
+    return (raw / raw.sum()).float()
+
+
+class ExitCurriculum:
+    """Which early-exit candidates get a loss at each step. Stateless in ``step``, so resume is free.
+
+    Kinds, for K sorted candidates c_0 < ... < c_{K-1}:
+
+    - ``none``: all candidates at every step.
+    - ``rotational``: candidate i is active at step t when i % R == t % R (R = ``rotation_period``),
+      so each step trains about K / R exits and every candidate is active exactly once in any R
+      consecutive steps. With R > K some steps have no active exit (empty list).
+    - ``gradual``: switched on from the top down. Training is split into K equal stages; at step t the
+      n(t) = min(K, 1 + floor(K * t / T)) deepest candidates are active, so step 0 trains only
+      c_{K-1}, candidate c_i switches on at step ceil((K-1-i) * T / K), and all are on for the last
+      T / K steps (and any step >= T). The torchtune variant differs (nothing at step 0,
+      ``fraction_scale``); this one always trains at least one exit.
+    """
+
+    def __init__(self, kind: str, layers: Sequence[int], total_steps: int, rotation_period: int = 2) -> None:
+        _check_kind("early-exit curriculum", kind, CURRICULUM_KINDS)
+        if not layers:
+            raise ValueError("early-exit curriculum needs at least one candidate layer, got []")
+        if kind == "rotational" and rotation_period < 1:
+            raise ValueError(f"rotation_period must be >= 1, got {rotation_period}")
+        if kind == "gradual" and total_steps < 1:
+            raise ValueError(f"total_steps must be >= 1 for the gradual curriculum, got {total_steps}")
+        self.kind = kind
+        self.layers = sorted(set(layers))
+        self.total_steps = total_steps
+        self.rotation_period = rotation_period
+
+    def active(self, step: int) -> list[int]:
+        """Return the sorted candidate layers that get an early-exit loss at training step ``step``."""
+        k = len(self.layers)
+        if self.kind == "none":
+            return list(self.layers)
+        if self.kind == "rotational":
+            phase = step % self.rotation_period
+            return [layer for i, layer in enumerate(self.layers) if i % self.rotation_period == phase]
+        n_active = min(k, 1 + (k * max(step, 0)) // self.total_steps)  # integer maths: exact stages
+        return self.layers[k - n_active :]
+
+
+def _low_precision_to_float(logits: torch.Tensor) -> torch.Tensor:
+    # Softmax over a large vocabulary in bf16/fp16 loses the tail; float64 inputs stay float64.
+    return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+
+
+def _token_loss_sum(
+    logits: torch.Tensor,
+    teacher: torch.Tensor | None,
+    labels: torch.Tensor | None,
+    kind: str,
+    temperature: float,
+    ignore_index: int,
+) -> torch.Tensor:
+    """Sum over valid rows of the per-token loss for one chunk; logits (n, V), teacher (n, V), labels (n,)."""
+    logits = _low_precision_to_float(logits)
+    valid = None if labels is None else labels != ignore_index  # (n,)
+    total = logits.new_zeros(())
+    if kind in ("kl", "both"):
+        log_q = F.log_softmax(logits / temperature, dim=-1)  # (n, V) student
+        log_p = F.log_softmax(_low_precision_to_float(teacher) / temperature, dim=-1)  # (n, V) teacher
+        p = log_p.exp()
+        # p * (log p - log q), with 0 where p == 0 so a -inf teacher logit does not give 0 * inf = nan.
+        kl_tok = torch.where(p > 0, p * (log_p - log_q), 0.0).sum(-1)  # (n,)
+        if valid is not None:
+            kl_tok = torch.where(valid, kl_tok, 0.0)
+        total = total + kl_tok.sum() * temperature**2
+    if kind in ("ce", "both"):
+        total = total + F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
+    return total
+
+
+def _as_exit_list(exit_hidden: Sequence[torch.Tensor] | torch.Tensor) -> list[torch.Tensor]:
+    if isinstance(exit_hidden, torch.Tensor):
+        if exit_hidden.dim() != 4:
+            raise ValueError(f"exit_hidden tensor must be (L, B, T, D), got shape {tuple(exit_hidden.shape)}")
+        return list(exit_hidden.unbind(0))
+    return list(exit_hidden)
+
+
+def _validate_loss_args(
+    hiddens: list[torch.Tensor],
+    weights: torch.Tensor,
+    kind: str,
+    teacher_logits: torch.Tensor | None,
+    labels: torch.Tensor | None,
+    temperature: float,
+) -> None:
+    _check_kind("early-exit loss kind", kind, LOSS_KINDS)
+    if weights.shape != (len(hiddens),):
+        raise ValueError(
+            f"weights must have shape ({len(hiddens)},) (one per exit), got {tuple(weights.shape)}"
+        )
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if kind in ("kl", "both") and teacher_logits is None:
+        raise ValueError(f"early-exit loss kind {kind!r} needs teacher_logits")
+    if kind in ("ce", "both") and labels is None:
+        raise ValueError(f"early-exit loss kind {kind!r} needs labels")
+    for h in hiddens:
+        if h.dim() != 3:
+            raise ValueError(f"each exit hidden must be (B, T, D), got shape {tuple(h.shape)}")
+        bt = tuple(h.shape[:2])
+        if teacher_logits is not None and tuple(teacher_logits.shape[:2]) != bt:
+            raise ValueError(
+                f"teacher_logits must be (B, T, V) with (B, T) = {bt}, got {tuple(teacher_logits.shape)}"
+            )
+        if labels is not None and tuple(labels.shape) != bt:
+            raise ValueError(f"labels must be (B, T) = {bt}, got {tuple(labels.shape)}")
+
+
+def _zero_loss(teacher_logits: torch.Tensor | None, labels: torch.Tensor | None) -> torch.Tensor:
+    ref = teacher_logits if teacher_logits is not None else labels
+    return torch.zeros((), device=None if ref is None else ref.device)
+
+
+def early_exit_loss(
+    exit_hidden: Sequence[torch.Tensor] | torch.Tensor,
+    head_fn: Callable[[torch.Tensor], torch.Tensor],
+    weights: torch.Tensor | Sequence[float],
+    *,
+    kind: str,
+    teacher_logits: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    ignore_index: int = -100,
+    checkpoint_chunks: bool = True,
+) -> torch.Tensor:
+    """Weighted early-exit loss over exits, computed in token chunks; returns a scalar tensor.
+
+    Args:
+        exit_hidden: L exit hidden states, a list of (B, T, D) or one (L, B, T, D) tensor.
+        head_fn: the model's final norm + LM head, mapping (n, D) to logits (n, V).
+        weights: (L,) weight of each exit (e.g. :func:`layer_weights` of the active layers).
+        kind: ``kl`` (distil from the teacher), ``ce`` (to the labels) or ``both`` (their sum).
+        teacher_logits: (B, T, V) logits of the full model; detached here (no gradient to it).
+        labels: (B, T) targets, already shifted (position t predicts labels[:, t]). Positions equal
+            to ``ignore_index`` are left out of both KL and CE; with no labels every position counts.
+        temperature: τ. KL(teacher || student) uses softmax(teacher / τ), log_softmax(student / τ)
+            and is multiplied by τ², as in distillation, so gradients keep their scale across τ.
+        chunk_size: tokens (rows of the flattened B*T) per chunk.
+        checkpoint_chunks: recompute each chunk's logits in backward instead of keeping them, so
+            that the backward pass too holds one (chunk, V) logits block at a time.
+
+    Loss of one exit = (Σ over valid tokens of τ²·KL and/or CE) / number of valid tokens; the result
+    is Σ_e weights[e] · loss_e. If no token is valid the result is 0 (not NaN), so a fully padded
+    micro-batch on one rank does not poison the all-reduced gradient.
+
+    Memory: never builds an (L, B, T, V) or even a (B, T, V) student tensor: it loops over exits and
+    over chunks of tokens, so the peak is one (chunk, V) logits block (plus its softmaxes).
+    """
+    hiddens = _as_exit_list(exit_hidden)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    weights_t = torch.as_tensor(weights, dtype=torch.float32)
+    _validate_loss_args(hiddens, weights_t, kind, teacher_logits, labels, temperature)
+    if not hiddens:
+        return _zero_loss(teacher_logits, labels)
+
+    # Flatten (B, T) -> (B*T,) once; reshape of contiguous tensors is a view, no copy.
+    teacher_flat = (
+        None if teacher_logits is None else teacher_logits.detach().reshape(-1, teacher_logits.shape[-1])
+    )
+    labels_flat = None if labels is None else labels.reshape(-1)  # (B*T,)
+    if labels_flat is None:
+        n_valid = hiddens[0].shape[0] * hiddens[0].shape[1]
+    else:
+        n_valid = int((labels_flat != ignore_index).sum())
+    n_valid = max(n_valid, 1)
+
+    def chunk_loss(h: torch.Tensor, t: torch.Tensor | None, y: torch.Tensor | None) -> torch.Tensor:
+        # The (chunk, V) logits live only inside this call (and again in its recomputation).
+        return _token_loss_sum(head_fn(h), t, y, kind, temperature, ignore_index)
+
+    use_checkpoint = checkpoint_chunks and torch.is_grad_enabled()
+    total = None
+    for weight, hidden in zip(weights_t.tolist(), hiddens, strict=True):
+        h_flat = hidden.reshape(-1, hidden.shape[-1])  # (B*T, D)
+        exit_sum = None
+        for start in range(0, h_flat.shape[0], chunk_size):
+            rows = slice(start, start + chunk_size)
+            t_chunk = None if teacher_flat is None else teacher_flat[rows]  # (chunk, V)
+            y_chunk = None if labels_flat is None else labels_flat[rows]  # (chunk,)
+            if use_checkpoint:
+                part = checkpoint(chunk_loss, h_flat[rows], t_chunk, y_chunk, use_reentrant=False)
+            else:
+                part = chunk_loss(h_flat[rows], t_chunk, y_chunk)
+            exit_sum = part if exit_sum is None else exit_sum + part
+        term = exit_sum * (weight / n_valid)
+        total = term if total is None else total + term
+    return total
+
+
+def early_exit_loss_naive(
+    exit_hidden: Sequence[torch.Tensor] | torch.Tensor,
+    head_fn: Callable[[torch.Tensor], torch.Tensor],
+    weights: torch.Tensor | Sequence[float],
+    *,
+    kind: str,
+    teacher_logits: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Reference for :func:`early_exit_loss`: one full (B, T, V) logits tensor per exit, plain torch losses.
+
+    Same arguments and result; memory grows with B*T*V. Used by the tests, not for training.
+    """
+    hiddens = _as_exit_list(exit_hidden)
+    weights_t = torch.as_tensor(weights, dtype=torch.float32)
+    _validate_loss_args(hiddens, weights_t, kind, teacher_logits, labels, temperature)
+    total = _zero_loss(teacher_logits, labels)
+    for weight, hidden in zip(weights_t.tolist(), hiddens, strict=True):
+        logits = _low_precision_to_float(head_fn(hidden))  # (B, T, V)
+        vocab = logits.shape[-1]
+        mask = torch.ones(logits.shape[:2], dtype=torch.bool, device=logits.device)  # (B, T)
+        if labels is not None:
+            mask = labels != ignore_index
+        n_valid = max(int(mask.sum()), 1)
+        loss = logits.new_zeros(())
+        if kind in ("kl", "both"):
+            log_q = F.log_softmax(logits / temperature, dim=-1)
+            log_p = F.log_softmax(_low_precision_to_float(teacher_logits.detach()) / temperature, dim=-1)
+            kl = F.kl_div(log_q, log_p, reduction="none", log_target=True).sum(-1)  # (B, T)
+            loss = loss + (kl * mask).sum() / n_valid * temperature**2
+        if kind in ("ce", "both"):
+            ce = F.cross_entropy(
+                logits.reshape(-1, vocab), labels.reshape(-1), ignore_index=ignore_index, reduction="sum"
+            )
+            loss = loss + ce / n_valid
+        total = total + weight * loss
+    return total
+
+
+def agreement_metrics(
+    exit_logits: torch.Tensor,
+    final_logits: torch.Tensor,
+    mask: torch.Tensor | None = None,
+) -> dict[str, float]:
+    """How well an exit layer would draft for the full model, on (B, T, V) logits.
+
+    Returns a dict with:
+
+    - ``top1_agreement``: fraction of positions where argmax of the exit equals argmax of the final;
+    - ``expected_acceptance``: mean over positions of Σ_v min(p_exit(v), p_final(v)) with softmax at
+      temperature 1, the probability that speculative sampling accepts a token drafted from the exit;
+    - ``top1_matches``, ``acceptance_sum``, ``count``: the sums and the number of positions, so that
+      callers aggregate over batches as Σ sums / Σ counts.
+
+    ``mask`` (B, T) selects the positions (all when None). With no position, both means are 0.0.
+    """
+    if exit_logits.shape != final_logits.shape:
+        raise ValueError(
+            f"exit_logits and final_logits must have the same shape, got {tuple(exit_logits.shape)} "
+            f"and {tuple(final_logits.shape)}"
+        )
+    if mask is not None and tuple(mask.shape) != tuple(exit_logits.shape[:-1]):
+        raise ValueError(f"mask must have shape {tuple(exit_logits.shape[:-1])}, got {tuple(mask.shape)}")
+    with torch.no_grad():
+        exit_f = _low_precision_to_float(exit_logits)
+        final_f = _low_precision_to_float(final_logits)
+        matches = exit_f.argmax(-1) == final_f.argmax(-1)  # (B, T)
+        overlap = torch.minimum(exit_f.softmax(-1), final_f.softmax(-1)).sum(-1)  # (B, T)
+        if mask is None:
+            mask = torch.ones_like(matches)
+        mask = mask.to(torch.bool)
+        count = int(mask.sum())
+        top1_matches = float(matches[mask].sum())
+        acceptance_sum = float(overlap[mask].sum())
+    return {
+        "top1_agreement": top1_matches / count if count else 0.0,
+        "expected_acceptance": acceptance_sum / count if count else 0.0,
+        "top1_matches": top1_matches,
+        "acceptance_sum": acceptance_sum,
+        "count": count,
+    }

@@ -1,0 +1,340 @@
+"""The training loop shared by every recipe (pretraining and the self-speculative fine-tune).
+
+One `Accelerator`, one `prepare`, `accelerator.backward`, gradient accumulation, AdamW with warm-up
+and cosine decay, clipping, periodic evaluation per candidate exit layer, trackers (JSONL always,
+tensorboard, wandb), `save_state` every `save_every` steps and `resume=True` to continue from the
+last one, and at the end a saved model directory with `selfspec.json`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataParallelKwargs
+from accelerate.tracking import GeneralTracker
+from accelerate.utils import set_seed
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+from .. import data as data_lib
+from ..checkpoint import CheckpointError, read_meta, save_tuned, write_json_atomic
+from ..config import RunConfig, to_dict
+from ..evaluation.exits import exit_layer_metrics
+from ..model.loading import build_llama, load_causal_lm, load_tokenizer
+from .early_exit import ExitCurriculum, parse_layers
+from .layer_dropout import LayerDropout
+from .objective import SelfSpecObjective
+
+STATE_DIR = "state"  # accelerate save_state directory inside output_dir
+FINAL_DIR = "model"  # the saved model inside output_dir
+
+
+class JSONLTracker(GeneralTracker):
+    """accelerate tracker that appends one JSON object per `log` call to `<dir>/metrics.jsonl`."""
+
+    name = "jsonl"
+    requires_logging_directory = True
+    main_process_only = True
+
+    def __init__(self, run_name: str, logging_dir: str | Path):
+        super().__init__()
+        self.path = Path(logging_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def tracker(self):
+        return self.path
+
+    def store_init_configuration(self, values: dict):
+        write_json_atomic(self.path.parent / "config.json", values)
+
+    def log(self, values: dict, step: int | None = None, **kwargs):
+        with self.path.open("a") as handle:
+            handle.write(json.dumps({"step": step, **values}, default=float) + "\n")
+
+
+@dataclass
+class TrainResult:
+    """What a run produced: where the model is and the last metrics."""
+
+    output_dir: Path
+    model_dir: Path
+    steps: int
+    tokens_seen: int
+    seconds: float
+    final_metrics: dict = field(default_factory=dict)
+
+
+def _trackers(cfg: RunConfig, output_dir: Path) -> list:
+    trackers = [JSONLTracker("selfspec", output_dir)]
+    if "tensorboard" in cfg.log_with:
+        trackers.append("tensorboard")
+    if "wandb" in cfg.log_with:
+        if not os.environ.get("WANDB_API_KEY"):
+            os.environ.setdefault("WANDB_MODE", "offline")  # no key: log to ./wandb, sync later
+        trackers.append("wandb")
+    return trackers
+
+
+def _mixed_precision(choice: str) -> str:
+    if choice != "auto":
+        return choice
+    if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        return "bf16"
+    return "no"
+
+
+def build_model_and_tokenizer(cfg: RunConfig, corpus):
+    """The model to train (loaded, or created from `cfg.model.arch`) and its tokenizer."""
+    if cfg.model.from_scratch:
+        tokenizer_dir = cfg.model.tokenizer or (
+            data_lib.stdlib_tokenizer_dir(cfg.data.cache_dir, cfg.data.tokenizer_vocab_size, cfg.seed)
+            if cfg.data.source == "stdlib" else Path(cfg.output_dir) / "tokenizer")
+        tokenizer = data_lib.load_or_train_tokenizer(corpus, tokenizer_dir, cfg.data.tokenizer_vocab_size)
+        arch = cfg.model.arch
+        model = build_llama(
+            vocab_size=len(tokenizer), hidden_size=arch.hidden_size, num_layers=arch.num_layers,
+            num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, intermediate_size=arch.intermediate_size,
+            max_position_embeddings=arch.max_position_embeddings, rope_theta=arch.rope_theta,
+            tie_word_embeddings=arch.tie_word_embeddings, bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+            attn_implementation=cfg.model.attn_implementation, seed=cfg.seed)
+    else:
+        model = load_causal_lm(cfg.model.name_or_path, cfg.model.dtype, cfg.model.attn_implementation)
+        tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.name_or_path)
+    return model, tokenizer
+
+
+def apply_lora(model, cfg: RunConfig):
+    """Wrap `model` with peft LoRA adapters on `cfg.lora.target_modules`."""
+    from peft import LoraConfig, get_peft_model
+
+    lora = cfg.lora
+    present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    missing = [m for m in lora.target_modules if m not in present]
+    if missing:
+        raise ValueError(f"lora.target_modules {missing} are not modules of this model; "
+                         f"choose from e.g. {sorted(n for n in present if 'proj' in n or 'attn' in n)[:8]}")
+    return get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                            target_modules=list(lora.target_modules), task_type="CAUSAL_LM"))
+
+
+def build_objective(model, cfg: RunConfig, num_layers: int, exit_layer: int) -> SelfSpecObjective:
+    """The training module for `cfg`: layer dropout + early-exit losses around `model`."""
+    dropout = None
+    if cfg.layer_dropout.p_max > 0:
+        ld = cfg.layer_dropout
+        dropout = LayerDropout(num_layers, ld.p_max, depth=ld.depth_curve, schedule=ld.schedule,
+                               total_steps=cfg.optim.max_steps, per_sample=ld.per_sample,
+                               protected_layers=exit_layer if ld.protect_draft_layers else 0, seed=cfg.seed)
+    ee = cfg.early_exit
+    layers = parse_layers(ee.layers, num_layers) if ee.layers is not None else []
+    curriculum = ExitCurriculum(ee.curriculum, layers, cfg.optim.max_steps, ee.rotation_period) if layers else None
+    frozen = None
+    if layers and ee.teacher == "frozen" and not cfg.lora.enabled:
+        frozen = copy.deepcopy(model).eval().requires_grad_(False)
+    return SelfSpecObjective(model, dropout, layers, curriculum, exit_kind=ee.kind, exit_scale=ee.scale,
+                             exit_weight=ee.weight, temperature=ee.temperature, chunk_size=ee.chunk_size,
+                             teacher=ee.teacher, frozen_model=frozen)
+
+
+def train(cfg: RunConfig, resume: bool = False, progress: bool = True, kind: str = "tuned") -> TrainResult:
+    """Run one training job described by `cfg`; returns where the saved model is and its metrics."""
+    output_dir = Path(cfg.output_dir)
+    plugin_kwargs = []
+    if cfg.layer_dropout.p_max > 0 and not cfg.layer_dropout.per_sample:
+        # A block skipped for the whole batch leaves its parameters without gradient on that step;
+        # DDP must be told, or it waits forever for their all-reduce.
+        plugin_kwargs.append(DistributedDataParallelKwargs(find_unused_parameters=True))
+    accelerator = Accelerator(
+        gradient_accumulation_steps=cfg.optim.grad_accum, mixed_precision=_mixed_precision(cfg.mixed_precision),
+        log_with=_trackers(cfg, output_dir), project_dir=str(output_dir), kwargs_handlers=plugin_kwargs,
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed))
+    set_seed(cfg.seed)
+
+    # -- data and model ------------------------------------------------------------------------------
+    with accelerator.main_process_first():
+        corpus = data_lib.load_text_corpus(cfg.data.source, cfg.data.text_field, cache_dir=cfg.data.cache_dir,
+                                           seed=cfg.seed)
+        model, tokenizer = build_model_and_tokenizer(cfg, corpus)
+        train_blocks = data_lib.pack_dataset(corpus["train"], tokenizer, cfg.data.block_size, cfg.data.text_field,
+                                             max_blocks=cfg.data.max_train_blocks)
+        val_blocks = data_lib.pack_dataset(corpus["validation"], tokenizer, cfg.data.block_size,
+                                           cfg.data.text_field, max_blocks=cfg.data.max_eval_blocks)
+    num_layers = model.config.num_hidden_layers
+    exit_layer = cfg.exit_layer or max(1, num_layers // 2)
+    if exit_layer > num_layers:
+        raise ValueError(f"exit_layer = {exit_layer} is larger than the model's {num_layers} layers")
+    if cfg.lora.enabled:
+        model = apply_lora(model, cfg)
+    objective = build_objective(model, cfg, num_layers, exit_layer)
+    if objective.frozen_model is not None:
+        objective.frozen_model.to(accelerator.device)
+
+    loader = DataLoader(train_blocks, batch_size=cfg.optim.batch_size, shuffle=True, drop_last=True,
+                        generator=torch.Generator().manual_seed(cfg.seed))
+    trainable = [p for p in objective.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+                                  weight_decay=cfg.optim.weight_decay)
+    # accelerate steps a prepared scheduler once per process for every optimizer step (its convention
+    # for per-process schedules), so the schedule is laid out in process-steps.
+    scale = accelerator.num_processes
+    scheduler = get_cosine_with_min_lr_schedule_with_warmup(
+        optimizer, num_warmup_steps=cfg.optim.warmup_steps * scale,
+        num_training_steps=cfg.optim.max_steps * scale, min_lr_rate=cfg.optim.min_lr_ratio)
+    objective, optimizer, loader, scheduler = accelerator.prepare(objective, optimizer, loader, scheduler)
+    if objective_inner(objective).layer_dropout is not None:
+        accelerator.register_for_checkpointing(objective_inner(objective).layer_dropout)
+    accelerator.init_trackers("selfspec", config=_flat(to_dict(cfg)))
+
+    # -- resume -----------------------------------------------------------------------------------------
+    step = 0
+    state_dir = output_dir / STATE_DIR
+    if resume:
+        progress_file = state_dir / "progress.json"
+        if not progress_file.is_file():
+            raise ValueError(f"--resume: no saved state in {state_dir}; run without --resume to start fresh")
+        accelerator.load_state(str(state_dir))
+        step = json.loads(progress_file.read_text())["step"]
+
+    # -- loop ---------------------------------------------------------------------------------------------
+    batches_per_epoch = len(loader)
+    if batches_per_epoch == 0:
+        raise ValueError(f"the training split has fewer than optim.batch_size = {cfg.optim.batch_size} blocks; "
+                         f"lower optim.batch_size or data.block_size")
+    micro = step * cfg.optim.grad_accum  # micro-batches already consumed
+    tokens_per_micro = cfg.optim.batch_size * cfg.data.block_size * accelerator.num_processes
+    start_time = time.perf_counter()
+    bar = tqdm(total=cfg.optim.max_steps, initial=step, desc="train", disable=not (progress and
+                                                                                 accelerator.is_main_process))
+    window = []  # recent losses for the progress bar
+    last_eval: dict = {}
+
+    def batches():
+        nonlocal micro
+        while True:
+            epoch, offset = divmod(micro, batches_per_epoch)
+            loader.set_epoch(epoch)
+            epoch_loader = accelerator.skip_first_batches(loader, offset) if offset else loader
+            for batch in epoch_loader:
+                micro += 1
+                yield batch["input_ids"]
+
+    stream = batches()
+    objective.train()
+    while step < cfg.optim.max_steps:
+        if cfg.optim.max_minutes and time.perf_counter() - start_time > 60 * cfg.optim.max_minutes:
+            accelerator.print(f"stopping at step {step}: optim.max_minutes = {cfg.optim.max_minutes} reached")
+            break
+        logs = {}
+        for _ in range(cfg.optim.grad_accum):
+            input_ids = next(stream)
+            with accelerator.accumulate(objective):
+                out = objective(input_ids, step=step)
+                accelerator.backward(out["loss"])
+                if accelerator.sync_gradients and cfg.optim.grad_clip > 0:
+                    logs["grad_norm"] = float(accelerator.clip_grad_norm_(trainable, cfg.optim.grad_clip))
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            for key, value in out.items():
+                logs[key] = logs.get(key, 0.0) + value.item() / cfg.optim.grad_accum
+        step += 1
+        logs["lr"] = scheduler.get_last_lr()[0]
+        logs["tokens"] = micro * tokens_per_micro
+        window = (window + [logs["loss"]])[-20:]
+
+        if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.optim.max_steps:
+            last_eval = evaluate(accelerator, objective, val_blocks, objective_inner(objective).exit_layers,
+                                 exit_layer, cfg)
+            logs.update(last_eval)
+            objective.train()
+        accelerator.log(logs, step=step)
+        postfix = {"loss": f"{sum(window) / len(window):.3f}"}
+        if f"val/top1_agreement@{exit_layer}" in last_eval:
+            postfix[f"agree@{exit_layer}"] = f"{last_eval[f'val/top1_agreement@{exit_layer}']:.3f}"
+        bar.set_postfix(postfix)
+        bar.update(1)
+
+        if cfg.save_every and step % cfg.save_every == 0 and step < cfg.optim.max_steps:
+            save_state(accelerator, state_dir, step)
+    bar.close()
+    seconds = time.perf_counter() - start_time
+
+    # -- final evaluation and save ----------------------------------------------------------------------
+    final = evaluate(accelerator, objective, val_blocks, objective_inner(objective).exit_layers, exit_layer, cfg)
+    accelerator.log(final, step=step)
+    model_dir = output_dir / FINAL_DIR
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        inner = accelerator.unwrap_model(objective).model
+        save_tuned(model_dir, inner, tokenizer, exit_layer=exit_layer, num_speculations=cfg.num_speculations,
+                   base_model=None if cfg.model.from_scratch else cfg.model.name_or_path, training=to_dict(cfg),
+                   metrics={**final, "steps": step, "tokens_seen": micro * tokens_per_micro,
+                            "train_seconds": round(seconds, 1), "processes": accelerator.num_processes,
+                            "parameters": sum(p.numel() for p in inner.parameters())},
+                   kind=kind)
+    accelerator.end_training()
+    return TrainResult(output_dir, model_dir, step, micro * tokens_per_micro, seconds, final)
+
+
+def train_or_reuse(cfg: RunConfig, kind: str = "tuned", force: bool = False, resume: bool = False,
+                   progress: bool = True) -> tuple[Path, bool]:
+    """Train unless `<output_dir>/model` already holds a model trained with exactly this config.
+
+    Returns (model_dir, reused)."""
+    model_dir = Path(cfg.output_dir) / FINAL_DIR
+    if not (force or resume):
+        try:
+            if read_meta(model_dir).get("training") == to_dict(cfg):
+                return model_dir, True
+        except CheckpointError:
+            pass
+    return train(cfg, resume=resume, progress=progress, kind=kind).model_dir, False
+
+
+def objective_inner(objective) -> SelfSpecObjective:
+    """The SelfSpecObjective inside DDP/FSDP wrappers."""
+    return objective.module if hasattr(objective, "module") else objective
+
+
+def save_state(accelerator: Accelerator, state_dir: Path, step: int) -> None:
+    """accelerate save_state plus the step counter (written last: a state without it is incomplete)."""
+    accelerator.save_state(str(state_dir))
+    if accelerator.is_main_process:
+        write_json_atomic(state_dir / "progress.json", {"step": step})
+
+
+def evaluate(accelerator, objective, val_blocks, exit_layers, exit_layer, cfg) -> dict:
+    """Validation metrics per candidate layer (and the final layer), averaged over all processes."""
+    model = objective_inner(objective).model
+    shard = val_blocks["input_ids"][accelerator.process_index::accelerator.num_processes]
+    layers = sorted(set(exit_layers) | {exit_layer})
+    report = exit_layer_metrics(model, shard, layers, batch_size=cfg.optim.batch_size, reduce=accelerator.reduce)
+    num_layers = max(report)
+    out = {"val/loss": report[num_layers]["loss"], "val/perplexity": report[num_layers]["perplexity"]}
+    for layer in layers:
+        if layer == num_layers:
+            continue
+        for key in ("loss", "top1_agreement", "expected_acceptance"):
+            out[f"val/{key}@{layer}"] = report[layer][key]
+    return out
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    """Nested config -> flat {a/b: value} with tracker-friendly values (lists become strings)."""
+    out = {}
+    for key, value in d.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}/"))
+        else:
+            out[f"{prefix}{key}"] = value if isinstance(value, (int, float, str, bool)) else str(value)
+    return out
+

@@ -1,0 +1,100 @@
+"""The training objective as one `nn.Module`: layer dropout, the final CE and the early-exit losses.
+
+Wrapping the whole forward in a module is what lets `accelerate.prepare` hand it to DDP/FSDP: the
+blocks are called one by one through `DecoderView` inside this module's `forward`, so gradient
+synchronisation and FSDP's all-gathers happen exactly as they would for the plain model.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..model import DecoderView
+from .early_exit import ExitCurriculum, early_exit_loss, layer_weights
+from .layer_dropout import LayerDropout, apply_block
+
+IGNORE_INDEX = -100
+
+
+def shifted_labels(input_ids: torch.Tensor) -> torch.Tensor:
+    """Next-token targets aligned with positions: (B, T) where position t predicts input_ids[:, t+1];
+    the last position has no target."""
+    return F.pad(input_ids[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+class SelfSpecObjective(nn.Module):
+    """loss = CE(final layer, labels) + weight · Σ_l w_l · exit_loss(layer l), under layer dropout.
+
+    model: the Hugging Face causal LM (possibly a PEFT model) being trained.
+    layer_dropout: per-block skip sampler, or None for no dropout.
+    exit_layers / curriculum / exit_kind...: the early-exit losses; empty exit_layers disables them.
+    teacher: "self" (the detached final logits of this same forward) or "frozen" (the original model
+        without dropout: `frozen_model` for a full fine-tune, the base with adapters disabled under
+        LoRA, so the weights are never copied).
+    """
+
+    def __init__(self, model: nn.Module, layer_dropout: LayerDropout | None = None,
+                 exit_layers: list[int] = (), curriculum: ExitCurriculum | None = None,
+                 exit_kind: str = "kl", exit_scale: str = "uniform", exit_weight: float = 1.0,
+                 temperature: float = 1.0, chunk_size: int = 1024, teacher: str = "self",
+                 frozen_model: nn.Module | None = None):
+        super().__init__()
+        self.model = model
+        self.layer_dropout = layer_dropout
+        self.exit_layers = list(exit_layers)
+        if self.exit_layers and curriculum is None:
+            curriculum = ExitCurriculum("none", self.exit_layers, total_steps=1)
+        self.curriculum = curriculum
+        self.exit_kind, self.exit_scale, self.exit_weight = exit_kind, exit_scale, exit_weight
+        self.temperature, self.chunk_size, self.teacher = temperature, chunk_size, teacher
+        # A plain attribute, not a submodule: the frozen teacher is neither trained nor saved.
+        self.__dict__["frozen_model"] = frozen_model
+        if teacher == "frozen" and frozen_model is None and not hasattr(model, "disable_adapter"):
+            raise ValueError("teacher 'frozen' needs frozen_model for a full fine-tune (or a PEFT model)")
+
+    def forward(self, input_ids: torch.Tensor, step: int = 0) -> dict[str, torch.Tensor]:
+        view = DecoderView(self.model)
+        batch = input_ids.shape[0]
+        drop = None
+        if self.layer_dropout is not None:
+            drop = self.layer_dropout.sample(step, batch, training=self.training).to(input_ids.device)  # (N, B)
+        active = self.curriculum.active(step) if self.exit_layers else []
+
+        hidden = view.embed(input_ids)  # (B, T, D)
+        context = view.context(hidden)
+        exits = []  # hidden states (B, T, D) after l blocks, for each active exit layer l
+        for index in range(view.num_layers):
+            block = lambda h, i=index: view.run_block(i, h, context)
+            hidden = block(hidden) if drop is None else apply_block(block, hidden, drop[index])
+            if index + 1 in active:
+                exits.append(hidden)
+        logits = view.exit_logits(hidden)  # (B, T, V)
+        labels = shifted_labels(input_ids)
+        final_ce = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
+
+        out = {"final_ce": final_ce.detach()}
+        loss = final_ce
+        if exits:
+            teacher_logits = self._teacher_logits(input_ids, logits) if self.exit_kind != "ce" else None
+            weights = layer_weights(self.exit_scale, active, view.num_layers).to(hidden.device)
+            exit_loss = early_exit_loss(exits, view.exit_logits, weights, kind=self.exit_kind,
+                                        teacher_logits=teacher_logits, labels=labels,
+                                        temperature=self.temperature, chunk_size=self.chunk_size)
+            loss = loss + self.exit_weight * exit_loss
+            out["exit_loss"] = exit_loss.detach()
+        out["loss"] = loss
+        return out
+
+    def _teacher_logits(self, input_ids: torch.Tensor, own_logits: torch.Tensor) -> torch.Tensor:
+        if self.teacher == "self":
+            return own_logits.detach()
+        with torch.no_grad():
+            if self.frozen_model is not None:
+                return DecoderView(self.frozen_model)(input_ids)
+            # LoRA: the base model is the original weights with the adapters switched off.
+            with self.model.disable_adapter() if hasattr(self.model, "disable_adapter") else nullcontext():
+                return DecoderView(self.model)(input_ids)

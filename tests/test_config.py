@@ -1,0 +1,81 @@
+"""The config schema: YAML loading, a.b=value overrides, and one-line errors that say how to fix them."""
+
+from pathlib import Path
+
+import pytest
+
+from selfspec.config import ConfigError, RunConfig, load_config, to_dict
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+
+
+def write(tmp_path, text):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_without_a_file():
+    cfg = load_config(None)
+    assert isinstance(cfg, RunConfig)
+    assert cfg.layer_dropout.p_max == 0.0 and cfg.optim.max_steps == 1000
+
+
+def test_yaml_values_and_overrides(tmp_path):
+    path = write(tmp_path, "optim:\n  lr: 1e-3\n  max_steps: 10\nearly_exit:\n  layers: [2, 4]\n")
+    cfg = load_config(path, ["optim.max_steps=20", "early_exit.layers=2:8:2", "layer_dropout.p_max=0.2",
+                             "log_with=[jsonl, tensorboard]", "exit_layer=null"])
+    assert cfg.optim.lr == 1e-3 and cfg.optim.max_steps == 20
+    assert cfg.early_exit.layers == "2:8:2"
+    assert cfg.layer_dropout.p_max == 0.2
+    assert cfg.log_with == ["jsonl", "tensorboard"]
+    assert cfg.exit_layer is None
+
+
+def test_int_is_accepted_for_float_fields_but_not_the_reverse(tmp_path):
+    assert load_config(None, ["optim.lr=1"]).optim.lr == 1.0
+    with pytest.raises(ConfigError, match=r"optim.max_steps = 1.5 is not allowed; expected an integer"):
+        load_config(None, ["optim.max_steps=1.5"])
+
+
+def test_unknown_key_names_the_closest_valid_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown config key 'optim.learning_rat'.*did you mean 'optim.lr'|"
+                                          r"unknown config key 'optim.learning_rat'"):
+        load_config(None, ["optim.learning_rat=1"])
+    with pytest.raises(ConfigError, match=r"unknown config key 'layer_dropout.pmax'; did you mean 'layer_dropout.p_max'"):
+        load_config(write(tmp_path, "layer_dropout:\n  pmax: 0.2\n"))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("layer_dropout.p_max=1.0", r"layer_dropout.p_max = 1.0 is not allowed; it must be in \[0, 1\)"),
+    ("layer_dropout.depth_curve=cubic", r"layer_dropout.depth_curve = 'cubic' is not allowed; choose one of 'uniform', 'linear', 'exp'"),
+    ("early_exit.kind=mse", r"early_exit.kind = 'mse' is not allowed; choose one of 'kl', 'ce', 'both'"),
+    ("optim.batch_size=0", r"optim.batch_size = 0 is not allowed; it must be >= 1"),
+    ("log_with=[jsonl, mlflow]", r"log_with = \['mlflow'\] is not allowed; choose from jsonl, tensorboard, wandb"),
+    ("optim=3", r"optim must be a section"),
+    ("optim.lr", r"override 'optim.lr' must look like section.field=value"),
+])
+def test_bad_values_name_field_value_and_what_is_allowed(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(write(tmp_path, "optim: [unclosed\n"))
+    with pytest.raises(ConfigError, match="mapping of fields at the top level"):
+        load_config(write(tmp_path, "- a\n- b\n"))
+
+
+def test_errors_are_one_line():
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["early_exit.kind=mse"])
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_loads(path):
+    cfg = load_config(path)
+    assert to_dict(cfg)["optim"]["max_steps"] >= 1

@@ -1,0 +1,148 @@
+"""The accelerate loop end to end on a tiny model: smoke run, resume, LoRA, the objective's exits."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_models import tiny_model
+from transformers import AutoModelForCausalLM
+
+from selfspec.checkpoint import read_meta
+from selfspec.config import load_config
+from selfspec.training.early_exit import ExitCurriculum
+from selfspec.training.layer_dropout import LayerDropout
+from selfspec.training.loop import train
+from selfspec.training.objective import SelfSpecObjective, shifted_labels
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_config(tiny_run, out, *extra):
+    return load_config(None, [
+        f"model.name_or_path={tiny_run['model']}", f"data.source={tiny_run['corpus']}",
+        f"data.cache_dir={out}/cache", "data.block_size=32", "data.max_eval_blocks=4",
+        "optim.batch_size=4", "optim.max_steps=2", "optim.warmup_steps=1", f"output_dir={out}",
+        "early_exit.layers=all", "layer_dropout.p_max=0.2", "eval_every=1", "save_every=0", "exit_layer=2",
+        *extra])
+
+
+def losses(out):
+    rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def test_two_step_smoke_run_writes_a_loadable_tuned_checkpoint(tiny_run, tmp_path):
+    result = train(run_config(tiny_run, tmp_path), progress=False)
+    assert result.steps == 2
+    meta = read_meta(result.model_dir)
+    assert meta["exit_layer"] == 2 and meta["kind"] == "tuned"
+    assert "val/top1_agreement@2" in meta["metrics"] and meta["metrics"]["steps"] == 2
+    assert set(losses(tmp_path)) == {1, 2}
+    model = AutoModelForCausalLM.from_pretrained(result.model_dir)
+    assert model.config.num_hidden_layers == 4
+    assert (result.model_dir / "tokenizer.json").is_file()
+
+
+def test_resume_reproduces_an_uninterrupted_run(tiny_run, tmp_path):
+    full = tmp_path / "full"
+    train(run_config(tiny_run, full, "optim.max_steps=6", "save_every=3", "eval_every=0"), progress=False)
+    reference = losses(full)
+    assert set(reference) == {1, 2, 3, 4, 5, 6}
+    # The state saved at step 3 is where an interrupted run would restart.
+    resumed = tmp_path / "resumed"
+    shutil.copytree(full, resumed)
+    (resumed / "metrics.jsonl").write_text("")
+    train(run_config(tiny_run, resumed, "optim.max_steps=6", "save_every=3", "eval_every=0"), resume=True,
+          progress=False)
+    again = losses(resumed)
+    assert set(again) == {4, 5, 6}
+    for step in (4, 5, 6):
+        assert again[step] == pytest.approx(reference[step], rel=1e-6, abs=1e-7), step
+
+
+def test_resume_without_state_is_a_clear_error(tiny_run, tmp_path):
+    with pytest.raises(ValueError, match="no saved state"):
+        train(run_config(tiny_run, tmp_path), resume=True, progress=False)
+
+
+def test_lora_run_saves_merged_weights_equal_to_the_adapter_model(tiny_run, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    from selfspec.checkpoint import save_tuned
+
+    base = tiny_model("llama", num_layers=4)
+    peft_model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"],
+                                                 init_lora_weights=False))  # random B: adapters change logits
+    ids = torch.randint(0, 96, (2, 12))
+    with torch.no_grad():
+        adapter_logits = peft_model(input_ids=ids).logits
+    save_tuned(tmp_path / "merged", peft_model, exit_layer=2)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    with torch.no_grad():
+        assert (merged(ids).logits - adapter_logits).abs().max().item() < 1e-5
+    assert not any("lora" in name for name, _ in merged.named_parameters())
+
+    result = train(run_config(tiny_run, tmp_path / "run", "lora.enabled=true", "lora.r=4",
+                              "early_exit.teacher=frozen"), progress=False)
+    assert read_meta(result.model_dir)["exit_layer"] == 2
+
+
+def test_lora_with_unknown_target_modules_is_a_clear_error(tiny_run, tmp_path):
+    with pytest.raises(ValueError, match=r"lora.target_modules \['qkv'\] are not modules of this model"):
+        train(run_config(tiny_run, tmp_path, "lora.enabled=true", "lora.target_modules=[qkv]"), progress=False)
+
+
+def test_exit_loss_at_layer_l_is_computed_on_block_l_minus_1_output():
+    model = tiny_model("llama", num_layers=4)
+    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(0))
+    for layer in (1, 2, 3):
+        objective = SelfSpecObjective(model, exit_layers=[layer], exit_kind="ce").eval()
+        with torch.no_grad():
+            got = objective(ids)["exit_loss"]
+            hidden = model(ids, output_hidden_states=True).hidden_states[layer]  # output of block layer-1
+            logits = model.lm_head(model.model.norm(hidden))
+            expected = F.cross_entropy(logits.flatten(0, 1), shifted_labels(ids).flatten(), ignore_index=-100)
+        assert got.item() == pytest.approx(expected.item(), rel=1e-5), layer
+
+
+def test_objective_without_extras_is_the_plain_causal_lm_loss():
+    model = tiny_model("llama", num_layers=4)
+    ids = torch.randint(0, 96, (2, 10))
+    with torch.no_grad():
+        expected = model(ids, labels=ids).loss
+        got = SelfSpecObjective(model)(ids)["loss"]
+    assert got.item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_nothing_is_dropped_in_eval_mode():
+    model = tiny_model("llama", num_layers=4)
+    ids = torch.randint(0, 96, (2, 10))
+    heavy = LayerDropout(4, p_max=0.9, depth="uniform", per_sample=False, seed=0)
+    objective = SelfSpecObjective(model, heavy, exit_layers=[2],
+                                  curriculum=ExitCurriculum("none", [2], 10))
+    reference = SelfSpecObjective(model, None, exit_layers=[2])
+    objective.eval(), reference.eval()
+    with torch.no_grad():
+        assert objective(ids)["loss"].item() == reference(ids)["loss"].item()
+        objective.train()
+        assert objective(ids)["loss"].item() != reference(ids)["loss"].item()
+
+
+@pytest.mark.slow
+def test_two_step_run_through_accelerate_launch(tiny_run, tmp_path):
+    cfg_overrides = [
+        f"model.name_or_path={tiny_run['model']}", f"data.source={tiny_run['corpus']}",
+        f"data.cache_dir={tmp_path}/cache", "data.block_size=32", "data.max_eval_blocks=4",
+        "optim.batch_size=4", "optim.max_steps=2", f"output_dir={tmp_path}", "early_exit.layers=2:4",
+        "layer_dropout.p_max=0.2", "exit_layer=2"]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--cpu",
+           str(REPO / "train" / "finetune.py"), "--config", str(REPO / "configs" / "demo_finetune.yaml"),
+           *cfg_overrides]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert read_meta(tmp_path / "model")["metrics"]["processes"] == 2

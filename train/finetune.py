@@ -1,0 +1,41 @@
+"""Self-speculative fine-tune: layer dropout + early-exit losses, full or LoRA, on one CPU or many GPUs.
+
+    accelerate launch train/finetune.py --config configs/demo_finetune.yaml
+    accelerate launch --config_file configs/accelerate/ddp.yaml train/finetune.py \
+        --config configs/qwen2.5-0.5b_lora.yaml
+    accelerate launch train/finetune.py --config configs/demo_finetune.yaml --resume   # continue a run
+
+Any field can be overridden as section.field=value (e.g. early_exit.layers=2:8:2 optim.lr=1e-4).
+The tuned model lands in <output_dir>/model with selfspec.json (exit layer, k, config, metrics) and
+loads with `selfspec.load_tuned(path)` or plain `AutoModelForCausalLM.from_pretrained(path)`.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import parse_args  # noqa: E402
+
+from selfspec.model.loading import ModelLoadError  # noqa: E402
+from selfspec.training.loop import train  # noqa: E402
+
+
+def main() -> None:
+    cfg, args = parse_args("Self-speculative fine-tune.", "configs/demo_finetune.yaml")
+    try:
+        result = train(cfg, resume=args.resume, kind="tuned")
+    except (ValueError, ModelLoadError) as exc:
+        sys.exit(f"error: {exc}")
+    metrics = result.final_metrics
+    exit_layer = next((int(k.rsplit("@", 1)[1]) for k in metrics if k.startswith("val/top1_agreement@")), None)
+    print(f"saved {result.model_dir}: {result.steps} steps in {result.seconds / 60:.1f} min, "
+          f"validation loss {metrics['val/loss']:.4f}"
+          + (f", top-1 agreement at layer {exit_layer}: {metrics[f'val/top1_agreement@{exit_layer}']:.3f}"
+             if exit_layer else ""))
+
+
+if __name__ == "__main__":
+    main()
