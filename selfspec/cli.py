@@ -3,7 +3,7 @@
     selfspec demo                                  # the whole pipeline on the embedded default
     selfspec layers runs/base/model                # per-exit-layer agreement table (test split)
     selfspec eval gate --tuned runs/demo/model --base runs/base/model
-    selfspec eval speedup runs/demo/model          # α, draft cost, tokens/s, speedups vs plain and HF
+    selfspec eval speedup --model runs/demo/model  # α, draft cost, tokens/s, speedups vs plain and HF
     selfspec generate runs/demo/model "def parse_args("
 """
 
@@ -33,7 +33,7 @@ def eval_blocks(model_dir: str, source: str = "stdlib", split: str = "test", blo
     corpus = data.load_text_corpus(source, cache_dir=cache_dir)
     if split not in corpus:
         raise ValueError(f"split {split!r} is not in the data; choose one of {', '.join(corpus)}")
-    return data.pack_dataset(corpus[split], tokenizer, block_size, max_blocks=max_blocks)["input_ids"]
+    return data.pack_dataset(corpus[split], tokenizer, block_size, max_blocks=max_blocks)["input_ids"][:]  # (n, T)
 
 
 def layers_report(model_dir: str, source: str = "stdlib", split: str = "test", block_size: int = 256,
@@ -85,20 +85,35 @@ def generate(model_dir: str, prompt: str, max_new_tokens: int = 64, temperature:
 
 
 def demo(base_config: str = DEFAULT_BASE_CONFIG, finetune_config: str = DEFAULT_FINETUNE_CONFIG,
-         force: bool = False) -> None:
-    """The main job on the embedded default: corpus -> tokenizer -> base model -> per-layer table.
+         force: bool = False, max_new_tokens: int = 128, repeats: int = 3) -> None:
+    """The main job on the embedded default, end to end; every stage is cached for a second run.
 
-    Each stage is cached: a second run reuses what the first built.
+    corpus -> tokenizer -> base model -> per-layer agreement (before) -> self-speculative fine-tune
+    -> per-layer agreement (after) -> perplexity gate -> decoding benchmark.
     """
     from .config import load_config
+    from .evaluation.benchmark import main as speedup_main
+    from .evaluation.exits import format_exit_table
     from .training.loop import train_or_reuse
 
-    cfg = load_config(base_config)
-    print("== 1/2 embedded base: corpus, tokenizer, pretraining (cached after the first run)")
-    base_dir, reused = train_or_reuse(cfg, kind="base", force=force)
+    base_cfg, tune_cfg = load_config(base_config), load_config(finetune_config)
+    print("== 1/5 embedded base: corpus, tokenizer, pretraining (cached after the first run)")
+    base_dir, reused = train_or_reuse(base_cfg, kind="base", force=force)
     print(f"{'reused' if reused else 'trained'} {base_dir}")
-    print("== 2/2 training-free acceptance per exit layer (test split)")
-    layers_report(str(base_dir), json_out=str(Path(cfg.output_dir) / "layers_test.json"))
+    print("== 2/5 training-free acceptance per exit layer (test split)")
+    before = layers_report(str(base_dir), json_out=str(Path(base_cfg.output_dir) / "layers_test.json"))
+    print(f"== 3/5 self-speculative fine-tune ({finetune_config})")
+    tuned_dir, reused = train_or_reuse(tune_cfg, kind="tuned", force=force)
+    print(f"{'reused' if reused else 'trained'} {tuned_dir}")
+    print("== 4/5 after the fine-tune, and the perplexity gate (test split)")
+    after = layers_report(str(tuned_dir), json_out=str(Path(tune_cfg.output_dir) / "layers_test.json"))
+    print(format_exit_table(after, baseline=before))
+    passed = gate(str(tuned_dir), str(base_dir), json_out=str(Path(tune_cfg.output_dir) / "gate.json"))
+    print("== 5/5 decoding benchmark: plain vs self-speculative vs Hugging Face (greedy, batch 1)")
+    speedup_main(["--model", str(tuned_dir), "--max-new-tokens", str(max_new_tokens), "--repeats", str(repeats),
+                  "--out", str(Path(tune_cfg.output_dir) / "benchmark")])
+    if not passed:
+        raise SystemExit(1)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -113,6 +128,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--base-config", default=DEFAULT_BASE_CONFIG)
     p.add_argument("--finetune-config", default=DEFAULT_FINETUNE_CONFIG)
     p.add_argument("--force", action="store_true", help="retrain even when a cached model matches")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt in the benchmark")
+    p.add_argument("--repeats", type=int, default=3, help="benchmark repeats (median)")
 
     def data_flags(p):
         p.add_argument("--data", default="stdlib", help="corpus: stdlib, a local file/glob, or a datasets name")
@@ -139,6 +156,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--base", required=True)
     p.add_argument("--max-increase", type=float, default=0.01, help="allowed relative increase (0.01 = 1%%)")
     data_flags(p)
+    p = ev.add_parser("speedup", help="decoding benchmark: plain vs self-speculative vs Hugging Face", add_help=False)
+    p.add_argument("args", nargs=argparse.REMAINDER, help="see `selfspec eval speedup --help`")
     return parser
 
 
@@ -146,12 +165,16 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "demo":
-            demo(args.base_config, args.finetune_config, args.force)
+            demo(args.base_config, args.finetune_config, args.force, args.max_new_tokens, args.repeats)
         elif args.command == "layers":
             layers_report(args.model, args.data, args.split, args.block_size, args.max_blocks, args.json)
         elif args.command == "generate":
             generate(args.model, args.prompt, args.max_new_tokens, args.temperature, args.num_speculations,
                      args.seed)
+        elif args.command == "eval" and args.eval_command == "speedup":
+            from .evaluation.benchmark import main as speedup_main
+
+            speedup_main(args.args)
         elif args.command == "eval" and args.eval_command == "gate":
             passed = gate(args.tuned, args.base, args.max_increase, args.data, args.split, args.block_size,
                           args.max_blocks, args.json)

@@ -127,6 +127,9 @@ class EarlyExitConfig:
     """R for the rotational curriculum: every R-th candidate is active, rotating each step."""
     chunk_size: int = 1024
     """Tokens per chunk when computing exit losses (bounds the (tokens, vocab) logits in memory)."""
+    token_fraction: float = 1.0
+    """Fraction of positions (random, fresh each step) that get exit losses: each exit costs a
+    (tokens, vocab) head pass, so this trades gradient noise for step time."""
 
 
 @dataclass
@@ -341,6 +344,7 @@ def validate(cfg: Any, prefix: str = "") -> None:
         _check(cfg.rotation_period >= 1, f"{p}rotation_period", cfg.rotation_period, "it must be >= 1")
         _check(cfg.chunk_size >= 1, f"{p}chunk_size", cfg.chunk_size, "it must be >= 1")
         _check(cfg.weight >= 0, f"{p}weight", cfg.weight, "it must be >= 0")
+        _check(0 < cfg.token_fraction <= 1, f"{p}token_fraction", cfg.token_fraction, "it must be in (0, 1]")
     elif isinstance(cfg, OptimConfig):
         _check(cfg.lr > 0, f"{p}lr", cfg.lr, "it must be > 0")
         _check(cfg.max_steps >= 1, f"{p}max_steps", cfg.max_steps, "it must be >= 1")

@@ -7,6 +7,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+import torch
 from tiny_models import tiny_model
 
 from selfspec.data import train_tokenizer
@@ -19,6 +20,16 @@ def _stdlib_snippets(count: int = 80) -> list[str]:
         source = (root / name).read_text()
         texts += [source[i:i + 600] for i in range(0, len(source), 600)]
     return texts[:count]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def one_thread():
+    """Tiny models run fastest on one intra-op thread (no thread hand-offs for microsecond kernels),
+    and stay fast when the machine is busy."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

@@ -123,3 +123,24 @@ def test_unsupported_architecture_names_the_supported_ones():
                                        num_attention_heads=2, intermediate_size=16))
     with pytest.raises(UnsupportedArchitectureError, match="bert.*llama, mistral, qwen2, qwen3, gpt2"):
         DecoderView(model)
+
+
+def test_aligned_rows_share_one_mask_and_one_token_steps_need_none(family):
+    """`aligned=True` (all rows at the same positions) must give the same result as per-row masks."""
+    model = tiny_model(family)
+    view = DecoderView(model)
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        full = view(ids)
+        for aligned in (False, True):
+            cache = DynamicCache()
+            outs = [view(ids[:, :5], cache=cache)]
+            for t in range(5, 9):
+                positions = view.default_positions(ids[:, t:t + 1], t)
+                context = view.context(view.embed(ids[:, t:t + 1], positions), positions, t + 1, cached=True,
+                                       aligned=aligned)
+                if aligned and family != "mistral":  # one token that sees every slot: no mask at all
+                    assert all(mask is None for mask in context.masks.values())
+                outs.append(view.exit_logits(view.run_layers(view.embed(ids[:, t:t + 1], positions), 0,
+                                                             view.num_layers, cache, context=context)))
+            assert (torch.cat(outs, 1) - full).abs().max().item() <= TOL

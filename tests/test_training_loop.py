@@ -140,9 +140,24 @@ def test_two_step_run_through_accelerate_launch(tiny_run, tmp_path):
         f"data.cache_dir={tmp_path}/cache", "data.block_size=32", "data.max_eval_blocks=4",
         "optim.batch_size=4", "optim.max_steps=2", f"output_dir={tmp_path}", "early_exit.layers=2:4",
         "layer_dropout.p_max=0.2", "exit_layer=2"]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--cpu",
+    # --multi_gpu on a machine without GPUs: torchrun starts 2 processes, the loop picks gloo on CPU.
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            str(REPO / "train" / "finetune.py"), "--config", str(REPO / "configs" / "demo_finetune.yaml"),
            *cfg_overrides]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert read_meta(tmp_path / "model")["metrics"]["processes"] == 2
+
+
+def test_token_fraction_subsamples_the_same_positions_for_every_exit():
+    model = tiny_model("llama", num_layers=4)
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
+    full = SelfSpecObjective(model, exit_layers=[1, 2, 3], exit_kind="ce").eval()
+    part = SelfSpecObjective(model, exit_layers=[1, 2, 3], exit_kind="ce", token_fraction=0.25, seed=3).eval()
+    with torch.no_grad():
+        a, b = part(ids, step=5)["exit_loss"], part(ids, step=5)["exit_loss"]
+        assert a.item() == b.item()  # a pure function of (seed, step): resume draws the same positions
+        assert part(ids, step=6)["exit_loss"].item() != a.item()  # fresh positions each step
+        # The mean over many steps approaches the full-token loss (an unbiased estimate).
+        mean = sum(part(ids, step=s)["exit_loss"].item() for s in range(200)) / 200
+        assert mean == pytest.approx(full(ids)["exit_loss"].item(), rel=0.03)

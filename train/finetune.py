@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import parse_args  # noqa: E402
 
+from selfspec.checkpoint import read_meta  # noqa: E402
 from selfspec.model.loading import ModelLoadError  # noqa: E402
 from selfspec.training.loop import train  # noqa: E402
 
@@ -29,12 +30,11 @@ def main() -> None:
         result = train(cfg, resume=args.resume, kind="tuned")
     except (ValueError, ModelLoadError) as exc:
         sys.exit(f"error: {exc}")
-    metrics = result.final_metrics
-    exit_layer = next((int(k.rsplit("@", 1)[1]) for k in metrics if k.startswith("val/top1_agreement@")), None)
+    metrics, exit_layer = result.final_metrics, read_meta(result.model_dir)["exit_layer"]
+    agreement = metrics.get(f"val/top1_agreement@{exit_layer}")
     print(f"saved {result.model_dir}: {result.steps} steps in {result.seconds / 60:.1f} min, "
           f"validation loss {metrics['val/loss']:.4f}"
-          + (f", top-1 agreement at layer {exit_layer}: {metrics[f'val/top1_agreement@{exit_layer}']:.3f}"
-             if exit_layer else ""))
+          + (f", top-1 agreement at exit layer {exit_layer}: {agreement:.3f}" if agreement is not None else ""))
 
 
 if __name__ == "__main__":

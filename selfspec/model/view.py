@@ -58,6 +58,8 @@ class DecoderView:
         self.model = unwrap_model(model)
         self.adapter: Adapter = adapter_for(self.model)
         self.config = self.model.config
+        # Attention window of every block, looked up once (None: full causal attention).
+        self.windows: list[int | None] = [self.adapter.sliding_window(i) for i in range(self.num_layers)]
 
     # -- structure -----------------------------------------------------------------------------------
     @property
@@ -102,12 +104,15 @@ class DecoderView:
         return self.lm_head(self.final_norm(hidden))
 
     def context(self, hidden: torch.Tensor, positions: torch.Tensor | None = None,
-                kv_length: int | None = None, cached: bool = False) -> LayerContext:
+                kv_length: int | None = None, cached: bool = False, aligned: bool = False) -> LayerContext:
         """Build the shared per-call state for blocks run on `hidden` (B, T, D).
 
         positions: (B, T); None means 0..T-1 for every row (training on packed blocks).
         kv_length: the key length S the cache returns after the update (slots 0..S-1); default
-            max(positions) + 1 when `cached`, else T (keys are the T inputs themselves).
+            max(positions) + 1 when `cached` (one device read), else T (keys are the T inputs).
+        aligned: the caller guarantees that every row sits at the same positions (batch 1 always
+            does). The mask is then built once for all rows, and a one-token step that sees every
+            slot needs none at all, which lets SDPA take its fastest path.
         """
         batch, length = hidden.shape[:2]
         contiguous = positions is None
@@ -116,23 +121,27 @@ class DecoderView:
         if cached:
             if kv_length is None:
                 kv_length = int(positions.max()) + 1
-            key_positions = torch.arange(kv_length, device=hidden.device).expand(batch, kv_length)
+            key_positions = torch.arange(kv_length, device=hidden.device)[None]  # (1, S)
         else:
             key_positions = positions
+        query_positions = positions[:1] if aligned else positions
         masks = {}
-        for index in range(self.num_layers):
-            window = self.adapter.sliding_window(index)
-            if window not in masks:
-                masks[window] = self._mask(positions, key_positions, window, hidden.dtype,
-                                           causal_fast_path=contiguous and not cached)
+        for window in set(self.windows):
+            if contiguous and not cached:
+                fast = window is None or window >= length  # SDPA's own causal kernel is exact
+            else:
+                fast = aligned and cached and length == 1 and (window is None or window >= kv_length)
+            masks[window] = None if fast and self._sdpa else self._mask(query_positions, key_positions, window,
+                                                                          hidden.dtype)
         return LayerContext(positions, masks, self.adapter.block_extras(hidden, positions))
 
-    def _mask(self, positions, key_positions, window, dtype, causal_fast_path):
+    @property
+    def _sdpa(self) -> bool:
+        return getattr(self.config, "_attn_implementation", None) == "sdpa"
+
+    @staticmethod
+    def _mask(positions, key_positions, window, dtype):
         """Additive mask (B, 1, T, S): 0 where query position p may see key position j, else -inf-ish."""
-        length = positions.shape[1]
-        sdpa = getattr(self.config, "_attn_implementation", None) == "sdpa"
-        if causal_fast_path and sdpa and (window is None or window >= length):
-            return None  # SDPA's own causal kernel: same result, no (T, T) mask to read
         visible = key_positions[:, None, :] <= positions[:, :, None]  # (B, T, S)
         if window is not None:
             visible &= positions[:, :, None] - key_positions[:, None, :] < window
@@ -142,21 +151,21 @@ class DecoderView:
 
     def run_layers(self, hidden: torch.Tensor, start: int, end: int, cache=None,
                    positions: torch.Tensor | None = None, kv_length: int | None = None,
-                   context: LayerContext | None = None) -> torch.Tensor:
+                   context: LayerContext | None = None, aligned: bool = False) -> torch.Tensor:
         """Run blocks [start, end) on hidden (B, T, D); returns (B, T, D).
 
         With a cache, each block writes its keys/values at `positions` and attends to slots
         0..kv_length-1. Pass a prebuilt `context` to run several ranges with one mask/rotary build.
         """
         if context is None:
-            context = self.context(hidden, positions, kv_length, cached=cache is not None)
+            context = self.context(hidden, positions, kv_length, cached=cache is not None, aligned=aligned)
         for index in range(start, end):
             hidden = self.run_block(index, hidden, context, cache)
         return hidden
 
     def run_block(self, index: int, hidden: torch.Tensor, context: LayerContext, cache=None) -> torch.Tensor:
         """Run block `index` once (the unit that layer dropout skips)."""
-        mask = context.masks[self.adapter.sliding_window(index)]
+        mask = context.masks[self.windows[index]]
         return self.adapter.call_block(index, hidden, mask, cache, context.extras)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, cache=None,

@@ -174,24 +174,36 @@ def _low_precision_to_float(logits: torch.Tensor) -> torch.Tensor:
     return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
 
 
+def _teacher_targets(teacher: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher probabilities p (n, V) and Σ_v p log p (n,), computed once and shared by every exit.
+
+    KL(p || q) = Σ p log p − Σ p log q: the first term has no gradient, so per exit and chunk only
+    log q and one weighted sum remain to compute.
+    """
+    log_p = F.log_softmax(_low_precision_to_float(teacher.detach()) / temperature, dim=-1)  # (n, V)
+    p = log_p.exp()
+    # 0 where p == 0, so a -inf teacher logit does not give 0 * -inf = nan.
+    neg_entropy = torch.where(p > 0, p * log_p, 0.0).sum(-1)  # (n,)
+    return p, neg_entropy
+
+
 def _token_loss_sum(
     logits: torch.Tensor,
-    teacher: torch.Tensor | None,
+    teacher: tuple[torch.Tensor, torch.Tensor] | None,
     labels: torch.Tensor | None,
     kind: str,
     temperature: float,
     ignore_index: int,
 ) -> torch.Tensor:
-    """Sum over valid rows of the per-token loss for one chunk; logits (n, V), teacher (n, V), labels (n,)."""
+    """Sum over valid rows of the per-token loss for one chunk; logits (n, V), teacher = (p (n, V),
+    Σ p log p (n,)) from `_teacher_targets`, labels (n,)."""
     logits = _low_precision_to_float(logits)
     valid = None if labels is None else labels != ignore_index  # (n,)
     total = logits.new_zeros(())
     if kind in ("kl", "both"):
+        p, neg_entropy = teacher
         log_q = F.log_softmax(logits / temperature, dim=-1)  # (n, V) student
-        log_p = F.log_softmax(_low_precision_to_float(teacher) / temperature, dim=-1)  # (n, V) teacher
-        p = log_p.exp()
-        # p * (log p - log q), with 0 where p == 0 so a -inf teacher logit does not give 0 * inf = nan.
-        kl_tok = torch.where(p > 0, p * (log_p - log_q), 0.0).sum(-1)  # (n,)
+        kl_tok = neg_entropy - (p * log_q).sum(-1)  # (n,)
         if valid is not None:
             kl_tok = torch.where(valid, kl_tok, 0.0)
         total = total + kl_tok.sum() * temperature**2
@@ -289,9 +301,9 @@ def early_exit_loss(
         return _zero_loss(teacher_logits, labels)
 
     # Flatten (B, T) -> (B*T,) once; reshape of contiguous tensors is a view, no copy.
-    teacher_flat = (
-        None if teacher_logits is None else teacher_logits.detach().reshape(-1, teacher_logits.shape[-1])
-    )
+    teacher_flat = None
+    if teacher_logits is not None and kind in ("kl", "both"):
+        teacher_flat = _teacher_targets(teacher_logits.reshape(-1, teacher_logits.shape[-1]), temperature)
     labels_flat = None if labels is None else labels.reshape(-1)  # (B*T,)
     if labels_flat is None:
         n_valid = hiddens[0].shape[0] * hiddens[0].shape[1]
@@ -299,7 +311,7 @@ def early_exit_loss(
         n_valid = int((labels_flat != ignore_index).sum())
     n_valid = max(n_valid, 1)
 
-    def chunk_loss(h: torch.Tensor, t: torch.Tensor | None, y: torch.Tensor | None) -> torch.Tensor:
+    def chunk_loss(h: torch.Tensor, t: tuple | None, y: torch.Tensor | None) -> torch.Tensor:
         # The (chunk, V) logits live only inside this call (and again in its recomputation).
         return _token_loss_sum(head_fn(h), t, y, kind, temperature, ignore_index)
 
@@ -310,7 +322,7 @@ def early_exit_loss(
         exit_sum = None
         for start in range(0, h_flat.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
-            t_chunk = None if teacher_flat is None else teacher_flat[rows]  # (chunk, V)
+            t_chunk = None if teacher_flat is None else (teacher_flat[0][rows], teacher_flat[1][rows])
             y_chunk = None if labels_flat is None else labels_flat[rows]  # (chunk,)
             if use_checkpoint:
                 part = checkpoint(chunk_loss, h_flat[rows], t_chunk, y_chunk, use_reentrant=False)

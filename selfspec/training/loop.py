@@ -83,6 +83,13 @@ def _trackers(cfg: RunConfig, output_dir: Path) -> list:
     return trackers
 
 
+def _has_accelerator() -> bool:
+    mps = getattr(torch.backends, "mps", None)
+    xpu = getattr(torch, "xpu", None)
+    return (torch.cuda.is_available() or (mps is not None and mps.is_available())
+            or (xpu is not None and xpu.is_available()))
+
+
 def _mixed_precision(choice: str) -> str:
     if choice != "auto":
         return choice
@@ -142,7 +149,8 @@ def build_objective(model, cfg: RunConfig, num_layers: int, exit_layer: int) -> 
         frozen = copy.deepcopy(model).eval().requires_grad_(False)
     return SelfSpecObjective(model, dropout, layers, curriculum, exit_kind=ee.kind, exit_scale=ee.scale,
                              exit_weight=ee.weight, temperature=ee.temperature, chunk_size=ee.chunk_size,
-                             teacher=ee.teacher, frozen_model=frozen)
+                             teacher=ee.teacher, frozen_model=frozen, token_fraction=ee.token_fraction,
+                             seed=cfg.seed)
 
 
 def train(cfg: RunConfig, resume: bool = False, progress: bool = True, kind: str = "tuned") -> TrainResult:
@@ -154,6 +162,7 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True, kind: str
         # DDP must be told, or it waits forever for their all-reduce.
         plugin_kwargs.append(DistributedDataParallelKwargs(find_unused_parameters=True))
     accelerator = Accelerator(
+        cpu=not _has_accelerator(),  # so `accelerate launch --multi_gpu --num_processes 2` runs gloo DDP on CPUs
         gradient_accumulation_steps=cfg.optim.grad_accum, mixed_precision=_mixed_precision(cfg.mixed_precision),
         log_with=_trackers(cfg, output_dir), project_dir=str(output_dir), kwargs_handlers=plugin_kwargs,
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed))

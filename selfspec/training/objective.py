@@ -7,6 +7,7 @@ synchronisation and FSDP's all-gathers happen exactly as they would for the plai
 
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 
 import torch
@@ -41,7 +42,7 @@ class SelfSpecObjective(nn.Module):
                  exit_layers: list[int] = (), curriculum: ExitCurriculum | None = None,
                  exit_kind: str = "kl", exit_scale: str = "uniform", exit_weight: float = 1.0,
                  temperature: float = 1.0, chunk_size: int = 1024, teacher: str = "self",
-                 frozen_model: nn.Module | None = None):
+                 frozen_model: nn.Module | None = None, token_fraction: float = 1.0, seed: int = 0):
         super().__init__()
         self.model = model
         self.layer_dropout = layer_dropout
@@ -51,6 +52,7 @@ class SelfSpecObjective(nn.Module):
         self.curriculum = curriculum
         self.exit_kind, self.exit_scale, self.exit_weight = exit_kind, exit_scale, exit_weight
         self.temperature, self.chunk_size, self.teacher = temperature, chunk_size, teacher
+        self.token_fraction, self.seed = token_fraction, seed
         # A plain attribute, not a submodule: the frozen teacher is neither trained nor saved.
         self.__dict__["frozen_model"] = frozen_model
         if teacher == "frozen" and frozen_model is None and not hasattr(model, "disable_adapter"):
@@ -80,14 +82,33 @@ class SelfSpecObjective(nn.Module):
         loss = final_ce
         if exits:
             teacher_logits = self._teacher_logits(input_ids, logits) if self.exit_kind != "ce" else None
+            exit_labels = labels
+            if self.token_fraction < 1.0:
+                exits, teacher_logits, exit_labels = self._subsample(exits, teacher_logits, labels, step)
             weights = layer_weights(self.exit_scale, active, view.num_layers).to(hidden.device)
             exit_loss = early_exit_loss(exits, view.exit_logits, weights, kind=self.exit_kind,
-                                        teacher_logits=teacher_logits, labels=labels,
+                                        teacher_logits=teacher_logits, labels=exit_labels,
                                         temperature=self.temperature, chunk_size=self.chunk_size)
             loss = loss + self.exit_weight * exit_loss
             out["exit_loss"] = exit_loss.detach()
         out["loss"] = loss
         return out
+
+    def _subsample(self, exits, teacher_logits, labels, step: int):
+        """The same random `token_fraction` of the B*T positions for every exit, fresh each step.
+
+        The exit losses cost a (tokens, vocab) head pass per exit: on a random subset of positions
+        they cost proportionally less and stay an unbiased estimate of the full-token loss. The
+        subset is a pure function of (seed, step), so a resumed run draws the same positions.
+        """
+        batch, length = labels.shape
+        count = max(1, math.ceil(self.token_fraction * batch * length))
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        index = torch.randperm(batch * length, generator=generator)[:count].to(labels.device)  # (n,)
+        exits = [h.flatten(0, 1)[index][None] for h in exits]  # each (1, n, D)
+        if teacher_logits is not None:
+            teacher_logits = teacher_logits.flatten(0, 1)[index][None]  # (1, n, V)
+        return exits, teacher_logits, labels.flatten()[index][None]
 
     def _teacher_logits(self, input_ids: torch.Tensor, own_logits: torch.Tensor) -> torch.Tensor:
         if self.teacher == "self":

@@ -1,0 +1,65 @@
+"""Training cost of selfspec: a layer-dropout + early-exit step vs a plain fine-tune step, same batch.
+
+    python eval/benchmark_training_step.py --config configs/demo_finetune.yaml
+    python eval/benchmark_training_step.py --config configs/demo_finetune.yaml early_exit.curriculum=none
+
+Prints the median step times (interleaved repeats after warm-up) and the peak-memory ratio (each
+variant in its own process), and writes them to <output_dir>/train_cost.json. Targets: time ratio
+<= 1.05, memory ratio <= 1.15.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from selfspec.checkpoint import write_json_atomic
+from selfspec.config import ConfigError, load_config
+from selfspec.evaluation.train_cost import peak_memory_in_this_process, peak_memory_subprocess, time_variants
+from selfspec.model.loading import load_causal_lm
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default="configs/demo_finetune.yaml")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--measure-memory", choices=["plain", "selfspec"], help=argparse.SUPPRESS)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        sys.exit(f"error: {exc}")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = load_causal_lm(cfg.model.name_or_path, cfg.model.dtype, device=device)
+    if cfg.lora.enabled:
+        from selfspec.training.loop import apply_lora
+        model = apply_lora(model, cfg)
+    # Random tokens: the cost of a step does not depend on which tokens they are, and the memory
+    # probe must not load a corpus before measuring.
+    batch = torch.randint(0, model.config.vocab_size, (cfg.optim.batch_size, cfg.data.block_size),
+                          generator=torch.Generator().manual_seed(0)).to(device)
+    if args.measure_memory:
+        print(json.dumps({"peak_bytes": peak_memory_in_this_process(model, cfg, batch, args.measure_memory)}))
+        return
+
+    timing = time_variants(model, cfg, batch, repeats=args.repeats)
+    cli = [__file__, "--config", args.config, *args.overrides]
+    memory = {v: peak_memory_subprocess(cli[0], cli[1:], v) for v in ("plain", "selfspec")}
+    result = {**timing, "plain_peak_bytes": memory["plain"], "selfspec_peak_bytes": memory["selfspec"],
+              "memory_ratio": memory["selfspec"] / memory["plain"], "device": device,
+              "batch": list(batch.shape), "layer_dropout": vars(cfg.layer_dropout),
+              "early_exit": vars(cfg.early_exit)}
+    print(f"step time  plain {timing['plain_s'] * 1e3:.0f} ms   selfspec {timing['selfspec_s'] * 1e3:.0f} ms   "
+          f"ratio {timing['time_ratio']:.3f} (target <= 1.05)")
+    print(f"peak mem   plain {memory['plain'] / 2**20:.0f} MiB   selfspec {memory['selfspec'] / 2**20:.0f} MiB   "
+          f"ratio {result['memory_ratio']:.3f} (target <= 1.15)")
+    write_json_atomic(Path(cfg.output_dir) / "train_cost.json", result)
+
+
+if __name__ == "__main__":
+    main()

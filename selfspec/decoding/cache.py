@@ -1,0 +1,139 @@
+"""`KVCache`: a preallocated key/value cache with per-row lengths and rollback.
+
+It speaks Hugging Face's cache protocol (`update(key_states, value_states, layer_idx, ...) ->
+(keys, values)`), so the model's own attention blocks write into it through `DecoderView`, and it
+keeps `DecoderView`'s layout: each row's keys sit at *slot index == position*, rows of different
+lengths are right-padded, and the attention mask built from positions hides stale slots beyond a
+row's length. Rolling back is therefore pure bookkeeping: lowering a row's length; the stale keys
+left behind are invisible and get overwritten by the next tokens written at those positions.
+
+Protocol, per call of `DecoderView.run_layers`:
+
+1. ``kv_length = cache.set_positions(positions, starts)`` names where the T new tokens go: row b at
+   positions starts[b] .. starts[b] + T - 1 (`positions` is that (B, T) tensor on the device,
+   `starts` the same numbers on the host, so that no device value is ever read back).
+2. every block's attention calls `update`, which writes its new keys/values at those slots (one
+   slice when all rows start at the same position, a scatter otherwise) and returns slots
+   0..kv_length-1 with kv_length = max(starts) + T.
+3. after a draft/verify round, `rollback(lengths)` sets every layer's length per row to the accepted
+   length, and `check(lengths)` asserts that every layer holds exactly the sequence (see
+   `CacheLengthError`).
+
+Lengths are tracked on the host (a NumPy array), since the engine knows every position it writes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class CacheLengthError(AssertionError):
+    """A layer's cache length differs from the sequence length of a row after a round.
+
+    The classic symptom of a rollback that keeps one position too many or too few: output that
+    looks right for a while, then repeats or drifts. Raised by `KVCache.check`.
+    """
+
+
+class KVCache:
+    """Per-layer key/value buffers of shape (B, H_kv, capacity, head_dim), allocated on first write.
+
+    Buffers take the dtype, device, head count and head size of the first keys written to them, so
+    one class serves every family (GPT-2's full heads, grouped-query heads, explicit head_dim).
+    `lengths[layer, row]` is the number of positions the layer holds for the row.
+    """
+
+    def __init__(self, num_layers: int, batch_size: int, capacity: int):
+        self.num_layers = num_layers
+        self.batch_size = batch_size
+        self.capacity = capacity
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.lengths = np.zeros((num_layers, batch_size), dtype=np.int64)
+        self._positions: torch.Tensor | None = None  # (B, T) slots of the next writes
+        self._start: int | None = None  # shared first slot when every row starts there, else None
+        self._ends = np.zeros(batch_size, dtype=np.int64)  # per-row length after the next writes
+        self._kv_length = 0
+
+    def set_positions(self, positions: torch.Tensor, starts) -> int:
+        """Announce the next writes: row b's T tokens go to slots starts[b] + 0..T-1. Returns kv_length."""
+        starts = np.asarray(starts, dtype=np.int64)
+        length = positions.shape[1]
+        kv_length = int(starts.max()) + length
+        if kv_length > self.capacity:
+            raise ValueError(f"KV cache capacity {self.capacity} exceeded: writing up to slot {kv_length - 1}")
+        self._positions = positions
+        self._start = int(starts[0]) if (starts == starts[0]).all() else None
+        self._ends = starts + length
+        self._kv_length = kv_length
+        return kv_length
+
+    @property
+    def aligned(self) -> bool:
+        """Whether every row's announced writes start at the same slot (always so at batch 1)."""
+        return self._start is not None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Write (B, H, T, Dh) keys/values at the announced slots; return slots 0..kv_length-1 of the layer."""
+        if self.keys[layer_idx] is None:
+            batch, heads, _, head_dim = key_states.shape
+            shape = (batch, heads, self.capacity, head_dim)
+            self.keys[layer_idx] = key_states.new_zeros(shape)
+            self.values[layer_idx] = value_states.new_zeros(shape[:3] + value_states.shape[3:])
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        if self._start is not None:  # every row writes the same slots: a plain slice
+            end = self._start + key_states.shape[2]
+            keys[:, :, self._start:end] = key_states
+            values[:, :, self._start:end] = value_states
+        else:  # rows at different positions: scatter along the slot dimension
+            index = self._positions[:, None, :, None]  # (B, 1, T, 1)
+            keys.scatter_(2, index.expand_as(key_states), key_states)
+            values.scatter_(2, index.expand_as(value_states), value_states)
+        self.lengths[layer_idx] = self._ends
+        return keys[:, :, :self._kv_length], values[:, :, :self._kv_length]
+
+    def rollback(self, lengths) -> None:
+        """Set every layer's length per row to `lengths` (B,), dropping the rejected positions.
+
+        Only shortens: a layer holding fewer positions than asked for is missing keys, never fixed
+        by a rollback, so that raises `CacheLengthError`.
+        """
+        lengths = np.asarray(lengths, dtype=np.int64)
+        short = self.lengths < lengths[None, :]
+        if short.any():
+            layer, row = map(int, np.argwhere(short)[0])
+            raise CacheLengthError(f"cannot roll layer {layer} row {row} forward from "
+                                   f"{self.lengths[layer, row]} to {lengths[row]} positions")
+        self.lengths[:] = lengths[None, :]
+
+    def check(self, sequence_lengths) -> None:
+        """Assert that every layer holds exactly `sequence_lengths[row]` positions for every row."""
+        sequence_lengths = np.asarray(sequence_lengths, dtype=np.int64)
+        wrong = self.lengths != sequence_lengths[None, :]
+        if wrong.any():
+            layer, row = map(int, np.argwhere(wrong)[0])
+            raise CacheLengthError(
+                f"KV cache of layer {layer} holds {self.lengths[layer, row]} positions for row {row}, "
+                f"but the sequence has {sequence_lengths[row]} tokens before the pending one")
+
+    def select_rows(self, rows) -> None:
+        """Keep only the batch rows `rows` (host indices, in order), e.g. to drop finished ones.
+
+        Copies every layer's buffers once (index_select along the batch dimension).
+        """
+        rows = np.asarray(rows, dtype=np.int64)
+        index = None
+        for layer, (keys, values) in enumerate(zip(self.keys, self.values)):
+            if keys is None:
+                continue
+            if index is None:
+                index = torch.as_tensor(rows, device=keys.device)
+            self.keys[layer], self.values[layer] = keys.index_select(0, index), values.index_select(0, index)
+        self.lengths = self.lengths[:, rows]
+        self._ends = self._ends[rows]
+        self.batch_size = len(rows)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Longest row of a layer (Hugging Face's `Cache` method, for code that asks)."""
+        return int(self.lengths[layer_idx].max())

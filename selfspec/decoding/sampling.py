@@ -1,0 +1,163 @@
+"""Logits processing, per-row random numbers, and the accept/reject rule of speculative decoding.
+
+Lossless speculative sampling (Leviathan et al. 2023; Chen et al. 2023): a draft token d drawn from
+the draft distribution q is accepted with probability min(1, p(d)/q(d)), where p is the target
+distribution; on rejection a replacement is drawn from the residual max(0, p − q), normalised; if
+every draft of the round is accepted, a bonus token is drawn from the target's next distribution.
+Every emitted token is then distributed exactly as the target model's. Two conditions make that
+true here:
+
+- p and q come out of the same processing (`SamplingParams.probs`: temperature, then top-k, then
+  top-p), so sampling the target alone would draw from exactly that p;
+- the random numbers are fresh for every decision. They come from a counter-based generator
+  (`uniforms`): a hash of (row seed, position of the token being decided, stream). A row's draws
+  therefore never depend on its batch-mates, need no per-row generator objects, and stay on the
+  device. A position that is drafted again after a rejection reuses its numbers, which is sound:
+  the tokens kept so far are a function of the numbers of earlier positions only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# Streams of random numbers: one per kind of decision taken for the token at a position.
+DRAFT, ACCEPT, TARGET = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How logits become a distribution, identically for the draft and the target.
+
+    temperature: 0 means greedy (argmax); otherwise logits are divided by it.
+    top_k: keep the k largest logits (0: all).
+    top_p: keep the smallest set of most likely tokens whose mass reaches top_p (1.0: all).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def process(self, logits: torch.Tensor) -> torch.Tensor:
+        """(..., V) logits -> float32 logits, filtered tokens at -inf (temperature, top-k, top-p)."""
+        logits = logits.float()
+        if not self.greedy and self.temperature != 1.0:
+            logits = logits / self.temperature
+        if 0 < self.top_k < logits.shape[-1]:
+            kth = torch.topk(logits, self.top_k, dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if self.top_p < 1.0:
+            sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+            sorted_probs = sorted_logits.softmax(-1)
+            # drop a token when the more likely tokens already reach top_p (the first one always stays)
+            drop = sorted_probs.cumsum(-1) - sorted_probs >= self.top_p
+            logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+        return logits
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """(..., V) logits -> (..., V) float32 probabilities after processing."""
+        return self.process(logits).softmax(-1)
+
+
+# -- counter-based random numbers ------------------------------------------------------------------
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2^32 for x in [0, 2^32), split in 16-bit halves so int64 never overflows."""
+    high = (((x >> 16) * c) & 0xFFFF) << 16
+    return (high + (x & 0xFFFF) * c) & _MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (Wellons' "lowbias32"), on int64 tensors holding 32-bit values."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def uniforms(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:
+    """Uniform numbers in [0, 1) (float64, 32 random bits) keyed by (row seed, position, stream).
+
+    seeds: (B,) int64, one per row; positions: (B, T) int64 positions of the tokens being decided;
+    stream: DRAFT, ACCEPT or TARGET. Same key, same number; any key change gives an unrelated one.
+    """
+    seeds = seeds.to(torch.int64)[:, None]
+    h = _mix32((seeds & _MASK32) ^ 0x9E3779B9)
+    h = _mix32(h ^ ((seeds >> 32) & _MASK32) ^ 0x85EBCA6B)
+    h = _mix32(h ^ (positions.to(torch.int64) & _MASK32))
+    h = _mix32(h ^ (0xC2B2AE35 + stream))
+    return h.double() * 2.0**-32
+
+
+def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: (..., V) probabilities (need not sum to 1) and (...) uniforms -> (...) ids.
+
+    Never returns a zero-probability token: the cumulative sum is taken in float64 and the result
+    is clamped to the last token with positive probability.
+    """
+    cdf = probs.double().cumsum(-1)  # (..., V)
+    target = (u * cdf[..., -1])[..., None]
+    index = torch.searchsorted(cdf, target, right=True)[..., 0]
+    vocab = probs.shape[-1]
+    last_positive = vocab - 1 - (probs > 0).flip(-1).int().argmax(-1)
+    return torch.minimum(index, last_positive)
+
+
+def residual_probs(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """max(0, p − q) normalised over the vocabulary; p itself where that is all zero (p ≤ q everywhere)."""
+    residual = (p - q).clamp_min(0)
+    total = residual.sum(-1, keepdim=True)
+    return torch.where(total > 0, residual / total.clamp_min(torch.finfo(residual.dtype).tiny), p)
+
+
+# -- the accept/reject rule ------------------------------------------------------------------------
+def accept_greedy(drafts: torch.Tensor, target_logits: torch.Tensor):
+    """Greedy verification: accept drafts while they equal the target's argmax.
+
+    drafts: (B, k); target_logits: (B, k+1, V), position i predicting the token after draft i
+    (position 0: after the pending token). Returns (tokens (B, k+1), accepted (B,)): a row emits
+    tokens[:accepted + 1], its accepted drafts (equal to the argmax) then the target's own token.
+    """
+    tokens = target_logits.argmax(-1)  # (B, k+1)
+    matches = drafts == tokens[:, :-1]  # (B, k)
+    accepted = matches.int().cumprod(1).sum(1)  # length of the leading run of matches
+    return tokens, accepted
+
+
+def accept_sampled(drafts: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
+                   u_accept: torch.Tensor, u_target: torch.Tensor):
+    """Speculative sampling: accept draft i with probability min(1, p_i(d)/q_i(d)).
+
+    drafts: (B, k) drawn from q (B, k, V); p: (B, k+1, V) target probabilities; u_accept (B, k) and
+    u_target (B, k+1) uniforms. The first rejected position is replaced by a draw from the residual
+    max(0, p − q) normalised; after k acceptances the bonus token is drawn from p_k. Returns
+    (tokens (B, k+1), accepted (B,)) like `accept_greedy`.
+    """
+    k = drafts.shape[1]
+    p_draft = p[:, :k].gather(-1, drafts[..., None])[..., 0]  # (B, k)
+    q_draft = q.gather(-1, drafts[..., None])[..., 0]  # (B, k), > 0: d was drawn from q
+    accepted = (u_accept * q_draft < p_draft).int().cumprod(1).sum(1)  # u < p/q, without dividing
+    # What the target emits at each position if the round stops there: the residual after a
+    # rejection at i < k, the bonus from p_k at i = k. Drawn for all positions, kept at `accepted`.
+    fallback = torch.cat([residual_probs(p[:, :k], q), p[:, k:]], dim=1)  # (B, k+1, V)
+    corrections = sample(fallback, u_target)  # (B, k+1)
+    keep_draft = torch.arange(k + 1, device=drafts.device) < accepted[:, None]
+    tokens = torch.where(keep_draft, F.pad(drafts, (0, 1)), corrections)
+    return tokens, accepted

@@ -1,0 +1,297 @@
+"""Speed benchmark: the engine plain vs self-speculative vs Hugging Face's generators, in one process.
+
+Four ways to decode the same prompts greedily, batch 1, the same number of new tokens:
+
+- ``plain``: `SelfSpecGenerator.generate(num_speculations=0)`, the same engine, one full forward per
+  token on the same cache: the fair baseline;
+- ``selfspec``: the engine at (exit_layer E, num_speculations k or "auto");
+- ``hf_greedy``: `model.generate(do_sample=False)`;
+- ``hf_early_exit``: `model.generate(assistant_early_exit=E)`, Hugging Face's self-speculation: its
+  `EarlyExitCandidateGenerator` drafts by temporarily lowering `config.num_hidden_layers` to E and
+  keeps a separate assistant cache, so the draft blocks run again during verification (batch 1 only;
+  GPT-2 ignores `num_hidden_layers`, so there the "draft" is the whole model).
+
+Timing: `warmup` untimed passes, then `repeats` rounds; inside a round every prompt is decoded by
+every method, the method order rotating from round to round (interleaved, so drift in clocks or
+thermals hits all methods alike). Each method's tokens/s is the median over rounds of (tokens of all
+prompts ÷ their summed wall time, device synchronised). Speedups are ratios of medians.
+
+Reported next to the measured speedup: α, mean accepted length (bonus counted), the draft cost c
+measured as (engine's draft time per step in the selfspec run) ÷ (engine's time per plain step in the
+plain run), and the cost model's predictions from those (see `selfspec.metrics`). Greedy outputs of
+plain, selfspec and hf_greedy must be identical; hf_early_exit's are checked and reported too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from ..checkpoint import META_FILE, read_meta
+from ..decoding import SelfSpecGenerator
+from ..metrics import AcceptanceStats, predicted_speedup, speedup_kv_reuse, speedup_measured_costs
+from ..model.loading import load_causal_lm, load_tokenizer
+
+METHODS = ("plain", "selfspec", "hf_greedy", "hf_early_exit")
+
+
+def load_model(path: str, device: str | None = None, dtype: str = "auto"):
+    """`AutoModelForCausalLM` + `AutoTokenizer` from `path` in eval mode, on CUDA when there is one.
+
+    dtype "auto": float32 on CPU, the checkpoint's own dtype on accelerators.
+    """
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = load_causal_lm(path, dtype=dtype, device=device).eval()
+    return model, load_tokenizer(path)
+
+
+def prompts_from_corpus(tokenizer, source: str = "stdlib", num_prompts: int = 8, prompt_tokens: int = 64,
+                        split: str = "test", text_field: str = "text") -> list[list[int]]:
+    """`prompt_tokens` tokens from the middle of each of the first `num_prompts` documents of a split.
+
+    The middle, not the start: the first tokens of source files are mostly license headers and
+    module docstrings, while the workload is completing code in the middle of a file.
+    source: anything `selfspec.data.load_text_corpus` takes ("stdlib", files, a dataset name).
+    Documents shorter than 2 x `prompt_tokens` tokens are skipped.
+    """
+    from ..data import load_text_corpus
+
+    prompts = []
+    for text in load_text_corpus(source, text_field=text_field)[split][text_field]:
+        ids = tokenizer(text)["input_ids"]
+        if len(ids) >= 2 * prompt_tokens:
+            middle = len(ids) // 2
+            prompts.append(ids[middle - prompt_tokens:middle])
+        if len(prompts) == num_prompts:
+            break
+    if not prompts:
+        raise ValueError(f"no document of {source!r} split {split!r} has {2 * prompt_tokens} tokens or more")
+    return prompts
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Runner:
+    """Runs one method on one prompt: returns the generated tokens and, for the engine, its stats."""
+
+    def __init__(self, model, generator: SelfSpecGenerator, exit_layer: int, num_speculations,
+                 max_new_tokens: int, ignore_eos: bool):
+        self.model, self.generator = model, generator
+        self.exit_layer, self.num_speculations = exit_layer, num_speculations
+        self.max_new_tokens = max_new_tokens
+        self.eos = [] if ignore_eos else None
+        self.device = generator.view.device
+
+    def __call__(self, method: str, prompt: list[int]):
+        if method in ("plain", "selfspec"):
+            k = 0 if method == "plain" else self.num_speculations
+            out = self.generator.generate([prompt], max_new_tokens=self.max_new_tokens, num_speculations=k,
+                                          eos_token_id=self.eos)
+            return out.sequences[0], out.stats
+        ids = torch.tensor([prompt], device=self.device)
+        kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=self.max_new_tokens, do_sample=False,
+                      pad_token_id=0)
+        if self.eos == []:
+            kwargs["eos_token_id"] = None
+        if method == "hf_early_exit":
+            kwargs["assistant_early_exit"] = self.exit_layer
+        with torch.inference_mode():
+            out = self.model.generate(ids, **kwargs)
+        return out[0, len(prompt):].tolist(), None
+
+
+def run_benchmark(model, prompts: list[list[int]], exit_layer: int, num_speculations=4, tokenizer=None,
+                  max_new_tokens: int = 128, repeats: int = 5, warmup: int = 1, ignore_eos: bool = True,
+                  methods: tuple[str, ...] = METHODS) -> dict:
+    """Measure `methods` on `prompts` (token lists); returns the report as a dict (see module docstring)."""
+    for method in methods:
+        if method not in METHODS:
+            raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+    generator = SelfSpecGenerator(model, tokenizer, exit_layer=exit_layer)
+    run = _Runner(model, generator, exit_layer, num_speculations, max_new_tokens, ignore_eos)
+    device = generator.view.device
+    times = {m: [] for m in methods}  # per round: summed seconds over prompts
+    tokens = {m: [] for m in methods}
+    outputs = {m: [None] * len(prompts) for m in methods}
+    engine_stats = {"plain": [], "selfspec": []}
+
+    for round_index in range(warmup + repeats):
+        timed = round_index >= warmup
+        order = methods[round_index % len(methods):] + methods[:round_index % len(methods)]
+        round_time = dict.fromkeys(methods, 0.0)
+        round_tokens = dict.fromkeys(methods, 0)
+        for p, prompt in enumerate(prompts):
+            for method in order:
+                _sync(device)
+                start = time.perf_counter()
+                sequence, stats = run(method, prompt)
+                _sync(device)
+                round_time[method] += time.perf_counter() - start
+                round_tokens[method] += len(sequence)
+                outputs[method][p] = sequence
+                if timed and stats is not None:
+                    engine_stats[method].append(stats)
+        if timed:
+            for method in methods:
+                times[method].append(round_time[method])
+                tokens[method].append(round_tokens[method])
+
+    report = {"exit_layer": exit_layer, "num_speculations": num_speculations, "max_new_tokens": max_new_tokens,
+              "num_prompts": len(prompts), "repeats": repeats, "warmup": warmup, "device": str(device),
+              "dtype": str(generator.view.dtype).replace("torch.", ""),
+              "num_layers": generator.view.num_layers, "methods": {}}
+    for method in methods:
+        rates = [n / t for n, t in zip(tokens[method], times[method])]
+        report["methods"][method] = {"tokens_per_second": statistics.median(rates), "tokens_per_second_all": rates}
+    tps = {m: report["methods"][m]["tokens_per_second"] for m in methods}
+    report["speedups"] = {f"{a}_over_{b}": tps[a] / tps[b] for a, b in (
+        ("selfspec", "plain"), ("selfspec", "hf_early_exit"), ("plain", "hf_greedy"), ("selfspec", "hf_greedy"),
+        ("hf_early_exit", "hf_greedy")) if a in tps and b in tps}
+    reference = "plain" if "plain" in methods else methods[0]
+    report["identical_to_" + reference] = {m: outputs[m] == outputs[reference] for m in methods}
+    report["greedy_outputs_identical"] = all(report["identical_to_" + reference][m]
+                                             for m in methods if m != "hf_early_exit")
+    if "plain" in methods and "selfspec" in methods:
+        report["cost_model"] = _cost_model(engine_stats["plain"], engine_stats["selfspec"],
+                                           report["speedups"].get("selfspec_over_plain"))
+    return report
+
+
+def _cost_model(plain_runs, spec_runs, measured: float | None) -> dict:
+    """α, mean accepted length, c and the predictions, pooled over the timed selfspec runs."""
+    pooled = AcceptanceStats()
+    draft_time = verify_time = 0.0
+    draft_steps = spec_rounds = 0
+    for stats in spec_runs:
+        pooled.merge(stats)
+        draft_time += stats.draft_time
+        verify_time += stats.verify_time
+        draft_steps += stats.draft_steps
+        spec_rounds += stats.rounds - stats.plain_steps
+    plain_step = sum(s.plain_time for s in plain_runs) / max(1, sum(s.plain_steps for s in plain_runs))
+    alpha = pooled.acceptance_rate
+    out = {"acceptance_rate": alpha, "draft_efficiency": pooled.draft_efficiency,
+           "mean_accepted_length": pooled.mean_accepted_length, "mean_accepted_length_counts_bonus": True,
+           "per_position_acceptance": pooled.per_position_acceptance,
+           "accepted_histogram": pooled.accepted_histogram,
+           "k_rounds": {int(k): n for k, n in sorted(pooled.k_rounds.items())},
+           "plain_step_seconds": plain_step}
+    if not draft_steps or alpha != alpha:  # no speculative round (auto may turn it off): nothing to predict
+        return out
+    draft_step = draft_time / draft_steps
+    c = draft_step / plain_step
+    k_mean = draft_steps / spec_rounds
+    k_rounds = pooled.k_rounds
+    out.update({
+        "draft_step_seconds": draft_step, "verify_seconds_per_round": verify_time / spec_rounds,
+        "draft_cost": c, "mean_k": k_mean,
+        # E(k)/(1 + k·c) per round, weighted by how many rounds used each k (k = 0 rounds count 1/1)
+        "predicted_speedup": predicted_speedup(k_rounds, alpha, c),
+        "predicted_speedup_kv_reuse": speedup_kv_reuse(round(k_mean), alpha, c),
+        "predicted_speedup_measured_costs": speedup_measured_costs(
+            round(k_mean), alpha, draft_step, verify_time / spec_rounds, plain_step),
+    })
+    if measured is not None:
+        out["measured_over_predicted"] = measured / out["predicted_speedup"]
+    return out
+
+
+def write_report(report: dict, out_dir: str | Path) -> tuple[Path, Path]:
+    """Write `benchmark.json` and `benchmark.md` into out_dir; returns their paths."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out_dir / "benchmark.json", out_dir / "benchmark.md"
+    json_path.write_text(json.dumps(report, indent=2))
+    md_path.write_text(to_markdown(report))
+    return json_path, md_path
+
+
+def to_markdown(report: dict) -> str:
+    lines = [f"# Self-speculative decoding benchmark (E = {report['exit_layer']} of {report['num_layers']}, "
+             f"k = {report['num_speculations']})", "",
+             f"{report['num_prompts']} prompts, batch 1, {report['max_new_tokens']} new tokens, greedy, "
+             f"{report['device']} {report['dtype']}, median of {report['repeats']} interleaved repeats "
+             f"after {report['warmup']} warm-up.", "",
+             "| method | tokens/s |", "|---|---:|"]
+    for method, row in report["methods"].items():
+        lines.append(f"| {method} | {row['tokens_per_second']:.1f} |")
+    lines += ["", "| speedup | × |", "|---|---:|"]
+    lines += [f"| {name.replace('_over_', ' / ')} | {value:.3f} |" for name, value in report["speedups"].items()]
+    cost = report.get("cost_model", {})
+    if cost:
+        lines += ["", "| cost model | value |", "|---|---:|"]
+        for name, value in cost.items():
+            if isinstance(value, float):
+                shown = f"{value:.4g}"
+            elif isinstance(value, list):
+                shown = ", ".join(f"{v:.3g}" if isinstance(v, float) else str(v) for v in value)
+            else:
+                shown = str(value)
+            lines.append(f"| {name} | {shown} |")
+    lines += ["", f"Greedy outputs identical (plain, selfspec, hf_greedy): **{report['greedy_outputs_identical']}**"]
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------------
+
+def read_prompts(args, tokenizer) -> list[list[int]]:
+    """--prompts file when given, else the first tokens of --corpus's test documents."""
+    if args.prompts is None:
+        return prompts_from_corpus(tokenizer, args.corpus, args.num_prompts, args.prompt_tokens)
+    if args.prompts.endswith(".json"):
+        items = json.loads(Path(args.prompts).read_text())
+    else:
+        items = [line for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+    prompts = [tokenizer(item)["input_ids"] if isinstance(item, str) else [int(t) for t in item] for item in items]
+    return prompts[:args.num_prompts]
+
+
+def main(argv=None) -> dict:
+    """Command line of the speed benchmark (`selfspec eval speedup`, `eval/benchmark_speedup.py`)."""
+    parser = argparse.ArgumentParser(prog="selfspec eval speedup", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="directory loadable with AutoModelForCausalLM")
+    parser.add_argument("--exit-layer", type=int, default=None,
+                        help="E: blocks the draft runs (default: the checkpoint's selfspec.json)")
+    parser.add_argument("--num-speculations", default=None,
+                        help="k (int), 'auto' or 'window' (default: selfspec.json's, else auto)")
+    parser.add_argument("--prompts", default=None, help="JSON list (token lists or strings) or text file")
+    parser.add_argument("--corpus", default="stdlib", help="without --prompts: prompts from this corpus's test split")
+    parser.add_argument("--num-prompts", type=int, default=8, help="use the first N prompts")
+    parser.add_argument("--prompt-tokens", type=int, default=64, help="prompt length taken from corpus documents")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
+    parser.add_argument("--keep-eos", action="store_true", help="stop at eos (default: always max-new-tokens)")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    parser.add_argument("--out", default="runs/benchmark")
+    args = parser.parse_args(argv)
+
+    meta = read_meta(args.model) if (Path(args.model) / META_FILE).is_file() else {}
+    exit_layer = args.exit_layer or meta.get("exit_layer")
+    if exit_layer is None:
+        parser.error(f"--exit-layer is required: {args.model} has no {META_FILE}")
+    k = args.num_speculations or meta.get("num_speculations", "auto")
+    k = k if k in ("auto", "window") else int(k)
+    model, tokenizer = load_model(args.model, args.device, args.dtype)
+    prompts = read_prompts(args, tokenizer)
+    report = run_benchmark(model, prompts, exit_layer, k, tokenizer=tokenizer,
+                           max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup=args.warmup,
+                           ignore_eos=not args.keep_eos, methods=tuple(args.methods.split(",")))
+    report["model"] = args.model
+    json_path, md_path = write_report(report, args.out)
+    print(to_markdown(report))
+    print(f"wrote {json_path} and {md_path}")
+    return report
+

@@ -1,0 +1,200 @@
+"""Acceptance statistics and the cost model of (self-)speculative decoding.
+
+Words (the same everywhere in selfspec):
+
+- ``num_speculations`` k: draft tokens proposed per round.
+- ``acceptance_rate`` α: the probability that a draft token is accepted *given that the verifier
+  tests it* (it is tested only if every earlier draft of the round was accepted). Its estimate is
+  accepted / tested, where a round with a accepted out of k tests min(a + 1, k) drafts. This is the
+  α of the formulas below (positions modelled as independent with the same α). Note that
+  accepted / drafted, which some tools report, is smaller: it counts the drafts never tested.
+- accepted length: tokens a round emits, a + 1 (the accepted drafts plus the target's own token:
+  the correction after a rejection, or the bonus token after a fully accepted draft). Its mean is
+  ``mean_accepted_length`` and counts that bonus/correction token, so it is directly comparable
+  with E(k, α).
+- ``draft_cost`` c: time of one draft step (the first E blocks + final norm + head on one token)
+  divided by the time of one full forward on one token (plain decoding's step).
+
+Two speedup formulas (both assume α independent of position and a memory-bound verifier whose
+k + 1 positions cost what one position costs):
+
+- :func:`speedup_simple` E(k)/(1 + k·c) — a round costs k draft steps plus one full forward. That is
+  exactly this engine's round: k draft steps, then the last draft through the first E blocks (c)
+  and the remaining blocks on k + 1 positions (1 − c), reusing the draft blocks' KV cache. It is
+  also the practice article's formula.
+- :func:`speedup_kv_reuse` (1 − α^{k+1}) / ((1 − α)(1 − c + k·c)) — the layer-skip article's
+  "KV reuse" form: verification charged only the remaining blocks (1 − c). It leaves out the pass
+  of the last draft token through the first E blocks that verification still needs, so for this
+  engine it is an upper bound, above :func:`speedup_simple` by the factor (1 + k·c)/(1 − c + k·c).
+
+Pure Python/NumPy; imports nothing from the rest of the project.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+# -- the cost model --------------------------------------------------------------------------------
+def expected_tokens(k: int, alpha: float) -> float:
+    """E(k, α) = 1 + α + ... + α^k = (1 − α^{k+1}) / (1 − α): expected tokens per round, bonus counted.
+
+    k = 0 (plain decoding) gives 1; α = 1 gives k + 1 (the limit of the closed form).
+    """
+    if k < 0:
+        raise ValueError(f"num_speculations must be >= 0, got {k}")
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"acceptance_rate must be in [0, 1], got {alpha}")
+    if alpha == 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def speedup_simple(k: int, alpha: float, draft_cost: float) -> float:
+    """E(k, α) / (1 + k·c): a round = k draft steps of cost c + one full forward (this engine's round)."""
+    return expected_tokens(k, alpha) / (1.0 + k * draft_cost)
+
+
+def speedup_kv_reuse(k: int, alpha: float, draft_cost: float) -> float:
+    """(1 − α^{k+1}) / ((1 − α)(1 − c + k·c)): verification charged only the non-draft blocks (1 − c).
+
+    The layer-skip article's form. It ignores the last draft token's pass through the draft blocks,
+    which verification needs for the bonus token's distribution: an upper bound for this engine.
+    """
+    return expected_tokens(k, alpha) / (1.0 - draft_cost + k * draft_cost)
+
+
+def speedup_measured_costs(k: int, alpha: float, draft_time: float, verify_time: float,
+                           plain_time: float) -> float:
+    """Speedup from measured times: E(k, α)·t_plain / (k·t_draft + t_verify(k)).
+
+    draft_time: seconds per draft step; verify_time: seconds per verification of k drafts (the last
+    draft through the draft blocks + the rest on k + 1 positions + accept); plain_time: seconds per
+    plain decoding step. With k = 0 it is t_plain / t_verify(0), about 1.
+    """
+    return expected_tokens(k, alpha) * plain_time / (k * draft_time + verify_time)
+
+
+def optimal_num_speculations(alpha: float, draft_cost: float, k_max: int = 8,
+                             formula=speedup_simple) -> tuple[int, float]:
+    """The k in 0..k_max with the highest `formula(k, α, c)` and that speedup (k = 0 scores 1)."""
+    best = (0, 1.0)
+    for k in range(1, k_max + 1):
+        s = formula(k, alpha, draft_cost)
+        if s > best[1]:
+            best = (k, s)
+    return best
+
+
+def predicted_speedup(k_rounds: Mapping[int, int], alpha: float, draft_cost: float) -> float:
+    """Speedup of a run whose rounds used various k: Σ n_k·E(k) / Σ n_k·(1 + k·c) (plain step = 1).
+
+    k_rounds: k -> number of rounds run with that k (k = 0 rounds are plain steps).
+    """
+    tokens = sum(n * expected_tokens(k, alpha) for k, n in k_rounds.items())
+    cost = sum(n * (1.0 + k * draft_cost) for k, n in k_rounds.items())
+    if cost == 0:
+        raise ValueError("no rounds")
+    return tokens / cost
+
+
+# -- acceptance statistics -------------------------------------------------------------------------
+def drafts_tested(accepted: np.ndarray, k: int) -> np.ndarray:
+    """Drafts the verifier tested per round: all accepted ones plus the first rejected one."""
+    return np.minimum(np.asarray(accepted) + 1, k)
+
+
+def acceptance_rate(accepted: Sequence[int] | np.ndarray, k: int) -> float:
+    """α̂ = accepted / tested over rounds of one k (NaN when nothing was tested, e.g. k = 0)."""
+    accepted = np.asarray(accepted)
+    tested = drafts_tested(accepted, k).sum() if k > 0 else 0
+    return float(accepted.sum() / tested) if tested else float("nan")
+
+
+@dataclass
+class AcceptanceStats:
+    """Running acceptance statistics over (row, round) pairs, updated once per round.
+
+    `per_position` counts, for draft position i (0-based), how often it was tested and accepted, so
+    `per_position_acceptance[i]` is P(draft i accepted | drafts 0..i-1 accepted): it shows whether
+    later positions are accepted less often than the formulas' constant α assumes.
+    """
+
+    rounds: int = 0  # rounds run (a round serves every active row at once)
+    row_rounds: int = 0  # (row, round) pairs with k >= 1
+    drafted: int = 0  # draft tokens proposed to the verifier
+    tested: int = 0
+    accepted: int = 0
+    emitted: int = 0  # accepted + 1 per (row, round) pair, before cuts at eos/limits
+    k_rounds: dict = field(default_factory=dict)  # k -> rounds run with that k
+    accepted_histogram: list = field(default_factory=list)  # [a] -> (row, round) pairs accepting a drafts
+    position_tested: list = field(default_factory=list)
+    position_accepted: list = field(default_factory=list)
+
+    def update(self, accepted, k: int) -> None:
+        """Record one round: `accepted` holds the accepted draft count of every active row."""
+        accepted = np.asarray(accepted, dtype=np.int64)
+        self.rounds += 1
+        self.k_rounds[k] = self.k_rounds.get(k, 0) + 1
+        if k == 0 or accepted.size == 0:
+            return
+        rows = accepted.size
+        self.row_rounds += rows
+        self.drafted += rows * k
+        self.tested += int(drafts_tested(accepted, k).sum())
+        self.accepted += int(accepted.sum())
+        self.emitted += int(accepted.sum()) + rows
+        histogram = np.bincount(accepted, minlength=k + 1)
+        for lst, n in ((self.accepted_histogram, k + 1), (self.position_tested, k), (self.position_accepted, k)):
+            lst.extend([0] * (n - len(lst)))
+        for a, count in enumerate(histogram):
+            self.accepted_histogram[a] += int(count)
+        # position i is tested when the first i drafts were accepted, accepted when the first i + 1 were
+        for i in range(k):
+            self.position_tested[i] += int((accepted >= i).sum())
+            self.position_accepted[i] += int((accepted > i).sum())
+
+    def merge(self, other: AcceptanceStats) -> None:
+        """Add another run's counts to these (to pool several `generate` calls)."""
+        for name in ("rounds", "row_rounds", "drafted", "tested", "accepted", "emitted"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for k, n in other.k_rounds.items():
+            self.k_rounds[k] = self.k_rounds.get(k, 0) + n
+        for name in ("accepted_histogram", "position_tested", "position_accepted"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for i, n in enumerate(theirs):
+                mine[i] += n
+
+    @property
+    def acceptance_rate(self) -> float:
+        """α̂ = accepted / tested (NaN before any draft was tested)."""
+        return self.accepted / self.tested if self.tested else float("nan")
+
+    @property
+    def draft_efficiency(self) -> float:
+        """accepted / drafted: the share of drafted tokens kept (≤ α̂)."""
+        return self.accepted / self.drafted if self.drafted else float("nan")
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Mean tokens per speculative (row, round), bonus/correction token counted (compare with E(k, α))."""
+        return self.emitted / self.row_rounds if self.row_rounds else float("nan")
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        return [a / t if t else float("nan") for a, t in zip(self.position_accepted, self.position_tested)]
+
+    def as_dict(self) -> dict:
+        return {
+            "rounds": self.rounds, "row_rounds": self.row_rounds, "drafted": self.drafted,
+            "tested": self.tested, "accepted": self.accepted,
+            "acceptance_rate": self.acceptance_rate, "draft_efficiency": self.draft_efficiency,
+            "mean_accepted_length": self.mean_accepted_length,
+            "per_position_acceptance": self.per_position_acceptance,
+            "accepted_histogram": list(self.accepted_histogram),
+            "k_rounds": {int(k): n for k, n in sorted(self.k_rounds.items())},
+        }

@@ -1,0 +1,67 @@
+"""Tuned checkpoints: atomic save, plain Hugging Face loading, selfspec.json errors."""
+
+import json
+
+import pytest
+import torch
+from tiny_models import tiny_model
+from transformers import AutoModelForCausalLM
+
+from selfspec.checkpoint import CheckpointError, read_meta, save_tuned, update_meta
+
+
+def test_save_writes_safetensors_meta_and_loads_with_auto_model(tmp_path):
+    model = tiny_model("qwen3")
+    path = save_tuned(tmp_path / "ckpt", model, exit_layer=2, num_speculations=5, base_model="base",
+                      training={"seed": 1}, metrics={"val/loss": 1.5})
+    assert (path / "model.safetensors").is_file()
+    meta = read_meta(path)
+    assert meta["exit_layer"] == 2 and meta["num_speculations"] == 5 and meta["base_model"] == "base"
+    assert meta["training"] == {"seed": 1} and meta["metrics"] == {"val/loss": 1.5}
+    loaded = AutoModelForCausalLM.from_pretrained(path).eval()
+    ids = torch.randint(0, 96, (1, 6))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left behind
+
+
+def test_failed_save_leaves_the_previous_checkpoint_intact(tmp_path):
+    model = tiny_model("llama")
+    path = save_tuned(tmp_path / "ckpt", model, exit_layer=2)
+    before = (path / "model.safetensors").read_bytes()
+
+    class Broken:
+        config = model.config
+
+        def save_pretrained(self, *args, **kwargs):
+            raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        save_tuned(path, Broken(), exit_layer=2)
+    assert (path / "model.safetensors").read_bytes() == before
+    assert read_meta(path)["exit_layer"] == 2
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_exit_layer_outside_the_model_is_rejected(tmp_path):
+    with pytest.raises(CheckpointError, match="exit_layer = 9 is outside 1..4"):
+        save_tuned(tmp_path / "x", tiny_model("llama"), exit_layer=9)
+    assert not (tmp_path / "x").exists()
+
+
+def test_meta_errors_say_what_to_do(tmp_path):
+    with pytest.raises(CheckpointError, match="has no selfspec.json"):
+        read_meta(tmp_path)
+    (tmp_path / "selfspec.json").write_text("{broken")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        read_meta(tmp_path)
+    (tmp_path / "selfspec.json").write_text(json.dumps({"format_version": 99, "exit_layer": 1}))
+    with pytest.raises(CheckpointError, match="format_version 99"):
+        read_meta(tmp_path)
+
+
+def test_update_meta_merges_fields(tmp_path):
+    path = save_tuned(tmp_path / "ckpt", tiny_model("gpt2"), exit_layer=1)
+    update_meta(path, exit_layer=3, num_speculations=6)
+    meta = read_meta(path)
+    assert (meta["exit_layer"], meta["num_speculations"], meta["kind"]) == (3, 6, "tuned")

@@ -1,0 +1,57 @@
+"""The benchmark runs all four methods in one process, checks greedy identity, writes JSON + Markdown.
+
+No timing is asserted: only that the figures are there and consistent.
+"""
+
+import importlib.util
+import json
+from pathlib import Path
+
+from tiny_models import tiny_model
+
+from selfspec.evaluation.benchmark import METHODS, run_benchmark, write_report
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+
+def test_benchmark_report(tmp_path):
+    model = tiny_model("llama")
+    report = run_benchmark(model, [[5, 6, 7, 8], [9, 10]], exit_layer=3, num_speculations=3, max_new_tokens=10,
+                           repeats=2, warmup=1)
+    assert set(report["methods"]) == set(METHODS)
+    assert all(len(m["tokens_per_second_all"]) == 2 for m in report["methods"].values())
+    assert report["greedy_outputs_identical"]
+    assert report["identical_to_plain"]["hf_early_exit"]  # Hugging Face's self-speculation is lossless too
+    assert report["speedups"]["selfspec_over_plain"] > 0
+    cost = report["cost_model"]
+    assert 0 < cost["acceptance_rate"] <= 1 and cost["mean_accepted_length"] >= 1
+    assert cost["k_rounds"].keys() == {3} and cost["mean_k"] == 3
+    assert cost["predicted_speedup"] > 0 and cost["measured_over_predicted"] > 0 and cost["draft_cost"] > 0
+    json_path, md_path = write_report(report, tmp_path)
+    assert json.loads(json_path.read_text())["exit_layer"] == 3
+    text = md_path.read_text()
+    assert "selfspec / plain" in text and "acceptance_rate" in text and "Greedy outputs identical" in text
+
+
+def test_benchmark_script_end_to_end(tiny_run, tmp_path):
+    spec = importlib.util.spec_from_file_location("benchmark_speedup", ROOT / "eval" / "benchmark_speedup.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert "python eval/benchmark_speedup.py" in script.__doc__
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(["def f(x):", [5, 6, 7]]))
+    report = script.main(["--model", str(tiny_run["model"]), "--exit-layer", "2", "--num-speculations", "auto",
+                          "--prompts", str(prompts), "--max-new-tokens", "6", "--repeats", "1", "--warmup", "0",
+                          "--methods", "plain,selfspec,hf_greedy", "--out", str(tmp_path / "out")])
+    assert report["greedy_outputs_identical"] and report["num_speculations"] == "auto"
+    assert (tmp_path / "out" / "benchmark.json").is_file() and (tmp_path / "out" / "benchmark.md").is_file()
+
+
+def test_prompts_from_a_corpus_test_split(tiny_run, tmp_path):
+    from selfspec.evaluation.benchmark import prompts_from_corpus
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(f"def function_{i}(x):\n    return x * {i} + {i * 7}" for i in range(100)))
+    prompts = prompts_from_corpus(tiny_run["tokenizer"], str(corpus), num_prompts=3, prompt_tokens=6)
+    assert len(prompts) == 3 and all(len(p) == 6 for p in prompts)

@@ -1,0 +1,101 @@
+"""Speculative sampling is lossless: 20,000 seeded runs match the target's exact distribution.
+
+Model: a random 4-block Llama, vocabulary 64, LM head scaled ×20 so distributions are far from
+uniform; the draft is block 0 alone (E = 1), a deliberately poor draft (α about 0.5-0.6). The exact
+distribution of the first generated token is the full model's p(· | prompt); of the second,
+Σ_x p(x | prompt) p(· | prompt, x), enumerated over all 64 first tokens. The 20,000 runs are one
+batch of 20,000 rows with per-row seeds 0..19,999. Threshold: chi-square p-value > 1e-3 (a correct
+sampler fails with probability 0.001 per test; the seeds are fixed, so the outcome is too).
+"""
+
+import numpy as np
+import pytest
+import torch
+from test_decoding_sampling import P_MIN, chi_square_p
+from tiny_models import tiny_model
+
+from selfspec.decoding import SamplingParams, SelfSpecGenerator, sampling
+
+RUNS = 20_000
+PROMPT = [7, 21, 40]
+SETTINGS = {  # name -> (temperature, top_k, top_p, num_speculations)
+    "t1_k2": (1.0, 0, 1.0, 2),  # both tokens decided in draft slots
+    "t0.8_topk_topp_k1": (0.8, 20, 0.9, 1),  # the second token is the bonus when the first is accepted
+}
+
+
+
+@pytest.fixture(scope="module")
+def model():
+    model = tiny_model("llama", vocab_size=64, seed=3)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)
+    return model
+
+
+def exact_distributions(model, params: SamplingParams):
+    """The target's exact distributions of the first and second generated tokens: (V,), (V,)."""
+    vocab = model.config.vocab_size
+    with torch.no_grad():
+        first = params.probs(model(torch.tensor([PROMPT])).logits[0, -1])  # (V,)
+        extended = torch.tensor([PROMPT + [x] for x in range(vocab)])  # every possible first token
+        second = (first[:, None] * params.probs(model(extended).logits[:, -1])).sum(0)  # (V,)
+    return first.double().numpy(), second.double().numpy()
+
+
+def sample_runs(model, setting: str, exit_layer: int = 1):
+    temperature, top_k, top_p, k = SETTINGS[setting]
+    out = SelfSpecGenerator(model, exit_layer=exit_layer).generate(
+        [PROMPT] * RUNS, max_new_tokens=2, temperature=temperature, top_k=top_k, top_p=top_p, num_speculations=k,
+        seed=0, eos_token_id=[])
+    return np.array(out.sequences), out.stats  # (RUNS, 2)
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_first_and_second_token_match_the_target_distribution(model, setting):
+    temperature, top_k, top_p, _ = SETTINGS[setting]
+    first, second = exact_distributions(model, SamplingParams(temperature, top_k, top_p))
+    tokens, stats = sample_runs(model, setting)
+    assert stats.acceptance_rate < 0.7  # a poor draft: many rejections, the residual matters
+    assert chi_square_p(tokens[:, 0], first) > P_MIN
+    assert chi_square_p(tokens[:, 1], second) > P_MIN
+
+
+def test_the_same_test_rejects_an_unclipped_residual(model, monkeypatch):
+    def unclipped(p, q):  # the bug: max(0, p − q) written as p − q (it sums to ~0: garbage or p)
+        residual = p - q
+        total = residual.sum(-1, keepdim=True)
+        return torch.where(total > 0, residual / total.clamp_min(torch.finfo(residual.dtype).tiny), p)
+
+    monkeypatch.setattr(sampling, "residual_probs", unclipped)
+    first, second = exact_distributions(model, SamplingParams(1.0))
+    tokens, _ = sample_runs(model, "t1_k2")
+    assert chi_square_p(tokens[:, 0], first) < P_MIN
+    assert chi_square_p(tokens[:, 1], second) < P_MIN
+
+
+def test_sampling_is_reproducible_and_rows_ignore_their_batch_mates(model):
+    prompts = [[1, 2, 3, 4, 5], [9, 8], [30, 31, 32, 33, 34, 35, 36, 37]]
+    seeds = [11, 22, 33]
+    generator = SelfSpecGenerator(model, exit_layer=1, num_speculations=3)
+    kwargs = dict(max_new_tokens=12, temperature=0.9, top_p=0.95, eos_token_id=[])
+    batch = generator.generate(prompts, seed=seeds, **kwargs).sequences
+    assert generator.generate(prompts, seed=seeds, **kwargs).sequences == batch
+    for prompt, seed, row in zip(prompts, seeds, batch):
+        assert generator.generate([prompt], seed=seed, **kwargs).sequences == [row]
+    assert generator.generate(prompts, seed=[12, 23, 34], **kwargs).sequences != batch
+    # a row that stops early at eos leaves the batch; the others go on exactly as alone
+    eos = batch[1][2]
+    stopped = generator.generate(prompts, seed=seeds, **{**kwargs, "eos_token_id": eos}).sequences
+    for prompt, seed, row in zip(prompts, seeds, stopped):
+        assert generator.generate([prompt], seed=seed, **{**kwargs, "eos_token_id": eos}).sequences == [row]
+    assert len(stopped[1]) <= 3 and any(len(row) > 3 for row in stopped)
+    # an int seed means seed + row
+    assert generator.generate(prompts, seed=11, **kwargs).sequences[0] == batch[0]
+
+
+def test_a_draft_equal_to_the_target_is_always_accepted_when_sampling(model):
+    out = SelfSpecGenerator(model, exit_layer=4).generate(
+        [PROMPT] * 64, max_new_tokens=10, temperature=1.0, num_speculations=4, seed=5, eos_token_id=[])
+    assert out.stats.acceptance_rate == 1.0
+    assert out.stats.accepted_histogram[:4] == [0, 0, 0, 0]

@@ -1,0 +1,145 @@
+"""Logits processing, counter-based random numbers, inverse-CDF sampling and the accept/reject rule."""
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from selfspec.decoding import sampling
+from selfspec.decoding.sampling import (
+    ACCEPT,
+    DRAFT,
+    TARGET,
+    SamplingParams,
+    accept_greedy,
+    accept_sampled,
+    residual_probs,
+    sample,
+    uniforms,
+)
+
+P_MIN = 1e-3  # chi-square / KS threshold: a correct sampler fails one such test with probability 0.001
+
+
+
+def chi_square_p(tokens: np.ndarray, probs: np.ndarray) -> float:
+    """Goodness of fit of `tokens` to `probs`; categories expected fewer than 5 times are pooled.
+
+    A token of probability zero is impossible under `probs`: its presence gives p = 0.
+    """
+    observed = np.bincount(tokens, minlength=len(probs)).astype(float)
+    if observed[probs == 0].sum() > 0:
+        return 0.0
+    expected = probs.astype(np.float64) / probs.sum(dtype=np.float64) * len(tokens)
+    small = expected < 5
+    observed = np.append(observed[~small], observed[small].sum())
+    expected = np.append(expected[~small], expected[small].sum())
+    keep = expected > 0
+    observed, expected = observed[keep], expected[keep]
+    return stats.chisquare(observed, expected * observed.sum() / expected.sum()).pvalue
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 5, 1.0), (0.8, 0, 0.9),
+                                                     (1.0, 20, 0.5)])
+def test_processing_matches_hugging_face_warpers(temperature, top_k, top_p):
+    logits = torch.randn(4, 64, generator=torch.Generator().manual_seed(0)) * 3
+    ours = SamplingParams(temperature, top_k, top_p).process(logits)
+    theirs = TemperatureLogitsWarper(temperature)(None, logits.clone())
+    if top_k:
+        theirs = TopKLogitsWarper(top_k)(None, theirs)
+    if top_p < 1:
+        theirs = TopPLogitsWarper(top_p)(None, theirs)
+    assert torch.equal(torch.isinf(ours), torch.isinf(theirs))
+    assert torch.allclose(ours.softmax(-1), theirs.softmax(-1), atol=1e-6)
+
+
+def test_greedy_params():
+    assert SamplingParams().greedy and not SamplingParams(temperature=0.5).greedy
+    logits = torch.tensor([[1.0, 3.0, 2.0]])
+    assert torch.equal(SamplingParams().process(logits), logits)  # no temperature division at 0
+
+
+def test_uniforms_are_uniform_deterministic_and_keyed():
+    seeds = torch.arange(1000)
+    positions = torch.arange(100).expand(1000, 100)
+    u = uniforms(seeds, positions, DRAFT)
+    assert u.dtype == torch.float64 and u.min() >= 0 and u.max() < 1
+    assert torch.equal(u, uniforms(seeds, positions, DRAFT))
+    assert stats.kstest(u.flatten().numpy(), "uniform").pvalue > P_MIN
+    for other in (uniforms(seeds + 1, positions, DRAFT), uniforms(seeds, positions + 1, DRAFT),
+                  uniforms(seeds, positions, ACCEPT), uniforms(seeds, positions, TARGET)):
+        assert abs(np.corrcoef(u.flatten(), other.flatten())[0, 1]) < 0.01
+        assert (u != other).float().mean() > 0.999
+    # large and negative seeds are fine (64-bit keys)
+    big = uniforms(torch.tensor([2**40 + 7, -3]), torch.zeros(2, 1, dtype=torch.long), TARGET)
+    assert big.min() >= 0 and big.max() < 1
+
+
+def test_inverse_cdf_sampling_matches_the_distribution_and_skips_zeros():
+    probs = torch.tensor([0.0, 0.1, 0.0, 0.35, 0.05, 0.5, 0.0])
+    n = 50_000
+    u = uniforms(torch.arange(n), torch.zeros(n, 1, dtype=torch.long), TARGET)[:, 0]
+    tokens = sample(probs.expand(n, -1), u).numpy()
+    assert chi_square_p(tokens, probs.numpy()) > P_MIN
+    # the extreme uniforms still land on positive-probability tokens, also for unnormalised rows
+    edge = sample(torch.tensor([[0.0, 2.0, 0.0], [0.3, 0.0, 0.0]]), torch.tensor([1 - 2**-32, 1 - 2**-32]))
+    assert edge.tolist() == [1, 0]
+    assert sample(probs[None], torch.tensor([0.0])).item() == 1
+
+
+def test_residual_is_clipped_normalised_and_falls_back_to_p():
+    p = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    q = torch.tensor([0.2, 0.5, 0.2, 0.1])
+    assert torch.allclose(residual_probs(p, q), torch.tensor([1.0, 0.0, 0.0, 0.0]))
+    assert torch.equal(residual_probs(p, p), p)  # p − q sums to zero: fall back to p
+
+
+def test_greedy_accept_counts_the_leading_matches():
+    target = torch.tensor([[3, 1, 4, 1], [3, 1, 4, 1], [3, 1, 4, 1]])
+    logits = torch.nn.functional.one_hot(target, 6).float()  # (B, k+1, V)
+    drafts = torch.tensor([[3, 1, 4], [3, 2, 4], [0, 1, 4]])
+    tokens, accepted = accept_greedy(drafts, logits)
+    assert accepted.tolist() == [3, 1, 0]
+    assert torch.equal(tokens, target)
+
+
+def _speculative_first_tokens(n: int, k: int, p_rows, q_rows):
+    """Emitted tokens of `n` independent rounds with the same p (k+1, V) and q (k, V)."""
+    seeds = torch.arange(n)
+    positions = torch.arange(1, k + 2).expand(n, -1)
+    q = q_rows.expand(n, -1, -1)
+    drafts = sample(q, uniforms(seeds, positions[:, :k], DRAFT))
+    tokens, accepted = accept_sampled(drafts, q, p_rows.expand(n, -1, -1),
+                                      uniforms(seeds, positions[:, :k], ACCEPT), uniforms(seeds, positions, TARGET))
+    return tokens, accepted
+
+
+def _distributions(k=2, vocab=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    p = (torch.randn(k + 1, vocab, generator=g) * 1.5).softmax(-1)
+    q = (torch.randn(k, vocab, generator=g) * 1.5).softmax(-1)  # unrelated to p: a poor draft
+    return p, q
+
+
+def test_accept_rule_emits_the_target_distribution():
+    """The first emitted token of a round is distributed as p_0, whatever q (200,000 rounds)."""
+    p, q = _distributions()
+    tokens, accepted = _speculative_first_tokens(200_000, 2, p, q)
+    assert 0.2 < (accepted > 0).float().mean() < 0.8  # many rejections: the residual matters
+    assert chi_square_p(tokens[:, 0].numpy(), p[0].numpy()) > P_MIN
+    # and the bonus token after full acceptance is drawn from p_k
+    full = accepted == 2
+    assert chi_square_p(tokens[full, 2].numpy(), p[2].numpy()) > P_MIN
+
+
+def test_accept_rule_with_an_unclipped_residual_is_rejected(monkeypatch):
+    def unclipped(p, q):  # the bug: max(0, p − q) written as p − q; it sums to ~0, so it falls back to p
+        residual = p - q
+        total = residual.sum(-1, keepdim=True)
+        return torch.where(total > 0, residual / total.clamp_min(torch.finfo(residual.dtype).tiny), p)
+
+    monkeypatch.setattr(sampling, "residual_probs", unclipped)
+    p, q = _distributions()
+    tokens, _ = _speculative_first_tokens(200_000, 2, p, q)
+    assert chi_square_p(tokens[:, 0].numpy(), p[0].numpy()) < 1e-6

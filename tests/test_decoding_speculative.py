@@ -1,0 +1,235 @@
+"""The engine is lossless in greedy mode, handles batches, stops, inputs, and checks its cache."""
+
+import numpy as np
+import pytest
+import torch
+from tiny_models import FAMILIES, tiny_model
+
+from selfspec.decoding import CacheLengthError, KVCache, SelfSpecGenerator, WindowRule
+
+PROMPTS = [[5, 17, 33, 2, 71, 8], [40, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]  # different lengths
+NEW = 14
+
+
+def reference_greedy(model, prompt, max_new_tokens):
+    """Plain greedy with no cache at all: argmax of the full model on the whole sequence, each step."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+
+def low_alpha_model(family):
+    """A tiny model whose early exits often disagree with the last layer (α around 0.3-0.7)."""
+    model = tiny_model(family)
+    if family == "gpt2":  # its 0.02-std init leaves random blocks near the identity: every exit agrees
+        with torch.no_grad():
+            for weight in model.transformer.h.parameters():
+                if weight.dim() == 2:
+                    weight.mul_(3)
+    return model
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_case(request):
+    model = low_alpha_model(request.param)
+    return request.param, model, [reference_greedy(model, p, NEW) for p in PROMPTS]
+
+
+def test_greedy_equals_plain_greedy_for_every_exit_layer_and_k(family_case):
+    """k = 0..8 and E = 1..N, a batch of three prompts of different lengths, fp32: token for token."""
+    family, model, expected = family_case
+    num_layers = model.config.num_hidden_layers
+    partial = 0  # rounds that accepted some but not all drafts: the rollback path really ran
+    for exit_layer in range(1, num_layers + 1):
+        generator = SelfSpecGenerator(model, exit_layer=exit_layer)
+        for k in range(0, 9):
+            out = generator.generate(PROMPTS, max_new_tokens=NEW, num_speculations=k, eos_token_id=[])
+            assert out.sequences == expected, (family, exit_layer, k)
+            stats = out.stats
+            if k and exit_layer == num_layers:  # the draft is the target: every draft is accepted
+                assert stats.acceptance_rate == 1.0 and stats.accepted == stats.tested
+                assert stats.accepted_histogram[:k] == [0] * k
+            if 0 < k:
+                partial += sum(stats.accepted_histogram[1:k])
+    assert partial > 0
+
+
+def test_rows_stop_at_eos_at_different_steps(family_case):
+    family, model, expected = family_case
+    # two eos ids taken from the rows' own greedy outputs, so rows stop at different steps
+    eos = [expected[0][3], expected[2][8]]
+
+    def cut(seq):
+        for i, t in enumerate(seq):
+            if t in eos:
+                return seq[:i + 1]
+        return seq
+
+    want = [cut(s) for s in expected]
+    assert len({len(s) for s in want}) > 1
+    for exit_layer, k in ((1, 3), (3, 5), (model.config.num_hidden_layers, 8), (2, 0)):
+        out = SelfSpecGenerator(model, exit_layer=exit_layer).generate(
+            PROMPTS, max_new_tokens=NEW, num_speculations=k, eos_token_id=eos)
+        assert out.sequences == want, (exit_layer, k)
+
+
+def test_batch_rows_equal_single_row_runs():
+    model = tiny_model("llama")
+    generator = SelfSpecGenerator(model, exit_layer=2)
+    batch = generator.generate(PROMPTS, max_new_tokens=NEW, num_speculations=3, eos_token_id=[]).sequences
+    for prompt, row in zip(PROMPTS, batch):
+        assert generator.generate([prompt], max_new_tokens=NEW, num_speculations=3, eos_token_id=[]).sequences == [row]
+
+
+@pytest.mark.parametrize("max_new_tokens", [0, 1, 2, 5])
+def test_a_draft_crossing_the_limit_is_cut(max_new_tokens):
+    model = tiny_model("gpt2")  # high α: rounds emit several tokens, so drafts cross the limit
+    expected = [reference_greedy(model, p, max_new_tokens) for p in PROMPTS]
+    out = SelfSpecGenerator(model, exit_layer=3).generate(PROMPTS, max_new_tokens=max_new_tokens,
+                                                          num_speculations=8, eos_token_id=[])
+    assert out.sequences == expected
+    assert all(len(s) == max_new_tokens for s in out.sequences)
+
+
+def test_default_eos_is_the_models_own_and_empty_list_disables_it():
+    model = tiny_model("qwen2")
+    expected = reference_greedy(model, PROMPTS[0], NEW)
+    model.generation_config.eos_token_id = expected[4]
+    generator = SelfSpecGenerator(model, exit_layer=2)
+    stopped = generator.generate(PROMPTS[0], max_new_tokens=NEW, num_speculations=4).sequences[0]
+    assert stopped == expected[:expected.index(expected[4]) + 1]
+    assert generator.generate(PROMPTS[0], max_new_tokens=NEW, num_speculations=4, eos_token_id=[]).sequences[0] == expected
+    as_int = generator.generate(PROMPTS[0], max_new_tokens=NEW, num_speculations=4, eos_token_id=expected[4])
+    assert as_int.sequences[0] == stopped
+
+
+def test_input_forms_agree():
+    model = tiny_model("mistral")
+    generator = SelfSpecGenerator(model, exit_layer=2, num_speculations=3)
+    expected = generator.generate(PROMPTS, max_new_tokens=8, eos_token_id=[]).sequences
+    width = max(map(len, PROMPTS))
+    for side in ("left", "right"):
+        ids = torch.zeros(len(PROMPTS), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, prompt in enumerate(PROMPTS):
+            cols = slice(width - len(prompt), width) if side == "left" else slice(0, len(prompt))
+            ids[row, cols], mask[row, cols] = torch.tensor(prompt), 1
+        got = generator.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=[]).sequences
+        assert got == expected, side
+    assert generator.generate(PROMPTS[1], max_new_tokens=8, eos_token_id=[]).sequences == [expected[1]]
+    assert generator.generate(torch.tensor(PROMPTS[1]), max_new_tokens=8, eos_token_id=[]).sequences == [expected[1]]
+    with pytest.raises(ValueError, match="tokenizer"):
+        generator.generate("hello")
+    with pytest.raises(ValueError, match="at least one token"):
+        generator.generate([[1, 2], []])
+
+
+class CharTokenizer:
+    """One token per character (ids 32..95 are printable ASCII), enough for strings and stop strings."""
+
+    eos_token_id = 10
+
+    def __call__(self, text):
+        return {"input_ids": [ord(ch) % 96 for ch in text]}
+
+    def decode(self, ids):
+        return "".join(chr(i) if i >= 32 else "?" for i in ids)
+
+
+def test_string_prompts_and_stop_strings():
+    model = tiny_model("llama")
+    tokenizer = CharTokenizer()
+    generator = SelfSpecGenerator(model, tokenizer, exit_layer=2, num_speculations=4)
+    prompt = "Hi there"
+    expected = reference_greedy(model, tokenizer(prompt)["input_ids"], NEW)
+    out = generator.generate([prompt], max_new_tokens=NEW, eos_token_id=[])
+    assert out.sequences == [expected] and out.texts == [tokenizer.decode(expected)]
+    stop = tokenizer.decode(expected[5:7])  # completed by the 7th generated token
+    first = tokenizer.decode(expected).find(stop)
+    out = generator.generate(prompt, max_new_tokens=NEW, eos_token_id=[], stop_strings=[stop])
+    assert out.sequences == [expected[:first + 2]]
+    assert out.texts[0].endswith(stop)
+
+
+def test_auto_and_window_controllers_are_lossless():
+    model = tiny_model("qwen3")
+    expected = [reference_greedy(model, p, NEW) for p in PROMPTS]
+    for exit_layer in (1, 3, 4):
+        generator = SelfSpecGenerator(model, exit_layer=exit_layer)
+        for spec in ("auto", "window", WindowRule(k=2, k_min=1, k_max=5)):
+            out = generator.generate(PROMPTS, max_new_tokens=NEW, num_speculations=spec, eos_token_id=[])
+            assert out.sequences == expected, (exit_layer, spec)
+
+
+def test_rollback_assertion_fires_when_a_cache_is_left_one_position_too_long(monkeypatch):
+    model = tiny_model("llama")
+    original = KVCache.rollback
+
+    def one_too_long(self, lengths):
+        original(self, lengths)
+        self.lengths[-1] += 1  # the last layer keeps one rejected position
+
+    generator = SelfSpecGenerator(model, exit_layer=2, num_speculations=3)
+    generator.generate(PROMPTS, max_new_tokens=4, eos_token_id=[])  # fine without the bug
+    monkeypatch.setattr(KVCache, "rollback", one_too_long)
+    with pytest.raises(CacheLengthError, match="layer 3 holds"):
+        generator.generate(PROMPTS, max_new_tokens=4, eos_token_id=[])
+    SelfSpecGenerator(model, exit_layer=2, num_speculations=3, check_cache=False).generate(
+        PROMPTS, max_new_tokens=4, eos_token_id=[])  # switched off: no check
+
+
+def test_stats_are_consistent():
+    model = tiny_model("gpt2")
+    out = SelfSpecGenerator(model, exit_layer=2).generate(PROMPTS, max_new_tokens=NEW, num_speculations=4,
+                                                          eos_token_id=[])
+    s = out.stats
+    assert s.generated_tokens == NEW * len(PROMPTS)
+    assert s.drafted == 4 * s.row_rounds and s.draft_steps == 4 * s.rounds
+    assert sum(s.accepted_histogram) == s.row_rounds
+    assert s.accepted == sum(a * n for a, n in enumerate(s.accepted_histogram))
+    assert s.mean_accepted_length == pytest.approx(1 + s.accepted / s.row_rounds)
+    assert s.position_tested[0] == s.row_rounds
+    assert 0 < s.acceptance_rate <= 1 and s.draft_efficiency <= s.acceptance_rate
+    assert s.draft_time > 0 and s.verify_time > 0 and s.total_time >= s.draft_time + s.verify_time
+    assert 0 < s.draft_cost < 10
+    assert set(s.as_dict()) >= {"acceptance_rate", "mean_accepted_length", "draft_cost", "accepted_histogram",
+                                "per_position_acceptance", "tokens_per_second"}
+    plain = SelfSpecGenerator(model, exit_layer=2).generate(PROMPTS, max_new_tokens=NEW, num_speculations=0,
+                                                            eos_token_id=[]).stats
+    assert plain.rounds == NEW and plain.plain_steps == NEW and plain.drafted == 0
+    assert np.isnan(plain.acceptance_rate)
+
+
+def test_invalid_arguments():
+    model = tiny_model("llama")
+    for exit_layer in (0, 5, None):
+        with pytest.raises(ValueError, match="exit_layer"):
+            SelfSpecGenerator(model, exit_layer=exit_layer)
+    generator = SelfSpecGenerator(model, exit_layer=2)
+    for kwargs in ({"num_speculations": -1}, {"num_speculations": "fast"}, {"temperature": -1.0},
+                   {"top_p": 0.0}, {"seed": [1, 2]}):
+        with pytest.raises(ValueError):
+            generator.generate(PROMPTS, max_new_tokens=2, **kwargs)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_greedy_is_lossless_and_sampling_matches_cpu():
+    """CUDA path: events for timing, device-side sampling; the same numbers as on the CPU."""
+    model = low_alpha_model("qwen2")
+    expected = [reference_greedy(model, p, NEW) for p in PROMPTS]
+    cpu = SelfSpecGenerator(model, exit_layer=2).generate(PROMPTS, max_new_tokens=NEW, temperature=0.8,
+                                                          num_speculations=3, seed=1, eos_token_id=[])
+    model = model.cuda()
+    generator = SelfSpecGenerator(model, exit_layer=2)
+    for k in (0, 1, 4, "auto"):
+        out = generator.generate(PROMPTS, max_new_tokens=NEW, num_speculations=k, eos_token_id=[])
+        assert out.sequences == expected, k
+        assert out.stats.verify_time + out.stats.plain_time > 0
+    sampled = generator.generate(PROMPTS, max_new_tokens=NEW, temperature=0.8, num_speculations=3, seed=1,
+                                 eos_token_id=[])
+    # the same uniforms on both devices; tiny float differences could flip a near-tie, so mostly equal
+    same = sum(a == b for x, y in zip(sampled.sequences, cpu.sequences) for a, b in zip(x, y))
+    assert same >= 0.9 * NEW * len(PROMPTS)

@@ -1,0 +1,53 @@
+"""Per-exit-layer metrics, the perplexity gate and the CLI's one-line errors."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_models import tiny_model
+
+from selfspec.cli import main
+from selfspec.evaluation.exits import exit_layer_metrics, format_exit_table
+from selfspec.evaluation.perplexity import perplexity, perplexity_gate
+
+
+def test_exit_metrics_match_a_direct_computation():
+    model = tiny_model("llama", num_layers=4)
+    blocks = torch.randint(0, 96, (5, 12), generator=torch.Generator().manual_seed(0))
+    report = exit_layer_metrics(model, blocks, batch_size=2)
+    assert sorted(report) == [1, 2, 3, 4]
+    with torch.no_grad():
+        states = model(blocks, output_hidden_states=True).hidden_states
+        final = model(blocks).logits
+        exit2 = model.lm_head(model.model.norm(states[2]))
+    ce = F.cross_entropy(exit2[:, :-1].flatten(0, 1), blocks[:, 1:].flatten())
+    agree = (exit2[:, :-1].argmax(-1) == final[:, :-1].argmax(-1)).double().mean()
+    overlap = torch.minimum(exit2.softmax(-1), final.softmax(-1)).sum(-1)[:, :-1].mean()
+    assert report[2]["loss"] == pytest.approx(ce.item(), rel=1e-5)
+    assert report[2]["top1_agreement"] == pytest.approx(agree.item(), abs=1e-9)
+    assert report[2]["expected_acceptance"] == pytest.approx(overlap.item(), rel=1e-5)
+    assert report[4]["top1_agreement"] == 1.0 and report[4]["expected_acceptance"] == pytest.approx(1.0)
+    assert report[4]["perplexity"] == pytest.approx(math.exp(report[4]["loss"]))
+    assert "| 2 | 50% |" in format_exit_table(report)
+
+
+def test_gate_passes_identical_models_and_fails_a_damaged_one():
+    base = tiny_model("llama", num_layers=4, seed=0)
+    blocks = torch.randint(0, 96, (4, 16), generator=torch.Generator().manual_seed(1))
+    same = perplexity_gate(base, base, blocks)
+    assert same.passed and same.relative_change == 0.0
+    damaged = tiny_model("llama", num_layers=4, seed=0)
+    with torch.no_grad():
+        damaged.lm_head.weight.mul_(3.0)  # sharper, wrong logits: a higher perplexity on random text
+    result = perplexity_gate(damaged, base, blocks, max_increase=0.01)
+    assert result.tuned_perplexity == pytest.approx(perplexity(damaged, blocks))
+    assert result.relative_change > 0.01 and not result.passed
+    assert result.summary().startswith("FAIL")
+
+
+def test_cli_user_errors_are_one_line_with_exit_code_2(tmp_path, capsys):
+    assert main(["layers", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: no model at") and "\n" not in err
+    assert main(["eval", "gate", "--tuned", str(tmp_path), "--base", str(tmp_path)]) == 2
