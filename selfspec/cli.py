@@ -156,25 +156,28 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--base", required=True)
     p.add_argument("--max-increase", type=float, default=0.01, help="allowed relative increase (0.01 = 1%%)")
     data_flags(p)
-    p = ev.add_parser("speedup", help="decoding benchmark: plain vs self-speculative vs Hugging Face", add_help=False)
-    p.add_argument("args", nargs=argparse.REMAINDER, help="see `selfspec eval speedup --help`")
+    # Listed for --help only: main() hands `eval speedup ...` to the benchmark's own parser.
+    ev.add_parser("speedup", help="decoding benchmark: plain vs self-speculative vs Hugging Face "
+                                  "(see `selfspec eval speedup --help`)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    speedup = argv[:2] == ["eval", "speedup"]
+    args = None if speedup else _parser().parse_args(argv)
     try:
-        if args.command == "demo":
+        if speedup:
+            from .evaluation.benchmark import main as speedup_main
+
+            speedup_main(argv[2:])
+        elif args.command == "demo":
             demo(args.base_config, args.finetune_config, args.force, args.max_new_tokens, args.repeats)
         elif args.command == "layers":
             layers_report(args.model, args.data, args.split, args.block_size, args.max_blocks, args.json)
         elif args.command == "generate":
             generate(args.model, args.prompt, args.max_new_tokens, args.temperature, args.num_speculations,
                      args.seed)
-        elif args.command == "eval" and args.eval_command == "speedup":
-            from .evaluation.benchmark import main as speedup_main
-
-            speedup_main(args.args)
         elif args.command == "eval" and args.eval_command == "gate":
             passed = gate(args.tuned, args.base, args.max_increase, args.data, args.split, args.block_size,
                           args.max_blocks, args.json)

@@ -51,3 +51,24 @@ def test_cli_user_errors_are_one_line_with_exit_code_2(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: no model at") and "\n" not in err
     assert main(["eval", "gate", "--tuned", str(tmp_path), "--base", str(tmp_path)]) == 2
+
+
+def test_cli_speedup_and_generate_on_a_tiny_checkpoint(tiny_run, tmp_path, capsys):
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from selfspec.checkpoint import save_tuned
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_run["model"])
+    ckpt = save_tuned(tmp_path / "tuned", model, tiny_run["tokenizer"], exit_layer=2, num_speculations=3)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def f(x):\nimport os\n")
+    assert main(["eval", "speedup", "--model", str(ckpt), "--prompts", str(prompts), "--max-new-tokens", "6",
+                 "--repeats", "1", "--warmup", "0", "--methods", "plain,selfspec", "--out", str(tmp_path / "b")]) == 0
+    report = json.loads((tmp_path / "b" / "benchmark.json").read_text())
+    assert report["exit_layer"] == 2 and report["greedy_outputs_identical"]
+    assert report["methods"]["selfspec"]["tokens_per_second"] > 0
+    capsys.readouterr()
+    assert main(["generate", str(ckpt), "def f(x):", "--max-new-tokens", "5", "--num-speculations", "2"]) == 0
+    assert capsys.readouterr().out.startswith("def f(x):")
