@@ -107,8 +107,8 @@ class LayerDropoutConfig:
 
 @dataclass
 class EarlyExitConfig:
-    layers: str | list[int] | None = None
-    """Candidate exit layers: a list, a slice "start:stop:step", "2,4,6" or "all"; None disables the
+    layers: str | int | list[int] | None = None
+    """Candidate exit layers: one layer, a list, a slice "start:stop:step", "2,4,6" or "all"; None disables the
     early-exit losses. Layer l is the output of block l-1 (counted like exit_layer)."""
     kind: Literal["kl", "ce", "both"] = "kl"
     """Loss at each exit: KL to the teacher's distribution, CE to the labels, or their sum."""

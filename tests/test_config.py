@@ -27,6 +27,7 @@ def test_yaml_values_and_overrides(tmp_path):
                              "log_with=[jsonl, tensorboard]", "exit_layer=null"])
     assert cfg.optim.lr == 1e-3 and cfg.optim.max_steps == 20
     assert cfg.early_exit.layers == "2:8:2"
+    assert load_config(None, ["early_exit.layers=6"]).early_exit.layers == 6
     assert cfg.layer_dropout.p_max == 0.2
     assert cfg.log_with == ["jsonl", "tensorboard"]
     assert cfg.exit_layer is None

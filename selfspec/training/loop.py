@@ -142,7 +142,8 @@ def build_objective(model, cfg: RunConfig, num_layers: int, exit_layer: int) -> 
                                total_steps=cfg.optim.max_steps, per_sample=ld.per_sample,
                                protected_layers=exit_layer if ld.protect_draft_layers else 0, seed=cfg.seed)
     ee = cfg.early_exit
-    layers = parse_layers(ee.layers, num_layers) if ee.layers is not None else []
+    spec = [ee.layers] if isinstance(ee.layers, int) else ee.layers
+    layers = parse_layers(spec, num_layers) if spec is not None else []
     curriculum = ExitCurriculum(ee.curriculum, layers, cfg.optim.max_steps, ee.rotation_period) if layers else None
     frozen = None
     if layers and ee.teacher == "frozen" and not cfg.lora.enabled:
