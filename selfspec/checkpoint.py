@@ -45,8 +45,10 @@ def write_json_atomic(path: str | Path, data: Any) -> None:
 
 def save_tuned(path: str | Path, model, tokenizer=None, *, exit_layer: int, num_speculations: int = 4,
                base_model: str | None = None, training: dict | None = None, metrics: dict | None = None,
-               kind: str = "tuned") -> Path:
+               kind: str = "tuned", state_dict: dict | None = None) -> Path:
     """Save model (safetensors) + tokenizer + selfspec.json into `path`, atomically.
+
+    state_dict: the weights to write when the module's own are sharded (FSDP); default its own.
 
     Everything is written into a temporary sibling directory first and renamed into place at the end,
     so a crash leaves either the old checkpoint or the new one, never a mixture. A PEFT model is
@@ -61,7 +63,7 @@ def save_tuned(path: str | Path, model, tokenizer=None, *, exit_layer: int, num_
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.staging-"))
     try:
-        model.save_pretrained(staging, safe_serialization=True)
+        model.save_pretrained(staging, safe_serialization=True, state_dict=state_dict)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
         write_json_atomic(staging / META_FILE, {

@@ -43,7 +43,8 @@ def build_llama(vocab_size: int, hidden_size: int, num_layers: int, num_heads: i
 
 
 def _looks_local(name_or_path: str) -> bool:
-    return name_or_path.startswith((".", "/", "~")) or Path(name_or_path).exists() or name_or_path.count("/") != 1
+    """A path rather than a hub id ("gpt2", "Qwen/Qwen2.5-0.5B")."""
+    return name_or_path.startswith((".", "/", "~")) or Path(name_or_path).exists() or name_or_path.count("/") > 1
 
 
 def load_causal_lm(name_or_path: str, dtype: str = "auto", attn_implementation: str = "sdpa",

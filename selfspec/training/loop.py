@@ -283,9 +283,18 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True, kind: str
     accelerator.log(final, step=step)
     model_dir = output_dir / FINAL_DIR
     accelerator.wait_for_everyone()
+    state_dict = None
+    if not cfg.lora.enabled:
+        # Full weights on the main process: under FSDP each rank holds only a shard, and
+        # get_state_dict gathers them (it must run on every rank). LoRA models are merged from
+        # their modules instead (sharded LoRA saving is not supported yet).
+        prefix = "model."
+        state_dict = {k[len(prefix):]: v for k, v in accelerator.get_state_dict(objective).items()
+                      if k.startswith(prefix)}
     if accelerator.is_main_process:
         inner = accelerator.unwrap_model(objective).model
-        save_tuned(model_dir, inner, tokenizer, exit_layer=exit_layer, num_speculations=cfg.num_speculations,
+        save_tuned(model_dir, inner, tokenizer, state_dict=state_dict, exit_layer=exit_layer,
+                   num_speculations=cfg.num_speculations,
                    base_model=None if cfg.model.from_scratch else cfg.model.name_or_path, training=to_dict(cfg),
                    metrics={**final, "steps": step, "tokens_seen": micro * tokens_per_micro,
                             "train_seconds": round(seconds, 1), "processes": accelerator.num_processes,
