@@ -243,19 +243,21 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True, kind: str
         if cfg.optim.max_minutes and time.perf_counter() - start_time > 60 * cfg.optim.max_minutes:
             accelerator.print(f"stopping at step {step}: optim.max_minutes = {cfg.optim.max_minutes} reached")
             break
-        logs = {}
+        sums = {}  # device tensors: read back once per step, not once per micro-batch and key
         for _ in range(cfg.optim.grad_accum):
             input_ids = next(stream)
             with accelerator.accumulate(objective):
                 out = objective(input_ids, step=step)
                 accelerator.backward(out["loss"])
                 if accelerator.sync_gradients and cfg.optim.grad_clip > 0:
-                    logs["grad_norm"] = float(accelerator.clip_grad_norm_(trainable, cfg.optim.grad_clip))
+                    sums["grad_norm"] = accelerator.clip_grad_norm_(trainable, cfg.optim.grad_clip).detach()
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
             for key, value in out.items():
-                logs[key] = logs.get(key, 0.0) + value.item() / cfg.optim.grad_accum
+                sums[key] = sums.get(key, 0.0) + value.detach() / cfg.optim.grad_accum
+        values = torch.stack([torch.as_tensor(v, dtype=torch.float32) for v in sums.values()]).tolist()
+        logs = dict(zip(sums, values))
         step += 1
         logs["lr"] = scheduler.get_last_lr()[0]
         logs["tokens"] = micro * tokens_per_micro

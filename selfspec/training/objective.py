@@ -45,6 +45,7 @@ class SelfSpecObjective(nn.Module):
                  frozen_model: nn.Module | None = None, token_fraction: float = 1.0, seed: int = 0):
         super().__init__()
         self.model = model
+        self.__dict__["view"] = DecoderView(model)  # a plain attribute: the same modules, not registered twice
         self.layer_dropout = layer_dropout
         self.exit_layers = list(exit_layers)
         if self.exit_layers and curriculum is None:
@@ -59,7 +60,7 @@ class SelfSpecObjective(nn.Module):
             raise ValueError("teacher 'frozen' needs frozen_model for a full fine-tune (or a PEFT model)")
 
     def forward(self, input_ids: torch.Tensor, step: int = 0) -> dict[str, torch.Tensor]:
-        view = DecoderView(self.model)
+        view = self.view
         batch = input_ids.shape[0]
         drop = None
         if self.layer_dropout is not None:
