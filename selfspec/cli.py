@@ -4,6 +4,7 @@
     selfspec layers runs/base/model                # per-exit-layer agreement table (test split)
     selfspec eval gate --tuned runs/demo/model --base runs/base/model
     selfspec eval speedup --model runs/demo/model  # α, draft cost, tokens/s, speedups vs plain and HF
+    selfspec eval sweep --model runs/demo/model --write-back   # best (E, k): table, plot, selfspec.json
     selfspec generate runs/demo/model "def parse_args("
 """
 
@@ -89,27 +90,35 @@ def demo(base_config: str = DEFAULT_BASE_CONFIG, finetune_config: str = DEFAULT_
     """The main job on the embedded default, end to end; every stage is cached for a second run.
 
     corpus -> tokenizer -> base model -> per-layer agreement (before) -> self-speculative fine-tune
-    -> per-layer agreement (after) -> perplexity gate -> decoding benchmark.
+    -> per-layer agreement (after) -> perplexity gate -> (E, k) sweep, the fastest written into
+    selfspec.json -> decoding benchmark at that (E, k).
     """
     from .config import load_config
     from .evaluation.benchmark import main as speedup_main
     from .evaluation.exits import format_exit_table
+    from .evaluation.sweep import main as sweep_main
     from .training.loop import train_or_reuse
 
     base_cfg, tune_cfg = load_config(base_config), load_config(finetune_config)
-    print("== 1/5 embedded base: corpus, tokenizer, pretraining (cached after the first run)")
+    print("== 1/6 embedded base: corpus, tokenizer, pretraining (cached after the first run)")
     base_dir, reused = train_or_reuse(base_cfg, kind="base", force=force)
     print(f"{'reused' if reused else 'trained'} {base_dir}")
-    print("== 2/5 training-free acceptance per exit layer (test split)")
+    print("== 2/6 training-free acceptance per exit layer (test split)")
     before = layers_report(str(base_dir), json_out=str(Path(base_cfg.output_dir) / "layers_test.json"))
-    print(f"== 3/5 self-speculative fine-tune ({finetune_config})")
+    print(f"== 3/6 self-speculative fine-tune ({finetune_config})")
     tuned_dir, reused = train_or_reuse(tune_cfg, kind="tuned", force=force)
     print(f"{'reused' if reused else 'trained'} {tuned_dir}")
-    print("== 4/5 after the fine-tune, and the perplexity gate (test split)")
+    print("== 4/6 after the fine-tune, and the perplexity gate (test split)")
     after = layers_report(str(tuned_dir), json_out=str(Path(tune_cfg.output_dir) / "layers_test.json"))
     print(format_exit_table(after, baseline=before))
     passed = gate(str(tuned_dir), str(base_dir), json_out=str(Path(tune_cfg.output_dir) / "gate.json"))
-    print("== 5/5 decoding benchmark: plain vs self-speculative vs Hugging Face (greedy, batch 1)")
+    print("== 5/6 which (E, k) decodes fastest: sweep, the best written into selfspec.json")
+    num_layers = len(after)  # `after` has layers 1..N
+    trained = tune_cfg.exit_layer or num_layers // 2
+    sweep_main(["--model", str(tuned_dir), "--exit-layers", f"{max(1, trained - 2)}:{min(num_layers, trained + 3)}",
+                "--ks", "2,3,4,6", "--max-new-tokens", "64", "--repeats", str(repeats),  # 64: a 20-cell grid in minutes
+                "--out", str(Path(tune_cfg.output_dir) / "sweep"), "--write-back"])
+    print("== 6/6 decoding benchmark at that (E, k): plain vs self-speculative vs Hugging Face (greedy, batch 1)")
     speedup_main(["--model", str(tuned_dir), "--max-new-tokens", str(max_new_tokens), "--repeats", str(repeats),
                   "--out", str(Path(tune_cfg.output_dir) / "benchmark")])
     if not passed:
@@ -156,21 +165,27 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--base", required=True)
     p.add_argument("--max-increase", type=float, default=0.01, help="allowed relative increase (0.01 = 1%%)")
     data_flags(p)
-    # Listed for --help only: main() hands `eval speedup ...` to the benchmark's own parser.
+    # Listed for --help only: main() hands `eval speedup|sweep ...` to their own parsers.
     ev.add_parser("speedup", help="decoding benchmark: plain vs self-speculative vs Hugging Face "
                                   "(see `selfspec eval speedup --help`)")
+    ev.add_parser("sweep", help="speedup over a grid of exit layers E and draft lengths k, plot, "
+                                "best (E, k) into selfspec.json (see `selfspec eval sweep --help`)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    speedup = argv[:2] == ["eval", "speedup"]
-    args = None if speedup else _parser().parse_args(argv)
+    delegated = argv[:2] in (["eval", "speedup"], ["eval", "sweep"])
+    args = None if delegated else _parser().parse_args(argv)
     try:
-        if speedup:
+        if delegated and argv[1] == "speedup":
             from .evaluation.benchmark import main as speedup_main
 
             speedup_main(argv[2:])
+        elif delegated:
+            from .evaluation.sweep import main as sweep_main
+
+            sweep_main(argv[2:])
         elif args.command == "demo":
             demo(args.base_config, args.finetune_config, args.force, args.max_new_tokens, args.repeats)
         elif args.command == "layers":

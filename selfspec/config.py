@@ -203,6 +203,9 @@ class RunConfig:
     """Trackers: any of jsonl (always written), tensorboard, wandb (offline without WANDB_API_KEY)."""
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
     """auto: bf16 on GPUs that support it, else fp32."""
+    cpu_threads: int | None = None
+    """Torch threads per process on CPU. None: the machine's cores split over its processes (plain
+    `accelerate launch` would leave one thread per process)."""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -374,6 +377,8 @@ def validate(cfg: Any, prefix: str = "") -> None:
         _check(cfg.num_speculations >= 0, f"{p}num_speculations", cfg.num_speculations, "it must be >= 0")
         _check(cfg.eval_every >= 0 and cfg.save_every >= 0, f"{p}eval_every/save_every",
                (cfg.eval_every, cfg.save_every), "they must be >= 0")
+        _check(cfg.cpu_threads is None or cfg.cpu_threads >= 1, f"{p}cpu_threads", cfg.cpu_threads,
+               "it must be >= 1, or null for all cores")
         known = {"jsonl", "tensorboard", "wandb"}
         bad = [t for t in cfg.log_with if t not in known]
         _check(not bad, f"{p}log_with", bad, f"choose from {', '.join(sorted(known))}")

@@ -53,6 +53,7 @@ def test_unknown_key_names_the_closest_valid_key(tmp_path):
     ("early_exit.kind=mse", r"early_exit.kind = 'mse' is not allowed; choose one of 'kl', 'ce', 'both'"),
     ("optim.batch_size=0", r"optim.batch_size = 0 is not allowed; it must be >= 1"),
     ("log_with=[jsonl, mlflow]", r"log_with = \['mlflow'\] is not allowed; choose from jsonl, tensorboard, wandb"),
+    ("cpu_threads=0", r"cpu_threads = 0 is not allowed; it must be >= 1, or null for all cores"),
     ("optim=3", r"optim must be a section"),
     ("optim.lr", r"override 'optim.lr' must look like section.field=value"),
 ])

@@ -72,3 +72,46 @@ def test_cli_speedup_and_generate_on_a_tiny_checkpoint(tiny_run, tmp_path, capsy
     capsys.readouterr()
     assert main(["generate", str(ckpt), "def f(x):", "--max-new-tokens", "5", "--num-speculations", "2"]) == 0
     assert capsys.readouterr().out.startswith("def f(x):")
+
+
+def test_cli_sweep_measures_the_grid_plots_and_writes_back_the_best(tiny_run, tmp_path, capsys):
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from selfspec.checkpoint import read_meta, save_tuned
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_run["model"])
+    ckpt = save_tuned(tmp_path / "tuned", model, tiny_run["tokenizer"], exit_layer=2, num_speculations=3)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def f(x):\nimport os\n")
+    out = tmp_path / "sweep"
+    assert main(["eval", "sweep", "--model", str(ckpt), "--prompts", str(prompts), "--exit-layers", "1:4",
+                 "--ks", "1,3", "--max-new-tokens", "6", "--repeats", "1", "--warmup", "0", "--out", str(out),
+                 "--write-back"]) == 0
+    report = json.loads((out / "sweep.json").read_text())
+    assert sorted((r["exit_layer"], r["num_speculations"]) for r in report["grid"]) == [
+        (1, 1), (1, 3), (2, 1), (2, 3), (3, 1), (3, 3)]
+    assert report["all_identical_to_plain"]
+    assert all(0.0 <= report["per_exit_layer"][e]["acceptance_rate"] <= 1.0 for e in ("1", "2", "3"))
+    assert (out / "sweep.png").stat().st_size > 0 and "| E | α | c |" in (out / "sweep.md").read_text()
+    best = report["best"]
+    assert best["speedup"] == max(r["speedup"] for r in report["grid"])
+    meta = read_meta(ckpt)
+    if best["speedup"] > 1:  # written back only when it beats plain decoding
+        assert (meta["exit_layer"], meta["num_speculations"]) == (best["exit_layer"], best["num_speculations"])
+    else:
+        assert (meta["exit_layer"], meta["num_speculations"]) == (2, 3)
+
+
+def test_cli_sweep_rejects_a_bad_grid_in_one_line(tiny_run, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from selfspec.checkpoint import save_tuned
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_run["model"])
+    ckpt = save_tuned(tmp_path / "tuned", model, tiny_run["tokenizer"], exit_layer=2, num_speculations=3)
+    assert main(["eval", "sweep", "--model", str(ckpt), "--exit-layers", "9"]) == 2
+    assert "error: " in capsys.readouterr().err
+    assert main(["eval", "sweep", "--model", str(ckpt), "--ks", "two"]) == 2
+    assert "--ks must be a comma list" in capsys.readouterr().err

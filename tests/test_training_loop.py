@@ -16,7 +16,7 @@ from selfspec.checkpoint import read_meta
 from selfspec.config import load_config
 from selfspec.training.early_exit import ExitCurriculum
 from selfspec.training.layer_dropout import LayerDropout
-from selfspec.training.loop import train
+from selfspec.training.loop import _set_cpu_threads, train
 from selfspec.training.objective import SelfSpecObjective, shifted_labels
 
 REPO = Path(__file__).resolve().parents[1]
@@ -161,3 +161,21 @@ def test_token_fraction_subsamples_the_same_positions_for_every_exit():
         # The mean over many steps approaches the full-token loss (an unbiased estimate).
         mean = sum(part(ids, step=s)["exit_loss"].item() for s in range(200)) / 200
         assert mean == pytest.approx(full(ids)["exit_loss"].item(), rel=0.03)
+
+
+def test_cpu_threads_under_accelerate_launch_use_the_cores_and_an_explicit_count_wins(monkeypatch):
+    """`accelerate launch` leaves one thread per CPU process; the loop gives each its share of cores."""
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+        torch.set_num_threads(1)
+        _set_cpu_threads(None, 1)  # in-process caller: its own setting stays
+        assert torch.get_num_threads() == 1
+        monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+        monkeypatch.setattr("os.cpu_count", lambda: 8)
+        _set_cpu_threads(None, 2)
+        assert torch.get_num_threads() == 4
+        _set_cpu_threads(3, 2)
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from ..checkpoint import META_FILE, read_meta
 from ..decoding import SelfSpecGenerator
@@ -108,6 +109,45 @@ class _Runner:
         return out[0, len(prompt):].tolist(), None
 
 
+def interleaved_rates(names, run, prompts: list[list[int]], repeats: int, warmup: int, device,
+                      progress: bool = False):
+    """Time `run(name, prompt) -> (tokens, stats or None)` for every name on every prompt, interleaved.
+
+    `warmup` untimed rounds, then `repeats` timed ones; in each round every prompt is decoded by
+    every name, the order of names rotating from round to round so that drift hits all alike.
+    Returns ({name: tokens/s of each timed round (all prompts' tokens ÷ their summed time)},
+    {name: the last round's outputs, one per prompt}, {name: stats of every timed run}).
+    """
+    names = list(names)
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    rates = {n: [] for n in names}
+    outputs = {n: [None] * len(prompts) for n in names}
+    stats = {n: [] for n in names}
+    bar = tqdm(total=(warmup + repeats) * len(prompts), desc="benchmark", disable=not progress)
+    for round_index in range(warmup + repeats):
+        timed = round_index >= warmup
+        shift = round_index % len(names)
+        seconds, tokens = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0)
+        for p, prompt in enumerate(prompts):
+            for name in names[shift:] + names[:shift]:
+                _sync(device)
+                start = time.perf_counter()
+                sequence, run_stats = run(name, prompt)
+                _sync(device)
+                seconds[name] += time.perf_counter() - start
+                tokens[name] += len(sequence)
+                outputs[name][p] = sequence
+                if timed and run_stats is not None:
+                    stats[name].append(run_stats)
+            bar.update()
+        if timed:
+            for name in names:
+                rates[name].append(tokens[name] / max(seconds[name], 1e-9))
+    bar.close()
+    return rates, outputs, stats
+
+
 def run_benchmark(model, prompts: list[list[int]], exit_layer: int, num_speculations=4, tokenizer=None,
                   max_new_tokens: int = 128, repeats: int = 5, warmup: int = 1, ignore_eos: bool = True,
                   methods: tuple[str, ...] = METHODS) -> dict:
@@ -118,39 +158,15 @@ def run_benchmark(model, prompts: list[list[int]], exit_layer: int, num_speculat
     generator = SelfSpecGenerator(model, tokenizer, exit_layer=exit_layer)
     run = _Runner(model, generator, exit_layer, num_speculations, max_new_tokens, ignore_eos)
     device = generator.view.device
-    times = {m: [] for m in methods}  # per round: summed seconds over prompts
-    tokens = {m: [] for m in methods}
-    outputs = {m: [None] * len(prompts) for m in methods}
-    engine_stats = {"plain": [], "selfspec": []}
-
-    for round_index in range(warmup + repeats):
-        timed = round_index >= warmup
-        order = methods[round_index % len(methods):] + methods[:round_index % len(methods)]
-        round_time = dict.fromkeys(methods, 0.0)
-        round_tokens = dict.fromkeys(methods, 0)
-        for p, prompt in enumerate(prompts):
-            for method in order:
-                _sync(device)
-                start = time.perf_counter()
-                sequence, stats = run(method, prompt)
-                _sync(device)
-                round_time[method] += time.perf_counter() - start
-                round_tokens[method] += len(sequence)
-                outputs[method][p] = sequence
-                if timed and stats is not None:
-                    engine_stats[method].append(stats)
-        if timed:
-            for method in methods:
-                times[method].append(round_time[method])
-                tokens[method].append(round_tokens[method])
+    rates, outputs, stats = interleaved_rates(methods, run, prompts, repeats, warmup, device)
 
     report = {"exit_layer": exit_layer, "num_speculations": num_speculations, "max_new_tokens": max_new_tokens,
               "num_prompts": len(prompts), "repeats": repeats, "warmup": warmup, "device": str(device),
               "dtype": str(generator.view.dtype).replace("torch.", ""),
               "num_layers": generator.view.num_layers, "methods": {}}
     for method in methods:
-        rates = [n / t for n, t in zip(tokens[method], times[method])]
-        report["methods"][method] = {"tokens_per_second": statistics.median(rates), "tokens_per_second_all": rates}
+        report["methods"][method] = {"tokens_per_second": statistics.median(rates[method]),
+                                     "tokens_per_second_all": rates[method]}
     tps = {m: report["methods"][m]["tokens_per_second"] for m in methods}
     report["speedups"] = {f"{a}_over_{b}": tps[a] / tps[b] for a, b in (
         ("selfspec", "plain"), ("selfspec", "hf_early_exit"), ("plain", "hf_greedy"), ("selfspec", "hf_greedy"),
@@ -160,13 +176,14 @@ def run_benchmark(model, prompts: list[list[int]], exit_layer: int, num_speculat
     report["greedy_outputs_identical"] = all(report["identical_to_" + reference][m]
                                              for m in methods if m != "hf_early_exit")
     if "plain" in methods and "selfspec" in methods:
-        report["cost_model"] = _cost_model(engine_stats["plain"], engine_stats["selfspec"],
+        report["cost_model"] = _cost_model(stats["plain"], stats["selfspec"],
                                            report["speedups"].get("selfspec_over_plain"))
     return report
 
 
-def _cost_model(plain_runs, spec_runs, measured: float | None) -> dict:
-    """α, mean accepted length, c and the predictions, pooled over the timed selfspec runs."""
+def pooled_costs(plain_runs, spec_runs) -> dict:
+    """Engine runs pooled: acceptance statistics of `spec_runs`, seconds per plain step (from
+    `plain_runs`), per draft step and per verification, and the draft cost c = draft ÷ plain step."""
     pooled = AcceptanceStats()
     draft_time = verify_time = 0.0
     draft_steps = spec_rounds = 0
@@ -177,6 +194,16 @@ def _cost_model(plain_runs, spec_runs, measured: float | None) -> dict:
         draft_steps += stats.draft_steps
         spec_rounds += stats.rounds - stats.plain_steps
     plain_step = sum(s.plain_time for s in plain_runs) / max(1, sum(s.plain_steps for s in plain_runs))
+    draft_step = draft_time / draft_steps if draft_steps else float("nan")
+    return {"stats": pooled, "plain_step": plain_step, "draft_step": draft_step, "draft_steps": draft_steps,
+            "spec_rounds": spec_rounds, "verify_per_round": verify_time / max(1, spec_rounds),
+            "draft_cost": draft_step / plain_step if plain_step else float("nan")}
+
+
+def _cost_model(plain_runs, spec_runs, measured: float | None) -> dict:
+    """α, mean accepted length, c and the predictions, pooled over the timed selfspec runs."""
+    costs = pooled_costs(plain_runs, spec_runs)
+    pooled, plain_step, draft_steps = costs["stats"], costs["plain_step"], costs["draft_steps"]
     alpha = pooled.acceptance_rate
     out = {"acceptance_rate": alpha, "draft_efficiency": pooled.draft_efficiency,
            "mean_accepted_length": pooled.mean_accepted_length, "mean_accepted_length_counts_bonus": True,
@@ -186,18 +213,17 @@ def _cost_model(plain_runs, spec_runs, measured: float | None) -> dict:
            "plain_step_seconds": plain_step}
     if not draft_steps or alpha != alpha:  # no speculative round (auto may turn it off): nothing to predict
         return out
-    draft_step = draft_time / draft_steps
-    c = draft_step / plain_step
-    k_mean = draft_steps / spec_rounds
+    draft_step, c, verify = costs["draft_step"], costs["draft_cost"], costs["verify_per_round"]
+    k_mean = draft_steps / costs["spec_rounds"]
     k_rounds = pooled.k_rounds
     out.update({
-        "draft_step_seconds": draft_step, "verify_seconds_per_round": verify_time / spec_rounds,
+        "draft_step_seconds": draft_step, "verify_seconds_per_round": verify,
         "draft_cost": c, "mean_k": k_mean,
         # E(k)/(1 + k·c) per round, weighted by how many rounds used each k (k = 0 rounds count 1/1)
         "predicted_speedup": predicted_speedup(k_rounds, alpha, c),
         "predicted_speedup_kv_reuse": speedup_kv_reuse(round(k_mean), alpha, c),
         "predicted_speedup_measured_costs": speedup_measured_costs(
-            round(k_mean), alpha, draft_step, verify_time / spec_rounds, plain_step),
+            round(k_mean), alpha, draft_step, verify, plain_step),
     })
     if measured is not None:
         out["measured_over_predicted"] = measured / out["predicted_speedup"]

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .fast import FastLlamaBlocks
+
 
 class UnsupportedArchitectureError(ValueError):
     """The model's `config.model_type` has no adapter."""
@@ -43,12 +45,19 @@ class Adapter:
         """(B, T) ids at (B, T) positions -> (B, T, D) input of block 0."""
         raise NotImplementedError
 
-    def block_extras(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict:
-        """Per-call tensors every block needs (computed once per `run_layers`, not per block)."""
+    def block_extras(self, hidden: torch.Tensor, positions: torch.Tensor, max_position: int | None = None) -> dict:
+        """Per-call tensors every block needs (computed once per `run_layers`, not per block).
+
+        max_position: the largest entry of `positions` when the caller knows it without a device read.
+        """
         return {}
 
     def call_block(self, index: int, hidden, mask, cache, extras: dict) -> torch.Tensor:
         raise NotImplementedError
+
+    def exit_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head after the final norm: (..., D) -> (..., V)."""
+        return self.lm_head(self.final_norm(hidden))
 
     def sliding_window(self, index: int) -> int | None:
         """Attention window of block `index` (None: full causal attention)."""
@@ -68,17 +77,62 @@ class LlamaFamilyAdapter(Adapter):
     def final_norm(self) -> nn.Module:
         return self.model.model.norm
 
+    # Rotary types whose frequencies change with the sequence length (`dynamic_rope_update`): their
+    # cos/sin must be computed per call, never read from a table.
+    _LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")  # matched as substrings, as Hugging Face does
+
+    def __init__(self, model):
+        super().__init__(model)
+        self._fast: FastLlamaBlocks | None | bool = False  # False: not built yet (see `fast`)
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin: (L, head_dim)
+
+    @property
+    def fast(self) -> FastLlamaBlocks | None:
+        """Autograd-free blocks for decoding and evaluation; None when some block is not a plain one.
+
+        Built on first use, not with the view: a view made before `accelerator.prepare` (the training
+        objective's) must not hold the unsharded weights. Modules replaced afterwards (a PEFT wrap)
+        need a new `DecoderView`.
+        """
+        if self._fast is False:
+            self._fast = FastLlamaBlocks.build(self.layers, self.config, self.final_norm, self.lm_head)
+        return self._fast
+
+    def _use_fast(self) -> bool:
+        # Eager and flash attention differ from SDPA in rounding (eager: float32 softmax): keep them.
+        return (not torch.is_grad_enabled() and not self.model.training
+                and getattr(self.config, "_attn_implementation", None) == "sdpa" and self.fast is not None)
+
     def embed(self, input_ids, positions):
         return self.model.model.embed_tokens(input_ids)
 
-    def block_extras(self, hidden, positions):
-        # Rotary cos/sin: (B, T, head_dim) each, shared by every block of this call.
-        return {"position_embeddings": self.model.model.rotary_emb(hidden, position_ids=positions),
-                "position_ids": positions}
+    def block_extras(self, hidden, positions, max_position=None):
+        # Rotary cos/sin: (B, T, head_dim) each, shared by every block of this call. Rows of a table
+        # computed once for positions 0..L-1 are the very values a per-call computation gives (the
+        # angle of a position is one product, no reduction), at the cost of one index per call.
+        rotary = self.model.model.rotary_emb
+        rope_type = str(getattr(rotary, "rope_type", ""))
+        if max_position is None or any(kind in rope_type for kind in self._LENGTH_DEPENDENT_ROPE):
+            return {"position_embeddings": rotary(hidden, position_ids=positions), "position_ids": positions}
+        table = self._rope_table
+        if table is None or table[0].shape[0] <= max_position or table[0].dtype != hidden.dtype \
+                or table[0].device != hidden.device:
+            size = 1 << max(max_position, 255).bit_length()  # grows by doubling: few rebuilds
+            with torch.no_grad():
+                cos, sin = rotary(hidden, position_ids=torch.arange(size, device=hidden.device)[None])
+            table = self._rope_table = (cos[0], sin[0])
+        return {"position_embeddings": (table[0][positions], table[1][positions]), "position_ids": positions}
 
     def call_block(self, index, hidden, mask, cache, extras):
+        if self._use_fast():
+            return self.fast(index, hidden, mask, cache, *extras["position_embeddings"])
         return self.layers[index](hidden, attention_mask=mask, cache=cache,
                                   use_cache=cache is not None, **extras)
+
+    def exit_logits(self, hidden):
+        if self._use_fast() and self.fast.head is not None:
+            return self.fast.exit_logits(hidden)
+        return super().exit_logits(hidden)
 
     def sliding_window(self, index):
         window = getattr(self.config, "sliding_window", None)

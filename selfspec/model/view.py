@@ -101,7 +101,7 @@ class DecoderView:
 
     def exit_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head after the model's final norm: (..., D) -> (..., V)."""
-        return self.lm_head(self.final_norm(hidden))
+        return self.adapter.exit_logits(hidden)
 
     def context(self, hidden: torch.Tensor, positions: torch.Tensor | None = None,
                 kv_length: int | None = None, cached: bool = False, aligned: bool = False) -> LayerContext:
@@ -124,6 +124,7 @@ class DecoderView:
             key_positions = torch.arange(kv_length, device=hidden.device)[None]  # (1, S)
         else:
             key_positions = positions
+        max_position = length - 1 if contiguous else (kv_length - 1 if cached else None)
         query_positions = positions[:1] if aligned else positions
         masks = {}
         for window in set(self.windows):
@@ -133,7 +134,7 @@ class DecoderView:
                 fast = aligned and cached and length == 1 and (window is None or window >= kv_length)
             masks[window] = None if fast and self._sdpa else self._mask(query_positions, key_positions, window,
                                                                           hidden.dtype)
-        return LayerContext(positions, masks, self.adapter.block_extras(hidden, positions))
+        return LayerContext(positions, masks, self.adapter.block_extras(hidden, positions, max_position))
 
     @property
     def _sdpa(self) -> bool:

@@ -83,6 +83,19 @@ def _trackers(cfg: RunConfig, output_dir: Path) -> list:
     return trackers
 
 
+def _set_cpu_threads(requested: int | None, processes_on_machine: int) -> None:
+    """Torch threads of a CPU process: `requested`, else under `accelerate launch` the machine's
+    cores split over its processes, else torch's own setting (an in-process caller's choice stays).
+
+    `accelerate launch` exports OMP_NUM_THREADS=1 unless its config says `use_cpu`, which would
+    leave half of a 2-core machine idle.
+    """
+    launched = "ACCELERATE_MIXED_PRECISION" in os.environ  # set for every process `accelerate launch` starts
+    if requested is None and not launched:
+        return
+    torch.set_num_threads(requested or max(1, (os.cpu_count() or 1) // max(1, processes_on_machine)))
+
+
 def _has_accelerator() -> bool:
     mps = getattr(torch.backends, "mps", None)
     xpu = getattr(torch, "xpu", None)
@@ -168,6 +181,8 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True, kind: str
         log_with=_trackers(cfg, output_dir), project_dir=str(output_dir), kwargs_handlers=plugin_kwargs,
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed))
     set_seed(cfg.seed)
+    if accelerator.device.type == "cpu":
+        _set_cpu_threads(cfg.cpu_threads, int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes)))
 
     # -- data and model ------------------------------------------------------------------------------
     with accelerator.main_process_first():

@@ -1,0 +1,195 @@
+"""Inference-only forward of Llama-family blocks straight from their weights.
+
+Decoding one token through a small model is bound by per-operation overhead, not arithmetic: a
+Hugging Face `LlamaDecoderLayer` call spends most of its time in Python (module `__call__`s, keyword
+plumbing, the attention-interface dispatch), several times the cost of its eight matrix products on
+a CPU. `FastLlamaBlocks` runs the same computation, in the same order and the same dtypes, as a
+flat sequence of tensor operations on the modules' own weight tensors (no copies, no fused weights,
+so no extra memory): pre-norm RMSNorm -> q/k/v projections (+ Qwen3's per-head q/k norms) ->
+rotary -> cache update -> scaled dot-product attention -> o projection -> residual -> RMSNorm ->
+SwiGLU MLP -> residual.
+
+`DecoderView` uses it whenever autograd is off, the model is in eval mode and uses SDPA attention
+(decoding, evaluation), and falls back to the model's own blocks otherwise (training, eager or
+flash attention, PEFT adapters not merged, quantised, sharded, offloaded or hooked layers). The speculative engine's plain and self-speculative paths both run
+through it, so its losslessness guarantee is unchanged; tests check it against Hugging Face's blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's LlamaRMSNorm, op for op (statistics in float32, scaled in the input dtype)."""
+    h = hidden.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(hidden.dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, H, T, hd) rotated by cos/sin (B, 1, T, hd): x·cos + rotate_half(x)·sin."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+@dataclass(frozen=True)
+class _Block:
+    """The tensors and constants of one block, gathered once (attribute lookups cost as much as ops)."""
+
+    norm1: torch.Tensor
+    eps1: float
+    wq: torch.Tensor
+    bq: torch.Tensor | None
+    wk: torch.Tensor
+    bk: torch.Tensor | None
+    wv: torch.Tensor
+    bv: torch.Tensor | None
+    wo: torch.Tensor
+    bo: torch.Tensor | None
+    q_norm: tuple[torch.Tensor, float] | None  # Qwen3: RMSNorm over each head's dims
+    k_norm: tuple[torch.Tensor, float] | None
+    norm2: torch.Tensor
+    eps2: float
+    w_gate: torch.Tensor
+    b_gate: torch.Tensor | None
+    w_up: torch.Tensor
+    b_up: torch.Tensor | None
+    w_down: torch.Tensor
+    b_down: torch.Tensor | None
+    act: object  # F.silu, or the module's own activation
+    head_dim: int
+    scaling: float
+    gqa: bool  # fewer key/value heads than query heads
+
+
+def _is_plain_linear(module) -> bool:
+    return type(module) is nn.Linear  # a LoRA, quantised or hooked layer computes something else
+
+
+def _norm(module) -> tuple[torch.Tensor, float] | None:
+    weight, eps = getattr(module, "weight", None), getattr(module, "variance_epsilon", None)
+    if not isinstance(weight, torch.Tensor) or eps is None:
+        return None
+    return weight, float(eps)
+
+
+def _hooked(modules: nn.Module) -> bool:
+    """Whether some module relies on work done around its own call, which this code bypasses: FSDP 1/2
+    and DeepSpeed ZeRO-3 gather sharded weights in hooks, accelerate's `device_map` offloading moves
+    weights in (`_hf_hook`), and any user forward hook would silently not run."""
+    for m in modules.modules():
+        if hasattr(m, "_fsdp_wrapped_module") or type(m).__name__.startswith("FSDP") or hasattr(m, "_hf_hook"):
+            return True
+        hooks = [*m._forward_hooks.values(), *m._forward_pre_hooks.values()]
+        # Transformers installs output-capturing hooks for `output_hidden_states`; they only record.
+        if any("output_cap" not in getattr(h, "__qualname__", "") for h in hooks):
+            return True
+    return any(type(p) is not nn.Parameter or hasattr(p, "ds_id") or p.is_meta for p in modules.parameters())
+
+
+def _gather(layer: nn.Module, config) -> _Block | None:
+    """The block's tensors, or None when it is not a plain Llama-family block this code reproduces."""
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if attn is None or mlp is None:
+        return None
+    linears = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    linears += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    norms = [_norm(getattr(layer, n, None)) for n in ("input_layernorm", "post_attention_layernorm")]
+    if not all(_is_plain_linear(m) for m in linears) or None in norms:
+        return None
+    q_norm = k_norm = None
+    if hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
+        q_norm, k_norm = _norm(getattr(attn, "q_norm", None)), _norm(getattr(attn, "k_norm", None))
+        if q_norm is None or k_norm is None:
+            return None
+    act = F.silu if getattr(config, "hidden_act", None) == "silu" else getattr(mlp, "act_fn", None)
+    if act is None:
+        return None
+    q, k, v, o, gate, up, down = linears
+    return _Block(norms[0][0], norms[0][1], q.weight, q.bias, k.weight, k.bias, v.weight, v.bias,
+                  o.weight, o.bias, q_norm, k_norm, norms[1][0], norms[1][1], gate.weight, gate.bias,
+                  up.weight, up.bias, down.weight, down.bias, act, int(attn.head_dim), float(attn.scaling),
+                  q.weight.shape[0] != k.weight.shape[0])
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, b: _Block):
+    """SDPA over q (B, Hq, T, hd) and k, v (B, Hkv, S, hd) -> (B, T, Hq·hd), grouped-query heads handled
+    as Hugging Face's sdpa integration does (so that CUDA picks the same kernels): `enable_gqa`
+    without a mask; with a mask, one query token folds its Hq/Hkv heads into the query length
+    (`pack_gqa`), and longer queries repeat the key/value heads."""
+    batch, heads, length, head_dim = q.shape
+    gqa = {}
+    if b.gqa and mask is None:
+        gqa["enable_gqa"] = True
+    elif b.gqa and length == 1:
+        q = q.reshape(batch, k.shape[1], heads // k.shape[1], head_dim)  # (B, Hkv, groups, hd)
+    elif b.gqa:
+        groups = heads // k.shape[1]
+        k = k[:, :, None].expand(-1, -1, groups, -1, -1).reshape(batch, heads, -1, head_dim)
+        v = v[:, :, None].expand(-1, -1, groups, -1, -1).reshape(batch, heads, -1, head_dim)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and length > 1,
+                                         scale=b.scaling, **gqa)
+    return out.reshape(batch, heads, length, head_dim).transpose(1, 2).reshape(batch, length, heads * head_dim)
+
+
+class FastLlamaBlocks:
+    """Run Llama/Mistral/Qwen2/Qwen3 blocks without autograd, as flat tensor operations.
+
+    Built from a `LlamaFamilyAdapter`'s layers; `FastLlamaBlocks.build(layers, config)` returns None
+    when any block is not one this code reproduces exactly (then the caller keeps the model's own).
+    The tensors are the modules' own (`nn.Parameter`s updated in place stay current); a model whose
+    modules are *replaced* afterwards (e.g. wrapped by PEFT) needs a new `DecoderView`.
+    """
+
+    def __init__(self, blocks: list[_Block], head: tuple | None):
+        self.blocks = blocks
+        self.head = head  # (final norm weight, eps, LM head weight, bias), or None: use the modules
+
+    @classmethod
+    def build(cls, layers: nn.ModuleList, config, final_norm: nn.Module | None = None,
+              lm_head: nn.Module | None = None) -> FastLlamaBlocks | None:
+        """Gather every block (and the final norm + LM head when given and plain); None if one is not plain."""
+        if _hooked(layers):
+            return None
+        blocks = [_gather(layer, config) for layer in layers]
+        if any(b is None for b in blocks):
+            return None
+        norm = _norm(final_norm)
+        plain_head = norm is not None and _is_plain_linear(lm_head) and not _hooked(nn.ModuleList([final_norm, lm_head]))
+        return cls(blocks, (*norm, lm_head.weight, lm_head.bias) if plain_head else None)
+
+    def exit_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head: (..., D) -> (..., V). Only when `head` is not None."""
+        norm_weight, eps, head_weight, head_bias = self.head
+        return F.linear(rms_norm(hidden, norm_weight, eps), head_weight, head_bias)
+
+    def __call__(self, index: int, hidden: torch.Tensor, mask: torch.Tensor | None, cache,
+                 cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Block `index` on hidden (B, T, D) -> (B, T, D); cos/sin (B, T, hd); mask (B, 1, T, S) or None.
+
+        A cache gets `update(k, v, index)` like Hugging Face's attention calls it. A mask of None means
+        causal attention over the T inputs (no cache) or attention to every cached slot (T = 1).
+        """
+        b = self.blocks[index]
+        batch, length, _ = hidden.shape
+        x = rms_norm(hidden, b.norm1, b.eps1)
+        q = F.linear(x, b.wq, b.bq).view(batch, length, -1, b.head_dim)
+        k = F.linear(x, b.wk, b.bk).view(batch, length, -1, b.head_dim)
+        v = F.linear(x, b.wv, b.bv).view(batch, length, -1, b.head_dim).transpose(1, 2)
+        if b.q_norm is not None:
+            q, k = rms_norm(q, *b.q_norm), rms_norm(k, *b.k_norm)
+        cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, hd): one angle per position, all heads
+        q = apply_rotary(q.transpose(1, 2), cos, sin)  # (B, Hq, T, hd)
+        k = apply_rotary(k.transpose(1, 2), cos, sin)  # (B, Hkv, T, hd)
+        if cache is not None:
+            k, v = cache.update(k, v, index)  # (B, Hkv, S, hd): every slot the layer holds
+        attn = _attention(q, k, v, mask, b)  # (B, T, Hq·hd)
+        hidden = hidden + F.linear(attn, b.wo, b.bo)
+        x = rms_norm(hidden, b.norm2, b.eps2)
+        mlp = b.act(F.linear(x, b.w_gate, b.b_gate)) * F.linear(x, b.w_up, b.b_up)
+        return hidden + F.linear(mlp, b.w_down, b.b_down)

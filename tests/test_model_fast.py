@@ -1,0 +1,173 @@
+"""`FastLlamaBlocks` and the rotary table: the autograd-free decode path equals Hugging Face's blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from selfspec.decoding.cache import KVCache
+from selfspec.model import DecoderView
+from selfspec.model.fast import FastLlamaBlocks
+from tests.tiny_models import tiny_model
+
+LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def _layer_reference(view, index, hidden, positions):
+    """Block `index` through the model's own module (autograd on, so the fast path stays out)."""
+    extras = view.adapter.block_extras(hidden, positions)
+    mask = view.context(hidden).masks[view.windows[index]]
+    with torch.enable_grad():
+        return view.layers[index](hidden, attention_mask=mask, **extras).detach()
+
+
+@pytest.mark.parametrize("family", LLAMA_FAMILIES)
+def test_fast_block_equals_the_model_block(family):
+    view = DecoderView(tiny_model(family))
+    assert view.adapter.fast is not None
+    hidden = torch.randn(2, 12, view.config.hidden_size)
+    positions = view.default_positions(hidden)
+    with torch.no_grad():
+        ctx = view.context(hidden)
+        for index in range(view.num_layers):
+            fast = view.adapter.fast(index, hidden, ctx.masks[view.windows[index]], None,
+                                     *ctx.extras["position_embeddings"])
+            torch.testing.assert_close(fast, _layer_reference(view, index, hidden, positions),
+                                       rtol=1e-5, atol=1e-5)
+
+
+def test_biases_everywhere_are_applied():
+    """Llama with attention and MLP biases (Qwen2 covers q/k/v biases alone)."""
+    model = tiny_model("llama", attention_bias=True, mlp_bias=True)
+    model = type(model)(model.config).float().eval()  # rebuilt so the biased layers exist
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    view = DecoderView(model)
+    ids = torch.randint(0, 96, (1, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(view(ids), model(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", LLAMA_FAMILIES)
+def test_cached_decoding_on_the_fast_path_equals_the_model(family):
+    model = tiny_model(family)
+    view = DecoderView(model)
+    ids = torch.randint(0, 96, (1, 20))
+    cache = KVCache(view.num_layers, 1, 32)
+    with torch.no_grad():
+        expected = model(ids).logits
+        logits = []
+        for t in range(20):
+            positions = torch.tensor([[t]])
+            kv_length = cache.set_positions(positions, [t])
+            hidden = view.run_layers(view.embed(ids[:, t:t + 1], positions), 0, view.num_layers, cache=cache,
+                                     positions=positions, kv_length=kv_length, aligned=True)
+            logits.append(view.exit_logits(hidden))
+    torch.testing.assert_close(torch.cat(logits, 1), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_fast_path_only_without_autograd_and_in_eval_mode(monkeypatch):
+    view = DecoderView(tiny_model("llama"))
+    calls = []
+    run_block = FastLlamaBlocks.__call__
+
+    def counting(self, *args):
+        calls.append(1)
+        return run_block(self, *args)
+
+    monkeypatch.setattr(FastLlamaBlocks, "__call__", counting)
+    ids = torch.randint(0, 96, (1, 6))
+    view(ids)  # autograd on: the model's own blocks (training needs them)
+    assert calls == []
+    with torch.no_grad():
+        view.model.train()
+        view(ids)  # training mode (dropout may be on): the model's own blocks
+        assert calls == []
+        view.model.eval()
+        view(ids)
+    assert len(calls) == view.num_layers
+
+
+def test_unmerged_lora_layers_keep_the_model_blocks():
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_model("llama"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    assert DecoderView(model).adapter.fast is None
+    assert FastLlamaBlocks.build(DecoderView(model).layers, model.config) is None
+
+
+def test_gpt2_has_no_fast_path_and_still_runs():
+    view = DecoderView(tiny_model("gpt2"))
+    assert getattr(view.adapter, "fast", None) is None
+    with torch.no_grad():
+        ids = torch.randint(0, 96, (1, 6))
+        torch.testing.assert_close(view(ids), view.model(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_rotary_table_rows_equal_per_call_values_and_the_table_grows():
+    view = DecoderView(tiny_model("llama", max_position_embeddings=4096))
+    hidden = torch.randn(2, 3, view.config.hidden_size)
+    positions = torch.tensor([[5, 6, 7], [300, 301, 302]])  # beyond the first table (256 rows)
+    cos, sin = view.adapter.block_extras(hidden, positions, max_position=302)["position_embeddings"]
+    assert view.adapter._rope_table[0].shape[0] == 512
+    ref_cos, ref_sin = view.model.model.rotary_emb(hidden, position_ids=positions)
+    assert torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin)
+
+
+def test_length_dependent_rotary_is_computed_per_call():
+    model = tiny_model("llama", rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
+    model = type(model)(model.config).float().eval()
+    view = DecoderView(model)
+    hidden = torch.randn(1, 2, view.config.hidden_size)
+    view.adapter.block_extras(hidden, torch.tensor([[0, 1]]), max_position=1)
+    assert view.adapter._rope_table is None
+
+
+def test_fsdp_wrapped_blocks_keep_their_own_calls():
+    """FSDP gathers weights in hooks around a block's call; the fast path would bypass them."""
+    model = tiny_model("llama")
+    layers = DecoderView(model).layers
+    assert FastLlamaBlocks.build(layers, model.config) is not None
+    layers[1]._fsdp_wrapped_module = layers[1].mlp  # how FSDP1 marks a wrapped unit
+    assert FastLlamaBlocks.build(layers, model.config) is None
+
+
+@pytest.mark.parametrize("family", LLAMA_FAMILIES)
+def test_multi_token_step_on_a_cache_with_a_mask_equals_the_model(family):
+    """The verification shape: T > 1 new tokens behind a prefix in the cache (masked GQA attention)."""
+    model = tiny_model(family)
+    view = DecoderView(model)
+    ids = torch.randint(0, 96, (2, 14))
+    cache = KVCache(view.num_layers, 2, 32)
+    with torch.no_grad():
+        expected = model(ids).logits[:, 9:]
+        for start, end in ((0, 9), (9, 14)):  # prefill, then a 5-token "verification"
+            positions = view.default_positions(ids[:, start:end], start)
+            kv_length = cache.set_positions(positions, [start, start])
+            hidden = view.run_layers(view.embed(ids[:, start:end], positions), 0, view.num_layers, cache=cache,
+                                     positions=positions, kv_length=kv_length, aligned=True)
+        assert view.context(hidden, positions, kv_length, cached=True, aligned=True).masks[view.windows[0]] is not None
+        torch.testing.assert_close(view.exit_logits(hidden), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_fast_path_in_bfloat16_tracks_the_model(family):
+    model = tiny_model(family).to(torch.bfloat16)
+    view = DecoderView(model)
+    ids = torch.randint(0, 96, (1, 12))
+    with torch.no_grad():
+        fast, reference = view(ids).float(), model(ids).logits.float()
+    assert view.adapter.fast is not None
+    # bf16 keeps 8 bits of mantissa: the same ops in the same order stay within a few of its steps.
+    torch.testing.assert_close(fast, reference, rtol=2e-2, atol=2e-2)
+    assert (fast.argmax(-1) == reference.argmax(-1)).float().mean() > 0.9
+
+
+def test_eager_attention_and_hooked_blocks_keep_the_model_blocks(monkeypatch):
+    eager = DecoderView(tiny_model("llama", attn_implementation="eager"))
+    assert not eager.adapter._use_fast()
+    model = tiny_model("llama")
+    model(torch.randint(0, 96, (1, 4)), output_hidden_states=True)  # transformers' recording hooks are fine
+    assert DecoderView(model).adapter.fast is not None
+    model.model.layers[1].mlp.register_forward_hook(lambda module, args, out: out * 2)
+    assert DecoderView(model).adapter.fast is None
