@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tiny_models import tiny_model
 
-from selfspec.evaluation.benchmark import METHODS, run_benchmark, write_report
+from selfspec.evaluation.benchmark import METHODS, run_benchmark, to_markdown, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,6 +32,21 @@ def test_benchmark_report(tmp_path):
     assert json.loads(json_path.read_text())["exit_layer"] == 3
     text = md_path.read_text()
     assert "selfspec / plain" in text and "acceptance_rate" in text and "Greedy outputs identical" in text
+
+
+def test_batched_benchmark_decodes_rows_together():
+    import pytest
+
+    model = tiny_model("llama")
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]]  # one length: Hugging Face needs no padding
+    methods = ("plain", "selfspec", "hf_greedy")
+    kwargs = dict(exit_layer=3, num_speculations=3, max_new_tokens=8, repeats=1, warmup=0, methods=methods)
+    batched = run_benchmark(model, prompts, batch_size=2, **kwargs)
+    # plain, selfspec and Hugging Face's batched greedy decoding give the same rows
+    assert batched["batch_size"] == 2 and batched["greedy_outputs_identical"]
+    assert sum(batched["cost_model"]["accepted_histogram"]) > 0 and "batch 2" in to_markdown(batched)
+    with pytest.raises(ValueError, match="assistant_early_exit decodes batch 1 only"):
+        run_benchmark(model, prompts, exit_layer=3, batch_size=2, methods=METHODS)
 
 
 def test_benchmark_script_end_to_end(tiny_run, tmp_path):

@@ -91,13 +91,17 @@ class _Runner:
         self.eos = [] if ignore_eos else None
         self.device = generator.view.device
 
-    def __call__(self, method: str, prompt: list[int]):
+    def __call__(self, method: str, batch: list[list[int]]):
+        """Decode one batch of prompts (token lists) with `method`: (tokens per row, engine stats or None)."""
         if method in ("plain", "selfspec"):
             k = 0 if method == "plain" else self.num_speculations
-            out = self.generator.generate([prompt], max_new_tokens=self.max_new_tokens, num_speculations=k,
+            out = self.generator.generate(batch, max_new_tokens=self.max_new_tokens, num_speculations=k,
                                           eos_token_id=self.eos)
-            return out.sequences[0], out.stats
-        ids = torch.tensor([prompt], device=self.device)
+            return out.sequences, out.stats
+        if len({len(p) for p in batch}) > 1:
+            raise ValueError("Hugging Face methods in a batch need prompts of one length; use "
+                             "--methods plain,selfspec or --batch-size 1")
+        ids = torch.tensor(batch, device=self.device)
         kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=self.max_new_tokens, do_sample=False,
                       pad_token_id=0)
         if self.eos == []:
@@ -106,38 +110,38 @@ class _Runner:
             kwargs["assistant_early_exit"] = self.exit_layer
         with torch.inference_mode():
             out = self.model.generate(ids, **kwargs)
-        return out[0, len(prompt):].tolist(), None
+        return out[:, ids.shape[1]:].tolist(), None
 
 
-def interleaved_rates(names, run, prompts: list[list[int]], repeats: int, warmup: int, device,
+def interleaved_rates(names, run, batches: list[list[list[int]]], repeats: int, warmup: int, device,
                       progress: bool = False):
-    """Time `run(name, prompt) -> (tokens, stats or None)` for every name on every prompt, interleaved.
+    """Time `run(name, batch) -> (tokens per row, stats or None)` for every name on every batch, interleaved.
 
-    `warmup` untimed rounds, then `repeats` timed ones; in each round every prompt is decoded by
-    every name, the order of names rotating from round to round so that drift hits all alike.
-    Returns ({name: tokens/s of each timed round (all prompts' tokens ÷ their summed time)},
-    {name: the last round's outputs, one per prompt}, {name: stats of every timed run}).
+    `warmup` untimed rounds, then `repeats` timed ones; in each round every batch of prompts is
+    decoded by every name, the order of names rotating from round to round so that drift hits all
+    alike. Returns ({name: tokens/s of each timed round (all rows' tokens ÷ the summed time)},
+    {name: the last round's outputs, one list of rows per batch}, {name: stats of every timed run}).
     """
     names = list(names)
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     rates = {n: [] for n in names}
-    outputs = {n: [None] * len(prompts) for n in names}
+    outputs = {n: [None] * len(batches) for n in names}
     stats = {n: [] for n in names}
-    bar = tqdm(total=(warmup + repeats) * len(prompts), desc="benchmark", disable=not progress)
+    bar = tqdm(total=(warmup + repeats) * len(batches), desc="benchmark", disable=not progress)
     for round_index in range(warmup + repeats):
         timed = round_index >= warmup
         shift = round_index % len(names)
         seconds, tokens = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0)
-        for p, prompt in enumerate(prompts):
+        for b, batch in enumerate(batches):
             for name in names[shift:] + names[:shift]:
                 _sync(device)
                 start = time.perf_counter()
-                sequence, run_stats = run(name, prompt)
+                rows, run_stats = run(name, batch)
                 _sync(device)
                 seconds[name] += time.perf_counter() - start
-                tokens[name] += len(sequence)
-                outputs[name][p] = sequence
+                tokens[name] += sum(len(row) for row in rows)
+                outputs[name][b] = rows
                 if timed and run_stats is not None:
                     stats[name].append(run_stats)
             bar.update()
@@ -150,18 +154,26 @@ def interleaved_rates(names, run, prompts: list[list[int]], repeats: int, warmup
 
 def run_benchmark(model, prompts: list[list[int]], exit_layer: int, num_speculations=4, tokenizer=None,
                   max_new_tokens: int = 128, repeats: int = 5, warmup: int = 1, ignore_eos: bool = True,
-                  methods: tuple[str, ...] = METHODS) -> dict:
-    """Measure `methods` on `prompts` (token lists); returns the report as a dict (see module docstring)."""
+                  methods: tuple[str, ...] = METHODS, batch_size: int = 1) -> dict:
+    """Measure `methods` on `prompts` (token lists), `batch_size` prompts per call; returns the report
+    as a dict (see module docstring)."""
     for method in methods:
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+    if batch_size < 1:
+        raise ValueError(f"batch size must be >= 1, got {batch_size}")
+    if batch_size > 1 and "hf_early_exit" in methods:
+        raise ValueError("Hugging Face's assistant_early_exit decodes batch 1 only; leave hf_early_exit out "
+                         "of --methods for --batch-size > 1")
     generator = SelfSpecGenerator(model, tokenizer, exit_layer=exit_layer)
     run = _Runner(model, generator, exit_layer, num_speculations, max_new_tokens, ignore_eos)
     device = generator.view.device
-    rates, outputs, stats = interleaved_rates(methods, run, prompts, repeats, warmup, device)
+    batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
+    rates, outputs, stats = interleaved_rates(methods, run, batches, repeats, warmup, device)
 
     report = {"exit_layer": exit_layer, "num_speculations": num_speculations, "max_new_tokens": max_new_tokens,
-              "num_prompts": len(prompts), "repeats": repeats, "warmup": warmup, "device": str(device),
+              "num_prompts": len(prompts), "batch_size": batch_size, "repeats": repeats, "warmup": warmup,
+              "device": str(device),
               "dtype": str(generator.view.dtype).replace("torch.", ""),
               "num_layers": generator.view.num_layers, "methods": {}}
     for method in methods:
@@ -243,7 +255,8 @@ def write_report(report: dict, out_dir: str | Path) -> tuple[Path, Path]:
 def to_markdown(report: dict) -> str:
     lines = [f"# Self-speculative decoding benchmark (E = {report['exit_layer']} of {report['num_layers']}, "
              f"k = {report['num_speculations']})", "",
-             f"{report['num_prompts']} prompts, batch 1, {report['max_new_tokens']} new tokens, greedy, "
+             f"{report['num_prompts']} prompts, batch {report.get('batch_size', 1)}, {report['max_new_tokens']} "
+             "new tokens, greedy, "
              f"{report['device']} {report['dtype']}, median of {report['repeats']} interleaved repeats "
              f"after {report['warmup']} warm-up.", "",
              "| method | tokens/s |", "|---|---:|"]
@@ -298,6 +311,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
+    parser.add_argument("--batch-size", type=int, default=1,
+                        help="prompts per generate call (hf_early_exit runs batch 1 only)")
     parser.add_argument("--keep-eos", action="store_true", help="stop at eos (default: always max-new-tokens)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
@@ -314,7 +329,8 @@ def main(argv=None) -> dict:
     prompts = read_prompts(args, tokenizer)
     report = run_benchmark(model, prompts, exit_layer, k, tokenizer=tokenizer,
                            max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup=args.warmup,
-                           ignore_eos=not args.keep_eos, methods=tuple(args.methods.split(",")))
+                           ignore_eos=not args.keep_eos, methods=tuple(args.methods.split(",")),
+                           batch_size=args.batch_size)
     report["model"] = args.model
     json_path, md_path = write_report(report, args.out)
     print(to_markdown(report))

@@ -43,15 +43,16 @@ def run_sweep(model, prompts: list[list[int]], exit_layers: list[int], ks: list[
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
 
-    def run(config, prompt):
+    def run(config, batch):
         exit_layer, k = config
         out = generators[exit_layer or exit_layers[0]].generate(
-            [prompt], max_new_tokens=max_new_tokens, num_speculations=k, eos_token_id=[])
-        return out.sequences[0], out.stats
+            batch, max_new_tokens=max_new_tokens, num_speculations=k, eos_token_id=[])
+        return out.sequences, out.stats
 
     configs = [PLAIN] + [(e, k) for e in exit_layers for k in ks]
     device = generators[exit_layers[0]].view.device
-    rates, outputs, stats = interleaved_rates(configs, run, prompts, repeats, warmup, device, progress)
+    rates, outputs, stats = interleaved_rates(configs, run, [[p] for p in prompts], repeats, warmup, device,
+                                              progress)  # batch 1
 
     plain_rate = statistics.median(rates[PLAIN])
     grid, per_exit = [], {}

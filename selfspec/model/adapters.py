@@ -84,6 +84,8 @@ class LlamaFamilyAdapter(Adapter):
     def __init__(self, model):
         super().__init__(model)
         self._fast: FastLlamaBlocks | None | bool = False  # False: not built yet (see `fast`)
+        # Read once: a config attribute costs microseconds, and this is asked before every block.
+        self._sdpa = getattr(self.config, "_attn_implementation", None) == "sdpa"
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin: (L, head_dim)
 
     @property
@@ -100,8 +102,7 @@ class LlamaFamilyAdapter(Adapter):
 
     def _use_fast(self) -> bool:
         # Eager and flash attention differ from SDPA in rounding (eager: float32 softmax): keep them.
-        return (not torch.is_grad_enabled() and not self.model.training
-                and getattr(self.config, "_attn_implementation", None) == "sdpa" and self.fast is not None)
+        return not torch.is_grad_enabled() and not self.model.training and self._sdpa and self.fast is not None
 
     def embed(self, input_ids, positions):
         return self.model.model.embed_tokens(input_ids)
