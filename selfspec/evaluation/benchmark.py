@@ -114,12 +114,12 @@ class _Runner:
 
 
 def interleaved_rates(names, run, batches: list[list[list[int]]], repeats: int, warmup: int, device,
-                      progress: bool = False):
+                      progress: str | None = None):
     """Time `run(name, batch) -> (tokens per row, stats or None)` for every name on every batch, interleaved.
 
     `warmup` untimed rounds, then `repeats` timed ones; in each round every batch of prompts is
     decoded by every name, the order of names rotating from round to round so that drift hits all
-    alike. Returns ({name: tokens/s of each timed round (all rows' tokens ÷ the summed time)},
+    alike. `progress`: a tqdm bar's label (None: no bar). Returns ({name: tokens/s of each timed round (all rows' tokens ÷ the summed time)},
     {name: the last round's outputs, one list of rows per batch}, {name: stats of every timed run}).
     """
     names = list(names)
@@ -128,7 +128,7 @@ def interleaved_rates(names, run, batches: list[list[list[int]]], repeats: int, 
     rates = {n: [] for n in names}
     outputs = {n: [None] * len(batches) for n in names}
     stats = {n: [] for n in names}
-    bar = tqdm(total=(warmup + repeats) * len(batches), desc="benchmark", disable=not progress)
+    bar = tqdm(total=(warmup + repeats) * len(batches), desc=progress, disable=progress is None)
     for round_index in range(warmup + repeats):
         timed = round_index >= warmup
         shift = round_index % len(names)
@@ -154,7 +154,7 @@ def interleaved_rates(names, run, batches: list[list[list[int]]], repeats: int, 
 
 def run_benchmark(model, prompts: list[list[int]], exit_layer: int, num_speculations=4, tokenizer=None,
                   max_new_tokens: int = 128, repeats: int = 5, warmup: int = 1, ignore_eos: bool = True,
-                  methods: tuple[str, ...] = METHODS, batch_size: int = 1) -> dict:
+                  methods: tuple[str, ...] = METHODS, batch_size: int = 1, progress: bool = False) -> dict:
     """Measure `methods` on `prompts` (token lists), `batch_size` prompts per call; returns the report
     as a dict (see module docstring)."""
     for method in methods:
@@ -169,7 +169,8 @@ def run_benchmark(model, prompts: list[list[int]], exit_layer: int, num_speculat
     run = _Runner(model, generator, exit_layer, num_speculations, max_new_tokens, ignore_eos)
     device = generator.view.device
     batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
-    rates, outputs, stats = interleaved_rates(methods, run, batches, repeats, warmup, device)
+    rates, outputs, stats = interleaved_rates(methods, run, batches, repeats, warmup, device,
+                                              "benchmark" if progress else None)
 
     report = {"exit_layer": exit_layer, "num_speculations": num_speculations, "max_new_tokens": max_new_tokens,
               "num_prompts": len(prompts), "batch_size": batch_size, "repeats": repeats, "warmup": warmup,
@@ -330,7 +331,7 @@ def main(argv=None) -> dict:
     report = run_benchmark(model, prompts, exit_layer, k, tokenizer=tokenizer,
                            max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup=args.warmup,
                            ignore_eos=not args.keep_eos, methods=tuple(args.methods.split(",")),
-                           batch_size=args.batch_size)
+                           batch_size=args.batch_size, progress=True)
     report["model"] = args.model
     json_path, md_path = write_report(report, args.out)
     print(to_markdown(report))

@@ -52,7 +52,7 @@ def run_sweep(model, prompts: list[list[int]], exit_layers: list[int], ks: list[
     configs = [PLAIN] + [(e, k) for e in exit_layers for k in ks]
     device = generators[exit_layers[0]].view.device
     rates, outputs, stats = interleaved_rates(configs, run, [[p] for p in prompts], repeats, warmup, device,
-                                              progress)  # batch 1
+                                              "sweep" if progress else None)  # batch 1
 
     plain_rate = statistics.median(rates[PLAIN])
     grid, per_exit = [], {}
