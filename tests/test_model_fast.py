@@ -48,22 +48,26 @@ def test_biases_everywhere_are_applied():
         torch.testing.assert_close(view(ids), model(ids).logits, rtol=1e-5, atol=1e-5)
 
 
+def _decode_through_cache(view, ids, bounds):
+    """Logits (B, T, V) of ids run as consecutive chunks [start, end) through one KVCache."""
+    cache = KVCache(view.num_layers, ids.shape[0], 32)
+    logits = []
+    for start, end in bounds:
+        positions = view.default_positions(ids[:, start:end], start)
+        kv_length = cache.set_positions(positions, [start] * ids.shape[0])
+        hidden = view.run_layers(view.embed(ids[:, start:end], positions), 0, view.num_layers, cache=cache,
+                                 positions=positions, kv_length=kv_length, aligned=True)
+        logits.append(view.exit_logits(hidden))
+    return torch.cat(logits, 1)
+
+
 @pytest.mark.parametrize("family", LLAMA_FAMILIES)
 def test_cached_decoding_on_the_fast_path_equals_the_model(family):
     model = tiny_model(family)
-    view = DecoderView(model)
     ids = torch.randint(0, 96, (1, 20))
-    cache = KVCache(view.num_layers, 1, 32)
     with torch.no_grad():
-        expected = model(ids).logits
-        logits = []
-        for t in range(20):
-            positions = torch.tensor([[t]])
-            kv_length = cache.set_positions(positions, [t])
-            hidden = view.run_layers(view.embed(ids[:, t:t + 1], positions), 0, view.num_layers, cache=cache,
-                                     positions=positions, kv_length=kv_length, aligned=True)
-            logits.append(view.exit_logits(hidden))
-    torch.testing.assert_close(torch.cat(logits, 1), expected, rtol=1e-5, atol=1e-5)
+        logits = _decode_through_cache(DecoderView(model), ids, [(t, t + 1) for t in range(20)])
+        torch.testing.assert_close(logits, model(ids).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_fast_path_only_without_autograd_and_in_eval_mode(monkeypatch):
@@ -138,16 +142,12 @@ def test_multi_token_step_on_a_cache_with_a_mask_equals_the_model(family):
     model = tiny_model(family)
     view = DecoderView(model)
     ids = torch.randint(0, 96, (2, 14))
-    cache = KVCache(view.num_layers, 2, 32)
     with torch.no_grad():
-        expected = model(ids).logits[:, 9:]
-        for start, end in ((0, 9), (9, 14)):  # prefill, then a 5-token "verification"
-            positions = view.default_positions(ids[:, start:end], start)
-            kv_length = cache.set_positions(positions, [start, start])
-            hidden = view.run_layers(view.embed(ids[:, start:end], positions), 0, view.num_layers, cache=cache,
-                                     positions=positions, kv_length=kv_length, aligned=True)
-        assert view.context(hidden, positions, kv_length, cached=True, aligned=True).masks[view.windows[0]] is not None
-        torch.testing.assert_close(view.exit_logits(hidden), expected, rtol=1e-5, atol=1e-5)
+        logits = _decode_through_cache(view, ids, [(0, 9), (9, 14)])  # prefill, then a 5-token "verification"
+        torch.testing.assert_close(logits[:, 9:], model(ids).logits[:, 9:], rtol=1e-5, atol=1e-5)
+        hidden = torch.zeros(2, 5, view.config.hidden_size)
+        masks = view.context(hidden, view.default_positions(ids[:, 9:], 9), 14, cached=True, aligned=True).masks
+        assert all(mask is not None for mask in masks.values())  # the masked attention path ran
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
