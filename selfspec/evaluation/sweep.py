@@ -120,6 +120,7 @@ def plot(report: dict, path: str | Path) -> Path:
         ax.plot(ks, [r["speedup"] for r in rows], "o-", color=colour, label=f"E = {exit_layer}")
         ax.plot(ks, [r["predicted_speedup"] for r in rows], "--", color=colour, alpha=0.6)
     ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xticks(sorted({r["num_speculations"] for r in report["grid"]}))
     ax.set_xlabel("k (draft length)")
     ax.set_ylabel("speedup over plain decoding")
     ax.set_title("measured (solid) vs cost model (dashed)")
