@@ -26,6 +26,8 @@ class Adapter:
     def __init__(self, model: nn.Module):
         self.model = model  # the *ForCausalLM module (never a PEFT or DDP wrapper)
         self.config = model.config
+        # Read once: a config attribute costs microseconds, and decoding asks for every block.
+        self.sdpa = getattr(self.config, "_attn_implementation", None) == "sdpa"
 
     # -- where the pieces live -------------------------------------------------------------------
     @property
@@ -84,8 +86,8 @@ class LlamaFamilyAdapter(Adapter):
     def __init__(self, model):
         super().__init__(model)
         self._fast: FastLlamaBlocks | None | bool = False  # False: not built yet (see `fast`)
-        # Read once: a config attribute costs microseconds, and this is asked before every block.
-        self._sdpa = getattr(self.config, "_attn_implementation", None) == "sdpa"
+        rope_type = str(getattr(self.model.model.rotary_emb, "rope_type", ""))
+        self._rope_per_call = any(kind in rope_type for kind in self._LENGTH_DEPENDENT_ROPE)
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin: (L, head_dim)
 
     @property
@@ -102,7 +104,7 @@ class LlamaFamilyAdapter(Adapter):
 
     def _use_fast(self) -> bool:
         # Eager and flash attention differ from SDPA in rounding (eager: float32 softmax): keep them.
-        return not torch.is_grad_enabled() and not self.model.training and self._sdpa and self.fast is not None
+        return not torch.is_grad_enabled() and not self.model.training and self.sdpa and self.fast is not None
 
     def embed(self, input_ids, positions):
         return self.model.model.embed_tokens(input_ids)
@@ -112,8 +114,7 @@ class LlamaFamilyAdapter(Adapter):
         # computed once for positions 0..L-1 are the very values a per-call computation gives (the
         # angle of a position is one product, no reduction), at the cost of one index per call.
         rotary = self.model.model.rotary_emb
-        rope_type = str(getattr(rotary, "rope_type", ""))
-        if max_position is None or any(kind in rope_type for kind in self._LENGTH_DEPENDENT_ROPE):
+        if max_position is None or self._rope_per_call:
             return {"position_embeddings": rotary(hidden, position_ids=positions), "position_ids": positions}
         table = self._rope_table
         if table is None or table[0].shape[0] <= max_position or table[0].dtype != hidden.dtype \
