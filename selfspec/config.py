@@ -14,6 +14,7 @@ import difflib
 import re
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -130,6 +131,10 @@ class EarlyExitConfig:
     token_fraction: float = 1.0
     """Fraction of positions (random, fresh each step) that get exit losses: each exit costs a
     (tokens, vocab) head pass, so this trades gradient noise for step time."""
+    final_weight: float = 1.0
+    """Weight of the final layer's CE loss. 0 trains on the exit losses alone: the blocks after the
+    deepest active exit then run without autograd (with `trainable: draft` nothing behind them
+    changes, so this is the cheap recipe; the perplexity gate says whether the full model kept)."""
 
 
 @dataclass
@@ -162,7 +167,9 @@ class OptimConfig:
     max_steps: int = 1000
     """Optimizer steps to train."""
     max_minutes: float | None = None
-    """Stop early after this wall-clock budget (the schedule still spans max_steps)."""
+    """Stop early after this wall-clock budget (the schedule still spans max_steps). Off by default:
+    budgets are steps, so a run gives the same model on any machine. A model cut short by it is
+    saved, but never reused as a cached result of its config."""
     batch_size: int = 16
     """Blocks per micro-batch per process."""
     grad_accum: int = 1
@@ -193,6 +200,10 @@ class RunConfig:
     """Seed for weights init, data order, layer dropout."""
     exit_layer: int | None = None
     """E: the draft runs blocks [0, E). None: half the depth (rounded down)."""
+    trainable: Literal["all", "draft"] = "all"
+    """Which weights train: all of them, or only the draft blocks [0, exit_layer) (the later blocks,
+    the final norm, the LM head and the embeddings stay as they are; with LoRA, adapters go on the
+    draft blocks only)."""
     num_speculations: int = 4
     """k written into selfspec.json as the default draft length."""
     eval_every: int = 100
@@ -348,6 +359,7 @@ def validate(cfg: Any, prefix: str = "") -> None:
         _check(cfg.chunk_size >= 1, f"{p}chunk_size", cfg.chunk_size, "it must be >= 1")
         _check(cfg.weight >= 0, f"{p}weight", cfg.weight, "it must be >= 0")
         _check(0 < cfg.token_fraction <= 1, f"{p}token_fraction", cfg.token_fraction, "it must be in (0, 1]")
+        _check(cfg.final_weight >= 0, f"{p}final_weight", cfg.final_weight, "it must be >= 0")
     elif isinstance(cfg, OptimConfig):
         _check(cfg.lr > 0, f"{p}lr", cfg.lr, "it must be > 0")
         _check(cfg.max_steps >= 1, f"{p}max_steps", cfg.max_steps, "it must be >= 1")
@@ -382,6 +394,75 @@ def validate(cfg: Any, prefix: str = "") -> None:
         known = {"jsonl", "tensorboard", "wandb"}
         bad = [t for t in cfg.log_with if t not in known]
         _check(not bad, f"{p}log_with", bad, f"choose from {', '.join(sorted(known))}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Layer lists (early_exit.layers, --exit-layers)
+# ---------------------------------------------------------------------------------------------------
+
+def check_layer(layer: object, num_layers: int, top: int) -> int:
+    """`layer` when it is an int in [1, top]; a ValueError naming the allowed range otherwise."""
+    # bool is an int subclass; True as a layer is a config mistake, not layer 1.
+    if not isinstance(layer, int) or isinstance(layer, bool) or not 1 <= layer <= top:
+        raise ValueError(
+            f"early-exit layer must be an int in [1, {top}] (num_layers={num_layers}), got {layer!r}"
+        )
+    return layer
+
+
+def parse_layers(spec: str | Sequence[int], num_layers: int) -> list[int]:
+    """Parse the early-exit candidate layers into a sorted list of unique ints in 1..N-1.
+
+    ``spec`` is a sequence of ints, or a string:
+
+    - ``"all"``: every candidate 1..N-1;
+    - a slice ``"start:stop:step"``: ``range(start, stop, step)``, where a missing start means 1, a
+      missing stop means N (exclusive: the final layer N has its own loss) and a missing step 1,
+      e.g. ``"::2"`` with N = 8 gives [1, 3, 5, 7] and ``"4:"`` gives [4, 5, 6, 7];
+    - a comma list ``"2,4,6"`` (a single ``"3"`` too).
+
+    Raises ValueError naming the bad value and the allowed range, or when nothing is selected.
+    """
+    if num_layers < 2:
+        raise ValueError(f"num_layers must be >= 2 to have early-exit candidates, got {num_layers}")
+    top = num_layers - 1
+    if isinstance(spec, str):
+        text = spec.strip()
+        if text == "all":
+            layers: list[object] = list(range(1, num_layers))
+        elif ":" in text:
+            parts = [p.strip() for p in text.split(":")]
+            if len(parts) > 3:
+                raise ValueError(f"early-exit layer slice must be 'start:stop:step', got {spec!r}")
+            parts += [""] * (3 - len(parts))
+            try:
+                start, stop, step = (
+                    int(p) if p else d for p, d in zip(parts, (1, num_layers, 1), strict=True)
+                )
+            except ValueError:
+                raise ValueError(
+                    f"early-exit layer slice must hold ints as 'start:stop:step', got {spec!r}"
+                ) from None
+            if step == 0:
+                raise ValueError(f"early-exit layer slice step must be non-zero, got {spec!r}")
+            layers = list(range(start, stop, step))
+        else:
+            layers = []
+            for token in text.split(","):
+                try:
+                    layers.append(int(token.strip()))
+                except ValueError:
+                    raise ValueError(
+                        f"early-exit layer must be an int in [1, {top}] (num_layers={num_layers}), got {token.strip()!r}"
+                    ) from None
+    else:
+        layers = list(spec)
+    result = sorted({check_layer(layer, num_layers, top) for layer in layers})
+    if not result:
+        raise ValueError(
+            f"early-exit layers {spec!r} select no layer in [1, {top}] (num_layers={num_layers})"
+        )
+    return result
 
 
 def to_dict(cfg: Any) -> dict:

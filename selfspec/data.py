@@ -525,6 +525,7 @@ def pack_dataset(
     text_field: str = "text",
     num_proc: int | None = None,
     max_blocks: int | None = None,
+    cache_dir: str | Path | None = None,
 ) -> datasets.Dataset:
     """Tokenize a split and pack it into blocks of exactly ``block_size`` tokens.
 
@@ -534,7 +535,20 @@ def pack_dataset(
     ...``. ``max_blocks`` keeps only the first blocks. Returns a Dataset with the single column
     ``input_ids`` (int64) in torch format: ``ds[i:j]["input_ids"]`` is a ``(j - i, block_size)``
     tensor. Deterministic; raises ValueError if the split has fewer than ``block_size`` tokens.
+
+    ``cache_dir``: keep the packed blocks there (``save_to_disk``), one directory per (split, tokenizer,
+    text field, block size, cap), and load them from there next time instead of tokenizing again.
+    A real model's 49k-token tokenizer takes seconds per split; every run and evaluation reuses it.
     """
+    if cache_dir is not None:
+        key = _fingerprint(split._fingerprint, tokenizer, text_field, f"pack:{block_size}:{max_blocks}")
+        cached = Path(cache_dir) / f"packed-{key}"
+        if (cached / "state.json").is_file():
+            return datasets.load_from_disk(str(cached)).with_format("torch")
+        packed = pack_dataset(split, tokenizer, block_size, text_field, num_proc, max_blocks)
+        with _atomic_directory(cached) as tmp_dir:
+            packed.save_to_disk(str(tmp_dir))
+        return packed
     if block_size < 1:
         raise ValueError(f"block_size must be a positive integer, got {block_size}")
     if tokenizer.eos_token_id is None:

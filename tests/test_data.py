@@ -247,6 +247,26 @@ def test_pack_is_deterministic_and_max_blocks_takes_the_first(tokenizer, corpus)
     assert torch.equal(capped[:]["input_ids"], full[:5]["input_ids"])
 
 
+def test_pack_cache_is_reused_per_tokenizer_and_block_size(tokenizer, corpus, tmp_path, monkeypatch):
+    docs = corpus["test"].select(range(3))
+    first = data.pack_dataset(docs, tokenizer, 32, cache_dir=tmp_path)
+    assert torch.equal(first[:]["input_ids"], data.pack_dataset(docs, tokenizer, 32)[:]["input_ids"])
+    assert len(list(tmp_path.glob("packed-*"))) == 1
+
+    def must_not_tokenize(*args, **kwargs):
+        raise AssertionError("the cached blocks were tokenized again")
+
+    monkeypatch.setattr(data, "_token_stream", must_not_tokenize)
+    again = data.pack_dataset(docs, tokenizer, 32, cache_dir=tmp_path)
+    assert torch.equal(again[:]["input_ids"], first[:]["input_ids"])
+    monkeypatch.undo()
+
+    other = data.train_tokenizer(docs, tmp_path / "other-tokenizer", vocab_size=300)
+    data.pack_dataset(docs, other, 32, cache_dir=tmp_path)  # another tokenizer: its own entry
+    data.pack_dataset(docs, tokenizer, 16, cache_dir=tmp_path)  # another block size: its own entry
+    assert len(list(tmp_path.glob("packed-*"))) == 3
+
+
 def test_pack_rejects_too_little_data_and_bad_field(tokenizer):
     tiny = datasets.Dataset.from_dict({"text": ["x"]})
     with pytest.raises(ValueError, match="fewer than block_size"):

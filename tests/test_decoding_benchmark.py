@@ -1,4 +1,4 @@
-"""The benchmark runs all four methods in one process, checks greedy identity, writes JSON + Markdown.
+"""The benchmark runs all five methods in one process, checks greedy identity, writes JSON + Markdown.
 
 No timing is asserted: only that the figures are there and consistent.
 """
@@ -23,6 +23,7 @@ def test_benchmark_report(tmp_path):
     assert all(len(m["tokens_per_second_all"]) == 2 for m in report["methods"].values())
     assert report["greedy_outputs_identical"]
     assert report["identical_to_plain"]["hf_early_exit"]  # Hugging Face's self-speculation is lossless too
+    assert report["identical_to_plain"]["hf_prompt_lookup"]  # and so is its prompt lookup
     assert report["speedups"]["selfspec_over_plain"] > 0
     cost = report["cost_model"]
     assert 0 < cost["acceptance_rate"] <= 1 and cost["mean_accepted_length"] >= 1
@@ -45,7 +46,7 @@ def test_batched_benchmark_decodes_rows_together():
     # plain, selfspec and Hugging Face's batched greedy decoding give the same rows
     assert batched["batch_size"] == 2 and batched["greedy_outputs_identical"]
     assert sum(batched["cost_model"]["accepted_histogram"]) > 0 and "batch 2" in to_markdown(batched)
-    with pytest.raises(ValueError, match="assistant_early_exit decodes batch 1 only"):
+    with pytest.raises(ValueError, match="decodes batch 1 only; leave hf_early_exit, hf_prompt_lookup out"):
         run_benchmark(model, prompts, exit_layer=3, batch_size=2, methods=METHODS)
 
 

@@ -1,19 +1,65 @@
-"""Tests for selfspec.training.early_exit: layer specs, weights, curricula, chunked loss, metrics."""
+"""Tests for selfspec.training.early_exit (weights, curricula, the chunked loss against a naive reference),
+config.parse_layers and agreement.agreement_metrics."""
 
 import math
+from collections.abc import Callable, Sequence
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from selfspec.agreement import agreement_metrics, low_precision_to_float
+from selfspec.config import parse_layers
 from selfspec.training.early_exit import (
     ExitCurriculum,
-    agreement_metrics,
+    _as_exit_list,
+    _validate_loss_args,
+    _zero_loss,
     early_exit_loss,
-    early_exit_loss_naive,
     layer_weights,
-    parse_layers,
 )
+
+
+def early_exit_loss_naive(
+    exit_hidden: Sequence[torch.Tensor] | torch.Tensor,
+    head_fn: Callable[[torch.Tensor], torch.Tensor],
+    weights: torch.Tensor | Sequence[float],
+    *,
+    kind: str,
+    teacher_logits: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Reference for :func:`early_exit_loss`: one full (B, T, V) logits tensor per exit, plain torch losses.
+
+    Same arguments and result; memory grows with B*T*V. The tests' reference implementation.
+    """
+    hiddens = _as_exit_list(exit_hidden)
+    weights_t = torch.as_tensor(weights, dtype=torch.float32)
+    _validate_loss_args(hiddens, weights_t, kind, teacher_logits, labels, temperature)
+    total = _zero_loss(teacher_logits, labels)
+    for weight, hidden in zip(weights_t.tolist(), hiddens, strict=True):
+        logits = low_precision_to_float(head_fn(hidden))  # (B, T, V)
+        vocab = logits.shape[-1]
+        mask = torch.ones(logits.shape[:2], dtype=torch.bool, device=logits.device)  # (B, T)
+        if labels is not None:
+            mask = labels != ignore_index
+        n_valid = max(int(mask.sum()), 1)
+        loss = logits.new_zeros(())
+        if kind in ("kl", "both"):
+            log_q = F.log_softmax(logits / temperature, dim=-1)
+            log_p = F.log_softmax(low_precision_to_float(teacher_logits.detach()) / temperature, dim=-1)
+            kl = F.kl_div(log_q, log_p, reduction="none", log_target=True).sum(-1)  # (B, T)
+            loss = loss + (kl * mask).sum() / n_valid * temperature**2
+        if kind in ("ce", "both"):
+            ce = F.cross_entropy(
+                logits.reshape(-1, vocab), labels.reshape(-1), ignore_index=ignore_index, reduction="sum"
+            )
+            loss = loss + ce / n_valid
+        total = total + weight * loss
+    return total
+
 
 # ---------------------------------------------------------------- parse_layers
 

@@ -7,8 +7,9 @@ import torch
 import torch.nn.functional as F
 from tiny_models import tiny_model
 
+from selfspec.agreement import exit_layer_metrics
 from selfspec.cli import main
-from selfspec.evaluation.exits import exit_layer_metrics, format_exit_table
+from selfspec.evaluation.exits import format_exit_table
 from selfspec.evaluation.perplexity import perplexity, perplexity_gate
 
 

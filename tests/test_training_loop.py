@@ -12,12 +12,13 @@ import torch.nn.functional as F
 from tiny_models import tiny_model
 from transformers import AutoModelForCausalLM
 
+from selfspec.agreement import shifted_labels
 from selfspec.checkpoint import read_meta
 from selfspec.config import load_config
 from selfspec.training.early_exit import ExitCurriculum
 from selfspec.training.layer_dropout import LayerDropout
-from selfspec.training.loop import _set_cpu_threads, train
-from selfspec.training.objective import SelfSpecObjective, shifted_labels
+from selfspec.training.loop import _set_cpu_threads, train, train_or_reuse
+from selfspec.training.objective import SelfSpecObjective
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -95,6 +96,36 @@ def test_lora_run_saves_merged_weights_equal_to_the_adapter_model(tiny_run, tmp_
 def test_lora_with_unknown_target_modules_is_a_clear_error(tiny_run, tmp_path):
     with pytest.raises(ValueError, match=r"lora.target_modules \['qkv'\] are not modules of this model"):
         train(run_config(tiny_run, tmp_path, "lora.enabled=true", "lora.target_modules=[qkv]"), progress=False)
+
+
+def test_draft_only_training_changes_the_draft_blocks_and_nothing_else(tiny_run, tmp_path):
+    base = AutoModelForCausalLM.from_pretrained(tiny_run["model"])
+    result = train(run_config(tiny_run, tmp_path, "trainable=draft", "early_exit.layers=2",
+                              "early_exit.final_weight=0", "layer_dropout.p_max=0", "optim.lr=1e-2"), progress=False)
+    tuned = AutoModelForCausalLM.from_pretrained(result.model_dir)
+    before, after = base.state_dict(), tuned.state_dict()
+    changed = {name for name in before if not torch.equal(before[name], after[name])}
+    assert changed and all(name.startswith(("model.layers.0.", "model.layers.1.")) for name in changed), changed
+
+
+def test_final_weight_zero_runs_the_blocks_behind_the_exit_without_autograd():
+    model = tiny_model("llama", num_layers=4)
+    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(0))
+    objective = SelfSpecObjective(model, exit_layers=[2], final_weight=0.0)
+    out = objective(ids)
+    out["loss"].backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    assert all(grads[n] is None for n in grads if n.startswith(("model.layers.2.", "model.layers.3.")))
+    assert grads["model.layers.1.mlp.down_proj.weight"].abs().sum() > 0
+    assert out["loss"].item() == pytest.approx(out["exit_loss"].item())  # the final CE is logged, not trained
+    assert out["final_ce"].item() > 0
+
+
+def test_a_run_cut_short_by_max_minutes_is_never_reused(tiny_run, tmp_path):
+    cfg = run_config(tiny_run, tmp_path, "optim.max_minutes=1e-9", "eval_every=0")
+    model_dir, reused = train_or_reuse(cfg, progress=False)
+    assert not reused and read_meta(model_dir)["metrics"]["steps"] < cfg.optim.max_steps
+    assert train_or_reuse(cfg, progress=False)[1] is False  # trained again, not taken from the cache
 
 
 def test_exit_loss_at_layer_l_is_computed_on_block_l_minus_1_output():

@@ -9,7 +9,10 @@ Four ways to decode the same prompts greedily, batch 1, the same number of new t
 - ``hf_early_exit``: `model.generate(assistant_early_exit=E)`, Hugging Face's self-speculation: its
   `EarlyExitCandidateGenerator` drafts by temporarily lowering `config.num_hidden_layers` to E and
   keeps a separate assistant cache, so the draft blocks run again during verification (batch 1 only;
-  GPT-2 ignores `num_hidden_layers`, so there the "draft" is the whole model).
+  GPT-2 ignores `num_hidden_layers`, so there the "draft" is the whole model);
+- ``hf_prompt_lookup``: `model.generate(prompt_lookup_num_tokens=10)`, Hugging Face's prompt lookup
+  decoding: drafts copied from the context by n-gram matching, free to propose, verified by the full
+  model (batch 1 only). The tool a user would otherwise pick for code and other repetitive text.
 
 Timing: `warmup` untimed passes, then `repeats` rounds; inside a round every prompt is decoded by
 every method, the method order rotating from round to round (interleaved, so drift in clocks or
@@ -19,7 +22,8 @@ prompts ÷ their summed wall time, device synchronised). Speedups are ratios of 
 Reported next to the measured speedup: α, mean accepted length (bonus counted), the draft cost c
 measured as (engine's draft time per step in the selfspec run) ÷ (engine's time per plain step in the
 plain run), and the cost model's predictions from those (see `selfspec.metrics`). Greedy outputs of
-plain, selfspec and hf_greedy must be identical; hf_early_exit's are checked and reported too.
+plain, selfspec, hf_greedy and hf_prompt_lookup must be identical; hf_early_exit's are checked and
+reported too.
 """
 
 from __future__ import annotations
@@ -38,7 +42,9 @@ from ..decoding import SelfSpecGenerator
 from ..metrics import AcceptanceStats, predicted_speedup, speedup_kv_reuse, speedup_measured_costs
 from ..model.loading import load_causal_lm, load_tokenizer
 
-METHODS = ("plain", "selfspec", "hf_greedy", "hf_early_exit")
+METHODS = ("plain", "selfspec", "hf_greedy", "hf_early_exit", "hf_prompt_lookup")
+HF_BATCH1_METHODS = ("hf_early_exit", "hf_prompt_lookup")  # Hugging Face's assisted generation: batch 1 only
+PROMPT_LOOKUP_TOKENS = 10  # Hugging Face's documented example value
 
 
 def load_model(path: str, device: str | None = None, dtype: str = "auto"):
@@ -90,6 +96,10 @@ class _Runner:
         self.max_new_tokens = max_new_tokens
         self.eos = [] if ignore_eos else None
         self.device = generator.view.device
+        # Only silences generate()'s warning for prompts without padding; the model's own when it has one.
+        config = getattr(model, "generation_config", None)
+        self.pad_token_id = next((t for t in (getattr(config, "pad_token_id", None), getattr(config, "eos_token_id", None))
+                                  if isinstance(t, int)), 0)
 
     def __call__(self, method: str, batch: list[list[int]]):
         """Decode one batch of prompts (token lists) with `method`: (tokens per row, engine stats or None)."""
@@ -103,11 +113,13 @@ class _Runner:
                              "--methods plain,selfspec or --batch-size 1")
         ids = torch.tensor(batch, device=self.device)
         kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=self.max_new_tokens, do_sample=False,
-                      pad_token_id=0)
+                      pad_token_id=self.pad_token_id)
         if self.eos == []:
             kwargs["eos_token_id"] = None
         if method == "hf_early_exit":
             kwargs["assistant_early_exit"] = self.exit_layer
+        elif method == "hf_prompt_lookup":
+            kwargs["prompt_lookup_num_tokens"] = PROMPT_LOOKUP_TOKENS
         with torch.inference_mode():
             out = self.model.generate(ids, **kwargs)
         return out[:, ids.shape[1]:].tolist(), None
@@ -162,9 +174,10 @@ def run_benchmark(model, prompts: list[list[int]], exit_layer: int, num_speculat
             raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
     if batch_size < 1:
         raise ValueError(f"batch size must be >= 1, got {batch_size}")
-    if batch_size > 1 and "hf_early_exit" in methods:
-        raise ValueError("Hugging Face's assistant_early_exit decodes batch 1 only; leave hf_early_exit out "
-                         "of --methods for --batch-size > 1")
+    batch1_only = [m for m in methods if m in HF_BATCH1_METHODS]
+    if batch_size > 1 and batch1_only:
+        raise ValueError(f"Hugging Face's assisted generation decodes batch 1 only; leave {', '.join(batch1_only)} "
+                         f"out of --methods for --batch-size > 1")
     generator = SelfSpecGenerator(model, tokenizer, exit_layer=exit_layer)
     run = _Runner(model, generator, exit_layer, num_speculations, max_new_tokens, ignore_eos)
     device = generator.view.device
@@ -182,8 +195,9 @@ def run_benchmark(model, prompts: list[list[int]], exit_layer: int, num_speculat
                                      "tokens_per_second_all": rates[method]}
     tps = {m: report["methods"][m]["tokens_per_second"] for m in methods}
     report["speedups"] = {f"{a}_over_{b}": tps[a] / tps[b] for a, b in (
-        ("selfspec", "plain"), ("selfspec", "hf_early_exit"), ("plain", "hf_greedy"), ("selfspec", "hf_greedy"),
-        ("hf_early_exit", "hf_greedy")) if a in tps and b in tps}
+        ("selfspec", "plain"), ("selfspec", "hf_early_exit"), ("selfspec", "hf_prompt_lookup"),
+        ("plain", "hf_greedy"), ("selfspec", "hf_greedy"), ("hf_early_exit", "hf_greedy"),
+        ("hf_prompt_lookup", "hf_greedy")) if a in tps and b in tps}
     reference = "plain" if "plain" in methods else methods[0]
     report["identical_to_" + reference] = {m: outputs[m] == outputs[reference] for m in methods}
     report["greedy_outputs_identical"] = all(report["identical_to_" + reference][m]
@@ -276,7 +290,9 @@ def to_markdown(report: dict) -> str:
             else:
                 shown = str(value)
             lines.append(f"| {name} | {shown} |")
-    lines += ["", f"Greedy outputs identical (plain, selfspec, hf_greedy): **{report['greedy_outputs_identical']}**"]
+    lines += ["", "Greedy outputs identical (every method but hf_early_exit, which is reported apart): "
+              f"**{report['greedy_outputs_identical']}**; identical to plain per method: "
+              + ", ".join(f"{m} {same}" for m, same in report.get("identical_to_plain", {}).items())]
     return "\n".join(lines) + "\n"
 
 
@@ -313,7 +329,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
     parser.add_argument("--batch-size", type=int, default=1,
-                        help="prompts per generate call (hf_early_exit runs batch 1 only)")
+                        help="prompts per generate call (hf_early_exit and hf_prompt_lookup run batch 1 only)")
     parser.add_argument("--keep-eos", action="store_true", help="stop at eos (default: always max-new-tokens)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .exits import exit_layer_metrics
+from ..agreement import exit_layer_metrics
 
 
 @torch.no_grad()

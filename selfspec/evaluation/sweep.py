@@ -21,9 +21,9 @@ import statistics
 from pathlib import Path
 
 from ..checkpoint import META_FILE, update_meta
+from ..config import parse_layers
 from ..decoding import SelfSpecGenerator
 from ..metrics import speedup_simple
-from ..training.early_exit import parse_layers
 from .benchmark import interleaved_rates, load_model, pooled_costs, read_prompts
 
 PLAIN = (0, 0)  # (E, k) key of plain decoding

@@ -5,7 +5,8 @@ the hidden state after l blocks (l in 1..N). Early-exit candidates are l in 1..N
 N always gets its own CE loss in the training loop. Each exit is read out through the model's own
 final norm + LM head (``head_fn``).
 
-This module is pure torch and knows nothing of models.
+This module is pure torch and knows nothing of models. Which layers a config names is parsed by
+`selfspec.config.parse_layers`; how well an exit agrees with the final layer is `selfspec.agreement`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from ..agreement import low_precision_to_float
+from ..config import check_layer
+
 WEIGHT_KINDS = ("uniform", "linear", "sqrt", "sum_l")
 CURRICULUM_KINDS = ("none", "rotational", "gradual")
 LOSS_KINDS = ("kl", "ce", "both")
@@ -24,70 +28,6 @@ LOSS_KINDS = ("kl", "ce", "both")
 def _check_kind(name: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
-
-
-def _check_layer(layer: object, num_layers: int, top: int) -> int:
-    # bool is an int subclass; True as a layer is a config mistake, not layer 1.
-    if not isinstance(layer, int) or isinstance(layer, bool) or not 1 <= layer <= top:
-        raise ValueError(
-            f"early-exit layer must be an int in [1, {top}] (num_layers={num_layers}), got {layer!r}"
-        )
-    return layer
-
-
-def parse_layers(spec: str | Sequence[int], num_layers: int) -> list[int]:
-    """Parse the early-exit candidate layers into a sorted list of unique ints in 1..N-1.
-
-    ``spec`` is a sequence of ints, or a string:
-
-    - ``"all"``: every candidate 1..N-1;
-    - a slice ``"start:stop:step"``: ``range(start, stop, step)``, where a missing start means 1, a
-      missing stop means N (exclusive: the final layer N has its own loss) and a missing step 1,
-      e.g. ``"::2"`` with N = 8 gives [1, 3, 5, 7] and ``"4:"`` gives [4, 5, 6, 7];
-    - a comma list ``"2,4,6"`` (a single ``"3"`` too).
-
-    Raises ValueError naming the bad value and the allowed range, or when nothing is selected.
-    """
-    if num_layers < 2:
-        raise ValueError(f"num_layers must be >= 2 to have early-exit candidates, got {num_layers}")
-    top = num_layers - 1
-    if isinstance(spec, str):
-        text = spec.strip()
-        if text == "all":
-            layers: list[object] = list(range(1, num_layers))
-        elif ":" in text:
-            parts = [p.strip() for p in text.split(":")]
-            if len(parts) > 3:
-                raise ValueError(f"early-exit layer slice must be 'start:stop:step', got {spec!r}")
-            parts += [""] * (3 - len(parts))
-            try:
-                start, stop, step = (
-                    int(p) if p else d for p, d in zip(parts, (1, num_layers, 1), strict=True)
-                )
-            except ValueError:
-                raise ValueError(
-                    f"early-exit layer slice must hold ints as 'start:stop:step', got {spec!r}"
-                ) from None
-            if step == 0:
-                raise ValueError(f"early-exit layer slice step must be non-zero, got {spec!r}")
-            layers = list(range(start, stop, step))
-        else:
-            layers = []
-            for token in text.split(","):
-                try:
-                    layers.append(int(token.strip()))
-                except ValueError:
-                    raise ValueError(
-                        f"early-exit layer must be an int in [1, {top}] (num_layers={num_layers}), got {token.strip()!r}"
-                    ) from None
-    else:
-        layers = list(spec)
-    result = sorted({_check_layer(layer, num_layers, top) for layer in layers})
-    if not result:
-        raise ValueError(
-            f"early-exit layers {spec!r} select no layer in [1, {top}] (num_layers={num_layers})"
-        )
-    return result
 
 
 def layer_weights(kind: str, layers: Sequence[int], num_layers: int) -> torch.Tensor:
@@ -113,7 +53,7 @@ def layer_weights(kind: str, layers: Sequence[int], num_layers: int) -> torch.Te
     """
     _check_kind("early-exit weight kind", kind, WEIGHT_KINDS)
     for layer in layers:
-        _check_layer(layer, num_layers, num_layers)
+        check_layer(layer, num_layers, num_layers)
     ls = torch.tensor(list(layers), dtype=torch.float64)  # (L,)
     if kind == "uniform":
         raw = torch.ones_like(ls)
@@ -169,18 +109,13 @@ class ExitCurriculum:
         return self.layers[k - n_active :]
 
 
-def _low_precision_to_float(logits: torch.Tensor) -> torch.Tensor:
-    # Softmax over a large vocabulary in bf16/fp16 loses the tail; float64 inputs stay float64.
-    return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-
-
 def _teacher_targets(teacher: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Teacher probabilities p (n, V) and Σ_v p log p (n,), computed once and shared by every exit.
 
     KL(p || q) = Σ p log p − Σ p log q: the first term has no gradient, so per exit and chunk only
     log q and one weighted sum remain to compute.
     """
-    log_p = F.log_softmax(_low_precision_to_float(teacher.detach()) / temperature, dim=-1)  # (n, V)
+    log_p = F.log_softmax(low_precision_to_float(teacher.detach()) / temperature, dim=-1)  # (n, V)
     p = log_p.exp()
     # 0 where p == 0, so a -inf teacher logit does not give 0 * -inf = nan.
     neg_entropy = torch.where(p > 0, p * log_p, 0.0).sum(-1)  # (n,)
@@ -197,7 +132,7 @@ def _token_loss_sum(
 ) -> torch.Tensor:
     """Sum over valid rows of the per-token loss for one chunk; logits (n, V), teacher = (p (n, V),
     Σ p log p (n,)) from `_teacher_targets`, labels (n,)."""
-    logits = _low_precision_to_float(logits)
+    logits = low_precision_to_float(logits)
     valid = None if labels is None else labels != ignore_index  # (n,)
     total = logits.new_zeros(())
     if kind in ("kl", "both"):
@@ -332,88 +267,3 @@ def early_exit_loss(
         term = exit_sum * (weight / n_valid)
         total = term if total is None else total + term
     return total
-
-
-def early_exit_loss_naive(
-    exit_hidden: Sequence[torch.Tensor] | torch.Tensor,
-    head_fn: Callable[[torch.Tensor], torch.Tensor],
-    weights: torch.Tensor | Sequence[float],
-    *,
-    kind: str,
-    teacher_logits: torch.Tensor | None = None,
-    labels: torch.Tensor | None = None,
-    temperature: float = 1.0,
-    ignore_index: int = -100,
-) -> torch.Tensor:
-    """Reference for :func:`early_exit_loss`: one full (B, T, V) logits tensor per exit, plain torch losses.
-
-    Same arguments and result; memory grows with B*T*V. Used by the tests, not for training.
-    """
-    hiddens = _as_exit_list(exit_hidden)
-    weights_t = torch.as_tensor(weights, dtype=torch.float32)
-    _validate_loss_args(hiddens, weights_t, kind, teacher_logits, labels, temperature)
-    total = _zero_loss(teacher_logits, labels)
-    for weight, hidden in zip(weights_t.tolist(), hiddens, strict=True):
-        logits = _low_precision_to_float(head_fn(hidden))  # (B, T, V)
-        vocab = logits.shape[-1]
-        mask = torch.ones(logits.shape[:2], dtype=torch.bool, device=logits.device)  # (B, T)
-        if labels is not None:
-            mask = labels != ignore_index
-        n_valid = max(int(mask.sum()), 1)
-        loss = logits.new_zeros(())
-        if kind in ("kl", "both"):
-            log_q = F.log_softmax(logits / temperature, dim=-1)
-            log_p = F.log_softmax(_low_precision_to_float(teacher_logits.detach()) / temperature, dim=-1)
-            kl = F.kl_div(log_q, log_p, reduction="none", log_target=True).sum(-1)  # (B, T)
-            loss = loss + (kl * mask).sum() / n_valid * temperature**2
-        if kind in ("ce", "both"):
-            ce = F.cross_entropy(
-                logits.reshape(-1, vocab), labels.reshape(-1), ignore_index=ignore_index, reduction="sum"
-            )
-            loss = loss + ce / n_valid
-        total = total + weight * loss
-    return total
-
-
-def agreement_metrics(
-    exit_logits: torch.Tensor,
-    final_logits: torch.Tensor,
-    mask: torch.Tensor | None = None,
-) -> dict[str, float]:
-    """How well an exit layer would draft for the full model, on (B, T, V) logits.
-
-    Returns a dict with:
-
-    - ``top1_agreement``: fraction of positions where argmax of the exit equals argmax of the final;
-    - ``expected_acceptance``: mean over positions of Σ_v min(p_exit(v), p_final(v)) with softmax at
-      temperature 1, the probability that speculative sampling accepts a token drafted from the exit;
-    - ``top1_matches``, ``acceptance_sum``, ``count``: the sums and the number of positions, so that
-      callers aggregate over batches as Σ sums / Σ counts.
-
-    ``mask`` (B, T) selects the positions (all when None). With no position, both means are 0.0.
-    """
-    if exit_logits.shape != final_logits.shape:
-        raise ValueError(
-            f"exit_logits and final_logits must have the same shape, got {tuple(exit_logits.shape)} "
-            f"and {tuple(final_logits.shape)}"
-        )
-    if mask is not None and tuple(mask.shape) != tuple(exit_logits.shape[:-1]):
-        raise ValueError(f"mask must have shape {tuple(exit_logits.shape[:-1])}, got {tuple(mask.shape)}")
-    with torch.no_grad():
-        exit_f = _low_precision_to_float(exit_logits)
-        final_f = _low_precision_to_float(final_logits)
-        matches = exit_f.argmax(-1) == final_f.argmax(-1)  # (B, T)
-        overlap = torch.minimum(exit_f.softmax(-1), final_f.softmax(-1)).sum(-1)  # (B, T)
-        if mask is None:
-            mask = torch.ones_like(matches)
-        mask = mask.to(torch.bool)
-        count = int(mask.sum())
-        top1_matches = float(matches[mask].sum())
-        acceptance_sum = float(overlap[mask].sum())
-    return {
-        "top1_agreement": top1_matches / count if count else 0.0,
-        "expected_acceptance": acceptance_sum / count if count else 0.0,
-        "top1_matches": top1_matches,
-        "acceptance_sum": acceptance_sum,
-        "count": count,
-    }

@@ -24,11 +24,13 @@ from tqdm.auto import tqdm
 from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from .. import data as data_lib
+from ..agreement import exit_layer_metrics
 from ..checkpoint import CheckpointError, read_meta, save_tuned, write_json_atomic
-from ..config import RunConfig, to_dict
-from ..evaluation.exits import exit_layer_metrics
+from ..config import RunConfig, parse_layers, to_dict
+from ..cpu import keep_freed_memory
+from ..model import DecoderView
 from ..model.loading import build_llama, load_causal_lm, load_tokenizer
-from .early_exit import ExitCurriculum, parse_layers
+from .early_exit import ExitCurriculum
 from .layer_dropout import LayerDropout
 from .objective import SelfSpecObjective
 
@@ -132,8 +134,17 @@ def build_model_and_tokenizer(cfg: RunConfig, corpus):
     return model, tokenizer
 
 
-def apply_lora(model, cfg: RunConfig):
-    """Wrap `model` with peft LoRA adapters on `cfg.lora.target_modules`."""
+def freeze_all_but_draft(model, exit_layer: int) -> None:
+    """`trainable: draft`: only blocks [0, exit_layer) keep requires_grad."""
+    view = DecoderView(model)
+    model.requires_grad_(False)
+    for block in view.layers[:exit_layer]:
+        block.requires_grad_(True)
+
+
+def apply_lora(model, cfg: RunConfig, exit_layer: int):
+    """Wrap `model` with peft LoRA adapters on `cfg.lora.target_modules` (draft blocks only under
+    `trainable: draft`)."""
     from peft import LoraConfig, get_peft_model
 
     lora = cfg.lora
@@ -142,8 +153,10 @@ def apply_lora(model, cfg: RunConfig):
     if missing:
         raise ValueError(f"lora.target_modules {missing} are not modules of this model; "
                          f"choose from e.g. {sorted(n for n in present if 'proj' in n or 'attn' in n)[:8]}")
+    layers = list(range(exit_layer)) if cfg.trainable == "draft" else None
     return get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                            target_modules=list(lora.target_modules), task_type="CAUSAL_LM"))
+                                            target_modules=list(lora.target_modules), layers_to_transform=layers,
+                                            task_type="CAUSAL_LM"))
 
 
 def build_objective(model, cfg: RunConfig, num_layers: int, exit_layer: int) -> SelfSpecObjective:
@@ -164,7 +177,7 @@ def build_objective(model, cfg: RunConfig, num_layers: int, exit_layer: int) -> 
     return SelfSpecObjective(model, dropout, layers, curriculum, exit_kind=ee.kind, exit_scale=ee.scale,
                              exit_weight=ee.weight, temperature=ee.temperature, chunk_size=ee.chunk_size,
                              teacher=ee.teacher, frozen_model=frozen, token_fraction=ee.token_fraction,
-                             seed=cfg.seed)
+                             seed=cfg.seed, final_weight=ee.final_weight)
 
 
 def train(cfg: RunConfig, resume: bool = False, progress: bool = True, kind: str = "tuned") -> TrainResult:
@@ -183,6 +196,7 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True, kind: str
     set_seed(cfg.seed)
     if accelerator.device.type == "cpu":
         _set_cpu_threads(cfg.cpu_threads, int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes)))
+        keep_freed_memory()
 
     # -- data and model ------------------------------------------------------------------------------
     with accelerator.main_process_first():
@@ -190,15 +204,18 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True, kind: str
                                            seed=cfg.seed)
         model, tokenizer = build_model_and_tokenizer(cfg, corpus)
         train_blocks = data_lib.pack_dataset(corpus["train"], tokenizer, cfg.data.block_size, cfg.data.text_field,
-                                             max_blocks=cfg.data.max_train_blocks)
+                                             max_blocks=cfg.data.max_train_blocks, cache_dir=cfg.data.cache_dir)
         val_blocks = data_lib.pack_dataset(corpus["validation"], tokenizer, cfg.data.block_size,
-                                           cfg.data.text_field, max_blocks=cfg.data.max_eval_blocks)
+                                           cfg.data.text_field, max_blocks=cfg.data.max_eval_blocks,
+                                           cache_dir=cfg.data.cache_dir)
     num_layers = model.config.num_hidden_layers
     exit_layer = cfg.exit_layer or max(1, num_layers // 2)
     if exit_layer > num_layers:
         raise ValueError(f"exit_layer = {exit_layer} is larger than the model's {num_layers} layers")
     if cfg.lora.enabled:
-        model = apply_lora(model, cfg)
+        model = apply_lora(model, cfg, exit_layer)
+    elif cfg.trainable == "draft":
+        freeze_all_but_draft(model, exit_layer)
     objective = build_objective(model, cfg, num_layers, exit_layer)
     if objective.frozen_model is not None:
         objective.frozen_model.to(accelerator.device)
@@ -329,7 +346,10 @@ def train_or_reuse(cfg: RunConfig, kind: str = "tuned", force: bool = False, res
     model_dir = Path(cfg.output_dir) / FINAL_DIR
     if not (force or resume):
         try:
-            if read_meta(model_dir).get("training") == to_dict(cfg):
+            meta = read_meta(model_dir)
+            # A run cut short by optim.max_minutes has the config but not the model it describes.
+            complete = meta.get("metrics", {}).get("steps") == cfg.optim.max_steps
+            if meta.get("training") == to_dict(cfg) and complete:
                 return model_dir, True
         except CheckpointError:
             pass

@@ -14,21 +14,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..agreement import IGNORE_INDEX, shifted_labels
 from ..model import DecoderView
 from .early_exit import ExitCurriculum, early_exit_loss, layer_weights
 from .layer_dropout import LayerDropout, apply_block
 
-IGNORE_INDEX = -100
-
-
-def shifted_labels(input_ids: torch.Tensor) -> torch.Tensor:
-    """Next-token targets aligned with positions: (B, T) where position t predicts input_ids[:, t+1];
-    the last position has no target."""
-    return F.pad(input_ids[:, 1:], (0, 1), value=IGNORE_INDEX)
-
 
 class SelfSpecObjective(nn.Module):
-    """loss = CE(final layer, labels) + weight · Σ_l w_l · exit_loss(layer l), under layer dropout.
+    """loss = final_weight · CE(final layer, labels) + weight · Σ_l w_l · exit_loss(layer l), under
+    layer dropout.
 
     model: the Hugging Face causal LM (possibly a PEFT model) being trained.
     layer_dropout: per-block skip sampler, or None for no dropout.
@@ -42,7 +36,8 @@ class SelfSpecObjective(nn.Module):
                  exit_layers: list[int] = (), curriculum: ExitCurriculum | None = None,
                  exit_kind: str = "kl", exit_scale: str = "uniform", exit_weight: float = 1.0,
                  temperature: float = 1.0, chunk_size: int = 1024, teacher: str = "self",
-                 frozen_model: nn.Module | None = None, token_fraction: float = 1.0, seed: int = 0):
+                 frozen_model: nn.Module | None = None, token_fraction: float = 1.0, seed: int = 0,
+                 final_weight: float = 1.0):
         super().__init__()
         self.model = model
         self.__dict__["view"] = DecoderView(model)  # a plain attribute: the same modules, not registered twice
@@ -53,7 +48,7 @@ class SelfSpecObjective(nn.Module):
         self.curriculum = curriculum
         self.exit_kind, self.exit_scale, self.exit_weight = exit_kind, exit_scale, exit_weight
         self.temperature, self.chunk_size, self.teacher = temperature, chunk_size, teacher
-        self.token_fraction, self.seed = token_fraction, seed
+        self.token_fraction, self.seed, self.final_weight = token_fraction, seed, final_weight
         # A plain attribute, not a submodule: the frozen teacher is neither trained nor saved.
         self.__dict__["frozen_model"] = frozen_model
         if teacher == "frozen" and frozen_model is None and not hasattr(model, "disable_adapter"):
@@ -70,17 +65,21 @@ class SelfSpecObjective(nn.Module):
         hidden = view.embed(input_ids)  # (B, T, D)
         context = view.context(hidden)
         exits = []  # hidden states (B, T, D) after l blocks, for each active exit layer l
+        # Without a final loss nothing behind the deepest exit needs a gradient.
+        grad_end = max(active) if active and self.final_weight == 0 else view.num_layers
         for index in range(view.num_layers):
             block = lambda h, i=index: view.run_block(i, h, context)
-            hidden = block(hidden) if drop is None else apply_block(block, hidden, drop[index])
+            with torch.no_grad() if index >= grad_end else nullcontext():
+                hidden = block(hidden) if drop is None else apply_block(block, hidden, drop[index])
             if index + 1 in active:
                 exits.append(hidden)
-        logits = view.exit_logits(hidden)  # (B, T, V)
         labels = shifted_labels(input_ids)
-        final_ce = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
+        with torch.no_grad() if grad_end < view.num_layers else nullcontext():
+            logits = view.exit_logits(hidden)  # (B, T, V)
+            final_ce = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
 
         out = {"final_ce": final_ce.detach()}
-        loss = final_ce
+        loss = self.final_weight * final_ce
         if exits:
             teacher_logits = self._teacher_logits(input_ids, logits) if self.exit_kind != "ce" else None
             exit_labels = labels
