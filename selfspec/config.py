@@ -199,7 +199,7 @@ class RunConfig:
     seed: int = 0
     """Seed for weights init, data order, layer dropout."""
     exit_layer: int | None = None
-    """E: the draft runs blocks [0, E). None: half the depth (rounded down)."""
+    """E: the draft runs blocks [0, E). None: `default_exit_layer` (half the depth, rounded down)."""
     trainable: Literal["all", "draft"] = "all"
     """Which weights train: all of them, or only the draft blocks [0, exit_layer) (the later blocks,
     the final norm, the LM head and the embeddings stay as they are; with LoRA, adapters go on the
@@ -306,14 +306,13 @@ def _coerce(hint: Any, value: Any, name: str) -> Any:
         options = typing.get_args(hint)
         if value is None and type(None) in options:
             return None
-        errors = []
         for option in options:
             if option is type(None):
                 continue
             try:
                 return _coerce(option, value, name)
-            except ConfigError as exc:
-                errors.append(str(exc))
+            except ConfigError:
+                pass
         allowed = " or ".join(_describe(o) for o in options)
         raise ConfigError(f"{name} = {value!r} is not allowed; expected {allowed}")
     if origin is Literal:
@@ -463,6 +462,11 @@ def parse_layers(spec: str | Sequence[int], num_layers: int) -> list[int]:
             f"early-exit layers {spec!r} select no layer in [1, {top}] (num_layers={num_layers})"
         )
     return result
+
+
+def default_exit_layer(num_layers: int) -> int:
+    """E when a config leaves `exit_layer` unset: half the depth, rounded down (at least 1)."""
+    return max(1, num_layers // 2)
 
 
 def to_dict(cfg: Any) -> dict:

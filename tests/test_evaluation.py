@@ -97,12 +97,29 @@ def test_cli_sweep_measures_the_grid_plots_and_writes_back_the_best(tiny_run, tm
     assert all(0.0 <= report["per_exit_layer"][e]["acceptance_rate"] <= 1.0 for e in ("1", "2", "3"))
     assert (out / "sweep.png").stat().st_size > 0 and "| E | α | c |" in (out / "sweep.md").read_text()
     best = report["best"]
-    assert best["speedup"] == max(r["speedup"] for r in report["grid"])
+    assert best["speedup"] == max(r["speedup"] for r in report["grid"] if r["identical_to_plain"])
     meta = read_meta(ckpt)
-    if best["speedup"] > 1:  # written back only when it beats plain decoding
-        assert (meta["exit_layer"], meta["num_speculations"]) == (best["exit_layer"], best["num_speculations"])
-    else:
-        assert (meta["exit_layer"], meta["num_speculations"]) == (2, 3)
+    # The rule itself is tested on fixed reports below; here: the checkpoint holds one of the two outcomes.
+    assert (meta["exit_layer"], meta["num_speculations"]) in {(2, 3), (best["exit_layer"], best["num_speculations"])}
+
+
+@pytest.mark.parametrize("best, written", [
+    ({"exit_layer": 3, "num_speculations": 4, "speedup": 1.4}, True),
+    ({"exit_layer": 3, "num_speculations": 4, "speedup": 0.9}, False),  # slower than plain: keep the checkpoint's
+    (None, False),  # nothing lossless
+])
+def test_sweep_write_back_records_only_a_pair_that_beats_plain(tiny_run, tmp_path, best, written):
+    from transformers import AutoModelForCausalLM
+
+    from selfspec.checkpoint import read_meta, save_tuned
+    from selfspec.evaluation.sweep import write_back
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_run["model"])
+    ckpt = save_tuned(tmp_path / "tuned", model, tiny_run["tokenizer"], exit_layer=2, num_speculations=3)
+    assert write_back(str(ckpt), {"best": best}, tmp_path / "sweep.json") is written
+    meta = read_meta(ckpt)
+    assert (meta["exit_layer"], meta["num_speculations"]) == ((3, 4) if written else (2, 3))
+    assert ("sweep" in meta) is written
 
 
 def test_cli_sweep_rejects_a_bad_grid_in_one_line(tiny_run, tmp_path, capsys):

@@ -212,3 +212,11 @@ def test_apply_block_some_rows_dropped_keeps_their_input_and_gradient_path():
 def test_apply_block_rejects_wrong_mask_shape():
     with pytest.raises(ValueError, match="drop_rows"):
         apply_block(_Counter(), torch.randn(3, 4, 5), torch.zeros(2, dtype=torch.bool))
+
+
+def test_code_and_config_defaults_agree():
+    import inspect
+
+    from selfspec.config import LayerDropoutConfig
+
+    assert inspect.signature(LayerDropout).parameters["per_sample"].default == LayerDropoutConfig().per_sample

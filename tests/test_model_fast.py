@@ -171,3 +171,13 @@ def test_eager_attention_and_hooked_blocks_keep_the_model_blocks(monkeypatch):
     assert DecoderView(model).adapter.fast is not None
     model.model.layers[1].mlp.register_forward_hook(lambda module, args, out: out * 2)
     assert DecoderView(model).adapter.fast is None
+
+
+def test_a_user_hook_is_not_mistaken_for_transformers_recording_hook():
+    model = tiny_model("llama")
+
+    def my_output_capture(module, args, out):  # a name like transformers' hook, but not transformers' hook
+        return out * 2
+
+    model.model.layers[0].register_forward_hook(my_output_capture)
+    assert DecoderView(model).adapter.fast is None

@@ -49,6 +49,18 @@ def test_two_step_smoke_run_writes_a_loadable_tuned_checkpoint(tiny_run, tmp_pat
     assert (result.model_dir / "tokenizer.json").is_file()
 
 
+def test_the_curve_starts_at_the_untuned_model_and_follows_every_evaluation(tiny_run, tmp_path):
+    from selfspec.cli import main
+    from selfspec.evaluation.curves import read_curve
+
+    train(run_config(tiny_run, tmp_path, "optim.max_steps=3", "eval_every=2"), progress=False)
+    curve = read_curve(tmp_path)
+    assert curve["steps"] == [0, 2, 3] and curve["tokens"] == [0, 2 * 4 * 32, 3 * 4 * 32]
+    assert set(curve["exits"]) == {1, 2, 3} and len(curve["exits"][2]["top1_agreement"]) == 3
+    assert main(["eval", "curve", str(tmp_path)]) == 0
+    assert (tmp_path / "curve.png").stat().st_size > 0 and (tmp_path / "curve.json").is_file()
+
+
 def test_resume_reproduces_an_uninterrupted_run(tiny_run, tmp_path):
     full = tmp_path / "full"
     train(run_config(tiny_run, full, "optim.max_steps=6", "save_every=3", "eval_every=0"), progress=False)

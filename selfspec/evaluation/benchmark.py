@@ -178,7 +178,8 @@ def run_benchmark(model, prompts: list[list[int]], exit_layer: int, num_speculat
     if batch_size > 1 and batch1_only:
         raise ValueError(f"Hugging Face's assisted generation decodes batch 1 only; leave {', '.join(batch1_only)} "
                          f"out of --methods for --batch-size > 1")
-    generator = SelfSpecGenerator(model, tokenizer, exit_layer=exit_layer)
+    # check_cache off, as in the sweep: a timed run does no per-round bookkeeping (the tests check caches).
+    generator = SelfSpecGenerator(model, tokenizer, exit_layer=exit_layer, check_cache=False)
     run = _Runner(model, generator, exit_layer, num_speculations, max_new_tokens, ignore_eos)
     device = generator.view.device
     batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]

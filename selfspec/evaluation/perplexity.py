@@ -7,12 +7,13 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..agreement import exit_layer_metrics
+from ..model import num_layers as count_layers
 
 
 @torch.no_grad()
 def perplexity(model, blocks: torch.Tensor, batch_size: int = 8, progress: bool = False) -> float:
     """Next-token perplexity of the full model on token blocks (n, T)."""
-    num_layers = model.config.num_hidden_layers
+    num_layers = count_layers(model)
     return exit_layer_metrics(model, blocks, [num_layers], batch_size, progress)[num_layers]["perplexity"]
 
 

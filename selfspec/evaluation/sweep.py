@@ -24,6 +24,7 @@ from ..checkpoint import META_FILE, update_meta
 from ..config import parse_layers
 from ..decoding import SelfSpecGenerator
 from ..metrics import speedup_simple
+from ..model import num_layers as count_layers
 from .benchmark import interleaved_rates, load_model, pooled_costs, read_prompts
 
 PLAIN = (0, 0)  # (E, k) key of plain decoding
@@ -162,7 +163,7 @@ def main(argv=None) -> dict:
         raise ValueError(f"--write-back needs a tuned checkpoint: {args.model} has no {META_FILE}")
 
     model, tokenizer = load_model(args.model, args.device, args.dtype)
-    num_layers = model.config.num_hidden_layers
+    num_layers = count_layers(model)
     exit_layers = parse_layers(args.exit_layers or "all", num_layers)
     prompts = read_prompts(args, tokenizer)
     report = run_sweep(model, prompts, exit_layers, ks, args.max_new_tokens, args.repeats, args.warmup)
@@ -174,15 +175,22 @@ def main(argv=None) -> dict:
     plot(report, out / "sweep.png")
     print(to_markdown(report))
     print(f"wrote {out / 'sweep.json'}, {out / 'sweep.md'} and {out / 'sweep.png'}")
-    best = report["best"]
-    if args.write_back and (best is None or best["speedup"] <= 1.0):
-        print(f"{args.model}/{META_FILE} left as it is: no lossless (E, k) beat plain decoding")
-    elif args.write_back:
-        update_meta(args.model, exit_layer=best["exit_layer"], num_speculations=best["num_speculations"],
-                    sweep={"speedup": best["speedup"], "report": str(out / "sweep.json")})
-        print(f"{args.model}/{META_FILE}: exit_layer = {best['exit_layer']}, "
-              f"num_speculations = {best['num_speculations']}")
+    if args.write_back:
+        write_back(args.model, report, out / "sweep.json")
     return report
 
 
-__all__ = ["main", "plot", "run_sweep", "to_markdown"]
+def write_back(model_dir: str, report: dict, report_path: Path) -> bool:
+    """Record the sweep's fastest (E, k) in the checkpoint's selfspec.json, only when it is lossless and
+    beats plain decoding (else the checkpoint keeps its own). Returns whether it wrote."""
+    best = report["best"]
+    if best is None or best["speedup"] <= 1.0:
+        print(f"{model_dir}/{META_FILE} left as it is: no lossless (E, k) beat plain decoding")
+        return False
+    update_meta(model_dir, exit_layer=best["exit_layer"], num_speculations=best["num_speculations"],
+                sweep={"speedup": best["speedup"], "report": str(report_path)})
+    print(f"{model_dir}/{META_FILE}: exit_layer = {best['exit_layer']}, num_speculations = {best['num_speculations']}")
+    return True
+
+
+__all__ = ["main", "plot", "run_sweep", "to_markdown", "write_back"]

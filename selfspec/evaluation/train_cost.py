@@ -18,7 +18,8 @@ import time
 
 import torch
 
-from ..config import RunConfig
+from ..config import RunConfig, default_exit_layer
+from ..model import num_layers as count_layers
 from ..training.loop import build_objective
 from ..training.objective import SelfSpecObjective
 
@@ -27,8 +28,8 @@ def make_objective(model, cfg: RunConfig, variant: str) -> SelfSpecObjective:
     """`plain`: final-layer CE only. `selfspec`: layer dropout + early-exit losses as in `cfg`."""
     if variant == "plain":
         return SelfSpecObjective(model)
-    num_layers = model.config.num_hidden_layers
-    return build_objective(model, cfg, num_layers, cfg.exit_layer or num_layers // 2)
+    num_layers = count_layers(model)
+    return build_objective(model, cfg, num_layers, cfg.exit_layer or default_exit_layer(num_layers))
 
 
 def _step(objective, optimizer, batch, step: int) -> None:

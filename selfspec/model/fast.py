@@ -78,6 +78,13 @@ def _norm(module) -> tuple[torch.Tensor, float] | None:
     return weight, float(eps)
 
 
+def _records_only(hook) -> bool:
+    """Transformers' own output-capturing hook (installed for `output_hidden_states`): it only records,
+    so bypassing it changes nothing while no output is being collected."""
+    return (getattr(hook, "__module__", None) == "transformers.utils.output_capturing"
+            and getattr(hook, "__name__", None) == "output_capturing_hook")
+
+
 def _hooked(modules: nn.Module) -> bool:
     """Whether some module relies on work done around its own call, which this code bypasses: FSDP 1/2
     and DeepSpeed ZeRO-3 gather sharded weights in hooks, accelerate's `device_map` offloading moves
@@ -86,8 +93,7 @@ def _hooked(modules: nn.Module) -> bool:
         if hasattr(m, "_fsdp_wrapped_module") or type(m).__name__.startswith("FSDP") or hasattr(m, "_hf_hook"):
             return True
         hooks = [*m._forward_hooks.values(), *m._forward_pre_hooks.values()]
-        # Transformers installs output-capturing hooks for `output_hidden_states`; they only record.
-        if any("output_cap" not in getattr(h, "__qualname__", "") for h in hooks):
+        if not all(_records_only(h) for h in hooks):
             return True
     return any(type(p) is not nn.Parameter or hasattr(p, "ds_id") or p.is_meta for p in modules.parameters())
 

@@ -37,6 +37,11 @@ def unwrap_model(model: nn.Module) -> nn.Module:
         model = inner
 
 
+def num_layers(model: nn.Module) -> int:
+    """N, the number of decoder blocks (read from the module tree, not from a family's config field)."""
+    return len(adapter_for(unwrap_model(model)).layers)
+
+
 @dataclass
 class LayerContext:
     """What every block of one `run_layers` call shares: positions, masks per window, rotary extras."""

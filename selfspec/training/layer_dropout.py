@@ -162,7 +162,7 @@ class LayerDropout:
         depth: str = "exp",
         schedule: str = "constant",
         total_steps: int = 0,
-        per_sample: bool = True,
+        per_sample: bool = False,
         protected_layers: int = 0,
         seed: int = 0,
     ) -> None:

@@ -26,9 +26,10 @@ from transformers import get_cosine_with_min_lr_schedule_with_warmup
 from .. import data as data_lib
 from ..agreement import exit_layer_metrics
 from ..checkpoint import CheckpointError, read_meta, save_tuned, write_json_atomic
-from ..config import RunConfig, parse_layers, to_dict
+from ..config import RunConfig, default_exit_layer, parse_layers, to_dict
 from ..cpu import keep_freed_memory
 from ..model import DecoderView
+from ..model import num_layers as count_layers
 from ..model.loading import build_llama, load_causal_lm, load_tokenizer
 from .early_exit import ExitCurriculum
 from .layer_dropout import LayerDropout
@@ -208,8 +209,8 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True, kind: str
         val_blocks = data_lib.pack_dataset(corpus["validation"], tokenizer, cfg.data.block_size,
                                            cfg.data.text_field, max_blocks=cfg.data.max_eval_blocks,
                                            cache_dir=cfg.data.cache_dir)
-    num_layers = model.config.num_hidden_layers
-    exit_layer = cfg.exit_layer or max(1, num_layers // 2)
+    num_layers = count_layers(model)
+    exit_layer = cfg.exit_layer or default_exit_layer(num_layers)
     if exit_layer > num_layers:
         raise ValueError(f"exit_layer = {exit_layer} is larger than the model's {num_layers} layers")
     if cfg.lora.enabled:
@@ -270,6 +271,9 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True, kind: str
                 yield batch["input_ids"]
 
     stream = batches()
+    if cfg.eval_every and step == 0:  # the curve's origin: the model as it came, on the same split
+        accelerator.log({**evaluate(accelerator, objective, val_blocks, objective_inner(objective).exit_layers,
+                                    exit_layer, cfg), "tokens": 0}, step=0)
     objective.train()
     while step < cfg.optim.max_steps:
         if cfg.optim.max_minutes and time.perf_counter() - start_time > 60 * cfg.optim.max_minutes:
@@ -314,7 +318,7 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True, kind: str
 
     # -- final evaluation and save ----------------------------------------------------------------------
     final = evaluate(accelerator, objective, val_blocks, objective_inner(objective).exit_layers, exit_layer, cfg)
-    accelerator.log(final, step=step)
+    accelerator.log({**final, "tokens": micro * tokens_per_micro}, step=step)
     model_dir = output_dir / FINAL_DIR
     accelerator.wait_for_everyone()
     state_dict = None

@@ -1,0 +1,86 @@
+"""Training curves: acceptance at the exit layers and the final layer's perplexity against tokens seen.
+
+    selfspec eval curve runs/smollm2/tuned          # reads metrics.jsonl, writes curve.png + curve.json
+
+The curve is what tells a user what more training would buy: greedy acceptance (top-1 agreement)
+and expected acceptance at each candidate exit, and validation perplexity, at every evaluation of the
+run (`eval_every` steps), read from the run's `metrics.jsonl`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from ..checkpoint import write_json_atomic
+
+_EXIT_KEY = re.compile(r"^val/(top1_agreement|expected_acceptance)@(\d+)$")
+
+
+def read_curve(run_dir: str | Path) -> dict:
+    """{"tokens": [...], "perplexity": [...], "exits": {E: {"top1_agreement": [...], ...}}} from a run."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise ValueError(f"{path} does not exist; pass the output_dir of a training run")
+    curve = {"steps": [], "tokens": [], "perplexity": [], "exits": {}}
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        if "val/perplexity" not in row:
+            continue
+        curve["steps"].append(row["step"])
+        curve["tokens"].append(row["tokens"])
+        curve["perplexity"].append(row["val/perplexity"])
+        for key, value in row.items():
+            match = _EXIT_KEY.match(key)
+            if match:
+                metric, layer = match.group(1), int(match.group(2))
+                curve["exits"].setdefault(layer, {}).setdefault(metric, []).append(value)
+    if not curve["steps"]:
+        raise ValueError(f"{path} holds no evaluation; set eval_every > 0 or let the run finish")
+    return curve
+
+
+def plot_curve(curve: dict, out_png: str | Path, title: str = "") -> Path:
+    """Acceptance at each exit (left axis) and validation perplexity (right axis) against tokens seen;
+    the training loop's evaluation before the first step is the point at 0 tokens."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, left = plt.subplots(figsize=(7, 4.2))
+    right = left.twinx()
+    tokens = curve["tokens"]
+    for layer, metrics in sorted(curve["exits"].items()):
+        for metric, style in (("top1_agreement", "-o"), ("expected_acceptance", ":")):
+            values = metrics.get(metric, [])
+            if not values:
+                continue
+            label = f"exit {layer}: {'greedy α (top-1)' if metric == 'top1_agreement' else 'expected acceptance'}"
+            left.plot([t / 1e3 for t in tokens], values, style, label=label, markersize=3)
+    right.plot([t / 1e3 for t in tokens], curve["perplexity"], "--", color="gray", label="final-layer perplexity")
+    left.set_xlabel("training tokens (thousands)")
+    left.set_ylabel("acceptance")
+    right.set_ylabel("validation perplexity")
+    left.set_ylim(0, 1)
+    left.grid(alpha=0.3)
+    handles = left.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
+    labels = left.get_legend_handles_labels()[1] + right.get_legend_handles_labels()[1]
+    left.legend(handles, labels, loc="upper left", fontsize=8)
+    left.set_title(title or "acceptance at the exit vs training tokens")
+    fig.tight_layout()
+    out_png = Path(out_png)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_png.with_name(f".{out_png.name}.tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(out_png)
+    return out_png
+
+
+def write_curve(run_dir: str | Path) -> Path:
+    """`curve.json` and `curve.png` beside the run's metrics.jsonl; returns the PNG's path."""
+    curve = read_curve(run_dir)
+    write_json_atomic(Path(run_dir) / "curve.json", curve)
+    return plot_curve(curve, Path(run_dir) / "curve.png", title=f"{Path(run_dir)}: acceptance vs tokens")
