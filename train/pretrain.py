@@ -13,19 +13,15 @@ the saved model instead of training again (--force retrains).
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import parse_args  # noqa: E402
-
-from selfspec.checkpoint import read_meta  # noqa: E402
-from selfspec.model.loading import ModelLoadError  # noqa: E402
-from selfspec.training.loop import train_or_reuse  # noqa: E402
+from selfspec.checkpoint import read_meta
+from selfspec.model.loading import ModelLoadError
+from selfspec.training.loop import train_or_reuse
+from selfspec.training.recipe import parse_recipe_args
 
 
 def main() -> None:
-    cfg, args = parse_args("Pretrain the embedded base model.", "configs/embedded_base.yaml")
+    cfg, args = parse_recipe_args("Pretrain the embedded base model.", "configs/embedded_base.yaml")
     try:
         model_dir, reused = train_or_reuse(cfg, kind="base", force=args.force, resume=args.resume)
     except (ValueError, ModelLoadError) as exc:

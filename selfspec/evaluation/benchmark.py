@@ -313,9 +313,8 @@ def read_prompts(args, tokenizer) -> list[list[int]]:
     return prompts[:args.num_prompts]
 
 
-def main(argv=None) -> dict:
-    """Command line of the speed benchmark (`selfspec eval speedup`, `eval/benchmark_speedup.py`)."""
-    parser = argparse.ArgumentParser(prog="selfspec eval speedup", description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The speed benchmark's flags (`selfspec eval speedup`, `eval/benchmark_speedup.py`)."""
     parser.add_argument("--model", required=True, help="directory loadable with AutoModelForCausalLM")
     parser.add_argument("--exit-layer", type=int, default=None,
                         help="E: blocks the draft runs (default: the checkpoint's selfspec.json)")
@@ -335,12 +334,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     parser.add_argument("--out", default="runs/benchmark")
-    args = parser.parse_args(argv)
 
+
+def run(args: argparse.Namespace) -> dict:
+    """Run the benchmark that `args` (from `add_arguments`) describes; prints and writes the report."""
     meta = read_meta(args.model) if (Path(args.model) / META_FILE).is_file() else {}
     exit_layer = args.exit_layer or meta.get("exit_layer")
     if exit_layer is None:
-        parser.error(f"--exit-layer is required: {args.model} has no {META_FILE}")
+        raise ValueError(f"--exit-layer is required: {args.model} has no {META_FILE}")
     k = args.num_speculations or meta.get("num_speculations", "auto")
     k = k if k in ("auto", "window") else int(k)
     model, tokenizer = load_model(args.model, args.device, args.dtype)
@@ -355,3 +356,9 @@ def main(argv=None) -> dict:
     print(f"wrote {json_path} and {md_path}")
     return report
 
+
+def main(argv=None) -> dict:
+    """`python eval/benchmark_speedup.py ...`: the same flags as `selfspec eval speedup`."""
+    parser = argparse.ArgumentParser(prog="selfspec eval speedup", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

@@ -133,9 +133,8 @@ def plot(report: dict, path: str | Path) -> Path:
     return path
 
 
-def main(argv=None) -> dict:
-    """Command line of the sweep (`selfspec eval sweep`)."""
-    parser = argparse.ArgumentParser(prog="selfspec eval sweep", description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The sweep's flags (`selfspec eval sweep`, `eval/sweep.py`)."""
     parser.add_argument("--model", required=True, help="directory loadable with AutoModelForCausalLM")
     parser.add_argument("--exit-layers", default=None,
                         help="E values: a list '2,4,6', a slice '2:10:2' or 'all' (default: all, 1..N-1)")
@@ -152,7 +151,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", default="runs/sweep")
     parser.add_argument("--write-back", action="store_true",
                         help=f"record the fastest (E, k) in the checkpoint's {META_FILE}")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Run the sweep that `args` (from `add_arguments`) describes; prints and writes the report."""
     if args.repeats < 1 or args.max_new_tokens < 1 or args.num_prompts < 1:
         raise ValueError("--repeats, --max-new-tokens and --num-prompts must be >= 1")
     try:
@@ -193,4 +195,11 @@ def write_back(model_dir: str, report: dict, report_path: Path) -> bool:
     return True
 
 
-__all__ = ["main", "plot", "run_sweep", "to_markdown", "write_back"]
+def main(argv=None) -> dict:
+    """`python eval/sweep.py ...`: the same flags as `selfspec eval sweep`."""
+    parser = argparse.ArgumentParser(prog="selfspec eval sweep", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+__all__ = ["add_arguments", "main", "plot", "run", "run_sweep", "to_markdown", "write_back"]
