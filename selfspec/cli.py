@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -88,35 +89,71 @@ def parse_num_speculations(value: str | None):
     return k
 
 
-def generate(model_dir: str, prompt: str, max_new_tokens: int = 64, temperature: float = 0.0,
+def read_prompt_file(path: str) -> list[str]:
+    """Prompts from a file: one per line, or JSON lines with a "prompt" or "text" field."""
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"prompt file {path!r} does not exist; pass a text file (one prompt per line) or .jsonl")
+    lines = [line for line in file.read_text().splitlines() if line.strip()]
+    if file.suffix == ".jsonl":
+        prompts = []
+        for number, line in enumerate(lines, 1):
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                raise ValueError(f"{path}:{number} is not valid JSON; write one object per line") from None
+            text = row.get("prompt", row.get("text")) if isinstance(row, dict) else None
+            if not isinstance(text, str):
+                raise ValueError(f'{path}:{number} has no "prompt" or "text" string field')
+            prompts.append(text)
+        lines = prompts
+    if not lines:
+        raise ValueError(f"prompt file {path!r} holds no prompt")
+    return lines
+
+
+def generate(model_dir: str, prompts: list[str], max_new_tokens: int = 64, temperature: float = 0.0,
              num_speculations: str | None = None, seed: int | None = None, chat: bool = False,
-             top_k: int = 0, top_p: float = 1.0, exit_layer: int | None = None) -> str:
-    """Generate a continuation with a tuned checkpoint and print it with the acceptance stats.
+             top_k: int = 0, top_p: float = 1.0, exit_layer: int | None = None, eos: list[int] | None = None,
+             stop: list[str] | None = None, stream: bool = True) -> list[str]:
+    """Generate continuations of `prompts` (one batch) with a tuned checkpoint; print them and the stats.
 
     E and k default to the checkpoint's `selfspec.json` (a sweep's `--write-back` sets them). `chat`
-    wraps the prompt in the tokenizer's chat template as one user turn (instruct models).
+    wraps each prompt in the tokenizer's chat template as one user turn (instruct models). `eos`: token
+    ids that end a row (default the model's; an empty list never stops early); `stop`: strings that
+    end a row. A single prompt streams its tokens as they are accepted; a batch prints each row in
+    order, rows separated by a line holding `---`.
     """
+    from transformers import TextStreamer
+
     from .checkpoint import load_tuned
 
     k = parse_num_speculations(num_speculations)
+    if not prompts or any(not p for p in prompts):
+        raise ValueError("a prompt is empty; pass some text to continue")
     gen = load_tuned(model_dir, exit_layer=exit_layer)
-    if gen.tokenizer is None:
+    tokenizer = gen.tokenizer
+    if tokenizer is None:
         raise ValueError(f"{model_dir} has no tokenizer; save one beside the model (tokenizer.save_pretrained)")
-    text_in = prompt
-    if chat:
-        if not getattr(gen.tokenizer, "chat_template", None):
-            raise ValueError(f"{model_dir}'s tokenizer has no chat template; drop --chat for a plain continuation")
-        text_in = gen.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                   add_generation_prompt=True)
-    ids = gen.tokenizer(text_in, add_special_tokens=not chat)["input_ids"]
-    out = gen.generate([ids], max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                       num_speculations=k, seed=seed)
-    text = gen.tokenizer.decode(out.sequences[0], skip_special_tokens=chat)
-    print(text if chat else prompt + text)
+    if chat and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"{model_dir}'s tokenizer has no chat template; drop --chat for a plain continuation")
+    texts_in = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                              add_generation_prompt=True) if chat else p for p in prompts]
+    ids = [tokenizer(t, add_special_tokens=not chat)["input_ids"] for t in texts_in]
+    live = stream and len(prompts) == 1
+    if live and not chat:
+        print(prompts[0], end="", flush=True)
+    out = gen.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                       num_speculations=k, seed=seed, eos_token_id=eos, stop_strings=stop or None,
+                       streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=chat) if live else None)
+    texts = [tokenizer.decode(seq, skip_special_tokens=chat) for seq in out.sequences]
+    if not live:
+        print("\n---\n".join(t if chat else p + t for p, t in zip(prompts, texts)))
     stats = out.stats
     print(f"\n[E = {gen.exit_layer}, k = {gen.num_speculations if k is None else k}: acceptance rate "
-          f"{stats.acceptance_rate:.3f}, mean accepted length {stats.mean_accepted_length:.2f}]", file=sys.stderr)
-    return text
+          f"{stats.acceptance_rate:.3f}, mean accepted length {stats.mean_accepted_length:.2f}, "
+          f"{stats.tokens_per_second:.1f} tokens/s]", file=sys.stderr)
+    return texts
 
 
 def import_gguf(source: str, out: str, force: bool = False) -> Path:
@@ -252,7 +289,9 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="generate with a tuned checkpoint")
     p.add_argument("model")
-    p.add_argument("prompt")
+    p.add_argument("prompt", nargs="?", help="the text to continue (or --prompts FILE)")
+    p.add_argument("--prompts", help="a file of prompts run as one batch: one per line, or .jsonl with a "
+                                     "\"prompt\" field")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
@@ -262,6 +301,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="k: an integer, auto or window (default: the checkpoint's selfspec.json)")
     p.add_argument("--seed", type=int)
     p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template (instruct models)")
+    p.add_argument("--eos", type=int, action="append", help="a token id that ends a row (repeatable; default the "
+                                                            "model's own; --no-eos never stops early)")
+    p.add_argument("--no-eos", action="store_true", help="generate --max-new-tokens tokens, ignoring eos")
+    p.add_argument("--stop", action="append", help="a string that ends a row (repeatable)")
+    p.add_argument("--no-stream", action="store_true", help="print the text at the end instead of as it is accepted")
 
     ev = sub.add_parser("eval", help="evaluations: gate, speedup").add_subparsers(dest="eval_command", required=True)
     p = ev.add_parser("gate", help="perplexity regression gate (exit code 1 when it fails)")
@@ -296,8 +340,12 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "layers":
             layers_report(args.model, args.data, args.split, args.block_size, args.max_blocks, args.json)
         elif args.command == "generate":
-            generate(args.model, args.prompt, args.max_new_tokens, args.temperature, args.num_speculations,
-                     args.seed, args.chat, args.top_k, args.top_p, args.exit_layer)
+            if (args.prompt is None) == (args.prompts is None):
+                raise ValueError("pass one prompt or --prompts FILE (not both, not neither)")
+            prompts = [args.prompt] if args.prompts is None else read_prompt_file(args.prompts)
+            generate(args.model, prompts, args.max_new_tokens, args.temperature, args.num_speculations, args.seed,
+                     args.chat, args.top_k, args.top_p, args.exit_layer, [] if args.no_eos else args.eos, args.stop,
+                     not args.no_stream)
         elif args.command == "eval" and args.eval_command == "curve":
             from .evaluation.curves import write_curve
 

@@ -63,3 +63,26 @@ def test_update_meta_merges_fields(tmp_path):
     update_meta(path, exit_layer=3, num_speculations=6)
     meta = read_meta(path)
     assert (meta["exit_layer"], meta["num_speculations"], meta["kind"]) == (3, 6, "tuned")
+
+
+def test_pickled_weights_are_refused_with_the_fix(tmp_path):
+    from selfspec.model.loading import ModelLoadError, load_causal_lm
+
+    model = tiny_model("llama")
+    model.save_pretrained(tmp_path)
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")  # a pickle: loading it could run code
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match="holds no .safetensors weights; selfspec loads no pickled weights"):
+        load_causal_lm(str(tmp_path))
+
+
+def test_truncated_safetensors_is_a_one_line_error(tmp_path):
+    from selfspec import load_tuned
+
+    path = save_tuned(tmp_path / "ckpt", tiny_model("llama"), exit_layer=2)
+    weights = path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    from selfspec.model.loading import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="are damaged .*invalid header length.*; save or download the model again"):
+        load_tuned(path)

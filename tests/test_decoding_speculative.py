@@ -235,3 +235,43 @@ def test_on_cuda_greedy_is_lossless_and_sampling_matches_cpu():
     # the same uniforms on both devices; tiny float differences could flip a near-tie, so mostly equal
     same = sum(a == b for x, y in zip(sampled.sequences, cpu.sequences) for a, b in zip(x, y))
     assert same >= 0.9 * NEW * len(PROMPTS)
+
+
+class RecordingStreamer:
+    """Hugging Face's streamer interface, recording what it is given."""
+
+    def __init__(self):
+        self.puts, self.ended = [], 0
+
+    def put(self, value):
+        assert isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() > 0
+        self.puts.append(value.tolist())
+
+    def end(self):
+        self.ended += 1
+
+
+def test_streamer_gets_the_prompt_then_each_row_in_order():
+    model = tiny_model("llama")
+    gen = SelfSpecGenerator(model, exit_layer=2)
+    streamer = RecordingStreamer()
+    # Row 1 stops at an eos early, so rows finish out of order; the stream stays in row order.
+    out = gen.generate(PROMPTS, max_new_tokens=NEW, num_speculations=3, eos_token_id=[], streamer=streamer)
+    assert streamer.ended == 1 and streamer.puts[0] == PROMPTS[0]
+    assert sum(streamer.puts[1:], []) == sum(out.sequences, [])
+    eos = out.sequences[1][2]
+    out = gen.generate(PROMPTS, max_new_tokens=NEW, num_speculations=3, eos_token_id=eos,
+                       streamer=(streamer := RecordingStreamer()))
+    assert sum(streamer.puts[1:], []) == sum(out.sequences, []) and streamer.ended == 1
+    assert len(streamer.puts) > 2  # row 0 streamed round by round, not in one piece at the end
+
+
+def test_transformers_text_streamer_prints_what_generate_returns(tiny_run, capsys):
+    from transformers import AutoModelForCausalLM, TextStreamer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_run["model"]).eval()
+    tokenizer = tiny_run["tokenizer"]
+    gen = SelfSpecGenerator(model, tokenizer, exit_layer=2)
+    out = gen.generate("def f(x):\n", max_new_tokens=12, eos_token_id=[],
+                       streamer=TextStreamer(tokenizer, skip_prompt=True))
+    assert capsys.readouterr().out.rstrip("\n") == out.texts[0].rstrip("\n")

@@ -75,6 +75,80 @@ def test_cli_speedup_and_generate_on_a_tiny_checkpoint(tiny_run, tmp_path, capsy
     assert capsys.readouterr().out.startswith("def f(x):")
 
 
+@pytest.fixture
+def tiny_ckpt(tiny_run, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from selfspec.checkpoint import save_tuned
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_run["model"])
+    return save_tuned(tmp_path / "tuned", model, tiny_run["tokenizer"], exit_layer=2, num_speculations=3)
+
+
+def test_cli_generate_uses_the_checkpoints_k_and_streams_what_it_returns(tiny_ckpt, capsys, monkeypatch):
+    from selfspec import cli
+    from selfspec.decoding import SelfSpecGenerator
+
+    used = []
+    original = SelfSpecGenerator.generate
+
+    def spy(self, *args, **kwargs):
+        used.append(self.num_speculations if kwargs.get("num_speculations") is None else kwargs["num_speculations"])
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(SelfSpecGenerator, "generate", spy)
+    assert main(["generate", str(tiny_ckpt), "def f(x):", "--max-new-tokens", "8", "--no-eos"]) == 0
+    captured = capsys.readouterr()
+    assert used == [3] and "k = 3" in captured.err  # the checkpoint's selfspec.json, not "auto"
+    (text,) = cli.generate(str(tiny_ckpt), ["def f(x):"], max_new_tokens=8, eos=[], stream=False)
+    capsys.readouterr()
+    assert captured.out.rstrip("\n") == ("def f(x):" + text).rstrip("\n")
+
+
+def test_cli_generate_runs_a_prompt_file_as_one_batch_with_stops(tiny_ckpt, tmp_path, capsys):
+    jsonl = tmp_path / "prompts.jsonl"
+    jsonl.write_text('{"prompt": "def f(x):"}\n{"text": "import os"}\n')
+    assert main(["generate", str(tiny_ckpt), "--prompts", str(jsonl), "--max-new-tokens", "6", "--no-eos"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("def f(x):") and "\n---\nimport os" in out
+    from selfspec import cli
+
+    texts = cli.generate(str(tiny_ckpt), ["def f(x):", "import os"], max_new_tokens=20, eos=[], stream=False)
+    stop = texts[0][2:5]  # a string the first row produces: it must end that row right there
+    cut = cli.generate(str(tiny_ckpt), ["def f(x):"], max_new_tokens=20, eos=[], stop=[stop], stream=False)[0]
+    assert stop in cut and len(cut) <= len(texts[0]) and texts[0].startswith(cut)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--num-speculations", "window2"], "--num-speculations 'window2' is not allowed; pass an integer k >= 0"),
+    (["--num-speculations", "-1"], "--num-speculations '-1' is not allowed"),
+    (["--prompts", "missing.txt"], "pass one prompt or --prompts FILE"),
+    ([""], "a prompt is empty"),
+    (["x", "--chat"], "has no chat template; drop --chat"),
+])
+def test_cli_generate_bad_input_is_one_line(tiny_ckpt, capsys, argv, message):
+    args = ["generate", str(tiny_ckpt), *argv]
+    if "--prompts" not in argv and argv[0].startswith("--"):
+        args.insert(2, "def f(x):")
+    elif "--prompts" in argv:
+        args.insert(2, "def f(x):")  # a prompt and a file: one of them too many
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.endswith("\n")
+    last = err.rstrip("\n").split("\n")[-1]
+    assert last.startswith("error: ") and message in last
+
+
+def test_cli_generate_without_a_tokenizer_says_so(tiny_run, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from selfspec.checkpoint import save_tuned
+
+    ckpt = save_tuned(tmp_path / "bare", AutoModelForCausalLM.from_pretrained(tiny_run["model"]), exit_layer=2)
+    assert main(["generate", str(ckpt), "def f(x):"]) == 2
+    assert "has no tokenizer; save one beside the model" in capsys.readouterr().err
+
+
 def test_cli_sweep_measures_the_grid_plots_and_writes_back_the_best(tiny_run, tmp_path, capsys):
     import json
 

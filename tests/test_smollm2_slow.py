@@ -67,5 +67,5 @@ def test_chat_template_makes_the_instruct_model_answer(smollm2, capsys):
     from selfspec.cli import generate
 
     out, _ = smollm2
-    text = generate(str(out), "What is the capital of France? Answer in one word.", max_new_tokens=12, chat=True)
+    (text,) = generate(str(out), ["What is the capital of France? Answer in one word."], max_new_tokens=12, chat=True)
     assert "paris" in text.lower()

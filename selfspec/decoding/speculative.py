@@ -136,6 +136,37 @@ class _Clock:
         return start.elapsed_time(end) / 1e3 if self.cuda else end - start
 
 
+class _RowOrderStream:
+    """Feeds a Hugging Face-style streamer (`put`, `end`) with a batch's tokens, one row after another.
+
+    Hugging Face's streamers take one sequence; a batch's rows would interleave. Row 0 streams live;
+    a later row's tokens are buffered until every row before it has finished, then flushed.
+    """
+
+    def __init__(self, streamer, prompts: list[list[int]]):
+        self.streamer = streamer
+        self.buffers: list[list[int]] = [[] for _ in prompts]
+        self.done = np.zeros(len(prompts), dtype=bool)
+        self.current = 0  # the row that streams live
+        streamer.put(torch.tensor(prompts[0]))
+
+    def feed(self, rows: np.ndarray, tokens: np.ndarray, emit: np.ndarray, finished: np.ndarray) -> None:
+        """This round's emitted tokens: `tokens[slot, :emit[slot]]` for the row `rows[slot]`."""
+        for slot, row in enumerate(rows):
+            self.buffers[row] += tokens[slot, :emit[slot]].tolist()
+            self.done[row] |= finished[slot]
+        while self.current < len(self.done):
+            if self.buffers[self.current]:
+                self.streamer.put(torch.tensor(self.buffers[self.current]))
+                self.buffers[self.current] = []
+            if not self.done[self.current]:
+                break
+            self.current += 1
+
+    def end(self) -> None:
+        self.streamer.end()
+
+
 class SelfSpecGenerator:
     """Self-speculative decoding over a Hugging Face causal LM (llama, mistral, qwen2, qwen3, gpt2).
 
@@ -227,7 +258,7 @@ class SelfSpecGenerator:
     @torch.inference_mode()
     def generate(self, input_ids, attention_mask=None, max_new_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, num_speculations=None, eos_token_id=None,
-                 stop_strings=None, seed=None) -> GenerationOutput:
+                 stop_strings=None, seed=None, streamer=None) -> GenerationOutput:
         """Generate up to `max_new_tokens` tokens per prompt; the result is exactly the full model's.
 
         input_ids: a list of token lists (any lengths), one token list, a (B, T) tensor with an
@@ -243,6 +274,11 @@ class SelfSpecGenerator:
             generator). Each row's numbers depend only on its own seed and positions, so with a fixed
             k a row's result does not depend on its batch-mates; a batch-shared adaptive k changes
             where rounds end and thus which numbers are used, never the distribution.
+        streamer: an object with Hugging Face's streamer interface (`put(token_ids)`, `end()`), e.g.
+            `transformers.TextStreamer`. As in Hugging Face's generate, `put` first receives the
+            prompt (the first row's), then the accepted tokens of each round as they are decided, then
+            `end()` is called. The rows of a batch stream one after another in row order: row 0 live,
+            each later row's tokens held back until the rows before it have finished.
         """
         wall = time.perf_counter()
         prompts = self._prompts(input_ids, attention_mask)
@@ -257,7 +293,10 @@ class SelfSpecGenerator:
         max_new_tokens = max(0, max_new_tokens)
         generated = np.zeros((len(prompts), max_new_tokens), dtype=np.int64)
         counts = np.zeros(len(prompts), dtype=np.int64)  # tokens generated per row
+        stream = _RowOrderStream(streamer, prompts) if streamer is not None else None
         if max_new_tokens == 0:
+            if stream:
+                stream.end()
             return GenerationOutput([[] for _ in prompts], stats, [""] * len(prompts) if self.tokenizer else None)
         prompt_lengths = np.array([len(p) for p in prompts], dtype=np.int64)
         clock = _Clock(self.view.device)
@@ -281,10 +320,14 @@ class SelfSpecGenerator:
             if stops:
                 finished |= self._cut_at_stop_strings(stops, generated, rows, counts[rows], emit)
             counts[rows] += emit
+            if stream:
+                stream.feed(rows, tokens, emit, finished)
             self._advance(b, tokens, emit, keep=~finished)
             if self.check_cache:
                 b.cache.check(prompt_lengths[b.rows] - 1 + counts[b.rows])
 
+        if stream:
+            stream.end()
         stats.generated_tokens = int(counts.sum())
         stats.total_time = time.perf_counter() - wall
         sequences = [generated[row, :counts[row]].tolist() for row in range(len(prompts))]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -48,8 +49,12 @@ def _looks_local(name_or_path: str) -> bool:
 
 
 def load_causal_lm(name_or_path: str, dtype: str = "auto", attn_implementation: str = "sdpa",
-                   device: torch.device | str = "cpu"):
-    """`AutoModelForCausalLM.from_pretrained` with a one-line error for paths that hold no model."""
+                   device: torch.device | str = "cpu", trust_remote_code: bool = False):
+    """`AutoModelForCausalLM.from_pretrained` with a one-line error for paths that hold no model.
+
+    Safe by default: weights load from safetensors only (a pickle can run code), and a checkpoint's
+    own modelling code runs only when the caller passes `trust_remote_code=True`.
+    """
     path = Path(name_or_path).expanduser()
     if _looks_local(name_or_path) and not (path / "config.json").is_file():
         raise ModelLoadError(f"no model at {name_or_path!r} (no config.json there); build the embedded base with "
@@ -57,16 +62,23 @@ def load_causal_lm(name_or_path: str, dtype: str = "auto", attn_implementation: 
     try:
         model = AutoModelForCausalLM.from_pretrained(
             str(path) if path.exists() else name_or_path, dtype=resolve_dtype(dtype, device),
-            attn_implementation=attn_implementation)
+            attn_implementation=attn_implementation, use_safetensors=True, trust_remote_code=trust_remote_code)
+    except SafetensorError as exc:
+        raise ModelLoadError(f"the weights in {name_or_path!r} are damaged ({exc}); save or download the model "
+                             f"again") from None
     except OSError as exc:
+        if path.is_dir() and not any(path.glob("*.safetensors")):
+            raise ModelLoadError(f"{name_or_path!r} holds no .safetensors weights; selfspec loads no pickled "
+                                 f"weights: convert them with save_pretrained(..., safe_serialization=True)") from None
         raise ModelLoadError(f"cannot load model {name_or_path!r}: {str(exc).splitlines()[0]}") from None
     return model.to(device)
 
 
-def load_tokenizer(name_or_path: str):
-    """`AutoTokenizer.from_pretrained` with a one-line error."""
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
+    """`AutoTokenizer.from_pretrained` with a one-line error (no remote code unless asked for)."""
     try:
         return AutoTokenizer.from_pretrained(str(Path(name_or_path).expanduser())
-                                             if Path(name_or_path).expanduser().exists() else name_or_path)
+                                             if Path(name_or_path).expanduser().exists() else name_or_path,
+                                             trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load tokenizer {name_or_path!r}: {str(exc).splitlines()[0]}") from None
