@@ -119,6 +119,6 @@ def load_tuned(path: str | Path, device: str = "cpu", dtype: str = "auto", exit_
     meta = read_meta(path)
     model = load_causal_lm(str(path), dtype=dtype, device=device).eval()
     tokenizer = load_tokenizer(str(path)) if (Path(path) / "tokenizer_config.json").is_file() else None
-    return SelfSpecGenerator(model, tokenizer, exit_layer=exit_layer or meta["exit_layer"],
+    return SelfSpecGenerator(model, tokenizer, exit_layer=meta["exit_layer"] if exit_layer is None else exit_layer,
                              num_speculations=num_speculations if num_speculations is not None
                              else meta.get("num_speculations", "auto"))

@@ -275,3 +275,14 @@ def test_transformers_text_streamer_prints_what_generate_returns(tiny_run, capsy
     out = gen.generate("def f(x):\n", max_new_tokens=12, eos_token_id=[],
                        streamer=TextStreamer(tokenizer, skip_prompt=True))
     assert capsys.readouterr().out.rstrip("\n") == out.texts[0].rstrip("\n")
+
+
+def test_the_models_positions_bound_prompt_plus_new_tokens():
+    model = tiny_model("gpt2")  # a learned position table: a position past it does not exist
+    limit = model.config.n_positions
+    gen = SelfSpecGenerator(model, exit_layer=2)
+    prompt = [1 + i % 90 for i in range(limit - 11)]  # limit - 11 tokens: room for 11 new ones
+    with pytest.raises(ValueError, match=f"exceeds the model's {limit} positions; shorten the prompt"):
+        gen.generate([prompt], max_new_tokens=12)
+    out = gen.generate([prompt], max_new_tokens=11, num_speculations=6, eos_token_id=[])  # up to the last position
+    assert out.sequences[0] == reference_greedy(model, prompt, 11)

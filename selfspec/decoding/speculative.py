@@ -299,6 +299,10 @@ class SelfSpecGenerator:
                 stream.end()
             return GenerationOutput([[] for _ in prompts], stats, [""] * len(prompts) if self.tokenizer else None)
         prompt_lengths = np.array([len(p) for p in prompts], dtype=np.int64)
+        limit = self.view.max_positions
+        if limit is not None and prompt_lengths.max() + max_new_tokens > limit:
+            raise ValueError(f"a prompt of {prompt_lengths.max()} tokens plus max_new_tokens = {max_new_tokens} "
+                             f"exceeds the model's {limit} positions; shorten the prompt or lower max_new_tokens")
         clock = _Clock(self.view.device)
 
         b = self._start(prompts, sampling, seed, capacity=int(prompt_lengths.max()) + max_new_tokens
@@ -306,6 +310,8 @@ class SelfSpecGenerator:
         stats.prefill_time = time.perf_counter() - wall
         while b.rows.size:  # finished rows leave the batch
             k = controller.next_k()
+            if limit is not None:  # no draft beyond the last position the model has (GPT-2's table)
+                k = min(k, limit - 1 - int(b.lengths.max()))
             tokens, accepted, (start, drafted, verified) = self._round(b, k, clock)
             host = torch.cat([tokens, accepted[:, None]], 1).cpu().numpy()  # the round's one host sync
             tokens, accepted = host[:, :-1], host[:, -1]

@@ -65,6 +65,11 @@ class Adapter:
         """Attention window of block `index` (None: full causal attention)."""
         return None
 
+    @property
+    def max_positions(self) -> int | None:
+        """The longest sequence the model is made for (its position table or rotary setup); None: unknown."""
+        return getattr(self.config, "max_position_embeddings", None)
+
 
 class LlamaFamilyAdapter(Adapter):
     """Llama, Mistral, Qwen2 and Qwen3: pre-norm blocks with rotary positions (`model.model.*`)."""
@@ -159,6 +164,10 @@ class GPT2Adapter(Adapter):
     @property
     def final_norm(self) -> nn.Module:
         return self.model.transformer.ln_f
+
+    @property
+    def max_positions(self):
+        return self.config.n_positions  # the learned position table's rows
 
     def embed(self, input_ids, positions):
         transformer = self.model.transformer

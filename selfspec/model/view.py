@@ -84,6 +84,11 @@ class DecoderView:
         return self.adapter.lm_head
 
     @property
+    def max_positions(self) -> int | None:
+        """The longest sequence (prompt + generated tokens) the model is made for; None: unknown."""
+        return self.adapter.max_positions
+
+    @property
     def device(self) -> torch.device:
         return self.lm_head.weight.device
 

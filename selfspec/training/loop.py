@@ -210,6 +210,10 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True, kind: str
                                            cfg.data.text_field, max_blocks=cfg.data.max_eval_blocks,
                                            cache_dir=cfg.data.cache_dir)
     num_layers = count_layers(model)
+    limit = DecoderView(model).max_positions
+    if limit is not None and cfg.data.block_size > limit:
+        raise ValueError(f"data.block_size = {cfg.data.block_size} exceeds the model's {limit} positions; "
+                         f"set data.block_size <= {limit}")
     exit_layer = cfg.exit_layer or default_exit_layer(num_layers)
     if exit_layer > num_layers:
         raise ValueError(f"exit_layer = {exit_layer} is larger than the model's {num_layers} layers")
