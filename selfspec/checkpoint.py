@@ -34,15 +34,25 @@ class CheckpointError(ValueError):
     """A directory that is not a usable selfspec checkpoint; the message says why and what to do."""
 
 
-def write_json_atomic(path: str | Path, data: Any) -> None:
-    """Write JSON via a temp file + rename, so readers never see half a file."""
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    """Write text via a temp file + rename, so readers never see half a file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as handle:
-        json.dump(data, handle, indent=2, default=str)
-        handle.write("\n")
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would stay on the final file
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def write_json_atomic(path: str | Path, data: Any) -> Path:
+    """Write JSON atomically (see `write_text_atomic`)."""
+    return write_text_atomic(path, json.dumps(data, indent=2, default=str) + "\n")
 
 
 def save_tuned(path: str | Path, model, tokenizer=None, *, exit_layer: int, num_speculations: int = 4,
@@ -64,6 +74,7 @@ def save_tuned(path: str | Path, model, tokenizer=None, *, exit_layer: int, num_
         model = model.merge_and_unload()
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.staging-"))
+    staging.chmod(0o755)  # mkdtemp's 0700 would stay on the checkpoint directory
     try:
         model.save_pretrained(staging, safe_serialization=True, state_dict=state_dict)
         if tokenizer is not None:

@@ -41,6 +41,7 @@ from ..checkpoint import META_FILE, read_meta
 from ..decoding import SelfSpecGenerator
 from ..metrics import AcceptanceStats, predicted_speedup, speedup_kv_reuse, speedup_measured_costs
 from ..model.loading import load_causal_lm, load_tokenizer
+from .report import write_report as write_files
 
 METHODS = ("plain", "selfspec", "hf_greedy", "hf_early_exit", "hf_prompt_lookup")
 HF_BATCH1_METHODS = ("hf_early_exit", "hf_prompt_lookup")  # Hugging Face's assisted generation: batch 1 only
@@ -259,12 +260,8 @@ def _cost_model(plain_runs, spec_runs, measured: float | None) -> dict:
 
 
 def write_report(report: dict, out_dir: str | Path) -> tuple[Path, Path]:
-    """Write `benchmark.json` and `benchmark.md` into out_dir; returns their paths."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    json_path, md_path = out_dir / "benchmark.json", out_dir / "benchmark.md"
-    json_path.write_text(json.dumps(report, indent=2))
-    md_path.write_text(to_markdown(report))
+    """Write `benchmark.json` and `benchmark.md` into out_dir (atomically); returns their paths."""
+    json_path, md_path = write_files(out_dir, "benchmark", report, to_markdown(report))
     return json_path, md_path
 
 

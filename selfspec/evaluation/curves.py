@@ -13,7 +13,7 @@ import json
 import re
 from pathlib import Path
 
-from ..checkpoint import write_json_atomic
+from .report import save_figure, write_report
 
 _EXIT_KEY = re.compile(r"^val/(top1_agreement|expected_acceptance)@(\d+)$")
 
@@ -70,17 +70,11 @@ def plot_curve(curve: dict, out_png: str | Path, title: str = "") -> Path:
     left.legend(handles, labels, loc="upper left", fontsize=8)
     left.set_title(title or "acceptance at the exit vs training tokens")
     fig.tight_layout()
-    out_png = Path(out_png)
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_png.with_name(f".{out_png.name}.tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    tmp.replace(out_png)
-    return out_png
+    return save_figure(fig, out_png)
 
 
 def write_curve(run_dir: str | Path) -> Path:
     """`curve.json` and `curve.png` beside the run's metrics.jsonl; returns the PNG's path."""
     curve = read_curve(run_dir)
-    write_json_atomic(Path(run_dir) / "curve.json", curve)
+    write_report(run_dir, "curve", curve)
     return plot_curve(curve, Path(run_dir) / "curve.png", title=f"{Path(run_dir)}: acceptance vs tokens")

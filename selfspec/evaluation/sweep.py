@@ -16,7 +16,6 @@ the checkpoint's selfspec.json (what `load_tuned` then uses).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from ..decoding import SelfSpecGenerator
 from ..metrics import speedup_simple
 from ..model import num_layers as count_layers
 from .benchmark import interleaved_rates, load_model, pooled_costs, read_prompts
+from .report import save_figure, write_report
 
 PLAIN = (0, 0)  # (E, k) key of plain decoding
 
@@ -127,10 +127,7 @@ def plot(report: dict, path: str | Path) -> Path:
     ax.set_title("measured (solid) vs cost model (dashed)")
     ax.legend(fontsize="small")
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -171,9 +168,7 @@ def run(args: argparse.Namespace) -> dict:
     report = run_sweep(model, prompts, exit_layers, ks, args.max_new_tokens, args.repeats, args.warmup)
     report["model"] = args.model
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "sweep.json").write_text(json.dumps(report, indent=2))
-    (out / "sweep.md").write_text(to_markdown(report))
+    write_report(out, "sweep", report, to_markdown(report))
     plot(report, out / "sweep.png")
     print(to_markdown(report))
     print(f"wrote {out / 'sweep.json'}, {out / 'sweep.md'} and {out / 'sweep.png'}")

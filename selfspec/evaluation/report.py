@@ -1,0 +1,36 @@
+"""Writing reports: JSON, Markdown and PNG files, each atomically (a reader never sees half a file).
+
+Used by the benchmark, the sweep, the training curve and the CLI's layer tables and gate.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..checkpoint import write_json_atomic, write_text_atomic
+
+
+def write_report(out_dir: str | Path, stem: str, data: dict, markdown: str | None = None) -> list[Path]:
+    """`<stem>.json` (and `<stem>.md` when given) in out_dir; returns the paths written."""
+    out_dir = Path(out_dir)
+    paths = [write_json_atomic(out_dir / f"{stem}.json", data)]
+    if markdown is not None:
+        paths.append(write_text_atomic(out_dir / f"{stem}.md", markdown))
+    return paths
+
+
+def save_figure(fig, path: str | Path, dpi: int = 120) -> Path:
+    """Save a matplotlib figure as PNG through a temp file + rename, then close it."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    try:
+        fig.savefig(tmp, dpi=dpi)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
+    return path
