@@ -247,21 +247,45 @@ def _yaml(text: str):
 
 
 def load_config(path: str | Path | None, overrides: list[str] = (), schema: type[T] = RunConfig) -> T:
-    """Read a YAML file (or start from defaults when None), apply `a.b=value` overrides, validate."""
-    data: dict = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist; pass an existing YAML file to --config")
-        try:
-            data = _yaml(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}".replace("\n", " ")) from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {str(path)!r} must hold a mapping of fields at the top level")
+    """Read a YAML file (or start from defaults when None), apply `a.b=value` overrides, validate.
+
+    A file may start from another: `base: other.yaml` (a path relative to the file) loads that one
+    first, and this file's fields replace its fields, section by section.
+    """
+    data = _read_yaml(Path(path)) if path is not None else {}
     for item in overrides:
         _apply_override(data, item)
     return from_dict(schema, data)
+
+
+def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
+    """The mapping in a YAML config file, its `base:` chain merged in."""
+    if not path.is_file():
+        where = f" (the base of {str(seen[-1])!r})" if seen else ""
+        raise ConfigError(f"config file {str(path)!r}{where} does not exist; pass an existing YAML file to --config")
+    if path.resolve() in seen:
+        raise ConfigError(f"config file {str(path)!r} is its own base (through {' -> '.join(map(str, seen))}); "
+                          f"remove the loop of base: fields")
+    try:
+        data = _yaml(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}".replace("\n", " ")) from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping of fields at the top level")
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise ConfigError(f"base in {str(path)!r} must be a path to another YAML file, got {base!r}")
+    return _merge(_read_yaml(path.parent / base, (*seen, path.resolve())), data)
+
+
+def _merge(base: dict, top: dict) -> dict:
+    """`top` over `base`: sections merge field by field, any other value replaces."""
+    merged = dict(base)
+    for key, value in top.items():
+        merged[key] = _merge(base[key], value) if isinstance(value, dict) and isinstance(base.get(key), dict) else value
+    return merged
 
 
 def _apply_override(data: dict, item: str) -> None:

@@ -9,8 +9,8 @@ from selfspec.config import ConfigError, RunConfig, load_config, to_dict
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 
 
-def write(tmp_path, text):
-    path = tmp_path / "c.yaml"
+def write(tmp_path, text, name="c.yaml"):
+    path = tmp_path / name
     path.write_text(text)
     return path
 
@@ -83,3 +83,31 @@ def test_errors_are_one_line():
 def test_every_shipped_config_loads(path):
     cfg = load_config(path)
     assert to_dict(cfg)["optim"]["max_steps"] >= 1
+
+
+def test_a_config_starts_from_its_base_section_by_section(tmp_path):
+    (tmp_path / "common.yaml").write_text("optim:\n  lr: 1.0e-4\n  max_steps: 50\nseed: 3\n")
+    child = write(tmp_path, "base: common.yaml\noptim:\n  lr: 5.0e-4\n")
+    cfg = load_config(child, ["optim.batch_size=2"])
+    assert (cfg.optim.lr, cfg.optim.max_steps, cfg.optim.batch_size, cfg.seed) == (5e-4, 50, 2, 3)
+
+
+def test_base_errors_name_the_file(tmp_path):
+    (tmp_path / "a.yaml").write_text("base: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\n")
+    with pytest.raises(ConfigError, match="is its own base"):
+        load_config(tmp_path / "a.yaml")
+    with pytest.raises(ConfigError, match=r"config file '.*missing.yaml' \(the base of '.*c.yaml'\) does not exist"):
+        load_config(write(tmp_path, "base: missing.yaml\n", name="c.yaml"))
+
+
+def test_the_gpu_recipes_share_one_shape():
+    from pathlib import Path
+
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    for name, layers in (("llama3.2-1b_full", 16), ("tinyllama-1.1b_full", 22), ("qwen2.5-0.5b_lora", 24),
+                         ("qwen2.5-1.5b_lora", 28)):
+        cfg = load_config(configs / f"{name}.yaml")
+        assert cfg.early_exit.layers == cfg.exit_layer == layers // 3, name  # one exit at N/3, as on SmolLM2
+        assert (cfg.early_exit.weight, cfg.early_exit.token_fraction, cfg.trainable) == (0.3, 0.3, "all")
+        assert cfg.lora.enabled == name.endswith("lora") and cfg.output_dir == f"runs/{name}"
