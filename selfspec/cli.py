@@ -55,7 +55,7 @@ def layers_report(model_dir: str, source: str = "stdlib", split: str = "test", b
     blocks = eval_blocks(model_dir, source, split, block_size, max_blocks)
     report = exit_layer_metrics(model, blocks, progress=True)
     print(f"{model_dir}: {sum(p.numel() for p in model.parameters()):,} parameters, "
-          f"{len(report) } layers; {split} split, {blocks.numel():,} tokens")
+          f"{len(report)} layers; {split} split, {blocks.numel():,} tokens")
     print(format_exit_table(report))
     if json_out:
         write_json_atomic(json_out, {str(k): v for k, v in report.items()})

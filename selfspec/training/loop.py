@@ -29,7 +29,6 @@ from ..checkpoint import CheckpointError, read_meta, save_tuned, write_json_atom
 from ..config import RunConfig, default_exit_layer, parse_layers, to_dict
 from ..cpu import keep_freed_memory
 from ..model import DecoderView
-from ..model import num_layers as count_layers
 from ..model.loading import build_llama, load_causal_lm, load_tokenizer
 from .early_exit import ExitCurriculum
 from .layer_dropout import LayerDropout
@@ -209,8 +208,8 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True, kind: str
         val_blocks = data_lib.pack_dataset(corpus["validation"], tokenizer, cfg.data.block_size,
                                            cfg.data.text_field, max_blocks=cfg.data.max_eval_blocks,
                                            cache_dir=cfg.data.cache_dir)
-    num_layers = count_layers(model)
-    limit = DecoderView(model).max_positions
+    view = DecoderView(model)
+    num_layers, limit = view.num_layers, view.max_positions
     if limit is not None and cfg.data.block_size > limit:
         raise ValueError(f"data.block_size = {cfg.data.block_size} exceeds the model's {limit} positions; "
                          f"set data.block_size <= {limit}")
