@@ -167,12 +167,11 @@ def import_gguf(source: str, out: str, force: bool = False) -> Path:
     if out_path.exists() and any(out_path.iterdir()) and not force:
         raise ValueError(f"{out} already exists; pass --force to replace it or choose another --out")
     model, tokenizer, path = load_gguf(source)
-    num_layers = count_layers(model)
+    num_layers, parameters = count_layers(model), sum(p.numel() for p in model.parameters())
     save_tuned(out_path, model, tokenizer, exit_layer=default_exit_layer(num_layers), base_model=str(path), kind="base",
-               metrics={"parameters": sum(p.numel() for p in model.parameters())})
+               metrics={"parameters": parameters})
     print(f"imported {path.name} -> {out}: {model.config.model_type}, {num_layers} layers, "
-          f"{model.config.vocab_size:,}-token vocabulary, "
-          f"{sum(p.numel() for p in model.parameters()):,} parameters (fp32)")
+          f"{model.config.vocab_size:,}-token vocabulary, {parameters:,} parameters (fp32)")
     return out_path
 
 

