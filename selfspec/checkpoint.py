@@ -7,7 +7,12 @@ The directory loads with plain `AutoModelForCausalLM.from_pretrained` and with
     format_version  1
     kind            "tuned" (a self-speculative fine-tune) or "base" (a pretrained base model)
     exit_layer      E: the draft runs blocks [0, E)
-    num_speculations  k: default draft length
+    num_speculations  k: default draft length of the early exit
+    drafter         optional: "early_exit" (default), "ngram" or "hybrid" (see decoding/policy.py)
+    ngram           optional: the copy settings {max_ngram, min_ngram, max_copy}
+    draft_vocab_size  optional: V', the draft head's vocabulary (the V' most frequent tokens of
+                    token_counts.safetensors); absent or null: the whole vocabulary
+    token_counts    optional: where token_counts.safetensors was counted {source, tokens}
     base_model      where the weights came from (path or hub id)
     training        the run config (dict) that produced it
     metrics         final metrics (per-layer agreement, perplexity, ...)
@@ -27,6 +32,7 @@ from typing import Any
 from .model import num_layers as count_layers
 
 META_FILE = "selfspec.json"
+TOKEN_COUNTS_FILE = "token_counts.safetensors"  # (V,) int64 "counts": token frequencies for the draft head
 FORMAT_VERSION = 1
 
 
@@ -57,10 +63,13 @@ def write_json_atomic(path: str | Path, data: Any) -> Path:
 
 def save_tuned(path: str | Path, model, tokenizer=None, *, exit_layer: int, num_speculations: int = 4,
                base_model: str | None = None, training: dict | None = None, metrics: dict | None = None,
-               kind: str = "tuned", state_dict: dict | None = None) -> Path:
+               kind: str = "tuned", state_dict: dict | None = None, token_counts=None,
+               token_counts_source: str | None = None) -> Path:
     """Save model (safetensors) + tokenizer + selfspec.json into `path`, atomically.
 
     state_dict: the weights to write when the module's own are sharded (FSDP); default its own.
+    token_counts: (V,) token frequencies (of the training data) for a trimmed draft head, and
+    token_counts_source what they were counted on.
 
     Everything is written into a temporary sibling directory first and renamed into place at the end,
     so a crash leaves either the old checkpoint or the new one, never a mixture. A PEFT model is
@@ -79,11 +88,12 @@ def save_tuned(path: str | Path, model, tokenizer=None, *, exit_layer: int, num_
         model.save_pretrained(staging, safe_serialization=True, state_dict=state_dict)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
-        write_json_atomic(staging / META_FILE, {
-            "format_version": FORMAT_VERSION, "kind": kind, "exit_layer": exit_layer,
-            "num_speculations": num_speculations, "base_model": base_model, "training": training or {},
-            "metrics": metrics or {}, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        })
+        meta = {"format_version": FORMAT_VERSION, "kind": kind, "exit_layer": exit_layer,
+                "num_speculations": num_speculations, "base_model": base_model, "training": training or {},
+                "metrics": metrics or {}, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        if token_counts is not None:
+            meta["token_counts"] = _write_token_counts(staging, token_counts, token_counts_source)
+        write_json_atomic(staging / META_FILE, meta)
         if path.exists():
             old = path.with_name(f".{path.name}.old-{os.getpid()}")
             os.replace(path, old)
@@ -121,15 +131,84 @@ def update_meta(path: str | Path, **fields) -> dict:
     return meta
 
 
+def _write_token_counts(directory: Path, counts, source: str | None) -> dict:
+    """Write token_counts.safetensors into `directory` atomically; the summary for selfspec.json."""
+    import numpy as np
+    import torch
+    from safetensors.torch import save_file
+
+    counts = torch.as_tensor(np.asarray(counts, dtype=np.int64))
+    if counts.dim() != 1 or counts.numel() == 0 or bool((counts < 0).any()):
+        raise CheckpointError("token counts must be a non-empty 1-D array of counts >= 0")
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{TOKEN_COUNTS_FILE}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file({"counts": counts}, tmp)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, directory / TOKEN_COUNTS_FILE)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return {"source": source, "tokens": int(counts.sum()), "vocab_size": counts.numel()}
+
+
+def save_token_counts(path: str | Path, counts, source: str | None = None) -> dict:
+    """Store token frequencies (V,) in an existing checkpoint (for a trimmed draft head); returns the
+    summary recorded in its selfspec.json ({source, tokens, vocab_size})."""
+    read_meta(path)  # a checkpoint, or a clear error
+    summary = _write_token_counts(Path(path), counts, source)
+    update_meta(path, token_counts=summary)
+    return summary
+
+
+def read_token_counts(path: str | Path):
+    """The checkpoint's token frequencies (V,) as int64 NumPy, or None when it has none."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    file = Path(path) / TOKEN_COUNTS_FILE
+    if not file.is_file():
+        return None
+    try:
+        return load_file(str(file))["counts"]
+    except (SafetensorError, KeyError, OSError) as exc:
+        raise CheckpointError(f"{file} is damaged ({exc}); recount it with `selfspec draft-vocab {path}`") from None
+
+
+def draft_vocab(path: str | Path, size: int | None):
+    """The token ids of a V'-token draft head from the checkpoint's counts (None: the whole head)."""
+    if not size:
+        return None
+    counts = read_token_counts(path)
+    if counts is None:
+        raise CheckpointError(f"draft_vocab_size = {size} needs {TOKEN_COUNTS_FILE} in {path}; count it with "
+                              f"`selfspec draft-vocab {path}`")
+    from .decoding.draft_head import frequent_tokens
+
+    return frequent_tokens(counts, int(size))
+
+
 def load_tuned(path: str | Path, device: str = "cpu", dtype: str = "auto", exit_layer: int | None = None,
-               num_speculations: int | str | None = None):
-    """Load a tuned checkpoint as a `SelfSpecGenerator` ready for lossless fast generation."""
-    from .decoding import SelfSpecGenerator
+               num_speculations: int | str | None = None, drafter: str | None = None,
+               draft_vocab_size: int | None = None):
+    """Load a tuned checkpoint as a `SelfSpecGenerator` ready for lossless fast generation.
+
+    Every setting defaults to the checkpoint's selfspec.json (what `selfspec eval sweep --write-back`
+    stored): E, the early exit's k, the drafter and its n-gram settings, the draft head's V'
+    (draft_vocab_size 0: the whole head).
+    """
+    from .decoding import NGramConfig, SelfSpecGenerator
     from .model.loading import load_causal_lm, load_tokenizer
 
     meta = read_meta(path)
+    try:
+        ngram = NGramConfig.from_dict(meta.get("ngram"))
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{Path(path) / META_FILE}: bad \"ngram\" entry ({exc})") from None
+    vocab = draft_vocab(path, meta.get("draft_vocab_size") if draft_vocab_size is None else draft_vocab_size)
     model = load_causal_lm(str(path), dtype=dtype, device=device).eval()
     tokenizer = load_tokenizer(str(path)) if (Path(path) / "tokenizer_config.json").is_file() else None
     return SelfSpecGenerator(model, tokenizer, exit_layer=meta["exit_layer"] if exit_layer is None else exit_layer,
                              num_speculations=num_speculations if num_speculations is not None
-                             else meta.get("num_speculations", "auto"))
+                             else meta.get("num_speculations", "auto"),
+                             drafter=drafter or meta.get("drafter", "early_exit"), ngram=ngram, draft_vocab=vocab)

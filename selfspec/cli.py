@@ -6,6 +6,7 @@
     selfspec eval speedup --model runs/demo/model  # α, draft cost, tokens/s, speedups vs plain and HF
     selfspec eval sweep --model runs/demo/model --write-back   # best (E, k): table, plot, selfspec.json
     selfspec generate runs/demo/model "def parse_args("
+    selfspec draft-vocab runs/demo/model           # token frequencies for a trimmed draft head
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 from pathlib import Path
 
 from .checkpoint import read_meta, write_json_atomic
+from .decoding.policy import DRAFTERS
 from .evaluation import benchmark, sweep
 
 DEFAULT_BASE_CONFIG = "configs/embedded_base.yaml"
@@ -28,7 +30,7 @@ SMOLLM2_FINETUNE_CONFIG = "configs/smollm2-135m_cpu.yaml"
 # ---------------------------------------------------------------------------------------------------
 
 def eval_blocks(model_dir: str, source: str = "stdlib", split: str = "test", block_size: int = 256,
-                max_blocks: int = 64, cache_dir: str = "data/generated", tokenizer_dir: str | None = None):
+                max_blocks: int | None = 64, cache_dir: str = "data/generated", tokenizer_dir: str | None = None):
     """Held-out token blocks (n, block_size) of `split`, tokenized with the model's tokenizer."""
     from . import data
     from .cpu import keep_freed_memory
@@ -76,6 +78,29 @@ def gate(tuned: str, base: str, max_increase: float = 0.01, source: str = "stdli
     return result.passed
 
 
+def draft_vocab_counts(model_dir: str, source: str = "stdlib", split: str = "train", block_size: int = 256,
+                       max_blocks: int | None = None, sizes=(256, 512, 1024, 2048, 4096, 8192, 16384)) -> dict:
+    """Count token frequencies on a corpus with the model's tokenizer and store them in the checkpoint
+    (token_counts.safetensors): the ranking of a trimmed draft head. Prints how much of the corpus
+    the V' most frequent tokens cover, for each V' in `sizes` below the vocabulary."""
+    from transformers import AutoConfig
+
+    from .checkpoint import save_token_counts
+    from .data import count_tokens
+    from .decoding.draft_head import coverage
+
+    read_meta(model_dir)  # a checkpoint, or a clear error before any counting
+    vocab_size = AutoConfig.from_pretrained(model_dir).vocab_size
+    counts = count_tokens(eval_blocks(model_dir, source, split, block_size, max_blocks), vocab_size)
+    summary = save_token_counts(model_dir, counts, f"{source}, {split} split")
+    shares = coverage(counts, [v for v in sizes if v < vocab_size])
+    print(f"{model_dir}: counted {summary['tokens']:,} tokens of {source} ({split}); "
+          f"{int((counts > 0).sum()):,} of {vocab_size:,} token ids occur")
+    for size, share in shares.items():
+        print(f"  V' = {size:>6,}: {share:.1%} of the tokens")
+    return {"counts": summary, "coverage": shares}
+
+
 def parse_num_speculations(value: str | None):
     """`--num-speculations`: an int >= 0, "auto" or "window"; None keeps the checkpoint's own k."""
     if value is None or value in ("auto", "window"):
@@ -115,10 +140,12 @@ def read_prompt_file(path: str) -> list[str]:
 def generate(model_dir: str, prompts: list[str], max_new_tokens: int = 64, temperature: float = 0.0,
              num_speculations: str | None = None, seed: int | None = None, chat: bool = False,
              top_k: int = 0, top_p: float = 1.0, exit_layer: int | None = None, eos: list[int] | None = None,
-             stop: list[str] | None = None, stream: bool = True) -> list[str]:
+             stop: list[str] | None = None, stream: bool = True, drafter: str | None = None,
+             draft_vocab_size: int | None = None) -> list[str]:
     """Generate continuations of `prompts` (one batch) with a tuned checkpoint; print them and the stats.
 
-    E and k default to the checkpoint's `selfspec.json` (a sweep's `--write-back` sets them). `chat`
+    E, k, the drafter and the draft head's V' default to the checkpoint's `selfspec.json` (a sweep's
+    `--write-back` sets them). `chat`
     wraps each prompt in the tokenizer's chat template as one user turn (instruct models). `eos`: token
     ids that end a row (default the model's; an empty list never stops early); `stop`: strings that
     end a row. A single prompt streams its tokens as they are accepted; a batch prints each row in
@@ -131,7 +158,7 @@ def generate(model_dir: str, prompts: list[str], max_new_tokens: int = 64, tempe
     k = parse_num_speculations(num_speculations)
     if not prompts or any(not p for p in prompts):
         raise ValueError("a prompt is empty; pass some text to continue")
-    gen = load_tuned(model_dir, exit_layer=exit_layer)
+    gen = load_tuned(model_dir, exit_layer=exit_layer, drafter=drafter, draft_vocab_size=draft_vocab_size)
     tokenizer = gen.tokenizer
     if tokenizer is None:
         raise ValueError(f"{model_dir} has no tokenizer; save one beside the model (tokenizer.save_pretrained)")
@@ -150,8 +177,10 @@ def generate(model_dir: str, prompts: list[str], max_new_tokens: int = 64, tempe
     if not live:
         print("\n---\n".join(t if chat else p + t for p, t in zip(prompts, texts)))
     stats = out.stats
-    print(f"\n[E = {gen.exit_layer}, k = {gen.num_speculations if k is None else k}: acceptance rate "
-          f"{stats.acceptance_rate:.3f}, mean accepted length {stats.mean_accepted_length:.2f}, "
+    print(f"\n[{gen.drafter} drafts, E = {gen.exit_layer}, k = {gen.num_speculations if k is None else k}, "
+          f"V' = {gen.draft_head.size}: acceptance rate {stats.acceptance_rate:.3f} (copied "
+          f"{stats.copy.accepted}/{stats.copy.drafted}, early exit {stats.early_exit.accepted}/"
+          f"{stats.early_exit.drafted} drafts accepted), mean accepted length {stats.mean_accepted_length:.2f}, "
           f"{stats.tokens_per_second:.1f} tokens/s]", file=sys.stderr)
     return texts
 
@@ -282,6 +311,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="the model directory to write")
     p.add_argument("--force", action="store_true", help="replace an existing --out")
 
+    p = sub.add_parser("draft-vocab", help="count token frequencies into a checkpoint (for a trimmed draft head)")
+    p.add_argument("model", help="a checkpoint directory (it holds selfspec.json)")
+    p.add_argument("--data", default="stdlib", help="corpus: stdlib, a local file/glob, or a datasets name")
+    p.add_argument("--split", default="train")
+    p.add_argument("--block-size", type=int, default=256)
+    p.add_argument("--max-blocks", type=int, default=None, help="count only the first blocks (default: all)")
+
     p = sub.add_parser("layers", help="per-exit-layer agreement with the final layer")
     p.add_argument("model")
     data_flags(p)
@@ -298,6 +334,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--exit-layer", type=int, default=None, help="E (default: the checkpoint's selfspec.json)")
     p.add_argument("--num-speculations", default=None,
                    help="k: an integer, auto or window (default: the checkpoint's selfspec.json)")
+    p.add_argument("--drafter", choices=DRAFTERS, default=None,
+                   help="early_exit, ngram (copies from the context) or hybrid (default: the checkpoint's)")
+    p.add_argument("--draft-vocab-size", type=int, default=None,
+                   help="V': the early exit drafts among the V' most frequent tokens (0: all; default: "
+                        "the checkpoint's)")
     p.add_argument("--seed", type=int)
     p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template (instruct models)")
     p.add_argument("--eos", type=int, action="append", help="a token id that ends a row (repeatable; default the "
@@ -336,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
                  args.repeats)
         elif args.command == "import-gguf":
             import_gguf(args.source, args.out, args.force)
+        elif args.command == "draft-vocab":
+            draft_vocab_counts(args.model, args.data, args.split, args.block_size, args.max_blocks)
         elif args.command == "layers":
             layers_report(args.model, args.data, args.split, args.block_size, args.max_blocks, args.json)
         elif args.command == "generate":
@@ -344,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
             prompts = [args.prompt] if args.prompts is None else read_prompt_file(args.prompts)
             generate(args.model, prompts, args.max_new_tokens, args.temperature, args.num_speculations, args.seed,
                      args.chat, args.top_k, args.top_p, args.exit_layer, [] if args.no_eos else args.eos, args.stop,
-                     not args.no_stream)
+                     not args.no_stream, args.drafter, args.draft_vocab_size)
         elif args.command == "eval" and args.eval_command == "curve":
             from .evaluation.curves import write_curve
 

@@ -575,6 +575,23 @@ def pack_dataset(
     return packed.with_format("torch")
 
 
+def count_tokens(blocks, vocab_size: int, chunk: int = 1024) -> np.ndarray:
+    """Occurrences of every token id in packed blocks: (vocab_size,) int64.
+
+    blocks: `pack_dataset`'s output, or an (n, T) array/tensor of token ids.
+    The frequency ranking of a trimmed draft head (`selfspec.decoding.draft_head`).
+    """
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for start in range(0, len(blocks), chunk):
+        part = blocks[start:start + chunk]
+        ids = np.asarray(part["input_ids"] if isinstance(part, dict) else part).reshape(-1)
+        if ids.size and int(ids.max()) >= vocab_size:
+            raise ValueError(f"token id {int(ids.max())} is outside the model's {vocab_size}-token vocabulary; "
+                             f"count with the model's own tokenizer")
+        counts += np.bincount(ids, minlength=vocab_size)
+    return counts
+
+
 def _token_stream(
     split: datasets.Dataset,
     tokenizer: PreTrainedTokenizerFast,

@@ -58,6 +58,12 @@ CLI_CASES = [
     (["eval", "sweep", "--model", "{ckpt}", "--ks", "two"], "--ks must be a comma list of ints"),
     (["eval", "speedup", "--model", "{ckpt}", "--methods", "plain,fastest"], "unknown method 'fastest'"),
     (["import-gguf", "{tmp}/missing.gguf", "--out", "{tmp}/imported"], "does not exist"),
+    (["generate", "{ckpt}", "def f():", "--draft-vocab-size", "64"],
+     "draft_vocab_size = 64 needs token_counts.safetensors"),
+    (["draft-vocab", "{tmp}/no-model"], "has no selfspec.json"),
+    (["eval", "sweep", "--model", "{ckpt}", "--drafters", "early_exit,medusa"], "drafters ['medusa'] are not in"),
+    (["eval", "sweep", "--model", "{ckpt}", "--drafters", "hybrid", "--min-ngrams", "0"], "min_ngram"),
+    (["eval", "sweep", "--model", "{ckpt}", "--draft-vocab-sizes", "0,64"], "needs the checkpoint's token counts"),
 ]
 
 

@@ -7,7 +7,15 @@ import torch
 from tiny_models import tiny_model
 from transformers import AutoModelForCausalLM
 
-from selfspec.checkpoint import CheckpointError, read_meta, save_tuned, update_meta
+from selfspec.checkpoint import (
+    CheckpointError,
+    draft_vocab,
+    read_meta,
+    read_token_counts,
+    save_token_counts,
+    save_tuned,
+    update_meta,
+)
 
 
 def test_save_writes_safetensors_meta_and_loads_with_auto_model(tmp_path):
@@ -86,3 +94,25 @@ def test_truncated_safetensors_is_a_one_line_error(tmp_path):
 
     with pytest.raises(ModelLoadError, match="are damaged .*invalid header length.*; save or download the model again"):
         load_tuned(path)
+
+
+def test_token_counts_round_trip_and_rank_the_draft_vocabulary(tmp_path):
+    import numpy as np
+
+    model = tiny_model("llama")
+    path = save_tuned(tmp_path / "ckpt", model, exit_layer=2)
+    assert read_token_counts(path) is None and draft_vocab(path, None) is None
+    with pytest.raises(CheckpointError, match="draft_vocab_size = 8 needs token_counts.safetensors.*selfspec draft-vocab"):
+        draft_vocab(path, 8)
+    counts = np.arange(96)
+    summary = save_token_counts(path, counts, "a corpus")
+    assert summary == {"source": "a corpus", "tokens": int(counts.sum()), "vocab_size": 96}
+    assert read_meta(path)["token_counts"] == summary
+    assert np.array_equal(read_token_counts(path), counts)
+    assert draft_vocab(path, 3).tolist() == [95, 94, 93]
+    with pytest.raises(CheckpointError, match="non-empty 1-D array of counts >= 0"):
+        save_token_counts(path, [-1, 2])
+    (path / "token_counts.safetensors").write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match="is damaged.*selfspec draft-vocab"):
+        read_token_counts(path)
+    assert not [p.name for p in path.iterdir() if p.name.startswith(".")]  # no temp file left behind

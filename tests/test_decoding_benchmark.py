@@ -1,4 +1,4 @@
-"""The benchmark runs all five methods in one process, checks greedy identity, writes JSON + Markdown.
+"""The benchmark runs all its methods in one process, checks greedy identity, writes JSON + Markdown.
 
 No timing is asserted: only that the figures are there and consistent.
 """
@@ -17,14 +17,20 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_benchmark_report(tmp_path):
     model = tiny_model("llama")
-    report = run_benchmark(model, [[5, 6, 7, 8], [9, 10]], exit_layer=3, num_speculations=3, max_new_tokens=10,
-                           repeats=2, warmup=1)
+    repeats = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]  # copying finds matches
+    report = run_benchmark(model, [repeats, [9, 10]], exit_layer=3, num_speculations=3, max_new_tokens=10,
+                           repeats=2, warmup=1, draft_vocab=list(range(48)))
     assert set(report["methods"]) == set(METHODS)
+    assert report["draft_vocab_size"] == 48 and report["ngram"]["min_ngram"] == 2
     assert all(len(m["tokens_per_second_all"]) == 2 for m in report["methods"].values())
     assert report["greedy_outputs_identical"]
     assert report["identical_to_plain"]["hf_early_exit"]  # Hugging Face's self-speculation is lossless too
     assert report["identical_to_plain"]["hf_prompt_lookup"]  # and so is its prompt lookup
-    assert report["speedups"]["selfspec_over_plain"] > 0
+    assert report["speedups"]["selfspec_over_plain"] > 0 and report["speedups"]["hybrid_over_hf_prompt_lookup"] > 0
+    sources = report["sources"]
+    assert sources["ngram"]["copy"]["drafted"] > 0 and sources["ngram"]["early_exit"]["drafted"] == 0
+    assert sources["selfspec"]["copy"]["drafted"] == 0 and sources["selfspec"]["early_exit"]["drafted"] > 0
+    assert sources["hybrid"]["copy"]["drafted"] > 0 and sources["hybrid"]["early_exit"]["drafted"] > 0
     cost = report["cost_model"]
     assert 0 < cost["acceptance_rate"] <= 1 and cost["mean_accepted_length"] >= 1
     assert cost["k_rounds"].keys() == {3} and cost["mean_k"] == 3
@@ -33,6 +39,7 @@ def test_benchmark_report(tmp_path):
     assert json.loads(json_path.read_text())["exit_layer"] == 3
     text = md_path.read_text()
     assert "selfspec / plain" in text and "acceptance_rate" in text and "Greedy outputs identical" in text
+    assert "| hybrid | copy |" in text and "hybrid / hf_prompt_lookup" in text
 
 
 def test_batched_benchmark_decodes_rows_together():

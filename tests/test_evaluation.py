@@ -152,34 +152,49 @@ def test_cli_generate_without_a_tokenizer_says_so(tiny_run, tmp_path, capsys):
 def test_cli_sweep_measures_the_grid_plots_and_writes_back_the_best(tiny_run, tmp_path, capsys):
     import json
 
+    import numpy as np
     from transformers import AutoModelForCausalLM
 
     from selfspec.checkpoint import read_meta, save_tuned
 
     model = AutoModelForCausalLM.from_pretrained(tiny_run["model"])
-    ckpt = save_tuned(tmp_path / "tuned", model, tiny_run["tokenizer"], exit_layer=2, num_speculations=3)
+    counts = np.arange(model.config.vocab_size)[::-1].copy()  # token 0 the most frequent
+    ckpt = save_tuned(tmp_path / "tuned", model, tiny_run["tokenizer"], exit_layer=2, num_speculations=3,
+                      token_counts=counts)
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("def f(x):\nimport os\n")
     out = tmp_path / "sweep"
     assert main(["eval", "sweep", "--model", str(ckpt), "--prompts", str(prompts), "--exit-layers", "1:4",
-                 "--ks", "1,3", "--max-new-tokens", "6", "--repeats", "1", "--warmup", "0", "--out", str(out),
-                 "--write-back"]) == 0
+                 "--ks", "1,3", "--drafters", "early_exit,hybrid,ngram", "--min-ngrams", "1,2",
+                 "--draft-vocab-sizes", "0,64", "--max-new-tokens", "6", "--repeats", "1", "--warmup", "0",
+                 "--out", str(out), "--write-back"]) == 0
     report = json.loads((out / "sweep.json").read_text())
-    assert sorted((r["exit_layer"], r["num_speculations"]) for r in report["grid"]) == [
-        (1, 1), (1, 3), (2, 1), (2, 3), (3, 1), (3, 3)]
+    cells = sorted((r["drafter"], r["exit_layer"], r["num_speculations"], r["vocab"], r["min_ngram"])
+                   for r in report["grid"])
+    early = [(e, k, v) for e in (1, 2, 3) for v in (0, 64) for k in (1, 3)]
+    assert cells == sorted([("early_exit", e, k, v, 0) for e, k, v in early]
+                           + [("hybrid", e, k, v, n) for e, k, v in early for n in (1, 2)]
+                           + [("ngram", 0, 0, 0, 1), ("ngram", 0, 0, 0, 2)])
     assert report["all_identical_to_plain"]
-    assert all(0.0 <= report["per_exit_layer"][e]["acceptance_rate"] <= 1.0 for e in ("1", "2", "3"))
-    assert (out / "sweep.png").stat().st_size > 0 and "| E | α | c |" in (out / "sweep.md").read_text()
+    assert all(0.0 <= report["per_exit_layer"][e][v]["acceptance_rate"] <= 1.0 for e in ("1", "2", "3")
+               for v in ("0", "64"))
+    markdown = (out / "sweep.md").read_text()
+    assert (out / "sweep.png").stat().st_size > 0 and "| E | V' | α | α kept | c |" in markdown
+    assert "| ngram, min_ngram = 2 |" in markdown and set(report["fastest_per_drafter"]) == {
+        "early_exit", "hybrid", "ngram"}
     best = report["best"]
     assert best["speedup"] == max(r["speedup"] for r in report["grid"] if r["identical_to_plain"])
     meta = read_meta(ckpt)
     # The rule itself is tested on fixed reports below; here: the checkpoint holds one of the two outcomes.
-    assert (meta["exit_layer"], meta["num_speculations"]) in {(2, 3), (best["exit_layer"], best["num_speculations"])}
+    assert (meta["exit_layer"], meta["num_speculations"], meta.get("drafter", "early_exit")) in {
+        (2, 3, "early_exit"), (best["exit_layer"] or 2, best["num_speculations"] or 3, best["drafter"])}
 
 
 @pytest.mark.parametrize("best, written", [
-    ({"exit_layer": 3, "num_speculations": 4, "speedup": 1.4}, True),
-    ({"exit_layer": 3, "num_speculations": 4, "speedup": 0.9}, False),  # slower than plain: keep the checkpoint's
+    ({"drafter": "early_exit", "exit_layer": 3, "num_speculations": 4, "vocab": 0, "min_ngram": 0, "speedup": 1.4},
+     True),
+    ({"drafter": "early_exit", "exit_layer": 3, "num_speculations": 4, "vocab": 0, "min_ngram": 0, "speedup": 0.9},
+     False),  # slower than plain: keep the checkpoint's
     (None, False),  # nothing lossless
 ])
 def test_sweep_write_back_records_only_a_pair_that_beats_plain(tiny_run, tmp_path, best, written):
@@ -196,6 +211,38 @@ def test_sweep_write_back_records_only_a_pair_that_beats_plain(tiny_run, tmp_pat
     assert ("sweep" in meta) is written
 
 
+@pytest.mark.parametrize("best, fields", [
+    ({"drafter": "hybrid", "exit_layer": 3, "num_speculations": 2, "vocab": 64, "min_ngram": 1, "speedup": 1.6},
+     {"drafter": "hybrid", "exit_layer": 3, "num_speculations": 2, "draft_vocab_size": 64,
+      "ngram": {"max_ngram": 3, "min_ngram": 1, "max_copy": 10}}),
+    ({"drafter": "ngram", "exit_layer": 0, "num_speculations": 0, "vocab": 0, "min_ngram": 4, "speedup": 1.3},
+     {"drafter": "ngram", "exit_layer": 2, "num_speculations": 3, "ngram": {"max_ngram": 4, "min_ngram": 4,
+                                                                            "max_copy": 10}}),
+])
+def test_sweep_write_back_stores_the_drafter_and_load_tuned_decodes_that_way(tiny_run, tmp_path, best, fields):
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+
+    from selfspec import load_tuned
+    from selfspec.checkpoint import read_meta, save_tuned
+    from selfspec.evaluation.sweep import write_back
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_run["model"])
+    ckpt = save_tuned(tmp_path / "tuned", model, tiny_run["tokenizer"], exit_layer=2, num_speculations=3,
+                      token_counts=np.ones(model.config.vocab_size, dtype=np.int64))
+    assert write_back(str(ckpt), {"best": best}, tmp_path / "sweep.json")
+    meta = read_meta(ckpt)
+    assert {name: meta.get(name) for name in fields} == fields
+    generator = load_tuned(ckpt)
+    assert generator.drafter == fields["drafter"] and generator.ngram.as_dict() == fields["ngram"]
+    assert generator.exit_layer == fields["exit_layer"] and generator.num_speculations == fields["num_speculations"]
+    assert generator.draft_head.size == (fields.get("draft_vocab_size") or model.config.vocab_size)
+    plain = generator.generate(["def f(x):"], max_new_tokens=12, num_speculations=0, drafter="early_exit",
+                               eos_token_id=[])
+    out = generator.generate(["def f(x):"], max_new_tokens=12, eos_token_id=[])  # the stored drafter
+    assert out.sequences == plain.sequences
+
+
 def test_cli_sweep_rejects_a_bad_grid_in_one_line(tiny_run, tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
@@ -207,3 +254,20 @@ def test_cli_sweep_rejects_a_bad_grid_in_one_line(tiny_run, tmp_path, capsys):
     assert "error: " in capsys.readouterr().err
     assert main(["eval", "sweep", "--model", str(ckpt), "--ks", "two"]) == 2
     assert "--ks must be a comma list" in capsys.readouterr().err
+
+
+def test_cli_draft_vocab_counts_into_the_checkpoint_and_generate_drafts_from_it(tiny_run, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from selfspec.checkpoint import read_meta, read_token_counts, save_tuned
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_run["model"])
+    ckpt = save_tuned(tmp_path / "tuned", model, tiny_run["tokenizer"], exit_layer=2, num_speculations=3)
+    assert main(["draft-vocab", str(ckpt), "--data", str(tiny_run["corpus"]), "--block-size", "32"]) == 0
+    out = capsys.readouterr().out
+    counts = read_token_counts(ckpt)
+    assert counts.shape == (model.config.vocab_size,) and read_meta(ckpt)["token_counts"]["tokens"] == counts.sum()
+    assert "V' =    256:" in out and "of the tokens" in out
+    assert main(["generate", str(ckpt), "def f(x):", "--drafter", "hybrid", "--draft-vocab-size", "64",
+                 "--max-new-tokens", "8", "--no-stream", "--no-eos"]) == 0
+    assert "[hybrid drafts, E = 2, k = 3, V' = 64:" in capsys.readouterr().err

@@ -47,6 +47,11 @@ def test_two_step_smoke_run_writes_a_loadable_tuned_checkpoint(tiny_run, tmp_pat
     model = AutoModelForCausalLM.from_pretrained(result.model_dir)
     assert model.config.num_hidden_layers == 4
     assert (result.model_dir / "tokenizer.json").is_file()
+    # the training data's token frequencies, the ranking of a trimmed draft head
+    from selfspec.checkpoint import read_token_counts
+
+    counts = read_token_counts(result.model_dir)
+    assert counts.shape == (model.config.vocab_size,) and meta["token_counts"]["tokens"] == counts.sum() > 0
 
 
 def test_the_curve_starts_at_the_untuned_model_and_follows_every_evaluation(tiny_run, tmp_path):

@@ -1,10 +1,15 @@
-"""Self-speculative decoding: KV cache with rollback, sampling rules, the draft/verify loop, adaptive k."""
+"""Self-speculative decoding: KV cache with rollback, sampling rules, the draft/verify loop, adaptive k,
+drafts copied from the context (n-grams) and a trimmed draft head."""
 
 from .cache import CacheLengthError, KVCache
 from .controller import Controller, CostModelRule, FixedK, WindowRule, make_controller
+from .draft_head import DraftHead
+from .ngram import NGramConfig
+from .policy import DRAFTERS, DraftPlan, DraftPolicy, make_policy
 from .sampling import SamplingParams, accept_greedy, accept_sampled, residual_probs
 from .speculative import GenerationOutput, GenerationStats, SelfSpecGenerator
 
-__all__ = ["CacheLengthError", "Controller", "CostModelRule", "FixedK", "GenerationOutput", "GenerationStats",
-           "KVCache", "SamplingParams", "SelfSpecGenerator", "WindowRule", "accept_greedy", "accept_sampled",
-           "make_controller", "residual_probs"]
+__all__ = ["DRAFTERS", "CacheLengthError", "Controller", "CostModelRule", "DraftHead", "DraftPlan", "DraftPolicy",
+           "FixedK", "GenerationOutput", "GenerationStats", "KVCache", "NGramConfig", "SamplingParams",
+           "SelfSpecGenerator", "WindowRule", "accept_greedy", "accept_sampled", "make_controller", "make_policy",
+           "residual_probs"]

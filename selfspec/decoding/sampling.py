@@ -128,6 +128,13 @@ def residual_probs(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 # -- the accept/reject rule ------------------------------------------------------------------------
+def copied_probs(copied: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The draft distribution q of copied drafts (B, m): one-hot (B, m, V), since a copy is a
+    deterministic function of the context. With it `accept_sampled` accepts a copied token x with
+    probability p(x) and on rejection draws from p with x removed, renormalised."""
+    return F.one_hot(copied, vocab_size).float()
+
+
 def accept_greedy(drafts: torch.Tensor, target_logits: torch.Tensor):
     """Greedy verification: accept drafts while they equal the target's argmax.
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -37,7 +37,10 @@ import torch
 from ..metrics import AcceptanceStats
 from ..model import DecoderView
 from .cache import KVCache
-from .controller import make_controller
+from .draft_head import DraftHead
+from .ngram import NGramConfig
+from .policy import DraftPlan, DraftPolicy, make_policy
+from . import sampling
 from .sampling import ACCEPT, DRAFT, TARGET, SamplingParams, accept_greedy, accept_sampled, sample, uniforms
 
 
@@ -60,6 +63,11 @@ class GenerationStats(AcceptanceStats):
     prefill_time: float = 0.0
     total_time: float = 0.0
     generated_tokens: int = 0
+    # Where the drafts came from: copied from the context vs drafted by the early exit. A round that
+    # copies m tokens and extends them by j early-exit ones counts m drafts under "copy" and, in the
+    # rows that accepted all m, j under "early_exit" (which are only tested there).
+    copy: AcceptanceStats = field(default_factory=AcceptanceStats)
+    early_exit: AcceptanceStats = field(default_factory=AcceptanceStats)
 
     @property
     def draft_cost(self) -> float:
@@ -86,7 +94,8 @@ class GenerationStats(AcceptanceStats):
             "exit_layer", "num_layers", "draft_steps", "plain_steps", "draft_time", "verify_time",
             "plain_time", "prefill_time", "total_time", "generated_tokens")}
         return {**super().as_dict(), **times, "draft_cost": self.draft_cost,
-                "tokens_per_second": self.tokens_per_second}
+                "tokens_per_second": self.tokens_per_second,
+                "by_source": {"copy": self.copy.as_dict(), "early_exit": self.early_exit.as_dict()}}
 
 
 @dataclass
@@ -173,11 +182,17 @@ class SelfSpecGenerator:
     model: the (tuned) causal LM, in eval mode; tokenizer: optional, needed for string prompts and
         stop strings; exit_layer: E, the number of blocks the draft runs (1..N; E = N drafts with the
         whole model, every draft is accepted, useful as a check); num_speculations: the default k
-        for `generate` (int, "auto" or "window", see `controller.make_controller`); check_cache:
-        assert after every round that each layer's cache length equals the sequence length.
+        of the early-exit drafts (int, "auto" or "window", see `controller.make_controller`);
+        drafter: the default drafter, "early_exit", "ngram" (copies from the context) or "hybrid"
+        (copies when the context has a match, the early exit otherwise; see `policy.py`); ngram:
+        the copy settings (`NGramConfig`); draft_vocab: token ids the early-exit draft may propose
+        (its head restricted to them, see `draft_head.py`), None for the whole vocabulary;
+        check_cache: assert after every round that each layer's cache length equals the sequence
+        length.
     """
 
     def __init__(self, model, tokenizer=None, *, exit_layer: int, num_speculations="auto",
+                 drafter: str = "early_exit", ngram: NGramConfig | None = None, draft_vocab=None,
                  check_cache: bool = True):
         self.view = DecoderView(model)
         self.tokenizer = tokenizer
@@ -185,8 +200,11 @@ class SelfSpecGenerator:
             raise ValueError(f"exit_layer must be an int in 1..{self.view.num_layers} (the number of "
                              f"blocks the draft runs), got {exit_layer!r}")
         self.exit_layer = exit_layer
-        make_controller(num_speculations)  # validate early
+        make_policy(drafter, num_speculations, ngram)  # validate early
         self.num_speculations = num_speculations
+        self.drafter = drafter
+        self.ngram = ngram or NGramConfig()
+        self.draft_head = DraftHead(self.view, draft_vocab)
         self.check_cache = check_cache
 
     @property
@@ -213,42 +231,60 @@ class SelfSpecGenerator:
             return logits.argmax(-1)
         return sample(b.sampling.probs(logits), uniforms(b.seeds, position, DRAFT)[:, 0])
 
-    def _round(self, b: _Batch, k: int, clock: _Clock):
-        """One round for every row: draft k tokens, verify them in one pass, accept a prefix.
+    def _round(self, b: _Batch, plan: DraftPlan, clock: _Clock):
+        """One round for every row: draft `plan.k` tokens, verify them in one pass, accept a prefix.
 
         Returns tokens (B, k+1), accepted (B,) and three timestamps. A row emits
         tokens[:accepted + 1]: its accepted drafts, then the target's own token (the correction
         after a rejection, the bonus after a full acceptance). k = 0 is one plain decoding step.
         """
         view, exit_layer, num_layers = self.view, self.exit_layer, self.view.num_layers
+        m, extend = plan.num_copied, plan.extend
+        k = m + extend
         start = clock.mark()
-        # 1. Draft: one token at a time through blocks [0, E) + final norm + head.
-        token, hiddens, q_logits, drafts = b.pending, [], [], []
-        for i in range(k):
-            hidden = self._draft_step(b, token, i, exit_layer)  # (B, 1, D); blocks [0, E) write their KV
-            logits = view.exit_logits(hidden)[:, 0]  # (B, V)
-            token = self._pick(b, logits, b.lengths_dev[:, None] + (i + 1))  # the token at n + i + 1
-            hiddens.append(hidden)
-            q_logits.append(logits)
-            drafts.append(token)
-        drafted = clock.mark()
-        # 2. Verify: the last draft through blocks [0, E), then blocks [E, N) once on all k + 1
-        #    exit hidden states; the draft blocks are not run again on the other k tokens.
-        split = exit_layer if k else num_layers  # k = 0 (plain decoding): all blocks in one call
-        hiddens.append(self._draft_step(b, token, k, split))
-        if split < num_layers:
-            place = self._place(b, 0, k + 1)  # positions (B, k+1): n .. n + k
-            hidden = view.run_layers(torch.cat(hiddens, 1), split, num_layers, **place)
+        # The pending token and the m copied drafts (positions n .. n + m) have no exit hidden states
+        # yet: they go through the blocks in one parallel pass.
+        first = b.pending[:, None]  # (B, 1)
+        if m:
+            first = torch.cat([first, torch.as_tensor(plan.copied, device=first.device)], 1)  # (B, m + 1)
+        place = self._place(b, 0, m + 1)
+        hidden = view.embed(first, place["positions"])
+        q_logits, drafts = [], []
+        if not extend:  # plain decoding (m = 0) or a pure copy: all blocks at once, nothing to draft
+            hidden = view.run_layers(hidden, 0, num_layers, **place)
+            drafted = start
+            p_logits = view.exit_logits(hidden)  # (B, m+1, V)
+        else:
+            # 1. Draft: the early exit proposes `extend` tokens, one at a time through blocks [0, E)
+            #    + final norm + draft head, each step keeping its exit hidden state.
+            hiddens = [view.run_layers(hidden, 0, exit_layer, **place)]  # (B, m+1, D)
+            for i in range(extend):
+                if i:
+                    hiddens.append(self._draft_step(b, token, m + i, exit_layer))  # (B, 1, D)
+                logits = self.draft_head.logits(hiddens[-1][:, -1])  # (B, V)
+                token = self._pick(b, logits, b.lengths_dev[:, None] + (m + i + 1))  # the token at n + m + i + 1
+                q_logits.append(logits)
+                drafts.append(token)
+            drafted = clock.mark()
+            # 2. Verify: the last draft through blocks [0, E), then blocks [E, N) once on all k + 1
+            #    exit hidden states; the draft blocks are not run again on the other k tokens.
+            hiddens.append(self._draft_step(b, token, k, exit_layer))
+            hidden = torch.cat(hiddens, 1)  # (B, k+1, D)
+            if exit_layer < num_layers:
+                hidden = view.run_layers(hidden, exit_layer, num_layers, **self._place(b, 0, k + 1))
             p_logits = view.exit_logits(hidden)  # (B, k+1, V)
-        else:  # the last call ran the whole model; a draft of E = N blocks had the target's logits already
-            p_logits = torch.stack(q_logits + [view.exit_logits(hiddens[-1])[:, 0]], 1)
         # 3. Accept the longest prefix the target agrees with.
-        drafts = torch.stack(drafts, 1) if k else b.pending.new_zeros(len(b.lengths), 0)  # (B, k)
+        copied = first[:, 1:]  # (B, m)
+        drafts = torch.cat([copied, *[d[:, None] for d in drafts]], 1)  # (B, k)
         if b.sampling.greedy:
             tokens, accepted = accept_greedy(drafts, p_logits)
         else:
+            # q: one-hot for copied drafts (deterministic given the context), the early exit's
+            # processed distribution for its own drafts.
+            q = sampling.copied_probs(copied, p_logits.shape[-1])  # (B, m, V)
+            if extend:
+                q = torch.cat([q, b.sampling.probs(torch.stack(q_logits, 1))], 1)  # (B, k, V)
             decided = b.lengths_dev[:, None] + b.steps[1:k + 2]  # (B, k+1): positions n+1 .. n+k+1
-            q = b.sampling.probs(torch.stack(q_logits, 1)) if k else p_logits[:, :0]  # (B, k, V)
             tokens, accepted = accept_sampled(drafts, q, b.sampling.probs(p_logits),
                                               uniforms(b.seeds, decided[:, :k], ACCEPT),
                                               uniforms(b.seeds, decided, TARGET))
@@ -257,15 +293,18 @@ class SelfSpecGenerator:
     # -- generation ----------------------------------------------------------------------------------
     @torch.inference_mode()
     def generate(self, input_ids, attention_mask=None, max_new_tokens: int = 128, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, num_speculations=None, eos_token_id=None,
-                 stop_strings=None, seed=None, streamer=None) -> GenerationOutput:
+                 top_k: int = 0, top_p: float = 1.0, num_speculations=None, drafter: str | None = None,
+                 eos_token_id=None, stop_strings=None, seed=None, streamer=None) -> GenerationOutput:
         """Generate up to `max_new_tokens` tokens per prompt; the result is exactly the full model's.
 
         input_ids: a list of token lists (any lengths), one token list, a (B, T) tensor with an
             optional `attention_mask` (left or right padding), or strings when a tokenizer is set.
         temperature/top_k/top_p: 0 = greedy; the same processing applies to draft and target.
-        num_speculations: k per round: an int (0 = plain decoding), "auto" (cost model), "window"
-            (the articles' rule), or a `Controller`; None uses the generator's default.
+        num_speculations: the early exit's k per round: an int (0: no early-exit drafts, so plain
+            decoding with the "early_exit" drafter), "auto" (cost model), "window" (the articles'
+            rule), or a `Controller`; None uses the generator's default.
+        drafter: "early_exit", "ngram" or "hybrid" (see `policy.py`), or a `DraftPolicy`; None uses
+            the generator's default.
         eos_token_id: int or list; None = the model's own (generation config, then config, then
             tokenizer); [] = never stop at eos. The eos token is included in the output.
         stop_strings: strings that end a row once its decoded output contains one (needs a
@@ -283,7 +322,10 @@ class SelfSpecGenerator:
         wall = time.perf_counter()
         prompts = self._prompts(input_ids, attention_mask)
         sampling = SamplingParams(temperature, top_k, top_p)
-        controller = make_controller(self.num_speculations if num_speculations is None else num_speculations)
+        policy = drafter if isinstance(drafter, DraftPolicy) else make_policy(
+            drafter or self.drafter, self.num_speculations if num_speculations is None else num_speculations,
+            self.ngram)
+        policy.start(prompts)
         eos = self._eos_ids(eos_token_id)
         stops = self._stop_strings(stop_strings)
         if self.view.model.training:
@@ -306,18 +348,19 @@ class SelfSpecGenerator:
         clock = _Clock(self.view.device)
 
         b = self._start(prompts, sampling, seed, capacity=int(prompt_lengths.max()) + max_new_tokens
-                        + controller.k_max + 1)
+                        + policy.k_max + 1)
         stats.prefill_time = time.perf_counter() - wall
         while b.rows.size:  # finished rows leave the batch
-            k = controller.next_k()
+            plan = policy.plan(b.rows)
             if limit is not None:  # no draft beyond the last position the model has (GPT-2's table)
-                k = min(k, limit - 1 - int(b.lengths.max()))
-            tokens, accepted, (start, drafted, verified) = self._round(b, k, clock)
+                plan = plan.truncate(limit - 1 - int(b.lengths.max()))
+            k = plan.k
+            tokens, accepted, (start, drafted, verified) = self._round(b, plan, clock)
             host = torch.cat([tokens, accepted[:, None]], 1).cpu().numpy()  # the round's one host sync
             tokens, accepted = host[:, :-1], host[:, -1]
             draft_time, verify_time = clock.seconds(start, drafted), clock.seconds(drafted, verified)
-            self._record(stats, k, accepted, draft_time, verify_time)
-            controller.update(k, accepted, draft_time, verify_time)
+            self._record(stats, plan, accepted, draft_time, verify_time)
+            policy.update(plan, accepted, draft_time, verify_time)
 
             rows = b.rows
             emit, finished = self._emit_counts(tokens, accepted, counts[rows], max_new_tokens, eos)
@@ -326,6 +369,7 @@ class SelfSpecGenerator:
             if stops:
                 finished |= self._cut_at_stop_strings(stops, generated, rows, counts[rows], emit)
             counts[rows] += emit
+            policy.observe(rows, tokens, emit)
             if stream:
                 stream.feed(rows, tokens, emit, finished)
             self._advance(b, tokens, emit, keep=~finished)
@@ -372,11 +416,17 @@ class SelfSpecGenerator:
         b.upload(self.view.device)
 
     @staticmethod
-    def _record(stats: GenerationStats, k: int, accepted: np.ndarray, draft_time: float,
+    def _record(stats: GenerationStats, plan: DraftPlan, accepted: np.ndarray, draft_time: float,
                 verify_time: float) -> None:
-        stats.update(accepted, k)
-        if k:
-            stats.draft_steps += k
+        m, extend = plan.num_copied, plan.extend
+        stats.update(accepted, plan.k)
+        if m:
+            stats.copy.update(np.minimum(accepted, m), m)
+        reached = accepted[accepted >= m]  # rows whose early-exit drafts were tested
+        if extend and reached.size:
+            stats.early_exit.update(reached - m, extend)
+        if plan.k:
+            stats.draft_steps += extend  # copied drafts take no draft step
             stats.draft_time += draft_time
             stats.verify_time += verify_time
         else:

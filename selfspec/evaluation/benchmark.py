@@ -1,10 +1,13 @@
 """Speed benchmark: the engine plain vs self-speculative vs Hugging Face's generators, in one process.
 
-Four ways to decode the same prompts greedily, batch 1, the same number of new tokens:
+Ways to decode the same prompts greedily, batch 1, the same number of new tokens:
 
 - ``plain``: `SelfSpecGenerator.generate(num_speculations=0)`, the same engine, one full forward per
   token on the same cache: the fair baseline;
-- ``selfspec``: the engine at (exit_layer E, num_speculations k or "auto");
+- ``selfspec``: the engine's early-exit drafts at (exit_layer E, num_speculations k or "auto");
+- ``ngram``: the engine drafting only by copying from the context (n-gram lookup), plain steps
+  when nothing matches: prompt lookup on selfspec's engine;
+- ``hybrid``: copies when the context has a match, early-exit drafts otherwise (`decoding/policy.py`);
 - ``hf_greedy``: `model.generate(do_sample=False)`;
 - ``hf_early_exit``: `model.generate(assistant_early_exit=E)`, Hugging Face's self-speculation: its
   `EarlyExitCandidateGenerator` drafts by temporarily lowering `config.num_hidden_layers` to E and
@@ -38,12 +41,14 @@ import torch
 from tqdm.auto import tqdm
 
 from ..checkpoint import META_FILE, read_meta
-from ..decoding import SelfSpecGenerator
+from ..checkpoint import draft_vocab as checkpoint_draft_vocab
+from ..decoding import NGramConfig, SelfSpecGenerator
 from ..metrics import AcceptanceStats, predicted_speedup, speedup_kv_reuse, speedup_measured_costs
 from ..model.loading import load_causal_lm, load_tokenizer
 from .report import write_report as write_files
 
-METHODS = ("plain", "selfspec", "hf_greedy", "hf_early_exit", "hf_prompt_lookup")
+METHODS = ("plain", "selfspec", "ngram", "hybrid", "hf_greedy", "hf_early_exit", "hf_prompt_lookup")
+ENGINE_METHODS = {"plain": "early_exit", "selfspec": "early_exit", "ngram": "ngram", "hybrid": "hybrid"}  # -> drafter
 HF_BATCH1_METHODS = ("hf_early_exit", "hf_prompt_lookup")  # Hugging Face's assisted generation: batch 1 only
 PROMPT_LOOKUP_TOKENS = 10  # Hugging Face's documented example value
 
@@ -104,10 +109,10 @@ class _Runner:
 
     def __call__(self, method: str, batch: list[list[int]]):
         """Decode one batch of prompts (token lists) with `method`: (tokens per row, engine stats or None)."""
-        if method in ("plain", "selfspec"):
+        if method in ENGINE_METHODS:
             k = 0 if method == "plain" else self.num_speculations
             out = self.generator.generate(batch, max_new_tokens=self.max_new_tokens, num_speculations=k,
-                                          eos_token_id=self.eos)
+                                          drafter=ENGINE_METHODS[method], eos_token_id=self.eos)
             return out.sequences, out.stats
         if len({len(p) for p in batch}) > 1:
             raise ValueError("Hugging Face methods in a batch need prompts of one length; use "
@@ -167,9 +172,11 @@ def interleaved_rates(names, run, batches: list[list[list[int]]], repeats: int, 
 
 def run_benchmark(model, prompts: list[list[int]], exit_layer: int, num_speculations=4, tokenizer=None,
                   max_new_tokens: int = 128, repeats: int = 5, warmup: int = 1, ignore_eos: bool = True,
-                  methods: tuple[str, ...] = METHODS, batch_size: int = 1, progress: bool = False) -> dict:
+                  methods: tuple[str, ...] = METHODS, batch_size: int = 1, progress: bool = False,
+                  ngram: NGramConfig | None = None, draft_vocab=None) -> dict:
     """Measure `methods` on `prompts` (token lists), `batch_size` prompts per call; returns the report
-    as a dict (see module docstring)."""
+    as a dict (see module docstring). ngram: the copy settings of ngram/hybrid; draft_vocab: the
+    token ids of a trimmed draft head (None: the whole head)."""
     for method in methods:
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
@@ -180,7 +187,8 @@ def run_benchmark(model, prompts: list[list[int]], exit_layer: int, num_speculat
         raise ValueError(f"Hugging Face's assisted generation decodes batch 1 only; leave {', '.join(batch1_only)} "
                          f"out of --methods for --batch-size > 1")
     # check_cache off, as in the sweep: a timed run does no per-round bookkeeping (the tests check caches).
-    generator = SelfSpecGenerator(model, tokenizer, exit_layer=exit_layer, check_cache=False)
+    generator = SelfSpecGenerator(model, tokenizer, exit_layer=exit_layer, ngram=ngram, draft_vocab=draft_vocab,
+                                  check_cache=False)
     run = _Runner(model, generator, exit_layer, num_speculations, max_new_tokens, ignore_eos)
     device = generator.view.device
     batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
@@ -191,12 +199,15 @@ def run_benchmark(model, prompts: list[list[int]], exit_layer: int, num_speculat
               "num_prompts": len(prompts), "batch_size": batch_size, "repeats": repeats, "warmup": warmup,
               "device": str(device),
               "dtype": str(generator.view.dtype).replace("torch.", ""),
-              "num_layers": generator.view.num_layers, "methods": {}}
+              "num_layers": generator.view.num_layers, "ngram": generator.ngram.as_dict(),
+              "draft_vocab_size": generator.draft_head.size, "methods": {}}
     for method in methods:
         report["methods"][method] = {"tokens_per_second": statistics.median(rates[method]),
                                      "tokens_per_second_all": rates[method]}
     tps = {m: report["methods"][m]["tokens_per_second"] for m in methods}
     report["speedups"] = {f"{a}_over_{b}": tps[a] / tps[b] for a, b in (
+        ("hybrid", "hf_prompt_lookup"), ("hybrid", "plain"), ("hybrid", "selfspec"), ("hybrid", "ngram"),
+        ("ngram", "hf_prompt_lookup"), ("ngram", "plain"),
         ("selfspec", "plain"), ("selfspec", "hf_early_exit"), ("selfspec", "hf_prompt_lookup"),
         ("plain", "hf_greedy"), ("selfspec", "hf_greedy"), ("hf_early_exit", "hf_greedy"),
         ("hf_prompt_lookup", "hf_greedy")) if a in tps and b in tps}
@@ -204,10 +215,26 @@ def run_benchmark(model, prompts: list[list[int]], exit_layer: int, num_speculat
     report["identical_to_" + reference] = {m: outputs[m] == outputs[reference] for m in methods}
     report["greedy_outputs_identical"] = all(report["identical_to_" + reference][m]
                                              for m in methods if m != "hf_early_exit")
+    report["sources"] = {m: source_summary(stats[m]) for m in methods if m in ENGINE_METHODS and m != "plain"}
     if "plain" in methods and "selfspec" in methods:
         report["cost_model"] = _cost_model(stats["plain"], stats["selfspec"],
                                            report["speedups"].get("selfspec_over_plain"))
     return report
+
+
+def source_summary(runs) -> dict:
+    """Where the drafts of engine runs came from: per source (copy, early exit) the rounds, drafted,
+    accepted and α, and the share of all generated tokens that were accepted drafts of that source."""
+    generated = sum(s.generated_tokens for s in runs)
+    out = {}
+    for source in ("copy", "early_exit"):
+        pooled = AcceptanceStats()
+        for stats in runs:
+            pooled.merge(getattr(stats, source))
+        out[source] = {"rounds": pooled.rounds, "drafted": pooled.drafted, "accepted": pooled.accepted,
+                       "acceptance_rate": pooled.acceptance_rate,
+                       "share_of_tokens": pooled.accepted / generated if generated else float("nan")}
+    return out
 
 
 def pooled_costs(plain_runs, spec_runs) -> dict:
@@ -277,6 +304,13 @@ def to_markdown(report: dict) -> str:
         lines.append(f"| {method} | {row['tokens_per_second']:.1f} |")
     lines += ["", "| speedup | × |", "|---|---:|"]
     lines += [f"| {name.replace('_over_', ' / ')} | {value:.3f} |" for name, value in report["speedups"].items()]
+    sources = report.get("sources", {})
+    if sources:
+        lines += ["", "| method | source | rounds | drafted | accepted | α | share of tokens |",
+                  "|---|---|---:|---:|---:|---:|---:|"]
+        lines += [f"| {method} | {source} | {row['rounds']} | {row['drafted']} | {row['accepted']} | "
+                  f"{row['acceptance_rate']:.3f} | {row['share_of_tokens']:.1%} |"
+                  for method, per_source in sources.items() for source, row in per_source.items() if row["rounds"]]
     cost = report.get("cost_model", {})
     if cost:
         lines += ["", "| cost model | value |", "|---|---:|"]
@@ -325,6 +359,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
+    parser.add_argument("--draft-vocab-size", type=int, default=None,
+                        help="V' of the early exit's head (0: all; default: selfspec.json's)")
+    parser.add_argument("--min-ngram", type=int, default=None,
+                        help="shortest context match that copies (default: selfspec.json's, else 2)")
     parser.add_argument("--batch-size", type=int, default=1,
                         help="prompts per generate call (hf_early_exit and hf_prompt_lookup run batch 1 only)")
     parser.add_argument("--keep-eos", action="store_true", help="stop at eos (default: always max-new-tokens)")
@@ -341,12 +379,17 @@ def run(args: argparse.Namespace) -> dict:
         raise ValueError(f"--exit-layer is required: {args.model} has no {META_FILE}")
     k = args.num_speculations or meta.get("num_speculations", "auto")
     k = k if k in ("auto", "window") else int(k)
+    ngram = NGramConfig.from_dict(meta.get("ngram"))
+    if args.min_ngram is not None:
+        ngram = NGramConfig(max(ngram.max_ngram, args.min_ngram), args.min_ngram, ngram.max_copy)
+    size = meta.get("draft_vocab_size") if args.draft_vocab_size is None else args.draft_vocab_size
+    vocab = checkpoint_draft_vocab(args.model, size) if size else None
     model, tokenizer = load_model(args.model, args.device, args.dtype)
     prompts = read_prompts(args, tokenizer)
     report = run_benchmark(model, prompts, exit_layer, k, tokenizer=tokenizer,
                            max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup=args.warmup,
                            ignore_eos=not args.keep_eos, methods=tuple(args.methods.split(",")),
-                           batch_size=args.batch_size, progress=True)
+                           batch_size=args.batch_size, progress=True, ngram=ngram, draft_vocab=vocab)
     report["model"] = args.model
     json_path, md_path = write_report(report, args.out)
     print(to_markdown(report))

@@ -334,7 +334,10 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True, kind: str
                       if k.startswith(prefix)}
     if accelerator.is_main_process:
         inner = accelerator.unwrap_model(objective).model
+        # Token frequencies of the training data: the ranking of a trimmed draft head (draft_head.py).
+        token_counts = data_lib.count_tokens(train_blocks, inner.get_output_embeddings().weight.shape[0])
         save_tuned(model_dir, inner, tokenizer, state_dict=state_dict, exit_layer=exit_layer,
+                   token_counts=token_counts, token_counts_source=f"training data ({cfg.data.source}, train split)",
                    num_speculations=cfg.num_speculations,
                    base_model=None if cfg.model.from_scratch else cfg.model.name_or_path, training=to_dict(cfg),
                    metrics={**final, "steps": step, "tokens_seen": micro * tokens_per_micro,

@@ -1,0 +1,147 @@
+"""Which drafter drafts the next round, and how many tokens: early exit, copying, or both.
+
+A round's draft is a `DraftPlan`: m tokens copied from the context (per row), then `extend`
+tokens drafted by the early exit (the model's first E blocks + final norm + head). m = 0 is plain
+self-speculation, extend = 0 a pure copy, k = m + extend = 0 a plain decoding step. One verify
+path serves all of them (`SelfSpecGenerator._round`).
+
+Drafters (`SelfSpecGenerator(drafter=...)`):
+
+- ``early_exit``: every round drafts `controller.next_k()` tokens with the early exit (the
+  controllers of `controller.py`: fixed k, the window rule, the cost model).
+- ``ngram``: copy when the context has a match of at least `min_ngram` tokens, else a plain step;
+  no early exit at all (Hugging Face's prompt lookup, on selfspec's engine).
+- ``hybrid``: copy when a long enough match exists, early-exit drafting otherwise; a copy shorter
+  than the copy controller's k (the match is near the end of the sequence) is extended by
+  early-exit tokens. Each source's draft length adapts to its own acceptance: the copy controller
+  is a `CostModelRule` that is told a copied token costs no draft time, so it weighs only α_copy
+  against the verify cost of longer drafts.
+
+A policy sees the emitted tokens of every row (`observe`) and the outcome of every round
+(`update`); `start` resets it for a new `generate` call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .controller import Controller, CostModelRule, FixedK, make_controller
+from .ngram import NGramConfig, NGramIndex
+
+DRAFTERS = ("early_exit", "ngram", "hybrid")
+
+
+@dataclass
+class DraftPlan:
+    """The next round's draft: `copied` (B, m) tokens per row, then `extend` early-exit tokens."""
+
+    copied: np.ndarray  # (B, m) int64
+    extend: int = 0
+
+    @property
+    def num_copied(self) -> int:
+        return self.copied.shape[1]
+
+    @property
+    def k(self) -> int:
+        return self.num_copied + self.extend
+
+    def truncate(self, k: int) -> DraftPlan:
+        """At most k drafts (copied ones first): for a draft that would pass the model's last position."""
+        k = max(k, 0)
+        copied = self.copied[:, :k]
+        return DraftPlan(copied, min(self.extend, k - copied.shape[1]))
+
+
+class DraftPolicy:
+    """Base class: plans rounds; `k_max` bounds `plan(...).k` (it sizes the KV cache's headroom)."""
+
+    k_max: int = 0
+
+    def start(self, prompts: list[list[int]]) -> None:
+        """A new `generate` call with these prompts (row i = prompts[i])."""
+
+    def plan(self, rows: np.ndarray) -> DraftPlan:
+        """The draft of the next round for the running rows `rows` (caller row indices, batch order)."""
+        raise NotImplementedError
+
+    def observe(self, rows: np.ndarray, tokens: np.ndarray, emit: np.ndarray) -> None:
+        """Row rows[s] emitted tokens[s, :emit[s]] this round."""
+
+    def update(self, plan: DraftPlan, accepted: np.ndarray, draft_time: float, verify_time: float) -> None:
+        """The round of `plan` accepted `accepted` (B,) drafts; its draft and verify seconds."""
+
+
+class EarlyExitPolicy(DraftPolicy):
+    """Every round drafts with the early exit, `controller.next_k()` tokens (0: a plain step)."""
+
+    def __init__(self, controller: Controller):
+        self.controller = controller
+        self.k_max = controller.k_max
+
+    def plan(self, rows):
+        return DraftPlan(np.zeros((len(rows), 0), dtype=np.int64), self.controller.next_k())
+
+    def update(self, plan, accepted, draft_time, verify_time):
+        self.controller.update(plan.extend, accepted, draft_time, verify_time)
+
+
+class CopyPolicy(DraftPolicy):
+    """Copy when a match of >= `min_ngram` tokens exists; otherwise the early exit's plan.
+
+    early_exit: the controller of the early-exit drafts (FixedK(0) = plain steps: the `ngram`
+    drafter). copy_controller: the copy length's; default a cost model that knows copies are free.
+    """
+
+    def __init__(self, ngram: NGramConfig, early_exit: Controller, copy_controller: Controller | None = None):
+        self.ngram = ngram
+        self.early_exit = early_exit
+        self.copy_controller = copy_controller or CostModelRule(
+            k_initial=ngram.max_copy, k_max=ngram.max_copy, allow_plain=False)
+        self.k_max = max(self.copy_controller.k_max, early_exit.k_max)
+        self.indexes: list[NGramIndex] = []
+
+    def start(self, prompts):
+        self.indexes = [NGramIndex(p, self.ngram) for p in prompts]
+
+    def observe(self, rows, tokens, emit):
+        for slot, row in enumerate(rows):
+            self.indexes[row].extend(tokens[slot, :emit[slot]])
+
+    def plan(self, rows):
+        limit = self.copy_controller.next_k()
+        proposals = [self.indexes[row].propose(limit)[0] for row in rows]
+        m = max(len(p) for p in proposals)
+        if m == 0:  # nothing to copy in any row
+            return DraftPlan(np.zeros((len(rows), 0), dtype=np.int64), self.early_exit.next_k())
+        # Rows with a shorter (or no) copy fill up with their last token: any deterministic draft is
+        # lossless (one-hot q), a filler just tends to be rejected.
+        copied = np.array([p + [p[-1] if p else self.indexes[row].tokens[-1]] * (m - len(p))
+                           for p, row in zip(proposals, rows)], dtype=np.int64)
+        uniform = all(len(p) == m for p in proposals)
+        extend = min(self.early_exit.next_k(), limit - m) if uniform and m < limit else 0
+        return DraftPlan(copied, max(extend, 0))
+
+    def update(self, plan, accepted, draft_time, verify_time):
+        m = plan.num_copied
+        if m:  # a copy round teaches the copy controller (no draft time: proposing was free)
+            self.copy_controller.update(m, np.minimum(accepted, m), 0.0, verify_time)
+        else:
+            self.early_exit.update(plan.extend, accepted, draft_time, verify_time)
+
+
+def make_policy(drafter: str, num_speculations, ngram: NGramConfig | None = None) -> DraftPolicy:
+    """The policy of `drafter` ("early_exit", "ngram", "hybrid"); `num_speculations` is the early
+    exit's k (int, "auto", "window" or a `Controller`, see `controller.make_controller`)."""
+    if drafter not in DRAFTERS:
+        raise ValueError(f"drafter must be one of {', '.join(DRAFTERS)}, got {drafter!r}")
+    ngram = ngram or NGramConfig()
+    if drafter == "ngram":
+        return CopyPolicy(ngram, FixedK(0))
+    controller = make_controller(num_speculations)
+    return EarlyExitPolicy(controller) if drafter == "early_exit" else CopyPolicy(ngram, controller)
+
+
+__all__ = ["DRAFTERS", "CopyPolicy", "DraftPlan", "DraftPolicy", "EarlyExitPolicy", "make_policy"]
