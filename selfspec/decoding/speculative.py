@@ -36,11 +36,11 @@ import torch
 
 from ..metrics import AcceptanceStats
 from ..model import DecoderView
+from . import sampling
 from .cache import KVCache
 from .draft_head import DraftHead
 from .ngram import NGramConfig
 from .policy import DraftPlan, DraftPolicy, make_policy
-from . import sampling
 from .sampling import ACCEPT, DRAFT, TARGET, SamplingParams, accept_greedy, accept_sampled, sample, uniforms
 
 
@@ -259,16 +259,17 @@ class SelfSpecGenerator:
             #    + final norm + draft head, each step keeping its exit hidden state.
             hiddens = [view.run_layers(hidden, 0, exit_layer, **place)]  # (B, m+1, D)
             for i in range(extend):
-                if i:
-                    hiddens.append(self._draft_step(b, token, m + i, exit_layer))  # (B, 1, D)
                 logits = self.draft_head.logits(hiddens[-1][:, -1])  # (B, V)
                 token = self._pick(b, logits, b.lengths_dev[:, None] + (m + i + 1))  # the token at n + m + i + 1
                 q_logits.append(logits)
                 drafts.append(token)
-            drafted = clock.mark()
-            # 2. Verify: the last draft through blocks [0, E), then blocks [E, N) once on all k + 1
-            #    exit hidden states; the draft blocks are not run again on the other k tokens.
-            hiddens.append(self._draft_step(b, token, k, exit_layer))
+                if i == extend - 1:
+                    drafted = clock.mark()
+                # The new draft through blocks [0, E) (B, 1, D): the next draft step's input, or for
+                # the last draft the first part of the verification.
+                hiddens.append(self._draft_step(b, token, m + i + 1, exit_layer))
+            # 2. Verify: blocks [E, N) once on all k + 1 exit hidden states; the draft blocks are not
+            #    run again on the k drafts.
             hidden = torch.cat(hiddens, 1)  # (B, k+1, D)
             if exit_layer < num_layers:
                 hidden = view.run_layers(hidden, exit_layer, num_layers, **self._place(b, 0, k + 1))
