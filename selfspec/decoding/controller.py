@@ -104,9 +104,7 @@ class CostModelRule(Controller):
     - k = 0 (plain decoding, 1 / t_verify(0)) wins when no k > 0 beats it: speculation is off.
       Every `probe_every` plain rounds one round drafts again with the best k > 0, so α and the
       timings stay current and speculation comes back when it pays again.
-    - allow_plain=False: k >= 1 always (the copy drafter's controller: whether to copy at all was
-      decided already; draft_time 0 tells it that proposing is free, so it weighs α against the
-      verify cost of longer drafts only).
+    - allow_plain=False: k >= 1 always (for a source whose use was decided already).
     """
 
     def __init__(self, k_initial: int = 3, k_max: int = 8, window: int = 64, smoothing: float = 0.3,

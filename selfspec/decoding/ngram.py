@@ -74,11 +74,16 @@ class NGramIndex:
     def propose(self, limit: int) -> tuple[list[int], int]:
         """Up to `limit` tokens that followed the longest matching suffix, and that suffix's length n.
 
-        ([], 0) when no suffix of length >= min_ngram occurred before.
+        ([], 0) when no suffix of length >= min_ngram occurred before. When the latest occurrence is
+        so recent that what followed it runs into the end of the sequence, the text is repeating
+        with period P = (length − that position) and the copy continues around the period: it is
+        what copying again after the copied tokens would propose, drafted in one round instead of
+        several.
         """
         seq = self.tokens
         for n in range(min(self.config.max_ngram, len(seq) - 1), self.config.min_ngram - 1, -1):
             follow = self.tables[n].get(tuple(seq[len(seq) - n:]))
             if follow is not None:
-                return seq[follow:follow + limit], n
+                period = len(seq) - follow
+                return [seq[follow + i % period] for i in range(limit)], n
         return [], 0

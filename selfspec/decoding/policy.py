@@ -13,9 +13,11 @@ Drafters (`SelfSpecGenerator(drafter=...)`):
   no early exit at all (Hugging Face's prompt lookup, on selfspec's engine).
 - ``hybrid``: copy when a long enough match exists, early-exit drafting otherwise; a copy shorter
   than the copy controller's k (the match is near the end of the sequence) is extended by
-  early-exit tokens. Each source's draft length adapts to its own acceptance: the copy controller
-  is a `CostModelRule` that is told a copied token costs no draft time, so it weighs only α_copy
-  against the verify cost of longer drafts.
+  early-exit tokens. Each source's draft length adapts to its own acceptance: the early exit's by
+  its controller, the copy length by a `WindowRule` over the copies' own α (up to `max_copy`;
+  proposing a copy costs nothing, so only acceptance decides how long to copy). The rule reads
+  only accepted counts, never clocks, so the same prompts decode in the same rounds on any
+  machine.
 
 A policy sees the emitted tokens of every row (`observe`) and the outcome of every round
 (`update`); `start` resets it for a new `generate` call.
@@ -27,10 +29,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .controller import Controller, CostModelRule, FixedK, make_controller
+from .controller import Controller, FixedK, WindowRule, make_controller
 from .ngram import NGramConfig, NGramIndex
 
 DRAFTERS = ("early_exit", "ngram", "hybrid")
+COPY_WINDOW = 16  # copy rounds the copy length's α is taken over: copying comes and goes with the text
 
 
 @dataclass
@@ -92,14 +95,15 @@ class CopyPolicy(DraftPolicy):
     """Copy when a match of >= `min_ngram` tokens exists; otherwise the early exit's plan.
 
     early_exit: the controller of the early-exit drafts (FixedK(0) = plain steps: the `ngram`
-    drafter). copy_controller: the copy length's; default a cost model that knows copies are free.
+    drafter). copy_controller: the copy length's; default the window rule on the copies' α, from
+    `max_copy` down to 1.
     """
 
     def __init__(self, ngram: NGramConfig, early_exit: Controller, copy_controller: Controller | None = None):
         self.ngram = ngram
         self.early_exit = early_exit
-        self.copy_controller = copy_controller or CostModelRule(
-            k_initial=ngram.max_copy, k_max=ngram.max_copy, allow_plain=False)
+        self.copy_controller = copy_controller or WindowRule(
+            k=ngram.max_copy, k_min=1, k_max=ngram.max_copy, window=COPY_WINDOW)
         self.k_max = max(self.copy_controller.k_max, early_exit.k_max)
         self.indexes: list[NGramIndex] = []
 
