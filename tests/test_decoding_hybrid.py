@@ -11,7 +11,7 @@ from selfspec.decoding import SelfSpecGenerator, sampling
 from selfspec.decoding.controller import FixedK
 from selfspec.decoding.draft_head import DraftHead, coverage, frequent_tokens
 from selfspec.decoding.ngram import NGramConfig, NGramIndex
-from selfspec.decoding.policy import CopyPolicy, DraftPlan, make_policy
+from selfspec.decoding.policy import CopyPolicy, DraftPlan, DraftPolicy, Segment, make_policy
 
 NEW = 24
 _rng = np.random.default_rng(7)
@@ -25,17 +25,26 @@ EVEN_IDS = list(range(0, 96, 2))  # a trimmed draft head: half the vocabulary
 def test_ngram_index_proposes_what_followed_the_latest_longest_match():
     config = NGramConfig(max_ngram=3, min_ngram=1, max_copy=10)
     index = NGramIndex([1, 2, 3, 9, 1, 2, 3, 4, 5, 2, 3], config)
-    # suffix (2, 3) last occurred before 4; the 3-gram (9?, 2, 3)... (5, 2, 3) never did
+    # the suffix (5, 2, 3) never occurred before; (2, 3) last occurred before 4
     assert index.propose(3) == ([4, 5, 2], 2)
-    index.extend([4])  # suffix (2, 3, 4) occurred at 5..7, followed by 5
-    assert index.propose(10) == ([5, 2, 3, 4], 3)
+    index.extend([4])  # suffix (2, 3, 4) occurred at 5..7, followed by 5 2 3 4: the text repeats
+    assert index.propose(10) == ([5, 2, 3, 4, 5, 2, 3, 4, 5, 2], 3)  # around the period of 4
     assert NGramIndex([1, 2, 3], config).propose(4) == ([], 0)
     assert NGramIndex([7], config).propose(4) == ([], 0)
+    assert NGramIndex([7, 7], config).propose(3) == ([7, 7, 7], 1)
+
+
+def test_a_lookup_may_extend_the_sequence_with_drafted_tokens():
+    index = NGramIndex([1, 2, 3, 4, 8, 9], NGramConfig(max_ngram=2, min_ngram=2))
+    assert index.propose(3) == ([], 0)
+    assert index.propose(3, extra=[1, 2]) == ([3, 4, 8], 2)  # (1, 2) drafted: it was followed by 3 4 8
+    assert index.tokens == [1, 2, 3, 4, 8, 9]  # a lookup never changes the index
+    assert index.propose(2, extra=[2]) == ([], 0)  # (9, 2) never occurred
 
 
 def test_min_ngram_is_the_copy_threshold():
     tokens = [1, 2, 3, 4, 3]  # only the 1-gram (3) repeats
-    assert NGramIndex(tokens, NGramConfig(3, 1)).propose(5) == ([4, 3], 1)
+    assert NGramIndex(tokens, NGramConfig(3, 1)).propose(2) == ([4, 3], 1)
     assert NGramIndex(tokens, NGramConfig(3, 2)).propose(5) == ([], 0)
 
 
@@ -52,7 +61,7 @@ def test_ngram_index_matches_a_rescan_on_random_sequences():
             starts = [s for s in range(len(seq) - n) if seq[s:s + n] == seq[len(seq) - n:]]
             if starts:
                 follow = starts[-1] + n
-                expected = (seq[follow:follow + 5], n)
+                expected = ([seq[follow + i % (len(seq) - follow)] for i in range(5)], n)
                 break
         assert index.propose(5) == expected, seq
 
@@ -70,14 +79,23 @@ def test_copy_policy_copies_pads_and_falls_back_to_the_early_exit():
     policy = CopyPolicy(NGramConfig(max_ngram=2, min_ngram=2, max_copy=4), FixedK(3), copy_controller=FixedK(4))
     policy.start([[1, 2, 3, 1, 2], [5, 6, 7], [8, 9, 8, 9]])
     plan = policy.plan(np.array([0, 1, 2]))
-    # row 0 copies (3, 1, 2), row 2 copies (8, 9); the rest is padding with the row's last token
-    assert plan.copied.tolist() == [[3, 1, 2], [7, 7, 7], [8, 9, 9]] and plan.extend == 0
-    single = policy.plan(np.array([0]))  # one row, a copy of 3 < 4: extended by one early-exit draft
-    assert single.copied.tolist() == [[3, 1, 2]] and single.extend == 1 and single.k == 4
+    # rows 0 and 2 copy (around their period); row 1 has no match and pads with its last token
+    assert plan.copied.tolist() == [[3, 1, 2, 3], [7, 7, 7, 7], [8, 9, 8, 9]] and plan.extend == 0
     only_idle = policy.plan(np.array([1]))
     assert only_idle.num_copied == 0 and only_idle.extend == 3
+    # while the early exit drafts, a draft that makes the suffix match again turns into a copy
+    assert policy.copy_after(np.array([1]), np.array([[4]])).shape == (1, 0)
     policy.observe(np.array([1]), np.array([[5, 6, 0]]), np.array([2]))  # row 1 is now 5 6 7 5 6
-    assert policy.plan(np.array([1])).copied.tolist() == [[7, 5, 6]]
+    assert policy.plan(np.array([1])).copied.tolist() == [[7, 5, 6, 7]]
+    assert policy.copy_after(np.array([1]), np.array([[7, 5]])).tolist() == [[6, 7, 5, 6]]
+    assert policy.copies_after_early_exit and not make_policy("ngram", 0).copies_after_early_exit
+
+
+def test_segments_count_what_the_verifier_tested():
+    copy, early = Segment("copy", 0, 2), Segment("early_exit", 2, 3)
+    accepted = np.array([0, 2, 4, 5])
+    assert [r.tolist() for r in copy.accepted(accepted)] == [[True, True, True, True], [0, 2, 2, 2]]
+    assert [r.tolist() for r in early.accepted(accepted)] == [[False, True, True, True], [0, 2, 3]]
 
 
 def test_plan_truncation_cuts_early_exit_drafts_after_copies():
@@ -128,10 +146,14 @@ def family_case(request):
     return request.param, model, prompts, [reference_greedy(model, p, NEW) for p in prompts]
 
 
-def test_hybrid_and_ngram_greedy_equal_plain_greedy(family_case):
+def test_hybrid_and_ngram_greedy_equal_plain_greedy(family_case, monkeypatch):
     """Every drafter × E × k × full/trimmed head, a repetitive and a random prompt (batched and alone)."""
     family, model, prompts, expected = family_case
     copied = early = 0
+    switches = []  # early-exit drafts that turned into a copy within a round
+    copy_after = CopyPolicy.copy_after
+    monkeypatch.setattr(CopyPolicy, "copy_after",
+                        lambda self, rows, drafted: switches.append(copy_after(self, rows, drafted)) or switches[-1])
     for exit_layer in (1, 2, 4):
         for vocab in (None, EVEN_IDS):
             generator = SelfSpecGenerator(model, exit_layer=exit_layer, draft_vocab=vocab,
@@ -148,6 +170,47 @@ def test_hybrid_and_ngram_greedy_equal_plain_greedy(family_case):
                                          eos_token_id=[])
                 assert out.sequences == [want], (family, exit_layer, vocab is None)
     assert copied > 0 and early > 0  # both sources really drafted and were accepted
+    assert any(copy.size for copy in switches)
+
+
+class _CopyThenEarlyExit(DraftPolicy):
+    """Every round: copy two tokens, then 3 early-exit drafts (a plan the built-in policies do not
+    make, for the engine's copy-then-draft path). The copies come from an oracle, the known greedy
+    output, right in even rounds and wrong in odd ones, so both outcomes are exercised."""
+
+    k_max = 5
+
+    def __init__(self, expected):
+        self.expected, self.rounds = expected, 0
+
+    def start(self, prompts):
+        self.done = [0] * len(prompts)
+
+    def observe(self, rows, tokens, emit):
+        for slot, row in enumerate(rows):
+            self.done[row] += int(emit[slot])
+
+    def plan(self, rows):
+        self.rounds += 1
+        copies = [(self.expected[row] + [0, 0])[self.done[row]:self.done[row] + 2] for row in rows]
+        if self.rounds % 2:
+            copies = [[(t + 1) % 90 for t in c] for c in copies]
+        return DraftPlan(np.array(copies), extend=3)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_copy_extended_by_early_exit_drafts_is_lossless(family):
+    model = low_alpha_model(family)
+    prompts = [[5, 17, 33, 2, 71, 8], [40, 3, 9], RANDOM]
+    expected = [reference_greedy(model, p, 14) for p in prompts]
+    for exit_layer in (1, 3, 4):
+        generator = SelfSpecGenerator(model, exit_layer=exit_layer, draft_vocab=EVEN_IDS)
+        out = generator.generate(prompts, max_new_tokens=12, drafter=_CopyThenEarlyExit(expected), eos_token_id=[])
+        assert out.sequences == [e[:12] for e in expected]
+        assert 0 < out.stats.copy.accepted < out.stats.copy.tested and out.stats.early_exit.tested > 0
+        sampled = generator.generate(prompts, max_new_tokens=12, drafter=_CopyThenEarlyExit(expected),
+                                     temperature=1.0, seed=3, eos_token_id=[])
+        assert [len(s) for s in sampled.sequences] == [12] * 3
 
 
 def test_copying_stays_idle_on_a_prompt_without_repeats():

@@ -71,16 +71,20 @@ class NGramIndex:
                 if follow >= n:
                     table[tuple(seq[follow - n:follow])] = follow
 
-    def propose(self, limit: int) -> tuple[list[int], int]:
+    def propose(self, limit: int, extra=()) -> tuple[list[int], int]:
         """Up to `limit` tokens that followed the longest matching suffix, and that suffix's length n.
 
-        ([], 0) when no suffix of length >= min_ngram occurred before. When the latest occurrence is
-        so recent that what followed it runs into the end of the sequence, the text is repeating
-        with period P = (length − that position) and the copy continues around the period: it is
-        what copying again after the copied tokens would propose, drafted in one round instead of
+        extra: tokens drafted after the sequence but not yet accepted; the suffix is taken from the
+        sequence followed by them (the matches themselves come from the sequence). ([], 0) when no
+        suffix of length >= min_ngram occurred before.
+
+        When the latest occurrence is so recent that what followed it runs into the end, the text is
+        repeating with period P = (length − that position) and the copy continues around the
+        period: what copying again after the copied tokens would propose, in one round instead of
         several.
         """
-        seq = self.tokens
+        extra = [int(t) for t in extra]
+        seq = self.tokens + extra if extra else self.tokens
         for n in range(min(self.config.max_ngram, len(seq) - 1), self.config.min_ngram - 1, -1):
             follow = self.tables[n].get(tuple(seq[len(seq) - n:]))
             if follow is not None:

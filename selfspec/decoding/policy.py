@@ -1,9 +1,12 @@
 """Which drafter drafts the next round, and how many tokens: early exit, copying, or both.
 
-A round's draft is a `DraftPlan`: m tokens copied from the context (per row), then `extend`
-tokens drafted by the early exit (the model's first E blocks + final norm + head). m = 0 is plain
-self-speculation, extend = 0 a pure copy, k = m + extend = 0 a plain decoding step. One verify
-path serves all of them (`SelfSpecGenerator._round`).
+A round's draft is planned as a `DraftPlan`: m tokens copied from the context (per row), then up
+to `extend` tokens drafted by the early exit (the model's first E blocks + final norm + head). m = 0
+is plain self-speculation, extend = 0 a pure copy, k = m + extend = 0 a plain decoding step. While
+the early exit drafts, the policy may turn a draft into a copy (`copy_after`): once the drafted
+tokens make the context's suffix match again, the copy takes over for the rest of the round. One
+verify path serves all of them (`SelfSpecGenerator._round`); a round reports its draft as
+`Segment`s, runs of positions from one source.
 
 Drafters (`SelfSpecGenerator(drafter=...)`):
 
@@ -11,9 +14,9 @@ Drafters (`SelfSpecGenerator(drafter=...)`):
   controllers of `controller.py`: fixed k, the window rule, the cost model).
 - ``ngram``: copy when the context has a match of at least `min_ngram` tokens, else a plain step;
   no early exit at all (Hugging Face's prompt lookup, on selfspec's engine).
-- ``hybrid``: copy when a long enough match exists, early-exit drafting otherwise; a copy shorter
-  than the copy controller's k (the match is near the end of the sequence) is extended by
-  early-exit tokens. Each source's draft length adapts to its own acceptance: the early exit's by
+- ``hybrid``: copy when a long enough match exists, early-exit drafting otherwise, and switch
+  from early-exit drafting to copying within the round as soon as the drafted tokens produce a
+  match. Each source's draft length adapts to its own acceptance: the early exit's by
   its controller, the copy length by a `WindowRule` over the copies' own α (up to `max_copy`;
   proposing a copy costs nothing, so only acceptance decides how long to copy). The rule reads
   only accepted counts, never clocks, so the same prompts decode in the same rounds on any
@@ -34,6 +37,21 @@ from .ngram import NGramConfig, NGramIndex
 
 DRAFTERS = ("early_exit", "ngram", "hybrid")
 COPY_WINDOW = 16  # copy rounds the copy length's α is taken over: copying comes and goes with the text
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Draft positions start .. start + length − 1 of a round came from `source` ("copy", "early_exit")."""
+
+    source: str
+    start: int
+    length: int
+
+    def accepted(self, accepted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(rows whose verifier tested this segment, their accepted drafts within it) from the
+        round's accepted counts (B,): a segment is tested only when every earlier draft was accepted."""
+        reached = accepted >= self.start
+        return reached, np.clip(accepted[reached] - self.start, 0, self.length)
 
 
 @dataclass
@@ -59,9 +77,10 @@ class DraftPlan:
 
 
 class DraftPolicy:
-    """Base class: plans rounds; `k_max` bounds `plan(...).k` (it sizes the KV cache's headroom)."""
+    """Base class: plans rounds; `k_max` bounds a round's draft length (it sizes the KV cache's headroom)."""
 
     k_max: int = 0
+    copies_after_early_exit = False  # whether `copy_after` can return a copy (the engine then asks)
 
     def start(self, prompts: list[list[int]]) -> None:
         """A new `generate` call with these prompts (row i = prompts[i])."""
@@ -70,11 +89,15 @@ class DraftPolicy:
         """The draft of the next round for the running rows `rows` (caller row indices, batch order)."""
         raise NotImplementedError
 
+    def copy_after(self, rows: np.ndarray, drafted: np.ndarray) -> np.ndarray:
+        """A copy (B, r) to follow the early-exit drafts `drafted` (B, j) of this round; r = 0: none."""
+        return np.zeros((len(rows), 0), dtype=np.int64)
+
     def observe(self, rows: np.ndarray, tokens: np.ndarray, emit: np.ndarray) -> None:
         """Row rows[s] emitted tokens[s, :emit[s]] this round."""
 
-    def update(self, plan: DraftPlan, accepted: np.ndarray, draft_time: float, verify_time: float) -> None:
-        """The round of `plan` accepted `accepted` (B,) drafts; its draft and verify seconds."""
+    def update(self, segments: list[Segment], accepted: np.ndarray, draft_time: float, verify_time: float) -> None:
+        """The round drafted `segments` and accepted `accepted` (B,) drafts; its draft and verify seconds."""
 
 
 class EarlyExitPolicy(DraftPolicy):
@@ -87,8 +110,8 @@ class EarlyExitPolicy(DraftPolicy):
     def plan(self, rows):
         return DraftPlan(np.zeros((len(rows), 0), dtype=np.int64), self.controller.next_k())
 
-    def update(self, plan, accepted, draft_time, verify_time):
-        self.controller.update(plan.extend, accepted, draft_time, verify_time)
+    def update(self, segments, accepted, draft_time, verify_time):
+        self.controller.update(sum(s.length for s in segments), accepted, draft_time, verify_time)
 
 
 class CopyPolicy(DraftPolicy):
@@ -104,7 +127,9 @@ class CopyPolicy(DraftPolicy):
         self.early_exit = early_exit
         self.copy_controller = copy_controller or WindowRule(
             k=ngram.max_copy, k_min=1, k_max=ngram.max_copy, window=COPY_WINDOW)
-        self.k_max = max(self.copy_controller.k_max, early_exit.k_max)
+        # a copy, early-exit drafts, then a copy again
+        self.k_max = 2 * self.copy_controller.k_max + early_exit.k_max
+        self.copies_after_early_exit = early_exit.k_max > 0
         self.indexes: list[NGramIndex] = []
 
     def start(self, prompts):
@@ -114,26 +139,37 @@ class CopyPolicy(DraftPolicy):
         for slot, row in enumerate(rows):
             self.indexes[row].extend(tokens[slot, :emit[slot]])
 
-    def plan(self, rows):
+    def _copies(self, rows, extra=None) -> np.ndarray:
+        """The copies (B, r) of the running rows, r the longest; rows with a shorter one (or none)
+        fill up with their last token: any deterministic draft is lossless (one-hot q), a filler
+        just tends to be rejected. (B, 0) when no row has a match."""
         limit = self.copy_controller.next_k()
-        proposals = [self.indexes[row].propose(limit)[0] for row in rows]
-        m = max(len(p) for p in proposals)
-        if m == 0:  # nothing to copy in any row
-            return DraftPlan(np.zeros((len(rows), 0), dtype=np.int64), self.early_exit.next_k())
-        # Rows with a shorter (or no) copy fill up with their last token: any deterministic draft is
-        # lossless (one-hot q), a filler just tends to be rejected.
-        copied = np.array([p + [p[-1] if p else self.indexes[row].tokens[-1]] * (m - len(p))
-                           for p, row in zip(proposals, rows)], dtype=np.int64)
-        uniform = all(len(p) == m for p in proposals)
-        extend = min(self.early_exit.next_k(), limit - m) if uniform and m < limit else 0
-        return DraftPlan(copied, max(extend, 0))
+        proposals = [self.indexes[row].propose(limit, () if extra is None else extra[slot])[0]
+                     for slot, row in enumerate(rows)]
+        r = max(len(p) for p in proposals)
+        if r == 0:
+            return np.zeros((len(rows), 0), dtype=np.int64)
+        last = [self.indexes[row].tokens[-1] if extra is None or not len(extra[slot]) else extra[slot][-1]
+                for slot, row in enumerate(rows)]
+        return np.array([p + [p[-1] if p else end] * (r - len(p)) for p, end in zip(proposals, last)],
+                        dtype=np.int64)
 
-    def update(self, plan, accepted, draft_time, verify_time):
-        m = plan.num_copied
-        if m:  # a copy round teaches the copy controller (no draft time: proposing was free)
-            self.copy_controller.update(m, np.minimum(accepted, m), 0.0, verify_time)
-        else:
-            self.early_exit.update(plan.extend, accepted, draft_time, verify_time)
+    def plan(self, rows):
+        copied = self._copies(rows)
+        return DraftPlan(copied, 0 if copied.shape[1] else self.early_exit.next_k())
+
+    def copy_after(self, rows, drafted):
+        return self._copies(rows, drafted)
+
+    def update(self, segments, accepted, draft_time, verify_time):
+        for segment in segments:  # each source's controller learns from its own drafts
+            reached, kept = segment.accepted(accepted)
+            if not reached.any():
+                continue
+            if segment.source == "copy":  # proposing a copy took no draft time
+                self.copy_controller.update(segment.length, kept, 0.0, verify_time)
+            else:
+                self.early_exit.update(segment.length, kept, draft_time, verify_time)
 
 
 def make_policy(drafter: str, num_speculations, ngram: NGramConfig | None = None) -> DraftPolicy:
@@ -148,4 +184,4 @@ def make_policy(drafter: str, num_speculations, ngram: NGramConfig | None = None
     return EarlyExitPolicy(controller) if drafter == "early_exit" else CopyPolicy(ngram, controller)
 
 
-__all__ = ["DRAFTERS", "CopyPolicy", "DraftPlan", "DraftPolicy", "EarlyExitPolicy", "make_policy"]
+__all__ = ["DRAFTERS", "CopyPolicy", "DraftPlan", "DraftPolicy", "EarlyExitPolicy", "Segment", "make_policy"]

@@ -40,7 +40,7 @@ from . import sampling
 from .cache import KVCache
 from .draft_head import DraftHead
 from .ngram import NGramConfig
-from .policy import DraftPlan, DraftPolicy, make_policy
+from .policy import DraftPlan, DraftPolicy, Segment, make_policy
 from .sampling import ACCEPT, DRAFT, TARGET, SamplingParams, accept_greedy, accept_sampled, sample, uniforms
 
 
@@ -63,9 +63,9 @@ class GenerationStats(AcceptanceStats):
     prefill_time: float = 0.0
     total_time: float = 0.0
     generated_tokens: int = 0
-    # Where the drafts came from: copied from the context vs drafted by the early exit. A round that
-    # copies m tokens and extends them by j early-exit ones counts m drafts under "copy" and, in the
-    # rows that accepted all m, j under "early_exit" (which are only tested there).
+    # Where the drafts came from: copied from the context vs drafted by the early exit. Each run of
+    # a round's positions from one source (a `Segment`) counts under its source, in the rows whose
+    # verifier tested it (every earlier draft accepted).
     copy: AcceptanceStats = field(default_factory=AcceptanceStats)
     early_exit: AcceptanceStats = field(default_factory=AcceptanceStats)
 
@@ -231,65 +231,87 @@ class SelfSpecGenerator:
             return logits.argmax(-1)
         return sample(b.sampling.probs(logits), uniforms(b.seeds, position, DRAFT)[:, 0])
 
-    def _round(self, b: _Batch, plan: DraftPlan, clock: _Clock):
-        """One round for every row: draft `plan.k` tokens, verify them in one pass, accept a prefix.
+    def _round(self, b: _Batch, plan: DraftPlan, policy: DraftPolicy, clock: _Clock, cap: int):
+        """One round for every row: draft, verify all drafts in one pass, accept a prefix.
 
-        Returns tokens (B, k+1), accepted (B,) and three timestamps. A row emits
-        tokens[:accepted + 1]: its accepted drafts, then the target's own token (the correction
-        after a rejection, the bonus after a full acceptance). k = 0 is one plain decoding step.
+        The draft: `plan.copied` (B, m) copied tokens, then up to `plan.extend` early-exit drafts,
+        cut short when the policy turns the rest of the round into a copy (`policy.copy_after`); at
+        most `cap` drafts in all. Returns tokens (B, k+1), accepted (B,), three timestamps and the
+        draft's `Segment`s. A row emits tokens[:accepted + 1]: its accepted drafts, then the
+        target's own token (the correction after a rejection, the bonus after a full acceptance).
+        k = 0 is one plain decoding step.
         """
         view, exit_layer, num_layers = self.view, self.exit_layer, self.view.num_layers
         m, extend = plan.num_copied, plan.extend
-        k = m + extend
         start = clock.mark()
-        # The pending token and the m copied drafts (positions n .. n + m) have no exit hidden states
-        # yet: they go through the blocks in one parallel pass.
-        first = b.pending[:, None]  # (B, 1)
-        if m:
-            first = torch.cat([first, torch.as_tensor(plan.copied, device=first.device)], 1)  # (B, m + 1)
+        # Tokens that have no exit hidden state yet (the pending token, copied drafts) go through
+        # the blocks in parallel passes; early-exit drafts keep the hidden state of their own step.
+        copied = torch.as_tensor(plan.copied, device=b.pending.device)  # (B, m)
         place = self._place(b, 0, m + 1)
-        hidden = view.embed(first, place["positions"])
-        q_logits, drafts = [], []
+        hidden = view.embed(torch.cat([b.pending[:, None], copied], 1), place["positions"])  # (B, m+1, D)
+        segments = [Segment("copy", 0, m)] if m else []
+        drafts, q = [copied], [("copy", copied)]  # in draft order; q: how each part was drafted
         if not extend:  # plain decoding (m = 0) or a pure copy: all blocks at once, nothing to draft
             hidden = view.run_layers(hidden, 0, num_layers, **place)
             drafted = start
-            p_logits = view.exit_logits(hidden)  # (B, m+1, V)
+            k = m
         else:
-            # 1. Draft: the early exit proposes `extend` tokens, one at a time through blocks [0, E)
-            #    + final norm + draft head, each step keeping its exit hidden state.
-            hiddens = [view.run_layers(hidden, 0, exit_layer, **place)]  # (B, m+1, D)
+            # 1. Draft: the early exit proposes tokens one at a time through blocks [0, E) + final
+            #    norm + draft head, each step keeping its exit hidden state (B, 1, D).
+            hiddens = [view.run_layers(hidden, 0, exit_layer, **place)]
+            k = m  # drafts so far; the last one's hidden state is hiddens[-1][:, -1]
+            early = []
             for i in range(extend):
                 logits = self.draft_head.logits(hiddens[-1][:, -1])  # (B, V)
-                token = self._pick(b, logits, b.lengths_dev[:, None] + (m + i + 1))  # the token at n + m + i + 1
-                q_logits.append(logits)
-                drafts.append(token)
-                if i == extend - 1:
+                token = self._pick(b, logits, b.lengths_dev[:, None] + (k + 1))  # the token at n + k + 1
+                early.append(token)
+                q.append(("early_exit", logits))
+                suffix = None
+                if policy.copies_after_early_exit and k + 1 < cap:
+                    suffix = policy.copy_after(b.rows, torch.stack(early, 1).cpu().numpy())[:, :cap - k - 1]
+                if i == extend - 1 or (suffix is not None and suffix.size):
                     drafted = clock.mark()
-                # The new draft through blocks [0, E) (B, 1, D): the next draft step's input, or for
-                # the last draft the first part of the verification.
-                hiddens.append(self._draft_step(b, token, m + i + 1, exit_layer))
+                if suffix is not None and suffix.size:  # the rest of the round is a copy
+                    suffix = torch.as_tensor(suffix, device=token.device)  # (B, r)
+                    drafts.append(torch.stack(early, 1))
+                    segments.append(Segment("early_exit", m, len(early)))
+                    segments.append(Segment("copy", k + 1, suffix.shape[1]))
+                    drafts.append(suffix)
+                    q.append(("copy", suffix))
+                    # the last early-exit draft and the copy through blocks [0, E) in one pass
+                    block = torch.cat([token[:, None], suffix], 1)  # (B, r+1)
+                    place = self._place(b, k + 1, block.shape[1])
+                    hiddens.append(view.run_layers(view.embed(block, place["positions"]), 0, exit_layer, **place))
+                    k += block.shape[1]
+                    break
+                # the new draft through blocks [0, E): the next draft step's input, or, after the
+                # last draft, the first part of the verification
+                hiddens.append(self._draft_step(b, token, k + 1, exit_layer))
+                k += 1
+            else:
+                drafts.append(torch.stack(early, 1))
+                segments.append(Segment("early_exit", m, len(early)))
             # 2. Verify: blocks [E, N) once on all k + 1 exit hidden states; the draft blocks are not
-            #    run again on the k drafts.
+            #    run again on the drafts.
             hidden = torch.cat(hiddens, 1)  # (B, k+1, D)
             if exit_layer < num_layers:
                 hidden = view.run_layers(hidden, exit_layer, num_layers, **self._place(b, 0, k + 1))
-            p_logits = view.exit_logits(hidden)  # (B, k+1, V)
+        p_logits = view.exit_logits(hidden)  # (B, k+1, V)
         # 3. Accept the longest prefix the target agrees with.
-        copied = first[:, 1:]  # (B, m)
-        drafts = torch.cat([copied, *[d[:, None] for d in drafts]], 1)  # (B, k)
+        drafts = torch.cat(drafts, 1)  # (B, k)
         if b.sampling.greedy:
             tokens, accepted = accept_greedy(drafts, p_logits)
         else:
             # q: one-hot for copied drafts (deterministic given the context), the early exit's
             # processed distribution for its own drafts.
-            q = sampling.copied_probs(copied, p_logits.shape[-1])  # (B, m, V)
-            if extend:
-                q = torch.cat([q, b.sampling.probs(torch.stack(q_logits, 1))], 1)  # (B, k, V)
+            vocab = p_logits.shape[-1]
+            q = torch.cat([sampling.copied_probs(part, vocab) if source == "copy"
+                           else b.sampling.probs(part)[:, None] for source, part in q], 1)  # (B, k, V)
             decided = b.lengths_dev[:, None] + b.steps[1:k + 2]  # (B, k+1): positions n+1 .. n+k+1
             tokens, accepted = accept_sampled(drafts, q, b.sampling.probs(p_logits),
                                               uniforms(b.seeds, decided[:, :k], ACCEPT),
                                               uniforms(b.seeds, decided, TARGET))
-        return tokens, accepted, (start, drafted, clock.mark())
+        return tokens, accepted, (start, drafted, clock.mark()), segments
 
     # -- generation ----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -353,15 +375,17 @@ class SelfSpecGenerator:
         stats.prefill_time = time.perf_counter() - wall
         while b.rows.size:  # finished rows leave the batch
             plan = policy.plan(b.rows)
+            cap = policy.k_max
             if limit is not None:  # no draft beyond the last position the model has (GPT-2's table)
-                plan = plan.truncate(limit - 1 - int(b.lengths.max()))
-            k = plan.k
-            tokens, accepted, (start, drafted, verified) = self._round(b, plan, clock)
+                cap = min(cap, limit - 1 - int(b.lengths.max()))
+                plan = plan.truncate(cap)
+            tokens, accepted, (start, drafted, verified), segments = self._round(b, plan, policy, clock, cap)
+            k = tokens.shape[1] - 1
             host = torch.cat([tokens, accepted[:, None]], 1).cpu().numpy()  # the round's one host sync
             tokens, accepted = host[:, :-1], host[:, -1]
             draft_time, verify_time = clock.seconds(start, drafted), clock.seconds(drafted, verified)
-            self._record(stats, plan, accepted, draft_time, verify_time)
-            policy.update(plan, accepted, draft_time, verify_time)
+            self._record(stats, segments, accepted, draft_time, verify_time)
+            policy.update(segments, accepted, draft_time, verify_time)
 
             rows = b.rows
             emit, finished = self._emit_counts(tokens, accepted, counts[rows], max_new_tokens, eos)
@@ -417,17 +441,16 @@ class SelfSpecGenerator:
         b.upload(self.view.device)
 
     @staticmethod
-    def _record(stats: GenerationStats, plan: DraftPlan, accepted: np.ndarray, draft_time: float,
+    def _record(stats: GenerationStats, segments: list[Segment], accepted: np.ndarray, draft_time: float,
                 verify_time: float) -> None:
-        m, extend = plan.num_copied, plan.extend
-        stats.update(accepted, plan.k)
-        if m:
-            stats.copy.update(np.minimum(accepted, m), m)
-        reached = accepted[accepted >= m]  # rows whose early-exit drafts were tested
-        if extend and reached.size:
-            stats.early_exit.update(reached - m, extend)
-        if plan.k:
-            stats.draft_steps += extend  # copied drafts take no draft step
+        k = sum(s.length for s in segments)
+        stats.update(accepted, k)
+        for segment in segments:
+            reached, kept = segment.accepted(accepted)
+            if reached.any():
+                getattr(stats, segment.source).update(kept, segment.length)
+        if k:
+            stats.draft_steps += sum(s.length for s in segments if s.source == "early_exit")  # copies take none
             stats.draft_time += draft_time
             stats.verify_time += verify_time
         else:
