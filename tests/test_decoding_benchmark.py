@@ -21,7 +21,7 @@ def test_benchmark_report(tmp_path):
     report = run_benchmark(model, [repeats, [9, 10]], exit_layer=3, num_speculations=3, max_new_tokens=10,
                            repeats=2, warmup=1, draft_vocab=list(range(48)))
     assert set(report["methods"]) == set(METHODS)
-    assert report["draft_vocab_size"] == 48 and report["ngram"]["min_ngram"] == 2
+    assert report["settings"]["hybrid"]["draft_vocab_size"] == 48 and report["settings"]["ngram"]["ngram"]["min_ngram"] == 2
     assert all(len(m["tokens_per_second_all"]) == 2 for m in report["methods"].values())
     assert report["greedy_outputs_identical"]
     assert report["identical_to_plain"]["hf_early_exit"]  # Hugging Face's self-speculation is lossless too
@@ -40,6 +40,24 @@ def test_benchmark_report(tmp_path):
     text = md_path.read_text()
     assert "selfspec / plain" in text and "acceptance_rate" in text and "Greedy outputs identical" in text
     assert "| hybrid | copy |" in text and "hybrid / hf_prompt_lookup" in text
+    assert "E = 3, k = 3, V' = 48, min_ngram = 2" in text
+
+
+def test_each_engine_method_may_decode_at_its_own_setting():
+    from selfspec.decoding import NGramConfig
+    from selfspec.evaluation.benchmark import EngineSetting
+
+    model = tiny_model("llama")
+    per_method = {"selfspec": EngineSetting(2, 2), "hybrid": EngineSetting(1, 1, tuple(range(40)), NGramConfig(3, 1))}
+    report = run_benchmark(model, [[5, 6, 7, 8, 5, 6, 7, 8]], exit_layer=3, num_speculations=3, max_new_tokens=8,
+                           repeats=1, warmup=0, methods=("plain", "selfspec", "ngram", "hybrid", "hf_early_exit"),
+                           per_method=per_method)
+    settings = report["settings"]
+    assert (settings["selfspec"]["exit_layer"], settings["selfspec"]["num_speculations"]) == (2, 2)
+    assert settings["hybrid"]["draft_vocab_size"] == 40 and settings["hybrid"]["ngram"]["min_ngram"] == 1
+    assert settings["ngram"]["exit_layer"] == 3  # the common setting
+    assert report["greedy_outputs_identical"] and report["identical_to_plain"]["hf_early_exit"]
+    assert "| hf_early_exit |" in to_markdown(report) and "| selfspec |" in to_markdown(report)
 
 
 def test_batched_benchmark_decodes_rows_together():

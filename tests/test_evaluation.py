@@ -271,3 +271,35 @@ def test_cli_draft_vocab_counts_into_the_checkpoint_and_generate_drafts_from_it(
     assert main(["generate", str(ckpt), "def f(x):", "--drafter", "hybrid", "--draft-vocab-size", "64",
                  "--max-new-tokens", "8", "--no-stream", "--no-eos"]) == 0
     assert "[hybrid drafts, E = 2, k = 3, V' = 64:" in capsys.readouterr().err
+
+
+def test_the_benchmark_runs_each_drafter_at_the_fastest_setting_the_sweep_stored(tiny_run, tmp_path):
+    import argparse
+
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+
+    from selfspec.checkpoint import read_meta, save_tuned
+    from selfspec.evaluation.benchmark import engine_settings
+    from selfspec.evaluation.sweep import write_back
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_run["model"])
+    ckpt = save_tuned(tmp_path / "tuned", model, tiny_run["tokenizer"], exit_layer=2, num_speculations=3,
+                      token_counts=np.ones(model.config.vocab_size, dtype=np.int64))
+    rows = {"early_exit": dict(drafter="early_exit", exit_layer=3, num_speculations=4, vocab=64, min_ngram=0),
+            "hybrid": dict(drafter="hybrid", exit_layer=1, num_speculations=1, vocab=0, min_ngram=3),
+            "ngram": dict(drafter="ngram", exit_layer=0, num_speculations=0, vocab=0, min_ngram=1)}
+    speedups = {"early_exit": 1.2, "hybrid": 2.5, "ngram": 0.9}  # ngram slower than plain: not stored
+    fastest = {d: {**row, "speedup": speedups[d], "tokens_per_second": 1.0} for d, row in rows.items()}
+    assert write_back(str(ckpt), {"best": fastest["hybrid"], "fastest_per_drafter": fastest}, tmp_path / "s.json")
+    meta = read_meta(ckpt)
+    assert set(meta["fastest"]) == {"early_exit", "hybrid"}
+    flags = dict(model=str(ckpt), exit_layer=None, num_speculations=None, draft_vocab_size=None, min_ngram=None)
+    common, per_method = engine_settings(argparse.Namespace(**flags), meta, meta["exit_layer"])
+    assert (common.exit_layer, common.num_speculations, common.ngram.min_ngram) == (1, 1, 3)  # the best: hybrid
+    early = per_method["selfspec"]
+    assert (early.exit_layer, early.num_speculations, len(early.draft_vocab)) == (3, 4, 64)
+    assert set(per_method) == {"selfspec", "hybrid"}
+    # a flag sets every method alike
+    common, per_method = engine_settings(argparse.Namespace(**{**flags, "exit_layer": 2}), meta, 2)
+    assert per_method == {} and common.exit_layer == 2

@@ -35,6 +35,7 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -42,7 +43,7 @@ from tqdm.auto import tqdm
 
 from ..checkpoint import META_FILE, read_meta
 from ..checkpoint import draft_vocab as checkpoint_draft_vocab
-from ..decoding import NGramConfig, SelfSpecGenerator
+from ..decoding import NGramConfig, SelfSpecGenerator, make_policy
 from ..metrics import AcceptanceStats, predicted_speedup, speedup_kv_reuse, speedup_measured_costs
 from ..model.loading import load_causal_lm, load_tokenizer
 from .report import write_report as write_files
@@ -92,16 +93,37 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@dataclass(frozen=True)
+class EngineSetting:
+    """How an engine method decodes: E, the early exit's k, the draft head's token ids, copy settings."""
+
+    exit_layer: int
+    num_speculations: int | str = 4
+    draft_vocab: tuple | None = None  # token ids of a trimmed draft head; None: the whole head
+    ngram: NGramConfig = field(default_factory=NGramConfig)
+
+    def describe(self) -> dict:
+        return {"exit_layer": self.exit_layer, "num_speculations": self.num_speculations,
+                "draft_vocab_size": None if self.draft_vocab is None else len(self.draft_vocab),
+                "ngram": self.ngram.as_dict()}
+
+
 class _Runner:
     """Runs one method on one prompt: returns the generated tokens and, for the engine, its stats."""
 
-    def __init__(self, model, generator: SelfSpecGenerator, exit_layer: int, num_speculations,
-                 max_new_tokens: int, ignore_eos: bool):
-        self.model, self.generator = model, generator
-        self.exit_layer, self.num_speculations = exit_layer, num_speculations
+    def __init__(self, model, tokenizer, settings: dict[str, EngineSetting], max_new_tokens: int, ignore_eos: bool):
+        self.model, self.settings = model, settings
+        self.generators: dict = {}  # (E, draft vocab) -> SelfSpecGenerator, shared by the methods that match
+        for setting in settings.values():
+            key = (setting.exit_layer, setting.draft_vocab)
+            if key not in self.generators:
+                # check_cache off, as in the sweep: a timed run does no per-round bookkeeping (tests check caches)
+                self.generators[key] = SelfSpecGenerator(
+                    model, tokenizer, exit_layer=setting.exit_layer, check_cache=False,
+                    draft_vocab=None if setting.draft_vocab is None else list(setting.draft_vocab))
         self.max_new_tokens = max_new_tokens
         self.eos = [] if ignore_eos else None
-        self.device = generator.view.device
+        self.device = next(iter(self.generators.values())).view.device
         # Only silences generate()'s warning for prompts without padding; the model's own when it has one.
         config = getattr(model, "generation_config", None)
         self.pad_token_id = next((t for t in (getattr(config, "pad_token_id", None), getattr(config, "eos_token_id", None))
@@ -110,9 +132,11 @@ class _Runner:
     def __call__(self, method: str, batch: list[list[int]]):
         """Decode one batch of prompts (token lists) with `method`: (tokens per row, engine stats or None)."""
         if method in ENGINE_METHODS:
-            k = 0 if method == "plain" else self.num_speculations
-            out = self.generator.generate(batch, max_new_tokens=self.max_new_tokens, num_speculations=k,
-                                          drafter=ENGINE_METHODS[method], eos_token_id=self.eos)
+            setting = self.settings[method]
+            k = 0 if method == "plain" else setting.num_speculations
+            drafter = make_policy(ENGINE_METHODS[method], k, setting.ngram)
+            out = self.generators[(setting.exit_layer, setting.draft_vocab)].generate(
+                batch, max_new_tokens=self.max_new_tokens, drafter=drafter, eos_token_id=self.eos)
             return out.sequences, out.stats
         if len({len(p) for p in batch}) > 1:
             raise ValueError("Hugging Face methods in a batch need prompts of one length; use "
@@ -122,8 +146,8 @@ class _Runner:
                       pad_token_id=self.pad_token_id)
         if self.eos == []:
             kwargs["eos_token_id"] = None
-        if method == "hf_early_exit":
-            kwargs["assistant_early_exit"] = self.exit_layer
+        if method == "hf_early_exit":  # Hugging Face's self-speculation at the early exit's own E
+            kwargs["assistant_early_exit"] = self.settings["selfspec"].exit_layer
         elif method == "hf_prompt_lookup":
             kwargs["prompt_lookup_num_tokens"] = PROMPT_LOOKUP_TOKENS
         with torch.inference_mode():
@@ -173,10 +197,12 @@ def interleaved_rates(names, run, batches: list[list[list[int]]], repeats: int, 
 def run_benchmark(model, prompts: list[list[int]], exit_layer: int, num_speculations=4, tokenizer=None,
                   max_new_tokens: int = 128, repeats: int = 5, warmup: int = 1, ignore_eos: bool = True,
                   methods: tuple[str, ...] = METHODS, batch_size: int = 1, progress: bool = False,
-                  ngram: NGramConfig | None = None, draft_vocab=None) -> dict:
+                  ngram: NGramConfig | None = None, draft_vocab=None,
+                  per_method: dict[str, EngineSetting] | None = None) -> dict:
     """Measure `methods` on `prompts` (token lists), `batch_size` prompts per call; returns the report
-    as a dict (see module docstring). ngram: the copy settings of ngram/hybrid; draft_vocab: the
-    token ids of a trimmed draft head (None: the whole head)."""
+    as a dict (see module docstring). Every engine method decodes at (exit_layer, num_speculations,
+    draft_vocab: token ids of a trimmed draft head, ngram: copy settings) unless `per_method` gives
+    it a setting of its own (each drafter at its own fastest, as the sweep found them)."""
     for method in methods:
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
@@ -186,11 +212,13 @@ def run_benchmark(model, prompts: list[list[int]], exit_layer: int, num_speculat
     if batch_size > 1 and batch1_only:
         raise ValueError(f"Hugging Face's assisted generation decodes batch 1 only; leave {', '.join(batch1_only)} "
                          f"out of --methods for --batch-size > 1")
-    # check_cache off, as in the sweep: a timed run does no per-round bookkeeping (the tests check caches).
-    generator = SelfSpecGenerator(model, tokenizer, exit_layer=exit_layer, ngram=ngram, draft_vocab=draft_vocab,
-                                  check_cache=False)
-    run = _Runner(model, generator, exit_layer, num_speculations, max_new_tokens, ignore_eos)
-    device = generator.view.device
+    common = EngineSetting(exit_layer, num_speculations, None if draft_vocab is None else tuple(int(t) for t in draft_vocab),
+                           ngram or NGramConfig())
+    settings = {m: (per_method or {}).get(m, common) for m in ENGINE_METHODS}
+    settings["plain"] = common
+    run = _Runner(model, tokenizer, settings, max_new_tokens, ignore_eos)
+    device = run.device
+    view = next(iter(run.generators.values())).view
     batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
     rates, outputs, stats = interleaved_rates(methods, run, batches, repeats, warmup, device,
                                               "benchmark" if progress else None)
@@ -198,9 +226,9 @@ def run_benchmark(model, prompts: list[list[int]], exit_layer: int, num_speculat
     report = {"exit_layer": exit_layer, "num_speculations": num_speculations, "max_new_tokens": max_new_tokens,
               "num_prompts": len(prompts), "batch_size": batch_size, "repeats": repeats, "warmup": warmup,
               "device": str(device),
-              "dtype": str(generator.view.dtype).replace("torch.", ""),
-              "num_layers": generator.view.num_layers, "ngram": generator.ngram.as_dict(),
-              "draft_vocab_size": generator.draft_head.size, "methods": {}}
+              "dtype": str(view.dtype).replace("torch.", ""), "num_layers": view.num_layers,
+              "settings": {m: settings[m].describe() for m in methods if m in ENGINE_METHODS and m != "plain"},
+              "methods": {}}
     for method in methods:
         report["methods"][method] = {"tokens_per_second": statistics.median(rates[method]),
                                      "tokens_per_second_all": rates[method]}
@@ -292,16 +320,31 @@ def write_report(report: dict, out_dir: str | Path) -> tuple[Path, Path]:
     return json_path, md_path
 
 
+def _describe_setting(method: str, settings: dict) -> str:
+    setting = settings.get("selfspec" if method == "hf_early_exit" else method)
+    if method == "hf_prompt_lookup":
+        return f"prompt_lookup_num_tokens = {PROMPT_LOOKUP_TOKENS}"
+    if setting is None:
+        return ""
+    ngram = f"min_ngram = {setting['ngram']['min_ngram']}, max_copy = {setting['ngram']['max_copy']}"
+    if method == "ngram":
+        return ngram
+    text = f"E = {setting['exit_layer']}" + ("" if method == "hf_early_exit" else f", k = {setting['num_speculations']}")
+    if setting["draft_vocab_size"] and method != "hf_early_exit":
+        text += f", V' = {setting['draft_vocab_size']}"
+    return text + (f", {ngram}" if method == "hybrid" else "")
+
+
 def to_markdown(report: dict) -> str:
-    lines = [f"# Self-speculative decoding benchmark (E = {report['exit_layer']} of {report['num_layers']}, "
-             f"k = {report['num_speculations']})", "",
+    lines = [f"# Self-speculative decoding benchmark ({report['num_layers']} layers)", "",
              f"{report['num_prompts']} prompts, batch {report.get('batch_size', 1)}, {report['max_new_tokens']} "
              "new tokens, greedy, "
              f"{report['device']} {report['dtype']}, median of {report['repeats']} interleaved repeats "
              f"after {report['warmup']} warm-up.", "",
-             "| method | tokens/s |", "|---|---:|"]
+             "| method | tokens/s | setting |", "|---|---:|---|"]
+    settings = report.get("settings", {})
     for method, row in report["methods"].items():
-        lines.append(f"| {method} | {row['tokens_per_second']:.1f} |")
+        lines.append(f"| {method} | {row['tokens_per_second']:.1f} | {_describe_setting(method, settings)} |")
     lines += ["", "| speedup | × |", "|---|---:|"]
     lines += [f"| {name.replace('_over_', ' / ')} | {value:.3f} |" for name, value in report["speedups"].items()]
     sources = report.get("sources", {})
@@ -371,25 +414,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="runs/benchmark")
 
 
-def run(args: argparse.Namespace) -> dict:
-    """Run the benchmark that `args` (from `add_arguments`) describes; prints and writes the report."""
-    meta = read_meta(args.model) if (Path(args.model) / META_FILE).is_file() else {}
-    exit_layer = args.exit_layer or meta.get("exit_layer")
-    if exit_layer is None:
-        raise ValueError(f"--exit-layer is required: {args.model} has no {META_FILE}")
+def engine_settings(args, meta: dict, exit_layer: int) -> tuple[EngineSetting, dict[str, EngineSetting]]:
+    """The settings the engine methods decode with: the flags, else the checkpoint's selfspec.json.
+
+    Without flags that set E, k, V' or min_ngram, each drafter whose fastest setting a sweep stored
+    (`selfspec.json` "fastest") runs at that setting: the early exit alone at its best, the copy
+    drafters at theirs.
+    """
     k = args.num_speculations or meta.get("num_speculations", "auto")
     k = k if k in ("auto", "window") else int(k)
     ngram = NGramConfig.from_dict(meta.get("ngram"))
     if args.min_ngram is not None:
         ngram = NGramConfig(max(ngram.max_ngram, args.min_ngram), args.min_ngram, ngram.max_copy)
     size = meta.get("draft_vocab_size") if args.draft_vocab_size is None else args.draft_vocab_size
-    vocab = checkpoint_draft_vocab(args.model, size) if size else None
+
+    def vocab(size):
+        return None if not size else tuple(int(t) for t in checkpoint_draft_vocab(args.model, size))
+
+    common = EngineSetting(exit_layer, k, vocab(size), ngram)
+    flags = (args.exit_layer, args.num_speculations, args.draft_vocab_size, args.min_ngram)
+    per_method = {}
+    if all(flag is None for flag in flags):
+        for drafter, best in meta.get("fastest", {}).items():
+            method = "selfspec" if drafter == "early_exit" else drafter
+            per_method[method] = EngineSetting(
+                best.get("exit_layer") or exit_layer, best.get("num_speculations") or k, vocab(best.get("vocab")),
+                NGramConfig(max(ngram.max_ngram, best["min_ngram"]), best["min_ngram"], ngram.max_copy)
+                if best.get("min_ngram") else ngram)
+    return common, per_method
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Run the benchmark that `args` (from `add_arguments`) describes; prints and writes the report."""
+    meta = read_meta(args.model) if (Path(args.model) / META_FILE).is_file() else {}
+    exit_layer = args.exit_layer or meta.get("exit_layer")
+    if exit_layer is None:
+        raise ValueError(f"--exit-layer is required: {args.model} has no {META_FILE}")
+    common, per_method = engine_settings(args, meta, exit_layer)
     model, tokenizer = load_model(args.model, args.device, args.dtype)
     prompts = read_prompts(args, tokenizer)
-    report = run_benchmark(model, prompts, exit_layer, k, tokenizer=tokenizer,
+    report = run_benchmark(model, prompts, common.exit_layer, common.num_speculations, tokenizer=tokenizer,
                            max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup=args.warmup,
                            ignore_eos=not args.keep_eos, methods=tuple(args.methods.split(",")),
-                           batch_size=args.batch_size, progress=True, ngram=ngram, draft_vocab=vocab)
+                           batch_size=args.batch_size, progress=True, ngram=common.ngram,
+                           draft_vocab=common.draft_vocab, per_method=per_method)
     report["model"] = args.model
     json_path, md_path = write_report(report, args.out)
     print(to_markdown(report))

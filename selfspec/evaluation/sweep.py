@@ -318,6 +318,9 @@ def write_back(model_dir: str, report: dict, report_path: Path) -> bool:
         return False
     drafter = best.get("drafter", "early_exit")
     fields = {"drafter": drafter, "sweep": {"speedup": best["speedup"], "report": str(report_path)}}
+    fastest = {d: row for d, row in report.get("fastest_per_drafter", {}).items() if row["speedup"] > 1.0}
+    if fastest:  # each drafter's own best: what the benchmark compares the drafters at
+        fields["fastest"] = fastest
     if drafter != "ngram":  # the n-gram drafter has no E, k or V' of its own: keep the checkpoint's
         fields.update(exit_layer=best["exit_layer"], num_speculations=best["num_speculations"],
                       draft_vocab_size=best.get("vocab") or None)
