@@ -162,6 +162,8 @@ class CopyPolicy(DraftPolicy):
         return self._copies(rows, drafted)
 
     def update(self, segments, accepted, draft_time, verify_time):
+        if not segments:  # a plain step: the cost the early exit's drafts must beat
+            self.early_exit.update(0, accepted, draft_time, verify_time)
         for segment in segments:  # each source's controller learns from its own drafts
             reached, kept = segment.accepted(accepted)
             if not reached.any():
