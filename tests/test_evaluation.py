@@ -165,21 +165,21 @@ def test_cli_sweep_measures_the_grid_plots_and_writes_back_the_best(tiny_run, tm
     prompts.write_text("def f(x):\nimport os\n")
     out = tmp_path / "sweep"
     assert main(["eval", "sweep", "--model", str(ckpt), "--prompts", str(prompts), "--exit-layers", "1:4",
-                 "--ks", "1,3", "--drafters", "early_exit,hybrid,ngram", "--min-ngrams", "1,2",
+                 "--ks", "1,auto", "--drafters", "early_exit,hybrid,ngram", "--min-ngrams", "1,2",
                  "--draft-vocab-sizes", "0,64", "--max-new-tokens", "6", "--repeats", "1", "--warmup", "0",
                  "--out", str(out), "--write-back"]) == 0
     report = json.loads((out / "sweep.json").read_text())
-    cells = sorted((r["drafter"], r["exit_layer"], r["num_speculations"], r["vocab"], r["min_ngram"])
+    cells = sorted((r["drafter"], r["exit_layer"], str(r["num_speculations"]), r["vocab"], r["min_ngram"])
                    for r in report["grid"])
-    early = [(e, k, v) for e in (1, 2, 3) for v in (0, 64) for k in (1, 3)]
+    early = [(e, k, v) for e in (1, 2, 3) for v in (0, 64) for k in ("1", "auto")]
     assert cells == sorted([("early_exit", e, k, v, 0) for e, k, v in early]
                            + [("hybrid", e, k, v, n) for e, k, v in early for n in (1, 2)]
-                           + [("ngram", 0, 0, 0, 1), ("ngram", 0, 0, 0, 2)])
+                           + [("ngram", 0, "0", 0, 1), ("ngram", 0, "0", 0, 2)])
     assert report["all_identical_to_plain"]
     assert all(0.0 <= report["per_exit_layer"][e][v]["acceptance_rate"] <= 1.0 for e in ("1", "2", "3")
                for v in ("0", "64"))
     markdown = (out / "sweep.md").read_text()
-    assert (out / "sweep.png").stat().st_size > 0 and "| E | V' | α | α kept | c |" in markdown
+    assert (out / "sweep.png").stat().st_size > 0 and "| E | V' | α | α kept | c | k=1 | k=auto |" in markdown
     assert "| ngram, min_ngram = 2 |" in markdown and set(report["fastest_per_drafter"]) == {
         "early_exit", "hybrid", "ngram"}
     best = report["best"]

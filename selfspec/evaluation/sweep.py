@@ -27,7 +27,7 @@ from ..checkpoint import META_FILE, read_meta, read_token_counts, update_meta
 from ..config import parse_layers
 from ..decoding import DRAFTERS, NGramConfig, SelfSpecGenerator, make_policy
 from ..decoding.draft_head import frequent_tokens
-from ..metrics import speedup_simple
+from ..metrics import predicted_speedup, speedup_simple
 from ..model import num_layers as count_layers
 from .benchmark import interleaved_rates, load_model, pooled_costs, read_prompts, source_summary
 from .report import save_figure, write_report
@@ -39,12 +39,13 @@ class Setting:
 
     drafter: str
     exit_layer: int = 0
-    k: int = 0
+    k: int | str = 0  # an int, or "auto" / "window" (an adaptive controller)
     vocab: int = 0
     min_ngram: int = 0
 
 
 PLAIN = Setting("plain")
+ADAPTIVE = ("auto", "window")  # draft lengths chosen per round by a controller
 
 
 def grid_settings(exit_layers, ks, drafters, vocabs, min_ngrams) -> list[Setting]:
@@ -87,8 +88,9 @@ def run_sweep(model, prompts: list[list[int]], exit_layers: list[int], ks: list[
     if bad or not exit_layers:
         raise ValueError(f"exit layers {bad or exit_layers} are not in 1..{num_layers - 1}: E = N would "
                          f"draft with the whole model")
-    if not ks or min(ks) < 1:
-        raise ValueError(f"draft lengths {ks} must be >= 1 (plain decoding, k = 0, is always measured)")
+    if not ks or any(k not in ADAPTIVE if isinstance(k, str) else k < 1 for k in ks):
+        raise ValueError(f"draft lengths {ks} must be ints >= 1 or {' / '.join(ADAPTIVE)} (plain decoding, k = 0, "
+                         f"is always measured)")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     check_drafters(drafters, draft_vocab_sizes, min_ngrams, token_counts)
@@ -133,7 +135,8 @@ def run_sweep(model, prompts: list[list[int]], exit_layers: list[int], ks: list[
                "identical_to_plain": outputs[setting] == outputs[PLAIN]}
         if setting.drafter == "early_exit":
             cost = per_exit[str(setting.exit_layer)][str(setting.vocab)]["draft_cost"]
-            row["predicted_speedup"] = speedup_simple(setting.k, alpha, cost)
+            row["predicted_speedup"] = (speedup_simple(setting.k, alpha, cost) if isinstance(setting.k, int)
+                                        else predicted_speedup(run_costs["stats"].k_rounds, alpha, cost))
         grid.append(row)
     lossless = [row for row in grid if row["identical_to_plain"]]
     best = max(lossless, key=lambda row: row["speedup"]) if lossless else None
@@ -166,7 +169,7 @@ def _describe(row: dict) -> str:
 
 def to_markdown(report: dict) -> str:
     early = [r for r in report["grid"] if r["drafter"] == "early_exit"]
-    ks = sorted({row["num_speculations"] for row in early})
+    ks = sorted({row["num_speculations"] for row in early}, key=_k_order)
     vocabs = sorted({row["vocab"] for row in early})
     lines = [f"# Drafter sweep: measured speedup over plain decoding ({report['num_layers']} layers)", "",
              f"{report['num_prompts']} prompts, batch 1, {report['max_new_tokens']} new tokens, greedy, "
@@ -224,9 +227,10 @@ def plot(report: dict, path: str | Path) -> Path:
                     k = r["num_speculations"]
                     if k not in best_per_k or r["speedup"] > best_per_k[k]["speedup"]:
                         best_per_k[k] = r
-            rows = [best_per_k[k] for k in sorted(best_per_k)]
+            rows = [best_per_k[k] for k in sorted(best_per_k, key=_k_order)]
             if not rows:
                 continue
+            rows = [r for r in rows if isinstance(r["num_speculations"], int)]  # adaptive k: in the tables only
             ks = [r["num_speculations"] for r in rows]
             ax.plot(ks, [r["speedup"] for r in rows], style, color=colour, label=f"{drafter}, E = {exit_layer}")
             if drafter == "early_exit":
@@ -235,7 +239,8 @@ def plot(report: dict, path: str | Path) -> Path:
         if r["drafter"] == "ngram":
             ax.axhline(r["speedup"], color="black", linestyle="-.", linewidth=0.8)
     ax.axhline(1.0, color="grey", linewidth=0.8)
-    ax.set_xticks(sorted({r["num_speculations"] for r in report["grid"] if r["drafter"] != "ngram"}) or [0])
+    ax.set_xticks(sorted({r["num_speculations"] for r in report["grid"]
+                          if r["drafter"] != "ngram" and isinstance(r["num_speculations"], int)}) or [0])
     ax.set_xlabel("k (early-exit draft length)")
     ax.set_ylabel("speedup over plain decoding")
     ax.set_title("measured (solid, dotted), cost model (dashed), n-gram only (dash-dot)", fontsize="small")
@@ -249,7 +254,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="directory loadable with AutoModelForCausalLM")
     parser.add_argument("--exit-layers", default=None,
                         help="E values: a list '2,4,6', a slice '2:10:2' or 'all' (default: all, 1..N-1)")
-    parser.add_argument("--ks", default="1,2,3,4,6,8", help="early-exit draft lengths k, e.g. '1,2,4,8'")
+    parser.add_argument("--ks", default="1,2,3,4,6,8",
+                        help="early-exit draft lengths k, e.g. '1,2,4,8,auto' (auto: the cost model per round)")
     parser.add_argument("--drafters", default="early_exit",
                         help="comma list of " + ", ".join(DRAFTERS) + " (default: early_exit)")
     parser.add_argument("--min-ngrams", default="2",
@@ -271,6 +277,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"record the fastest setting in the checkpoint's {META_FILE}")
 
 
+def _k_order(k):
+    return (0, k, "") if isinstance(k, int) else (1, 0, k)
+
+
+def _k_list(value: str) -> list:
+    """--ks: ints and the adaptive controllers' names."""
+    try:
+        return sorted({v.strip() if v.strip() in ADAPTIVE else int(v) for v in value.split(",")}, key=_k_order)
+    except ValueError:
+        raise ValueError(f"--ks must be a comma list of ints or {'/'.join(ADAPTIVE)} such as '1,2,4,auto', "
+                         f"got {value!r}") from None
+
+
 def _int_list(value: str, flag: str) -> list[int]:
     try:
         return sorted({int(v) for v in value.split(",")})
@@ -282,7 +301,7 @@ def run(args: argparse.Namespace) -> dict:
     """Run the sweep that `args` (from `add_arguments`) describes; prints and writes the report."""
     if args.repeats < 1 or args.max_new_tokens < 1 or args.num_prompts < 1:
         raise ValueError("--repeats, --max-new-tokens and --num-prompts must be >= 1")
-    ks = _int_list(args.ks, "--ks")
+    ks = _k_list(args.ks)
     min_ngrams = _int_list(args.min_ngrams, "--min-ngrams")
     vocabs = _int_list(args.draft_vocab_sizes, "--draft-vocab-sizes")
     drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
