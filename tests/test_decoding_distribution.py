@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from test_decoding_sampling import P_MIN, chi_square_p
-from tiny_models import tiny_model
+from tiny_models import sharp_llama
 
 from selfspec.decoding import SamplingParams, SelfSpecGenerator, sampling
 
@@ -27,10 +27,7 @@ SETTINGS = {  # name -> (temperature, top_k, top_p, num_speculations)
 
 @pytest.fixture(scope="module")
 def model():
-    model = tiny_model("llama", vocab_size=64, seed=3)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(20)
-    return model
+    return sharp_llama()
 
 
 def exact_distributions(model, params: SamplingParams):

@@ -5,7 +5,7 @@ import pytest
 import torch
 from test_decoding_sampling import P_MIN, chi_square_p
 from test_decoding_speculative import low_alpha_model, reference_greedy
-from tiny_models import FAMILIES, tiny_model
+from tiny_models import FAMILIES, sharp_llama, tiny_model
 
 from selfspec.decoding import SelfSpecGenerator, sampling
 from selfspec.decoding.controller import FixedK
@@ -238,10 +238,7 @@ RUNS = 20_000
 
 @pytest.fixture(scope="module")
 def sharp_model():
-    model = tiny_model("llama", vocab_size=64, seed=3)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(20)
-    return model
+    return sharp_llama()
 
 
 @pytest.fixture(scope="module")

@@ -56,3 +56,11 @@ def tiny_model(family: str, num_layers: int = 4, vocab_size: int = 96, seed: int
     cfg._attn_implementation = attn_implementation
     model = _CLASSES[family](cfg).float().eval()
     return model
+
+
+def sharp_llama(vocab_size: int = 64, seed: int = 3):
+    """A tiny Llama whose LM head is scaled ×20: distributions far from uniform, for sampling tests."""
+    model = tiny_model("llama", vocab_size=vocab_size, seed=seed)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)
+    return model

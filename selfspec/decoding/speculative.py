@@ -246,9 +246,13 @@ class SelfSpecGenerator:
         start = clock.mark()
         # Tokens that have no exit hidden state yet (the pending token, copied drafts) go through
         # the blocks in parallel passes; early-exit drafts keep the hidden state of their own step.
-        copied = torch.as_tensor(plan.copied, device=b.pending.device)  # (B, m)
+        first = b.pending[:, None]  # (B, 1)
+        copied = first[:, 1:]  # (B, 0)
+        if m:
+            copied = torch.as_tensor(plan.copied, device=first.device)  # (B, m)
+            first = torch.cat([first, copied], 1)  # (B, m+1)
         place = self._place(b, 0, m + 1)
-        hidden = view.embed(torch.cat([b.pending[:, None], copied], 1), place["positions"])  # (B, m+1, D)
+        hidden = view.embed(first, place["positions"])  # (B, m+1, D)
         segments = [Segment("copy", 0, m)] if m else []
         drafts, q = [copied], [("copy", copied)]  # in draft order; q: how each part was drafted
         if not extend:  # plain decoding (m = 0) or a pure copy: all blocks at once, nothing to draft
@@ -268,6 +272,8 @@ class SelfSpecGenerator:
                 q.append(("early_exit", logits))
                 suffix = None
                 if policy.copies_after_early_exit and k + 1 < cap:
+                    # the policy reads the drafts on the host: one small device read per draft step,
+                    # only for drafters that copy
                     suffix = policy.copy_after(b.rows, torch.stack(early, 1).cpu().numpy())[:, :cap - k - 1]
                 if i == extend - 1 or (suffix is not None and suffix.size):
                     drafted = clock.mark()
