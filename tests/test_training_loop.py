@@ -227,3 +227,58 @@ def test_cpu_threads_under_accelerate_launch_use_the_cores_and_an_explicit_count
         assert torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.slow
+def test_two_process_ddp_matches_one_process_at_the_same_global_batch_and_resumes_on_one(tiny_run, tmp_path):
+    """2 gloo processes × 2 blocks == 1 process × 4 blocks, with per-batch layer dropout and exit losses.
+
+    Same data order (the seedable sampler's permutation, dealt out batch by batch), the same layer
+    dropout draws (each process's generator is seeded alike), the same exit-loss positions (all of
+    them: token_fraction 1). Tolerance: training and validation losses within rel 1e-5, final weights
+    within atol 1e-5 (float sums in another order, through 4 AdamW steps). The 2-process run's state at
+    step 2 then resumes on one process and ends where the 1-process run ended.
+    """
+    common = [f"model.name_or_path={tiny_run['model']}", f"data.source={tiny_run['corpus']}", "data.block_size=32",
+              "data.max_eval_blocks=4", "optim.max_steps=4", "optim.warmup_steps=1", "early_exit.layers=2:4",
+              "early_exit.token_fraction=1.0", "layer_dropout.p_max=0.3", "layer_dropout.per_sample=false",
+              "exit_layer=2", "eval_every=1", "save_every=2", "log_with=[jsonl]"]
+    recipe = REPO / "configs" / "demo_finetune.yaml"  # both runs: this recipe with the overrides above
+    common.append(f"data.cache_dir={tmp_path}/cache")
+    single = tmp_path / "single"
+    train(load_config(recipe, [*common, "optim.batch_size=4", f"output_dir={single}"]), progress=False)
+    ddp = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           str(REPO / "train" / "finetune.py"), "--config", str(recipe), *common, "optim.batch_size=2",
+           f"output_dir={ddp}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    def curve(run):
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        return {(r["step"], key): r[key] for r in rows for key in ("loss", "val/loss", "val/loss@2") if key in r}
+
+    one, two = curve(single), curve(ddp)
+    assert set(one) == set(two) and {k for k in one if k[1] == "loss"} == {(s, "loss") for s in (1, 2, 3, 4)}
+    for key in one:
+        assert two[key] == pytest.approx(one[key], rel=1e-5), key
+
+    def weights(model_dir):
+        return AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+
+    reference = weights(single / "model")
+    start = weights(tiny_run["model"])
+    assert max(float((reference[n] - start[n]).abs().max()) for n in reference) > 100 * 1e-5  # it trained
+    for name, value in weights(ddp / "model").items():
+        torch.testing.assert_close(value, reference[name], rtol=0, atol=1e-5, msg=name)
+
+    # The 2-process state at step 2, resumed by one process with the same global batch.
+    resumed = tmp_path / "resumed"
+    shutil.copytree(ddp, resumed)
+    shutil.rmtree(resumed / "model")
+    (resumed / "metrics.jsonl").write_text("")
+    train(load_config(recipe, [*common, "optim.batch_size=4", f"output_dir={resumed}"]), resume=True,
+          progress=False)
+    assert {k for k in curve(resumed) if k[1] == "loss"} == {(3, "loss"), (4, "loss")}
+    for name, value in weights(resumed / "model").items():
+        torch.testing.assert_close(value, reference[name], rtol=0, atol=1e-5, msg=name)

@@ -295,7 +295,11 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True, kind: str
                 optimizer.zero_grad(set_to_none=True)
             for key, value in out.items():
                 sums[key] = sums.get(key, 0.0) + value.detach() / cfg.optim.grad_accum
-        values = torch.stack([torch.as_tensor(v, dtype=torch.float32) for v in sums.values()]).tolist()
+        # Logged values are means over all processes (one small all-reduce a step): under DDP the
+        # curve is the global batch's, the same as one process with that batch.
+        values = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=accelerator.device)
+                              for v in sums.values()])
+        values = accelerator.reduce(values, reduction="mean").tolist()
         logs = dict(zip(sums, values))
         step += 1
         logs["lr"] = scheduler.get_last_lr()[0]
