@@ -282,3 +282,52 @@ def test_two_process_ddp_matches_one_process_at_the_same_global_batch_and_resume
     assert {k for k in curve(resumed) if k[1] == "loss"} == {(3, "loss"), (4, "loss")}
     for name, value in weights(resumed / "model").items():
         torch.testing.assert_close(value, reference[name], rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_a_run_killed_anywhere_resumes_to_the_same_weights_bit_for_bit(tiny_run, tmp_path):
+    """SIGKILL mid-step, during a state save (files written, pointer not yet) and right after one; each
+    run resumed with --resume ends with weights bitwise equal to an uninterrupted run's. A half-written
+    state is never taken for a complete one, and a finished run's directory is not overwritten."""
+    import os
+
+    from safetensors.torch import load_file
+
+    from selfspec.training.loop import FAULT_ENV, latest_state
+
+    def run(out, *flags, fault=None):
+        env = {**os.environ, FAULT_ENV: fault} if fault else {k: v for k, v in os.environ.items() if k != FAULT_ENV}
+        cmd = [sys.executable, str(REPO / "train" / "finetune.py"), "--config", str(REPO / "configs" / "demo_finetune.yaml"),
+               f"model.name_or_path={tiny_run['model']}", f"data.source={tiny_run['corpus']}", "data.block_size=32",
+               f"data.cache_dir={tmp_path}/cache", "data.max_eval_blocks=4", "optim.batch_size=4", "optim.max_steps=6",
+               "optim.warmup_steps=1", "early_exit.layers=2:4", "exit_layer=2", "layer_dropout.p_max=0.3",
+               "eval_every=0", "save_every=2", "log_with=[jsonl]", f"output_dir={out}", *flags]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
+
+    reference = tmp_path / "reference"
+    assert run(reference).returncode == 0
+    weights = load_file(reference / "model" / "model.safetensors")
+
+    for fault, restart_step in (("mid_step:3", 2), ("saving:4", 2), ("saved:4", 4)):
+        out = tmp_path / fault.replace(":", "-")
+        killed = run(out, fault=fault)
+        assert killed.returncode == -9, killed.stderr[-2000:]  # SIGKILL
+        assert not (out / "model").exists()
+        saved = latest_state(out / "state")
+        assert saved is not None and json.loads((saved / "progress.json").read_text())["step"] == restart_step
+        if fault.startswith("saving"):  # the new state's files are all there, yet it is not the latest
+            assert (out / "state" / "step-00000004" / "progress.json").is_file()
+        resumed = run(out, "--resume")
+        assert resumed.returncode == 0, resumed.stderr[-2000:]
+        assert losses(out).keys() >= set(range(restart_step + 1, 7))
+        again = load_file(out / "model" / "model.safetensors")
+        assert again.keys() == weights.keys()
+        for name in weights:
+            assert torch.equal(again[name], weights[name]), (fault, name)
+
+    # a finished run is not overwritten by a fresh one: one error line, exit status 1, nothing changed
+    before = (reference / "model" / "model.safetensors").read_bytes()
+    again = run(reference)
+    assert again.returncode == 1 and "holds a previous run" in again.stderr and "--resume" in again.stderr
+    assert (reference / "model" / "model.safetensors").read_bytes() == before
+    assert run(reference, "--force").returncode == 0  # unless asked to

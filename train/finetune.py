@@ -23,7 +23,7 @@ from selfspec.training.recipe import parse_recipe_args
 def main() -> None:
     cfg, args = parse_recipe_args("Self-speculative fine-tune.", "configs/demo_finetune.yaml")
     try:
-        result = train(cfg, resume=args.resume, kind="tuned")
+        result = train(cfg, resume=args.resume, kind="tuned", overwrite=args.force)
     except (ValueError, ModelLoadError) as exc:
         sys.exit(f"error: {exc}")
     metrics, exit_layer = result.final_metrics, read_meta(result.model_dir)["exit_layer"]

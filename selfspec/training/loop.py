@@ -11,12 +11,14 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataParallelKwargs
+from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataParallelKwargs, PartialState
 from accelerate.tracking import GeneralTracker
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
@@ -25,7 +27,7 @@ from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from .. import data as data_lib
 from ..agreement import exit_layer_metrics
-from ..checkpoint import CheckpointError, read_meta, save_tuned, write_json_atomic
+from ..checkpoint import CheckpointError, read_meta, save_tuned, write_json_atomic, write_text_atomic
 from ..config import RunConfig, default_exit_layer, parse_layers, to_dict
 from ..cpu import keep_freed_memory
 from ..model import DecoderView
@@ -34,7 +36,9 @@ from .early_exit import ExitCurriculum
 from .layer_dropout import LayerDropout
 from .objective import SelfSpecObjective
 
-STATE_DIR = "state"  # accelerate save_state directory inside output_dir
+STATE_DIR = "state"  # inside output_dir: one accelerate save_state per step-N folder, and LATEST
+LATEST = "latest"  # inside STATE_DIR: the name of the newest complete state (written last, atomically)
+FAULT_ENV = "SELFSPEC_FAULT"  # test hook: "point:step" kills the process there (see `_fault_point`)
 FINAL_DIR = "model"  # the saved model inside output_dir
 
 
@@ -180,9 +184,16 @@ def build_objective(model, cfg: RunConfig, num_layers: int, exit_layer: int) -> 
                              seed=cfg.seed, final_weight=ee.final_weight)
 
 
-def train(cfg: RunConfig, resume: bool = False, progress: bool = True, kind: str = "tuned") -> TrainResult:
-    """Run one training job described by `cfg`; returns where the saved model is and its metrics."""
+def train(cfg: RunConfig, resume: bool = False, progress: bool = True, kind: str = "tuned",
+          overwrite: bool = False) -> TrainResult:
+    """Run one training job described by `cfg`; returns where the saved model is and its metrics.
+
+    resume: continue from the newest complete state in `<output_dir>/state`. Without it, an
+    output_dir that holds a previous run is refused unless `overwrite` (whose old logs and states
+    are then removed first), so a run is never silently mixed into another's.
+    """
     output_dir = Path(cfg.output_dir)
+    _claim_output_dir(output_dir, resume, overwrite)
     plugin_kwargs = []
     if cfg.layer_dropout.p_max > 0 and not cfg.layer_dropout.per_sample:
         # A block skipped for the whole batch leaves its parameters without gradient on that step;
@@ -244,11 +255,11 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True, kind: str
     step = 0
     state_dir = output_dir / STATE_DIR
     if resume:
-        progress_file = state_dir / "progress.json"
-        if not progress_file.is_file():
+        saved = latest_state(state_dir)
+        if saved is None:
             raise ValueError(f"--resume: no saved state in {state_dir}; run without --resume to start fresh")
-        accelerator.load_state(str(state_dir))
-        step = json.loads(progress_file.read_text())["step"]
+        accelerator.load_state(str(saved))
+        step = json.loads((saved / "progress.json").read_text())["step"]
 
     # -- loop ---------------------------------------------------------------------------------------------
     batches_per_epoch = len(loader)
@@ -288,6 +299,7 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True, kind: str
             with accelerator.accumulate(objective):
                 out = objective(input_ids, step=step)
                 accelerator.backward(out["loss"])
+                _fault_point("mid_step", step + 1)
                 if accelerator.sync_gradients and cfg.optim.grad_clip > 0:
                     sums["grad_norm"] = accelerator.clip_grad_norm_(trainable, cfg.optim.grad_clip).detach()
                 optimizer.step()
@@ -367,7 +379,8 @@ def train_or_reuse(cfg: RunConfig, kind: str = "tuned", force: bool = False, res
                 return model_dir, True
         except CheckpointError:
             pass
-    return train(cfg, resume=resume, progress=progress, kind=kind).model_dir, False
+    # this function owns output_dir by its config: a different config (or force) retrains over it
+    return train(cfg, resume=resume, progress=progress, kind=kind, overwrite=True).model_dir, False
 
 
 def objective_inner(objective) -> SelfSpecObjective:
@@ -376,10 +389,57 @@ def objective_inner(objective) -> SelfSpecObjective:
 
 
 def save_state(accelerator: Accelerator, state_dir: Path, step: int) -> None:
-    """accelerate save_state plus the step counter (written last: a state without it is incomplete)."""
-    accelerator.save_state(str(state_dir))
+    """accelerate save_state into `state/step-N`, its step counter, then the pointer `state/latest`.
+
+    The pointer is written last and atomically, and older states are removed only after it, so a
+    process killed at any moment leaves `latest` naming a complete state: the previous one while a
+    save is under way, a half-written folder never.
+    """
+    target = state_dir / f"step-{step:08d}"
+    if accelerator.is_main_process and target.exists():  # left half-written by a killed run
+        shutil.rmtree(target)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(target))
+    accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        write_json_atomic(state_dir / "progress.json", {"step": step})
+        write_json_atomic(target / "progress.json", {"step": step})
+        _fault_point("saving", step)
+        write_text_atomic(state_dir / LATEST, target.name + "\n")
+        _fault_point("saved", step)
+        for old in state_dir.glob("step-*"):
+            if old != target:
+                shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+
+
+def latest_state(state_dir: Path) -> Path | None:
+    """The newest complete state in `state_dir` (what `latest` names, if it holds its step), or None."""
+    pointer = state_dir / LATEST
+    if not pointer.is_file():
+        return None
+    target = state_dir / pointer.read_text().strip()
+    return target if (target / "progress.json").is_file() else None
+
+
+def _claim_output_dir(output_dir: Path, resume: bool, overwrite: bool) -> None:
+    """Refuse to start a fresh run over a previous one (unless `overwrite`, which clears its logs and states)."""
+    previous = [p for p in (output_dir / FINAL_DIR, output_dir / STATE_DIR, output_dir / "metrics.jsonl") if p.exists()]
+    if resume or not previous:
+        return
+    if not overwrite:
+        raise ValueError(f"{output_dir} holds a previous run ({', '.join(p.name for p in previous)}); pass --resume "
+                         f"to continue it, --force to replace it, or choose another output_dir")
+    if PartialState().is_main_process:
+        for path in previous:
+            if path.name != FINAL_DIR:  # the model is replaced atomically at the end, never deleted first
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+    PartialState().wait_for_everyone()
+
+
+def _fault_point(point: str, step: int) -> None:
+    """Fault injection for the kill-anywhere tests: SELFSPEC_FAULT=point:step SIGKILLs the process here."""
+    if os.environ.get(FAULT_ENV) == f"{point}:{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def evaluate(accelerator, objective, val_blocks, exit_layers, exit_layer, cfg) -> dict:

@@ -19,7 +19,9 @@ def parse_recipe_args(description: str, default_config: str, argv: list[str] | N
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--config", default=default_config, help=f"YAML run config (default {default_config})")
     parser.add_argument("--resume", action="store_true", help="continue from the last save_state in output_dir")
-    parser.add_argument("--force", action="store_true", help="train even if a matching model already exists")
+    parser.add_argument("--force", action="store_true",
+                        help="replace a previous run in output_dir (pretrain.py: retrain even if a model trained "
+                             "with this config is there)")
     parser.add_argument("overrides", nargs="*", help="field overrides such as optim.max_steps=100")
     args = parser.parse_args(argv)
     try:
