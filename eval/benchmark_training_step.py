@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from selfspec.checkpoint import write_json_atomic
 from selfspec.config import ConfigError, load_config
 from selfspec.evaluation.train_cost import peak_memory_in_this_process, peak_memory_subprocess, time_variants
+from selfspec.files import write_json_atomic
 from selfspec.model.loading import load_causal_lm
 
 

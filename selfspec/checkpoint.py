@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
+from .files import atomic_directory, write_json_atomic
 from .model import num_layers as count_layers
 
 META_FILE = "selfspec.json"
@@ -38,27 +37,6 @@ FORMAT_VERSION = 1
 
 class CheckpointError(ValueError):
     """A directory that is not a usable selfspec checkpoint; the message says why and what to do."""
-
-
-def write_text_atomic(path: str | Path, text: str) -> Path:
-    """Write text via a temp file + rename, so readers never see half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp's 0600 would stay on the final file
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
-
-
-def write_json_atomic(path: str | Path, data: Any) -> Path:
-    """Write JSON atomically (see `write_text_atomic`)."""
-    return write_text_atomic(path, json.dumps(data, indent=2, default=str) + "\n")
 
 
 def save_tuned(path: str | Path, model, tokenizer=None, *, exit_layer: int, num_speculations: int = 4,
@@ -81,10 +59,7 @@ def save_tuned(path: str | Path, model, tokenizer=None, *, exit_layer: int, num_
         raise CheckpointError(f"exit_layer = {exit_layer} is outside 1..{num_layers} for this model")
     if hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.staging-"))
-    staging.chmod(0o755)  # mkdtemp's 0700 would stay on the checkpoint directory
-    try:
+    with atomic_directory(path) as staging:  # written beside `path`, then renamed into place
         model.save_pretrained(staging, safe_serialization=True, state_dict=state_dict)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
@@ -94,16 +69,6 @@ def save_tuned(path: str | Path, model, tokenizer=None, *, exit_layer: int, num_
         if token_counts is not None:
             meta["token_counts"] = _write_token_counts(staging, token_counts, token_counts_source)
         write_json_atomic(staging / META_FILE, meta)
-        if path.exists():
-            old = path.with_name(f".{path.name}.old-{os.getpid()}")
-            os.replace(path, old)
-            os.replace(staging, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(staging, path)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
     return path
 
 

@@ -16,9 +16,10 @@ import json
 import sys
 from pathlib import Path
 
-from .checkpoint import read_meta, write_json_atomic
+from .checkpoint import read_meta
 from .decoding.policy import DRAFTERS
 from .evaluation import benchmark, sweep
+from .files import write_json_atomic
 
 DEFAULT_BASE_CONFIG = "configs/embedded_base.yaml"
 DEFAULT_FINETUNE_CONFIG = "configs/demo_finetune.yaml"

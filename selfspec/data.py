@@ -25,12 +25,9 @@ import logging
 import os
 import platform
 import re
-import shutil
 import sysconfig
-import uuid
 from collections import Counter
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import datasets
@@ -39,6 +36,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
+
+from .files import atomic_directory
 
 logger = logging.getLogger(__name__)
 
@@ -204,7 +203,7 @@ def build_stdlib_corpus(out_dir: str | Path, seed: int = 0, rebuild: bool = Fals
         },
         "skipped": dict(sorted(skipped.items())),
     }
-    with _atomic_directory(out_dir) as tmp_dir:
+    with atomic_directory(out_dir) as tmp_dir:
         corpus.save_to_disk(str(tmp_dir))
         (tmp_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     logger.info("built stdlib corpus in %s: %s", out_dir, meta["splits"])
@@ -279,7 +278,7 @@ def train_tokenizer(
         clean_up_tokenization_spaces=False,
     )
     meta = {"vocab_size_requested": vocab_size, "vocab_size": len(tokenizer), "eos_token": EOS_TOKEN}
-    with _atomic_directory(out_dir) as tmp_dir:
+    with atomic_directory(out_dir) as tmp_dir:
         tokenizer.save_pretrained(str(tmp_dir))
         (tmp_dir / _TOKENIZER_META).write_text(json.dumps(meta, indent=2) + "\n")
     return PreTrainedTokenizerFast.from_pretrained(str(out_dir))
@@ -546,7 +545,7 @@ def pack_dataset(
         if (cached / "state.json").is_file():
             return datasets.load_from_disk(str(cached)).with_format("torch")
         packed = pack_dataset(split, tokenizer, block_size, text_field, num_proc, max_blocks)
-        with _atomic_directory(cached) as tmp_dir:
+        with atomic_directory(cached) as tmp_dir:
             packed.save_to_disk(str(tmp_dir))
         return packed
     if block_size < 1:
@@ -667,40 +666,3 @@ def _fingerprint(
 # --------------------------------------------------------------------------------------------------
 # Atomic directories
 # --------------------------------------------------------------------------------------------------
-
-
-@contextmanager
-def _atomic_directory(final: Path) -> Iterator[Path]:
-    """Yield an empty temp dir beside ``final``; on success it replaces ``final`` by rename.
-
-    The temp dir lives in the same parent so the rename stays on one filesystem (atomic). On any
-    error the temp dir is removed and ``final`` is left as it was.
-    """
-    final.parent.mkdir(parents=True, exist_ok=True)
-    # Not tempfile.mkdtemp: its 0o700 mode would stay on the final dir; mkdir() honours the umask.
-    tmp_dir = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:12]}")
-    tmp_dir.mkdir()
-    try:
-        yield tmp_dir
-        _replace_directory(tmp_dir, final)
-    finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)  # a no-op once renamed into place
-
-
-def _replace_directory(new: Path, final: Path) -> None:
-    """Move ``new`` to ``final``, replacing a previous ``final`` if there is one."""
-    old = None
-    if final.exists():
-        # rename() cannot replace a non-empty directory: move the old one aside first.
-        old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:12]}")
-        final.rename(old)
-    try:
-        new.rename(final)
-    except OSError:
-        if not final.exists():
-            raise
-        # Another process finished the same build first; its result is as good as ours.
-        logger.info("%s was written concurrently; keeping that copy", final)
-    finally:
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)

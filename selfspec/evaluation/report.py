@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..checkpoint import write_json_atomic, write_text_atomic
+from ..files import write_json_atomic, write_text_atomic
 
 
 def write_report(out_dir: str | Path, stem: str, data: dict, markdown: str | None = None) -> list[Path]:

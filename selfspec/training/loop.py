@@ -27,9 +27,10 @@ from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from .. import data as data_lib
 from ..agreement import exit_layer_metrics
-from ..checkpoint import CheckpointError, read_meta, save_tuned, write_json_atomic, write_text_atomic
+from ..checkpoint import CheckpointError, read_meta, save_tuned
 from ..config import RunConfig, default_exit_layer, parse_layers, to_dict
 from ..cpu import keep_freed_memory
+from ..files import write_json_atomic, write_text_atomic
 from ..model import DecoderView
 from ..model.loading import build_llama, load_causal_lm, load_tokenizer
 from .early_exit import ExitCurriculum

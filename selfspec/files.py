@@ -1,0 +1,86 @@
+"""Atomic writes: a reader (or a process killed halfway) never sees half a file or half a directory.
+
+- `write_text_atomic` / `write_json_atomic`: a temp file beside the target, then a rename;
+- `atomic_directory`: build a directory in a temp sibling, then move it into place, replacing the
+  previous one (used for checkpoints, corpora, tokenizers and packed data sets).
+
+Pure standard library; imports nothing from the rest of the project.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    """Write text via a temp file + rename, so readers never see half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would stay on the final file
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def write_json_atomic(path: str | Path, data: Any) -> Path:
+    """Write JSON atomically (see `write_text_atomic`)."""
+    return write_text_atomic(path, json.dumps(data, indent=2, default=str) + "\n")
+
+
+@contextmanager
+def atomic_directory(final: str | Path) -> Iterator[Path]:
+    """Yield an empty temp dir beside ``final``; on success it replaces ``final`` by rename.
+
+    The temp dir lives in the same parent so the rename stays on one filesystem (atomic). On any
+    error the temp dir is removed and ``final`` is left as it was.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    # Not tempfile.mkdtemp: its 0o700 mode would stay on the final dir; mkdir() honours the umask.
+    tmp_dir = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:12]}")
+    tmp_dir.mkdir()
+    try:
+        yield tmp_dir
+        replace_directory(tmp_dir, final)
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)  # a no-op once renamed into place
+
+
+def replace_directory(new: Path, final: Path) -> None:
+    """Move ``new`` to ``final``, replacing a previous ``final`` if there is one.
+
+    A crash between the two renames leaves the previous directory aside as ``.<name>.old-*`` and no
+    ``final``: never a mixture of old and new files.
+    """
+    old = None
+    if final.exists():
+        # rename() cannot replace a non-empty directory: move the old one aside first.
+        old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:12]}")
+        final.rename(old)
+    try:
+        new.rename(final)
+    except OSError:
+        if not final.exists():
+            raise
+        # Another process finished the same build first; its result is as good as ours.
+        logger.info("%s was written concurrently; keeping that copy", final)
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
