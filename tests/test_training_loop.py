@@ -23,6 +23,16 @@ from selfspec.training.objective import SelfSpecObjective
 REPO = Path(__file__).resolve().parents[1]
 
 
+def free_port() -> int:
+    """A TCP port nobody listens on: each 2-process run gets its own rendezvous (a fixed port can still
+    be held by the previous run's socket)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def run_config(tiny_run, out, *extra):
     return load_config(None, [
         f"model.name_or_path={tiny_run['model']}", f"data.source={tiny_run['corpus']}",
@@ -190,6 +200,7 @@ def test_two_step_run_through_accelerate_launch(tiny_run, tmp_path):
         "layer_dropout.p_max=0.2", "exit_layer=2"]
     # --multi_gpu on a machine without GPUs: torchrun starts 2 processes, the loop picks gloo on CPU.
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--main_process_port", str(free_port()),
            str(REPO / "train" / "finetune.py"), "--config", str(REPO / "configs" / "demo_finetune.yaml"),
            *cfg_overrides]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
@@ -249,6 +260,7 @@ def test_two_process_ddp_matches_one_process_at_the_same_global_batch_and_resume
     train(load_config(recipe, [*common, "optim.batch_size=4", f"output_dir={single}"]), progress=False)
     ddp = tmp_path / "ddp"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--main_process_port", str(free_port()),
            str(REPO / "train" / "finetune.py"), "--config", str(recipe), *common, "optim.batch_size=2",
            f"output_dir={ddp}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
