@@ -26,6 +26,26 @@ class ConfigError(ValueError):
     """A user mistake in a config file or override; its message is one line that says how to fix it."""
 
 
+# Allowed values, written once: the schema's fields use these, and the training code reads them
+# back with `choices` to check what it is handed directly (Python API, tests).
+DepthCurve = Literal["uniform", "linear", "exp"]  # layer dropout D(l) over depth
+StepSchedule = Literal["constant", "linear", "exp"]  # layer dropout S(t) over training steps
+ExitLoss = Literal["kl", "ce", "both"]
+ExitScale = Literal["uniform", "linear", "sqrt", "sum_l"]
+Curriculum = Literal["none", "rotational", "gradual"]
+
+
+def choices(literal) -> tuple:
+    """The allowed values of a `Literal` type."""
+    return typing.get_args(literal)
+
+
+def check_choice(name: str, value, literal) -> None:
+    """ValueError naming `name`, the bad value and the allowed ones, unless `value` is one of them."""
+    if value not in choices(literal):
+        raise ValueError(f"{name} must be one of {list(choices(literal))}, got {value!r}")
+
+
 # ---------------------------------------------------------------------------------------------------
 # Schema
 # ---------------------------------------------------------------------------------------------------
@@ -95,9 +115,9 @@ class DataConfig:
 class LayerDropoutConfig:
     p_max: float = 0.0
     """Skip probability of the deepest block at full schedule, in [0, 1); recipes use 0.15-0.25."""
-    depth_curve: Literal["uniform", "linear", "exp"] = "exp"
+    depth_curve: DepthCurve = "exp"
     """D(l): how the rate grows with depth (exp is LayerSkip's e^{l ln2/(N-1)} - 1)."""
-    schedule: Literal["constant", "linear", "exp"] = "constant"
+    schedule: StepSchedule = "constant"
     """S(t): how the rate evolves over training steps."""
     per_sample: bool = False
     """Drop per row (the block still runs; rows are masked) instead of per batch (the block is
@@ -111,18 +131,18 @@ class EarlyExitConfig:
     layers: str | int | list[int] | None = None
     """Candidate exit layers: one layer, a list, a slice "start:stop:step", "2,4,6" or "all"; None disables the
     early-exit losses. Layer l is the output of block l-1 (counted like exit_layer)."""
-    kind: Literal["kl", "ce", "both"] = "kl"
+    kind: ExitLoss = "kl"
     """Loss at each exit: KL to the teacher's distribution, CE to the labels, or their sum."""
     teacher: Literal["self", "frozen"] = "self"
     """self: the detached final layer of the same forward; frozen: the original model run without
     dropout (under LoRA, the base with adapters disabled)."""
     temperature: float = 1.0
     """Distillation temperature for the KL loss."""
-    scale: Literal["uniform", "linear", "sqrt", "sum_l"] = "uniform"
+    scale: ExitScale = "uniform"
     """Relative weight of the candidate layers (normalised over the active ones)."""
     weight: float = 1.0
     """Weight of the early-exit term against the final layer's CE loss."""
-    curriculum: Literal["none", "rotational", "gradual"] = "none"
+    curriculum: Curriculum = "none"
     """Which candidates are active at a step."""
     rotation_period: int = 2
     """R for the rotational curriculum: every R-th candidate is active, rotating each step."""

@@ -18,16 +18,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..agreement import low_precision_to_float
-from ..config import check_layer
-
-WEIGHT_KINDS = ("uniform", "linear", "sqrt", "sum_l")
-CURRICULUM_KINDS = ("none", "rotational", "gradual")
-LOSS_KINDS = ("kl", "ce", "both")
-
-
-def _check_kind(name: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
+from ..config import Curriculum, ExitLoss, ExitScale, check_choice, check_layer
 
 
 def layer_weights(kind: str, layers: Sequence[int], num_layers: int) -> torch.Tensor:
@@ -51,7 +42,7 @@ def layer_weights(kind: str, layers: Sequence[int], num_layers: int) -> torch.Te
     Layers may range over 1..N (N allowed for callers that weight the final layer together).
     An empty ``layers`` gives an empty tensor.
     """
-    _check_kind("early-exit weight kind", kind, WEIGHT_KINDS)
+    check_choice("early-exit weight kind", kind, ExitScale)
     for layer in layers:
         check_layer(layer, num_layers, num_layers)
     ls = torch.tensor(list(layers), dtype=torch.float64)  # (L,)
@@ -85,7 +76,7 @@ class ExitCurriculum:
     """
 
     def __init__(self, kind: str, layers: Sequence[int], total_steps: int, rotation_period: int = 2) -> None:
-        _check_kind("early-exit curriculum", kind, CURRICULUM_KINDS)
+        check_choice("early-exit curriculum", kind, Curriculum)
         if not layers:
             raise ValueError("early-exit curriculum needs at least one candidate layer, got []")
         if kind == "rotational" and rotation_period < 1:
@@ -163,7 +154,7 @@ def _validate_loss_args(
     labels: torch.Tensor | None,
     temperature: float,
 ) -> None:
-    _check_kind("early-exit loss kind", kind, LOSS_KINDS)
+    check_choice("early-exit loss kind", kind, ExitLoss)
     if weights.shape != (len(hiddens),):
         raise ValueError(
             f"weights must have shape ({len(hiddens)},) (one per exit), got {tuple(weights.shape)}"

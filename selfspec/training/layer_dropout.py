@@ -29,13 +29,7 @@ from typing import Any
 
 import torch
 
-DEPTH_KINDS = ("uniform", "linear", "exp")
-STEP_KINDS = ("constant", "linear", "exp")
-
-
-def _check_kind(name: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
+from ..config import DepthCurve, StepSchedule, check_choice
 
 
 def depth_curve(kind: str, num_layers: int) -> torch.Tensor:
@@ -48,7 +42,7 @@ def depth_curve(kind: str, num_layers: int) -> torch.Tensor:
     With a single block (N == 1) every kind gives [1.0]: that block is both first and last, and
     following torchtune's ``get_scale`` a zero-length period means full scale.
     """
-    _check_kind("depth", kind, DEPTH_KINDS)
+    check_choice("depth", kind, DepthCurve)
     if num_layers < 1:
         raise ValueError(f"num_layers must be >= 1, got {num_layers}")
     if kind == "uniform" or num_layers == 1:
@@ -71,7 +65,7 @@ def step_curve(kind: str, step: int, total_steps: int) -> float:
 
     Non-constant kinds need ``total_steps`` > 0.
     """
-    _check_kind("schedule", kind, STEP_KINDS)
+    check_choice("schedule", kind, StepSchedule)
     if kind == "constant":
         return 1.0
     if total_steps <= 0:
