@@ -185,6 +185,46 @@ def build_objective(model, cfg: RunConfig, num_layers: int, exit_layer: int) -> 
                              seed=cfg.seed, final_weight=ee.final_weight)
 
 
+@dataclass
+class _Run:
+    """What one training run holds while it trains (built by `_setup`)."""
+
+    cfg: RunConfig
+    output_dir: Path
+    accelerator: Accelerator
+    objective: torch.nn.Module  # SelfSpecObjective, wrapped by accelerate
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    loader: DataLoader
+    trainable: list
+    tokenizer: object
+    train_blocks: object
+    val_blocks: object
+    exit_layer: int
+    step: int = 0  # optimizer steps done
+    micro: int = 0  # micro-batches consumed (per process)
+
+    @property
+    def tokens(self) -> int:
+        """Training tokens seen so far, over all processes."""
+        return self.micro * self.cfg.optim.batch_size * self.cfg.data.block_size * self.accelerator.num_processes
+
+    def evaluate(self) -> dict:
+        return evaluate(self.accelerator, self.objective, self.val_blocks,
+                        objective_inner(self.objective).exit_layers, self.exit_layer, self.cfg)
+
+    def batches(self):
+        """Training batches (B, T) forever, epoch after epoch, from where `micro` says the run is."""
+        batches_per_epoch = len(self.loader)
+        while True:
+            epoch, offset = divmod(self.micro, batches_per_epoch)
+            self.loader.set_epoch(epoch)
+            epoch_loader = self.accelerator.skip_first_batches(self.loader, offset) if offset else self.loader
+            for batch in epoch_loader:
+                self.micro += 1
+                yield batch["input_ids"]
+
+
 def train(cfg: RunConfig, resume: bool = False, progress: bool = True, kind: str = "tuned",
           overwrite: bool = False) -> TrainResult:
     """Run one training job described by `cfg`; returns where the saved model is and its metrics.
@@ -195,6 +235,38 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True, kind: str
     """
     output_dir = Path(cfg.output_dir)
     _claim_output_dir(output_dir, resume, overwrite)
+    run = _setup(cfg, output_dir)
+    if resume:
+        _resume(run)
+    max_steps = cfg.optim.max_steps
+    bar = tqdm(total=max_steps, initial=run.step, desc="train",
+               disable=not (progress and run.accelerator.is_main_process))
+    window, last_eval = [], {}  # recent losses and the last evaluation, for the progress bar
+    if cfg.eval_every and run.step == 0:  # the curve's origin: the model as it came, on the same split
+        run.accelerator.log({**run.evaluate(), "tokens": 0}, step=0)
+    stream, start_time = run.batches(), time.perf_counter()
+    run.objective.train()
+    while run.step < max_steps:
+        if cfg.optim.max_minutes and time.perf_counter() - start_time > 60 * cfg.optim.max_minutes:
+            run.accelerator.print(f"stopping at step {run.step}: optim.max_minutes = {cfg.optim.max_minutes} reached")
+            break
+        logs = _train_step(run, stream)
+        if cfg.eval_every and run.step % cfg.eval_every == 0 and run.step < max_steps:
+            last_eval = run.evaluate()
+            logs.update(last_eval)
+            run.objective.train()
+        run.accelerator.log(logs, step=run.step)
+        window = (window + [logs["loss"]])[-20:]
+        bar.set_postfix(_progress_postfix(window, last_eval, run.exit_layer))
+        bar.update(1)
+        if cfg.save_every and run.step % cfg.save_every == 0 and run.step < max_steps:
+            save_state(run.accelerator, output_dir / STATE_DIR, run.step)
+    bar.close()
+    return _finish(run, kind, seconds=time.perf_counter() - start_time)
+
+
+def _setup(cfg: RunConfig, output_dir: Path) -> _Run:
+    """Accelerator, data, model, objective, optimizer and schedule, prepared for this run."""
     plugin_kwargs = []
     if cfg.layer_dropout.p_max > 0 and not cfg.layer_dropout.per_sample:
         # A block skipped for the whole batch leaves its parameters without gradient on that step;
@@ -210,7 +282,6 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True, kind: str
         _set_cpu_threads(cfg.cpu_threads, int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes)))
         keep_freed_memory()
 
-    # -- data and model ------------------------------------------------------------------------------
     with accelerator.main_process_first():
         corpus = data_lib.load_text_corpus(cfg.data.source, cfg.data.text_field, cache_dir=cfg.data.cache_dir,
                                            seed=cfg.seed)
@@ -251,95 +322,66 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True, kind: str
     if objective_inner(objective).layer_dropout is not None:
         accelerator.register_for_checkpointing(objective_inner(objective).layer_dropout)
     accelerator.init_trackers("selfspec", config=_flat(to_dict(cfg)))
-
-    # -- resume -----------------------------------------------------------------------------------------
-    step = 0
-    state_dir = output_dir / STATE_DIR
-    if resume:
-        saved = latest_state(state_dir)
-        if saved is None:
-            raise ValueError(f"--resume: no saved state in {state_dir}; run without --resume to start fresh")
-        accelerator.load_state(str(saved))
-        step = json.loads((saved / "progress.json").read_text())["step"]
-
-    # -- loop ---------------------------------------------------------------------------------------------
     batches_per_epoch = len(loader)
     if batches_per_epoch == 0:
         raise ValueError(f"the training split has fewer than optim.batch_size = {cfg.optim.batch_size} blocks; "
                          f"lower optim.batch_size or data.block_size")
-    micro = step * cfg.optim.grad_accum  # micro-batches already consumed
-    tokens_per_micro = cfg.optim.batch_size * cfg.data.block_size * accelerator.num_processes
-    start_time = time.perf_counter()
-    bar = tqdm(total=cfg.optim.max_steps, initial=step, desc="train", disable=not (progress and
-                                                                                 accelerator.is_main_process))
-    window = []  # recent losses for the progress bar
-    last_eval: dict = {}
+    return _Run(cfg, output_dir, accelerator, objective, optimizer, scheduler, loader, trainable, tokenizer,
+                train_blocks, val_blocks, exit_layer)
 
-    def batches():
-        nonlocal micro
-        while True:
-            epoch, offset = divmod(micro, batches_per_epoch)
-            loader.set_epoch(epoch)
-            epoch_loader = accelerator.skip_first_batches(loader, offset) if offset else loader
-            for batch in epoch_loader:
-                micro += 1
-                yield batch["input_ids"]
 
-    stream = batches()
-    if cfg.eval_every and step == 0:  # the curve's origin: the model as it came, on the same split
-        accelerator.log({**evaluate(accelerator, objective, val_blocks, objective_inner(objective).exit_layers,
-                                    exit_layer, cfg), "tokens": 0}, step=0)
-    objective.train()
-    while step < cfg.optim.max_steps:
-        if cfg.optim.max_minutes and time.perf_counter() - start_time > 60 * cfg.optim.max_minutes:
-            accelerator.print(f"stopping at step {step}: optim.max_minutes = {cfg.optim.max_minutes} reached")
-            break
-        sums = {}  # device tensors: read back once per step, not once per micro-batch and key
-        for _ in range(cfg.optim.grad_accum):
-            input_ids = next(stream)
-            with accelerator.accumulate(objective):
-                out = objective(input_ids, step=step)
-                accelerator.backward(out["loss"])
-                _fault_point("mid_step", step + 1)
-                if accelerator.sync_gradients and cfg.optim.grad_clip > 0:
-                    sums["grad_norm"] = accelerator.clip_grad_norm_(trainable, cfg.optim.grad_clip).detach()
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-            for key, value in out.items():
-                sums[key] = sums.get(key, 0.0) + value.detach() / cfg.optim.grad_accum
-        # Logged values are means over all processes (one small all-reduce a step): under DDP the
-        # curve is the global batch's, the same as one process with that batch.
-        values = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=accelerator.device)
-                              for v in sums.values()])
-        values = accelerator.reduce(values, reduction="mean").tolist()
-        logs = dict(zip(sums, values))
-        step += 1
-        logs["lr"] = scheduler.get_last_lr()[0]
-        logs["tokens"] = micro * tokens_per_micro
-        window = (window + [logs["loss"]])[-20:]
+def _resume(run: _Run) -> None:
+    """Load the newest complete state; the step and the data position continue from it."""
+    state_dir = run.output_dir / STATE_DIR
+    saved = latest_state(state_dir)
+    if saved is None:
+        raise ValueError(f"--resume: no saved state in {state_dir}; run without --resume to start fresh")
+    run.accelerator.load_state(str(saved))
+    run.step = json.loads((saved / "progress.json").read_text())["step"]
+    run.micro = run.step * run.cfg.optim.grad_accum  # micro-batches already consumed
 
-        if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.optim.max_steps:
-            last_eval = evaluate(accelerator, objective, val_blocks, objective_inner(objective).exit_layers,
-                                 exit_layer, cfg)
-            logs.update(last_eval)
-            objective.train()
-        accelerator.log(logs, step=step)
-        postfix = {"loss": f"{sum(window) / len(window):.3f}"}
-        if f"val/top1_agreement@{exit_layer}" in last_eval:
-            postfix[f"agree@{exit_layer}"] = f"{last_eval[f'val/top1_agreement@{exit_layer}']:.3f}"
-        bar.set_postfix(postfix)
-        bar.update(1)
 
-        if cfg.save_every and step % cfg.save_every == 0 and step < cfg.optim.max_steps:
-            save_state(accelerator, state_dir, step)
-    bar.close()
-    seconds = time.perf_counter() - start_time
+def _train_step(run: _Run, stream) -> dict:
+    """One optimizer step over `grad_accum` micro-batches; its logged values (means over processes)."""
+    cfg, accelerator = run.cfg, run.accelerator
+    sums = {}  # device tensors: read back once per step, not once per micro-batch and key
+    for _ in range(cfg.optim.grad_accum):
+        input_ids = next(stream)
+        with accelerator.accumulate(run.objective):
+            out = run.objective(input_ids, step=run.step)
+            accelerator.backward(out["loss"])
+            _fault_point("mid_step", run.step + 1)
+            if accelerator.sync_gradients and cfg.optim.grad_clip > 0:
+                sums["grad_norm"] = accelerator.clip_grad_norm_(run.trainable, cfg.optim.grad_clip).detach()
+            run.optimizer.step()
+            run.scheduler.step()
+            run.optimizer.zero_grad(set_to_none=True)
+        for key, value in out.items():
+            sums[key] = sums.get(key, 0.0) + value.detach() / cfg.optim.grad_accum
+    # Logged values are means over all processes (one small all-reduce a step): under DDP the
+    # curve is the global batch's, the same as one process with that batch.
+    values = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=accelerator.device) for v in sums.values()])
+    logs = dict(zip(sums, accelerator.reduce(values, reduction="mean").tolist()))
+    run.step += 1
+    logs["lr"] = run.scheduler.get_last_lr()[0]
+    logs["tokens"] = run.tokens
+    return logs
 
-    # -- final evaluation and save ----------------------------------------------------------------------
-    final = evaluate(accelerator, objective, val_blocks, objective_inner(objective).exit_layers, exit_layer, cfg)
-    accelerator.log({**final, "tokens": micro * tokens_per_micro}, step=step)
-    model_dir = output_dir / FINAL_DIR
+
+def _progress_postfix(window: list[float], last_eval: dict, exit_layer: int) -> dict:
+    postfix = {"loss": f"{sum(window) / len(window):.3f}"}
+    key = f"val/top1_agreement@{exit_layer}"
+    if key in last_eval:
+        postfix[f"agree@{exit_layer}"] = f"{last_eval[key]:.3f}"
+    return postfix
+
+
+def _finish(run: _Run, kind: str, seconds: float) -> TrainResult:
+    """Final evaluation, then the model, tokenizer, token counts and selfspec.json into `<output_dir>/model`."""
+    cfg, accelerator, objective = run.cfg, run.accelerator, run.objective
+    final = run.evaluate()
+    accelerator.log({**final, "tokens": run.tokens}, step=run.step)
+    model_dir = run.output_dir / FINAL_DIR
     accelerator.wait_for_everyone()
     state_dict = None
     if not cfg.lora.enabled:
@@ -352,17 +394,17 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True, kind: str
     if accelerator.is_main_process:
         inner = accelerator.unwrap_model(objective).model
         # Token frequencies of the training data: the ranking of a trimmed draft head (draft_head.py).
-        token_counts = data_lib.count_tokens(train_blocks, inner.get_output_embeddings().weight.shape[0])
-        save_tuned(model_dir, inner, tokenizer, state_dict=state_dict, exit_layer=exit_layer,
+        token_counts = data_lib.count_tokens(run.train_blocks, inner.get_output_embeddings().weight.shape[0])
+        save_tuned(model_dir, inner, run.tokenizer, state_dict=state_dict, exit_layer=run.exit_layer,
                    token_counts=token_counts, token_counts_source=f"training data ({cfg.data.source}, train split)",
                    num_speculations=cfg.num_speculations,
                    base_model=None if cfg.model.from_scratch else cfg.model.name_or_path, training=to_dict(cfg),
-                   metrics={**final, "steps": step, "tokens_seen": micro * tokens_per_micro,
+                   metrics={**final, "steps": run.step, "tokens_seen": run.tokens,
                             "train_seconds": round(seconds, 1), "processes": accelerator.num_processes,
                             "parameters": sum(p.numel() for p in inner.parameters())},
                    kind=kind)
     accelerator.end_training()
-    return TrainResult(output_dir, model_dir, step, micro * tokens_per_micro, seconds, final)
+    return TrainResult(run.output_dir, model_dir, run.step, run.tokens, seconds, final)
 
 
 def train_or_reuse(cfg: RunConfig, kind: str = "tuned", force: bool = False, resume: bool = False,
