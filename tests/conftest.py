@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import tiny_model
+from helpers import tiny_model
 
 from selfspec.data import train_tokenizer
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from tiny_models import tiny_model
+from helpers import tiny_model
 from transformers import AutoModelForCausalLM
 
 from selfspec.checkpoint import (

@@ -7,7 +7,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-from tiny_models import tiny_model
+from helpers import tiny_model
 
 from selfspec.evaluation.benchmark import METHODS, run_benchmark, to_markdown, write_report
 

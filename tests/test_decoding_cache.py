@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import torch
-from tiny_models import FAMILIES, tiny_model
+from helpers import FAMILIES, tiny_model
 
 from selfspec.decoding import CacheLengthError, KVCache
 from selfspec.model import DecoderView

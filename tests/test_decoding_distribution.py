@@ -11,8 +11,7 @@ sampler fails with probability 0.001 per test; the seeds are fixed, so the outco
 import numpy as np
 import pytest
 import torch
-from test_decoding_sampling import P_MIN, chi_square_p
-from tiny_models import sharp_llama
+from helpers import P_MIN, chi_square_p, sharp_llama
 
 from selfspec.decoding import SamplingParams, SelfSpecGenerator, sampling
 

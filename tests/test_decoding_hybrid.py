@@ -3,9 +3,7 @@
 import numpy as np
 import pytest
 import torch
-from test_decoding_sampling import P_MIN, chi_square_p
-from test_decoding_speculative import low_alpha_model, reference_greedy
-from tiny_models import FAMILIES, sharp_llama, tiny_model
+from helpers import FAMILIES, P_MIN, chi_square_p, low_alpha_model, reference_greedy, sharp_llama, tiny_model
 
 from selfspec.decoding import SelfSpecGenerator, sampling
 from selfspec.decoding.controller import FixedK

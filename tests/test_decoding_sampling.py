@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+from helpers import P_MIN, chi_square_p
 from scipy import stats
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
@@ -18,26 +19,6 @@ from selfspec.decoding.sampling import (
     sample,
     uniforms,
 )
-
-P_MIN = 1e-3  # chi-square / KS threshold: a correct sampler fails one such test with probability 0.001
-
-
-
-def chi_square_p(tokens: np.ndarray, probs: np.ndarray) -> float:
-    """Goodness of fit of `tokens` to `probs`; categories expected fewer than 5 times are pooled.
-
-    A token of probability zero is impossible under `probs`: its presence gives p = 0.
-    """
-    observed = np.bincount(tokens, minlength=len(probs)).astype(float)
-    if observed[probs == 0].sum() > 0:
-        return 0.0
-    expected = probs.astype(np.float64) / probs.sum(dtype=np.float64) * len(tokens)
-    small = expected < 5
-    observed = np.append(observed[~small], observed[small].sum())
-    expected = np.append(expected[~small], expected[small].sum())
-    keep = expected > 0
-    observed, expected = observed[keep], expected[keep]
-    return stats.chisquare(observed, expected * observed.sum() / expected.sum()).pvalue
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 5, 1.0), (0.8, 0, 0.9),

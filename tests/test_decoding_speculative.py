@@ -3,33 +3,13 @@
 import numpy as np
 import pytest
 import torch
-from tiny_models import FAMILIES, tiny_model
+from helpers import FAMILIES, low_alpha_model, reference_greedy, tiny_model
 
 from selfspec.decoding import CacheLengthError, KVCache, SelfSpecGenerator, WindowRule
 
 PROMPTS = [[5, 17, 33, 2, 71, 8], [40, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]  # different lengths
 NEW = 14
 
-
-def reference_greedy(model, prompt, max_new_tokens):
-    """Plain greedy with no cache at all: argmax of the full model on the whole sequence, each step."""
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(max_new_tokens):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
-
-
-
-def low_alpha_model(family):
-    """A tiny model whose early exits often disagree with the last layer (α around 0.3-0.7)."""
-    model = tiny_model(family)
-    if family == "gpt2":  # its 0.02-std init leaves random blocks near the identity: every exit agrees
-        with torch.no_grad():
-            for weight in model.transformer.h.parameters():
-                if weight.dim() == 2:
-                    weight.mul_(3)
-    return model
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

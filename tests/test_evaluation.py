@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_models import tiny_model
+from helpers import tiny_model
 
 from selfspec.agreement import exit_layer_metrics
 from selfspec.cli import main

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import tiny_model
 
 from selfspec.decoding.cache import KVCache
 from selfspec.model import DecoderView
 from selfspec.model.fast import FastLlamaBlocks
-from tests.tiny_models import tiny_model
 
 LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 

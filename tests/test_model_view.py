@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from tiny_models import FAMILIES, tiny_model
+from helpers import FAMILIES, tiny_model
 from transformers import BertConfig, BertForMaskedLM, DynamicCache
 
 from selfspec.model import DecoderView, UnsupportedArchitectureError

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_models import tiny_model
+from helpers import tiny_model
 from transformers import AutoModelForCausalLM
 
 from selfspec.agreement import shifted_labels

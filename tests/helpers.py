@@ -1,8 +1,11 @@
-"""Tiny random models of every family the adapter supports, built in-process (no downloads)."""
+"""Shared test helpers: tiny random models of every family the adapter supports (built in-process, no
+downloads), the cache-free greedy reference, and the chi-square check of sampled tokens."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+from scipy import stats
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -64,3 +67,44 @@ def sharp_llama(vocab_size: int = 64, seed: int = 3):
     with torch.no_grad():
         model.lm_head.weight.mul_(20)
     return model
+
+
+def reference_greedy(model, prompt, max_new_tokens):
+    """Plain greedy with no cache at all: argmax of the full model on the whole sequence, each step."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def low_alpha_model(family):
+    """A tiny model whose early exits often disagree with the last layer (α around 0.3-0.7)."""
+    model = tiny_model(family)
+    if family == "gpt2":  # its 0.02-std init leaves random blocks near the identity: every exit agrees
+        with torch.no_grad():
+            for weight in model.transformer.h.parameters():
+                if weight.dim() == 2:
+                    weight.mul_(3)
+    return model
+
+
+P_MIN = 1e-3  # chi-square / KS threshold: a correct sampler fails one such test with probability 0.001
+
+
+
+def chi_square_p(tokens: np.ndarray, probs: np.ndarray) -> float:
+    """Goodness of fit of `tokens` to `probs`; categories expected fewer than 5 times are pooled.
+
+    A token of probability zero is impossible under `probs`: its presence gives p = 0.
+    """
+    observed = np.bincount(tokens, minlength=len(probs)).astype(float)
+    if observed[probs == 0].sum() > 0:
+        return 0.0
+    expected = probs.astype(np.float64) / probs.sum(dtype=np.float64) * len(tokens)
+    small = expected < 5
+    observed = np.append(observed[~small], observed[small].sum())
+    expected = np.append(expected[~small], expected[small].sum())
+    keep = expected > 0
+    observed, expected = observed[keep], expected[keep]
+    return stats.chisquare(observed, expected * observed.sum() / expected.sum()).pvalue
