@@ -150,7 +150,7 @@ def test_corpus_is_reused_from_disk_unless_rebuild(corpus, cache_dir, monkeypatc
     def fail(*args, **kwargs):
         raise AssertionError("the corpus was rebuilt")
 
-    monkeypatch.setattr(data, "iter_stdlib_files", fail)
+    monkeypatch.setattr(data.stdlib, "iter_stdlib_files", fail)
     reused = data.build_stdlib_corpus(cache_dir / "stdlib")
     assert reused["validation"]["path"][:] == corpus["validation"]["path"][:]
     with pytest.raises(AssertionError, match="rebuilt"):
@@ -256,7 +256,7 @@ def test_pack_cache_is_reused_per_tokenizer_and_block_size(tokenizer, corpus, tm
     def must_not_tokenize(*args, **kwargs):
         raise AssertionError("the cached blocks were tokenized again")
 
-    monkeypatch.setattr(data, "_token_stream", must_not_tokenize)
+    monkeypatch.setattr(data.packing, "_token_stream", must_not_tokenize)
     again = data.pack_dataset(docs, tokenizer, 32, cache_dir=tmp_path)
     assert torch.equal(again[:]["input_ids"], first[:]["input_ids"])
     monkeypatch.undo()
