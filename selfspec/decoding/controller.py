@@ -104,18 +104,15 @@ class CostModelRule(Controller):
     - k = 0 (plain decoding, 1 / t_verify(0)) wins when no k > 0 beats it: speculation is off.
       Every `probe_every` plain rounds one round drafts again with the best k > 0, so α and the
       timings stay current and speculation comes back when it pays again.
-    - allow_plain=False: k >= 1 always (for a source whose use was decided already).
     """
 
     def __init__(self, k_initial: int = 3, k_max: int = 8, window: int = 64, smoothing: float = 0.3,
-                 prior_alpha: float = 0.5, prior_weight: float = 2.0, probe_every: int = 16,
-                 allow_plain: bool = True):
+                 prior_alpha: float = 0.5, prior_weight: float = 2.0, probe_every: int = 16):
         if not 1 <= k_initial <= k_max:
             raise ValueError(f"need 1 <= k_initial <= k_max, got {k_initial}, {k_max}")
         self.k_initial, self.k_max = k_initial, k_max
         self.smoothing, self.prior_alpha, self.prior_weight = smoothing, prior_alpha, prior_weight
         self.probe_every = probe_every
-        self.allow_plain = allow_plain
         self.window = _AcceptanceWindow(window)
         self.draft_time: float | None = None  # seconds per draft step
         self.verify_times: dict[int, float] = {}  # k -> seconds per verification
@@ -143,10 +140,9 @@ class CostModelRule(Controller):
         return float(max(intercept + slope * k, times.min() * 0.5))
 
     def rates(self) -> dict[int, float]:
-        """Estimated tokens per second for every k in 0..k_max (1..k_max without `allow_plain`; needs one
-        measured round)."""
+        """Estimated tokens per second for every k in 0..k_max (needs one measured round)."""
         alpha = self.window.alpha(self.prior_alpha, self.prior_weight)
-        rates = {0: 1.0 / self.verify_time(0)} if self.allow_plain else {}
+        rates = {0: 1.0 / self.verify_time(0)}
         for k in range(1, self.k_max + 1):
             rates[k] = expected_tokens(k, alpha) / (k * self.draft_time + self.verify_time(k))
         return rates

@@ -127,8 +127,8 @@ class CopyPolicy(DraftPolicy):
         self.early_exit = early_exit
         self.copy_controller = copy_controller or WindowRule(
             k=ngram.max_copy, k_min=1, k_max=ngram.max_copy, window=COPY_WINDOW)
-        # a copy, early-exit drafts, then a copy again
-        self.k_max = 2 * self.copy_controller.k_max + early_exit.k_max
+        # the longest round: early-exit drafts that turn into a copy (a plan copies or drafts, never both)
+        self.k_max = early_exit.k_max + self.copy_controller.k_max
         self.copies_after_early_exit = early_exit.k_max > 0
         self.indexes: list[NGramIndex] = []
 

@@ -25,7 +25,7 @@ prompts ÷ their summed wall time, device synchronised). Speedups are ratios of 
 Reported next to the measured speedup: α, mean accepted length (bonus counted), the draft cost c
 measured as (engine's draft time per step in the selfspec run) ÷ (engine's time per plain step in the
 plain run), and the cost model's predictions from those (see `selfspec.metrics`). Greedy outputs of
-plain, selfspec, hf_greedy and hf_prompt_lookup must be identical; hf_early_exit's are checked and
+every method but hf_early_exit must be identical; hf_early_exit's are checked and
 reported too.
 """
 
