@@ -21,10 +21,15 @@ from .model import DecoderView
 IGNORE_INDEX = -100
 
 
-def shifted_labels(input_ids: torch.Tensor) -> torch.Tensor:
+def shifted_labels(input_ids: torch.Tensor, target_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Next-token targets aligned with positions: (B, T) where position t predicts input_ids[:, t+1];
-    the last position has no target."""
-    return F.pad(input_ids[:, 1:], (0, 1), value=IGNORE_INDEX)
+    the last position has no target. With `target_mask` (B, T) (chat data: true on assistant
+    tokens), a position whose next token is not a target gets none either."""
+    labels = F.pad(input_ids[:, 1:], (0, 1), value=IGNORE_INDEX)
+    if target_mask is None:
+        return labels
+    keep = F.pad(target_mask[:, 1:].bool(), (0, 1), value=False)  # (B, T): is token t+1 a target
+    return labels.masked_fill(~keep, IGNORE_INDEX)
 
 
 def low_precision_to_float(logits: torch.Tensor) -> torch.Tensor:
@@ -79,11 +84,13 @@ def agreement_metrics(
 
 @torch.no_grad()
 def exit_layer_metrics(model, blocks: torch.Tensor, layers: list[int] | None = None, batch_size: int = 8,
-                       progress: bool = False, reduce=None) -> dict[int, dict[str, float]]:
+                       progress: bool = False, reduce=None, target_mask: torch.Tensor | None = None
+                       ) -> dict[int, dict[str, float]]:
     """Per-exit-layer loss, perplexity, top-1 agreement and expected acceptance on `blocks` (n, T).
 
     layers: exit layers 1..N to report (default all, N included). `reduce`, if given, sums a tensor
     across processes (e.g. `accelerator.reduce`), so each process may pass its own shard of blocks.
+    target_mask: (n, T), chat data's assistant tokens: only positions that predict one count.
     """
     view = DecoderView(model)
     num_layers = view.num_layers
@@ -95,7 +102,8 @@ def exit_layer_metrics(model, blocks: torch.Tensor, layers: list[int] | None = N
     batches = range(0, len(blocks), batch_size)
     for start in tqdm(batches, desc="exit layers", disable=not progress, leave=False):
         input_ids = blocks[start:start + batch_size].to(view.device)
-        labels = shifted_labels(input_ids)
+        mask = None if target_mask is None else target_mask[start:start + batch_size].to(view.device)
+        labels = shifted_labels(input_ids, mask)
         valid = labels != IGNORE_INDEX
         hidden = view.embed(input_ids)
         context = view.context(hidden)

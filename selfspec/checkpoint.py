@@ -13,6 +13,9 @@ The directory loads with plain `AutoModelForCausalLM.from_pretrained` and with
     draft_vocab_size  optional: V', the draft head's vocabulary (the V' most frequent tokens of
                     token_counts.safetensors); absent or null: the whole vocabulary
     token_counts    optional: where token_counts.safetensors was counted {source, tokens}
+    exit_choice     optional: how the fine-tune chose E and k among its candidate exits
+                    {exit_layer, num_speculations, predicted_speedup, candidates: {E: {acceptance_rate,
+                    draft_cost, num_speculations, predicted_speedup}}}
     base_model      where the weights came from (path or hub id)
     training        the run config (dict) that produced it
     metrics         final metrics (per-layer agreement, perplexity, ...)
@@ -42,12 +45,15 @@ class CheckpointError(ValueError):
 def save_tuned(path: str | Path, model, tokenizer=None, *, exit_layer: int, num_speculations: int = 4,
                base_model: str | None = None, training: dict | None = None, metrics: dict | None = None,
                kind: str = "tuned", state_dict: dict | None = None, token_counts=None,
-               token_counts_source: str | None = None) -> Path:
+               token_counts_source: str | None = None, draft_vocab_size: int | None = None,
+               exit_choice: dict | None = None) -> Path:
     """Save model (safetensors) + tokenizer + selfspec.json into `path`, atomically.
 
     state_dict: the weights to write when the module's own are sharded (FSDP); default its own.
     token_counts: (V,) token frequencies (of the training data) for a trimmed draft head, and
-    token_counts_source what they were counted on.
+    token_counts_source what they were counted on. draft_vocab_size: V', the draft head's default
+    (a fine-tune with a trimmed exit loss stores the V' its exit was trained on). exit_choice: how
+    E and k were chosen among the candidate exits (`metrics.choose_exit`).
 
     Everything is written into a temporary sibling directory first and renamed into place at the end,
     so a crash leaves either the old checkpoint or the new one, never a mixture. A PEFT model is
@@ -68,6 +74,12 @@ def save_tuned(path: str | Path, model, tokenizer=None, *, exit_layer: int, num_
                 "metrics": metrics or {}, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         if token_counts is not None:
             meta["token_counts"] = _write_token_counts(staging, token_counts, token_counts_source)
+        if draft_vocab_size is not None:
+            if token_counts is None:
+                raise CheckpointError("draft_vocab_size needs token_counts (the ranking of the V' ids)")
+            meta["draft_vocab_size"] = draft_vocab_size
+        if exit_choice is not None:
+            meta["exit_choice"] = {**exit_choice, "candidates": {str(e): v for e, v in exit_choice["candidates"].items()}}
         write_json_atomic(staging / META_FILE, meta)
     return path
 

@@ -32,7 +32,8 @@ SMOLLM2_FINETUNE_CONFIG = "configs/smollm2-135m_cpu.yaml"
 
 def eval_blocks(model_dir: str, source: str = "stdlib", split: str = "test", block_size: int = 256,
                 max_blocks: int | None = 64, cache_dir: str = "data/generated", tokenizer_dir: str | None = None):
-    """Held-out token blocks (n, block_size) of `split`, tokenized with the model's tokenizer."""
+    """Held-out blocks of `split`, tokenized with the model's tokenizer: (input_ids (n, block_size),
+    target_mask (n, block_size) for chat data, where only the assistant tokens count, else None)."""
     from . import data
     from .cpu import keep_freed_memory
 
@@ -40,11 +41,11 @@ def eval_blocks(model_dir: str, source: str = "stdlib", split: str = "test", blo
     from .model.loading import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_dir or model_dir)
-    corpus = data.load_text_corpus(source, cache_dir=cache_dir)
+    corpus = data.load_corpus(source, cache_dir=cache_dir)
     if split not in corpus:
         raise ValueError(f"split {split!r} is not in the data; choose one of {', '.join(corpus)}")
-    return data.pack_dataset(corpus[split], tokenizer, block_size, max_blocks=max_blocks,
-                             cache_dir=cache_dir)["input_ids"][:]  # (n, T)
+    return data.block_tensors(data.pack_split(corpus[split], tokenizer, block_size, max_blocks=max_blocks,
+                                              cache_dir=cache_dir))
 
 
 def layers_report(model_dir: str, source: str = "stdlib", split: str = "test", block_size: int = 256,
@@ -55,10 +56,10 @@ def layers_report(model_dir: str, source: str = "stdlib", split: str = "test", b
     from .model.loading import load_causal_lm
 
     model = load_causal_lm(model_dir).eval()
-    blocks = eval_blocks(model_dir, source, split, block_size, max_blocks)
-    report = exit_layer_metrics(model, blocks, progress=True)
+    blocks, mask = eval_blocks(model_dir, source, split, block_size, max_blocks)
+    report = exit_layer_metrics(model, blocks, progress=True, target_mask=mask)
     print(f"{model_dir}: {sum(p.numel() for p in model.parameters()):,} parameters, "
-          f"{len(report)} layers; {split} split, {blocks.numel():,} tokens")
+          f"{len(report)} layers; {split} split, {report[max(report)]['tokens']:,} target tokens")
     print(format_exit_table(report))
     if json_out:
         write_json_atomic(json_out, {str(k): v for k, v in report.items()})
@@ -71,8 +72,9 @@ def gate(tuned: str, base: str, max_increase: float = 0.01, source: str = "stdli
     from .evaluation.perplexity import perplexity_gate
     from .model.loading import load_causal_lm
 
-    blocks = eval_blocks(base, source, split, block_size, max_blocks)
-    result = perplexity_gate(load_causal_lm(tuned).eval(), load_causal_lm(base).eval(), blocks, max_increase)
+    blocks, mask = eval_blocks(base, source, split, block_size, max_blocks)
+    result = perplexity_gate(load_causal_lm(tuned).eval(), load_causal_lm(base).eval(), blocks, max_increase,
+                             target_mask=mask)
     print(result.summary())
     if json_out:
         write_json_atomic(json_out, result.to_dict())
@@ -92,7 +94,7 @@ def draft_vocab_counts(model_dir: str, source: str = "stdlib", split: str = "tra
 
     read_meta(model_dir)  # a checkpoint, or a clear error before any counting
     vocab_size = AutoConfig.from_pretrained(model_dir).vocab_size
-    counts = count_tokens(eval_blocks(model_dir, source, split, block_size, max_blocks), vocab_size)
+    counts = count_tokens(eval_blocks(model_dir, source, split, block_size, max_blocks)[0], vocab_size)
     summary = save_token_counts(model_dir, counts, f"{source}, {split} split")
     shares = coverage(counts, [v for v in sizes if v < vocab_size])
     print(f"{model_dir}: counted {summary['tokens']:,} tokens of {source} ({split}); "

@@ -30,7 +30,7 @@ class ConfigError(ValueError):
 # back with `choices` to check what it is handed directly (Python API, tests).
 DepthCurve = Literal["uniform", "linear", "exp"]  # layer dropout D(l) over depth
 StepSchedule = Literal["constant", "linear", "exp"]  # layer dropout S(t) over training steps
-ExitLoss = Literal["kl", "ce", "both"]
+ExitLoss = Literal["kl", "ce", "both", "argmax"]
 ExitScale = Literal["uniform", "linear", "sqrt", "sum_l"]
 Curriculum = Literal["none", "rotational", "gradual"]
 
@@ -132,7 +132,9 @@ class EarlyExitConfig:
     """Candidate exit layers: one layer, a list, a slice "start:stop:step", "2,4,6" or "all"; None disables the
     early-exit losses. Layer l is the output of block l-1 (counted like exit_layer)."""
     kind: ExitLoss = "kl"
-    """Loss at each exit: KL to the teacher's distribution, CE to the labels, or their sum."""
+    """Loss at each exit: KL to the teacher's distribution, CE to the labels, their sum, or CE to
+    the teacher's argmax (argmax: the surrogate of greedy acceptance). Soft CE to the teacher has
+    KL's gradient (they differ by the teacher's entropy), so kl serves for both."""
     teacher: Literal["self", "frozen"] = "self"
     """self: the detached final layer of the same forward; frozen: the original model run without
     dropout (under LoRA, the base with adapters disabled)."""
@@ -151,6 +153,12 @@ class EarlyExitConfig:
     token_fraction: float = 1.0
     """Fraction of positions (random, fresh each step) that get exit losses: each exit costs a
     (tokens, vocab) head pass, so this trades gradient noise for step time."""
+    draft_vocab_size: int | None = None
+    """V': compute the exit losses over the V' most frequent token ids of the training data plus
+    one "other" class holding the rest of the mass (a proper divergence; equal to the full loss at
+    V' = V). A head pass then costs V'/V, so every position can get the loss. The checkpoint stores
+    V' as the draft head's default, so drafts propose from the ids the exit was trained on. None:
+    the whole vocabulary."""
     final_weight: float = 1.0
     """Weight of the final layer's CE loss. 0 trains on the exit losses alone: the blocks after the
     deepest active exit then run without autograd (with `trainable: draft` nothing behind them
@@ -226,6 +234,11 @@ class RunConfig:
     draft blocks only)."""
     num_speculations: int = 4
     """k written into selfspec.json as the default draft length."""
+    choose_exit: bool = False
+    """After training, pick E among the candidate exits (and k) by the cost model, E(k, α)/(1 + k·c),
+    with α the validation agreement at each exit and c the share of the weights its draft reads,
+    and write them into selfspec.json instead of exit_layer / num_speculations (the table of every
+    candidate goes there too, as exit_choice)."""
     eval_every: int = 100
     """Evaluate on the validation split every this many steps (0: only at the end)."""
     save_every: int = 200
@@ -403,6 +416,8 @@ def validate(cfg: Any, prefix: str = "") -> None:
         _check(cfg.weight >= 0, f"{p}weight", cfg.weight, "it must be >= 0")
         _check(0 < cfg.token_fraction <= 1, f"{p}token_fraction", cfg.token_fraction, "it must be in (0, 1]")
         _check(cfg.final_weight >= 0, f"{p}final_weight", cfg.final_weight, "it must be >= 0")
+        _check(cfg.draft_vocab_size is None or cfg.draft_vocab_size >= 1, f"{p}draft_vocab_size",
+               cfg.draft_vocab_size, "it must be >= 1, or null for the whole vocabulary")
     elif isinstance(cfg, OptimConfig):
         _check(cfg.lr > 0, f"{p}lr", cfg.lr, "it must be > 0")
         _check(cfg.max_steps >= 1, f"{p}max_steps", cfg.max_steps, "it must be >= 1")

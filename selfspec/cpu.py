@@ -29,3 +29,17 @@ def keep_freed_memory() -> bool:
     # No mmap for big blocks, no trimming of the heap top, and grow it in 1 GiB steps.
     return all(libc.mallopt(param, value) == 1 for param, value in (
         (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1), (_M_TOP_PAD, 1 << 30)))
+
+
+def has_bf16_units() -> bool | None:
+    """Whether this CPU computes bf16 natively (x86 AVX512-BF16 or AMX, Arm BF16); None off Linux.
+
+    Without them torch emulates bf16 matrix products: on AVX2-only cores a SmolLM2 training step
+    under bf16 autocast took 14x the fp32 step (backward 129 s vs 9 s).
+    """
+    try:
+        with open("/proc/cpuinfo") as handle:
+            flags = set(handle.read().split())
+    except OSError:
+        return None
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})

@@ -89,6 +89,39 @@ def optimal_num_speculations(alpha: float, draft_cost: float, k_max: int = 8,
     return best
 
 
+def weight_draft_cost(exit_layer: int, block_params: Sequence[int], head_params: int,
+                      draft_head_params: int | None = None) -> float:
+    """c from the weights a step reads: (Σ blocks [0, E) + draft head) / (Σ all blocks + head).
+
+    A decode step at batch 1 is bound by memory bandwidth, so its time follows the bytes it reads:
+    the estimate before anything is timed (`selfspec eval sweep` measures the real c).
+    block_params: parameters of each block; head_params: the LM head's (V·D); draft_head_params:
+    the draft head's (V'·D for a trimmed head; default the whole head).
+    """
+    draft_head = head_params if draft_head_params is None else draft_head_params
+    return (sum(block_params[:exit_layer]) + draft_head) / (sum(block_params) + head_params)
+
+
+def choose_exit(acceptance: Mapping[int, float], draft_cost: Mapping[int, float], k_max: int = 8) -> dict:
+    """The exit layer E and draft length k with the highest predicted speedup E(k, α)/(1 + k·c).
+
+    acceptance: E -> α measured at that exit (e.g. held-out top-1 agreement, greedy α); draft_cost:
+    E -> c. Returns {"exit_layer", "num_speculations", "predicted_speedup", "candidates": {E: {...}}};
+    when no exit beats plain decoding, the best exit is still named, with k = 0 and speedup 1.
+    """
+    if not acceptance:
+        raise ValueError("choose_exit needs at least one candidate exit")
+    candidates = {}
+    for layer, alpha in sorted(acceptance.items()):
+        k, speedup = optimal_num_speculations(alpha, draft_cost[layer], k_max)
+        candidates[layer] = {"acceptance_rate": alpha, "draft_cost": draft_cost[layer], "num_speculations": k,
+                             "predicted_speedup": speedup}
+    # The fastest; among equals (no exit pays: all 1.0) the one that accepts most.
+    best = max(candidates, key=lambda e: (candidates[e]["predicted_speedup"], candidates[e]["acceptance_rate"]))
+    return {"exit_layer": best, "num_speculations": candidates[best]["num_speculations"],
+            "predicted_speedup": candidates[best]["predicted_speedup"], "candidates": candidates}
+
+
 def predicted_speedup(k_rounds: Mapping[int, int], alpha: float, draft_cost: float) -> float:
     """Speedup of a run whose rounds used various k: Σ n_k·E(k) / Σ n_k·(1 + k·c) (plain step = 1).
 

@@ -101,13 +101,18 @@ def test_base_errors_name_the_file(tmp_path):
         load_config(write(tmp_path, "base: missing.yaml\n", name="c.yaml"))
 
 
-def test_the_gpu_recipes_share_one_shape():
+def test_the_real_model_recipes_apply_layer_dropout_and_candidate_exits():
     from pathlib import Path
+
+    from selfspec.config import parse_layers
 
     configs = Path(__file__).resolve().parents[1] / "configs"
     for name, layers in (("llama3.2-1b_full", 16), ("tinyllama-1.1b_full", 22), ("qwen2.5-0.5b_lora", 24),
-                         ("qwen2.5-1.5b_lora", 28)):
+                         ("qwen2.5-1.5b_lora", 28), ("smollm2-135m_chat", 30), ("smollm2-135m_cpu", 30)):
         cfg = load_config(configs / f"{name}.yaml")
-        assert cfg.early_exit.layers == cfg.exit_layer == layers // 3, name  # one exit at N/3, as on SmolLM2
-        assert (cfg.early_exit.weight, cfg.early_exit.token_fraction, cfg.trainable) == (0.3, 0.3, "all")
-        assert cfg.lora.enabled == name.endswith("lora") and cfg.output_dir == f"runs/{name}"
+        candidates = parse_layers(cfg.early_exit.layers, layers)
+        assert len(candidates) >= 4 and layers // 3 in candidates and cfg.choose_exit, name
+        assert 0.15 <= cfg.layer_dropout.p_max <= 0.25 and cfg.layer_dropout.depth_curve == "exp", name
+        assert (cfg.early_exit.teacher, cfg.early_exit.token_fraction, cfg.trainable) == ("frozen", 1.0, "all")
+        if name.startswith(("llama", "tinyllama", "qwen")):
+            assert cfg.lora.enabled == name.endswith("lora") and cfg.output_dir == f"runs/{name}"

@@ -12,6 +12,7 @@ from selfspec.agreement import agreement_metrics, low_precision_to_float
 from selfspec.config import parse_layers
 from selfspec.training.early_exit import (
     ExitCurriculum,
+    TrimmedVocab,
     _as_exit_list,
     _validate_loss_args,
     _zero_loss,
@@ -420,3 +421,70 @@ def test_agreement_metrics_identical_logits_is_perfect():
 def test_agreement_metrics_shape_error():
     with pytest.raises(ValueError, match="same shape"):
         agreement_metrics(torch.zeros(1, 2, 3), torch.zeros(1, 2, 4))
+
+
+# --- the trimmed exit loss: V' ids plus "other" ---------------------------------------------------
+
+def _head_over(weight, vocab):
+    """Exact student logits over the trimmed classes: the V' rows, and the logsumexp of the rest."""
+    def head(h):
+        logits = h @ weight.T  # (n, V)
+        return vocab.fold_logits(logits)
+    return head
+
+
+@pytest.mark.parametrize("kind", ["kl", "ce", "both", "argmax"])
+def test_the_trimmed_loss_over_the_whole_vocabulary_equals_the_full_loss(kind):
+    torch.manual_seed(0)
+    vocab_size, dim = 40, 8
+    weight = torch.randn(vocab_size, dim)
+    hidden = [torch.randn(2, 6, dim, requires_grad=True), torch.randn(2, 6, dim, requires_grad=True)]
+    teacher = torch.randn(2, 6, vocab_size) * 3
+    labels = torch.randint(0, vocab_size, (2, 6))
+    labels[1, -2:] = -100
+    perm = torch.randperm(vocab_size)
+    vocab = TrimmedVocab(perm, vocab_size)
+    assert not vocab.has_other and vocab.num_classes == vocab_size
+    args = dict(kind=kind, teacher_logits=teacher, labels=labels, temperature=1.5, chunk_size=5)
+    full = early_exit_loss(hidden, lambda h: h @ weight.T, [0.3, 0.7], **args)
+    trimmed = early_exit_loss(hidden, lambda h: h @ weight[perm].T, [0.3, 0.7], vocab=vocab, **args)
+    torch.testing.assert_close(trimmed, full)
+    grads_full = torch.autograd.grad(full, hidden)
+    grads_trimmed = torch.autograd.grad(trimmed, hidden)
+    for a, b in zip(grads_full, grads_trimmed):
+        torch.testing.assert_close(a, b)
+
+
+def test_folding_keeps_each_distribution_whole_and_the_other_class_holds_the_rest():
+    torch.manual_seed(1)
+    logits = torch.randn(5, 30) * 2
+    vocab = TrimmedVocab([3, 7, 1, 20], 30)
+    folded = vocab.fold_logits(logits).softmax(-1)  # (5, 5)
+    assert folded.shape == (5, 5)
+    torch.testing.assert_close(folded.sum(-1), torch.ones(5))
+    p = logits.softmax(-1)
+    torch.testing.assert_close(folded[:, :4], p[:, [3, 7, 1, 20]])
+    torch.testing.assert_close(folded[:, 4], 1 - p[:, [3, 7, 1, 20]].sum(-1))
+    labels = torch.tensor([7, 0, -100, 20])
+    assert vocab.fold_labels(labels, -100).tolist() == [1, 4, -100, 3]
+
+
+def test_the_trimmed_kl_is_zero_exactly_when_the_student_matches_the_folded_teacher():
+    torch.manual_seed(2)
+    vocab_size, dim = 30, 30
+    vocab = TrimmedVocab([0, 5, 9], vocab_size)
+    teacher = torch.randn(1, 4, vocab_size)
+    # A student whose hidden state is the teacher's logits and whose head is the identity: exact copy.
+    same = early_exit_loss([teacher.clone()], _head_over(torch.eye(dim), vocab), [1.0], kind="kl",
+                           teacher_logits=teacher, vocab=vocab)
+    assert abs(float(same)) < 1e-6
+    other = early_exit_loss([torch.randn(1, 4, dim)], _head_over(torch.eye(dim), vocab), [1.0], kind="kl",
+                            teacher_logits=teacher, vocab=vocab)
+    assert float(other) > 0.01
+
+
+def test_trimmed_vocabulary_ids_are_checked():
+    with pytest.raises(ValueError, match="ids in 0..9"):
+        TrimmedVocab([3, 10], 10)
+    with pytest.raises(ValueError, match="must not repeat"):
+        TrimmedVocab([3, 3], 10)

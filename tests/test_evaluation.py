@@ -42,9 +42,24 @@ def test_gate_passes_identical_models_and_fails_a_damaged_one():
     with torch.no_grad():
         damaged.lm_head.weight.mul_(3.0)  # sharper, wrong logits: a higher perplexity on random text
     result = perplexity_gate(damaged, base, blocks, max_increase=0.01)
-    assert result.tuned_perplexity == pytest.approx(perplexity(damaged, blocks))
-    assert result.relative_change > 0.01 and not result.passed
+    assert result.tuned_perplexity == pytest.approx(perplexity(damaged, blocks)[0])
+    assert result.relative_change > 0.01 and not result.passed and result.tokens == 4 * 15
     assert result.summary().startswith("FAIL")
+
+
+def test_the_gate_on_chat_data_counts_only_the_assistant_tokens():
+    base = tiny_model("llama", num_layers=4, seed=0)
+    blocks = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1))
+    mask = torch.zeros(2, 16, dtype=torch.bool)
+    mask[:, 8:] = True
+    damaged = tiny_model("llama", num_layers=4, seed=0)
+    with torch.no_grad():
+        damaged.lm_head.weight.mul_(3.0)
+    result = perplexity_gate(damaged, base, blocks, target_mask=mask)
+    assert result.tokens == 2 * 8  # positions 7..14 predict the targets 8..15
+    logits = damaged(blocks).logits[:, 7:15]  # (2, 8, V): the positions that predict tokens 8..15
+    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), blocks[:, 8:].flatten())
+    assert result.tuned_perplexity == pytest.approx(math.exp(ce.item()), rel=1e-5)
 
 
 def test_cli_user_errors_are_one_line_with_exit_code_2(tmp_path, capsys):

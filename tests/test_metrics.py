@@ -8,6 +8,7 @@ import pytest
 from selfspec.metrics import (
     AcceptanceStats,
     acceptance_rate,
+    choose_exit,
     drafts_tested,
     expected_tokens,
     optimal_num_speculations,
@@ -15,6 +16,7 @@ from selfspec.metrics import (
     speedup_kv_reuse,
     speedup_measured_costs,
     speedup_simple,
+    weight_draft_cost,
 )
 
 
@@ -108,3 +110,23 @@ def test_merge_pools_runs():
     both.update([0], 0)
     a.merge(b)
     assert a.as_dict() == both.as_dict()
+
+
+def test_weight_draft_cost_is_the_share_of_the_weights_a_draft_step_reads():
+    blocks, head = [10] * 4, 20
+    assert weight_draft_cost(2, blocks, head) == (20 + 20) / 60
+    assert weight_draft_cost(2, blocks, head, draft_head_params=5) == (20 + 5) / 60
+
+
+def test_choose_exit_weighs_acceptance_against_draft_cost():
+    # A deeper exit that accepts more but costs more: the cost model decides.
+    choice = choose_exit({4: 0.6, 8: 0.9}, {4: 0.2, 8: 0.45})
+    s4 = optimal_num_speculations(0.6, 0.2)[1]
+    s8 = optimal_num_speculations(0.9, 0.45)[1]
+    assert choice["exit_layer"] == (4 if s4 > s8 else 8)
+    assert choice["predicted_speedup"] == max(s4, s8)
+    assert set(choice["candidates"]) == {4, 8}
+    cheap = choose_exit({4: 0.9, 8: 0.9}, {4: 0.2, 8: 0.45})
+    assert cheap["exit_layer"] == 4 and cheap["num_speculations"] >= 1
+    none_pays = choose_exit({4: 0.05, 8: 0.1}, {4: 0.4, 8: 0.6})
+    assert none_pays == {**none_pays, "exit_layer": 8, "num_speculations": 0, "predicted_speedup": 1.0}

@@ -1,6 +1,7 @@
 """The accelerate loop end to end on a tiny model: smoke run, resume, LoRA, the objective's exits."""
 
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -15,7 +16,8 @@ from transformers import AutoModelForCausalLM
 from selfspec.agreement import shifted_labels
 from selfspec.checkpoint import read_meta
 from selfspec.config import load_config
-from selfspec.training.early_exit import ExitCurriculum
+from selfspec.model import DecoderView
+from selfspec.training.early_exit import ExitCurriculum, TrimmedVocab
 from selfspec.training.layer_dropout import LayerDropout
 from selfspec.training.loop import _set_cpu_threads, train, train_or_reuse
 from selfspec.training.objective import SelfSpecObjective
@@ -343,3 +345,69 @@ def test_a_run_killed_anywhere_resumes_to_the_same_weights_bit_for_bit(tiny_run,
     assert again.returncode == 1 and "holds a previous run" in again.stderr and "--resume" in again.stderr
     assert (reference / "model" / "model.safetensors").read_bytes() == before
     assert run(reference, "--force").returncode == 0  # unless asked to
+
+
+# --- chat data and the trimmed exit loss -------------------------------------------------------------
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def chat_run(tiny_run, tmp_path_factory):
+    """The tiny model with a chat template, and a .jsonl of conversations."""
+    root = tmp_path_factory.mktemp("chat_run")
+    model = AutoModelForCausalLM.from_pretrained(tiny_run["model"])
+    tokenizer = tiny_run["tokenizer"]
+    tokenizer_copy = type(tokenizer).from_pretrained(tiny_run["model"])
+    tokenizer_copy.chat_template = CHATML
+    model.save_pretrained(root / "model")
+    tokenizer_copy.save_pretrained(root / "model")
+    corpus = root / "chat.jsonl"
+    rows = [{"id": f"c{i}", "prompt": f"what does f({i}) return?", "response": f"def f(x):\n    return x + {i}"}
+            for i in range(120)]
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return {"model": root / "model", "corpus": corpus}
+
+
+def test_shifted_labels_keep_only_positions_whose_next_token_is_a_target():
+    ids = torch.tensor([[5, 6, 7, 8]])
+    mask = torch.tensor([[False, True, True, False]])
+    assert shifted_labels(ids, mask).tolist() == [[6, 7, -100, -100]]
+    assert shifted_labels(ids).tolist() == [[6, 7, 8, -100]]
+
+
+def test_a_chat_run_with_the_trimmed_exit_loss_trains_and_stores_its_draft_vocabulary(chat_run, tmp_path):
+    cfg = load_config(None, [
+        f"model.name_or_path={chat_run['model']}", f"data.source={chat_run['corpus']}",
+        f"data.cache_dir={tmp_path}/cache", "data.block_size=64", "data.max_eval_blocks=2",
+        "optim.batch_size=2", "optim.max_steps=3", "optim.warmup_steps=1", f"output_dir={tmp_path}",
+        "early_exit.layers=1,2", "early_exit.draft_vocab_size=64", "early_exit.kind=argmax",
+        "layer_dropout.p_max=0.2", "eval_every=1", "save_every=0", "exit_layer=2", "choose_exit=true"])
+    result = train(cfg, progress=False)
+    meta = read_meta(result.model_dir)
+    assert meta["draft_vocab_size"] == 64
+    choice = meta["exit_choice"]
+    assert set(choice["candidates"]) == {"1", "2"} and meta["exit_layer"] == choice["exit_layer"]
+    for layer, row in choice["candidates"].items():
+        assert row["acceptance_rate"] == meta["metrics"][f"val/top1_agreement@{layer}"]
+    assert meta["num_speculations"] == choice["num_speculations"]
+    assert all(math.isfinite(v) for v in losses(tmp_path).values())
+
+
+def test_the_objective_limits_every_loss_to_the_target_tokens():
+    model = tiny_model("llama", num_layers=4)
+    vocab = TrimmedVocab(torch.arange(50), 96)
+    objective = SelfSpecObjective(model, exit_layers=[2], exit_weight=1.0, exit_vocab=vocab).train()
+    ids = torch.randint(0, 96, (2, 12))
+    mask = torch.zeros(2, 12, dtype=torch.bool)
+    mask[:, 6:] = True
+    out = objective(ids, target_mask=mask)
+    changed = ids.clone()
+    changed[:, :6] = torch.randint(0, 96, (2, 6))  # tokens that are no target and whose position predicts none
+    changed[:, 5] = ids[:, 5]  # position 5 predicts token 6, a target; keep it
+    logits = DecoderView(model)(ids)
+    expected = F.cross_entropy(logits[:, 5:-1].flatten(0, 1), ids[:, 6:].flatten())
+    torch.testing.assert_close(out["final_ce"], expected)
+    out["loss"].backward()
+    assert objective.other_row.grad is not None and objective.other_row.grad.abs().sum() > 0

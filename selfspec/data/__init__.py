@@ -10,12 +10,17 @@ Everything upstream of the training loop lives here:
 - ``load_text_corpus``: one entry point for "stdlib", local files, saved datasets and Hub names,
   always returning ``{train, validation, test}``.
 - ``pack_dataset``: tokenize, join documents with eos and cut into fixed-length blocks.
+- ``load_chat_corpus`` / ``pack_chat_dataset``: conversations (ShareGPT, chat files) split by id,
+  rendered by the chat template, packed with a mask of the assistant tokens (``chat``).
+- ``load_corpus`` / ``pack_split``: either kind by its source, for the loop and the evaluations.
 
 Generated artefacts are written atomically (built in a temp dir beside the target, then renamed),
 so an interrupted build never leaves a half-written corpus or tokenizer that a later run would
 silently reuse.
 """
 
+from .blocks import block_tensors, load_corpus, pack_split
+from .chat import ChatDataError, is_chat_source, load_chat_corpus, pack_chat_dataset
 from .constants import DEFAULT_CACHE_DIR, EOS_TOKEN, SPLITS
 from .packing import count_tokens, pack_dataset
 from .sources import load_text_corpus, prepare_stdlib
@@ -30,7 +35,8 @@ from .stdlib import (
 )
 from .tokenizer import load_or_train_tokenizer, stdlib_tokenizer_dir, train_tokenizer
 
-__all__ = ["DEFAULT_CACHE_DIR", "EOS_TOKEN", "SPLITS", "STDLIB_CORPUS_FORMAT", "build_stdlib_corpus",
+__all__ = ["ChatDataError", "block_tensors", "is_chat_source", "load_chat_corpus", "load_corpus",
+           "pack_chat_dataset", "pack_split", "DEFAULT_CACHE_DIR", "EOS_TOKEN", "SPLITS", "STDLIB_CORPUS_FORMAT", "build_stdlib_corpus",
            "content_exclusion_reason", "count_tokens", "iter_stdlib_files", "load_or_train_tokenizer",
            "load_text_corpus", "pack_dataset", "path_exclusion_reason", "prepare_stdlib", "split_for_path",
            "stdlib_root", "stdlib_tokenizer_dir", "train_tokenizer"]

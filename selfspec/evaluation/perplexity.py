@@ -11,10 +11,13 @@ from ..model import num_layers as count_layers
 
 
 @torch.no_grad()
-def perplexity(model, blocks: torch.Tensor, batch_size: int = 8, progress: bool = False) -> float:
-    """Next-token perplexity of the full model on token blocks (n, T)."""
+def perplexity(model, blocks: torch.Tensor, batch_size: int = 8, progress: bool = False,
+               target_mask: torch.Tensor | None = None) -> tuple[float, int]:
+    """Next-token perplexity of the full model on token blocks (n, T), and the number of tokens it
+    counted (with `target_mask`, chat data's assistant tokens only)."""
     num_layers = count_layers(model)
-    return exit_layer_metrics(model, blocks, [num_layers], batch_size, progress)[num_layers]["perplexity"]
+    final = exit_layer_metrics(model, blocks, [num_layers], batch_size, progress, target_mask=target_mask)[num_layers]
+    return final["perplexity"], final["tokens"]
 
 
 @dataclass
@@ -38,11 +41,10 @@ class GateResult:
 
 
 def perplexity_gate(tuned_model, base_model, blocks: torch.Tensor, max_increase: float = 0.01,
-                    batch_size: int = 8, progress: bool = False) -> GateResult:
-    """Compare full-model perplexity of tuned vs base on the same blocks; pass when the relative
-    increase is at most `max_increase` (0.01 = 1%)."""
-    base = perplexity(base_model, blocks, batch_size, progress)
-    tuned = perplexity(tuned_model, blocks, batch_size, progress)
+                    batch_size: int = 8, progress: bool = False, target_mask: torch.Tensor | None = None) -> GateResult:
+    """Compare full-model perplexity of tuned vs base on the same blocks (their target tokens); pass
+    when the relative increase is at most `max_increase` (0.01 = 1%)."""
+    base, tokens = perplexity(base_model, blocks, batch_size, progress, target_mask)
+    tuned, _ = perplexity(tuned_model, blocks, batch_size, progress, target_mask)
     change = (tuned - base) / base
-    tokens = blocks.shape[0] * (blocks.shape[1] - 1)
     return GateResult(base, tuned, change, max_increase, tokens, change <= max_increase)

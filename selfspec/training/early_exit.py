@@ -100,6 +100,55 @@ class ExitCurriculum:
         return self.layers[k - n_active :]
 
 
+class TrimmedVocab:
+    """The exit loss over V' frequent token ids plus one "other" class that holds the rest.
+
+    A full exit loss reads the whole LM head per position (SmolLM2: 49,152 x 576, eight times one
+    block), so it used to run on a fraction of the positions. Over V' ids it costs V'/V of that and
+    can cover every position. The teacher's mass outside the V' ids is folded into the "other"
+    class and the student gets an "other" logit too, so the loss stays a proper divergence between
+    two distributions over V' + 1 classes. With V' = V there is no other class and the loss equals
+    the full one. The draft head trimmed to the same ids (`decoding.draft_head`) proposes from them.
+
+    token_ids: (V',) distinct ids in 0..V-1 (e.g. `frequent_tokens(counts, V')`).
+    """
+
+    def __init__(self, token_ids, vocab_size: int):
+        ids = torch.as_tensor(token_ids, dtype=torch.long)
+        if ids.dim() != 1 or ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+            raise ValueError(f"trimmed vocabulary ids must be a non-empty list of ids in 0..{vocab_size - 1}")
+        if ids.unique().numel() != ids.numel():
+            raise ValueError("trimmed vocabulary ids must not repeat")
+        self.token_ids, self.vocab_size = ids, vocab_size
+        self.has_other = ids.numel() < vocab_size
+        # class of every token id: its place among the V' ids, or V' (other) outside them
+        self.class_of = torch.full((vocab_size,), ids.numel(), dtype=torch.long)
+        self.class_of[ids] = torch.arange(ids.numel())
+
+    @property
+    def num_classes(self) -> int:
+        """V' + 1 with an "other" class, V' when the ids cover the whole vocabulary."""
+        return self.token_ids.numel() + int(self.has_other)
+
+    def to(self, device) -> TrimmedVocab:
+        self.token_ids, self.class_of = self.token_ids.to(device), self.class_of.to(device)
+        return self
+
+    def fold_logits(self, teacher: torch.Tensor) -> torch.Tensor:
+        """Logits (n, V) -> (n, V' [+1]) whose softmax is the folded softmax: the V' ids' own
+        logits and, for "other", the logsumexp of all the rest (exact, not an estimate)."""
+        sub = teacher.index_select(-1, self.token_ids)  # (n, V')
+        if not self.has_other:
+            return sub
+        outside = teacher.index_fill(-1, self.token_ids, float("-inf"))  # (n, V): only the other ids
+        return torch.cat([sub, outside.logsumexp(-1, keepdim=True)], dim=-1)
+
+    def fold_labels(self, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+        """Token ids -> classes (V' for ids outside the subset); ignore_index stays."""
+        valid = labels != ignore_index
+        return torch.where(valid, self.class_of[labels.clamp(min=0)], labels)
+
+
 def _teacher_targets(teacher: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Teacher probabilities p (n, V) and Σ_v p log p (n,), computed once and shared by every exit.
 
@@ -133,7 +182,7 @@ def _token_loss_sum(
         if valid is not None:
             kl_tok = torch.where(valid, kl_tok, 0.0)
         total = total + kl_tok.sum() * temperature**2
-    if kind in ("ce", "both"):
+    if kind in ("ce", "both", "argmax"):  # argmax: `labels` are the teacher's argmax classes
         total = total + F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
     return total
 
@@ -161,7 +210,7 @@ def _validate_loss_args(
         )
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    if kind in ("kl", "both") and teacher_logits is None:
+    if kind in ("kl", "both", "argmax") and teacher_logits is None:
         raise ValueError(f"early-exit loss kind {kind!r} needs teacher_logits")
     if kind in ("ce", "both") and labels is None:
         raise ValueError(f"early-exit loss kind {kind!r} needs labels")
@@ -194,6 +243,7 @@ def early_exit_loss(
     chunk_size: int = 1024,
     ignore_index: int = -100,
     checkpoint_chunks: bool = True,
+    vocab: TrimmedVocab | None = None,
 ) -> torch.Tensor:
     """Weighted early-exit loss over exits, computed in token chunks; returns a scalar tensor.
 
@@ -201,7 +251,9 @@ def early_exit_loss(
         exit_hidden: L exit hidden states, a list of (B, T, D) or one (L, B, T, D) tensor.
         head_fn: the model's final norm + LM head, mapping (n, D) to logits (n, V).
         weights: (L,) weight of each exit (e.g. :func:`layer_weights` of the active layers).
-        kind: ``kl`` (distil from the teacher), ``ce`` (to the labels) or ``both`` (their sum).
+        kind: ``kl`` (distil from the teacher), ``ce`` (to the labels), ``both`` (their sum) or
+            ``argmax`` (CE to the teacher's argmax: the direct surrogate of greedy acceptance). Soft
+            CE to the teacher is KL plus the teacher's entropy, which has no gradient: ``kl`` is it.
         teacher_logits: (B, T, V) logits of the full model; detached here (no gradient to it).
         labels: (B, T) targets, already shifted (position t predicts labels[:, t]). Positions equal
             to ``ignore_index`` are left out of both KL and CE; with no labels every position counts.
@@ -210,6 +262,8 @@ def early_exit_loss(
         chunk_size: tokens (rows of the flattened B*T) per chunk.
         checkpoint_chunks: recompute each chunk's logits in backward instead of keeping them, so
             that the backward pass too holds one (chunk, V) logits block at a time.
+        vocab: the loss over V' ids plus "other" (`TrimmedVocab`): ``head_fn`` then returns
+            (n, vocab.num_classes) logits, and the teacher and the labels are folded to match.
 
     Loss of one exit = (Σ over valid tokens of τ²·KL and/or CE) / number of valid tokens; the result
     is Σ_e weights[e] · loss_e. If no token is valid the result is 0 (not NaN), so a fully padded
@@ -228,9 +282,19 @@ def early_exit_loss(
 
     # Flatten (B, T) -> (B*T,) once; reshape of contiguous tensors is a view, no copy.
     teacher_flat = None
-    if teacher_logits is not None and kind in ("kl", "both"):
-        teacher_flat = _teacher_targets(teacher_logits.reshape(-1, teacher_logits.shape[-1]), temperature)
     labels_flat = None if labels is None else labels.reshape(-1)  # (B*T,)
+    if teacher_logits is not None and kind in ("kl", "both", "argmax"):
+        teacher_2d = low_precision_to_float(teacher_logits.detach()).reshape(-1, teacher_logits.shape[-1])  # (n, V)
+        if kind == "argmax":
+            argmax = teacher_2d.argmax(-1)  # (n,)
+            labels_flat = argmax if labels_flat is None else torch.where(labels_flat != ignore_index, argmax,
+                                                                         labels_flat)
+        else:
+            if vocab is not None:  # fold at temperature τ, then undo the 1/τ that _teacher_targets applies
+                teacher_2d = vocab.fold_logits(teacher_2d / temperature) * temperature  # (n, V' + 1)
+            teacher_flat = _teacher_targets(teacher_2d, temperature)
+    if vocab is not None and labels_flat is not None:
+        labels_flat = vocab.fold_labels(labels_flat, ignore_index)
     if labels_flat is None:
         n_valid = hiddens[0].shape[0] * hiddens[0].shape[1]
     else:

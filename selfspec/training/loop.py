@@ -29,11 +29,13 @@ from .. import data as data_lib
 from ..agreement import exit_layer_metrics
 from ..checkpoint import CheckpointError, read_meta, save_tuned
 from ..config import RunConfig, default_exit_layer, parse_layers, to_dict
-from ..cpu import keep_freed_memory
+from ..cpu import has_bf16_units, keep_freed_memory
+from ..decoding.draft_head import frequent_tokens
 from ..files import write_json_atomic, write_text_atomic
+from ..metrics import choose_exit, weight_draft_cost
 from ..model import DecoderView
 from ..model.loading import build_llama, load_causal_lm, load_tokenizer
-from .early_exit import ExitCurriculum
+from .early_exit import ExitCurriculum, TrimmedVocab
 from .layer_dropout import LayerDropout
 from .objective import SelfSpecObjective
 
@@ -164,8 +166,11 @@ def apply_lora(model, cfg: RunConfig, exit_layer: int):
                                             task_type="CAUSAL_LM"))
 
 
-def build_objective(model, cfg: RunConfig, num_layers: int, exit_layer: int) -> SelfSpecObjective:
-    """The training module for `cfg`: layer dropout + early-exit losses around `model`."""
+def build_objective(model, cfg: RunConfig, num_layers: int, exit_layer: int, token_counts=None) -> SelfSpecObjective:
+    """The training module for `cfg`: layer dropout + early-exit losses around `model`.
+
+    token_counts: (V,) frequencies of the training data, which rank the ids of a trimmed exit loss
+    (`early_exit.draft_vocab_size`)."""
     dropout = None
     if cfg.layer_dropout.p_max > 0:
         ld = cfg.layer_dropout
@@ -179,10 +184,19 @@ def build_objective(model, cfg: RunConfig, num_layers: int, exit_layer: int) -> 
     frozen = None
     if layers and ee.teacher == "frozen" and not cfg.lora.enabled:
         frozen = copy.deepcopy(model).eval().requires_grad_(False)
+    vocab = None
+    if layers and ee.draft_vocab_size is not None:
+        vocab_size = DecoderView(model).lm_head.weight.shape[0]
+        if ee.draft_vocab_size > vocab_size:
+            raise ValueError(f"early_exit.draft_vocab_size = {ee.draft_vocab_size} exceeds the model's "
+                             f"{vocab_size}-token vocabulary; choose at most {vocab_size}, or null")
+        if token_counts is None:
+            raise ValueError("early_exit.draft_vocab_size needs the training data's token counts")
+        vocab = TrimmedVocab(frequent_tokens(token_counts, ee.draft_vocab_size), vocab_size)
     return SelfSpecObjective(model, dropout, layers, curriculum, exit_kind=ee.kind, exit_scale=ee.scale,
                              exit_weight=ee.weight, temperature=ee.temperature, chunk_size=ee.chunk_size,
                              teacher=ee.teacher, frozen_model=frozen, token_fraction=ee.token_fraction,
-                             seed=cfg.seed, final_weight=ee.final_weight)
+                             seed=cfg.seed, final_weight=ee.final_weight, exit_vocab=vocab)
 
 
 @dataclass
@@ -201,6 +215,7 @@ class _Run:
     train_blocks: object
     val_blocks: object
     exit_layer: int
+    token_counts: object  # (V,) token frequencies of the training blocks
     step: int = 0  # optimizer steps done
     micro: int = 0  # micro-batches consumed (per process)
 
@@ -214,7 +229,8 @@ class _Run:
                         objective_inner(self.objective).exit_layers, self.exit_layer, self.cfg)
 
     def batches(self):
-        """Training batches (B, T) forever, epoch after epoch, from where `micro` says the run is."""
+        """Training batches forever, epoch after epoch, from where `micro` says the run is: input_ids
+        (B, T) and, for chat data, target_mask (B, T)."""
         batches_per_epoch = len(self.loader)
         while True:
             epoch, offset = divmod(self.micro, batches_per_epoch)
@@ -222,7 +238,7 @@ class _Run:
             epoch_loader = self.accelerator.skip_first_batches(self.loader, offset) if offset else self.loader
             for batch in epoch_loader:
                 self.micro += 1
-                yield batch["input_ids"]
+                yield batch["input_ids"], batch.get("target_mask")
 
 
 def train(cfg: RunConfig, resume: bool = False, progress: bool = True, kind: str = "tuned",
@@ -281,29 +297,35 @@ def _setup(cfg: RunConfig, output_dir: Path) -> _Run:
     if accelerator.device.type == "cpu":
         _set_cpu_threads(cfg.cpu_threads, int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes)))
         keep_freed_memory()
+        if accelerator.mixed_precision == "bf16" and has_bf16_units() is False:
+            accelerator.print("warning: mixed_precision bf16 on a CPU without bf16 units is emulated and many times "
+                              "slower than fp32; set mixed_precision=no on this machine")
 
     with accelerator.main_process_first():
-        corpus = data_lib.load_text_corpus(cfg.data.source, cfg.data.text_field, cache_dir=cfg.data.cache_dir,
-                                           seed=cfg.seed)
+        corpus = data_lib.load_corpus(cfg.data.source, cfg.data.text_field, cache_dir=cfg.data.cache_dir,
+                                      seed=cfg.seed)
         model, tokenizer = build_model_and_tokenizer(cfg, corpus)
-        train_blocks = data_lib.pack_dataset(corpus["train"], tokenizer, cfg.data.block_size, cfg.data.text_field,
-                                             max_blocks=cfg.data.max_train_blocks, cache_dir=cfg.data.cache_dir)
-        val_blocks = data_lib.pack_dataset(corpus["validation"], tokenizer, cfg.data.block_size,
-                                           cfg.data.text_field, max_blocks=cfg.data.max_eval_blocks,
-                                           cache_dir=cfg.data.cache_dir)
+        train_blocks = data_lib.pack_split(corpus["train"], tokenizer, cfg.data.block_size, cfg.data.text_field,
+                                           max_blocks=cfg.data.max_train_blocks, cache_dir=cfg.data.cache_dir)
+        val_blocks = data_lib.pack_split(corpus["validation"], tokenizer, cfg.data.block_size, cfg.data.text_field,
+                                         max_blocks=cfg.data.max_eval_blocks, cache_dir=cfg.data.cache_dir)
     view = DecoderView(model)
     num_layers, limit = view.num_layers, view.max_positions
     if limit is not None and cfg.data.block_size > limit:
         raise ValueError(f"data.block_size = {cfg.data.block_size} exceeds the model's {limit} positions; "
                          f"set data.block_size <= {limit}")
     exit_layer = cfg.exit_layer or default_exit_layer(num_layers)
+    if cfg.choose_exit and cfg.early_exit.layers is None:
+        raise ValueError("choose_exit picks among the candidate exits: set early_exit.layers, or choose_exit=false")
     if exit_layer > num_layers:
         raise ValueError(f"exit_layer = {exit_layer} is larger than the model's {num_layers} layers")
     if cfg.lora.enabled:
         model = apply_lora(model, cfg, exit_layer)
     elif cfg.trainable == "draft":
         freeze_all_but_draft(model, exit_layer)
-    objective = build_objective(model, cfg, num_layers, exit_layer)
+    # Token frequencies of the training data: the ranking of a trimmed exit loss and draft head.
+    token_counts = data_lib.count_tokens(train_blocks, view.lm_head.weight.shape[0])
+    objective = build_objective(model, cfg, num_layers, exit_layer, token_counts)
     if objective.frozen_model is not None:
         objective.frozen_model.to(accelerator.device)
 
@@ -327,7 +349,7 @@ def _setup(cfg: RunConfig, output_dir: Path) -> _Run:
         raise ValueError(f"the training split has fewer than optim.batch_size = {cfg.optim.batch_size} blocks; "
                          f"lower optim.batch_size or data.block_size")
     return _Run(cfg, output_dir, accelerator, objective, optimizer, scheduler, loader, trainable, tokenizer,
-                train_blocks, val_blocks, exit_layer)
+                train_blocks, val_blocks, exit_layer, token_counts)
 
 
 def _resume(run: _Run) -> None:
@@ -346,9 +368,9 @@ def _train_step(run: _Run, stream) -> dict:
     cfg, accelerator = run.cfg, run.accelerator
     sums = {}  # device tensors: read back once per step, not once per micro-batch and key
     for _ in range(cfg.optim.grad_accum):
-        input_ids = next(stream)
+        input_ids, target_mask = next(stream)
         with accelerator.accumulate(run.objective):
-            out = run.objective(input_ids, step=run.step)
+            out = run.objective(input_ids, step=run.step, target_mask=target_mask)
             accelerator.backward(out["loss"])
             _fault_point("mid_step", run.step + 1)
             if accelerator.sync_gradients and cfg.optim.grad_clip > 0:
@@ -391,13 +413,19 @@ def _finish(run: _Run, kind: str, seconds: float) -> TrainResult:
         prefix = "model."
         state_dict = {k[len(prefix):]: v for k, v in accelerator.get_state_dict(objective).items()
                       if k.startswith(prefix)}
+    choice = exit_choice(objective_inner(objective), final) if cfg.choose_exit else None
+    exit_layer = choice["exit_layer"] if choice else run.exit_layer
+    if choice:
+        accelerator.print(f"exit chosen on the validation split: E = {exit_layer}, k = {choice['num_speculations']}, "
+                          f"predicted {choice['predicted_speedup']:.2f}x")
     if accelerator.is_main_process:
         inner = accelerator.unwrap_model(objective).model
-        # Token frequencies of the training data: the ranking of a trimmed draft head (draft_head.py).
-        token_counts = data_lib.count_tokens(run.train_blocks, inner.get_output_embeddings().weight.shape[0])
-        save_tuned(model_dir, inner, run.tokenizer, state_dict=state_dict, exit_layer=run.exit_layer,
-                   token_counts=token_counts, token_counts_source=f"training data ({cfg.data.source}, train split)",
-                   num_speculations=cfg.num_speculations,
+        save_tuned(model_dir, inner, run.tokenizer, state_dict=state_dict, exit_layer=exit_layer,
+                   token_counts=run.token_counts,
+                   token_counts_source=f"training data ({cfg.data.source}, train split)",
+                   draft_vocab_size=cfg.early_exit.draft_vocab_size,
+                   num_speculations=choice["num_speculations"] if choice else cfg.num_speculations,
+                   exit_choice=choice,
                    base_model=None if cfg.model.from_scratch else cfg.model.name_or_path, training=to_dict(cfg),
                    metrics={**final, "steps": run.step, "tokens_seen": run.tokens,
                             "train_seconds": round(seconds, 1), "processes": accelerator.num_processes,
@@ -405,6 +433,18 @@ def _finish(run: _Run, kind: str, seconds: float) -> TrainResult:
                    kind=kind)
     accelerator.end_training()
     return TrainResult(run.output_dir, model_dir, run.step, run.tokens, seconds, final)
+
+
+def exit_choice(objective: SelfSpecObjective, metrics: dict) -> dict:
+    """`metrics.choose_exit` over the candidate exits, α from the validation agreement in `metrics`
+    and c from the weights each draft reads (the trimmed head's V' rows when the loss had them)."""
+    view = objective.view
+    blocks = [sum(p.numel() for p in block.parameters()) for block in view.layers]
+    head = view.lm_head.weight.numel()
+    vocab = objective.exit_vocab
+    draft_head = head if vocab is None else vocab.token_ids.numel() * view.lm_head.weight.shape[1]
+    acceptance = {e: metrics[f"val/top1_agreement@{e}"] for e in objective.exit_layers}
+    return choose_exit(acceptance, {e: weight_draft_cost(e, blocks, head, draft_head) for e in acceptance})
 
 
 def train_or_reuse(cfg: RunConfig, kind: str = "tuned", force: bool = False, resume: bool = False,
@@ -488,9 +528,11 @@ def _fault_point(point: str, step: int) -> None:
 def evaluate(accelerator, objective, val_blocks, exit_layers, exit_layer, cfg) -> dict:
     """Validation metrics per candidate layer (and the final layer), averaged over all processes."""
     model = objective_inner(objective).model
-    shard = val_blocks["input_ids"][accelerator.process_index::accelerator.num_processes]
+    ids, mask = data_lib.block_tensors(val_blocks)
+    rows = slice(accelerator.process_index, None, accelerator.num_processes)
     layers = sorted(set(exit_layers) | {exit_layer})
-    report = exit_layer_metrics(model, shard, layers, batch_size=cfg.optim.batch_size, reduce=accelerator.reduce)
+    report = exit_layer_metrics(model, ids[rows], layers, batch_size=cfg.optim.batch_size, reduce=accelerator.reduce,
+                                target_mask=None if mask is None else mask[rows])
     num_layers = max(report)
     out = {"val/loss": report[num_layers]["loss"], "val/perplexity": report[num_layers]["perplexity"]}
     for layer in layers:

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..agreement import IGNORE_INDEX, shifted_labels
 from ..model import DecoderView
-from .early_exit import ExitCurriculum, early_exit_loss, layer_weights
+from .early_exit import ExitCurriculum, TrimmedVocab, early_exit_loss, layer_weights
 from .layer_dropout import LayerDropout, apply_block
 
 
@@ -30,6 +30,10 @@ class SelfSpecObjective(nn.Module):
     teacher: "self" (the detached final logits of this same forward) or "frozen" (the original model
         without dropout: `frozen_model` for a full fine-tune, the base with adapters disabled under
         LoRA, so the weights are never copied).
+    exit_vocab: exit losses over V' ids plus "other" (`TrimmedVocab`). The student's "other" logit
+        is w·norm(h) + b, one trained row beside the head (it exists for the loss only; a draft
+        proposes from the V' ids), initialised at the mean head row of the other ids and
+        log(V - V'): a lower bound of their logsumexp by Jensen's inequality.
     """
 
     def __init__(self, model: nn.Module, layer_dropout: LayerDropout | None = None,
@@ -37,7 +41,7 @@ class SelfSpecObjective(nn.Module):
                  exit_kind: str = "kl", exit_scale: str = "uniform", exit_weight: float = 1.0,
                  temperature: float = 1.0, chunk_size: int = 1024, teacher: str = "self",
                  frozen_model: nn.Module | None = None, token_fraction: float = 1.0, seed: int = 0,
-                 final_weight: float = 1.0):
+                 final_weight: float = 1.0, exit_vocab: TrimmedVocab | None = None):
         super().__init__()
         self.model = model
         self.__dict__["view"] = DecoderView(model)  # a plain attribute: the same modules, not registered twice
@@ -53,8 +57,38 @@ class SelfSpecObjective(nn.Module):
         self.__dict__["frozen_model"] = frozen_model
         if teacher == "frozen" and frozen_model is None and not hasattr(model, "disable_adapter"):
             raise ValueError("teacher 'frozen' needs frozen_model for a full fine-tune (or a PEFT model)")
+        self.exit_vocab = exit_vocab
+        if exit_vocab is not None:
+            head = self.view.lm_head.weight.detach()  # (V, D)
+            exit_vocab.to(head.device)
+            if exit_vocab.has_other:
+                outside = exit_vocab.class_of == exit_vocab.token_ids.numel()  # (V,)
+                self.other_row = nn.Parameter(head[outside].mean(0).clone())  # (D,)
+                self.other_bias = nn.Parameter(torch.tensor(math.log(int(outside.sum())), dtype=head.dtype))
 
-    def forward(self, input_ids: torch.Tensor, step: int = 0) -> dict[str, torch.Tensor]:
+    def _exit_head(self):
+        """norm + head for the exit losses: (n, D) -> (n, V) logits, or (n, V' [+1]) over the trimmed vocabulary."""
+        view, vocab = self.view, self.exit_vocab
+        if vocab is None:
+            return view.exit_logits
+        # The V' rows, gathered once per forward; their gradient flows back into the head.
+        weight = view.lm_head.weight.index_select(0, vocab.token_ids)  # (V', D)
+        bias = getattr(view.lm_head, "bias", None)
+        bias = None if bias is None else bias.index_select(0, vocab.token_ids)
+
+        def head(hidden: torch.Tensor) -> torch.Tensor:
+            normed = view.final_norm(hidden)  # (n, D)
+            logits = F.linear(normed, weight, bias)  # (n, V')
+            if not vocab.has_other:
+                return logits
+            other = F.linear(normed, self.other_row[None].to(normed.dtype), self.other_bias[None].to(normed.dtype))
+            return torch.cat([logits, other], dim=-1)  # (n, V' + 1)
+
+        return head
+
+    def forward(self, input_ids: torch.Tensor, step: int = 0, target_mask: torch.Tensor | None = None
+                ) -> dict[str, torch.Tensor]:
+        """The losses of one batch (B, T); `target_mask` (B, T) limits them to chat data's assistant tokens."""
         view = self.view
         batch = input_ids.shape[0]
         drop = None
@@ -73,10 +107,13 @@ class SelfSpecObjective(nn.Module):
                 hidden = block(hidden) if drop is None else apply_block(block, hidden, drop[index])
             if index + 1 in active:
                 exits.append(hidden)
-        labels = shifted_labels(input_ids)
+        labels = shifted_labels(input_ids, target_mask)
         with torch.no_grad() if grad_end < view.num_layers else nullcontext():
             logits = view.exit_logits(hidden)  # (B, T, V)
-            final_ce = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
+            # A sum over the targets / their count: a batch without targets gives 0, not nan.
+            targets = (labels != IGNORE_INDEX).sum().clamp(min=1)
+            final_ce = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+                                       reduction="sum") / targets
 
         out = {"final_ce": final_ce.detach()}
         loss = self.final_weight * final_ce
@@ -86,9 +123,10 @@ class SelfSpecObjective(nn.Module):
             if self.token_fraction < 1.0:
                 exits, teacher_logits, exit_labels = self._subsample(exits, teacher_logits, labels, step)
             weights = layer_weights(self.exit_scale, active, view.num_layers).to(hidden.device)
-            exit_loss = early_exit_loss(exits, view.exit_logits, weights, kind=self.exit_kind,
+            exit_loss = early_exit_loss(exits, self._exit_head(), weights, kind=self.exit_kind,
                                         teacher_logits=teacher_logits, labels=exit_labels,
-                                        temperature=self.temperature, chunk_size=self.chunk_size)
+                                        temperature=self.temperature, chunk_size=self.chunk_size,
+                                        vocab=self.exit_vocab)
             loss = loss + self.exit_weight * exit_loss
             out["exit_loss"] = exit_loss.detach()
         out["loss"] = loss

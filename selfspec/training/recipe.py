@@ -23,7 +23,8 @@ def parse_recipe_args(description: str, default_config: str, argv: list[str] | N
                         help="replace a previous run in output_dir (pretrain.py: retrain even if a model trained "
                              "with this config is there)")
     parser.add_argument("overrides", nargs="*", help="field overrides such as optim.max_steps=100")
-    args = parser.parse_args(argv)
+    # intermixed: overrides may stand on both sides of a flag (`a=1 --force b=2`)
+    args = parser.parse_intermixed_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:

