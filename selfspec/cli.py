@@ -188,6 +188,23 @@ def generate(model_dir: str, prompts: list[str], max_new_tokens: int = 64, tempe
     return texts
 
 
+def distill_data(model_dir: str, prompts: str, out: str, *, limit: int | None = None, batch_size: int = 8,
+                 max_new_tokens: int = 256, max_prompt_tokens: int = 512, temperature: float = 0.0, seed: int = 0,
+                 drafter: str = "ngram", force: bool = False) -> dict:
+    """The model's own replies to `prompts` into `out/responses.jsonl` (see `selfspec.data.distill`)."""
+    from .checkpoint import load_tuned
+    from .data.distill import distill_prompts, distill_responses
+
+    pairs = distill_prompts(prompts, read_prompt_file)[:limit]
+    generator = load_tuned(model_dir, drafter=drafter, num_speculations="auto")
+    summary = distill_responses(generator, pairs, out, model_name=str(model_dir), batch_size=batch_size,
+                                max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens,
+                                temperature=temperature, seed=seed, force=force)
+    print(f"{summary['file']}: {summary['rows']} replies ({summary['new_rows']} new, {summary['tokens']:,} tokens in "
+          f"{summary['seconds']} s); {summary['skipped_long']} prompts over {max_prompt_tokens} tokens skipped")
+    return summary
+
+
 def import_gguf(source: str, out: str, force: bool = False) -> Path:
     """Dequantise a GGUF file (or the one an installed package ships) into a model directory."""
     from .checkpoint import save_tuned
@@ -327,6 +344,22 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--max-blocks", type=int, default=None, help="count only the first blocks (default: all)")
 
+    p = sub.add_parser("distill-data", help="the model's own replies to chat prompts (cached, resumable), "
+                                            "a chat .jsonl for the fine-tune")
+    p.add_argument("model", help="a checkpoint directory with a chat tokenizer (e.g. runs/smollm2/base)")
+    p.add_argument("--prompts", default="sharegpt", help="sharegpt (its train split), a question .jsonl "
+                                                         "(turns), or a prompt file (one per line, .jsonl prompt)")
+    p.add_argument("--out", required=True, help="directory for responses.jsonl and manifest.json")
+    p.add_argument("--limit", type=int, default=None, help="answer only the first prompts")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-prompt-tokens", type=int, default=512, help="skip longer prompts (counted)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy replies")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--drafter", choices=DRAFTERS, default="ngram",
+                   help="how to decode them fast; every drafter gives the model's own replies (lossless)")
+    p.add_argument("--force", action="store_true", help="start --out again")
+
     p = sub.add_parser("layers", help="per-exit-layer agreement with the final layer")
     p.add_argument("model")
     data_flags(p)
@@ -366,8 +399,12 @@ def _parser() -> argparse.ArgumentParser:
                                                           "Hugging Face's generators"))
     sweep.add_arguments(ev.add_parser("sweep", help="speedup over a grid of exit layers E and draft lengths k, "
                                                     "plot, best (E, k) into selfspec.json"))
-    p = ev.add_parser("curve", help="acceptance at the exits and perplexity vs training tokens (curve.png)")
-    p.add_argument("run", help="a training run's output_dir (it holds metrics.jsonl)")
+    p = ev.add_parser("curve", help="acceptance at the exits and perplexity vs training tokens (curve.png); "
+                                    "several runs: their acceptance at one exit vs tokens and minutes on one PNG")
+    p.add_argument("runs", nargs="+", help="training runs' output_dirs (each holds metrics.jsonl)")
+    p.add_argument("--exit-layer", type=int, help="with several runs: the exit to compare (default: the first "
+                                                  "run's selfspec.json)")
+    p.add_argument("--out", default="runs/recipes.png", help="with several runs: the PNG to write")
     return parser
 
 
@@ -388,6 +425,10 @@ def main(argv: list[str] | None = None) -> int:
             import_gguf(args.source, args.out, args.force)
         elif args.command == "draft-vocab":
             draft_vocab_counts(args.model, args.data, args.split, args.block_size, args.max_blocks)
+        elif args.command == "distill-data":
+            distill_data(args.model, args.prompts, args.out, limit=args.limit, batch_size=args.batch_size,
+                         max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
+                         temperature=args.temperature, seed=args.seed, drafter=args.drafter, force=args.force)
         elif args.command == "layers":
             layers_report(args.model, args.data, args.split, args.block_size, args.max_blocks, args.json)
         elif args.command == "generate":
@@ -398,9 +439,14 @@ def main(argv: list[str] | None = None) -> int:
                      args.chat, args.top_k, args.top_p, args.exit_layer, [] if args.no_eos else args.eos, args.stop,
                      not args.no_stream, args.drafter, args.draft_vocab_size)
         elif args.command == "eval" and args.eval_command == "curve":
-            from .evaluation.curves import write_curve
+            from .evaluation.curves import plot_runs, read_curve, write_curve
 
-            print(f"wrote {write_curve(args.run)}")
+            if len(args.runs) == 1:
+                print(f"wrote {write_curve(args.runs[0])}")
+            else:
+                exit_layer = args.exit_layer or read_meta(Path(args.runs[0]) / "model")["exit_layer"]
+                curves = {run: read_curve(run) for run in args.runs}
+                print(f"wrote {plot_runs(curves, exit_layer, args.out)}")
         elif args.command == "eval" and args.eval_command == "gate":
             passed = gate(args.tuned, args.base, args.max_increase, args.data, args.split, args.block_size,
                           args.max_blocks, args.json)

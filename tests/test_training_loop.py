@@ -74,8 +74,15 @@ def test_the_curve_starts_at_the_untuned_model_and_follows_every_evaluation(tiny
     curve = read_curve(tmp_path)
     assert curve["steps"] == [0, 2, 3] and curve["tokens"] == [0, 2 * 4 * 32, 3 * 4 * 32]
     assert set(curve["exits"]) == {1, 2, 3} and len(curve["exits"][2]["top1_agreement"]) == 3
+    assert curve["minutes"][0] == 0.0 and curve["minutes"][1] <= curve["minutes"][2]
     assert main(["eval", "curve", str(tmp_path)]) == 0
     assert (tmp_path / "curve.png").stat().st_size > 0 and (tmp_path / "curve.json").is_file()
+    other = tmp_path / "other"
+    train(run_config(tiny_run, other, "optim.max_steps=2", "eval_every=1", "layer_dropout.p_max=0.0"), progress=False)
+    out = tmp_path / "recipes.png"
+    assert main(["eval", "curve", str(tmp_path), str(other), "--out", str(out)]) == 0  # exit 2 from selfspec.json
+    assert out.stat().st_size > 0
+    assert main(["eval", "curve", str(tmp_path), str(other), "--exit-layer", "4", "--out", str(out)]) == 2
 
 
 def test_resume_reproduces_an_uninterrupted_run(tiny_run, tmp_path):

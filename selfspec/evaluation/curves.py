@@ -1,6 +1,7 @@
 """Training curves: acceptance at the exit layers and the final layer's perplexity against tokens seen.
 
     selfspec eval curve runs/smollm2/tuned          # reads metrics.jsonl, writes curve.png + curve.json
+    selfspec eval curve runs/a runs/b --exit-layer 10 --out recipes.png   # recipes side by side
 
 The curve is what tells a user what more training would buy: greedy acceptance (top-1 agreement)
 and expected acceptance at each candidate exit, and validation perplexity, at every evaluation of the
@@ -23,13 +24,16 @@ def read_curve(run_dir: str | Path) -> dict:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise ValueError(f"{path} does not exist; pass the output_dir of a training run")
-    curve = {"steps": [], "tokens": [], "perplexity": [], "exits": {}}
+    curve = {"steps": [], "tokens": [], "minutes": [], "perplexity": [], "exits": {}}
+    minutes = 0.0  # a step row's wall clock carries over to the evaluation row logged after it
     for line in path.read_text().splitlines():
         row = json.loads(line)
+        minutes = row.get("minutes", minutes)
         if "val/perplexity" not in row:
             continue
         curve["steps"].append(row["step"])
         curve["tokens"].append(row["tokens"])
+        curve["minutes"].append(minutes if row["step"] else 0.0)
         curve["perplexity"].append(row["val/perplexity"])
         for key, value in row.items():
             match = _EXIT_KEY.match(key)
@@ -67,8 +71,38 @@ def plot_curve(curve: dict, out_png: str | Path, title: str = "") -> Path:
     left.grid(alpha=0.3)
     handles = left.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
     labels = left.get_legend_handles_labels()[1] + right.get_legend_handles_labels()[1]
-    left.legend(handles, labels, loc="upper left", fontsize=8)
+    # Below the axes: inside, it sat on the acceptance curves.
+    left.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, fontsize=8)
     left.set_title(title or "acceptance at the exit vs training tokens")
+    fig.tight_layout()
+    return save_figure(fig, out_png)
+
+
+def plot_runs(curves: dict[str, dict], exit_layer: int, out_png: str | Path) -> Path:
+    """Greedy acceptance at `exit_layer` for several runs (label -> `read_curve`), against training
+    tokens (left) and wall-clock minutes (right), on one PNG: what each recipe and more time buy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_tokens, by_minutes) = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for label, curve in curves.items():
+        values = curve["exits"].get(exit_layer, {}).get("top1_agreement")
+        if not values:
+            raise ValueError(f"run {label!r} has no evaluation at exit {exit_layer}; "
+                             f"pick one of {sorted(curve['exits'])}")
+        by_tokens.plot([t / 1e3 for t in curve["tokens"]], values, "-o", markersize=3, label=label)
+        if any(curve["minutes"]):
+            by_minutes.plot(curve["minutes"], values, "-o", markersize=3, label=label)
+    by_tokens.set_xlabel("training tokens (thousands)")
+    by_minutes.set_xlabel("training minutes (wall clock)")
+    by_tokens.set_ylabel(f"greedy α at exit {exit_layer} (validation top-1)")
+    for axis in (by_tokens, by_minutes):
+        axis.grid(alpha=0.3)
+        axis.set_ylim(0, 1)
+    by_tokens.legend(fontsize=8, loc="upper left")
+    fig.suptitle(f"held-out acceptance at exit {exit_layer} per recipe")
     fig.tight_layout()
     return save_figure(fig, out_png)
 

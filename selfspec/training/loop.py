@@ -271,6 +271,7 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True, kind: str
             last_eval = run.evaluate()
             logs.update(last_eval)
             run.objective.train()
+        logs["minutes"] = (time.perf_counter() - start_time) / 60  # wall clock: the per-minute curves (not a budget)
         run.accelerator.log(logs, step=run.step)
         window = (window + [logs["loss"]])[-20:]
         bar.set_postfix(_progress_postfix(window, last_eval, run.exit_layer))

@@ -1,0 +1,95 @@
+"""On-policy distillation data: the model's own replies, resumable after a kill, refused when the
+directory was made by another model or tokenizer."""
+
+import json
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from selfspec.checkpoint import save_tuned
+from selfspec.cli import main
+from selfspec.data import ChatDataError, load_chat_corpus
+from selfspec.data.distill import RESPONSES, distill_prompts, distill_responses
+from selfspec.decoding import SelfSpecGenerator
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def chat_ckpt(tiny_run, tmp_path_factory):
+    root = tmp_path_factory.mktemp("distill")
+    tokenizer = type(tiny_run["tokenizer"]).from_pretrained(tiny_run["model"])
+    tokenizer.chat_template = CHATML
+    model = AutoModelForCausalLM.from_pretrained(tiny_run["model"]).eval()
+    save_tuned(root / "model", model, tokenizer, exit_layer=2, kind="base")
+    prompts = root / "prompts.txt"
+    prompts.write_text("".join(f"def f{i}(x):\n" for i in range(7)))
+    return {"dir": root / "model", "model": model, "tokenizer": tokenizer, "prompts": prompts}
+
+
+def _generator(chat_ckpt):
+    return SelfSpecGenerator(chat_ckpt["model"], chat_ckpt["tokenizer"], exit_layer=2, drafter="ngram")
+
+
+def _pairs(n=7):
+    return [(f"p{i}", f"def f{i}(x):") for i in range(n)]
+
+
+def test_replies_are_the_models_own_greedy_continuations(chat_ckpt, tmp_path):
+    summary = distill_responses(_generator(chat_ckpt), _pairs(3), tmp_path, model_name="tiny", batch_size=2,
+                                max_new_tokens=6, progress=False)
+    assert summary["rows"] == 3 and summary["new_rows"] == 3
+    rows = [json.loads(line) for line in (tmp_path / RESPONSES).read_text().splitlines()]
+    tokenizer = chat_ckpt["tokenizer"]
+    for row, (_, prompt) in zip(rows, _pairs(3)):
+        ids = tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                      add_generation_prompt=True), return_tensors="pt")["input_ids"]
+        plain = chat_ckpt["model"].generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1]:]
+        eos = tokenizer.eos_token_id
+        plain = plain[:(plain == eos).nonzero()[0, 0] + 1] if (plain == eos).any() else plain
+        assert row["messages"][1]["content"] == tokenizer.decode(plain, skip_special_tokens=True).strip()
+        assert row["messages"][0] == {"role": "user", "content": prompt}
+    # The file is chat data for the fine-tune as it is.
+    corpus = load_chat_corpus(str(tmp_path / RESPONSES))
+    assert sum(len(split) for split in corpus.values()) == 3
+
+
+def test_a_killed_run_resumes_to_the_same_file_as_an_uninterrupted_one(chat_ckpt, tmp_path):
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    distill_responses(_generator(chat_ckpt), _pairs(), whole, model_name="tiny", batch_size=2, max_new_tokens=5,
+                      progress=False)
+    distill_responses(_generator(chat_ckpt), _pairs(4), killed, model_name="tiny", batch_size=2, max_new_tokens=5,
+                      progress=False)
+    with (killed / RESPONSES).open("a") as handle:
+        handle.write('{"id": "p4", "messages": [{"ro')  # a write torn by the kill
+    summary = distill_responses(_generator(chat_ckpt), _pairs(), killed, model_name="tiny", batch_size=2,
+                                max_new_tokens=5, progress=False)
+    assert summary["new_rows"] == 3 and summary["rows"] == 7
+    assert (killed / RESPONSES).read_text() == (whole / RESPONSES).read_text()
+
+
+def test_a_directory_from_another_model_or_tokenizer_is_refused(chat_ckpt, tmp_path):
+    distill_responses(_generator(chat_ckpt), _pairs(2), tmp_path, model_name="tiny", max_new_tokens=4, progress=False)
+    with pytest.raises(ChatDataError, match="was made with another model"):
+        distill_responses(_generator(chat_ckpt), _pairs(2), tmp_path, model_name="other", max_new_tokens=4,
+                          progress=False)
+    other_tokenizer = type(chat_ckpt["tokenizer"]).from_pretrained(chat_ckpt["dir"])
+    other_tokenizer.chat_template = CHATML.replace("<|im_start|>", "<s>")
+    generator = SelfSpecGenerator(chat_ckpt["model"], other_tokenizer, exit_layer=2, drafter="ngram")
+    with pytest.raises(ChatDataError, match="another tokenizer"):
+        distill_responses(generator, _pairs(2), tmp_path, model_name="tiny", max_new_tokens=4, progress=False)
+
+
+def test_the_command_line_writes_replies_and_bad_prompt_sources_are_one_line(chat_ckpt, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["distill-data", str(chat_ckpt["dir"]), "--prompts", str(chat_ckpt["prompts"]), "--out", str(out),
+                 "--limit", "3", "--max-new-tokens", "4"]) == 0
+    assert len((out / RESPONSES).read_text().splitlines()) == 3
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(json.dumps({"question_id": 1, "category": "x", "turns": ["q" * 3000]}) + "\n")
+    with pytest.raises(ChatDataError, match="holds no usable prompt"):
+        distill_prompts(str(empty))
+    assert main(["distill-data", str(chat_ckpt["dir"]), "--prompts", str(empty), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error:") and "no usable prompt" in err[-1]
