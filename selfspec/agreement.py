@@ -84,13 +84,15 @@ def agreement_metrics(
 
 @torch.no_grad()
 def exit_layer_metrics(model, blocks: torch.Tensor, layers: list[int] | None = None, batch_size: int = 8,
-                       progress: bool = False, reduce=None, target_mask: torch.Tensor | None = None
-                       ) -> dict[int, dict[str, float]]:
+                       progress: bool = False, reduce=None, target_mask: torch.Tensor | None = None,
+                       exit_adapters: dict | None = None) -> dict[int, dict[str, float]]:
     """Per-exit-layer loss, perplexity, top-1 agreement and expected acceptance on `blocks` (n, T).
 
     layers: exit layers 1..N to report (default all, N included). `reduce`, if given, sums a tensor
     across processes (e.g. `accelerator.reduce`), so each process may pass its own shard of blocks.
     target_mask: (n, T), chat data's assistant tokens: only positions that predict one count.
+    exit_adapters: layer -> module applied to that exit's hidden states before the head (an exit
+    adapter: the draft reads the exit through it).
     """
     view = DecoderView(model)
     num_layers = view.num_layers
@@ -111,7 +113,8 @@ def exit_layer_metrics(model, blocks: torch.Tensor, layers: list[int] | None = N
         for index in range(num_layers):
             hidden = view.run_block(index, hidden, context)
             if index + 1 in layers:
-                states[index + 1] = hidden
+                adapter = (exit_adapters or {}).get(index + 1)
+                states[index + 1] = hidden if adapter is None or index + 1 == num_layers else adapter(hidden)
         final_logits = view.exit_logits(states[num_layers]).float()  # (B, T, V)
         for row, layer in enumerate(layers):
             logits = final_logits if layer == num_layers else view.exit_logits(states[layer]).float()

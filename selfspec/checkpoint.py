@@ -13,6 +13,8 @@ The directory loads with plain `AutoModelForCausalLM.from_pretrained` and with
     draft_vocab_size  optional: V', the draft head's vocabulary (the V' most frequent tokens of
                     token_counts.safetensors); absent or null: the whole vocabulary
     token_counts    optional: where token_counts.safetensors was counted {source, tokens}
+    exit_adapter    optional: {exit_layer, file, hidden_size, intermediate_size} of an exit adapter that
+                    the draft at that E reads (trainable: adapter)
     exit_choice     optional: how the fine-tune chose E and k among its candidate exits
                     {exit_layer, num_speculations, predicted_speedup, candidates: {E: {acceptance_rate,
                     draft_cost, num_speculations, predicted_speedup}}}
@@ -32,6 +34,7 @@ from pathlib import Path
 
 from .files import atomic_directory, write_json_atomic
 from .model import num_layers as count_layers
+from .model.exit_adapter import ADAPTER_FILE, load_exit_adapter, save_exit_adapter
 
 META_FILE = "selfspec.json"
 TOKEN_COUNTS_FILE = "token_counts.safetensors"  # (V,) int64 "counts": token frequencies for the draft head
@@ -46,14 +49,15 @@ def save_tuned(path: str | Path, model, tokenizer=None, *, exit_layer: int, num_
                base_model: str | None = None, training: dict | None = None, metrics: dict | None = None,
                kind: str = "tuned", state_dict: dict | None = None, token_counts=None,
                token_counts_source: str | None = None, draft_vocab_size: int | None = None,
-               exit_choice: dict | None = None) -> Path:
+               exit_choice: dict | None = None, exit_adapter=None) -> Path:
     """Save model (safetensors) + tokenizer + selfspec.json into `path`, atomically.
 
     state_dict: the weights to write when the module's own are sharded (FSDP); default its own.
     token_counts: (V,) token frequencies (of the training data) for a trimmed draft head, and
     token_counts_source what they were counted on. draft_vocab_size: V', the draft head's default
     (a fine-tune with a trimmed exit loss stores the V' its exit was trained on). exit_choice: how
-    E and k were chosen among the candidate exits (`metrics.choose_exit`).
+    E and k were chosen among the candidate exits (`metrics.choose_exit`). exit_adapter: an
+    `ExitAdapter` trained for `exit_layer`, saved beside the model (the draft reads it).
 
     Everything is written into a temporary sibling directory first and renamed into place at the end,
     so a crash leaves either the old checkpoint or the new one, never a mixture. A PEFT model is
@@ -78,6 +82,9 @@ def save_tuned(path: str | Path, model, tokenizer=None, *, exit_layer: int, num_
             if token_counts is None:
                 raise CheckpointError("draft_vocab_size needs token_counts (the ranking of the V' ids)")
             meta["draft_vocab_size"] = draft_vocab_size
+        if exit_adapter is not None:
+            save_exit_adapter(exit_adapter, staging)
+            meta["exit_adapter"] = {"exit_layer": exit_layer, "file": ADAPTER_FILE, **exit_adapter.shape}
         if exit_choice is not None:
             meta["exit_choice"] = {**exit_choice, "candidates": {str(e): v for e, v in exit_choice["candidates"].items()}}
         write_json_atomic(staging / META_FILE, meta)
@@ -185,7 +192,22 @@ def load_tuned(path: str | Path, device: str = "cpu", dtype: str = "auto", exit_
     vocab = draft_vocab(path, meta.get("draft_vocab_size") if draft_vocab_size is None else draft_vocab_size)
     model = load_causal_lm(str(path), dtype=dtype, device=device).eval()
     tokenizer = load_tokenizer(str(path)) if (Path(path) / "tokenizer_config.json").is_file() else None
-    return SelfSpecGenerator(model, tokenizer, exit_layer=meta["exit_layer"] if exit_layer is None else exit_layer,
+    exit_layer = meta["exit_layer"] if exit_layer is None else exit_layer
+    return SelfSpecGenerator(model, tokenizer, exit_layer=exit_layer,
+                             exit_adapter=exit_adapter_for(path, exit_layer, model),
                              num_speculations=num_speculations if num_speculations is not None
                              else meta.get("num_speculations", "auto"),
                              drafter=drafter or meta.get("drafter", "early_exit"), ngram=ngram, draft_vocab=vocab)
+
+
+def exit_adapter_for(path: str | Path, exit_layer: int, model):
+    """The checkpoint's exit adapter when it was trained for `exit_layer` (on `model`'s device and
+    dtype), else None: another E drafts through the plain exit."""
+    meta = read_meta(path)
+    entry = meta.get("exit_adapter")
+    if not entry or entry.get("exit_layer") != exit_layer:
+        return None
+    if not (Path(path) / ADAPTER_FILE).is_file():
+        raise CheckpointError(f"{path} names an exit adapter but {ADAPTER_FILE} is missing; re-save the checkpoint")
+    weight = next(model.parameters())
+    return load_exit_adapter(path, entry, device=weight.device, dtype=weight.dtype)

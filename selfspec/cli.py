@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from .checkpoint import read_meta
+from .checkpoint import META_FILE, exit_adapter_for, read_meta
 from .decoding.policy import DRAFTERS
 from .evaluation import benchmark, sweep
 from .files import write_json_atomic
@@ -57,7 +57,9 @@ def layers_report(model_dir: str, source: str = "stdlib", split: str = "test", b
 
     model = load_causal_lm(model_dir).eval()
     blocks, mask = eval_blocks(model_dir, source, split, block_size, max_blocks)
-    report = exit_layer_metrics(model, blocks, progress=True, target_mask=mask)
+    adapter = (read_meta(model_dir).get("exit_adapter") or {}) if (Path(model_dir) / META_FILE).is_file() else {}
+    adapters = {adapter["exit_layer"]: exit_adapter_for(model_dir, adapter["exit_layer"], model)} if adapter else None
+    report = exit_layer_metrics(model, blocks, progress=True, target_mask=mask, exit_adapters=adapters)
     print(f"{model_dir}: {sum(p.numel() for p in model.parameters()):,} parameters, "
           f"{len(report)} layers; {split} split, {report[max(report)]['tokens']:,} target tokens")
     print(format_exit_table(report))

@@ -228,10 +228,13 @@ class RunConfig:
     """Seed for weights init, data order, layer dropout."""
     exit_layer: int | None = None
     """E: the draft runs blocks [0, E). None: `default_exit_layer` (half the depth, rounded down)."""
-    trainable: Literal["all", "draft"] = "all"
-    """Which weights train: all of them, or only the draft blocks [0, exit_layer) (the later blocks,
+    trainable: Literal["all", "draft", "adapter"] = "all"
+    """Which weights train: all of them; only the draft blocks [0, exit_layer) (the later blocks,
     the final norm, the LM head and the embeddings stay as they are; with LoRA, adapters go on the
-    draft blocks only)."""
+    draft blocks only); or `adapter`: none of the model's, only a small exit adapter at exit_layer
+    that the draft reads (model/exit_adapter.py), so every output token stays the model's own."""
+    adapter_size: int | None = None
+    """Hidden width H of the exit adapter's MLP (trainable: adapter). None: twice the model's width."""
     num_speculations: int = 4
     """k written into selfspec.json as the default draft length."""
     choose_exit: bool = False
@@ -449,6 +452,13 @@ def validate(cfg: Any, prefix: str = "") -> None:
                (cfg.eval_every, cfg.save_every), "they must be >= 0")
         _check(cfg.cpu_threads is None or cfg.cpu_threads >= 1, f"{p}cpu_threads", cfg.cpu_threads,
                "it must be >= 1, or null for all cores")
+        _check(cfg.adapter_size is None or cfg.adapter_size >= 1, f"{p}adapter_size", cfg.adapter_size,
+               "it must be >= 1, or null for twice the model's width")
+        if cfg.trainable == "adapter":
+            _check(cfg.layer_dropout.p_max == 0, f"{p}layer_dropout.p_max", cfg.layer_dropout.p_max,
+                   "trainable: adapter trains on the frozen model, which layer dropout would change; set it to 0")
+            _check(not cfg.lora.enabled, f"{p}lora.enabled", cfg.lora.enabled,
+                   "trainable: adapter keeps every block frozen, so a LoRA on them cannot train; set it to false")
         known = {"jsonl", "tensorboard", "wandb"}
         bad = [t for t in cfg.log_with if t not in known]
         _check(not bad, f"{p}log_with", bad, f"choose from {', '.join(sorted(known))}")

@@ -37,6 +37,25 @@ def test_greedy_equals_plain_greedy_for_every_exit_layer_and_k(family_case):
     assert partial > 0
 
 
+def test_an_exit_adapter_changes_the_drafts_but_never_the_output(family_case):
+    """The adapter is read by the draft only, so greedy output stays the model's own token for token (for
+    sampling it only changes q, which rejection sampling corrects: test_decoding_distribution)."""
+    from selfspec.model.exit_adapter import ExitAdapter
+
+    family, model, expected = family_case
+    width = model.get_output_embeddings().weight.shape[1]
+    torch.manual_seed(7)
+    adapter = ExitAdapter(width, 2 * width)
+    torch.nn.init.normal_(adapter.down.weight, std=0.5)  # far from the identity
+    for exit_layer in (1, 2):
+        with_adapter = SelfSpecGenerator(model, exit_layer=exit_layer, exit_adapter=adapter)
+        without = SelfSpecGenerator(model, exit_layer=exit_layer)
+        out = with_adapter.generate(PROMPTS, max_new_tokens=NEW, num_speculations=3, eos_token_id=[])
+        assert out.sequences == expected, (family, exit_layer)
+        plain_drafts = without.generate(PROMPTS, max_new_tokens=NEW, num_speculations=3, eos_token_id=[])
+        assert out.stats.accepted_histogram != plain_drafts.stats.accepted_histogram  # the drafts did change
+
+
 def test_rows_stop_at_eos_at_different_steps(family_case):
     family, model, expected = family_case
     # two eos ids taken from the rows' own greedy outputs, so rows stop at different steps

@@ -1,4 +1,4 @@
-"""Who may import whom inside `selfspec/` (../shared/DESIGN.md): a module imports only its own floor or
+"""Who may import whom inside `selfspec/` (docs/ARCHITECTURE.md): a module imports only its own floor or
 lower ones. Every import counts, the ones inside functions too.
 
     4  cli, the package's __init__

@@ -418,3 +418,48 @@ def test_the_objective_limits_every_loss_to_the_target_tokens():
     torch.testing.assert_close(out["final_ce"], expected)
     out["loss"].backward()
     assert objective.other_row.grad is not None and objective.other_row.grad.abs().sum() > 0
+
+
+# --- the exit adapter --------------------------------------------------------------------------------
+
+def test_an_adapter_run_trains_only_the_adapter_and_decoding_stays_the_models_own(tiny_run, tmp_path):
+    from selfspec.checkpoint import load_tuned
+    from selfspec.model.exit_adapter import ADAPTER_FILE
+
+    cfg = run_config(tiny_run, tmp_path, "trainable=adapter", "layer_dropout.p_max=0.0", "early_exit.layers=2",
+                     "optim.max_steps=3", "optim.lr=1e-2", "early_exit.kind=argmax")
+    result = train(cfg, progress=False)
+    base = AutoModelForCausalLM.from_pretrained(tiny_run["model"])
+    tuned = AutoModelForCausalLM.from_pretrained(result.model_dir)
+    for (name, a), b in zip(base.state_dict().items(), tuned.state_dict().values()):
+        assert torch.equal(a, b), name  # the model itself is untouched: the gate shows 0.0%
+    meta = read_meta(result.model_dir)
+    assert meta["exit_adapter"]["exit_layer"] == 2 and (result.model_dir / ADAPTER_FILE).is_file()
+    generator = load_tuned(result.model_dir)
+    adapter = generator.draft_head.adapter
+    assert adapter is not None and adapter.down.weight.abs().sum() > 0  # trained away from the identity
+    assert load_tuned(result.model_dir, exit_layer=1).draft_head.adapter is None  # another E: the plain exit
+    # The validation agreement (the loop's and `selfspec layers`') is the draft's: through the adapter.
+    from selfspec.cli import layers_report
+
+    report = layers_report(str(result.model_dir), source=str(tiny_run["corpus"]), split="validation", block_size=32,
+                           max_blocks=4)
+    assert report[2]["loss"] == pytest.approx(meta["metrics"]["val/loss@2"], rel=1e-5)
+    raw = layers_report(str(tiny_run["model"]), source=str(tiny_run["corpus"]), split="validation", block_size=32,
+                        max_blocks=4)
+    assert raw[2]["loss"] != pytest.approx(report[2]["loss"], rel=1e-3)
+    prompt = tiny_run["tokenizer"]("def f(x):")["input_ids"]
+    out = generator.generate([prompt], max_new_tokens=12, num_speculations=3, eos_token_id=[])
+    plain = tuned.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12)
+    assert out.sequences[0] == plain[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("layer_dropout.p_max=0.2", "layer dropout would change"),
+    ("lora.enabled=true", "a LoRA on them cannot train"),
+])
+def test_adapter_training_refuses_what_would_move_the_frozen_model(tiny_run, tmp_path, override, message):
+    from selfspec.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        run_config(tiny_run, tmp_path, "trainable=adapter", "layer_dropout.p_max=0.0", override)

@@ -44,14 +44,16 @@ def coverage(counts, sizes) -> dict[int, float]:
 
 
 class DraftHead:
-    """Final norm + LM head for draft logits (..., D) -> (..., V), optionally over V' ids only.
+    """Final norm + LM head for draft logits (..., D) -> (..., V), optionally over V' ids only, and
+    optionally behind an exit adapter (`model.exit_adapter`), which only the draft reads.
 
     token_ids: None for the model's own head; else the ids the draft may propose (V' of them). Their
     head rows are copied once (V'·D numbers), so rebuild the head after the weights change.
     """
 
-    def __init__(self, view: DecoderView, token_ids=None):
+    def __init__(self, view: DecoderView, token_ids=None, adapter=None):
         self.view = view
+        self.adapter = adapter
         self.token_ids = None
         if token_ids is None:
             return
@@ -75,6 +77,8 @@ class DraftHead:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(..., D) exit hidden states -> (..., V) draft logits; -inf outside the subset."""
+        if self.adapter is not None:
+            hidden = self.adapter(hidden)
         if self.token_ids is None:
             return self.view.exit_logits(hidden)
         sub = F.linear(self.view.final_norm(hidden), self.weight, self.bias)  # (..., V')

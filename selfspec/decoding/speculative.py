@@ -188,12 +188,13 @@ class SelfSpecGenerator:
         the copy settings (`NGramConfig`); draft_vocab: token ids the early-exit draft may propose
         (its head restricted to them, see `draft_head.py`), None for the whole vocabulary;
         check_cache: assert after every round that each layer's cache length equals the sequence
-        length.
+        length; exit_adapter: an `ExitAdapter` trained for this E, applied to the exit's hidden states
+        before the draft head (verification never reads it).
     """
 
     def __init__(self, model, tokenizer=None, *, exit_layer: int, num_speculations="auto",
                  drafter: str = "early_exit", ngram: NGramConfig | None = None, draft_vocab=None,
-                 check_cache: bool = True):
+                 check_cache: bool = True, exit_adapter=None):
         self.view = DecoderView(model)
         self.tokenizer = tokenizer
         if not isinstance(exit_layer, int) or not 1 <= exit_layer <= self.view.num_layers:
@@ -204,7 +205,7 @@ class SelfSpecGenerator:
         self.num_speculations = num_speculations
         self.drafter = drafter
         self.ngram = ngram or NGramConfig()
-        self.draft_head = DraftHead(self.view, draft_vocab)
+        self.draft_head = DraftHead(self.view, draft_vocab, exit_adapter)
         self.check_cache = check_cache
 
     @property

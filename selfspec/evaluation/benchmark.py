@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..checkpoint import META_FILE, read_meta
+from ..checkpoint import META_FILE, exit_adapter_for, read_meta
 from ..checkpoint import draft_vocab as checkpoint_draft_vocab
 from ..decoding import NGramConfig, SelfSpecGenerator, make_policy
 from ..metrics import AcceptanceStats, predicted_speedup, speedup_kv_reuse, speedup_measured_costs
@@ -111,7 +111,8 @@ class EngineSetting:
 class _Runner:
     """Runs one method on one prompt: returns the generated tokens and, for the engine, its stats."""
 
-    def __init__(self, model, tokenizer, settings: dict[str, EngineSetting], max_new_tokens: int, ignore_eos: bool):
+    def __init__(self, model, tokenizer, settings: dict[str, EngineSetting], max_new_tokens: int, ignore_eos: bool,
+                 exit_adapters: dict | None = None):
         self.model, self.settings = model, settings
         self.generators: dict = {}  # (E, draft vocab) -> SelfSpecGenerator, shared by the methods that match
         for setting in settings.values():
@@ -120,7 +121,8 @@ class _Runner:
                 # check_cache off, as in the sweep: a timed run does no per-round bookkeeping (tests check caches)
                 self.generators[key] = SelfSpecGenerator(
                     model, tokenizer, exit_layer=setting.exit_layer, check_cache=False,
-                    draft_vocab=None if setting.draft_vocab is None else list(setting.draft_vocab))
+                    draft_vocab=None if setting.draft_vocab is None else list(setting.draft_vocab),
+                    exit_adapter=(exit_adapters or {}).get(setting.exit_layer))
         self.max_new_tokens = max_new_tokens
         self.eos = [] if ignore_eos else None
         self.device = next(iter(self.generators.values())).view.device
@@ -198,11 +200,12 @@ def run_benchmark(model, prompts: list[list[int]], exit_layer: int, num_speculat
                   max_new_tokens: int = 128, repeats: int = 5, warmup: int = 1, ignore_eos: bool = True,
                   methods: tuple[str, ...] = METHODS, batch_size: int = 1, progress: bool = False,
                   ngram: NGramConfig | None = None, draft_vocab=None,
-                  per_method: dict[str, EngineSetting] | None = None) -> dict:
+                  per_method: dict[str, EngineSetting] | None = None, exit_adapters: dict | None = None) -> dict:
     """Measure `methods` on `prompts` (token lists), `batch_size` prompts per call; returns the report
     as a dict (see module docstring). Every engine method decodes at (exit_layer, num_speculations,
     draft_vocab: token ids of a trimmed draft head, ngram: copy settings) unless `per_method` gives
-    it a setting of its own (each drafter at its own fastest, as the sweep found them)."""
+    it a setting of its own (each drafter at its own fastest, as the sweep found them). exit_adapters:
+    E -> the checkpoint's `ExitAdapter` for that exit."""
     for method in methods:
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
@@ -216,7 +219,7 @@ def run_benchmark(model, prompts: list[list[int]], exit_layer: int, num_speculat
                            ngram or NGramConfig())
     settings = {m: (per_method or {}).get(m, common) for m in ENGINE_METHODS}
     settings["plain"] = common
-    run = _Runner(model, tokenizer, settings, max_new_tokens, ignore_eos)
+    run = _Runner(model, tokenizer, settings, max_new_tokens, ignore_eos, exit_adapters)
     device = run.device
     view = next(iter(run.generators.values())).view
     batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
@@ -444,6 +447,12 @@ def engine_settings(args, meta: dict, exit_layer: int) -> tuple[EngineSetting, d
     return common, per_method
 
 
+def checkpoint_adapters(model_dir: str, model, meta: dict) -> dict:
+    """{E: ExitAdapter} for the exit adapter a checkpoint holds (empty without one)."""
+    layer = (meta.get("exit_adapter") or {}).get("exit_layer")
+    return {} if layer is None else {layer: exit_adapter_for(model_dir, layer, model)}
+
+
 def run(args: argparse.Namespace) -> dict:
     """Run the benchmark that `args` (from `add_arguments`) describes; prints and writes the report."""
     meta = read_meta(args.model) if (Path(args.model) / META_FILE).is_file() else {}
@@ -457,7 +466,8 @@ def run(args: argparse.Namespace) -> dict:
                            max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup=args.warmup,
                            ignore_eos=not args.keep_eos, methods=tuple(args.methods.split(",")),
                            batch_size=args.batch_size, progress=True, ngram=common.ngram,
-                           draft_vocab=common.draft_vocab, per_method=per_method)
+                           draft_vocab=common.draft_vocab, per_method=per_method,
+                           exit_adapters=checkpoint_adapters(args.model, model, meta))
     report["model"] = args.model
     json_path, md_path = write_report(report, args.out)
     print(to_markdown(report))

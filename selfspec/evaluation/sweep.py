@@ -29,7 +29,14 @@ from ..decoding import DRAFTERS, NGramConfig, SelfSpecGenerator, make_policy
 from ..decoding.draft_head import frequent_tokens
 from ..metrics import predicted_speedup, speedup_simple
 from ..model import num_layers as count_layers
-from .benchmark import interleaved_rates, load_model, pooled_costs, read_prompts, source_summary
+from .benchmark import (
+    checkpoint_adapters,
+    interleaved_rates,
+    load_model,
+    pooled_costs,
+    read_prompts,
+    source_summary,
+)
 from .report import save_figure, write_report
 
 
@@ -78,10 +85,11 @@ def check_drafters(drafters, draft_vocab_sizes, min_ngrams, token_counts) -> Non
 
 def run_sweep(model, prompts: list[list[int]], exit_layers: list[int], ks: list[int], max_new_tokens: int = 64,
               repeats: int = 3, warmup: int = 1, progress: bool = True, drafters=("early_exit",),
-              draft_vocab_sizes=(0,), min_ngrams=(2,), token_counts=None) -> dict:
+              draft_vocab_sizes=(0,), min_ngrams=(2,), token_counts=None, exit_adapters: dict | None = None) -> dict:
     """Measure every setting of the grid against plain decoding; returns the report as a dict.
 
     token_counts: (V,) token frequencies (the checkpoint's), needed for draft_vocab_sizes other than 0.
+    exit_adapters: E -> the checkpoint's `ExitAdapter` for that exit (its draft cost is measured with it).
     """
     num_layers = count_layers(model)
     bad = [e for e in exit_layers if not 1 <= e < num_layers]
@@ -95,7 +103,8 @@ def run_sweep(model, prompts: list[list[int]], exit_layers: list[int], ks: list[
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     check_drafters(drafters, draft_vocab_sizes, min_ngrams, token_counts)
     generators = {(e, v): SelfSpecGenerator(model, exit_layer=e, check_cache=False,
-                                            draft_vocab=frequent_tokens(token_counts, v) if v else None)
+                                            draft_vocab=frequent_tokens(token_counts, v) if v else None,
+                                            exit_adapter=(exit_adapters or {}).get(e))
                   for e in exit_layers for v in draft_vocab_sizes}
 
     def run(setting: Setting, batch):
@@ -316,7 +325,8 @@ def run(args: argparse.Namespace) -> dict:
     exit_layers = parse_layers(args.exit_layers or "all", num_layers)
     prompts = read_prompts(args, tokenizer)
     report = run_sweep(model, prompts, exit_layers, ks, args.max_new_tokens, args.repeats, args.warmup,
-                       drafters=drafters, draft_vocab_sizes=vocabs, min_ngrams=min_ngrams, token_counts=counts)
+                       drafters=drafters, draft_vocab_sizes=vocabs, min_ngrams=min_ngrams, token_counts=counts,
+                       exit_adapters=checkpoint_adapters(args.model, model, read_meta(args.model)) if has_meta else None)
     report["model"] = args.model
     out = Path(args.out)
     write_report(out, "sweep", report, to_markdown(report))

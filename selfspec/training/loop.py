@@ -34,6 +34,7 @@ from ..decoding.draft_head import frequent_tokens
 from ..files import write_json_atomic, write_text_atomic
 from ..metrics import choose_exit, weight_draft_cost
 from ..model import DecoderView
+from ..model.exit_adapter import ExitAdapter
 from ..model.loading import build_llama, load_causal_lm, load_tokenizer
 from .early_exit import ExitCurriculum, TrimmedVocab
 from .layer_dropout import LayerDropout
@@ -181,8 +182,10 @@ def build_objective(model, cfg: RunConfig, num_layers: int, exit_layer: int, tok
     spec = [ee.layers] if isinstance(ee.layers, int) else ee.layers
     layers = parse_layers(spec, num_layers) if spec is not None else []
     curriculum = ExitCurriculum(ee.curriculum, layers, cfg.optim.max_steps, ee.rotation_period) if layers else None
+    # Under trainable: adapter the model is frozen and undropped: its own final layer is the frozen teacher.
+    teacher = "self" if cfg.trainable == "adapter" else ee.teacher
     frozen = None
-    if layers and ee.teacher == "frozen" and not cfg.lora.enabled:
+    if layers and teacher == "frozen" and not cfg.lora.enabled:
         frozen = copy.deepcopy(model).eval().requires_grad_(False)
     vocab = None
     if layers and ee.draft_vocab_size is not None:
@@ -193,10 +196,17 @@ def build_objective(model, cfg: RunConfig, num_layers: int, exit_layer: int, tok
         if token_counts is None:
             raise ValueError("early_exit.draft_vocab_size needs the training data's token counts")
         vocab = TrimmedVocab(frequent_tokens(token_counts, ee.draft_vocab_size), vocab_size)
+    adapter = None
+    if cfg.trainable == "adapter":
+        if layers != [exit_layer]:
+            raise ValueError(f"trainable: adapter trains one exit, exit_layer = {exit_layer}: set early_exit.layers "
+                             f"to {exit_layer} (it is {ee.layers!r})")
+        width = DecoderView(model).lm_head.weight.shape[1]
+        adapter = ExitAdapter(width, cfg.adapter_size or 2 * width).to(DecoderView(model).device)
     return SelfSpecObjective(model, dropout, layers, curriculum, exit_kind=ee.kind, exit_scale=ee.scale,
                              exit_weight=ee.weight, temperature=ee.temperature, chunk_size=ee.chunk_size,
-                             teacher=ee.teacher, frozen_model=frozen, token_fraction=ee.token_fraction,
-                             seed=cfg.seed, final_weight=ee.final_weight, exit_vocab=vocab)
+                             teacher=teacher, frozen_model=frozen, token_fraction=ee.token_fraction,
+                             seed=cfg.seed, final_weight=ee.final_weight, exit_vocab=vocab, exit_adapter=adapter)
 
 
 @dataclass
@@ -324,6 +334,8 @@ def _setup(cfg: RunConfig, output_dir: Path) -> _Run:
         model = apply_lora(model, cfg, exit_layer)
     elif cfg.trainable == "draft":
         freeze_all_but_draft(model, exit_layer)
+    elif cfg.trainable == "adapter":
+        model.requires_grad_(False)
     # Token frequencies of the training data: the ranking of a trimmed exit loss and draft head.
     token_counts = data_lib.count_tokens(train_blocks, view.lm_head.weight.shape[0])
     objective = build_objective(model, cfg, num_layers, exit_layer, token_counts)
@@ -427,6 +439,7 @@ def _finish(run: _Run, kind: str, seconds: float) -> TrainResult:
                    draft_vocab_size=cfg.early_exit.draft_vocab_size,
                    num_speculations=choice["num_speculations"] if choice else cfg.num_speculations,
                    exit_choice=choice,
+                   exit_adapter=accelerator.unwrap_model(objective).exit_adapter,
                    base_model=None if cfg.model.from_scratch else cfg.model.name_or_path, training=to_dict(cfg),
                    metrics={**final, "steps": run.step, "tokens_seen": run.tokens,
                             "train_seconds": round(seconds, 1), "processes": accelerator.num_processes,
@@ -532,8 +545,10 @@ def evaluate(accelerator, objective, val_blocks, exit_layers, exit_layer, cfg) -
     ids, mask = data_lib.block_tensors(val_blocks)
     rows = slice(accelerator.process_index, None, accelerator.num_processes)
     layers = sorted(set(exit_layers) | {exit_layer})
+    adapter = objective_inner(objective).exit_adapter
     report = exit_layer_metrics(model, ids[rows], layers, batch_size=cfg.optim.batch_size, reduce=accelerator.reduce,
-                                target_mask=None if mask is None else mask[rows])
+                                target_mask=None if mask is None else mask[rows],
+                                exit_adapters=None if adapter is None else {exit_layer: adapter})
     num_layers = max(report)
     out = {"val/loss": report[num_layers]["loss"], "val/perplexity": report[num_layers]["perplexity"]}
     for layer in layers:

@@ -34,6 +34,8 @@ class SelfSpecObjective(nn.Module):
         is w·norm(h) + b, one trained row beside the head (it exists for the loss only; a draft
         proposes from the V' ids), initialised at the mean head row of the other ids and
         log(V - V'): a lower bound of their logsumexp by Jensen's inequality.
+    exit_adapter: an `ExitAdapter` (trainable: adapter) applied to the exit hidden states before the
+        head; the exits' losses then train it, and the frozen model's own final layer is the teacher.
     """
 
     def __init__(self, model: nn.Module, layer_dropout: LayerDropout | None = None,
@@ -41,7 +43,8 @@ class SelfSpecObjective(nn.Module):
                  exit_kind: str = "kl", exit_scale: str = "uniform", exit_weight: float = 1.0,
                  temperature: float = 1.0, chunk_size: int = 1024, teacher: str = "self",
                  frozen_model: nn.Module | None = None, token_fraction: float = 1.0, seed: int = 0,
-                 final_weight: float = 1.0, exit_vocab: TrimmedVocab | None = None):
+                 final_weight: float = 1.0, exit_vocab: TrimmedVocab | None = None,
+                 exit_adapter: nn.Module | None = None):
         super().__init__()
         self.model = model
         self.__dict__["view"] = DecoderView(model)  # a plain attribute: the same modules, not registered twice
@@ -58,6 +61,7 @@ class SelfSpecObjective(nn.Module):
         if teacher == "frozen" and frozen_model is None and not hasattr(model, "disable_adapter"):
             raise ValueError("teacher 'frozen' needs frozen_model for a full fine-tune (or a PEFT model)")
         self.exit_vocab = exit_vocab
+        self.exit_adapter = exit_adapter
         if exit_vocab is not None:
             head = self.view.lm_head.weight.detach()  # (V, D)
             exit_vocab.to(head.device)
@@ -106,7 +110,7 @@ class SelfSpecObjective(nn.Module):
             with torch.no_grad() if index >= grad_end else nullcontext():
                 hidden = block(hidden) if drop is None else apply_block(block, hidden, drop[index])
             if index + 1 in active:
-                exits.append(hidden)
+                exits.append(hidden if self.exit_adapter is None else self.exit_adapter(hidden))
         labels = shifted_labels(input_ids, target_mask)
         with torch.no_grad() if grad_end < view.num_layers else nullcontext():
             logits = view.exit_logits(hidden)  # (B, T, V)
