@@ -85,7 +85,7 @@ def agreement_metrics(
 @torch.no_grad()
 def exit_layer_metrics(model, blocks: torch.Tensor, layers: list[int] | None = None, batch_size: int = 8,
                        progress: bool = False, reduce=None, target_mask: torch.Tensor | None = None,
-                       exit_adapters: dict | None = None) -> dict[int, dict[str, float]]:
+                       exit_adapters: dict | None = None, draft_vocab=None) -> dict[int, dict[str, float]]:
     """Per-exit-layer loss, perplexity, top-1 agreement and expected acceptance on `blocks` (n, T).
 
     layers: exit layers 1..N to report (default all, N included). `reduce`, if given, sums a tensor
@@ -93,12 +93,19 @@ def exit_layer_metrics(model, blocks: torch.Tensor, layers: list[int] | None = N
     target_mask: (n, T), chat data's assistant tokens: only positions that predict one count.
     exit_adapters: layer -> module applied to that exit's hidden states before the head (an exit
     adapter: the draft reads the exit through it).
+    draft_vocab: token ids a trimmed draft head proposes from (V' of them): the exits' agreement and
+    expected acceptance are then the trimmed draft's (logits -inf outside the ids, as in
+    `decoding.draft_head`); their loss stays the full-vocabulary CE.
     """
     view = DecoderView(model)
     num_layers = view.num_layers
     layers = sorted(set(layers or range(1, num_layers + 1)) | {num_layers})
     was_training = view.model.training
     view.model.eval()
+    outside = None  # (V,) true for the ids a trimmed draft head never proposes
+    if draft_vocab is not None:
+        outside = torch.ones(view.lm_head.weight.shape[0], dtype=torch.bool, device=view.device)
+        outside[torch.as_tensor(draft_vocab, dtype=torch.long, device=view.device)] = False
     # Running sums per layer: [loss_sum, top1_matches, acceptance_sum, count]
     sums = torch.zeros(len(layers), 4, dtype=torch.float64)
     batches = range(0, len(blocks), batch_size)
@@ -120,6 +127,8 @@ def exit_layer_metrics(model, blocks: torch.Tensor, layers: list[int] | None = N
             logits = final_logits if layer == num_layers else view.exit_logits(states[layer]).float()
             loss_sum = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
                                        reduction="sum")
+            if outside is not None and layer != num_layers:
+                logits = logits.masked_fill(outside, float("-inf"))  # what the trimmed draft head sees
             agree = agreement_metrics(logits, final_logits, valid)
             sums[row] += torch.tensor([float(loss_sum), agree["top1_matches"], agree["acceptance_sum"],
                                        agree["count"]], dtype=torch.float64)

@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from .checkpoint import META_FILE, exit_adapter_for, read_meta
+from .checkpoint import META_FILE, draft_vocab, exit_adapter_for, read_meta
 from .decoding.policy import DRAFTERS
 from .evaluation import benchmark, sweep
 from .files import write_json_atomic
@@ -57,11 +57,17 @@ def layers_report(model_dir: str, source: str = "stdlib", split: str = "test", b
 
     model = load_causal_lm(model_dir).eval()
     blocks, mask = eval_blocks(model_dir, source, split, block_size, max_blocks)
-    adapter = (read_meta(model_dir).get("exit_adapter") or {}) if (Path(model_dir) / META_FILE).is_file() else {}
+    # A checkpoint's draft reads its exits through its adapter and its trimmed head: measure that draft.
+    meta = read_meta(model_dir) if (Path(model_dir) / META_FILE).is_file() else {}
+    adapter = meta.get("exit_adapter")
     adapters = {adapter["exit_layer"]: exit_adapter_for(model_dir, adapter["exit_layer"], model)} if adapter else None
-    report = exit_layer_metrics(model, blocks, progress=True, target_mask=mask, exit_adapters=adapters)
+    vocab = draft_vocab(model_dir, meta["draft_vocab_size"]) if meta.get("draft_vocab_size") else None
+    report = exit_layer_metrics(model, blocks, progress=True, target_mask=mask, exit_adapters=adapters,
+                                draft_vocab=vocab)
     print(f"{model_dir}: {sum(p.numel() for p in model.parameters()):,} parameters, "
-          f"{len(report)} layers; {split} split, {report[max(report)]['tokens']:,} target tokens")
+          f"{len(report)} layers; {split} split, {report[max(report)]['tokens']:,} target tokens"
+          + (f"; exits drafted over V' = {len(vocab):,} ids" if vocab is not None else "")
+          + (f"; exit {adapter['exit_layer']} through its adapter" if adapter else ""))
     print(format_exit_table(report))
     if json_out:
         write_json_atomic(json_out, {str(k): v for k, v in report.items()})

@@ -33,6 +33,23 @@ def test_exit_metrics_match_a_direct_computation():
     assert "| 2 | 50% |" in format_exit_table(report)
 
 
+def test_exit_agreement_with_a_draft_vocabulary_is_the_trimmed_drafts():
+    from selfspec.model import DecoderView
+
+    model = tiny_model("llama", num_layers=4, seed=0)
+    blocks = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(2))
+    ids = torch.arange(0, 96, 2)  # the even ids
+    report = exit_layer_metrics(model, blocks, [2], draft_vocab=ids)
+    full = exit_layer_metrics(model, blocks, [2])
+    view = DecoderView(model)
+    hidden = view.run_layers(view.embed(blocks), 0, 2)
+    exit_logits, final = view.exit_logits(hidden)[:, :-1], view(blocks)[:, :-1]
+    trimmed = ids[exit_logits[..., ids].argmax(-1)]  # (B, T-1): the trimmed draft's pick
+    assert report[2]["top1_agreement"] == pytest.approx((trimmed == final.argmax(-1)).float().mean().item())
+    assert report[2]["loss"] == pytest.approx(full[2]["loss"])  # the exit's own CE stays the full one
+    assert report[4] == full[4]
+
+
 def test_gate_passes_identical_models_and_fails_a_damaged_one():
     base = tiny_model("llama", num_layers=4, seed=0)
     blocks = torch.randint(0, 96, (4, 16), generator=torch.Generator().manual_seed(1))

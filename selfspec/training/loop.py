@@ -545,10 +545,12 @@ def evaluate(accelerator, objective, val_blocks, exit_layers, exit_layer, cfg) -
     ids, mask = data_lib.block_tensors(val_blocks)
     rows = slice(accelerator.process_index, None, accelerator.num_processes)
     layers = sorted(set(exit_layers) | {exit_layer})
-    adapter = objective_inner(objective).exit_adapter
+    inner = objective_inner(objective)
+    adapter, vocab = inner.exit_adapter, inner.exit_vocab
     report = exit_layer_metrics(model, ids[rows], layers, batch_size=cfg.optim.batch_size, reduce=accelerator.reduce,
                                 target_mask=None if mask is None else mask[rows],
-                                exit_adapters=None if adapter is None else {exit_layer: adapter})
+                                exit_adapters=None if adapter is None else {exit_layer: adapter},
+                                draft_vocab=None if vocab is None else vocab.token_ids)
     num_layers = max(report)
     out = {"val/loss": report[num_layers]["loss"], "val/perplexity": report[num_layers]["perplexity"]}
     for layer in layers:
