@@ -454,6 +454,8 @@ def validate(cfg: Any, prefix: str = "") -> None:
                "it must be >= 1, or null for all cores")
         _check(cfg.adapter_size is None or cfg.adapter_size >= 1, f"{p}adapter_size", cfg.adapter_size,
                "it must be >= 1, or null for twice the model's width")
+        _check(not cfg.choose_exit or cfg.early_exit.layers is not None, f"{p}choose_exit", cfg.choose_exit,
+               "it picks among the candidate exits: set early_exit.layers, or choose_exit=false")
         if cfg.trainable == "adapter":
             _check(cfg.layer_dropout.p_max == 0, f"{p}layer_dropout.p_max", cfg.layer_dropout.p_max,
                    "trainable: adapter trains on the frozen model, which layer dropout would change; set it to 0")

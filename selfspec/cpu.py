@@ -35,7 +35,7 @@ def has_bf16_units() -> bool | None:
     """Whether this CPU computes bf16 natively (x86 AVX512-BF16 or AMX, Arm BF16); None off Linux.
 
     Without them torch emulates bf16 matrix products: on AVX2-only cores a SmolLM2 training step
-    under bf16 autocast took 14x the fp32 step (backward 129 s vs 9 s).
+    (batch 2 x 256) took 140 s under bf16 autocast against 9.0 s in fp32.
     """
     try:
         with open("/proc/cpuinfo") as handle:

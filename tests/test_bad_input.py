@@ -106,7 +106,12 @@ def test_missing_tokenizer(tiny_run, tmp_path, capsys):
     (["--config", "configs/demo_finetune.yaml", "optim.lrr=1"], "did you mean 'optim.lr'"),
     (["--config", "configs/demo_finetune.yaml", "optim.lr=-1"], "optim.lr = -1.0 is not allowed; it must be > 0"),
     (["--config", "configs/demo_finetune.yaml", "exit_layer=0"], "exit_layer = 0 is not allowed"),
-    (["--config", "configs/demo_finetune.yaml", "trainable=some"], "choose one of 'all', 'draft'"),
+    (["--config", "configs/demo_finetune.yaml", "trainable=some"], "choose one of 'all', 'draft', 'adapter'"),
+    (["--config", "configs/demo_finetune.yaml", "early_exit.layers=null", "choose_exit=true"],
+     "it picks among the candidate exits: set early_exit.layers"),
+    (["--config", "configs/smollm2-135m_adapter.yaml", "layer_dropout.p_max=0.2"], "layer dropout would change"),
+    (["--config", "configs/smollm2-135m_adapter.yaml", "lora.enabled=true"], "a LoRA on them cannot train"),
+    (["--config", "configs/demo_finetune.yaml", "early_exit.draft_vocab_size=0"], "draft_vocab_size = 0"),
 ])
 def test_recipe_config_mistakes_exit_with_one_line(monkeypatch, capsys, argv, message):
     monkeypatch.chdir(__import__("pathlib").Path(__file__).resolve().parents[1])

@@ -87,14 +87,15 @@ def plot_runs(curves: dict[str, dict], exit_layer: int, out_png: str | Path) -> 
     import matplotlib.pyplot as plt
 
     fig, (by_tokens, by_minutes) = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-    for label, curve in curves.items():
+    for index, (label, curve) in enumerate(curves.items()):
         values = curve["exits"].get(exit_layer, {}).get("top1_agreement")
         if not values:
             raise ValueError(f"run {label!r} has no evaluation at exit {exit_layer}; "
                              f"pick one of {sorted(curve['exits'])}")
-        by_tokens.plot([t / 1e3 for t in curve["tokens"]], values, "-o", markersize=3, label=label)
-        if any(curve["minutes"]):
-            by_minutes.plot(curve["minutes"], values, "-o", markersize=3, label=label)
+        style = {"marker": "o", "markersize": 3, "color": f"C{index}", "label": label}  # one colour a run
+        by_tokens.plot([t / 1e3 for t in curve["tokens"]], values, **style)
+        if any(curve["minutes"]):  # runs logged before the loop recorded minutes have none
+            by_minutes.plot(curve["minutes"], values, **style)
     by_tokens.set_xlabel("training tokens (thousands)")
     by_minutes.set_xlabel("training minutes (wall clock)")
     by_tokens.set_ylabel(f"greedy α at exit {exit_layer} (validation top-1)")

@@ -326,8 +326,6 @@ def _setup(cfg: RunConfig, output_dir: Path) -> _Run:
         raise ValueError(f"data.block_size = {cfg.data.block_size} exceeds the model's {limit} positions; "
                          f"set data.block_size <= {limit}")
     exit_layer = cfg.exit_layer or default_exit_layer(num_layers)
-    if cfg.choose_exit and cfg.early_exit.layers is None:
-        raise ValueError("choose_exit picks among the candidate exits: set early_exit.layers, or choose_exit=false")
     if exit_layer > num_layers:
         raise ValueError(f"exit_layer = {exit_layer} is larger than the model's {num_layers} layers")
     if cfg.lora.enabled:
