@@ -65,6 +65,11 @@ def test_chat_jsonl_reads_messages_sharegpt_turns_and_prompt_response(tmp_path):
     text = tmp_path / "text.jsonl"
     text.write_text(json.dumps({"text": "plain"}) + "\n")
     assert not is_chat_source(str(text)) and not is_chat_source("stdlib")
+    text_json = tmp_path / "text.json"
+    text_json.write_text(json.dumps([{"text": "plain"}]))
+    sharegpt_json = tmp_path / "s.json"
+    sharegpt_json.write_text(json.dumps([sharegpt_record(0)]))
+    assert not is_chat_source(str(text_json)) and is_chat_source(str(sharegpt_json))
 
 
 def test_the_split_is_by_conversation_and_never_depends_on_order(tmp_path):

@@ -169,8 +169,10 @@ def is_chat_source(source: str) -> bool:
     if source == SHAREGPT:
         return True
     path = Path(source)
-    if path.suffix.lower() == ".json":
-        return True  # a ShareGPT-style list; plain text comes as .txt or .jsonl with a text column
+    if path.suffix.lower() == ".json" and path.is_file():  # a ShareGPT-style list, or a text dataset
+        with path.open(encoding="utf-8", errors="replace") as handle:
+            head = handle.read(1 << 16)
+        return '"conversations"' in head or '"messages"' in head
     if path.suffix.lower() != ".jsonl" or not path.is_file():
         return False
     with path.open(encoding="utf-8", errors="replace") as handle:
