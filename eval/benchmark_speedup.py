@@ -8,13 +8,15 @@ Run (one process; warm-up, interleaved repeats, medians; writes benchmark.json a
 --exit-layer and --num-speculations default to the checkpoint's selfspec.json when it has one.
 Prompts: by default 64 tokens from the middle of each of the first 8 documents of the test split of --corpus
 (default: the embedded stdlib corpus); or --prompts: a JSON list of token lists or of strings, or a
-text file with one prompt per line. The logic lives in selfspec.evaluation.benchmark; `selfspec eval speedup` takes the
-same flags.
+text file with one prompt per line. This script is `selfspec eval speedup` (the same flags, the same
+function: `selfspec.evaluation.benchmark.speedup`).
 """
 
 from __future__ import annotations
 
-from selfspec.evaluation.benchmark import main
+import sys
+
+from selfspec.cli import main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(["eval", "speedup", *sys.argv[1:]]))

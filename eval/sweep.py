@@ -5,12 +5,14 @@ Run (one process; warm-up, interleaved repeats, medians; writes sweep.json, swee
     python eval/sweep.py --model runs/demo/model --exit-layers 4:9 --ks 2,3,4,6 --out runs/demo/sweep
     python eval/sweep.py --model runs/demo/model --write-back   # record the fastest (E, k) in selfspec.json
 
-The logic lives in selfspec.evaluation.sweep; `selfspec eval sweep` takes the same flags.
+This script is `selfspec eval sweep` (the same flags, the same function: `selfspec.evaluation.sweep.sweep`).
 """
 
 from __future__ import annotations
 
-from selfspec.evaluation.sweep import main
+import sys
+
+from selfspec.cli import main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(["eval", "sweep", *sys.argv[1:]]))

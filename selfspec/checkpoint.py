@@ -1,18 +1,22 @@
 """Tuned checkpoints: a `save_pretrained` directory (safetensors) + tokenizer + `selfspec.json`.
 
 The directory loads with plain `AutoModelForCausalLM.from_pretrained` and with
-`selfspec.load_tuned(path)`, which also reads the recommended exit layer E and draft length k.
+`selfspec.load_tuned(path)`, which also reads how to draft (`DecodeSettings`: drafter, E, k, V', copies).
 
-`selfspec.json` schema (version 1):
+`selfspec.json` schema (version 1); the decode settings are `DecodeSettings.to_json()`'s fields,
+read by `read_settings` and written by `save_tuned` and `write_settings` only:
     format_version  1
     kind            "tuned" (a self-speculative fine-tune) or "base" (a pretrained base model)
+    drafter         "early_exit", "ngram" or "hybrid" (see decoding/policy.py)
     exit_layer      E: the draft runs blocks [0, E)
-    num_speculations  k: default draft length of the early exit
-    drafter         optional: "early_exit" (default), "ngram" or "hybrid" (see decoding/policy.py)
-    ngram           optional: the copy settings {max_ngram, min_ngram, max_copy}
-    draft_vocab_size  optional: V', the draft head's vocabulary (the V' most frequent tokens of
-                    token_counts.safetensors); absent or null: the whole vocabulary
-    token_counts    optional: where token_counts.safetensors was counted {source, tokens}
+    num_speculations  k: the early exit's drafts per round (int, "auto" or "window")
+    draft_vocab_size  V': the draft head's vocabulary (the V' most frequent tokens of
+                    token_counts.safetensors); 0: the whole vocabulary
+    ngram           the copy settings {max_ngram, min_ngram, max_copy}
+    fastest         optional, written by a sweep: {drafter: {settings: {the five fields above},
+                    speedup, tokens_per_second}}, each drafter at its fastest measured setting
+    sweep           optional: {speedup, report} of the sweep that chose the settings
+    token_counts    optional: where token_counts.safetensors was counted {source, tokens, vocab_size}
     exit_adapter    optional: {exit_layer, file, hidden_size, intermediate_size} of an exit adapter that
                     the draft at that E reads (trainable: adapter)
     exit_choice     optional: how the fine-tune chose E and k among its candidate exits
@@ -27,12 +31,13 @@ The directory loads with plain `AutoModelForCausalLM.from_pretrained` and with
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import time
 from pathlib import Path
 
-from .files import atomic_directory, write_json_atomic
+from .decoding.settings import FIELDS as SETTINGS_FIELDS
+from .decoding.settings import DecodeSettings
+from .errors import UserError
+from .files import atomic_directory, atomic_file, write_json_atomic
 from .model import num_layers as count_layers
 from .model.exit_adapter import ADAPTER_FILE, load_exit_adapter, save_exit_adapter
 
@@ -41,23 +46,23 @@ TOKEN_COUNTS_FILE = "token_counts.safetensors"  # (V,) int64 "counts": token fre
 FORMAT_VERSION = 1
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A directory that is not a usable selfspec checkpoint; the message says why and what to do."""
 
 
-def save_tuned(path: str | Path, model, tokenizer=None, *, exit_layer: int, num_speculations: int = 4,
+def save_tuned(path: str | Path, model, tokenizer=None, *, settings: DecodeSettings,
                base_model: str | None = None, training: dict | None = None, metrics: dict | None = None,
                kind: str = "tuned", state_dict: dict | None = None, token_counts=None,
-               token_counts_source: str | None = None, draft_vocab_size: int | None = None,
-               exit_choice: dict | None = None, exit_adapter=None) -> Path:
+               token_counts_source: str | None = None, exit_choice: dict | None = None,
+               exit_adapter=None) -> Path:
     """Save model (safetensors) + tokenizer + selfspec.json into `path`, atomically.
 
-    state_dict: the weights to write when the module's own are sharded (FSDP); default its own.
-    token_counts: (V,) token frequencies (of the training data) for a trimmed draft head, and
-    token_counts_source what they were counted on. draft_vocab_size: V', the draft head's default
-    (a fine-tune with a trimmed exit loss stores the V' its exit was trained on). exit_choice: how
-    E and k were chosen among the candidate exits (`metrics.choose_exit`). exit_adapter: an
-    `ExitAdapter` trained for `exit_layer`, saved beside the model (the draft reads it).
+    settings: how the checkpoint decodes by default (`DecodeSettings`, E set; a fine-tune with a
+    trimmed exit loss stores the V' its exit was trained on). state_dict: the weights to write when
+    the module's own are sharded (FSDP); default its own. token_counts: (V,) token frequencies (of
+    the training data) for a trimmed draft head, and token_counts_source what they were counted on.
+    exit_choice: how E and k were chosen among the candidate exits (`metrics.choose_exit`).
+    exit_adapter: an `ExitAdapter` trained for `settings.exit_layer`, saved beside the model.
 
     Everything is written into a temporary sibling directory first and renamed into place at the end,
     so a crash leaves either the old checkpoint or the new one, never a mixture. A PEFT model is
@@ -65,28 +70,27 @@ def save_tuned(path: str | Path, model, tokenizer=None, *, exit_layer: int, num_
     """
     path = Path(path)
     num_layers = count_layers(model)
-    if not 1 <= exit_layer <= num_layers:
-        raise CheckpointError(f"exit_layer = {exit_layer} is outside 1..{num_layers} for this model")
+    if settings.exit_layer is None or not 1 <= settings.exit_layer <= num_layers:
+        raise CheckpointError(f"exit_layer = {settings.exit_layer} is outside 1..{num_layers} for this model")
+    if settings.draft_vocab_size and token_counts is None:
+        raise CheckpointError("draft_vocab_size needs token_counts (the ranking of the V' ids)")
     if hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()
     with atomic_directory(path) as staging:  # written beside `path`, then renamed into place
         model.save_pretrained(staging, safe_serialization=True, state_dict=state_dict)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
-        meta = {"format_version": FORMAT_VERSION, "kind": kind, "exit_layer": exit_layer,
-                "num_speculations": num_speculations, "base_model": base_model, "training": training or {},
-                "metrics": metrics or {}, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        meta = {"format_version": FORMAT_VERSION, "kind": kind, **settings.to_json(), "base_model": base_model,
+                "training": training or {}, "metrics": metrics or {},
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         if token_counts is not None:
             meta["token_counts"] = _write_token_counts(staging, token_counts, token_counts_source)
-        if draft_vocab_size is not None:
-            if token_counts is None:
-                raise CheckpointError("draft_vocab_size needs token_counts (the ranking of the V' ids)")
-            meta["draft_vocab_size"] = draft_vocab_size
         if exit_adapter is not None:
             save_exit_adapter(exit_adapter, staging)
-            meta["exit_adapter"] = {"exit_layer": exit_layer, "file": ADAPTER_FILE, **exit_adapter.shape}
+            meta["exit_adapter"] = {"exit_layer": settings.exit_layer, "file": ADAPTER_FILE, **exit_adapter.shape}
         if exit_choice is not None:
-            meta["exit_choice"] = {**exit_choice, "candidates": {str(e): v for e, v in exit_choice["candidates"].items()}}
+            meta["exit_choice"] = {**exit_choice,
+                                   "candidates": {str(e): v for e, v in exit_choice["candidates"].items()}}
         write_json_atomic(staging / META_FILE, meta)
     return path
 
@@ -108,11 +112,56 @@ def read_meta(path: str | Path) -> dict:
 
 
 def update_meta(path: str | Path, **fields) -> dict:
-    """Merge fields into a checkpoint's selfspec.json (e.g. the (E, k) a sweep recommends)."""
+    """Merge fields into a checkpoint's selfspec.json (decode settings go through `write_settings`)."""
     meta = read_meta(path)
     meta.update(fields)
     write_json_atomic(Path(path) / META_FILE, meta)
     return meta
+
+
+def read_settings(path: str | Path, meta: dict | None = None) -> DecodeSettings:
+    """The checkpoint's decode settings (selfspec.json's top level); CheckpointError when malformed."""
+    meta = read_meta(path) if meta is None else meta
+    try:
+        return DecodeSettings.from_json({key: meta[key] for key in SETTINGS_FIELDS if key in meta})
+    except ValueError as exc:
+        raise CheckpointError(f"{Path(path) / META_FILE}: {exc}") from None
+
+
+def fastest_settings(path: str | Path, meta: dict | None = None) -> dict[str, DecodeSettings]:
+    """{drafter: settings} of each drafter at its fastest, as a sweep stored them (empty without one)."""
+    meta = read_meta(path) if meta is None else meta
+    try:
+        return {drafter: DecodeSettings.from_json(entry["settings"])
+                for drafter, entry in meta.get("fastest", {}).items()}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{Path(path) / META_FILE}: bad \"fastest\" entry ({exc}); re-run "
+                              f"`selfspec eval sweep --write-back`") from None
+
+
+def resolve_settings(path: str | Path, **overrides) -> tuple[DecodeSettings, dict[str, DecodeSettings], object]:
+    """How to decode the model at `path`: (settings, each drafter's fastest, token counts or None).
+
+    settings: the checkpoint's own (a plain model directory without selfspec.json: the defaults),
+    with `overrides` (`DecodeSettings.override`'s keywords; None keeps a field) applied. The fastest
+    settings a sweep stored count only when nothing is overridden: a flag means the user's setting.
+    """
+    has_meta = (Path(path) / META_FILE).is_file()
+    meta = read_meta(path) if has_meta else {}
+    settings = (read_settings(path, meta) if has_meta else DecodeSettings()).override(**overrides)
+    overridden = any(value is not None for value in overrides.values())
+    fastest = fastest_settings(path, meta) if has_meta and not overridden else {}
+    counts = read_token_counts(path) if has_meta else None
+    if counts is None and (settings.draft_vocab_size or any(s.draft_vocab_size for s in fastest.values())):
+        raise CheckpointError(f"a draft head of V' tokens needs {TOKEN_COUNTS_FILE} in {path}; count it with "
+                              f"`selfspec draft-vocab {path}`")
+    return settings, fastest, counts
+
+
+def write_settings(path: str | Path, settings: DecodeSettings, **fields) -> dict:
+    """Make `settings` the checkpoint's default decode settings, with other selfspec.json fields
+    (a sweep's "fastest" and "sweep"); returns the new selfspec.json."""
+    return update_meta(path, **settings.to_json(), **fields)
 
 
 def _write_token_counts(directory: Path, counts, source: str | None) -> dict:
@@ -124,15 +173,8 @@ def _write_token_counts(directory: Path, counts, source: str | None) -> dict:
     counts = torch.as_tensor(np.asarray(counts, dtype=np.int64))
     if counts.dim() != 1 or counts.numel() == 0 or bool((counts < 0).any()):
         raise CheckpointError("token counts must be a non-empty 1-D array of counts >= 0")
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{TOKEN_COUNTS_FILE}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file({"counts": counts}, tmp)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, directory / TOKEN_COUNTS_FILE)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with atomic_file(directory / TOKEN_COUNTS_FILE) as tmp:
+        save_file({"counts": counts}, str(tmp))
     return {"source": source, "tokens": int(counts.sum()), "vocab_size": counts.numel()}
 
 
@@ -172,42 +214,42 @@ def draft_vocab(path: str | Path, size: int | None):
     return frequent_tokens(counts, int(size))
 
 
-def load_tuned(path: str | Path, device: str = "cpu", dtype: str = "auto", exit_layer: int | None = None,
-               num_speculations: int | str | None = None, drafter: str | None = None,
-               draft_vocab_size: int | None = None):
+def load_tuned(path: str | Path, device: str = "cpu", dtype: str = "auto", settings: DecodeSettings | None = None,
+               *, exit_layer: int | None = None, num_speculations=None, drafter: str | None = None,
+               draft_vocab_size: int | None = None, min_ngram: int | None = None):
     """Load a tuned checkpoint as a `SelfSpecGenerator` ready for lossless fast generation.
 
-    Every setting defaults to the checkpoint's selfspec.json (what `selfspec eval sweep --write-back`
-    stored): E, the early exit's k, the drafter and its n-gram settings, the draft head's V'
-    (draft_vocab_size 0: the whole head).
+    It decodes with `settings`, by default the checkpoint's own (what `selfspec eval sweep
+    --write-back` stored); the keywords override single fields (None keeps them; draft_vocab_size 0:
+    the whole head).
     """
-    from .decoding import NGramConfig, SelfSpecGenerator
+    from .decoding import SelfSpecGenerator
     from .model.loading import load_causal_lm, load_tokenizer
 
     meta = read_meta(path)
-    try:
-        ngram = NGramConfig.from_dict(meta.get("ngram"))
-    except (TypeError, ValueError) as exc:
-        raise CheckpointError(f"{Path(path) / META_FILE}: bad \"ngram\" entry ({exc})") from None
-    vocab = draft_vocab(path, meta.get("draft_vocab_size") if draft_vocab_size is None else draft_vocab_size)
+    settings = (settings or read_settings(path, meta)).override(
+        exit_layer=exit_layer, num_speculations=num_speculations, drafter=drafter,
+        draft_vocab_size=draft_vocab_size, min_ngram=min_ngram)
+    counts = read_token_counts(path)
+    if settings.draft_vocab_size and counts is None:
+        raise CheckpointError(f"draft_vocab_size = {settings.draft_vocab_size} needs {TOKEN_COUNTS_FILE} in {path}; "
+                              f"count it with `selfspec draft-vocab {path}`")
     model = load_causal_lm(str(path), dtype=dtype, device=device).eval()
     tokenizer = load_tokenizer(str(path)) if (Path(path) / "tokenizer_config.json").is_file() else None
-    exit_layer = meta["exit_layer"] if exit_layer is None else exit_layer
-    return SelfSpecGenerator(model, tokenizer, exit_layer=exit_layer,
-                             exit_adapter=exit_adapter_for(path, exit_layer, model),
-                             num_speculations=num_speculations if num_speculations is not None
-                             else meta.get("num_speculations", "auto"),
-                             drafter=drafter or meta.get("drafter", "early_exit"), ngram=ngram, draft_vocab=vocab)
+    return SelfSpecGenerator(model, tokenizer, settings, token_counts=counts,
+                             exit_adapters=checkpoint_adapters(path, model, meta))
 
 
-def exit_adapter_for(path: str | Path, exit_layer: int, model):
-    """The checkpoint's exit adapter when it was trained for `exit_layer` (on `model`'s device and
-    dtype), else None: another E drafts through the plain exit."""
-    meta = read_meta(path)
+def checkpoint_adapters(path: str | Path, model, meta: dict | None = None) -> dict:
+    """{E: ExitAdapter} of the exit adapter a checkpoint holds, on `model`'s device and dtype (empty
+    without one, or for a plain model directory): the draft at that E reads it, another E drafts
+    through the plain exit."""
+    if meta is None:
+        meta = read_meta(path) if (Path(path) / META_FILE).is_file() else {}
     entry = meta.get("exit_adapter")
-    if not entry or entry.get("exit_layer") != exit_layer:
-        return None
+    if not entry:
+        return {}
     if not (Path(path) / ADAPTER_FILE).is_file():
         raise CheckpointError(f"{path} names an exit adapter but {ADAPTER_FILE} is missing; re-save the checkpoint")
     weight = next(model.parameters())
-    return load_exit_adapter(path, entry, device=weight.device, dtype=weight.dtype)
+    return {entry["exit_layer"]: load_exit_adapter(path, entry, device=weight.device, dtype=weight.dtype)}

@@ -1,8 +1,10 @@
 """The configuration schema: dataclasses whose fields are documented where they are defined.
 
-A YAML file is an instance of `RunConfig`; `a.b=value` command-line overrides are applied on top;
-everything is validated at load time, and every error names the field, the bad value and what is
-allowed (an unknown key also names the closest valid one).
+A YAML file is an instance of `RunConfig`; `a.b=value` command-line overrides are applied on top.
+Types are checked as the file is read; ranges by each section's `__post_init__`, beside its fields,
+so a section built in Python is checked too. Every error is a one-line `ConfigError` that names the
+field (dotted from the top of the file), the bad value and what is allowed (an unknown key also
+names the closest valid one).
 
     cfg = load_config("configs/demo_finetune.yaml", ["optim.max_steps=100", "early_exit.layers=2:8:2"])
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import re
 import types
 import typing
@@ -21,9 +24,49 @@ from typing import Any, Literal
 
 import yaml
 
+from .errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError):
     """A user mistake in a config file or override; its message is one line that says how to fix it."""
+
+
+class FieldError(ConfigError):
+    """A field whose value is out of range, raised by its section's `__post_init__`.
+
+    The message names the field as the section knows it (`lr = -1 is not allowed; ...`);
+    `from_dict` re-raises it with the section's dotted place in the file (`optim.lr = ...`).
+    """
+
+    def __init__(self, name: str, value: Any, allowed: str):
+        super().__init__(f"{name} = {value!r} is not allowed; {allowed}")
+        self.name, self.value, self.allowed = name, value, allowed
+
+    def within(self, prefix: str) -> FieldError:
+        """The same error, the field named from one level up (`prefix` ends with a dot)."""
+        return FieldError(f"{prefix}{self.name}", self.value, self.allowed)
+
+
+def _check(condition: bool, name: str, value: Any, allowed: str) -> None:
+    """FieldError naming `name`, the bad `value` and what is `allowed`, unless `condition` holds."""
+    if not condition:
+        raise FieldError(name, value, allowed)
+
+
+@functools.cache
+def _choice_fields(section: type) -> dict[str, tuple]:
+    """{field: its allowed values} for the fields of dataclass `section` whose type is a `Literal`."""
+    hints = typing.get_type_hints(section)
+    return {f.name: typing.get_args(hints[f.name]) for f in dataclasses.fields(section)
+            if typing.get_origin(hints[f.name]) is Literal}
+
+
+def _check_choices(section: Any) -> None:
+    """FieldError for a `Literal` field of `section` whose value is none of its choices (a section
+    built in Python; a config file's values are checked as they are read)."""
+    for name, allowed in _choice_fields(type(section)).items():
+        value = getattr(section, name)
+        _check(value in allowed, name, value, f"choose one of {', '.join(map(repr, allowed))}")
 
 
 # Allowed values, written once: the schema's fields use these, and the training code reads them
@@ -41,9 +84,9 @@ def choices(literal) -> tuple:
 
 
 def check_choice(name: str, value, literal) -> None:
-    """ValueError naming `name`, the bad value and the allowed ones, unless `value` is one of them."""
+    """UserError naming `name`, the bad value and the allowed ones, unless `value` is one of them."""
     if value not in choices(literal):
-        raise ValueError(f"{name} must be one of {list(choices(literal))}, got {value!r}")
+        raise UserError(f"{name} must be one of {list(choices(literal))}, got {value!r}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -74,6 +117,16 @@ class ArchConfig:
     tie_word_embeddings: bool = True
     """Share the input embedding and the LM head (fewer parameters for small models)."""
 
+    def __post_init__(self):
+        _check_choices(self)
+        _check(self.num_layers >= 2, "num_layers", self.num_layers, "it must be >= 2")
+        _check(self.num_heads >= 1, "num_heads", self.num_heads, "it must be >= 1")
+        _check(self.num_kv_heads >= 1, "num_kv_heads", self.num_kv_heads, "it must be >= 1")
+        _check(self.hidden_size % self.num_heads == 0, "hidden_size", self.hidden_size,
+               f"it must be a multiple of num_heads ({self.num_heads})")
+        _check(self.num_heads % self.num_kv_heads == 0, "num_kv_heads", self.num_kv_heads,
+               f"it must divide num_heads ({self.num_heads})")
+
 
 @dataclass
 class ModelConfig:
@@ -90,6 +143,9 @@ class ModelConfig:
     """Weight dtype when loading: auto = float32 on CPU, the checkpoint's dtype on GPU."""
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     """Attention kernel used by the Hugging Face blocks."""
+
+    def __post_init__(self):
+        _check_choices(self)
 
 
 @dataclass
@@ -110,6 +166,12 @@ class DataConfig:
     max_eval_blocks: int = 64
     """Validation/test blocks used by periodic evaluation."""
 
+    def __post_init__(self):
+        _check_choices(self)
+        _check(self.block_size >= 2, "block_size", self.block_size, "it must be >= 2")
+        _check(self.tokenizer_vocab_size >= 260, "tokenizer_vocab_size", self.tokenizer_vocab_size,
+               "it must be >= 260 (256 bytes plus merges and the end-of-text token)")
+
 
 @dataclass
 class LayerDropoutConfig:
@@ -125,12 +187,16 @@ class LayerDropoutConfig:
     protect_draft_layers: bool = False
     """Never drop the draft blocks [0, exit_layer)."""
 
+    def __post_init__(self):
+        _check_choices(self)
+        _check(0.0 <= self.p_max < 1.0, "p_max", self.p_max, "it must be in [0, 1)")
+
 
 @dataclass
 class EarlyExitConfig:
     layers: str | int | list[int] | None = None
-    """Candidate exit layers: one layer, a list, a slice "start:stop:step", "2,4,6" or "all"; None disables the
-    early-exit losses. Layer l is the output of block l-1 (counted like exit_layer)."""
+    """Candidate exit layers: one layer, a list, a slice "start:stop:step", "2,4,6" or "all"; None
+    disables the early-exit losses. Layer l is the output of block l-1 (counted like exit_layer)."""
     kind: ExitLoss = "kl"
     """Loss at each exit: KL to the teacher's distribution, CE to the labels, their sum, or CE to
     the teacher's argmax (argmax: the surrogate of greedy acceptance). Soft CE to the teacher has
@@ -164,6 +230,17 @@ class EarlyExitConfig:
     deepest active exit then run without autograd (with `trainable: draft` nothing behind them
     changes, so this is the cheap recipe; the perplexity gate says whether the full model kept)."""
 
+    def __post_init__(self):
+        _check_choices(self)
+        _check(self.temperature > 0, "temperature", self.temperature, "it must be > 0")
+        _check(self.rotation_period >= 1, "rotation_period", self.rotation_period, "it must be >= 1")
+        _check(self.chunk_size >= 1, "chunk_size", self.chunk_size, "it must be >= 1")
+        _check(self.weight >= 0, "weight", self.weight, "it must be >= 0")
+        _check(0 < self.token_fraction <= 1, "token_fraction", self.token_fraction, "it must be in (0, 1]")
+        _check(self.final_weight >= 0, "final_weight", self.final_weight, "it must be >= 0")
+        _check(self.draft_vocab_size is None or self.draft_vocab_size >= 1, "draft_vocab_size",
+               self.draft_vocab_size, "it must be >= 1, or null for the whole vocabulary")
+
 
 @dataclass
 class LoraSettings:
@@ -178,6 +255,12 @@ class LoraSettings:
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
                                                                "gate_proj", "up_proj", "down_proj"])
     """Module names that get adapters."""
+
+    def __post_init__(self):
+        _check_choices(self)
+        _check(self.r >= 1, "r", self.r, "it must be >= 1")
+        _check(len(self.target_modules) > 0, "target_modules", self.target_modules,
+               "name at least one module")
 
 
 @dataclass
@@ -204,6 +287,18 @@ class OptimConfig:
     """Micro-batches per optimizer step."""
     grad_clip: float = 1.0
     """Max global gradient norm (0 disables clipping)."""
+
+    def __post_init__(self):
+        _check_choices(self)
+        _check(self.lr > 0, "lr", self.lr, "it must be > 0")
+        _check(self.max_steps >= 1, "max_steps", self.max_steps, "it must be >= 1")
+        _check(self.batch_size >= 1, "batch_size", self.batch_size, "it must be >= 1")
+        _check(self.grad_accum >= 1, "grad_accum", self.grad_accum, "it must be >= 1")
+        _check(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "it must be >= 0")
+        _check(0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", self.min_lr_ratio, "it must be in [0, 1]")
+        _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas", self.betas,
+               "it must be two numbers in [0, 1)")
+        _check(self.grad_clip >= 0, "grad_clip", self.grad_clip, "it must be >= 0 (0 disables clipping)")
 
 
 @dataclass
@@ -254,6 +349,30 @@ class RunConfig:
     """Torch threads per process on CPU. None: the machine's cores split over its processes (plain
     `accelerate launch` would leave one thread per process)."""
 
+    def __post_init__(self):
+        _check_choices(self)
+        _check(self.exit_layer is None or self.exit_layer >= 1, "exit_layer", self.exit_layer,
+               "it must be >= 1 (the number of blocks the draft runs)")
+        _check(self.num_speculations >= 0, "num_speculations", self.num_speculations, "it must be >= 0")
+        _check(self.eval_every >= 0 and self.save_every >= 0, "eval_every/save_every",
+               (self.eval_every, self.save_every), "they must be >= 0")
+        _check(self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads", self.cpu_threads,
+               "it must be >= 1, or null for all cores")
+        _check(self.adapter_size is None or self.adapter_size >= 1, "adapter_size", self.adapter_size,
+               "it must be >= 1, or null for twice the model's width")
+        _check(not self.choose_exit or self.early_exit.layers is not None, "choose_exit", self.choose_exit,
+               "it picks among the candidate exits: set early_exit.layers, or choose_exit=false")
+        if self.trainable == "adapter":
+            _check(self.layer_dropout.p_max == 0, "layer_dropout.p_max", self.layer_dropout.p_max,
+                   "trainable: adapter trains on the frozen model, which layer dropout would change; "
+                   "set it to 0")
+            _check(not self.lora.enabled, "lora.enabled", self.lora.enabled,
+                   "trainable: adapter keeps every block frozen, so a LoRA on them cannot train; "
+                   "set it to false")
+        known = {"jsonl", "tensorboard", "wandb"}
+        bad = [t for t in self.log_with if t not in known]
+        _check(not bad, "log_with", bad, f"choose from {', '.join(sorted(known))}")
+
 
 # ---------------------------------------------------------------------------------------------------
 # Loading, overrides, validation
@@ -267,14 +386,17 @@ class _Loader(yaml.SafeLoader):
     integer 7682) and `1e-3` is a float (YAML 1.1 wants `1.0e-3`)."""
 
 
+_NUMBER_TAGS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
 _Loader.yaml_implicit_resolvers = {
-    key: [(tag, rx) for tag, rx in resolvers if tag not in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")]
+    key: [(tag, rx) for tag, rx in resolvers if tag not in _NUMBER_TAGS]
     for key, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
-_Loader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^[-+]?(0|[1-9][0-9_]*)$"), list("-+0123456789"))
+_Loader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^[-+]?(0|[1-9][0-9_]*)$"),
+                              list("-+0123456789"))
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(\.[0-9]+|[0-9][0-9_]*(\.[0-9_]*)?)([eE][-+]?[0-9]+)?$|^[-+]?\.(inf|Inf|INF)$|^\.(nan|NaN|NAN)$"),
+    re.compile(r"^[-+]?(\.[0-9]+|[0-9][0-9_]*(\.[0-9_]*)?)([eE][-+]?[0-9]+)?$"
+               r"|^[-+]?\.(inf|Inf|INF)$|^\.(nan|NaN|NAN)$"),
     list("-+0123456789."))
 
 
@@ -298,9 +420,11 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     """The mapping in a YAML config file, its `base:` chain merged in."""
     if not path.is_file():
         where = f" (the base of {str(seen[-1])!r})" if seen else ""
-        raise ConfigError(f"config file {str(path)!r}{where} does not exist; pass an existing YAML file to --config")
+        raise ConfigError(f"config file {str(path)!r}{where} does not exist; "
+                          f"pass an existing YAML file to --config")
     if path.resolve() in seen:
-        raise ConfigError(f"config file {str(path)!r} is its own base (through {' -> '.join(map(str, seen))}); "
+        chain = " -> ".join(map(str, seen))
+        raise ConfigError(f"config file {str(path)!r} is its own base (through {chain}); "
                           f"remove the loop of base: fields")
     try:
         data = _yaml(path.read_text()) or {}
@@ -320,7 +444,8 @@ def _merge(base: dict, top: dict) -> dict:
     """`top` over `base`: sections merge field by field, any other value replaces."""
     merged = dict(base)
     for key, value in top.items():
-        merged[key] = _merge(base[key], value) if isinstance(value, dict) and isinstance(base.get(key), dict) else value
+        both_sections = isinstance(value, dict) and isinstance(base.get(key), dict)
+        merged[key] = _merge(base[key], value) if both_sections else value
     return merged
 
 
@@ -351,9 +476,10 @@ def from_dict(schema: type[T], data: dict, prefix: str = "") -> T:
             hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {', '.join(fields)}"
             raise ConfigError(f"unknown config key {name!r}{hint}")
         kwargs[key] = _coerce(hints[key], value, name)
-    cfg = schema(**kwargs)
-    validate(cfg, prefix)
-    return cfg
+    try:
+        return schema(**kwargs)  # its __post_init__ checks the ranges that types alone cannot express
+    except FieldError as exc:
+        raise exc.within(prefix) from None
 
 
 def _coerce(hint: Any, value: Any, name: str) -> Any:
@@ -378,7 +504,8 @@ def _coerce(hint: Any, value: Any, name: str) -> Any:
     if origin is Literal:
         allowed = typing.get_args(hint)
         if value not in allowed:
-            raise ConfigError(f"{name} = {value!r} is not allowed; choose one of {', '.join(map(repr, allowed))}")
+            raise ConfigError(f"{name} = {value!r} is not allowed; "
+                              f"choose one of {', '.join(map(repr, allowed))}")
         return value
     if origin is list:
         (item_hint,) = typing.get_args(hint)
@@ -402,79 +529,15 @@ def _describe(hint: Any) -> str:
     return {int: "an integer", float: "a number", str: "a string", bool: "true/false"}.get(hint, str(hint))
 
 
-def _check(condition: bool, name: str, value: Any, allowed: str) -> None:
-    if not condition:
-        raise ConfigError(f"{name} = {value!r} is not allowed; {allowed}")
-
-
-def validate(cfg: Any, prefix: str = "") -> None:
-    """Range checks that types alone cannot express. Called for every section as it is built."""
-    p = prefix
-    if isinstance(cfg, LayerDropoutConfig):
-        _check(0.0 <= cfg.p_max < 1.0, f"{p}p_max", cfg.p_max, "it must be in [0, 1)")
-    elif isinstance(cfg, EarlyExitConfig):
-        _check(cfg.temperature > 0, f"{p}temperature", cfg.temperature, "it must be > 0")
-        _check(cfg.rotation_period >= 1, f"{p}rotation_period", cfg.rotation_period, "it must be >= 1")
-        _check(cfg.chunk_size >= 1, f"{p}chunk_size", cfg.chunk_size, "it must be >= 1")
-        _check(cfg.weight >= 0, f"{p}weight", cfg.weight, "it must be >= 0")
-        _check(0 < cfg.token_fraction <= 1, f"{p}token_fraction", cfg.token_fraction, "it must be in (0, 1]")
-        _check(cfg.final_weight >= 0, f"{p}final_weight", cfg.final_weight, "it must be >= 0")
-        _check(cfg.draft_vocab_size is None or cfg.draft_vocab_size >= 1, f"{p}draft_vocab_size",
-               cfg.draft_vocab_size, "it must be >= 1, or null for the whole vocabulary")
-    elif isinstance(cfg, OptimConfig):
-        _check(cfg.lr > 0, f"{p}lr", cfg.lr, "it must be > 0")
-        _check(cfg.max_steps >= 1, f"{p}max_steps", cfg.max_steps, "it must be >= 1")
-        _check(cfg.batch_size >= 1, f"{p}batch_size", cfg.batch_size, "it must be >= 1")
-        _check(cfg.grad_accum >= 1, f"{p}grad_accum", cfg.grad_accum, "it must be >= 1")
-        _check(cfg.warmup_steps >= 0, f"{p}warmup_steps", cfg.warmup_steps, "it must be >= 0")
-        _check(0.0 <= cfg.min_lr_ratio <= 1.0, f"{p}min_lr_ratio", cfg.min_lr_ratio, "it must be in [0, 1]")
-        _check(len(cfg.betas) == 2 and all(0 <= b < 1 for b in cfg.betas), f"{p}betas", cfg.betas,
-               "it must be two numbers in [0, 1)")
-        _check(cfg.grad_clip >= 0, f"{p}grad_clip", cfg.grad_clip, "it must be >= 0 (0 disables clipping)")
-    elif isinstance(cfg, DataConfig):
-        _check(cfg.block_size >= 2, f"{p}block_size", cfg.block_size, "it must be >= 2")
-        _check(cfg.tokenizer_vocab_size >= 260, f"{p}tokenizer_vocab_size", cfg.tokenizer_vocab_size,
-               "it must be >= 260 (256 bytes plus merges and the end-of-text token)")
-    elif isinstance(cfg, ArchConfig):
-        _check(cfg.num_layers >= 2, f"{p}num_layers", cfg.num_layers, "it must be >= 2")
-        _check(cfg.hidden_size % cfg.num_heads == 0, f"{p}hidden_size", cfg.hidden_size,
-               f"it must be a multiple of num_heads ({cfg.num_heads})")
-        _check(cfg.num_heads % cfg.num_kv_heads == 0, f"{p}num_kv_heads", cfg.num_kv_heads,
-               f"it must divide num_heads ({cfg.num_heads})")
-    elif isinstance(cfg, LoraSettings):
-        _check(cfg.r >= 1, f"{p}r", cfg.r, "it must be >= 1")
-        _check(len(cfg.target_modules) > 0, f"{p}target_modules", cfg.target_modules, "name at least one module")
-    elif isinstance(cfg, RunConfig):
-        _check(cfg.exit_layer is None or cfg.exit_layer >= 1, f"{p}exit_layer", cfg.exit_layer,
-               "it must be >= 1 (the number of blocks the draft runs)")
-        _check(cfg.num_speculations >= 0, f"{p}num_speculations", cfg.num_speculations, "it must be >= 0")
-        _check(cfg.eval_every >= 0 and cfg.save_every >= 0, f"{p}eval_every/save_every",
-               (cfg.eval_every, cfg.save_every), "they must be >= 0")
-        _check(cfg.cpu_threads is None or cfg.cpu_threads >= 1, f"{p}cpu_threads", cfg.cpu_threads,
-               "it must be >= 1, or null for all cores")
-        _check(cfg.adapter_size is None or cfg.adapter_size >= 1, f"{p}adapter_size", cfg.adapter_size,
-               "it must be >= 1, or null for twice the model's width")
-        _check(not cfg.choose_exit or cfg.early_exit.layers is not None, f"{p}choose_exit", cfg.choose_exit,
-               "it picks among the candidate exits: set early_exit.layers, or choose_exit=false")
-        if cfg.trainable == "adapter":
-            _check(cfg.layer_dropout.p_max == 0, f"{p}layer_dropout.p_max", cfg.layer_dropout.p_max,
-                   "trainable: adapter trains on the frozen model, which layer dropout would change; set it to 0")
-            _check(not cfg.lora.enabled, f"{p}lora.enabled", cfg.lora.enabled,
-                   "trainable: adapter keeps every block frozen, so a LoRA on them cannot train; set it to false")
-        known = {"jsonl", "tensorboard", "wandb"}
-        bad = [t for t in cfg.log_with if t not in known]
-        _check(not bad, f"{p}log_with", bad, f"choose from {', '.join(sorted(known))}")
-
-
 # ---------------------------------------------------------------------------------------------------
 # Layer lists (early_exit.layers, --exit-layers)
 # ---------------------------------------------------------------------------------------------------
 
 def check_layer(layer: object, num_layers: int, top: int) -> int:
-    """`layer` when it is an int in [1, top]; a ValueError naming the allowed range otherwise."""
+    """`layer` when it is an int in [1, top]; a UserError naming the allowed range otherwise."""
     # bool is an int subclass; True as a layer is a config mistake, not layer 1.
     if not isinstance(layer, int) or isinstance(layer, bool) or not 1 <= layer <= top:
-        raise ValueError(
+        raise UserError(
             f"early-exit layer must be an int in [1, {top}] (num_layers={num_layers}), got {layer!r}"
         )
     return layer
@@ -491,10 +554,10 @@ def parse_layers(spec: str | Sequence[int], num_layers: int) -> list[int]:
       e.g. ``"::2"`` with N = 8 gives [1, 3, 5, 7] and ``"4:"`` gives [4, 5, 6, 7];
     - a comma list ``"2,4,6"`` (a single ``"3"`` too).
 
-    Raises ValueError naming the bad value and the allowed range, or when nothing is selected.
+    Raises UserError naming the bad value and the allowed range, or when nothing is selected.
     """
     if num_layers < 2:
-        raise ValueError(f"num_layers must be >= 2 to have early-exit candidates, got {num_layers}")
+        raise UserError(f"num_layers must be >= 2 to have early-exit candidates, got {num_layers}")
     top = num_layers - 1
     if isinstance(spec, str):
         text = spec.strip()
@@ -503,18 +566,18 @@ def parse_layers(spec: str | Sequence[int], num_layers: int) -> list[int]:
         elif ":" in text:
             parts = [p.strip() for p in text.split(":")]
             if len(parts) > 3:
-                raise ValueError(f"early-exit layer slice must be 'start:stop:step', got {spec!r}")
+                raise UserError(f"early-exit layer slice must be 'start:stop:step', got {spec!r}")
             parts += [""] * (3 - len(parts))
             try:
                 start, stop, step = (
                     int(p) if p else d for p, d in zip(parts, (1, num_layers, 1), strict=True)
                 )
             except ValueError:
-                raise ValueError(
+                raise UserError(
                     f"early-exit layer slice must hold ints as 'start:stop:step', got {spec!r}"
                 ) from None
             if step == 0:
-                raise ValueError(f"early-exit layer slice step must be non-zero, got {spec!r}")
+                raise UserError(f"early-exit layer slice step must be non-zero, got {spec!r}")
             layers = list(range(start, stop, step))
         else:
             layers = []
@@ -522,14 +585,13 @@ def parse_layers(spec: str | Sequence[int], num_layers: int) -> list[int]:
                 try:
                     layers.append(int(token.strip()))
                 except ValueError:
-                    raise ValueError(
-                        f"early-exit layer must be an int in [1, {top}] (num_layers={num_layers}), got {token.strip()!r}"
-                    ) from None
+                    raise UserError(f"early-exit layer must be an int in [1, {top}] "
+                                    f"(num_layers={num_layers}), got {token.strip()!r}") from None
     else:
         layers = list(spec)
     result = sorted({check_layer(layer, num_layers, top) for layer in layers})
     if not result:
-        raise ValueError(
+        raise UserError(
             f"early-exit layers {spec!r} select no layer in [1, {top}] (num_layers={num_layers})"
         )
     return result

@@ -1,4 +1,4 @@
-"""CPU runtime settings that change speed, never results.
+"""CPU runtime settings that change speed, never results (and `sync_device`, for timing any device).
 
 Training and evaluation on CPU allocate and free (tokens, vocabulary) logits blocks of hundreds of
 megabytes every step (49,152 × 2,048 fp32 values are 400 MB). glibc serves such blocks with mmap and
@@ -43,3 +43,21 @@ def has_bf16_units() -> bool | None:
     except OSError:
         return None
     return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def sync_device(device) -> None:
+    """Wait until the work queued on `device` (a torch.device or a name like "cuda:0") is done.
+
+    GPU kernels run asynchronously: a timer read right after a call measures the launch, not the
+    work, so time a step as sync_device, start, step, sync_device, stop. On the CPU (whose work is
+    done when the call returns) it does nothing.
+    """
+    import torch  # here, so that the allocator settings above load without torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+    elif device.type == "xpu":
+        torch.xpu.synchronize(device)

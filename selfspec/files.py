@@ -1,6 +1,6 @@
 """Atomic writes: a reader (or a process killed halfway) never sees half a file or half a directory.
 
-- `write_text_atomic` / `write_json_atomic`: a temp file beside the target, then a rename;
+- `atomic_file`, `write_text_atomic` / `write_json_atomic`: a temp file beside the target, then a rename;
 - `atomic_directory`: build a directory in a temp sibling, then move it into place, replacing the
   previous one (used for checkpoints, corpora, tokenizers and packed data sets).
 
@@ -23,20 +23,31 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 
-def write_text_atomic(path: str | Path, text: str) -> Path:
-    """Write text via a temp file + rename, so readers never see half a file."""
+@contextmanager
+def atomic_file(path: str | Path) -> Iterator[Path]:
+    """Yield a temp path beside `path` to write; on success it replaces `path` by rename.
+
+    For writers that take a file name (safetensors, matplotlib). On any error the temp file is removed
+    and `path` is left as it was.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp" + path.suffix)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
+        yield Path(tmp)
         os.chmod(tmp, 0o644)  # mkstemp's 0600 would stay on the final file
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return path
+
+
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    """Write text via a temp file + rename, so readers never see half a file."""
+    with atomic_file(path) as tmp:
+        tmp.write_text(text)
+    return Path(path)
 
 
 def write_json_atomic(path: str | Path, data: Any) -> Path:

@@ -108,3 +108,11 @@ def chi_square_p(tokens: np.ndarray, probs: np.ndarray) -> float:
     keep = expected > 0
     observed, expected = observed[keep], expected[keep]
     return stats.chisquare(observed, expected * observed.sum() / expected.sum()).pvalue
+
+
+def ranking_counts(token_ids, vocab_size: int) -> np.ndarray:
+    """Token counts (V,) whose len(token_ids) most frequent ids are exactly `token_ids`: the
+    `token_counts` that give a generator a draft head over those ids (draft_vocab_size = len)."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    counts[np.asarray(token_ids)] = np.arange(len(token_ids), 0, -1) + 1
+    return counts

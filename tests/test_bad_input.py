@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from selfspec.checkpoint import save_tuned
 from selfspec.cli import main
 from selfspec.config import ConfigError
-from selfspec.decoding import SelfSpecGenerator
+from selfspec.decoding import DecodeSettings, SelfSpecGenerator
 from selfspec.training.loop import train
 from selfspec.training.recipe import parse_recipe_args
 
@@ -22,7 +22,7 @@ from selfspec.training.recipe import parse_recipe_args
 @pytest.fixture
 def ckpt(tiny_run, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tiny_run["model"])
-    return save_tuned(tmp_path / "tuned", model, tiny_run["tokenizer"], exit_layer=2, num_speculations=3)
+    return save_tuned(tmp_path / "tuned", model, tiny_run["tokenizer"], settings=DecodeSettings(exit_layer=2, num_speculations=3))
 
 
 def one_error_line(capsys) -> str:
@@ -43,7 +43,7 @@ def files_under(path) -> set:
 # --------------------------------------------------------------------------------------------------
 
 CLI_CASES = [
-    (["generate", "{ckpt}", "def f():", "--exit-layer", "0"], "exit_layer must be an int in 1..4"),
+    (["generate", "{ckpt}", "def f():", "--exit-layer", "0"], "exit_layer must be an int >= 1"),
     (["generate", "{ckpt}", "def f():", "--exit-layer", "9"], "exit_layer must be an int in 1..4"),
     (["generate", "{ckpt}", "def f():", "--num-speculations", "-2"], "pass an integer k >= 0, auto or window"),
     (["generate", "{ckpt}", "def f():", "--temperature", "-1"], "temperature must be >= 0"),
@@ -92,7 +92,7 @@ def test_truncated_weights(ckpt, capsys):
 
 
 def test_missing_tokenizer(tiny_run, tmp_path, capsys):
-    bare = save_tuned(tmp_path / "bare", AutoModelForCausalLM.from_pretrained(tiny_run["model"]), exit_layer=2)
+    bare = save_tuned(tmp_path / "bare", AutoModelForCausalLM.from_pretrained(tiny_run["model"]), settings=DecodeSettings(exit_layer=2))
     assert main(["generate", str(bare), "x"]) == 2
     assert "has no tokenizer" in one_error_line(capsys)
 
@@ -169,8 +169,8 @@ def test_unsupported_architecture_lists_the_supported_ones():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"exit_layer": 0}, "exit_layer must be an int in 1..4"),
-    ({"exit_layer": 2, "num_speculations": -1}, "num_speculations must be an int >= 0, 'auto' or 'window'"),
+    ({"exit_layer": 0}, "exit_layer must be an int >= 1"),
+    ({"exit_layer": 2, "num_speculations": -1}, "num_speculations -1 is not allowed; pass an integer k >= 0"),
 ])
 def test_generator_arguments(kwargs, message):
     with pytest.raises((ValueError, ConfigError), match=message):

@@ -16,11 +16,12 @@ from selfspec.checkpoint import (
     save_tuned,
     update_meta,
 )
+from selfspec.decoding import DecodeSettings
 
 
 def test_save_writes_safetensors_meta_and_loads_with_auto_model(tmp_path):
     model = tiny_model("qwen3")
-    path = save_tuned(tmp_path / "ckpt", model, exit_layer=2, num_speculations=5, base_model="base",
+    path = save_tuned(tmp_path / "ckpt", model, settings=DecodeSettings(exit_layer=2, num_speculations=5), base_model="base",
                       training={"seed": 1}, metrics={"val/loss": 1.5})
     assert (path / "model.safetensors").is_file()
     meta = read_meta(path)
@@ -35,7 +36,7 @@ def test_save_writes_safetensors_meta_and_loads_with_auto_model(tmp_path):
 
 def test_failed_save_leaves_the_previous_checkpoint_intact(tmp_path):
     model = tiny_model("llama")
-    path = save_tuned(tmp_path / "ckpt", model, exit_layer=2)
+    path = save_tuned(tmp_path / "ckpt", model, settings=DecodeSettings(exit_layer=2))
     before = (path / "model.safetensors").read_bytes()
 
     def disk_full(*args, **kwargs):
@@ -43,7 +44,7 @@ def test_failed_save_leaves_the_previous_checkpoint_intact(tmp_path):
 
     model.save_pretrained = disk_full
     with pytest.raises(RuntimeError, match="disk full"):
-        save_tuned(path, model, exit_layer=2)
+        save_tuned(path, model, settings=DecodeSettings(exit_layer=2))
     assert (path / "model.safetensors").read_bytes() == before
     assert read_meta(path)["exit_layer"] == 2
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
@@ -51,7 +52,7 @@ def test_failed_save_leaves_the_previous_checkpoint_intact(tmp_path):
 
 def test_exit_layer_outside_the_model_is_rejected(tmp_path):
     with pytest.raises(CheckpointError, match="exit_layer = 9 is outside 1..4"):
-        save_tuned(tmp_path / "x", tiny_model("llama"), exit_layer=9)
+        save_tuned(tmp_path / "x", tiny_model("llama"), settings=DecodeSettings(exit_layer=9))
     assert not (tmp_path / "x").exists()
 
 
@@ -67,7 +68,7 @@ def test_meta_errors_say_what_to_do(tmp_path):
 
 
 def test_update_meta_merges_fields(tmp_path):
-    path = save_tuned(tmp_path / "ckpt", tiny_model("gpt2"), exit_layer=1)
+    path = save_tuned(tmp_path / "ckpt", tiny_model("gpt2"), settings=DecodeSettings(exit_layer=1))
     update_meta(path, exit_layer=3, num_speculations=6)
     meta = read_meta(path)
     assert (meta["exit_layer"], meta["num_speculations"], meta["kind"]) == (3, 6, "tuned")
@@ -87,7 +88,7 @@ def test_pickled_weights_are_refused_with_the_fix(tmp_path):
 def test_truncated_safetensors_is_a_one_line_error(tmp_path):
     from selfspec import load_tuned
 
-    path = save_tuned(tmp_path / "ckpt", tiny_model("llama"), exit_layer=2)
+    path = save_tuned(tmp_path / "ckpt", tiny_model("llama"), settings=DecodeSettings(exit_layer=2))
     weights = path / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
     from selfspec.model.loading import ModelLoadError
@@ -100,7 +101,7 @@ def test_token_counts_round_trip_and_rank_the_draft_vocabulary(tmp_path):
     import numpy as np
 
     model = tiny_model("llama")
-    path = save_tuned(tmp_path / "ckpt", model, exit_layer=2)
+    path = save_tuned(tmp_path / "ckpt", model, settings=DecodeSettings(exit_layer=2))
     assert read_token_counts(path) is None and draft_vocab(path, None) is None
     with pytest.raises(CheckpointError, match="draft_vocab_size = 8 needs token_counts.safetensors.*selfspec draft-vocab"):
         draft_vocab(path, 8)

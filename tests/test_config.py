@@ -4,7 +4,18 @@ from pathlib import Path
 
 import pytest
 
-from selfspec.config import ConfigError, RunConfig, load_config, to_dict
+from selfspec.config import (
+    ArchConfig,
+    ConfigError,
+    DataConfig,
+    EarlyExitConfig,
+    LayerDropoutConfig,
+    LoraSettings,
+    OptimConfig,
+    RunConfig,
+    load_config,
+    to_dict,
+)
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 
@@ -41,20 +52,29 @@ def test_int_is_accepted_for_float_fields_but_not_the_reverse(tmp_path):
 
 def test_unknown_key_names_the_closest_valid_key(tmp_path):
     # No key is close enough to 'learning_rat': the message lists the section's keys instead.
-    with pytest.raises(ConfigError, match=r"unknown config key 'optim.learning_rat'; valid keys: lr, weight_decay, "):
+    with pytest.raises(ConfigError,
+                       match=r"unknown config key 'optim.learning_rat'; valid keys: lr, weight_decay, "):
         load_config(None, ["optim.learning_rat=1"])
     with pytest.raises(ConfigError, match=r"unknown config key 'optim.lrr'; did you mean 'optim.lr'\?"):
         load_config(None, ["optim.lrr=1"])
-    with pytest.raises(ConfigError, match=r"unknown config key 'layer_dropout.pmax'; did you mean 'layer_dropout.p_max'"):
+    with pytest.raises(ConfigError,
+                       match=r"unknown config key 'layer_dropout.pmax'; did you mean 'layer_dropout.p_max'"):
         load_config(write(tmp_path, "layer_dropout:\n  pmax: 0.2\n"))
 
 
 @pytest.mark.parametrize("override, message", [
     ("layer_dropout.p_max=1.0", r"layer_dropout.p_max = 1.0 is not allowed; it must be in \[0, 1\)"),
-    ("layer_dropout.depth_curve=cubic", r"layer_dropout.depth_curve = 'cubic' is not allowed; choose one of 'uniform', 'linear', 'exp'"),
+    ("layer_dropout.depth_curve=cubic",
+     r"layer_dropout.depth_curve = 'cubic' is not allowed; choose one of 'uniform', 'linear', 'exp'"),
     ("early_exit.kind=mse", r"early_exit.kind = 'mse' is not allowed; choose one of 'kl', 'ce', 'both'"),
     ("optim.batch_size=0", r"optim.batch_size = 0 is not allowed; it must be >= 1"),
-    ("log_with=[jsonl, mlflow]", r"log_with = \['mlflow'\] is not allowed; choose from jsonl, tensorboard, wandb"),
+    ("log_with=[jsonl, mlflow]",
+     r"log_with = \['mlflow'\] is not allowed; choose from jsonl, tensorboard, wandb"),
+    ("model.arch.num_heads=3",
+     r"model.arch.hidden_size = 256 is not allowed; it must be a multiple of num_heads"),
+    ("model.arch.num_kv_heads=0", r"model.arch.num_kv_heads = 0 is not allowed; it must be >= 1"),
+    ("early_exit.token_fraction=0",
+     r"early_exit.token_fraction = 0.0 is not allowed; it must be in \(0, 1\]"),
     ("cpu_threads=0", r"cpu_threads = 0 is not allowed; it must be >= 1, or null for all cores"),
     ("optim=3", r"optim must be a section"),
     ("optim.lr", r"override 'optim.lr' must look like section.field=value"),
@@ -62,6 +82,34 @@ def test_unknown_key_names_the_closest_valid_key(tmp_path):
 def test_bad_values_name_field_value_and_what_is_allowed(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, [override])
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: OptimConfig(lr=-1), r"^lr = -1 is not allowed; it must be > 0$"),
+    (lambda: EarlyExitConfig(kind="mse"), r"^kind = 'mse' is not allowed; choose one of 'kl', 'ce', 'both'"),
+    (lambda: LayerDropoutConfig(p_max=1.0), r"^p_max = 1.0 is not allowed; it must be in \[0, 1\)$"),
+    (lambda: EarlyExitConfig(draft_vocab_size=0), r"^draft_vocab_size = 0 is not allowed; it must be >= 1"),
+    (lambda: DataConfig(block_size=1), r"^block_size = 1 is not allowed; it must be >= 2$"),
+    (lambda: ArchConfig(hidden_size=30, num_heads=8),
+     r"^hidden_size = 30 is not allowed; it must be a multiple"),
+    (lambda: LoraSettings(target_modules=[]),
+     r"^target_modules = \[\] is not allowed; name at least one module$"),
+    (lambda: RunConfig(trainable="adapter", layer_dropout=LayerDropoutConfig(p_max=0.2)),
+     r"^layer_dropout.p_max = 0.2 is not allowed; trainable: adapter trains on the frozen model"),
+    (lambda: RunConfig(choose_exit=True),
+     r"^choose_exit = True is not allowed; it picks among the candidate exits"),
+])
+def test_a_section_built_in_python_checks_its_fields(build, message):
+    """Each section checks its own ranges in __post_init__: the field is named as the section knows
+    it, and a config file names it from the top (test_bad_values_name_field_value_and_what_is_allowed)."""
+    with pytest.raises(ConfigError, match=message):
+        build()
+
+
+def test_a_valid_section_built_in_python_is_accepted():
+    cfg = RunConfig(optim=OptimConfig(lr=1e-3), early_exit=EarlyExitConfig(layers="2:4"), choose_exit=True)
+    assert to_dict(cfg) == to_dict(load_config(None, ["optim.lr=1e-3", "early_exit.layers=2:4",
+                                                      "choose_exit=true"]))
 
 
 def test_missing_and_malformed_files(tmp_path):
@@ -97,7 +145,8 @@ def test_base_errors_name_the_file(tmp_path):
     (tmp_path / "b.yaml").write_text("base: a.yaml\n")
     with pytest.raises(ConfigError, match="is its own base"):
         load_config(tmp_path / "a.yaml")
-    with pytest.raises(ConfigError, match=r"config file '.*missing.yaml' \(the base of '.*c.yaml'\) does not exist"):
+    with pytest.raises(ConfigError,
+                       match=r"config file '.*missing.yaml' \(the base of '.*c.yaml'\) does not exist"):
         load_config(write(tmp_path, "base: missing.yaml\n", name="c.yaml"))
 
 
@@ -113,6 +162,7 @@ def test_the_real_model_recipes_apply_layer_dropout_and_candidate_exits():
         candidates = parse_layers(cfg.early_exit.layers, layers)
         assert len(candidates) >= 4 and layers // 3 in candidates and cfg.choose_exit, name
         assert 0.15 <= cfg.layer_dropout.p_max <= 0.25 and cfg.layer_dropout.depth_curve == "exp", name
-        assert (cfg.early_exit.teacher, cfg.early_exit.token_fraction, cfg.trainable) == ("frozen", 1.0, "all")
+        ee = cfg.early_exit
+        assert (ee.teacher, ee.token_fraction, cfg.trainable) == ("frozen", 1.0, "all")
         if name.startswith(("llama", "tinyllama", "qwen")):
             assert cfg.lora.enabled == name.endswith("lora") and cfg.output_dir == f"runs/{name}"

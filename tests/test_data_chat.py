@@ -49,7 +49,8 @@ def test_sharegpt_records_without_an_assistant_reply_are_dropped(tmp_path):
     assert complete == 3
     assert [c["id"] for c in conversations] == ["conv1_0", "conv2_0"]
     assert [m["role"] for m in conversations[0]["messages"]] == ["user", "assistant"]
-    assert conversations[1]["messages"] == [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]
+    assert conversations[1]["messages"] == [{"role": "user", "content": "Q"},
+                                            {"role": "assistant", "content": "A"}]
 
 
 def test_chat_jsonl_reads_messages_sharegpt_turns_and_prompt_response(tmp_path):
@@ -79,7 +80,8 @@ def test_the_split_is_by_conversation_and_never_depends_on_order(tmp_path):
     assert 0.015 < splits.count("test") / len(ids) < 0.025
     assert 0.015 < splits.count("validation") / len(ids) < 0.025
     path = tmp_path / "many.jsonl"
-    rows = [{"id": f"c{i}_{part}", "prompt": f"q{i}", "response": f"a{i}"} for i in range(600) for part in (0, 1)]
+    rows = [{"id": f"c{i}_{part}", "prompt": f"q{i}", "response": f"a{i}"}
+            for i in range(600) for part in (0, 1)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     corpus = load_chat_corpus(str(path))
     seen = {name: {i.rsplit("_", 1)[0] for i in corpus[name]["id"]} for name in corpus}
@@ -148,15 +150,16 @@ def test_a_conversation_file_without_assistant_turns_is_a_clear_error(tmp_path):
 
 def test_a_tokenizer_without_a_chat_template_is_a_clear_error(tiny_run):
     with pytest.raises(ChatDataError, match="no chat template"):
-        chat_tokens([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], tiny_run["tokenizer"])
+        chat_tokens([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+                    tiny_run["tokenizer"])
 
 
 def test_questions_in_the_common_format_and_their_first_turns(tmp_path):
     from selfspec.data.questions import first_turns, read_questions
 
     path = tmp_path / "q.jsonl"
-    rows = [{"question_id": i, "category": "math" if i % 2 else "writing", "turns": [f"q{i}", f"follow-up {i}"]}
-            for i in range(6)]
+    rows = [{"question_id": i, "category": "math" if i % 2 else "writing",
+             "turns": [f"q{i}", f"follow-up {i}"]} for i in range(6)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     questions = read_questions(path)
     assert [q["turns"] for q in questions] == [r["turns"] for r in rows]

@@ -10,7 +10,7 @@ from selfspec.checkpoint import save_tuned
 from selfspec.cli import main
 from selfspec.data import ChatDataError, load_chat_corpus
 from selfspec.data.distill import RESPONSES, distill_prompts, distill_responses
-from selfspec.decoding import SelfSpecGenerator
+from selfspec.decoding import DecodeSettings, SelfSpecGenerator
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -22,7 +22,7 @@ def chat_ckpt(tiny_run, tmp_path_factory):
     tokenizer = type(tiny_run["tokenizer"]).from_pretrained(tiny_run["model"])
     tokenizer.chat_template = CHATML
     model = AutoModelForCausalLM.from_pretrained(tiny_run["model"]).eval()
-    save_tuned(root / "model", model, tokenizer, exit_layer=2, kind="base")
+    save_tuned(root / "model", model, tokenizer, settings=DecodeSettings(exit_layer=2), kind="base")
     prompts = root / "prompts.txt"
     prompts.write_text("".join(f"def f{i}(x):\n" for i in range(7)))
     return {"dir": root / "model", "model": model, "tokenizer": tokenizer, "prompts": prompts}
@@ -43,8 +43,9 @@ def test_replies_are_the_models_own_greedy_continuations(chat_ckpt, tmp_path):
     rows = [json.loads(line) for line in (tmp_path / RESPONSES).read_text().splitlines()]
     tokenizer = chat_ckpt["tokenizer"]
     for row, (_, prompt) in zip(rows, _pairs(3)):
-        ids = tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                      add_generation_prompt=True), return_tensors="pt")["input_ids"]
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+        ids = tokenizer(text, return_tensors="pt")["input_ids"]
         plain = chat_ckpt["model"].generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1]:]
         eos = tokenizer.eos_token_id
         plain = plain[:(plain == eos).nonzero()[0, 0] + 1] if (plain == eos).any() else plain
@@ -57,10 +58,10 @@ def test_replies_are_the_models_own_greedy_continuations(chat_ckpt, tmp_path):
 
 def test_a_killed_run_resumes_to_the_same_file_as_an_uninterrupted_one(chat_ckpt, tmp_path):
     whole, killed = tmp_path / "whole", tmp_path / "killed"
-    distill_responses(_generator(chat_ckpt), _pairs(), whole, model_name="tiny", batch_size=2, max_new_tokens=5,
-                      progress=False)
-    distill_responses(_generator(chat_ckpt), _pairs(4), killed, model_name="tiny", batch_size=2, max_new_tokens=5,
-                      progress=False)
+    distill_responses(_generator(chat_ckpt), _pairs(), whole, model_name="tiny", batch_size=2,
+                      max_new_tokens=5, progress=False)
+    distill_responses(_generator(chat_ckpt), _pairs(4), killed, model_name="tiny", batch_size=2,
+                      max_new_tokens=5, progress=False)
     with (killed / RESPONSES).open("a") as handle:
         handle.write('{"id": "p4", "messages": [{"ro')  # a write torn by the kill
     summary = distill_responses(_generator(chat_ckpt), _pairs(), killed, model_name="tiny", batch_size=2,
@@ -70,7 +71,8 @@ def test_a_killed_run_resumes_to_the_same_file_as_an_uninterrupted_one(chat_ckpt
 
 
 def test_a_directory_from_another_model_or_tokenizer_is_refused(chat_ckpt, tmp_path):
-    distill_responses(_generator(chat_ckpt), _pairs(2), tmp_path, model_name="tiny", max_new_tokens=4, progress=False)
+    distill_responses(_generator(chat_ckpt), _pairs(2), tmp_path, model_name="tiny", max_new_tokens=4,
+                      progress=False)
     with pytest.raises(ChatDataError, match="was made with another model"):
         distill_responses(_generator(chat_ckpt), _pairs(2), tmp_path, model_name="other", max_new_tokens=4,
                           progress=False)
@@ -83,8 +85,8 @@ def test_a_directory_from_another_model_or_tokenizer_is_refused(chat_ckpt, tmp_p
 
 def test_the_command_line_writes_replies_and_bad_prompt_sources_are_one_line(chat_ckpt, tmp_path, capsys):
     out = tmp_path / "out"
-    assert main(["distill-data", str(chat_ckpt["dir"]), "--prompts", str(chat_ckpt["prompts"]), "--out", str(out),
-                 "--limit", "3", "--max-new-tokens", "4"]) == 0
+    assert main(["distill-data", str(chat_ckpt["dir"]), "--prompts", str(chat_ckpt["prompts"]),
+                 "--out", str(out), "--limit", "3", "--max-new-tokens", "4"]) == 0
     assert len((out / RESPONSES).read_text().splitlines()) == 3
     empty = tmp_path / "empty.jsonl"
     empty.write_text(json.dumps({"question_id": 1, "category": "x", "turns": ["q" * 3000]}) + "\n")

@@ -3,12 +3,15 @@
 No timing is asserted: only that the figures are there and consistent.
 """
 
-import importlib.util
 import json
+import runpy
+import sys
 from pathlib import Path
 
-from helpers import tiny_model
+import pytest
+from helpers import ranking_counts, tiny_model
 
+from selfspec.decoding import DecodeSettings
 from selfspec.evaluation.benchmark import METHODS, run_benchmark, to_markdown, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -18,75 +21,76 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_benchmark_report(tmp_path):
     model = tiny_model("llama")
     repeats = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]  # copying finds matches
-    report = run_benchmark(model, [repeats, [9, 10]], exit_layer=3, num_speculations=3, max_new_tokens=10,
-                           repeats=2, warmup=1, draft_vocab=list(range(48)))
+    report = run_benchmark(model, [repeats, [9, 10]], DecodeSettings(exit_layer=3, num_speculations=3,
+                                                                     draft_vocab_size=48),
+                           token_counts=ranking_counts(range(48), 96), max_new_tokens=10, repeats=2, warmup=1)
     assert set(report["methods"]) == set(METHODS)
     assert report["settings"]["hybrid"]["draft_vocab_size"] == 48 and report["settings"]["ngram"]["ngram"]["min_ngram"] == 2
     assert all(len(m["tokens_per_second_all"]) == 2 for m in report["methods"].values())
     assert report["greedy_outputs_identical"]
     assert report["identical_to_plain"]["hf_early_exit"]  # Hugging Face's self-speculation is lossless too
     assert report["identical_to_plain"]["hf_prompt_lookup"]  # and so is its prompt lookup
-    assert report["speedups"]["selfspec_over_plain"] > 0 and report["speedups"]["hybrid_over_hf_prompt_lookup"] > 0
+    assert report["speedups"]["early_exit_over_plain"] > 0 and report["speedups"]["hybrid_over_hf_prompt_lookup"] > 0
     sources = report["sources"]
     assert sources["ngram"]["copy"]["drafted"] > 0 and sources["ngram"]["early_exit"]["drafted"] == 0
-    assert sources["selfspec"]["copy"]["drafted"] == 0 and sources["selfspec"]["early_exit"]["drafted"] > 0
+    assert sources["early_exit"]["copy"]["drafted"] == 0 and sources["early_exit"]["early_exit"]["drafted"] > 0
     assert sources["hybrid"]["copy"]["drafted"] > 0 and sources["hybrid"]["early_exit"]["drafted"] > 0
     cost = report["cost_model"]
     assert 0 < cost["acceptance_rate"] <= 1 and cost["mean_accepted_length"] >= 1
     assert cost["k_rounds"].keys() == {3} and cost["mean_k"] == 3
     assert cost["predicted_speedup"] > 0 and cost["measured_over_predicted"] > 0 and cost["draft_cost"] > 0
     json_path, md_path = write_report(report, tmp_path)
-    assert json.loads(json_path.read_text())["exit_layer"] == 3
+    assert json.loads(json_path.read_text())["settings"]["early_exit"]["exit_layer"] == 3
     text = md_path.read_text()
-    assert "selfspec / plain" in text and "acceptance_rate" in text and "Greedy outputs identical" in text
+    assert "early_exit / plain" in text and "acceptance_rate" in text and "Greedy outputs identical" in text
     assert "| hybrid | copy |" in text and "hybrid / hf_prompt_lookup" in text
-    assert "E = 3, k = 3, V' = 48, min_ngram = 2" in text
+    assert "hybrid, E = 3, k = 3, V' = 48, min_ngram = 2" in text
 
 
 def test_each_engine_method_may_decode_at_its_own_setting():
-    from selfspec.decoding import NGramConfig
-    from selfspec.evaluation.benchmark import EngineSetting
-
     model = tiny_model("llama")
-    per_method = {"selfspec": EngineSetting(2, 2), "hybrid": EngineSetting(1, 1, tuple(range(40)), NGramConfig(3, 1))}
-    report = run_benchmark(model, [[5, 6, 7, 8, 5, 6, 7, 8]], exit_layer=3, num_speculations=3, max_new_tokens=8,
-                           repeats=1, warmup=0, methods=("plain", "selfspec", "ngram", "hybrid", "hf_early_exit"),
-                           per_method=per_method)
+    fastest = {"early_exit": DecodeSettings(exit_layer=2, num_speculations=2),
+               "hybrid": DecodeSettings("hybrid", 1, 1, 40).override(min_ngram=1)}
+    report = run_benchmark(model, [[5, 6, 7, 8, 5, 6, 7, 8]], DecodeSettings(exit_layer=3, num_speculations=3),
+                           fastest=fastest, token_counts=ranking_counts(range(40), 96), max_new_tokens=8,
+                           repeats=1, warmup=0, methods=("plain", "early_exit", "ngram", "hybrid", "hf_early_exit"))
     settings = report["settings"]
-    assert (settings["selfspec"]["exit_layer"], settings["selfspec"]["num_speculations"]) == (2, 2)
+    assert (settings["early_exit"]["exit_layer"], settings["early_exit"]["num_speculations"]) == (2, 2)
     assert settings["hybrid"]["draft_vocab_size"] == 40 and settings["hybrid"]["ngram"]["min_ngram"] == 1
     assert settings["ngram"]["exit_layer"] == 3  # the common setting
     assert report["greedy_outputs_identical"] and report["identical_to_plain"]["hf_early_exit"]
-    assert "| hf_early_exit |" in to_markdown(report) and "| selfspec |" in to_markdown(report)
+    assert "| hf_early_exit | " in to_markdown(report) and "| early_exit |" in to_markdown(report)
 
 
 def test_batched_benchmark_decodes_rows_together():
-    import pytest
-
     model = tiny_model("llama")
     prompts = [[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]]  # one length: Hugging Face needs no padding
-    methods = ("plain", "selfspec", "hf_greedy")
-    kwargs = dict(exit_layer=3, num_speculations=3, max_new_tokens=8, repeats=1, warmup=0, methods=methods)
-    batched = run_benchmark(model, prompts, batch_size=2, **kwargs)
-    # plain, selfspec and Hugging Face's batched greedy decoding give the same rows
+    methods = ("plain", "early_exit", "hf_greedy")
+    kwargs = dict(max_new_tokens=8, repeats=1, warmup=0, methods=methods)
+    batched = run_benchmark(model, prompts, DecodeSettings(exit_layer=3, num_speculations=3), batch_size=2, **kwargs)
+    # plain, the early exit and Hugging Face's batched greedy decoding give the same rows
     assert batched["batch_size"] == 2 and batched["greedy_outputs_identical"]
     assert sum(batched["cost_model"]["accepted_histogram"]) > 0 and "batch 2" in to_markdown(batched)
     with pytest.raises(ValueError, match="decodes batch 1 only; leave hf_early_exit, hf_prompt_lookup out"):
-        run_benchmark(model, prompts, exit_layer=3, batch_size=2, methods=METHODS)
+        run_benchmark(model, prompts, DecodeSettings(exit_layer=3), batch_size=2, methods=METHODS)
 
 
-def test_benchmark_script_end_to_end(tiny_run, tmp_path):
-    spec = importlib.util.spec_from_file_location("benchmark_speedup", ROOT / "eval" / "benchmark_speedup.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    assert "python eval/benchmark_speedup.py" in script.__doc__
+def test_benchmark_script_end_to_end(tiny_run, tmp_path, monkeypatch):
+    """eval/benchmark_speedup.py is `selfspec eval speedup`: the same flags, the same function."""
+    script = ROOT / "eval" / "benchmark_speedup.py"
+    assert "python eval/benchmark_speedup.py" in script.read_text()
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps(["def f(x):", [5, 6, 7]]))
-    report = script.main(["--model", str(tiny_run["model"]), "--exit-layer", "2", "--num-speculations", "auto",
-                          "--prompts", str(prompts), "--max-new-tokens", "6", "--repeats", "1", "--warmup", "0",
-                          "--methods", "plain,selfspec,hf_greedy", "--out", str(tmp_path / "out")])
-    assert report["greedy_outputs_identical"] and report["num_speculations"] == "auto"
-    assert (tmp_path / "out" / "benchmark.json").is_file() and (tmp_path / "out" / "benchmark.md").is_file()
+    monkeypatch.setattr(sys, "argv", [str(script), "--model", str(tiny_run["model"]), "--exit-layer", "2",
+                                      "--num-speculations", "auto", "--prompts", str(prompts), "--max-new-tokens",
+                                      "6", "--repeats", "1", "--warmup", "0", "--methods", "plain,early_exit,hf_greedy",
+                                      "--out", str(tmp_path / "out")])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(script), run_name="__main__")
+    assert exit_.value.code == 0
+    report = json.loads((tmp_path / "out" / "benchmark.json").read_text())
+    assert report["greedy_outputs_identical"] and report["settings"]["early_exit"]["num_speculations"] == "auto"
+    assert (tmp_path / "out" / "benchmark.md").is_file()
 
 
 def test_prompts_from_a_corpus_test_split(tiny_run, tmp_path):

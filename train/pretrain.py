@@ -15,20 +15,24 @@ from __future__ import annotations
 import sys
 
 from selfspec.checkpoint import read_meta
-from selfspec.model.loading import ModelLoadError
-from selfspec.training.loop import train_or_reuse
+from selfspec.cpu import keep_freed_memory
+from selfspec.errors import UserError
+from selfspec.training.loop import has_accelerator, train_or_reuse
 from selfspec.training.recipe import parse_recipe_args
 
 
 def main() -> None:
     cfg, args = parse_recipe_args("Pretrain the embedded base model.", "configs/embedded_base.yaml")
+    if not has_accelerator():  # CPU steps allocate (tokens, vocabulary) logits blocks: see selfspec.cpu
+        keep_freed_memory()
     try:
         model_dir, reused = train_or_reuse(cfg, kind="base", force=args.force, resume=args.resume)
-    except (ValueError, ModelLoadError) as exc:
+    except UserError as exc:
         sys.exit(f"error: {exc}")
     m = read_meta(model_dir)["metrics"]
-    print(f"{'reused' if reused else 'saved'} {model_dir}: {m['parameters']:,} parameters, {m['steps']} steps, "
-          f"{m['tokens_seen']:,} tokens, {m['train_seconds'] / 60:.1f} min, validation loss {m['val/loss']:.4f}")
+    print(f"{'reused' if reused else 'saved'} {model_dir}: {m['parameters']:,} parameters, "
+          f"{m['steps']} steps, {m['tokens_seen']:,} tokens, {m['train_seconds'] / 60:.1f} min, "
+          f"validation loss {m['val/loss']:.4f}")
 
 
 if __name__ == "__main__":

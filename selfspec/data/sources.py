@@ -12,6 +12,7 @@ from pathlib import Path
 import datasets
 from transformers import PreTrainedTokenizerFast
 
+from ..errors import UserError
 from .constants import DEFAULT_CACHE_DIR, SPLITS
 from .stdlib import build_stdlib_corpus
 from .tokenizer import load_or_train_tokenizer, stdlib_tokenizer_dir
@@ -60,7 +61,7 @@ def load_text_corpus(
 
     A missing ``validation`` or ``test`` split is carved out of ``train`` (each
     ``validation_fraction`` of the original train rows, at least one row), deterministically
-    for a given ``seed``. Raises ``ValueError`` for a path that does not exist or matches no
+    for a given ``seed``. Raises ``UserError`` for a path that does not exist or matches no
     file, an unsupported file type, or a ``text_field`` the data does not have.
     """
     if source == "stdlib":
@@ -85,12 +86,12 @@ def _load_source(source: str) -> datasets.DatasetDict:
         matches = sorted(Path(p) for p in glob.glob(os.path.expanduser(source), recursive=True))
         files = [p for p in matches if p.is_file()]
         if not files:
-            raise ValueError(
+            raise UserError(
                 f"corpus glob {source!r} matches no files; check the pattern and the working directory"
             )
         return _load_data_files(files, source)
     if _looks_like_path(source):
-        raise ValueError(f"corpus path {source!r} does not exist; check the path (relative to {Path.cwd()})")
+        raise UserError(f"corpus path {source!r} does not exist; check the path (relative to {Path.cwd()})")
     return _load_from_hub(source)
 
 
@@ -104,7 +105,7 @@ def _data_files_in_dir(directory: Path) -> list[Path]:
     files = sorted(p for p in directory.rglob("*") if p.is_file() and p.suffix.lower() in _BUILDERS)
     if not files:
         supported = "/".join(_BUILDERS)
-        raise ValueError(
+        raise UserError(
             f"directory {str(directory)!r} holds no {supported} files and no save_to_disk dataset; "
             "point the corpus at the files or the saved dataset"
         )
@@ -115,13 +116,13 @@ def _load_data_files(files: list[Path], source: str) -> datasets.DatasetDict:
     """Load local data files with the packaged builder that matches their (single) type."""
     unknown = sorted({p.suffix or p.name for p in files if p.suffix.lower() not in _BUILDERS})
     if unknown:
-        raise ValueError(
+        raise UserError(
             f"corpus {source!r} has unsupported file type(s) {', '.join(unknown)}; "
             f"use {', '.join(_BUILDERS)} files or a save_to_disk directory"
         )
     builders = {_BUILDERS[p.suffix.lower()] for p in files}
     if len(builders) > 1:
-        raise ValueError(
+        raise UserError(
             f"corpus {source!r} mixes file types ({', '.join(sorted(builders))}); use files of one type"
         )
     builder = builders.pop()
@@ -131,12 +132,12 @@ def _load_data_files(files: list[Path], source: str) -> datasets.DatasetDict:
 
 
 def _load_from_hub(source: str) -> datasets.DatasetDict:
-    """Load a Hub dataset by name, turning a failure into a one-line ValueError."""
+    """Load a Hub dataset by name, turning a failure into a one-line UserError."""
     try:
         return _as_dataset_dict(datasets.load_dataset(source))
     except Exception as error:  # the Hub raises many types (offline, not found, gated)
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ValueError(
+        raise UserError(
             f"corpus {source!r} is not a local path and could not be loaded from the Hub "
             f'({type(error).__name__}: {first_line}); pass an existing path, a glob or "stdlib"'
         ) from error
@@ -150,10 +151,10 @@ def _as_dataset_dict(loaded: datasets.Dataset | datasets.DatasetDict) -> dataset
 
 
 def _check_text_field(corpus: datasets.DatasetDict, text_field: str, source: str) -> None:
-    """Raise a ValueError naming the existing columns when a split lacks text_field."""
+    """Raise a UserError naming the existing columns when a split lacks text_field."""
     for name, split in corpus.items():
         if text_field not in split.column_names:
-            raise ValueError(
+            raise UserError(
                 f"corpus {source!r} split {name!r} has no column {text_field!r}; its columns are "
                 f"{', '.join(split.column_names)}: set text_field to one of them"
             )
@@ -162,14 +163,14 @@ def _check_text_field(corpus: datasets.DatasetDict, text_field: str, source: str
 def _ensure_splits(corpus: datasets.DatasetDict, fraction: float, seed: int) -> datasets.DatasetDict:
     """Carve missing validation/test splits out of train, each `fraction` of the original rows."""
     if "train" not in corpus:
-        raise ValueError(f"corpus has no train split (splits: {', '.join(corpus)}); provide one")
+        raise UserError(f"corpus has no train split (splits: {', '.join(corpus)}); provide one")
     missing = [name for name in ("validation", "test") if name not in corpus]
     if not missing:
         return corpus
     train = corpus["train"]
     carve_rows = max(1, round(fraction * len(train)))
     if len(train) - carve_rows * len(missing) < 1:
-        raise ValueError(
+        raise UserError(
             f"train split has {len(train)} rows, too few to carve out {', '.join(missing)}; "
             "provide more rows or those splits"
         )

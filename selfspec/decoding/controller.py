@@ -17,6 +17,7 @@ from collections import deque
 
 import numpy as np
 
+from ..errors import UserError
 from ..metrics import drafts_tested, expected_tokens
 
 
@@ -37,7 +38,7 @@ class FixedK(Controller):
 
     def __init__(self, k: int):
         if not isinstance(k, int) or isinstance(k, bool) or k < 0:
-            raise ValueError(f"num_speculations must be an int >= 0, 'auto' or 'window', got {k!r}")
+            raise UserError(f"num_speculations must be an int >= 0, 'auto' or 'window', got {k!r}")
         self.k = self.k_max = k
 
     def next_k(self) -> int:
@@ -72,7 +73,7 @@ class WindowRule(Controller):
     def __init__(self, k: int = 4, window: int = 64, raise_above: float = 0.85, lower_below: float = 0.7,
                  k_min: int = 2, k_max: int = 8):
         if not 1 <= k_min <= k <= k_max:
-            raise ValueError(f"need 1 <= k_min <= k <= k_max, got k_min={k_min}, k={k}, k_max={k_max}")
+            raise UserError(f"need 1 <= k_min <= k <= k_max, got k_min={k_min}, k={k}, k_max={k_max}")
         self.k, self.k_min, self.k_max = k, k_min, k_max
         self.raise_above, self.lower_below = raise_above, lower_below
         self.window = _AcceptanceWindow(window)
@@ -109,7 +110,7 @@ class CostModelRule(Controller):
     def __init__(self, k_initial: int = 3, k_max: int = 8, window: int = 64, smoothing: float = 0.3,
                  prior_alpha: float = 0.5, prior_weight: float = 2.0, probe_every: int = 16):
         if not 1 <= k_initial <= k_max:
-            raise ValueError(f"need 1 <= k_initial <= k_max, got {k_initial}, {k_max}")
+            raise UserError(f"need 1 <= k_initial <= k_max, got {k_initial}, {k_max}")
         self.k_initial, self.k_max = k_initial, k_max
         self.smoothing, self.prior_alpha, self.prior_weight = smoothing, prior_alpha, prior_weight
         self.probe_every = probe_every

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..errors import UserError
 from ..model import DecoderView
 
 
@@ -30,7 +31,7 @@ def frequent_tokens(counts, size: int) -> np.ndarray:
     """
     counts = np.asarray(counts)
     if not 1 <= size <= counts.shape[0]:
-        raise ValueError(f"draft vocabulary size must be in 1..{counts.shape[0]} (the vocabulary), got {size}")
+        raise UserError(f"draft vocabulary size must be in 1..{counts.shape[0]} (the vocabulary), got {size}")
     order = np.lexsort((np.arange(counts.shape[0]), -counts))  # by count descending, then id
     return order[:size]
 
@@ -61,9 +62,9 @@ class DraftHead:
         vocab_size = weight.shape[0]
         ids = torch.as_tensor(np.asarray(token_ids), dtype=torch.long, device=weight.device)
         if ids.dim() != 1 or ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
-            raise ValueError(f"draft token ids must be a non-empty list of ids in 0..{vocab_size - 1}")
+            raise UserError(f"draft token ids must be a non-empty list of ids in 0..{vocab_size - 1}")
         if ids.unique().numel() != ids.numel():
-            raise ValueError("draft token ids must not repeat")
+            raise UserError("draft token ids must not repeat")
         self.token_ids = ids
         self.vocab_size = vocab_size
         self.weight = weight.detach()[ids].contiguous()  # (V', D)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..errors import UserError
+
 
 @dataclass(frozen=True)
 class NGramConfig:
@@ -33,10 +35,10 @@ class NGramConfig:
 
     def __post_init__(self):
         if not 1 <= self.min_ngram <= self.max_ngram:
-            raise ValueError(f"n-gram sizes need 1 <= min_ngram <= max_ngram, got min_ngram={self.min_ngram}, "
+            raise UserError(f"n-gram sizes need 1 <= min_ngram <= max_ngram, got min_ngram={self.min_ngram}, "
                              f"max_ngram={self.max_ngram}")
         if self.max_copy < 1:
-            raise ValueError(f"max_copy must be >= 1, got {self.max_copy}")
+            raise UserError(f"max_copy must be >= 1, got {self.max_copy}")
 
     @classmethod
     def from_dict(cls, fields: dict | None) -> NGramConfig:
@@ -44,7 +46,7 @@ class NGramConfig:
         fields = dict(fields or {})
         unknown = set(fields) - {"max_ngram", "min_ngram", "max_copy"}
         if unknown:
-            raise ValueError(f"unknown n-gram settings {sorted(unknown)}; use max_ngram, min_ngram, max_copy")
+            raise UserError(f"unknown n-gram settings {sorted(unknown)}; use max_ngram, min_ngram, max_copy")
         return cls(**{name: int(value) for name, value in fields.items()})
 
     def as_dict(self) -> dict:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import UserError
 from .controller import Controller, FixedK, WindowRule, make_controller
 from .ngram import NGramConfig, NGramIndex
 
@@ -178,7 +179,7 @@ def make_policy(drafter: str, num_speculations, ngram: NGramConfig | None = None
     """The policy of `drafter` ("early_exit", "ngram", "hybrid"); `num_speculations` is the early
     exit's k (int, "auto", "window" or a `Controller`, see `controller.make_controller`)."""
     if drafter not in DRAFTERS:
-        raise ValueError(f"drafter must be one of {', '.join(DRAFTERS)}, got {drafter!r}")
+        raise UserError(f"drafter must be one of {', '.join(DRAFTERS)}, got {drafter!r}")
     ngram = ngram or NGramConfig()
     if drafter == "ngram":
         return CopyPolicy(ngram, FixedK(0))

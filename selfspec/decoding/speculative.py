@@ -26,6 +26,7 @@ loop needs (positions, kv_length, cache lengths) is known on the host already.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 from collections.abc import Sequence
@@ -34,14 +35,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..errors import UserError
 from ..metrics import AcceptanceStats
 from ..model import DecoderView
 from . import sampling
 from .cache import KVCache
-from .draft_head import DraftHead
+from .controller import Controller
+from .draft_head import DraftHead, frequent_tokens
 from .ngram import NGramConfig
-from .policy import DraftPlan, DraftPolicy, Segment, make_policy
+from .policy import DraftPlan, DraftPolicy, Segment
 from .sampling import ACCEPT, DRAFT, TARGET, SamplingParams, accept_greedy, accept_sampled, sample, uniforms
+from .settings import DecodeSettings
 
 
 @dataclass
@@ -114,18 +118,55 @@ class _Batch:
 
     cache: KVCache
     sampling: SamplingParams
+    exit_layer: int  # E of this call's early exit
+    head: DraftHead  # its draft head (trimmed to V', behind an exit adapter, or the model's own)
     steps: torch.Tensor  # arange(capacity) on the device, to build positions
     rows: np.ndarray  # (B,) the caller's row index of each batch slot
     lengths: np.ndarray  # (B,) positions the cache holds = position of the pending token
     pending_host: np.ndarray  # (B,) the last emitted token, not yet run through the model
     seeds_host: np.ndarray  # (B,) per-row random streams
     lengths_dev: torch.Tensor = None  # (B,) device copies of the three arrays above
-    pending: torch.Tensor = None
-    seeds: torch.Tensor = None
+    pending_dev: torch.Tensor = None
+    seeds_dev: torch.Tensor = None
 
     def upload(self, device) -> None:
         both = torch.from_numpy(np.stack([self.lengths, self.pending_host, self.seeds_host])).to(device)
-        self.lengths_dev, self.pending, self.seeds = both[0], both[1], both[2]
+        self.lengths_dev, self.pending_dev, self.seeds_dev = both[0], both[1], both[2]
+
+
+@dataclass
+class _Draft:
+    """One round's draft (`SelfSpecGenerator._draft`), read by its verification (`_verify`).
+
+    parts: the drafted tokens in position order, (B, r) each; q: how each was drafted, per part
+    ("copy", tokens (B, r)) or per early-exit token ("early_exit", its draft logits (B, V));
+    segments: the runs of positions per source; hiddens: exit hidden states (B, t, D) of the
+    positions n .. that already ran through blocks [0, E); tail: the tokens (B, t) at positions
+    n + len(hiddens' positions) .. n + k that still need that pass (the verification runs them
+    first, so a round's last draft step is timed as verification, as it is its first part).
+    """
+
+    parts: list = field(default_factory=list)
+    q: list = field(default_factory=list)
+    segments: list = field(default_factory=list)
+    hiddens: list = field(default_factory=list)
+    tail: torch.Tensor = None
+
+    def add(self, source: str, tokens: torch.Tensor, start: int) -> None:
+        """Drafts (B, r) from `source` at draft positions start .. start + r - 1."""
+        self.parts.append(tokens)
+        self.segments.append(Segment(source, start, tokens.shape[1]))
+        if source == "copy":
+            self.q.append(("copy", tokens))
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """(B, k) every draft of the round."""
+        return torch.cat(self.parts, 1) if self.parts else self.tail[:, :0]
+
+    @property
+    def k(self) -> int:
+        return sum(part.shape[1] for part in self.parts)
 
 
 class _Clock:
@@ -180,37 +221,59 @@ class SelfSpecGenerator:
     """Self-speculative decoding over a Hugging Face causal LM (llama, mistral, qwen2, qwen3, gpt2).
 
     model: the (tuned) causal LM, in eval mode; tokenizer: optional, needed for string prompts and
-        stop strings; exit_layer: E, the number of blocks the draft runs (1..N; E = N drafts with the
-        whole model, every draft is accepted, useful as a check); num_speculations: the default k
-        of the early-exit drafts (int, "auto" or "window", see `controller.make_controller`);
-        drafter: the default drafter, "early_exit", "ngram" (copies from the context) or "hybrid"
-        (copies when the context has a match, the early exit otherwise; see `policy.py`); ngram:
-        the copy settings (`NGramConfig`); draft_vocab: token ids the early-exit draft may propose
-        (its head restricted to them, see `draft_head.py`), None for the whole vocabulary;
-        check_cache: assert after every round that each layer's cache length equals the sequence
-        length; exit_adapter: an `ExitAdapter` trained for this E, applied to the exit's hidden states
-        before the draft head (verification never reads it).
+        stop strings; settings: the default `DecodeSettings` of `generate` (drafter, E, k, V', copy
+        settings); the keywords exit_layer, num_speculations, drafter, draft_vocab_size and ngram
+        override its fields (`SelfSpecGenerator(model, exit_layer=4)` is the early exit at E = 4,
+        k = "auto"). E = N drafts with the whole model (every draft accepted, useful as a check).
+    token_counts: (V,) token frequencies that rank the V' ids of a trimmed draft head (needed for
+        draft_vocab_size > 0; see `draft_head.py`); exit_adapters: {E: `ExitAdapter`} trained for
+        those exits, applied to the exit's hidden states before the draft head (verification never
+        reads them); check_cache: assert after every round that each layer's cache length equals
+        the sequence length.
     """
 
-    def __init__(self, model, tokenizer=None, *, exit_layer: int, num_speculations="auto",
-                 drafter: str = "early_exit", ngram: NGramConfig | None = None, draft_vocab=None,
-                 check_cache: bool = True, exit_adapter=None):
+    def __init__(self, model, tokenizer=None, settings: DecodeSettings | None = None, *,
+                 exit_layer: int | None = None, num_speculations=None, drafter: str | None = None,
+                 draft_vocab_size: int | None = None, ngram: NGramConfig | None = None, token_counts=None,
+                 exit_adapters: dict | None = None, check_cache: bool = True):
         self.view = DecoderView(model)
         self.tokenizer = tokenizer
-        if not isinstance(exit_layer, int) or not 1 <= exit_layer <= self.view.num_layers:
-            raise ValueError(f"exit_layer must be an int in 1..{self.view.num_layers} (the number of "
-                             f"blocks the draft runs), got {exit_layer!r}")
-        self.exit_layer = exit_layer
-        make_policy(drafter, num_speculations, ngram)  # validate early
-        self.num_speculations = num_speculations
-        self.drafter = drafter
-        self.ngram = ngram or NGramConfig()
-        self.draft_head = DraftHead(self.view, draft_vocab, exit_adapter)
+        settings = (settings or DecodeSettings()).override(
+            exit_layer=exit_layer, num_speculations=num_speculations, drafter=drafter,
+            draft_vocab_size=draft_vocab_size)
+        self.token_counts = token_counts
+        self.exit_adapters = dict(exit_adapters or {})
         self.check_cache = check_cache
+        self._heads: dict[tuple[int, int], DraftHead] = {}  # (E, V') -> its draft head, built once
+        self.settings = self.settings_for(settings if ngram is None else dataclasses.replace(settings, ngram=ngram))
 
     @property
     def model(self):
         return self.view.model
+
+    def settings_for(self, settings: DecodeSettings) -> DecodeSettings:
+        """`settings` with E resolved for this model (the copy drafter needs none: E = N), or a UserError."""
+        num_layers = self.view.num_layers
+        if settings.exit_layer is None:
+            if settings.drafter != "ngram" and not settings.is_plain:
+                raise UserError("exit_layer is not set: pass exit_layer=E (the number of blocks the draft runs)")
+            settings = dataclasses.replace(settings, exit_layer=num_layers)
+        if settings.exit_layer > num_layers:
+            raise UserError(f"exit_layer must be an int in 1..{num_layers} (the number of blocks the draft runs), "
+                            f"got {settings.exit_layer}")
+        if settings.draft_vocab_size and self.token_counts is None:
+            raise UserError(f"draft_vocab_size = {settings.draft_vocab_size} needs token counts to rank the ids: "
+                            f"SelfSpecGenerator(..., token_counts=counts) or `selfspec draft-vocab MODEL`")
+        return settings
+
+    def draft_head(self, settings: DecodeSettings | None = None) -> DraftHead:
+        """The draft head of `settings` (default the generator's): its E's adapter, its V' ids."""
+        settings = settings or self.settings
+        key = (settings.exit_layer, settings.draft_vocab_size)
+        if key not in self._heads:
+            ids = frequent_tokens(self.token_counts, settings.draft_vocab_size) if settings.draft_vocab_size else None
+            self._heads[key] = DraftHead(self.view, ids, self.exit_adapters.get(settings.exit_layer))
+        return self._heads[key]
 
     # -- the round -----------------------------------------------------------------------------------
     def _place(self, b: _Batch, offset: int, length: int) -> dict:
@@ -220,121 +283,106 @@ class SelfSpecGenerator:
         kv_length = b.cache.set_positions(positions, b.lengths + offset)
         return {"cache": b.cache, "positions": positions, "kv_length": kv_length, "aligned": b.cache.aligned}
 
-    def _draft_step(self, b: _Batch, token: torch.Tensor, offset: int, end: int):
-        """Token (B,) at position n + offset through blocks [0, end): hidden state (B, 1, D)."""
-        place = self._place(b, offset, 1)
-        hidden = self.view.embed(token[:, None], place["positions"])
-        return self.view.run_layers(hidden, 0, end, **place)
+    def _run(self, b: _Batch, tokens: torch.Tensor, offset: int, end: int) -> torch.Tensor:
+        """Tokens (B, T) at positions n + offset .. through blocks [0, end): hidden states (B, T, D)."""
+        place = self._place(b, offset, tokens.shape[1])
+        return self.view.run_layers(self.view.embed(tokens, place["positions"]), 0, end, **place)
 
     def _pick(self, b: _Batch, logits: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """Draft token (B,) from draft logits (B, V) for the token at `position` (B, 1)."""
         if b.sampling.greedy:
             return logits.argmax(-1)
-        return sample(b.sampling.probs(logits), uniforms(b.seeds, position, DRAFT)[:, 0])
+        return sample(b.sampling.probs(logits), uniforms(b.seeds_dev, position, DRAFT)[:, 0])
 
     def _round(self, b: _Batch, plan: DraftPlan, policy: DraftPolicy, clock: _Clock, cap: int):
         """One round for every row: draft, verify all drafts in one pass, accept a prefix.
 
-        The draft: `plan.copied` (B, m) copied tokens, then up to `plan.extend` early-exit drafts,
-        cut short when the policy turns the rest of the round into a copy (`policy.copy_after`); at
-        most `cap` drafts in all. Returns tokens (B, k+1), accepted (B,), three timestamps and the
-        draft's `Segment`s. A row emits tokens[:accepted + 1]: its accepted drafts, then the
-        target's own token (the correction after a rejection, the bonus after a full acceptance).
-        k = 0 is one plain decoding step.
+        Returns tokens (B, k+1), accepted (B,), three timestamps (start, drafted, verified) and the
+        draft's `Segment`s. A row emits tokens[:accepted + 1]: its accepted drafts, then the target's
+        own token (the correction after a rejection, the bonus after a full acceptance). k = 0 is
+        one plain decoding step.
         """
-        view, exit_layer, num_layers = self.view, self.exit_layer, self.view.num_layers
-        m, extend = plan.num_copied, plan.extend
         start = clock.mark()
-        # Tokens that have no exit hidden state yet (the pending token, copied drafts) go through
-        # the blocks in parallel passes; early-exit drafts keep the hidden state of their own step.
-        first = b.pending[:, None]  # (B, 1)
-        copied = first[:, 1:]  # (B, 0)
+        draft = self._draft(b, plan, policy, cap)
+        drafted = clock.mark()
+        tokens, accepted = self._verify(b, draft)
+        return tokens, accepted, (start, drafted, clock.mark()), draft.segments
+
+    def _draft(self, b: _Batch, plan: DraftPlan, policy: DraftPolicy, cap: int) -> _Draft:
+        """The round's drafts: `plan.copied` (B, m) copied tokens, then up to `plan.extend` early-exit
+        drafts, each through blocks [0, E) + final norm + draft head, one at a time. When the policy
+        turns the rest of the round into a copy (`policy.copy_after`), the copy ends it. At most `cap`
+        drafts in all. The pending token and the copied drafts have no exit hidden state yet: they run
+        through blocks [0, E) in one parallel pass; an early-exit draft keeps its own step's state."""
+        m, start = plan.num_copied, b.pending_dev[:, None]  # (B, 1)
+        draft = _Draft()
         if m:
-            copied = torch.as_tensor(plan.copied, device=first.device)  # (B, m)
-            first = torch.cat([first, copied], 1)  # (B, m+1)
-        place = self._place(b, 0, m + 1)
-        hidden = view.embed(first, place["positions"])  # (B, m+1, D)
-        segments = [Segment("copy", 0, m)] if m else []
-        drafts, q = [copied], [("copy", copied)]  # in draft order; q: how each part was drafted
-        if not extend:  # plain decoding (m = 0) or a pure copy: all blocks at once, nothing to draft
-            hidden = view.run_layers(hidden, 0, num_layers, **place)
-            drafted = start
-            k = m
-        else:
-            # 1. Draft: the early exit proposes tokens one at a time through blocks [0, E) + final
-            #    norm + draft head, each step keeping its exit hidden state (B, 1, D).
-            hiddens = [view.run_layers(hidden, 0, exit_layer, **place)]
-            k = m  # drafts so far; the last one's hidden state is hiddens[-1][:, -1]
-            early = []
-            for i in range(extend):
-                logits = self.draft_head.logits(hiddens[-1][:, -1])  # (B, V)
-                token = self._pick(b, logits, b.lengths_dev[:, None] + (k + 1))  # the token at n + k + 1
-                early.append(token)
-                q.append(("early_exit", logits))
-                suffix = None
-                if policy.copies_after_early_exit and k + 1 < cap:
-                    # the policy reads the drafts on the host: one small device read per draft step,
-                    # only for drafters that copy
-                    suffix = policy.copy_after(b.rows, torch.stack(early, 1).cpu().numpy())[:, :cap - k - 1]
-                if i == extend - 1 or (suffix is not None and suffix.size):
-                    drafted = clock.mark()
-                if suffix is not None and suffix.size:  # the rest of the round is a copy
-                    suffix = torch.as_tensor(suffix, device=token.device)  # (B, r)
-                    drafts.append(torch.stack(early, 1))
-                    segments.append(Segment("early_exit", m, len(early)))
-                    segments.append(Segment("copy", k + 1, suffix.shape[1]))
-                    drafts.append(suffix)
-                    q.append(("copy", suffix))
-                    # the last early-exit draft and the copy through blocks [0, E) in one pass
-                    block = torch.cat([token[:, None], suffix], 1)  # (B, r+1)
-                    place = self._place(b, k + 1, block.shape[1])
-                    hiddens.append(view.run_layers(view.embed(block, place["positions"]), 0, exit_layer, **place))
-                    k += block.shape[1]
+            draft.add("copy", torch.as_tensor(plan.copied, device=start.device), 0)  # (B, m)
+        draft.tail = torch.cat([start, *draft.parts], 1)  # (B, m+1)
+        if not plan.extend:  # a plain step (m = 0) or a pure copy: nothing for the early exit to draft
+            return draft
+        draft.hiddens.append(self._run(b, draft.tail, 0, b.exit_layer))  # (B, m+1, D)
+        early, copy = [], None
+        for _ in range(plan.extend):
+            k = m + len(early)  # drafts so far; the last one's exit hidden state is hiddens[-1][:, -1]
+            if early:  # the previous draft through blocks [0, E): this step's input
+                draft.hiddens.append(self._run(b, early[-1][:, None], k, b.exit_layer))
+            logits = b.head.logits(draft.hiddens[-1][:, -1])  # (B, V)
+            early.append(self._pick(b, logits, b.lengths_dev[:, None] + (k + 1)))  # the token at n + k + 1
+            draft.q.append(("early_exit", logits))
+            if policy.copies_after_early_exit and k + 1 < cap:
+                # the policy reads the drafts on the host: one small device read per draft step, only
+                # for drafters that copy
+                copy = policy.copy_after(b.rows, torch.stack(early, 1).cpu().numpy())[:, :cap - k - 1]
+                if copy.size:  # the rest of the round is a copy
                     break
-                # the new draft through blocks [0, E): the next draft step's input, or, after the
-                # last draft, the first part of the verification
-                hiddens.append(self._draft_step(b, token, k + 1, exit_layer))
-                k += 1
-            else:
-                drafts.append(torch.stack(early, 1))
-                segments.append(Segment("early_exit", m, len(early)))
-            # 2. Verify: blocks [E, N) once on all k + 1 exit hidden states; the draft blocks are not
-            #    run again on the drafts.
-            hidden = torch.cat(hiddens, 1)  # (B, k+1, D)
-            if exit_layer < num_layers:
-                hidden = view.run_layers(hidden, exit_layer, num_layers, **self._place(b, 0, k + 1))
-        p_logits = view.exit_logits(hidden)  # (B, k+1, V)
-        # 3. Accept the longest prefix the target agrees with.
-        drafts = torch.cat(drafts, 1)  # (B, k)
-        if b.sampling.greedy:
-            tokens, accepted = accept_greedy(drafts, p_logits)
+        draft.add("early_exit", torch.stack(early, 1), m)  # (B, e)
+        draft.tail = early[-1][:, None]  # (B, 1)
+        if copy is not None and copy.size:
+            draft.add("copy", torch.as_tensor(copy, device=start.device), m + len(early))  # (B, r)
+            draft.tail = torch.cat([draft.tail, draft.parts[-1]], 1)  # (B, r+1)
+        return draft
+
+    def _verify(self, b: _Batch, draft: _Draft):
+        """Run the target on the k + 1 positions n .. n + k, then accept the longest prefix of the
+        drafts it agrees with: (tokens (B, k+1), accepted (B,)). Blocks [0, E) wrote their KV cache
+        while drafting and are not run again on the drafts; only the draft's tail runs them."""
+        view, num_layers, k = self.view, self.view.num_layers, draft.k
+        done = sum(h.shape[1] for h in draft.hiddens)  # positions that already ran through [0, E)
+        if not draft.hiddens:  # no early-exit draft: every block at once
+            hidden = self._run(b, draft.tail, 0, num_layers)  # (B, k+1, D)
         else:
-            # q: one-hot for copied drafts (deterministic given the context), the early exit's
-            # processed distribution for its own drafts.
-            vocab = p_logits.shape[-1]
-            q = torch.cat([sampling.copied_probs(part, vocab) if source == "copy"
-                           else b.sampling.probs(part)[:, None] for source, part in q], 1)  # (B, k, V)
-            decided = b.lengths_dev[:, None] + b.steps[1:k + 2]  # (B, k+1): positions n+1 .. n+k+1
-            tokens, accepted = accept_sampled(drafts, q, b.sampling.probs(p_logits),
-                                              uniforms(b.seeds, decided[:, :k], ACCEPT),
-                                              uniforms(b.seeds, decided, TARGET))
-        return tokens, accepted, (start, drafted, clock.mark()), segments
+            hidden = torch.cat([*draft.hiddens, self._run(b, draft.tail, done, b.exit_layer)], 1)  # (B, k+1, D)
+            if b.exit_layer < num_layers:
+                hidden = view.run_layers(hidden, b.exit_layer, num_layers, **self._place(b, 0, k + 1))
+        p_logits = view.exit_logits(hidden)  # (B, k+1, V)
+        if b.sampling.greedy:
+            return accept_greedy(draft.tokens, p_logits)
+        # q: one-hot for copied drafts (deterministic given the context), the early exit's processed
+        # distribution for its own drafts.
+        vocab = p_logits.shape[-1]
+        q = torch.cat([sampling.copied_probs(part, vocab) if source == "copy" else b.sampling.probs(part)[:, None]
+                       for source, part in draft.q], 1)  # (B, k, V)
+        decided = b.lengths_dev[:, None] + b.steps[1:k + 2]  # (B, k+1): positions n+1 .. n+k+1
+        return accept_sampled(draft.tokens, q, b.sampling.probs(p_logits), uniforms(b.seeds_dev, decided[:, :k], ACCEPT),
+                              uniforms(b.seeds_dev, decided, TARGET))
 
     # -- generation ----------------------------------------------------------------------------------
     @torch.inference_mode()
     def generate(self, input_ids, attention_mask=None, max_new_tokens: int = 128, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, num_speculations=None, drafter: str | None = None,
-                 eos_token_id=None, stop_strings=None, seed=None, streamer=None) -> GenerationOutput:
+                 top_k: int = 0, top_p: float = 1.0, num_speculations=None, drafter=None,
+                 eos_token_id=None, stop_strings=None, seed=None, streamer=None,
+                 settings: DecodeSettings | None = None) -> GenerationOutput:
         """Generate up to `max_new_tokens` tokens per prompt; the result is exactly the full model's.
 
         input_ids: a list of token lists (any lengths), one token list, a (B, T) tensor with an
             optional `attention_mask` (left or right padding), or strings when a tokenizer is set.
         temperature/top_k/top_p: 0 = greedy; the same processing applies to draft and target.
-        num_speculations: the early exit's k per round: an int (0: no early-exit drafts, so plain
-            decoding with the "early_exit" drafter), "auto" (cost model), "window" (the articles'
-            rule), or a `Controller`; None uses the generator's default.
-        drafter: "early_exit", "ngram" or "hybrid" (see `policy.py`), or a `DraftPolicy`; None uses
-            the generator's default.
+        settings: how to draft (`DecodeSettings`); None uses the generator's. num_speculations and
+            drafter override its k and drafter: k an int (0: no early-exit drafts, so plain decoding
+            with the "early_exit" drafter), "auto" (cost model), "window" (the articles' rule) or a
+            `Controller`; drafter "early_exit", "ngram" or "hybrid" (see `policy.py`), or a
+            `DraftPolicy` that plans the rounds itself.
         eos_token_id: int or list; None = the model's own (generation config, then config, then
             tokenizer); [] = never stop at eos. The eos token is included in the output.
         stop_strings: strings that end a row once its decoded output contains one (needs a
@@ -352,16 +400,14 @@ class SelfSpecGenerator:
         wall = time.perf_counter()
         prompts = self._prompts(input_ids, attention_mask)
         sampling = SamplingParams(temperature, top_k, top_p)
-        policy = drafter if isinstance(drafter, DraftPolicy) else make_policy(
-            drafter or self.drafter, self.num_speculations if num_speculations is None else num_speculations,
-            self.ngram)
+        settings, policy = self._resolve(settings, drafter, num_speculations)
         policy.start(prompts)
         eos = self._eos_ids(eos_token_id)
         stops = self._stop_strings(stop_strings)
         if self.view.model.training:
             warnings.warn("the model is in training mode (dropout on): outputs will not match eval mode",
                           stacklevel=2)
-        stats = GenerationStats(exit_layer=self.exit_layer, num_layers=self.view.num_layers)
+        stats = GenerationStats(exit_layer=settings.exit_layer, num_layers=self.view.num_layers)
         max_new_tokens = max(0, max_new_tokens)
         generated = np.zeros((len(prompts), max_new_tokens), dtype=np.int64)
         counts = np.zeros(len(prompts), dtype=np.int64)  # tokens generated per row
@@ -373,11 +419,11 @@ class SelfSpecGenerator:
         prompt_lengths = np.array([len(p) for p in prompts], dtype=np.int64)
         limit = self.view.max_positions
         if limit is not None and prompt_lengths.max() + max_new_tokens > limit:
-            raise ValueError(f"a prompt of {prompt_lengths.max()} tokens plus max_new_tokens = {max_new_tokens} "
+            raise UserError(f"a prompt of {prompt_lengths.max()} tokens plus max_new_tokens = {max_new_tokens} "
                              f"exceeds the model's {limit} positions; shorten the prompt or lower max_new_tokens")
         clock = _Clock(self.view.device)
 
-        b = self._start(prompts, sampling, seed, capacity=int(prompt_lengths.max()) + max_new_tokens
+        b = self._start(prompts, sampling, seed, settings, capacity=int(prompt_lengths.max()) + max_new_tokens
                         + policy.k_max + 1)
         stats.prefill_time = time.perf_counter() - wall
         while b.rows.size:  # finished rows leave the batch
@@ -416,10 +462,21 @@ class SelfSpecGenerator:
         texts = [self.tokenizer.decode(s) for s in sequences] if self.tokenizer is not None else None
         return GenerationOutput(sequences, stats, texts)
 
-    def _start(self, prompts, sampling, seed, capacity: int) -> _Batch:
+    def _resolve(self, settings, drafter, num_speculations) -> tuple[DecodeSettings, DraftPolicy]:
+        """This call's settings (the generator's, then `settings`, then the two overrides) and policy."""
+        settings = self.settings_for(settings) if settings is not None else self.settings
+        if isinstance(drafter, DraftPolicy):
+            return settings, drafter
+        controller = num_speculations if isinstance(num_speculations, Controller) else None
+        settings = self.settings_for(settings.override(
+            drafter=drafter, num_speculations=None if controller is not None else num_speculations))
+        return settings, settings.policy(controller)
+
+    def _start(self, prompts, sampling, seed, settings: DecodeSettings, capacity: int) -> _Batch:
         """Allocate the cache and prefill every prompt token but the last (the first pending token)."""
         device, rows = self.view.device, len(prompts)
         b = _Batch(cache=KVCache(self.view.num_layers, rows, capacity), sampling=sampling,
+                   exit_layer=settings.exit_layer, head=self.draft_head(settings),
                    steps=torch.arange(capacity, device=device), rows=np.arange(rows),
                    lengths=np.zeros(rows, dtype=np.int64),
                    pending_host=np.array([p[-1] for p in prompts], dtype=np.int64),
@@ -428,8 +485,7 @@ class SelfSpecGenerator:
         width = max(len(p) for p in prompts) - 1
         if width > 0:  # right-padded with token 0; the padding's slots are stale, hidden, overwritten
             ids = torch.tensor([p[:-1] + [0] * (width - len(p) + 1) for p in prompts], device=device)
-            place = self._place(b, 0, width)
-            self.view.run_layers(self.view.embed(ids, place["positions"]), 0, self.view.num_layers, **place)
+            self._run(b, ids, 0, self.view.num_layers)
         b.lengths = np.array([len(p) - 1 for p in prompts], dtype=np.int64)
         b.cache.rollback(b.lengths)
         b.upload(device)
@@ -494,7 +550,7 @@ class SelfSpecGenerator:
         if isinstance(input_ids, str) or (isinstance(input_ids, Sequence) and input_ids
                                           and all(isinstance(x, str) for x in input_ids)):
             if self.tokenizer is None:
-                raise ValueError("string prompts need a tokenizer: SelfSpecGenerator(model, tokenizer, ...)")
+                raise UserError("string prompts need a tokenizer: SelfSpecGenerator(model, tokenizer, ...)")
             texts = [input_ids] if isinstance(input_ids, str) else list(input_ids)
             prompts = [list(self.tokenizer(text)["input_ids"]) for text in texts]
         elif isinstance(input_ids, torch.Tensor):
@@ -509,7 +565,7 @@ class SelfSpecGenerator:
         else:
             prompts = [[int(t) for t in row] for row in input_ids]
         if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
+            raise UserError("every prompt needs at least one token")
         return prompts
 
     @staticmethod
@@ -520,7 +576,7 @@ class SelfSpecGenerator:
             return [seed + row for row in range(rows)]
         seeds = [int(s) for s in seed]
         if len(seeds) != rows:
-            raise ValueError(f"seed: got {len(seeds)} per-row seeds for {rows} prompts")
+            raise UserError(f"seed: got {len(seeds)} per-row seeds for {rows} prompts")
         return seeds
 
     def _eos_ids(self, eos_token_id) -> np.ndarray:
@@ -541,7 +597,7 @@ class SelfSpecGenerator:
         if not stop_strings:
             return []
         if self.tokenizer is None:
-            raise ValueError("stop_strings need a tokenizer: SelfSpecGenerator(model, tokenizer, ...)")
+            raise UserError("stop_strings need a tokenizer: SelfSpecGenerator(model, tokenizer, ...)")
         return [stop_strings] if isinstance(stop_strings, str) else list(stop_strings)
 
 

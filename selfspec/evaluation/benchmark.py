@@ -1,10 +1,11 @@
 """Speed benchmark: the engine plain vs self-speculative vs Hugging Face's generators, in one process.
 
-Ways to decode the same prompts greedily, batch 1, the same number of new tokens:
+Ways to decode the same prompts greedily, batch 1, the same number of new tokens (each engine method
+at its own `DecodeSettings`, see `method_settings`):
 
 - ``plain``: `SelfSpecGenerator.generate(num_speculations=0)`, the same engine, one full forward per
   token on the same cache: the fair baseline;
-- ``selfspec``: the engine's early-exit drafts at (exit_layer E, num_speculations k or "auto");
+- ``early_exit``: the engine's early-exit drafts at (exit_layer E, num_speculations k or "auto");
 - ``ngram``: the engine drafting only by copying from the context (n-gram lookup), plain steps
   when nothing matches: prompt lookup on selfspec's engine;
 - ``hybrid``: copies when the context has a match, early-exit drafts otherwise (`decoding/policy.py`);
@@ -23,33 +24,32 @@ thermals hits all methods alike). Each method's tokens/s is the median over roun
 prompts ÷ their summed wall time, device synchronised). Speedups are ratios of medians.
 
 Reported next to the measured speedup: α, mean accepted length (bonus counted), the draft cost c
-measured as (engine's draft time per step in the selfspec run) ÷ (engine's time per plain step in the
-plain run), and the cost model's predictions from those (see `selfspec.metrics`). Greedy outputs of
+measured as (engine's draft time per step in the early_exit run) ÷ (engine's time per plain step in
+the plain run), and the cost model's predictions from those (see `selfspec.metrics`). Greedy outputs of
 every method but hf_early_exit must be identical; hf_early_exit's are checked and
 reported too.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from ..checkpoint import META_FILE, exit_adapter_for, read_meta
-from ..checkpoint import draft_vocab as checkpoint_draft_vocab
-from ..decoding import NGramConfig, SelfSpecGenerator, make_policy
+from ..checkpoint import checkpoint_adapters, resolve_settings
+from ..cpu import sync_device
+from ..decoding import DRAFTERS, DecodeSettings, SelfSpecGenerator
+from ..errors import UserError
 from ..metrics import AcceptanceStats, predicted_speedup, speedup_kv_reuse, speedup_measured_costs
 from ..model.loading import load_causal_lm, load_tokenizer
 from .report import write_report as write_files
 
-METHODS = ("plain", "selfspec", "ngram", "hybrid", "hf_greedy", "hf_early_exit", "hf_prompt_lookup")
-ENGINE_METHODS = {"plain": "early_exit", "selfspec": "early_exit", "ngram": "ngram", "hybrid": "hybrid"}  # -> drafter
+METHODS = ("plain", "early_exit", "ngram", "hybrid", "hf_greedy", "hf_early_exit", "hf_prompt_lookup")
+ENGINE_METHODS = ("plain", *DRAFTERS)  # selfspec's engine; each drafter is a method of its own name
 HF_BATCH1_METHODS = ("hf_early_exit", "hf_prompt_lookup")  # Hugging Face's assisted generation: batch 1 only
 PROMPT_LOOKUP_TOKENS = 10  # Hugging Face's documented example value
 
@@ -84,72 +84,50 @@ def prompts_from_corpus(tokenizer, source: str = "stdlib", num_prompts: int = 8,
         if len(prompts) == num_prompts:
             break
     if not prompts:
-        raise ValueError(f"no document of {source!r} split {split!r} has {2 * prompt_tokens} tokens or more")
+        raise UserError(f"no document of {source!r} split {split!r} has {2 * prompt_tokens} tokens or more")
     return prompts
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-@dataclass(frozen=True)
-class EngineSetting:
-    """How an engine method decodes: E, the early exit's k, the draft head's token ids, copy settings."""
-
-    exit_layer: int
-    num_speculations: int | str = 4
-    draft_vocab: tuple | None = None  # token ids of a trimmed draft head; None: the whole head
-    ngram: NGramConfig = field(default_factory=NGramConfig)
-
-    def describe(self) -> dict:
-        return {"exit_layer": self.exit_layer, "num_speculations": self.num_speculations,
-                "draft_vocab_size": None if self.draft_vocab is None else len(self.draft_vocab),
-                "ngram": self.ngram.as_dict()}
+def method_settings(settings: DecodeSettings, fastest: dict[str, DecodeSettings] | None = None
+                    ) -> dict[str, DecodeSettings]:
+    """What each engine method decodes with: "plain" is `settings` at k = 0; each drafter runs at
+    its fastest (`fastest`, as a sweep stored them) or else at `settings` with that drafter."""
+    fastest = fastest or {}
+    out = {"plain": settings.override(drafter="early_exit", num_speculations=0)}
+    out.update({drafter: fastest.get(drafter) or settings.override(drafter=drafter) for drafter in DRAFTERS})
+    return out
 
 
 class _Runner:
-    """Runs one method on one prompt: returns the generated tokens and, for the engine, its stats."""
+    """Runs one method on one batch: returns the generated tokens and, for the engine, its stats."""
 
-    def __init__(self, model, tokenizer, settings: dict[str, EngineSetting], max_new_tokens: int, ignore_eos: bool,
-                 exit_adapters: dict | None = None):
-        self.model, self.settings = model, settings
-        self.generators: dict = {}  # (E, draft vocab) -> SelfSpecGenerator, shared by the methods that match
-        for setting in settings.values():
-            key = (setting.exit_layer, setting.draft_vocab)
-            if key not in self.generators:
-                # check_cache off, as in the sweep: a timed run does no per-round bookkeeping (tests check caches)
-                self.generators[key] = SelfSpecGenerator(
-                    model, tokenizer, exit_layer=setting.exit_layer, check_cache=False,
-                    draft_vocab=None if setting.draft_vocab is None else list(setting.draft_vocab),
-                    exit_adapter=(exit_adapters or {}).get(setting.exit_layer))
+    def __init__(self, generator: SelfSpecGenerator, settings: dict[str, DecodeSettings], max_new_tokens: int,
+                 ignore_eos: bool):
+        self.generator, self.model, self.settings = generator, generator.model, settings
         self.max_new_tokens = max_new_tokens
         self.eos = [] if ignore_eos else None
-        self.device = next(iter(self.generators.values())).view.device
+        self.device = generator.view.device
         # Only silences generate()'s warning for prompts without padding; the model's own when it has one.
-        config = getattr(model, "generation_config", None)
-        self.pad_token_id = next((t for t in (getattr(config, "pad_token_id", None), getattr(config, "eos_token_id", None))
-                                  if isinstance(t, int)), 0)
+        config = getattr(self.model, "generation_config", None)
+        self.pad_token_id = next((t for t in (getattr(config, "pad_token_id", None),
+                                              getattr(config, "eos_token_id", None)) if isinstance(t, int)), 0)
 
     def __call__(self, method: str, batch: list[list[int]]):
         """Decode one batch of prompts (token lists) with `method`: (tokens per row, engine stats or None)."""
         if method in ENGINE_METHODS:
-            setting = self.settings[method]
-            k = 0 if method == "plain" else setting.num_speculations
-            drafter = make_policy(ENGINE_METHODS[method], k, setting.ngram)
-            out = self.generators[(setting.exit_layer, setting.draft_vocab)].generate(
-                batch, max_new_tokens=self.max_new_tokens, drafter=drafter, eos_token_id=self.eos)
+            out = self.generator.generate(batch, max_new_tokens=self.max_new_tokens, eos_token_id=self.eos,
+                                          settings=self.settings[method])
             return out.sequences, out.stats
         if len({len(p) for p in batch}) > 1:
-            raise ValueError("Hugging Face methods in a batch need prompts of one length; use "
-                             "--methods plain,selfspec or --batch-size 1")
+            raise UserError("Hugging Face methods in a batch need prompts of one length; use "
+                            "--methods plain,early_exit or --batch-size 1")
         ids = torch.tensor(batch, device=self.device)
         kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=self.max_new_tokens, do_sample=False,
                       pad_token_id=self.pad_token_id)
         if self.eos == []:
             kwargs["eos_token_id"] = None
         if method == "hf_early_exit":  # Hugging Face's self-speculation at the early exit's own E
-            kwargs["assistant_early_exit"] = self.settings["selfspec"].exit_layer
+            kwargs["assistant_early_exit"] = self.settings["early_exit"].exit_layer
         elif method == "hf_prompt_lookup":
             kwargs["prompt_lookup_num_tokens"] = PROMPT_LOOKUP_TOKENS
         with torch.inference_mode():
@@ -168,7 +146,7 @@ def interleaved_rates(names, run, batches: list[list[list[int]]], repeats: int, 
     """
     names = list(names)
     if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
+        raise UserError(f"repeats must be >= 1, got {repeats}")
     rates = {n: [] for n in names}
     outputs = {n: [None] * len(batches) for n in names}
     stats = {n: [] for n in names}
@@ -179,10 +157,10 @@ def interleaved_rates(names, run, batches: list[list[list[int]]], repeats: int, 
         seconds, tokens = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0)
         for b, batch in enumerate(batches):
             for name in names[shift:] + names[:shift]:
-                _sync(device)
+                sync_device(device)
                 start = time.perf_counter()
                 rows, run_stats = run(name, batch)
-                _sync(device)
+                sync_device(device)
                 seconds[name] += time.perf_counter() - start
                 tokens[name] += sum(len(row) for row in rows)
                 outputs[name][b] = rows
@@ -196,60 +174,56 @@ def interleaved_rates(names, run, batches: list[list[list[int]]], repeats: int, 
     return rates, outputs, stats
 
 
-def run_benchmark(model, prompts: list[list[int]], exit_layer: int, num_speculations=4, tokenizer=None,
+def run_benchmark(model, prompts: list[list[int]], settings: DecodeSettings, *, tokenizer=None,
+                  fastest: dict[str, DecodeSettings] | None = None, token_counts=None, exit_adapters: dict | None = None,
                   max_new_tokens: int = 128, repeats: int = 5, warmup: int = 1, ignore_eos: bool = True,
-                  methods: tuple[str, ...] = METHODS, batch_size: int = 1, progress: bool = False,
-                  ngram: NGramConfig | None = None, draft_vocab=None,
-                  per_method: dict[str, EngineSetting] | None = None, exit_adapters: dict | None = None) -> dict:
+                  methods: tuple[str, ...] = METHODS, batch_size: int = 1, progress: bool = False) -> dict:
     """Measure `methods` on `prompts` (token lists), `batch_size` prompts per call; returns the report
-    as a dict (see module docstring). Every engine method decodes at (exit_layer, num_speculations,
-    draft_vocab: token ids of a trimmed draft head, ngram: copy settings) unless `per_method` gives
-    it a setting of its own (each drafter at its own fastest, as the sweep found them). exit_adapters:
-    E -> the checkpoint's `ExitAdapter` for that exit."""
+    as a dict (see module docstring). The engine methods decode at `settings`, each drafter at its
+    own fastest when `fastest` names one (`method_settings`). token_counts: the ranking of a trimmed
+    draft head's ids (V' > 0); exit_adapters: {E: ExitAdapter} of the checkpoint."""
     for method in methods:
         if method not in METHODS:
-            raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
-    if batch_size < 1:
-        raise ValueError(f"batch size must be >= 1, got {batch_size}")
+            raise UserError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+    if batch_size < 1 or max_new_tokens < 1 or not prompts:
+        raise UserError(f"the benchmark needs a batch size >= 1 ({batch_size}), max_new_tokens >= 1 ({max_new_tokens}) "
+                        f"and a prompt ({len(prompts)})")
     batch1_only = [m for m in methods if m in HF_BATCH1_METHODS]
     if batch_size > 1 and batch1_only:
-        raise ValueError(f"Hugging Face's assisted generation decodes batch 1 only; leave {', '.join(batch1_only)} "
-                         f"out of --methods for --batch-size > 1")
-    common = EngineSetting(exit_layer, num_speculations, None if draft_vocab is None else tuple(int(t) for t in draft_vocab),
-                           ngram or NGramConfig())
-    settings = {m: (per_method or {}).get(m, common) for m in ENGINE_METHODS}
-    settings["plain"] = common
-    run = _Runner(model, tokenizer, settings, max_new_tokens, ignore_eos, exit_adapters)
-    device = run.device
-    view = next(iter(run.generators.values())).view
+        raise UserError(f"Hugging Face's assisted generation decodes batch 1 only; leave {', '.join(batch1_only)} "
+                        f"out of --methods for --batch-size > 1")
+    generator = SelfSpecGenerator(model, tokenizer, settings, token_counts=token_counts, exit_adapters=exit_adapters,
+                                  check_cache=False)  # as in the sweep: a timed run does no per-round bookkeeping
+    settings = {m: generator.settings_for(s) for m, s in method_settings(generator.settings, fastest).items()}
+    run = _Runner(generator, settings, max_new_tokens, ignore_eos)
+    device, view = run.device, generator.view
     batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
     rates, outputs, stats = interleaved_rates(methods, run, batches, repeats, warmup, device,
                                               "benchmark" if progress else None)
 
-    report = {"exit_layer": exit_layer, "num_speculations": num_speculations, "max_new_tokens": max_new_tokens,
-              "num_prompts": len(prompts), "batch_size": batch_size, "repeats": repeats, "warmup": warmup,
-              "device": str(device),
+    report = {"max_new_tokens": max_new_tokens, "num_prompts": len(prompts), "batch_size": batch_size,
+              "repeats": repeats, "warmup": warmup, "device": str(device),
               "dtype": str(view.dtype).replace("torch.", ""), "num_layers": view.num_layers,
-              "settings": {m: settings[m].describe() for m in methods if m in ENGINE_METHODS and m != "plain"},
+              "settings": {m: settings[m].to_json() for m in methods if m in ENGINE_METHODS},
               "methods": {}}
     for method in methods:
         report["methods"][method] = {"tokens_per_second": statistics.median(rates[method]),
                                      "tokens_per_second_all": rates[method]}
     tps = {m: report["methods"][m]["tokens_per_second"] for m in methods}
     report["speedups"] = {f"{a}_over_{b}": tps[a] / tps[b] for a, b in (
-        ("hybrid", "hf_prompt_lookup"), ("hybrid", "plain"), ("hybrid", "selfspec"), ("hybrid", "ngram"),
+        ("hybrid", "hf_prompt_lookup"), ("hybrid", "plain"), ("hybrid", "early_exit"), ("hybrid", "ngram"),
         ("ngram", "hf_prompt_lookup"), ("ngram", "plain"),
-        ("selfspec", "plain"), ("selfspec", "hf_early_exit"), ("selfspec", "hf_prompt_lookup"),
-        ("plain", "hf_greedy"), ("selfspec", "hf_greedy"), ("hf_early_exit", "hf_greedy"),
+        ("early_exit", "plain"), ("early_exit", "hf_early_exit"), ("early_exit", "hf_prompt_lookup"),
+        ("plain", "hf_greedy"), ("early_exit", "hf_greedy"), ("hf_early_exit", "hf_greedy"),
         ("hf_prompt_lookup", "hf_greedy")) if a in tps and b in tps}
     reference = "plain" if "plain" in methods else methods[0]
     report["identical_to_" + reference] = {m: outputs[m] == outputs[reference] for m in methods}
     report["greedy_outputs_identical"] = all(report["identical_to_" + reference][m]
                                              for m in methods if m != "hf_early_exit")
     report["sources"] = {m: source_summary(stats[m]) for m in methods if m in ENGINE_METHODS and m != "plain"}
-    if "plain" in methods and "selfspec" in methods:
-        report["cost_model"] = _cost_model(stats["plain"], stats["selfspec"],
-                                           report["speedups"].get("selfspec_over_plain"))
+    if "plain" in methods and "early_exit" in methods:
+        report["cost_model"] = _cost_model(stats["plain"], stats["early_exit"],
+                                           report["speedups"].get("early_exit_over_plain"))
     return report
 
 
@@ -288,7 +262,7 @@ def pooled_costs(plain_runs, spec_runs) -> dict:
 
 
 def _cost_model(plain_runs, spec_runs, measured: float | None) -> dict:
-    """α, mean accepted length, c and the predictions, pooled over the timed selfspec runs."""
+    """α, mean accepted length, c and the predictions, pooled over the timed early_exit runs."""
     costs = pooled_costs(plain_runs, spec_runs)
     pooled, plain_step, draft_steps = costs["stats"], costs["plain_step"], costs["draft_steps"]
     alpha = pooled.acceptance_rate
@@ -324,18 +298,12 @@ def write_report(report: dict, out_dir: str | Path) -> tuple[Path, Path]:
 
 
 def _describe_setting(method: str, settings: dict) -> str:
-    setting = settings.get("selfspec" if method == "hf_early_exit" else method)
+    """The setting column of a method (`settings`: the report's method -> `DecodeSettings.to_json()`)."""
     if method == "hf_prompt_lookup":
         return f"prompt_lookup_num_tokens = {PROMPT_LOOKUP_TOKENS}"
-    if setting is None:
-        return ""
-    ngram = f"min_ngram = {setting['ngram']['min_ngram']}, max_copy = {setting['ngram']['max_copy']}"
-    if method == "ngram":
-        return ngram
-    text = f"E = {setting['exit_layer']}" + ("" if method == "hf_early_exit" else f", k = {setting['num_speculations']}")
-    if setting["draft_vocab_size"] and method != "hf_early_exit":
-        text += f", V' = {setting['draft_vocab_size']}"
-    return text + (f", {ngram}" if method == "hybrid" else "")
+    if method == "hf_early_exit" and "early_exit" in settings:
+        return f"E = {settings['early_exit']['exit_layer']}"
+    return DecodeSettings.from_json(settings[method]).describe() if method in settings else ""
 
 
 def to_markdown(report: dict) -> str:
@@ -375,108 +343,58 @@ def to_markdown(report: dict) -> str:
 
 
 # --------------------------------------------------------------------------------------------------
-# Command line
+# The `selfspec eval speedup` command
 # --------------------------------------------------------------------------------------------------
 
-def read_prompts(args, tokenizer) -> list[list[int]]:
-    """--prompts file when given, else the first tokens of --corpus's test documents."""
-    if args.prompts is None:
-        return prompts_from_corpus(tokenizer, args.corpus, args.num_prompts, args.prompt_tokens)
-    if args.prompts.endswith(".json"):
-        items = json.loads(Path(args.prompts).read_text())
-    else:
-        items = [line for line in Path(args.prompts).read_text().splitlines() if line.strip()]
-    prompts = [tokenizer(item)["input_ids"] if isinstance(item, str) else [int(t) for t in item] for item in items]
-    return prompts[:args.num_prompts]
+def read_prompts(tokenizer, prompts: str | None = None, corpus: str = "stdlib", num_prompts: int = 8,
+                 prompt_tokens: int = 64) -> list[list[int]]:
+    """The first `num_prompts` prompts of the file `prompts` (a JSON list of token lists or strings,
+    or a text file, one per line), else the first tokens of `corpus`'s test documents."""
+    if num_prompts < 1:
+        raise UserError(f"--num-prompts must be >= 1, got {num_prompts}")
+    if prompts is None:
+        return prompts_from_corpus(tokenizer, corpus, num_prompts, prompt_tokens)
+    file = Path(prompts)
+    if not file.is_file():
+        raise UserError(f"prompt file {prompts!r} does not exist; pass a JSON list or a text file, one prompt per line")
+    try:
+        items = json.loads(file.read_text()) if file.suffix == ".json" else [
+            line for line in file.read_text().splitlines() if line.strip()]
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{prompts} is not valid JSON ({exc.msg}); write a list of strings or token lists") from None
+    if not items:
+        raise UserError(f"prompt file {prompts!r} holds no prompt")
+    return [tokenizer(item)["input_ids"] if isinstance(item, str) else [int(t) for t in item]
+            for item in items][:num_prompts]
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The speed benchmark's flags (`selfspec eval speedup`, `eval/benchmark_speedup.py`)."""
-    parser.add_argument("--model", required=True, help="directory loadable with AutoModelForCausalLM")
-    parser.add_argument("--exit-layer", type=int, default=None,
-                        help="E: blocks the draft runs (default: the checkpoint's selfspec.json)")
-    parser.add_argument("--num-speculations", default=None,
-                        help="k (int), 'auto' or 'window' (default: selfspec.json's, else auto)")
-    parser.add_argument("--prompts", default=None, help="JSON list (token lists or strings) or text file")
-    parser.add_argument("--corpus", default="stdlib", help="without --prompts: prompts from this corpus's test split")
-    parser.add_argument("--num-prompts", type=int, default=8, help="use the first N prompts")
-    parser.add_argument("--prompt-tokens", type=int, default=64, help="prompt length taken from corpus documents")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
-    parser.add_argument("--draft-vocab-size", type=int, default=None,
-                        help="V' of the early exit's head (0: all; default: selfspec.json's)")
-    parser.add_argument("--min-ngram", type=int, default=None,
-                        help="shortest context match that copies (default: selfspec.json's, else 2)")
-    parser.add_argument("--batch-size", type=int, default=1,
-                        help="prompts per generate call (hf_early_exit and hf_prompt_lookup run batch 1 only)")
-    parser.add_argument("--keep-eos", action="store_true", help="stop at eos (default: always max-new-tokens)")
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    parser.add_argument("--out", default="runs/benchmark")
+def speedup(model: str, *, exit_layer: int | None = None, num_speculations=None, drafter: str | None = None,
+            draft_vocab_size: int | None = None, min_ngram: int | None = None, prompts: str | None = None,
+            corpus: str = "stdlib", num_prompts: int = 8, prompt_tokens: int = 64, max_new_tokens: int = 128,
+            repeats: int = 5, warmup: int = 1, methods=METHODS, batch_size: int = 1, keep_eos: bool = False,
+            device: str | None = None, dtype: str = "auto", out: str = "runs/benchmark") -> dict:
+    """`selfspec eval speedup`: benchmark the checkpoint `model`; print the report, write it into `out`.
 
-
-def engine_settings(args, meta: dict, exit_layer: int) -> tuple[EngineSetting, dict[str, EngineSetting]]:
-    """The settings the engine methods decode with: the flags, else the checkpoint's selfspec.json.
-
-    Without flags that set E, k, V' or min_ngram, each drafter whose fastest setting a sweep stored
-    (`selfspec.json` "fastest") runs at that setting: the early exit alone at its best, the copy
-    drafters at theirs.
+    The engine decodes at the checkpoint's settings (`selfspec.json`), with the given fields
+    overriding them; without any override each drafter runs at its fastest a sweep stored.
     """
-    k = args.num_speculations or meta.get("num_speculations", "auto")
-    k = k if k in ("auto", "window") else int(k)
-    ngram = NGramConfig.from_dict(meta.get("ngram"))
-    if args.min_ngram is not None:
-        ngram = NGramConfig(max(ngram.max_ngram, args.min_ngram), args.min_ngram, ngram.max_copy)
-    size = meta.get("draft_vocab_size") if args.draft_vocab_size is None else args.draft_vocab_size
-
-    def vocab(size):
-        return None if not size else tuple(int(t) for t in checkpoint_draft_vocab(args.model, size))
-
-    common = EngineSetting(exit_layer, k, vocab(size), ngram)
-    flags = (args.exit_layer, args.num_speculations, args.draft_vocab_size, args.min_ngram)
-    per_method = {}
-    if all(flag is None for flag in flags):
-        for drafter, best in meta.get("fastest", {}).items():
-            method = "selfspec" if drafter == "early_exit" else drafter
-            per_method[method] = EngineSetting(
-                best.get("exit_layer") or exit_layer, best.get("num_speculations") or k, vocab(best.get("vocab")),
-                NGramConfig(max(ngram.max_ngram, best["min_ngram"]), best["min_ngram"], ngram.max_copy)
-                if best.get("min_ngram") else ngram)
-    return common, per_method
-
-
-def checkpoint_adapters(model_dir: str, model, meta: dict) -> dict:
-    """{E: ExitAdapter} for the exit adapter a checkpoint holds (empty without one)."""
-    layer = (meta.get("exit_adapter") or {}).get("exit_layer")
-    return {} if layer is None else {layer: exit_adapter_for(model_dir, layer, model)}
-
-
-def run(args: argparse.Namespace) -> dict:
-    """Run the benchmark that `args` (from `add_arguments`) describes; prints and writes the report."""
-    meta = read_meta(args.model) if (Path(args.model) / META_FILE).is_file() else {}
-    exit_layer = args.exit_layer or meta.get("exit_layer")
-    if exit_layer is None:
-        raise ValueError(f"--exit-layer is required: {args.model} has no {META_FILE}")
-    common, per_method = engine_settings(args, meta, exit_layer)
-    model, tokenizer = load_model(args.model, args.device, args.dtype)
-    prompts = read_prompts(args, tokenizer)
-    report = run_benchmark(model, prompts, common.exit_layer, common.num_speculations, tokenizer=tokenizer,
-                           max_new_tokens=args.max_new_tokens, repeats=args.repeats, warmup=args.warmup,
-                           ignore_eos=not args.keep_eos, methods=tuple(args.methods.split(",")),
-                           batch_size=args.batch_size, progress=True, ngram=common.ngram,
-                           draft_vocab=common.draft_vocab, per_method=per_method,
-                           exit_adapters=checkpoint_adapters(args.model, model, meta))
-    report["model"] = args.model
-    json_path, md_path = write_report(report, args.out)
+    if num_prompts < 1 or repeats < 1 or max_new_tokens < 1:
+        raise UserError(f"--num-prompts ({num_prompts}), --repeats ({repeats}) and --max-new-tokens "
+                        f"({max_new_tokens}) must be >= 1")
+    settings, fastest, token_counts = resolve_settings(
+        model, exit_layer=exit_layer, num_speculations=num_speculations, drafter=drafter,
+        draft_vocab_size=draft_vocab_size, min_ngram=min_ngram)
+    if settings.exit_layer is None:
+        raise UserError(f"--exit-layer is required: {model} has no selfspec.json")
+    lm, tokenizer = load_model(model, device, dtype)
+    report = run_benchmark(lm, read_prompts(tokenizer, prompts, corpus, num_prompts, prompt_tokens), settings,
+                           tokenizer=tokenizer, fastest=fastest, token_counts=token_counts,
+                           exit_adapters=checkpoint_adapters(model, lm), max_new_tokens=max_new_tokens,
+                           repeats=repeats, warmup=warmup, ignore_eos=not keep_eos,
+                           methods=tuple(m.strip() for m in methods.split(",")) if isinstance(methods, str) else tuple(methods),
+                           batch_size=batch_size, progress=True)
+    report["model"] = model
+    json_path, md_path = write_report(report, out)
     print(to_markdown(report))
     print(f"wrote {json_path} and {md_path}")
     return report
-
-
-def main(argv=None) -> dict:
-    """`python eval/benchmark_speedup.py ...`: the same flags as `selfspec eval speedup`."""
-    parser = argparse.ArgumentParser(prog="selfspec eval speedup", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))

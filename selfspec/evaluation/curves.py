@@ -14,6 +14,7 @@ import json
 import re
 from pathlib import Path
 
+from ..errors import UserError
 from .report import save_figure, write_report
 
 _EXIT_KEY = re.compile(r"^val/(top1_agreement|expected_acceptance)@(\d+)$")
@@ -23,7 +24,7 @@ def read_curve(run_dir: str | Path) -> dict:
     """{"tokens": [...], "perplexity": [...], "exits": {E: {"top1_agreement": [...], ...}}} from a run."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
-        raise ValueError(f"{path} does not exist; pass the output_dir of a training run")
+        raise UserError(f"{path} does not exist; pass the output_dir of a training run")
     curve = {"steps": [], "tokens": [], "minutes": [], "perplexity": [], "exits": {}}
     minutes = 0.0  # a step row's wall clock carries over to the evaluation row logged after it
     for line in path.read_text().splitlines():
@@ -41,7 +42,7 @@ def read_curve(run_dir: str | Path) -> dict:
                 metric, layer = match.group(1), int(match.group(2))
                 curve["exits"].setdefault(layer, {}).setdefault(metric, []).append(value)
     if not curve["steps"]:
-        raise ValueError(f"{path} holds no evaluation; set eval_every > 0 or let the run finish")
+        raise UserError(f"{path} holds no evaluation; set eval_every > 0 or let the run finish")
     return curve
 
 
@@ -90,7 +91,7 @@ def plot_runs(curves: dict[str, dict], exit_layer: int, out_png: str | Path) -> 
     for index, (label, curve) in enumerate(curves.items()):
         values = curve["exits"].get(exit_layer, {}).get("top1_agreement")
         if not values:
-            raise ValueError(f"run {label!r} has no evaluation at exit {exit_layer}; "
+            raise UserError(f"run {label!r} has no evaluation at exit {exit_layer}; "
                              f"pick one of {sorted(curve['exits'])}")
         style = {"marker": "o", "markersize": 3, "color": f"C{index}", "label": label}  # one colour a run
         by_tokens.plot([t / 1e3 for t in curve["tokens"]], values, **style)

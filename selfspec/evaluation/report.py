@@ -5,10 +5,9 @@ Used by the benchmark, the sweep, the training curve and the CLI's layer tables 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-from ..files import write_json_atomic, write_text_atomic
+from ..files import atomic_file, write_json_atomic, write_text_atomic
 
 
 def write_report(out_dir: str | Path, stem: str, data: dict, markdown: str | None = None) -> list[Path]:
@@ -21,16 +20,12 @@ def write_report(out_dir: str | Path, stem: str, data: dict, markdown: str | Non
 
 
 def save_figure(fig, path: str | Path, dpi: int = 120) -> Path:
-    """Save a matplotlib figure as PNG through a temp file + rename, then close it."""
+    """Save a matplotlib figure as PNG atomically, then close it."""
     import matplotlib.pyplot as plt
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.png")
     try:
-        fig.savefig(tmp, dpi=dpi)
-        os.replace(tmp, path)
+        with atomic_file(path) as tmp:
+            fig.savefig(tmp, dpi=dpi, format="png")
     finally:
         plt.close(fig)
-        tmp.unlink(missing_ok=True)
-    return path
+    return Path(path)

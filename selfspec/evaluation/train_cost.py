@@ -19,17 +19,27 @@ import time
 import torch
 
 from ..config import RunConfig, default_exit_layer
+from ..cpu import sync_device
+from ..model import DecoderView
 from ..model import num_layers as count_layers
 from ..training.loop import build_objective
 from ..training.objective import SelfSpecObjective
 
 
-def make_objective(model, cfg: RunConfig, variant: str) -> SelfSpecObjective:
-    """`plain`: final-layer CE only. `selfspec`: layer dropout + early-exit losses as in `cfg`."""
+def make_objective(model, cfg: RunConfig, variant: str,
+                   batch: torch.Tensor | None = None) -> SelfSpecObjective:
+    """`plain`: final-layer CE only. `selfspec`: layer dropout + early-exit losses as in `cfg`.
+
+    batch: (B, T) ids whose counts rank the ids of a trimmed exit loss (`draft_vocab_size`); which
+    ids they are does not change the cost of a step."""
     if variant == "plain":
         return SelfSpecObjective(model)
     num_layers = count_layers(model)
-    return build_objective(model, cfg, num_layers, cfg.exit_layer or default_exit_layer(num_layers))
+    counts = None
+    if batch is not None:
+        vocab_size = DecoderView(model).lm_head.weight.shape[0]
+        counts = torch.bincount(batch.flatten().cpu(), minlength=vocab_size).numpy()  # (V,)
+    return build_objective(model, cfg, num_layers, cfg.exit_layer or default_exit_layer(num_layers), counts)
 
 
 def _step(objective, optimizer, batch, step: int) -> None:
@@ -39,26 +49,21 @@ def _step(objective, optimizer, batch, step: int) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
 def time_variants(model, cfg: RunConfig, batch: torch.Tensor, repeats: int = 20, warmup: int = 3) -> dict:
     """Median seconds per training step of `plain` and `selfspec`, measured interleaved in this process."""
     runs = {}
     for variant in ("plain", "selfspec"):
-        objective = make_objective(copy.deepcopy(model), cfg, variant).train()
+        objective = make_objective(copy.deepcopy(model), cfg, variant, batch).train()
         optimizer = torch.optim.AdamW([p for p in objective.parameters() if p.requires_grad], lr=1e-5)
         runs[variant] = (objective, optimizer, [])
     for i in range(warmup + repeats):
         for objective, optimizer, times in runs.values():
-            _sync(batch.device)
+            sync_device(batch.device)
             start = time.perf_counter()
             # The step index advances, so per-batch layer dropout draws a different set of skipped
             # blocks each repeat and the median reflects its expected saving.
             _step(objective, optimizer, batch, step=i)
-            _sync(batch.device)
+            sync_device(batch.device)
             if i >= warmup:
                 times.append(time.perf_counter() - start)
     medians = {v: statistics.median(times) for v, (_, _, times) in runs.items()}
@@ -66,12 +71,13 @@ def time_variants(model, cfg: RunConfig, batch: torch.Tensor, repeats: int = 20,
             "time_ratio": medians["selfspec"] / medians["plain"], "repeats": repeats}
 
 
-def peak_memory_in_this_process(model, cfg: RunConfig, batch: torch.Tensor, variant: str, steps: int = 4) -> int:
+def peak_memory_in_this_process(model, cfg: RunConfig, batch: torch.Tensor, variant: str,
+                                steps: int = 4) -> int:
     """Peak bytes used by `steps` training steps of `variant` above what was in use before them."""
-    objective = make_objective(model, cfg, variant).train()
+    objective = make_objective(model, cfg, variant, batch).train()
     optimizer = torch.optim.AdamW([p for p in objective.parameters() if p.requires_grad], lr=1e-5)
     if batch.device.type == "cuda":
-        torch.cuda.synchronize()
+        sync_device(batch.device)
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
         for step in range(steps):

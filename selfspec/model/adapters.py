@@ -11,10 +11,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..errors import UserError
 from .fast import FastLlamaBlocks
 
 
-class UnsupportedArchitectureError(ValueError):
+class UnsupportedArchitectureError(UserError):
     """The model's `config.model_type` has no adapter."""
 
 

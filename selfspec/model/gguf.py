@@ -7,7 +7,7 @@ transformers reads GGUF files (with the optional `gguf` package) and dequantises
 fp32, but it marks the model as quantised, so `save_pretrained` refuses it. The importer copies the
 dequantised weights into a fresh model built from the same config (no quantisation marker) and
 writes what every other selfspec command expects: fp32 safetensors, the tokenizer with its chat
-template, a generation config (the writing is `selfspec.cli.import_gguf`'s, through `save_tuned`).
+template, a generation config (the writing is `selfspec.commands.import_gguf`'s, through `save_tuned`).
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ from pathlib import Path
 
 import torch
 
+from ..errors import UserError
 from .adapters import SUPPORTED_MODEL_TYPES
 
 
-class GGUFImportError(ValueError):
+class GGUFImportError(UserError):
     """A GGUF source that cannot be imported; the message names the problem and the fix."""
 
 

@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..agreement import low_precision_to_float
 from ..config import Curriculum, ExitLoss, ExitScale, check_choice, check_layer
+from ..errors import UserError
 
 
 def layer_weights(kind: str, layers: Sequence[int], num_layers: int) -> torch.Tensor:
@@ -78,11 +79,11 @@ class ExitCurriculum:
     def __init__(self, kind: str, layers: Sequence[int], total_steps: int, rotation_period: int = 2) -> None:
         check_choice("early-exit curriculum", kind, Curriculum)
         if not layers:
-            raise ValueError("early-exit curriculum needs at least one candidate layer, got []")
+            raise UserError("early-exit curriculum needs at least one candidate layer, got []")
         if kind == "rotational" and rotation_period < 1:
-            raise ValueError(f"rotation_period must be >= 1, got {rotation_period}")
+            raise UserError(f"rotation_period must be >= 1, got {rotation_period}")
         if kind == "gradual" and total_steps < 1:
-            raise ValueError(f"total_steps must be >= 1 for the gradual curriculum, got {total_steps}")
+            raise UserError(f"total_steps must be >= 1 for the gradual curriculum, got {total_steps}")
         self.kind = kind
         self.layers = sorted(set(layers))
         self.total_steps = total_steps
@@ -116,9 +117,9 @@ class TrimmedVocab:
     def __init__(self, token_ids, vocab_size: int):
         ids = torch.as_tensor(token_ids, dtype=torch.long)
         if ids.dim() != 1 or ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
-            raise ValueError(f"trimmed vocabulary ids must be a non-empty list of ids in 0..{vocab_size - 1}")
+            raise UserError(f"trimmed vocabulary ids must be a non-empty list of ids in 0..{vocab_size - 1}")
         if ids.unique().numel() != ids.numel():
-            raise ValueError("trimmed vocabulary ids must not repeat")
+            raise UserError("trimmed vocabulary ids must not repeat")
         self.token_ids, self.vocab_size = ids, vocab_size
         self.has_other = ids.numel() < vocab_size
         # class of every token id: its place among the V' ids, or V' (other) outside them
@@ -209,7 +210,7 @@ def _validate_loss_args(
             f"weights must have shape ({len(hiddens)},) (one per exit), got {tuple(weights.shape)}"
         )
     if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+        raise UserError(f"temperature must be > 0, got {temperature}")
     if kind in ("kl", "both", "argmax") and teacher_logits is None:
         raise ValueError(f"early-exit loss kind {kind!r} needs teacher_logits")
     if kind in ("ce", "both") and labels is None:
@@ -274,7 +275,7 @@ def early_exit_loss(
     """
     hiddens = _as_exit_list(exit_hidden)
     if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        raise UserError(f"chunk_size must be >= 1, got {chunk_size}")
     weights_t = torch.as_tensor(weights, dtype=torch.float32)
     _validate_loss_args(hiddens, weights_t, kind, teacher_logits, labels, temperature)
     if not hiddens:
@@ -284,7 +285,8 @@ def early_exit_loss(
     teacher_flat = None
     labels_flat = None if labels is None else labels.reshape(-1)  # (B*T,)
     if teacher_logits is not None and kind in ("kl", "both", "argmax"):
-        teacher_2d = low_precision_to_float(teacher_logits.detach()).reshape(-1, teacher_logits.shape[-1])  # (n, V)
+        teacher_2d = low_precision_to_float(teacher_logits.detach())
+        teacher_2d = teacher_2d.reshape(-1, teacher_logits.shape[-1])  # (n, V)
         if kind == "argmax":
             argmax = teacher_2d.argmax(-1)  # (n,)
             labels_flat = argmax if labels_flat is None else torch.where(labels_flat != ignore_index, argmax,

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from ..config import DepthCurve, StepSchedule, check_choice
+from ..errors import UserError
 
 
 def depth_curve(kind: str, num_layers: int) -> torch.Tensor:
@@ -44,7 +45,7 @@ def depth_curve(kind: str, num_layers: int) -> torch.Tensor:
     """
     check_choice("depth", kind, DepthCurve)
     if num_layers < 1:
-        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+        raise UserError(f"num_layers must be >= 1, got {num_layers}")
     if kind == "uniform" or num_layers == 1:
         return torch.ones(num_layers)
     frac = torch.arange(num_layers, dtype=torch.float64) / (num_layers - 1)  # (N,) in [0, 1]
@@ -69,7 +70,7 @@ def step_curve(kind: str, step: int, total_steps: int) -> float:
     if kind == "constant":
         return 1.0
     if total_steps <= 0:
-        raise ValueError(f"total_steps must be > 0 for schedule {kind!r}, got {total_steps}")
+        raise UserError(f"total_steps must be > 0 for schedule {kind!r}, got {total_steps}")
     frac = step / total_steps
     value = frac if kind == "linear" else math.exp(frac * math.log(2.0)) - 1.0
     return min(max(value, 0.0), 1.0)
@@ -90,9 +91,9 @@ def drop_probabilities(
     the draft blocks [0, E). ``p_max`` must lie in [0, 1) (1 would always drop the last block).
     """
     if not 0.0 <= p_max < 1.0:
-        raise ValueError(f"p_max must be in [0, 1), got {p_max}")
+        raise UserError(f"p_max must be in [0, 1), got {p_max}")
     if not 0 <= protected_layers <= num_layers:
-        raise ValueError(
+        raise UserError(
             f"protected_layers must be in [0, {num_layers}] (num_layers), got {protected_layers}"
         )
     probs = depth_curve(depth, num_layers) * (step_curve(schedule, step, total_steps) * p_max)  # (N,)
@@ -192,7 +193,7 @@ class LayerDropout:
         generator is not advanced, so evaluation in between steps leaves later draws unchanged.
         """
         if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+            raise UserError(f"batch_size must be >= 1, got {batch_size}")
         if not training:
             return torch.zeros(self.num_layers, batch_size, dtype=torch.bool)
         probs = self.probabilities(step)  # (N,)

@@ -9,6 +9,7 @@ last one, and at the end a saved model directory with `selfspec.json`.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import shutil
@@ -29,20 +30,22 @@ from .. import data as data_lib
 from ..agreement import exit_layer_metrics
 from ..checkpoint import CheckpointError, read_meta, save_tuned
 from ..config import RunConfig, default_exit_layer, parse_layers, to_dict
-from ..cpu import has_bf16_units, keep_freed_memory
+from ..cpu import has_bf16_units
+from ..decoding import DecodeSettings
 from ..decoding.draft_head import frequent_tokens
+from ..errors import UserError
 from ..files import write_json_atomic, write_text_atomic
 from ..metrics import choose_exit, weight_draft_cost
 from ..model import DecoderView
 from ..model.exit_adapter import ExitAdapter
 from ..model.loading import build_llama, load_causal_lm, load_tokenizer
-from .early_exit import ExitCurriculum, TrimmedVocab
+from .early_exit import TrimmedVocab
 from .layer_dropout import LayerDropout
 from .objective import SelfSpecObjective
 
 STATE_DIR = "state"  # inside output_dir: one accelerate save_state per step-N folder, and LATEST
 LATEST = "latest"  # inside STATE_DIR: the name of the newest complete state (written last, atomically)
-FAULT_ENV = "SELFSPEC_FAULT"  # test hook: "point:step" kills the process there (see `_fault_point`)
+FAULT_ENV = "SELFSPEC_FAULT"  # test hook: "point:step" kills the process there (see `_fault`)
 FINAL_DIR = "model"  # the saved model inside output_dir
 
 
@@ -106,7 +109,8 @@ def _set_cpu_threads(requested: int | None, processes_on_machine: int) -> None:
     torch.set_num_threads(requested or max(1, (os.cpu_count() or 1) // max(1, processes_on_machine)))
 
 
-def _has_accelerator() -> bool:
+def has_accelerator() -> bool:
+    """Whether torch sees a GPU (CUDA, MPS or XPU); without one the loop trains on the CPU."""
     mps = getattr(torch.backends, "mps", None)
     xpu = getattr(torch, "xpu", None)
     return (torch.cuda.is_available() or (mps is not None and mps.is_available())
@@ -131,7 +135,8 @@ def build_model_and_tokenizer(cfg: RunConfig, corpus):
         arch = cfg.model.arch
         model = build_llama(
             vocab_size=len(tokenizer), hidden_size=arch.hidden_size, num_layers=arch.num_layers,
-            num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, intermediate_size=arch.intermediate_size,
+            num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads,
+            intermediate_size=arch.intermediate_size,
             max_position_embeddings=arch.max_position_embeddings, rope_theta=arch.rope_theta,
             tie_word_embeddings=arch.tie_word_embeddings, bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
@@ -159,15 +164,16 @@ def apply_lora(model, cfg: RunConfig, exit_layer: int):
     present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     missing = [m for m in lora.target_modules if m not in present]
     if missing:
-        raise ValueError(f"lora.target_modules {missing} are not modules of this model; "
-                         f"choose from e.g. {sorted(n for n in present if 'proj' in n or 'attn' in n)[:8]}")
+        raise UserError(f"lora.target_modules {missing} are not modules of this model; "
+                        f"choose from e.g. {sorted(n for n in present if 'proj' in n or 'attn' in n)[:8]}")
     layers = list(range(exit_layer)) if cfg.trainable == "draft" else None
     return get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                            target_modules=list(lora.target_modules), layers_to_transform=layers,
-                                            task_type="CAUSAL_LM"))
+                                            target_modules=list(lora.target_modules),
+                                            layers_to_transform=layers, task_type="CAUSAL_LM"))
 
 
-def build_objective(model, cfg: RunConfig, num_layers: int, exit_layer: int, token_counts=None) -> SelfSpecObjective:
+def build_objective(model, cfg: RunConfig, num_layers: int, exit_layer: int,
+                    token_counts=None) -> SelfSpecObjective:
     """The training module for `cfg`: layer dropout + early-exit losses around `model`.
 
     token_counts: (V,) frequencies of the training data, which rank the ids of a trimmed exit loss
@@ -181,32 +187,30 @@ def build_objective(model, cfg: RunConfig, num_layers: int, exit_layer: int, tok
     ee = cfg.early_exit
     spec = [ee.layers] if isinstance(ee.layers, int) else ee.layers
     layers = parse_layers(spec, num_layers) if spec is not None else []
-    curriculum = ExitCurriculum(ee.curriculum, layers, cfg.optim.max_steps, ee.rotation_period) if layers else None
-    # Under trainable: adapter the model is frozen and undropped: its own final layer is the frozen teacher.
-    teacher = "self" if cfg.trainable == "adapter" else ee.teacher
+    if cfg.trainable == "adapter":
+        # The model is frozen and undropped: its own final layer is the frozen teacher.
+        ee = dataclasses.replace(ee, teacher="self")
     frozen = None
-    if layers and teacher == "frozen" and not cfg.lora.enabled:
+    if layers and ee.teacher == "frozen" and not cfg.lora.enabled:
         frozen = copy.deepcopy(model).eval().requires_grad_(False)
     vocab = None
     if layers and ee.draft_vocab_size is not None:
         vocab_size = DecoderView(model).lm_head.weight.shape[0]
         if ee.draft_vocab_size > vocab_size:
-            raise ValueError(f"early_exit.draft_vocab_size = {ee.draft_vocab_size} exceeds the model's "
-                             f"{vocab_size}-token vocabulary; choose at most {vocab_size}, or null")
+            raise UserError(f"early_exit.draft_vocab_size = {ee.draft_vocab_size} exceeds the model's "
+                            f"{vocab_size}-token vocabulary; choose at most {vocab_size}, or null")
         if token_counts is None:
             raise ValueError("early_exit.draft_vocab_size needs the training data's token counts")
         vocab = TrimmedVocab(frequent_tokens(token_counts, ee.draft_vocab_size), vocab_size)
     adapter = None
     if cfg.trainable == "adapter":
         if layers != [exit_layer]:
-            raise ValueError(f"trainable: adapter trains one exit, exit_layer = {exit_layer}: set early_exit.layers "
-                             f"to {exit_layer} (it is {ee.layers!r})")
+            raise UserError(f"trainable: adapter trains one exit, exit_layer = {exit_layer}: "
+                            f"set early_exit.layers to {exit_layer} (it is {ee.layers!r})")
         width = DecoderView(model).lm_head.weight.shape[1]
         adapter = ExitAdapter(width, cfg.adapter_size or 2 * width).to(DecoderView(model).device)
-    return SelfSpecObjective(model, dropout, layers, curriculum, exit_kind=ee.kind, exit_scale=ee.scale,
-                             exit_weight=ee.weight, temperature=ee.temperature, chunk_size=ee.chunk_size,
-                             teacher=teacher, frozen_model=frozen, token_fraction=ee.token_fraction,
-                             seed=cfg.seed, final_weight=ee.final_weight, exit_vocab=vocab, exit_adapter=adapter)
+    return SelfSpecObjective(model, ee, layers, layer_dropout=dropout, total_steps=cfg.optim.max_steps,
+                             frozen_model=frozen, seed=cfg.seed, exit_vocab=vocab, exit_adapter=adapter)
 
 
 @dataclass
@@ -232,7 +236,8 @@ class _Run:
     @property
     def tokens(self) -> int:
         """Training tokens seen so far, over all processes."""
-        return self.micro * self.cfg.optim.batch_size * self.cfg.data.block_size * self.accelerator.num_processes
+        optim, data = self.cfg.optim, self.cfg.data
+        return self.micro * optim.batch_size * data.block_size * self.accelerator.num_processes
 
     def evaluate(self) -> dict:
         return evaluate(self.accelerator, self.objective, self.val_blocks,
@@ -274,14 +279,16 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True, kind: str
     run.objective.train()
     while run.step < max_steps:
         if cfg.optim.max_minutes and time.perf_counter() - start_time > 60 * cfg.optim.max_minutes:
-            run.accelerator.print(f"stopping at step {run.step}: optim.max_minutes = {cfg.optim.max_minutes} reached")
+            run.accelerator.print(f"stopping at step {run.step}: "
+                                  f"optim.max_minutes = {cfg.optim.max_minutes} reached")
             break
         logs = _train_step(run, stream)
         if cfg.eval_every and run.step % cfg.eval_every == 0 and run.step < max_steps:
             last_eval = run.evaluate()
             logs.update(last_eval)
             run.objective.train()
-        logs["minutes"] = (time.perf_counter() - start_time) / 60  # wall clock: the per-minute curves (not a budget)
+        # wall clock: the per-minute curves (not a budget)
+        logs["minutes"] = (time.perf_counter() - start_time) / 60
         run.accelerator.log(logs, step=run.step)
         window = (window + [logs["loss"]])[-20:]
         bar.set_postfix(_progress_postfix(window, last_eval, run.exit_layer))
@@ -300,34 +307,35 @@ def _setup(cfg: RunConfig, output_dir: Path) -> _Run:
         # DDP must be told, or it waits forever for their all-reduce.
         plugin_kwargs.append(DistributedDataParallelKwargs(find_unused_parameters=True))
     accelerator = Accelerator(
-        cpu=not _has_accelerator(),  # so `accelerate launch --multi_gpu --num_processes 2` runs gloo DDP on CPUs
-        gradient_accumulation_steps=cfg.optim.grad_accum, mixed_precision=_mixed_precision(cfg.mixed_precision),
+        # cpu: so that `accelerate launch --multi_gpu --num_processes 2` runs gloo DDP on CPUs
+        cpu=not has_accelerator(), gradient_accumulation_steps=cfg.optim.grad_accum,
+        mixed_precision=_mixed_precision(cfg.mixed_precision),
         log_with=_trackers(cfg, output_dir), project_dir=str(output_dir), kwargs_handlers=plugin_kwargs,
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed))
     set_seed(cfg.seed)
     if accelerator.device.type == "cpu":
         _set_cpu_threads(cfg.cpu_threads, int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes)))
-        keep_freed_memory()
         if accelerator.mixed_precision == "bf16" and has_bf16_units() is False:
-            accelerator.print("warning: mixed_precision bf16 on a CPU without bf16 units is emulated and many times "
-                              "slower than fp32; set mixed_precision=no on this machine")
+            accelerator.print("warning: mixed_precision bf16 on a CPU without bf16 units is emulated and "
+                              "many times slower than fp32; set mixed_precision=no on this machine")
 
     with accelerator.main_process_first():
         corpus = data_lib.load_corpus(cfg.data.source, cfg.data.text_field, cache_dir=cfg.data.cache_dir,
                                       seed=cfg.seed)
         model, tokenizer = build_model_and_tokenizer(cfg, corpus)
-        train_blocks = data_lib.pack_split(corpus["train"], tokenizer, cfg.data.block_size, cfg.data.text_field,
-                                           max_blocks=cfg.data.max_train_blocks, cache_dir=cfg.data.cache_dir)
-        val_blocks = data_lib.pack_split(corpus["validation"], tokenizer, cfg.data.block_size, cfg.data.text_field,
-                                         max_blocks=cfg.data.max_eval_blocks, cache_dir=cfg.data.cache_dir)
+        data = cfg.data
+        train_blocks = data_lib.pack_split(corpus["train"], tokenizer, data.block_size, data.text_field,
+                                           max_blocks=data.max_train_blocks, cache_dir=data.cache_dir)
+        val_blocks = data_lib.pack_split(corpus["validation"], tokenizer, data.block_size, data.text_field,
+                                         max_blocks=data.max_eval_blocks, cache_dir=data.cache_dir)
     view = DecoderView(model)
     num_layers, limit = view.num_layers, view.max_positions
     if limit is not None and cfg.data.block_size > limit:
-        raise ValueError(f"data.block_size = {cfg.data.block_size} exceeds the model's {limit} positions; "
-                         f"set data.block_size <= {limit}")
+        raise UserError(f"data.block_size = {cfg.data.block_size} exceeds the model's {limit} positions; "
+                        f"set data.block_size <= {limit}")
     exit_layer = cfg.exit_layer or default_exit_layer(num_layers)
     if exit_layer > num_layers:
-        raise ValueError(f"exit_layer = {exit_layer} is larger than the model's {num_layers} layers")
+        raise UserError(f"exit_layer = {exit_layer} is larger than the model's {num_layers} layers")
     if cfg.lora.enabled:
         model = apply_lora(model, cfg, exit_layer)
     elif cfg.trainable == "draft":
@@ -357,8 +365,8 @@ def _setup(cfg: RunConfig, output_dir: Path) -> _Run:
     accelerator.init_trackers("selfspec", config=_flat(to_dict(cfg)))
     batches_per_epoch = len(loader)
     if batches_per_epoch == 0:
-        raise ValueError(f"the training split has fewer than optim.batch_size = {cfg.optim.batch_size} blocks; "
-                         f"lower optim.batch_size or data.block_size")
+        raise UserError(f"the training split has fewer than optim.batch_size = {cfg.optim.batch_size} "
+                        f"blocks; lower optim.batch_size or data.block_size")
     return _Run(cfg, output_dir, accelerator, objective, optimizer, scheduler, loader, trainable, tokenizer,
                 train_blocks, val_blocks, exit_layer, token_counts)
 
@@ -368,7 +376,7 @@ def _resume(run: _Run) -> None:
     state_dir = run.output_dir / STATE_DIR
     saved = latest_state(state_dir)
     if saved is None:
-        raise ValueError(f"--resume: no saved state in {state_dir}; run without --resume to start fresh")
+        raise UserError(f"--resume: no saved state in {state_dir}; run without --resume to start fresh")
     run.accelerator.load_state(str(saved))
     run.step = json.loads((saved / "progress.json").read_text())["step"]
     run.micro = run.step * run.cfg.optim.grad_accum  # micro-batches already consumed
@@ -383,7 +391,7 @@ def _train_step(run: _Run, stream) -> dict:
         with accelerator.accumulate(run.objective):
             out = run.objective(input_ids, step=run.step, target_mask=target_mask)
             accelerator.backward(out["loss"])
-            _fault_point("mid_step", run.step + 1)
+            _fault(f"mid_step:{run.step + 1}")
             if accelerator.sync_gradients and cfg.optim.grad_clip > 0:
                 sums["grad_norm"] = accelerator.clip_grad_norm_(run.trainable, cfg.optim.grad_clip).detach()
             run.optimizer.step()
@@ -393,7 +401,8 @@ def _train_step(run: _Run, stream) -> dict:
             sums[key] = sums.get(key, 0.0) + value.detach() / cfg.optim.grad_accum
     # Logged values are means over all processes (one small all-reduce a step): under DDP the
     # curve is the global batch's, the same as one process with that batch.
-    values = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=accelerator.device) for v in sums.values()])
+    values = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=accelerator.device)
+                          for v in sums.values()])
     logs = dict(zip(sums, accelerator.reduce(values, reduction="mean").tolist()))
     run.step += 1
     logs["lr"] = run.scheduler.get_last_lr()[0]
@@ -410,7 +419,8 @@ def _progress_postfix(window: list[float], last_eval: dict, exit_layer: int) -> 
 
 
 def _finish(run: _Run, kind: str, seconds: float) -> TrainResult:
-    """Final evaluation, then the model, tokenizer, token counts and selfspec.json into `<output_dir>/model`."""
+    """Final evaluation, then the model, tokenizer, token counts and selfspec.json into
+    `<output_dir>/model`."""
     cfg, accelerator, objective = run.cfg, run.accelerator, run.objective
     final = run.evaluate()
     accelerator.log({**final, "tokens": run.tokens}, step=run.step)
@@ -427,18 +437,20 @@ def _finish(run: _Run, kind: str, seconds: float) -> TrainResult:
     choice = exit_choice(objective_inner(objective), final) if cfg.choose_exit else None
     exit_layer = choice["exit_layer"] if choice else run.exit_layer
     if choice:
-        accelerator.print(f"exit chosen on the validation split: E = {exit_layer}, k = {choice['num_speculations']}, "
-                          f"predicted {choice['predicted_speedup']:.2f}x")
+        accelerator.print(f"exit chosen on the validation split: E = {exit_layer}, "
+                          f"k = {choice['num_speculations']}, predicted {choice['predicted_speedup']:.2f}x")
     if accelerator.is_main_process:
         inner = accelerator.unwrap_model(objective).model
-        save_tuned(model_dir, inner, run.tokenizer, state_dict=state_dict, exit_layer=exit_layer,
+        k = choice["num_speculations"] if choice else cfg.num_speculations
+        settings = DecodeSettings(exit_layer=exit_layer, num_speculations=k,
+                                  draft_vocab_size=cfg.early_exit.draft_vocab_size)
+        save_tuned(model_dir, inner, run.tokenizer, state_dict=state_dict, settings=settings,
                    token_counts=run.token_counts,
                    token_counts_source=f"training data ({cfg.data.source}, train split)",
-                   draft_vocab_size=cfg.early_exit.draft_vocab_size,
-                   num_speculations=choice["num_speculations"] if choice else cfg.num_speculations,
                    exit_choice=choice,
                    exit_adapter=accelerator.unwrap_model(objective).exit_adapter,
-                   base_model=None if cfg.model.from_scratch else cfg.model.name_or_path, training=to_dict(cfg),
+                   base_model=None if cfg.model.from_scratch else cfg.model.name_or_path,
+                   training=to_dict(cfg),
                    metrics={**final, "steps": run.step, "tokens_seen": run.tokens,
                             "train_seconds": round(seconds, 1), "processes": accelerator.num_processes,
                             "parameters": sum(p.numel() for p in inner.parameters())},
@@ -498,9 +510,9 @@ def save_state(accelerator: Accelerator, state_dir: Path, step: int) -> None:
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         write_json_atomic(target / "progress.json", {"step": step})
-        _fault_point("saving", step)
+        _fault(f"saving:{step}")
         write_text_atomic(state_dir / LATEST, target.name + "\n")
-        _fault_point("saved", step)
+        _fault(f"saved:{step}")
         for old in state_dir.glob("step-*"):
             if old != target:
                 shutil.rmtree(old, ignore_errors=True)
@@ -517,13 +529,15 @@ def latest_state(state_dir: Path) -> Path | None:
 
 
 def _claim_output_dir(output_dir: Path, resume: bool, overwrite: bool) -> None:
-    """Refuse to start a fresh run over a previous one (unless `overwrite`, which clears its logs and states)."""
-    previous = [p for p in (output_dir / FINAL_DIR, output_dir / STATE_DIR, output_dir / "metrics.jsonl") if p.exists()]
+    """Refuse to start a fresh run over a previous one (unless `overwrite`, which clears its logs and
+    states)."""
+    candidates = (output_dir / FINAL_DIR, output_dir / STATE_DIR, output_dir / "metrics.jsonl")
+    previous = [p for p in candidates if p.exists()]
     if resume or not previous:
         return
     if not overwrite:
-        raise ValueError(f"{output_dir} holds a previous run ({', '.join(p.name for p in previous)}); pass --resume "
-                         f"to continue it, --force to replace it, or choose another output_dir")
+        raise UserError(f"{output_dir} holds a previous run ({', '.join(p.name for p in previous)}); "
+                        f"pass --resume to continue it, --force to replace it, or choose another output_dir")
     if PartialState().is_main_process:
         for path in previous:
             if path.name != FINAL_DIR:  # the model is replaced atomically at the end, never deleted first
@@ -531,9 +545,11 @@ def _claim_output_dir(output_dir: Path, resume: bool, overwrite: bool) -> None:
     PartialState().wait_for_everyone()
 
 
-def _fault_point(point: str, step: int) -> None:
-    """Fault injection for the kill-anywhere tests: SELFSPEC_FAULT=point:step SIGKILLs the process here."""
-    if os.environ.get(FAULT_ENV) == f"{point}:{step}":
+def _fault(point: str) -> None:
+    """The one fault-injection hook, for the kill-anywhere tests: the loop calls it at `mid_step:N`
+    (step N's gradients computed, its update not applied), `saving:N` (state N written, `latest` not
+    yet moved) and `saved:N`; the process SIGKILLs itself where `SELFSPEC_FAULT` names the point."""
+    if os.environ.get(FAULT_ENV) == point:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -545,8 +561,8 @@ def evaluate(accelerator, objective, val_blocks, exit_layers, exit_layer, cfg) -
     layers = sorted(set(exit_layers) | {exit_layer})
     inner = objective_inner(objective)
     adapter, vocab = inner.exit_adapter, inner.exit_vocab
-    report = exit_layer_metrics(model, ids[rows], layers, batch_size=cfg.optim.batch_size, reduce=accelerator.reduce,
-                                target_mask=None if mask is None else mask[rows],
+    report = exit_layer_metrics(model, ids[rows], layers, batch_size=cfg.optim.batch_size,
+                                reduce=accelerator.reduce, target_mask=None if mask is None else mask[rows],
                                 exit_adapters=None if adapter is None else {exit_layer: adapter},
                                 draft_vocab=None if vocab is None else vocab.token_ids)
     num_layers = max(report)

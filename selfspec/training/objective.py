@@ -8,6 +8,7 @@ synchronisation and FSDP's all-gathers happen exactly as they would for the plai
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from contextlib import nullcontext
 
 import torch
@@ -15,6 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..agreement import IGNORE_INDEX, shifted_labels
+from ..config import EarlyExitConfig, parse_layers
+from ..errors import UserError
 from ..model import DecoderView
 from .early_exit import ExitCurriculum, TrimmedVocab, early_exit_loss, layer_weights
 from .layer_dropout import LayerDropout, apply_block
@@ -25,41 +28,47 @@ class SelfSpecObjective(nn.Module):
     layer dropout.
 
     model: the Hugging Face causal LM (possibly a PEFT model) being trained.
+    early_exit: the `early_exit` section: the loss kind, scale, weights, temperature, chunking,
+        token fraction, teacher and curriculum of the exit losses (default: its defaults).
+    exit_layers: the candidate exits as ints; None: `early_exit.layers` parsed against the model's
+        depth. Empty (or layers None) disables the exit losses.
     layer_dropout: per-block skip sampler, or None for no dropout.
-    exit_layers / curriculum / exit_kind...: the early-exit losses; empty exit_layers disables them.
-    teacher: "self" (the detached final logits of this same forward) or "frozen" (the original model
-        without dropout: `frozen_model` for a full fine-tune, the base with adapters disabled under
-        LoRA, so the weights are never copied).
-    exit_vocab: exit losses over V' ids plus "other" (`TrimmedVocab`). The student's "other" logit
-        is w·norm(h) + b, one trained row beside the head (it exists for the loss only; a draft
+    total_steps: the run's length, which the gradual curriculum is laid out over.
+    frozen_model: the teacher of `teacher: frozen` for a full fine-tune (the original model, without
+        dropout); under LoRA the base with adapters disabled is the teacher, so the weights are never
+        copied.
+    seed: draws the positions of `token_fraction` < 1 (a pure function of seed and step).
+    exit_vocab: exit losses over V' ids plus "other" (`TrimmedVocab`, which `early_exit.draft_vocab_size`
+        asks for and the training data's token counts rank). The student's "other" logit is
+        w·norm(h) + b, one trained row beside the head (it exists for the loss only; a draft
         proposes from the V' ids), initialised at the mean head row of the other ids and
         log(V - V'): a lower bound of their logsumexp by Jensen's inequality.
     exit_adapter: an `ExitAdapter` (trainable: adapter) applied to the exit hidden states before the
         head; the exits' losses then train it, and the frozen model's own final layer is the teacher.
     """
 
-    def __init__(self, model: nn.Module, layer_dropout: LayerDropout | None = None,
-                 exit_layers: list[int] = (), curriculum: ExitCurriculum | None = None,
-                 exit_kind: str = "kl", exit_scale: str = "uniform", exit_weight: float = 1.0,
-                 temperature: float = 1.0, chunk_size: int = 1024, teacher: str = "self",
-                 frozen_model: nn.Module | None = None, token_fraction: float = 1.0, seed: int = 0,
-                 final_weight: float = 1.0, exit_vocab: TrimmedVocab | None = None,
-                 exit_adapter: nn.Module | None = None):
+    def __init__(self, model: nn.Module, early_exit: EarlyExitConfig | None = None,
+                 exit_layers: Sequence[int] | None = None, *, layer_dropout: LayerDropout | None = None,
+                 total_steps: int = 1, frozen_model: nn.Module | None = None, seed: int = 0,
+                 exit_vocab: TrimmedVocab | None = None, exit_adapter: nn.Module | None = None):
         super().__init__()
         self.model = model
-        self.__dict__["view"] = DecoderView(model)  # a plain attribute: the same modules, not registered twice
+        # a plain attribute: the same modules, not registered twice
+        self.__dict__["view"] = DecoderView(model)
+        ee = self.early_exit = early_exit if early_exit is not None else EarlyExitConfig()
+        if exit_layers is None:
+            spec = [ee.layers] if isinstance(ee.layers, int) else ee.layers
+            exit_layers = parse_layers(spec, self.view.num_layers) if spec is not None else []
         self.layer_dropout = layer_dropout
         self.exit_layers = list(exit_layers)
-        if self.exit_layers and curriculum is None:
-            curriculum = ExitCurriculum("none", self.exit_layers, total_steps=1)
-        self.curriculum = curriculum
-        self.exit_kind, self.exit_scale, self.exit_weight = exit_kind, exit_scale, exit_weight
-        self.temperature, self.chunk_size, self.teacher = temperature, chunk_size, teacher
-        self.token_fraction, self.seed, self.final_weight = token_fraction, seed, final_weight
+        self.curriculum = (ExitCurriculum(ee.curriculum, self.exit_layers, total_steps, ee.rotation_period)
+                           if self.exit_layers else None)
+        self.seed = seed
         # A plain attribute, not a submodule: the frozen teacher is neither trained nor saved.
         self.__dict__["frozen_model"] = frozen_model
-        if teacher == "frozen" and frozen_model is None and not hasattr(model, "disable_adapter"):
-            raise ValueError("teacher 'frozen' needs frozen_model for a full fine-tune (or a PEFT model)")
+        if ee.teacher == "frozen" and frozen_model is None and not hasattr(model, "disable_adapter"):
+            raise UserError("early_exit.teacher = 'frozen' needs frozen_model for a full fine-tune "
+                            "(or a PEFT model)")
         self.exit_vocab = exit_vocab
         self.exit_adapter = exit_adapter
         if exit_vocab is not None:
@@ -71,7 +80,8 @@ class SelfSpecObjective(nn.Module):
                 self.other_bias = nn.Parameter(torch.tensor(math.log(int(outside.sum())), dtype=head.dtype))
 
     def _exit_head(self):
-        """norm + head for the exit losses: (n, D) -> (n, V) logits, or (n, V' [+1]) over the trimmed vocabulary."""
+        """norm + head for the exit losses: (n, D) -> (n, V) logits, or (n, V' [+1]) over the trimmed
+        vocabulary."""
         view, vocab = self.view, self.exit_vocab
         if vocab is None:
             return view.exit_logits
@@ -85,26 +95,29 @@ class SelfSpecObjective(nn.Module):
             logits = F.linear(normed, weight, bias)  # (n, V')
             if not vocab.has_other:
                 return logits
-            other = F.linear(normed, self.other_row[None].to(normed.dtype), self.other_bias[None].to(normed.dtype))
+            other = F.linear(normed, self.other_row[None].to(normed.dtype),
+                             self.other_bias[None].to(normed.dtype))  # (n, 1)
             return torch.cat([logits, other], dim=-1)  # (n, V' + 1)
 
         return head
 
     def forward(self, input_ids: torch.Tensor, step: int = 0, target_mask: torch.Tensor | None = None
                 ) -> dict[str, torch.Tensor]:
-        """The losses of one batch (B, T); `target_mask` (B, T) limits them to chat data's assistant tokens."""
-        view = self.view
+        """The losses of one batch (B, T); `target_mask` (B, T) limits them to chat data's assistant
+        tokens."""
+        view, ee = self.view, self.early_exit
         batch = input_ids.shape[0]
         drop = None
         if self.layer_dropout is not None:
-            drop = self.layer_dropout.sample(step, batch, training=self.training).to(input_ids.device)  # (N, B)
+            drop = self.layer_dropout.sample(step, batch, training=self.training)  # (N, B)
+            drop = drop.to(input_ids.device)
         active = self.curriculum.active(step) if self.exit_layers else []
 
         hidden = view.embed(input_ids)  # (B, T, D)
         context = view.context(hidden)
         exits = []  # hidden states (B, T, D) after l blocks, for each active exit layer l
         # Without a final loss nothing behind the deepest exit needs a gradient.
-        grad_end = max(active) if active and self.final_weight == 0 else view.num_layers
+        grad_end = max(active) if active and ee.final_weight == 0 else view.num_layers
         for index in range(view.num_layers):
             block = lambda h, i=index: view.run_block(i, h, context)
             with torch.no_grad() if index >= grad_end else nullcontext():
@@ -116,22 +129,22 @@ class SelfSpecObjective(nn.Module):
             logits = view.exit_logits(hidden)  # (B, T, V)
             # A sum over the targets / their count: a batch without targets gives 0, not nan.
             targets = (labels != IGNORE_INDEX).sum().clamp(min=1)
-            final_ce = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
-                                       reduction="sum") / targets
+            final_ce = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
+                                       ignore_index=IGNORE_INDEX, reduction="sum") / targets
 
         out = {"final_ce": final_ce.detach()}
-        loss = self.final_weight * final_ce
+        loss = ee.final_weight * final_ce
         if exits:
-            teacher_logits = self._teacher_logits(input_ids, logits) if self.exit_kind != "ce" else None
+            teacher_logits = self._teacher_logits(input_ids, logits) if ee.kind != "ce" else None
             exit_labels = labels
-            if self.token_fraction < 1.0:
+            if ee.token_fraction < 1.0:
                 exits, teacher_logits, exit_labels = self._subsample(exits, teacher_logits, labels, step)
-            weights = layer_weights(self.exit_scale, active, view.num_layers).to(hidden.device)
-            exit_loss = early_exit_loss(exits, self._exit_head(), weights, kind=self.exit_kind,
+            weights = layer_weights(ee.scale, active, view.num_layers).to(hidden.device)
+            exit_loss = early_exit_loss(exits, self._exit_head(), weights, kind=ee.kind,
                                         teacher_logits=teacher_logits, labels=exit_labels,
-                                        temperature=self.temperature, chunk_size=self.chunk_size,
+                                        temperature=ee.temperature, chunk_size=ee.chunk_size,
                                         vocab=self.exit_vocab)
-            loss = loss + self.exit_weight * exit_loss
+            loss = loss + ee.weight * exit_loss
             out["exit_loss"] = exit_loss.detach()
         out["loss"] = loss
         return out
@@ -144,7 +157,7 @@ class SelfSpecObjective(nn.Module):
         subset is a pure function of (seed, step), so a resumed run draws the same positions.
         """
         batch, length = labels.shape
-        count = max(1, math.ceil(self.token_fraction * batch * length))
+        count = max(1, math.ceil(self.early_exit.token_fraction * batch * length))
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         index = torch.randperm(batch * length, generator=generator)[:count].to(labels.device)  # (n,)
         exits = [h.flatten(0, 1)[index][None] for h in exits]  # each (1, n, D)
@@ -153,7 +166,7 @@ class SelfSpecObjective(nn.Module):
         return exits, teacher_logits, labels.flatten()[index][None]
 
     def _teacher_logits(self, input_ids: torch.Tensor, own_logits: torch.Tensor) -> torch.Tensor:
-        if self.teacher == "self":
+        if self.early_exit.teacher == "self":
             return own_logits.detach()
         with torch.no_grad():
             if self.frozen_model is not None:

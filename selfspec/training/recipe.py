@@ -17,11 +17,13 @@ def parse_recipe_args(description: str, default_config: str, argv: list[str] | N
                       ) -> tuple[RunConfig, argparse.Namespace]:
     """The run config a recipe's command line describes, and the parsed flags."""
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--config", default=default_config, help=f"YAML run config (default {default_config})")
-    parser.add_argument("--resume", action="store_true", help="continue from the last save_state in output_dir")
+    parser.add_argument("--config", default=default_config,
+                        help=f"YAML run config (default {default_config})")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the last save_state in output_dir")
     parser.add_argument("--force", action="store_true",
-                        help="replace a previous run in output_dir (pretrain.py: retrain even if a model trained "
-                             "with this config is there)")
+                        help="replace a previous run in output_dir (pretrain.py: retrain even if a model "
+                             "trained with this config is there)")
     parser.add_argument("overrides", nargs="*", help="field overrides such as optim.max_steps=100")
     # intermixed: overrides may stand on both sides of a flag (`a=1 --force b=2`)
     args = parser.parse_intermixed_args(argv)

@@ -1,0 +1,137 @@
+"""`DecodeSettings`: how one decode drafts, in one frozen value.
+
+The drafter, the exit layer E, the early exit's draft length k, the draft head's vocabulary V' and
+the copy settings travel together from `selfspec.json` (`DecodeSettings.from_json`, `to_json`) to
+`SelfSpecGenerator`, `load_tuned`, the benchmark, the sweep and the CLI; nothing translates between
+other shapes of the same settings. A copy with some fields changed is `override(...)` (None keeps a
+field), which is where the CLI's flags and `load_tuned`'s arguments land.
+
+    settings = DecodeSettings(drafter="hybrid", exit_layer=10, num_speculations="auto",
+                              draft_vocab_size=8192)
+    settings.override(min_ngram=3).describe()   # "hybrid, E = 10, k = auto, V' = 8192, min_ngram = 3"
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from ..errors import UserError
+from .ngram import NGramConfig
+from .policy import DRAFTERS, DraftPolicy, make_policy
+
+ADAPTIVE_K = ("auto", "window")  # draft lengths chosen per round by a controller (see controller.py)
+FIELDS = ("drafter", "exit_layer", "num_speculations", "draft_vocab_size", "ngram")  # as selfspec.json names them
+
+
+def parse_num_speculations(value) -> int | str:
+    """k as a user writes it: an int >= 0 (or its digits), "auto" or "window"; UserError otherwise."""
+    if value in ADAPTIVE_K:
+        return value
+    try:
+        k = int(value)
+    except (TypeError, ValueError):
+        k = -1
+    if k < 0 or isinstance(value, (bool, float)):
+        raise UserError(f"num_speculations {value!r} is not allowed; pass an integer k >= 0, auto or window")
+    return k
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    """How a decode drafts (every field is a choice of speed, never of output: all are lossless).
+
+    drafter: "early_exit" (the first E blocks draft), "ngram" (copies from the context, plain steps
+        otherwise) or "hybrid" (copies when the context has a match, the early exit otherwise).
+    exit_layer: E, the blocks the early exit runs (1..N); None: not chosen yet (the model's own).
+    num_speculations: k, the early exit's drafts per round: an int (0: plain decoding), "auto"
+        (the cost model per round) or "window" (the articles' rule).
+    draft_vocab_size: V', the early exit drafts among the V' most frequent tokens; 0: the whole head.
+    ngram: the copy settings of "ngram" and "hybrid".
+    """
+
+    drafter: str = "early_exit"
+    exit_layer: int | None = None
+    num_speculations: int | str = "auto"
+    draft_vocab_size: int = 0
+    ngram: NGramConfig = field(default_factory=NGramConfig)
+
+    def __post_init__(self):
+        if self.drafter not in DRAFTERS:
+            raise UserError(f"drafter must be one of {', '.join(DRAFTERS)}, got {self.drafter!r}")
+        if self.exit_layer is not None and (isinstance(self.exit_layer, bool) or not isinstance(self.exit_layer, int)
+                                            or self.exit_layer < 1):
+            raise UserError(f"exit_layer must be an int >= 1 (the blocks the draft runs), got {self.exit_layer!r}")
+        object.__setattr__(self, "num_speculations", parse_num_speculations(self.num_speculations))
+        size = self.draft_vocab_size
+        if size is None:
+            size = 0
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise UserError(f"draft_vocab_size must be an int >= 0 (0: the whole head), got {size!r}")
+        object.__setattr__(self, "draft_vocab_size", size)
+        if not isinstance(self.ngram, NGramConfig):
+            raise UserError(f"ngram must be an NGramConfig, got {self.ngram!r}")
+
+    @property
+    def is_plain(self) -> bool:
+        """Plain decoding: the early exit with k = 0 drafts nothing."""
+        return self.drafter == "early_exit" and self.num_speculations == 0
+
+    def override(self, *, drafter: str | None = None, exit_layer: int | None = None, num_speculations=None,
+                 draft_vocab_size: int | None = None, min_ngram: int | None = None) -> DecodeSettings:
+        """A copy with the given fields changed; None keeps a field. `min_ngram` moves the copy
+        threshold (and raises `max_ngram` to it when needed; `max_copy` stays)."""
+        changes = {name: value for name, value in (("drafter", drafter), ("exit_layer", exit_layer),
+                                                   ("num_speculations", num_speculations),
+                                                   ("draft_vocab_size", draft_vocab_size)) if value is not None}
+        if min_ngram is not None:
+            old = self.ngram
+            try:
+                changes["ngram"] = NGramConfig(max(old.max_ngram, min_ngram), min_ngram, old.max_copy)
+            except ValueError as exc:
+                raise UserError(str(exc)) from None
+        return dataclasses.replace(self, **changes) if changes else self
+
+    def policy(self, controller=None) -> DraftPolicy:
+        """The drafting policy of these settings; `controller` replaces the early exit's k (a `Controller`)."""
+        return make_policy(self.drafter, self.num_speculations if controller is None else controller, self.ngram)
+
+    def describe(self) -> str:
+        """One line, e.g. "hybrid, E = 10, k = auto, V' = 8192, min_ngram = 2"."""
+        if self.is_plain:
+            return "plain"
+        parts = [self.drafter]
+        if self.drafter != "ngram":
+            parts += [f"E = {self.exit_layer}", f"k = {self.num_speculations}"]
+            parts += [f"V' = {self.draft_vocab_size}"] if self.draft_vocab_size else []
+        if self.drafter != "early_exit":
+            parts.append(f"min_ngram = {self.ngram.min_ngram}")
+        return ", ".join(parts)
+
+    def to_json(self) -> dict:
+        """The fields as `selfspec.json` stores them (top level, and each entry of "fastest")."""
+        return {"drafter": self.drafter, "exit_layer": self.exit_layer, "num_speculations": self.num_speculations,
+                "draft_vocab_size": self.draft_vocab_size, "ngram": self.ngram.as_dict()}
+
+    @classmethod
+    def from_json(cls, entry: dict, default: DecodeSettings | None = None) -> DecodeSettings:
+        """From the settings of a `selfspec.json` (`to_json`'s fields; a missing one takes `default`'s,
+        a null `draft_vocab_size` is the whole head); an unknown key is a UserError."""
+        unknown = set(entry) - set(FIELDS)
+        if unknown:
+            raise UserError(f"unknown decode settings {sorted(unknown)}; the fields are {', '.join(FIELDS)} "
+                            f"(re-run `selfspec eval sweep --write-back` to rewrite them)")
+        known = dict(entry)
+        if "ngram" in known:
+            try:
+                known["ngram"] = NGramConfig.from_dict(known["ngram"])
+            except (TypeError, ValueError) as exc:
+                raise UserError(f"bad \"ngram\" entry ({exc})") from None
+        if known.get("draft_vocab_size") is None:
+            known.pop("draft_vocab_size", None)
+        return dataclasses.replace(default or cls(), **known)
+
+
+PLAIN = DecodeSettings(num_speculations=0)
+
+__all__ = ["ADAPTIVE_K", "FIELDS", "PLAIN", "DecodeSettings", "parse_num_speculations"]

