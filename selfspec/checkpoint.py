@@ -80,14 +80,16 @@ def save_tuned(path: str | Path, model, tokenizer=None, *, settings: DecodeSetti
         model.save_pretrained(staging, safe_serialization=True, state_dict=state_dict)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
-        meta = {"format_version": FORMAT_VERSION, "kind": kind, **settings.to_json(), "base_model": base_model,
+        meta = {"format_version": FORMAT_VERSION, "kind": kind, **settings.to_json(),
+                "base_model": base_model,
                 "training": training or {}, "metrics": metrics or {},
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         if token_counts is not None:
             meta["token_counts"] = _write_token_counts(staging, token_counts, token_counts_source)
         if exit_adapter is not None:
             save_exit_adapter(exit_adapter, staging)
-            meta["exit_adapter"] = {"exit_layer": settings.exit_layer, "file": ADAPTER_FILE, **exit_adapter.shape}
+            meta["exit_adapter"] = {"exit_layer": settings.exit_layer, "file": ADAPTER_FILE,
+                                    **exit_adapter.shape}
         if exit_choice is not None:
             meta["exit_choice"] = {**exit_choice,
                                    "candidates": {str(e): v for e, v in exit_choice["candidates"].items()}}
@@ -99,7 +101,8 @@ def read_meta(path: str | Path) -> dict:
     """The selfspec.json of a checkpoint directory (CheckpointError when missing or malformed)."""
     meta_path = Path(path) / META_FILE
     if not meta_path.is_file():
-        raise CheckpointError(f"{str(path)!r} has no {META_FILE}; pass a directory written by train/finetune.py "
+        raise CheckpointError(f"{str(path)!r} has no {META_FILE}; "
+                              f"pass a directory written by train/finetune.py "
                               f"or use SelfSpecGenerator(model, tokenizer, exit_layer=E) for other models")
     try:
         meta = json.loads(meta_path.read_text())
@@ -139,7 +142,8 @@ def fastest_settings(path: str | Path, meta: dict | None = None) -> dict[str, De
                               f"`selfspec eval sweep --write-back`") from None
 
 
-def resolve_settings(path: str | Path, **overrides) -> tuple[DecodeSettings, dict[str, DecodeSettings], object]:
+def resolve_settings(path: str | Path,
+                     **overrides) -> tuple[DecodeSettings, dict[str, DecodeSettings], object]:
     """How to decode the model at `path`: (settings, each drafter's fastest, token counts or None).
 
     settings: the checkpoint's own (a plain model directory without selfspec.json: the defaults),
@@ -198,7 +202,8 @@ def read_token_counts(path: str | Path):
     try:
         return load_file(str(file))["counts"]
     except (SafetensorError, KeyError, OSError) as exc:
-        raise CheckpointError(f"{file} is damaged ({exc}); recount it with `selfspec draft-vocab {path}`") from None
+        raise CheckpointError(f"{file} is damaged ({exc}); "
+                              f"recount it with `selfspec draft-vocab {path}`") from None
 
 
 def draft_vocab(path: str | Path, size: int | None):
@@ -214,7 +219,8 @@ def draft_vocab(path: str | Path, size: int | None):
     return frequent_tokens(counts, int(size))
 
 
-def load_tuned(path: str | Path, device: str = "cpu", dtype: str = "auto", settings: DecodeSettings | None = None,
+def load_tuned(path: str | Path, device: str = "cpu", dtype: str = "auto",
+               settings: DecodeSettings | None = None,
                *, exit_layer: int | None = None, num_speculations=None, drafter: str | None = None,
                draft_vocab_size: int | None = None, min_ngram: int | None = None):
     """Load a tuned checkpoint as a `SelfSpecGenerator` ready for lossless fast generation.
@@ -232,8 +238,8 @@ def load_tuned(path: str | Path, device: str = "cpu", dtype: str = "auto", setti
         draft_vocab_size=draft_vocab_size, min_ngram=min_ngram)
     counts = read_token_counts(path)
     if settings.draft_vocab_size and counts is None:
-        raise CheckpointError(f"draft_vocab_size = {settings.draft_vocab_size} needs {TOKEN_COUNTS_FILE} in {path}; "
-                              f"count it with `selfspec draft-vocab {path}`")
+        raise CheckpointError(f"draft_vocab_size = {settings.draft_vocab_size} needs {TOKEN_COUNTS_FILE} "
+                              f"in {path}; count it with `selfspec draft-vocab {path}`")
     model = load_causal_lm(str(path), dtype=dtype, device=device).eval()
     tokenizer = load_tokenizer(str(path)) if (Path(path) / "tokenizer_config.json").is_file() else None
     return SelfSpecGenerator(model, tokenizer, settings, token_counts=counts,
@@ -250,6 +256,7 @@ def checkpoint_adapters(path: str | Path, model, meta: dict | None = None) -> di
     if not entry:
         return {}
     if not (Path(path) / ADAPTER_FILE).is_file():
-        raise CheckpointError(f"{path} names an exit adapter but {ADAPTER_FILE} is missing; re-save the checkpoint")
+        raise CheckpointError(f"{path} names an exit adapter but {ADAPTER_FILE} is missing; "
+                              f"re-save the checkpoint")
     weight = next(model.parameters())
     return {entry["exit_layer"]: load_exit_adapter(path, entry, device=weight.device, dtype=weight.dtype)}

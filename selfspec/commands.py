@@ -17,7 +17,8 @@ from .files import write_json_atomic
 
 
 def eval_blocks(model_dir: str, source: str = "stdlib", split: str = "test", block_size: int = 256,
-                max_blocks: int | None = 64, cache_dir: str = "data/generated", tokenizer_dir: str | None = None):
+                max_blocks: int | None = 64, cache_dir: str = "data/generated",
+                tokenizer_dir: str | None = None):
     """Held-out blocks of `split`, tokenized with the model's tokenizer: (input_ids (n, block_size),
     target_mask (n, block_size) for chat data, where only the assistant tokens count, else None)."""
     from . import data
@@ -73,7 +74,8 @@ def gate(tuned: str, base: str, max_increase: float = 0.01, source: str = "stdli
 
 
 def draft_vocab_counts(model_dir: str, source: str = "stdlib", split: str = "train", block_size: int = 256,
-                       max_blocks: int | None = None, sizes=(256, 512, 1024, 2048, 4096, 8192, 16384)) -> dict:
+                       max_blocks: int | None = None,
+                       sizes=(256, 512, 1024, 2048, 4096, 8192, 16384)) -> dict:
     """Count token frequencies on a corpus with the model's tokenizer and store them in the checkpoint
     (token_counts.safetensors): the ranking of a trimmed draft head. Prints how much of the corpus
     the V' most frequent tokens cover, for each V' in `sizes` below the vocabulary."""
@@ -99,7 +101,8 @@ def read_prompt_file(path: str) -> list[str]:
     """Prompts from a file: one per line, or JSON lines with a "prompt" or "text" field."""
     file = Path(path)
     if not file.is_file():
-        raise UserError(f"prompt file {path!r} does not exist; pass a text file (one prompt per line) or .jsonl")
+        raise UserError(f"prompt file {path!r} does not exist; "
+                        f"pass a text file (one prompt per line) or .jsonl")
     lines = [line for line in file.read_text().splitlines() if line.strip()]
     if file.suffix == ".jsonl":
         prompts = []
@@ -141,7 +144,8 @@ def generate(model_dir: str, prompts: list[str], *, max_new_tokens: int = 64, te
                      draft_vocab_size=draft_vocab_size)
     tokenizer = gen.tokenizer
     if tokenizer is None:
-        raise UserError(f"{model_dir} has no tokenizer; save one beside the model (tokenizer.save_pretrained)")
+        raise UserError(f"{model_dir} has no tokenizer; "
+                        f"save one beside the model (tokenizer.save_pretrained)")
     if chat and not getattr(tokenizer, "chat_template", None):
         raise UserError(f"{model_dir}'s tokenizer has no chat template; drop --chat for a plain continuation")
     texts_in = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
@@ -159,13 +163,15 @@ def generate(model_dir: str, prompts: list[str], *, max_new_tokens: int = 64, te
     stats = out.stats
     print(f"\n[{gen.settings.describe()}: acceptance rate {stats.acceptance_rate:.3f} (copied "
           f"{stats.copy.accepted}/{stats.copy.drafted}, early exit {stats.early_exit.accepted}/"
-          f"{stats.early_exit.drafted} drafts accepted), mean accepted length {stats.mean_accepted_length:.2f}, "
+          f"{stats.early_exit.drafted} drafts accepted), "
+          f"mean accepted length {stats.mean_accepted_length:.2f}, "
           f"{stats.tokens_per_second:.1f} tokens/s]", file=sys.stderr)
     return texts
 
 
 def distill_data(model_dir: str, prompts: str, out: str, *, limit: int | None = None, batch_size: int = 8,
-                 max_new_tokens: int = 256, max_prompt_tokens: int = 512, temperature: float = 0.0, seed: int = 0,
+                 max_new_tokens: int = 256, max_prompt_tokens: int = 512, temperature: float = 0.0,
+                 seed: int = 0,
                  drafter: str = "ngram", force: bool = False) -> dict:
     """The model's own replies to `prompts` into `out/responses.jsonl` (see `selfspec.data.distill`)."""
     from .checkpoint import load_tuned
@@ -176,8 +182,9 @@ def distill_data(model_dir: str, prompts: str, out: str, *, limit: int | None = 
     summary = distill_responses(generator, pairs, out, model_name=str(model_dir), batch_size=batch_size,
                                 max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens,
                                 temperature=temperature, seed=seed, force=force)
-    print(f"{summary['file']}: {summary['rows']} replies ({summary['new_rows']} new, {summary['tokens']:,} tokens in "
-          f"{summary['seconds']} s); {summary['skipped_long']} prompts over {max_prompt_tokens} tokens skipped")
+    print(f"{summary['file']}: {summary['rows']} replies ({summary['new_rows']} new, "
+          f"{summary['tokens']:,} tokens in {summary['seconds']} s); "
+          f"{summary['skipped_long']} prompts over {max_prompt_tokens} tokens skipped")
     return summary
 
 

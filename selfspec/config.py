@@ -165,6 +165,10 @@ class DataConfig:
     """Cap on training blocks (None: all)."""
     max_eval_blocks: int = 64
     """Validation/test blocks used by periodic evaluation."""
+    eval_source: str | None = None
+    """Where the validation split comes from when not `source` (null: `source`'s own). For a
+    `distill-data` file, whose prompts all come from ShareGPT's train split (so it has no
+    validation split of its own): `sharegpt` evaluates on ShareGPT's held-out conversations."""
 
     def __post_init__(self):
         _check_choices(self)

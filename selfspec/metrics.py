@@ -117,7 +117,8 @@ def choose_exit(acceptance: Mapping[int, float], draft_cost: Mapping[int, float]
         candidates[layer] = {"acceptance_rate": alpha, "draft_cost": draft_cost[layer], "num_speculations": k,
                              "predicted_speedup": speedup}
     # The fastest; among equals (no exit pays: all 1.0) the one that accepts most.
-    best = max(candidates, key=lambda e: (candidates[e]["predicted_speedup"], candidates[e]["acceptance_rate"]))
+    best = max(candidates,
+               key=lambda e: (candidates[e]["predicted_speedup"], candidates[e]["acceptance_rate"]))
     return {"exit_layer": best, "num_speculations": candidates[best]["num_speculations"],
             "predicted_speedup": candidates[best]["predicted_speedup"], "candidates": candidates}
 
@@ -181,7 +182,8 @@ class AcceptanceStats:
         self.accepted += int(accepted.sum())
         self.emitted += int(accepted.sum()) + rows
         histogram = np.bincount(accepted, minlength=k + 1)
-        for lst, n in ((self.accepted_histogram, k + 1), (self.position_tested, k), (self.position_accepted, k)):
+        for lst, n in ((self.accepted_histogram, k + 1), (self.position_tested, k),
+                       (self.position_accepted, k)):
             lst.extend([0] * (n - len(lst)))
         for a, count in enumerate(histogram):
             self.accepted_histogram[a] += int(count)

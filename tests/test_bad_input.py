@@ -22,7 +22,8 @@ from selfspec.training.recipe import parse_recipe_args
 @pytest.fixture
 def ckpt(tiny_run, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tiny_run["model"])
-    return save_tuned(tmp_path / "tuned", model, tiny_run["tokenizer"], settings=DecodeSettings(exit_layer=2, num_speculations=3))
+    return save_tuned(tmp_path / "tuned", model, tiny_run["tokenizer"],
+                      settings=DecodeSettings(exit_layer=2, num_speculations=3))
 
 
 def one_error_line(capsys) -> str:
@@ -45,12 +46,14 @@ def files_under(path) -> set:
 CLI_CASES = [
     (["generate", "{ckpt}", "def f():", "--exit-layer", "0"], "exit_layer must be an int >= 1"),
     (["generate", "{ckpt}", "def f():", "--exit-layer", "9"], "exit_layer must be an int in 1..4"),
-    (["generate", "{ckpt}", "def f():", "--num-speculations", "-2"], "pass an integer k >= 0, auto or window"),
+    (["generate", "{ckpt}", "def f():", "--num-speculations", "-2"],
+     "pass an integer k >= 0, auto or window"),
     (["generate", "{ckpt}", "def f():", "--temperature", "-1"], "temperature must be >= 0"),
     (["generate", "{ckpt}", "def f():", "--temperature", "1", "--top-p", "1.5"], "top_p must be in (0, 1]"),
     (["generate", "{ckpt}", ""], "a prompt is empty; pass some text"),
     (["generate", "{ckpt}", "def f():", "--max-new-tokens", "400"], "exceeds the model's 256 positions"),
-    (["generate", "{ckpt}", "--prompts", "{long_prompt}"], "exceeds the model's 256 positions; shorten the prompt"),
+    (["generate", "{ckpt}", "--prompts", "{long_prompt}"],
+     "exceeds the model's 256 positions; shorten the prompt"),
     (["generate", "{ckpt}", "--prompts", "{tmp}/none.txt"], "prompt file"),
     (["generate", "{tmp}/no-model", "x"], "has no selfspec.json"),
     (["layers", "{tmp}/no-model"], "no model at"),
@@ -61,9 +64,11 @@ CLI_CASES = [
     (["generate", "{ckpt}", "def f():", "--draft-vocab-size", "64"],
      "draft_vocab_size = 64 needs token_counts.safetensors"),
     (["draft-vocab", "{tmp}/no-model"], "has no selfspec.json"),
-    (["eval", "sweep", "--model", "{ckpt}", "--drafters", "early_exit,medusa"], "drafters ['medusa'] are not in"),
+    (["eval", "sweep", "--model", "{ckpt}", "--drafters", "early_exit,medusa"],
+     "drafters ['medusa'] are not in"),
     (["eval", "sweep", "--model", "{ckpt}", "--drafters", "hybrid", "--min-ngrams", "0"], "min_ngram"),
-    (["eval", "sweep", "--model", "{ckpt}", "--draft-vocab-sizes", "0,64"], "needs the checkpoint's token counts"),
+    (["eval", "sweep", "--model", "{ckpt}", "--draft-vocab-sizes", "0,64"],
+     "needs the checkpoint's token counts"),
 ]
 
 
@@ -92,7 +97,8 @@ def test_truncated_weights(ckpt, capsys):
 
 
 def test_missing_tokenizer(tiny_run, tmp_path, capsys):
-    bare = save_tuned(tmp_path / "bare", AutoModelForCausalLM.from_pretrained(tiny_run["model"]), settings=DecodeSettings(exit_layer=2))
+    bare = save_tuned(tmp_path / "bare", AutoModelForCausalLM.from_pretrained(tiny_run["model"]),
+                      settings=DecodeSettings(exit_layer=2))
     assert main(["generate", str(bare), "x"]) == 2
     assert "has no tokenizer" in one_error_line(capsys)
 
@@ -104,12 +110,14 @@ def test_missing_tokenizer(tiny_run, tmp_path, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--config", "configs/missing.yaml"], "config file 'configs/missing.yaml' does not exist"),
     (["--config", "configs/demo_finetune.yaml", "optim.lrr=1"], "did you mean 'optim.lr'"),
-    (["--config", "configs/demo_finetune.yaml", "optim.lr=-1"], "optim.lr = -1.0 is not allowed; it must be > 0"),
+    (["--config", "configs/demo_finetune.yaml", "optim.lr=-1"],
+     "optim.lr = -1.0 is not allowed; it must be > 0"),
     (["--config", "configs/demo_finetune.yaml", "exit_layer=0"], "exit_layer = 0 is not allowed"),
     (["--config", "configs/demo_finetune.yaml", "trainable=some"], "choose one of 'all', 'draft', 'adapter'"),
     (["--config", "configs/demo_finetune.yaml", "early_exit.layers=null", "choose_exit=true"],
      "it picks among the candidate exits: set early_exit.layers"),
-    (["--config", "configs/smollm2-135m_adapter.yaml", "layer_dropout.p_max=0.2"], "layer dropout would change"),
+    (["--config", "configs/smollm2-135m_adapter.yaml", "layer_dropout.p_max=0.2"],
+     "layer dropout would change"),
     (["--config", "configs/smollm2-135m_adapter.yaml", "lora.enabled=true"], "a LoRA on them cannot train"),
     (["--config", "configs/demo_finetune.yaml", "early_exit.draft_vocab_size=0"], "draft_vocab_size = 0"),
 ])

@@ -21,8 +21,8 @@ from selfspec.decoding import DecodeSettings
 
 def test_save_writes_safetensors_meta_and_loads_with_auto_model(tmp_path):
     model = tiny_model("qwen3")
-    path = save_tuned(tmp_path / "ckpt", model, settings=DecodeSettings(exit_layer=2, num_speculations=5), base_model="base",
-                      training={"seed": 1}, metrics={"val/loss": 1.5})
+    path = save_tuned(tmp_path / "ckpt", model, settings=DecodeSettings(exit_layer=2, num_speculations=5),
+                      base_model="base", training={"seed": 1}, metrics={"val/loss": 1.5})
     assert (path / "model.safetensors").is_file()
     meta = read_meta(path)
     assert meta["exit_layer"] == 2 and meta["num_speculations"] == 5 and meta["base_model"] == "base"
@@ -81,7 +81,8 @@ def test_pickled_weights_are_refused_with_the_fix(tmp_path):
     model.save_pretrained(tmp_path)
     torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")  # a pickle: loading it could run code
     (tmp_path / "model.safetensors").unlink()
-    with pytest.raises(ModelLoadError, match="holds no .safetensors weights; selfspec loads no pickled weights"):
+    with pytest.raises(ModelLoadError,
+                       match="holds no .safetensors weights; selfspec loads no pickled weights"):
         load_causal_lm(str(tmp_path))
 
 
@@ -93,7 +94,8 @@ def test_truncated_safetensors_is_a_one_line_error(tmp_path):
     weights.write_bytes(weights.read_bytes()[:1000])
     from selfspec.model.loading import ModelLoadError
 
-    with pytest.raises(ModelLoadError, match="are damaged .*invalid header length.*; save or download the model again"):
+    with pytest.raises(ModelLoadError,
+                       match="are damaged .*invalid header length.*; save or download the model again"):
         load_tuned(path)
 
 
@@ -103,7 +105,8 @@ def test_token_counts_round_trip_and_rank_the_draft_vocabulary(tmp_path):
     model = tiny_model("llama")
     path = save_tuned(tmp_path / "ckpt", model, settings=DecodeSettings(exit_layer=2))
     assert read_token_counts(path) is None and draft_vocab(path, None) is None
-    with pytest.raises(CheckpointError, match="draft_vocab_size = 8 needs token_counts.safetensors.*selfspec draft-vocab"):
+    with pytest.raises(CheckpointError,
+                       match="draft_vocab_size = 8 needs token_counts.safetensors.*selfspec draft-vocab"):
         draft_vocab(path, 8)
     counts = np.arange(96)
     summary = save_token_counts(path, counts, "a corpus")

@@ -25,15 +25,18 @@ def test_benchmark_report(tmp_path):
                                                                      draft_vocab_size=48),
                            token_counts=ranking_counts(range(48), 96), max_new_tokens=10, repeats=2, warmup=1)
     assert set(report["methods"]) == set(METHODS)
-    assert report["settings"]["hybrid"]["draft_vocab_size"] == 48 and report["settings"]["ngram"]["ngram"]["min_ngram"] == 2
+    assert (report["settings"]["hybrid"]["draft_vocab_size"] == 48
+            and report["settings"]["ngram"]["ngram"]["min_ngram"] == 2)
     assert all(len(m["tokens_per_second_all"]) == 2 for m in report["methods"].values())
     assert report["greedy_outputs_identical"]
     assert report["identical_to_plain"]["hf_early_exit"]  # Hugging Face's self-speculation is lossless too
     assert report["identical_to_plain"]["hf_prompt_lookup"]  # and so is its prompt lookup
-    assert report["speedups"]["early_exit_over_plain"] > 0 and report["speedups"]["hybrid_over_hf_prompt_lookup"] > 0
+    assert (report["speedups"]["early_exit_over_plain"] > 0
+            and report["speedups"]["hybrid_over_hf_prompt_lookup"] > 0)
     sources = report["sources"]
     assert sources["ngram"]["copy"]["drafted"] > 0 and sources["ngram"]["early_exit"]["drafted"] == 0
-    assert sources["early_exit"]["copy"]["drafted"] == 0 and sources["early_exit"]["early_exit"]["drafted"] > 0
+    assert (sources["early_exit"]["copy"]["drafted"] == 0
+            and sources["early_exit"]["early_exit"]["drafted"] > 0)
     assert sources["hybrid"]["copy"]["drafted"] > 0 and sources["hybrid"]["early_exit"]["drafted"] > 0
     cost = report["cost_model"]
     assert 0 < cost["acceptance_rate"] <= 1 and cost["mean_accepted_length"] >= 1
@@ -51,9 +54,11 @@ def test_each_engine_method_may_decode_at_its_own_setting():
     model = tiny_model("llama")
     fastest = {"early_exit": DecodeSettings(exit_layer=2, num_speculations=2),
                "hybrid": DecodeSettings("hybrid", 1, 1, 40).override(min_ngram=1)}
-    report = run_benchmark(model, [[5, 6, 7, 8, 5, 6, 7, 8]], DecodeSettings(exit_layer=3, num_speculations=3),
+    report = run_benchmark(model, [[5, 6, 7, 8, 5, 6, 7, 8]],
+                           DecodeSettings(exit_layer=3, num_speculations=3),
                            fastest=fastest, token_counts=ranking_counts(range(40), 96), max_new_tokens=8,
-                           repeats=1, warmup=0, methods=("plain", "early_exit", "ngram", "hybrid", "hf_early_exit"))
+                           repeats=1, warmup=0,
+                           methods=("plain", "early_exit", "ngram", "hybrid", "hf_early_exit"))
     settings = report["settings"]
     assert (settings["early_exit"]["exit_layer"], settings["early_exit"]["num_speculations"]) == (2, 2)
     assert settings["hybrid"]["draft_vocab_size"] == 40 and settings["hybrid"]["ngram"]["min_ngram"] == 1
@@ -67,7 +72,8 @@ def test_batched_benchmark_decodes_rows_together():
     prompts = [[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]]  # one length: Hugging Face needs no padding
     methods = ("plain", "early_exit", "hf_greedy")
     kwargs = dict(max_new_tokens=8, repeats=1, warmup=0, methods=methods)
-    batched = run_benchmark(model, prompts, DecodeSettings(exit_layer=3, num_speculations=3), batch_size=2, **kwargs)
+    batched = run_benchmark(model, prompts, DecodeSettings(exit_layer=3, num_speculations=3), batch_size=2,
+                            **kwargs)
     # plain, the early exit and Hugging Face's batched greedy decoding give the same rows
     assert batched["batch_size"] == 2 and batched["greedy_outputs_identical"]
     assert sum(batched["cost_model"]["accepted_histogram"]) > 0 and "batch 2" in to_markdown(batched)
@@ -82,14 +88,16 @@ def test_benchmark_script_end_to_end(tiny_run, tmp_path, monkeypatch):
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps(["def f(x):", [5, 6, 7]]))
     monkeypatch.setattr(sys, "argv", [str(script), "--model", str(tiny_run["model"]), "--exit-layer", "2",
-                                      "--num-speculations", "auto", "--prompts", str(prompts), "--max-new-tokens",
-                                      "6", "--repeats", "1", "--warmup", "0", "--methods", "plain,early_exit,hf_greedy",
+                                      "--num-speculations", "auto", "--prompts", str(prompts),
+                                      "--max-new-tokens", "6", "--repeats", "1", "--warmup", "0",
+                                      "--methods", "plain,early_exit,hf_greedy",
                                       "--out", str(tmp_path / "out")])
     with pytest.raises(SystemExit) as exit_:
         runpy.run_path(str(script), run_name="__main__")
     assert exit_.value.code == 0
     report = json.loads((tmp_path / "out" / "benchmark.json").read_text())
-    assert report["greedy_outputs_identical"] and report["settings"]["early_exit"]["num_speculations"] == "auto"
+    assert (report["greedy_outputs_identical"]
+            and report["settings"]["early_exit"]["num_speculations"] == "auto")
     assert (tmp_path / "out" / "benchmark.md").is_file()
 
 

@@ -1,4 +1,5 @@
-"""KVCache: slice and scatter writes equal the full forward, rollback hides stale keys, lengths are checked."""
+"""KVCache: slice and scatter writes equal the full forward, rollback hides stale keys, lengths are
+checked."""
 
 import numpy as np
 import pytest
@@ -18,8 +19,8 @@ def run(view, cache, ids, starts, start_layer=0, end_layer=None):
     positions = torch.as_tensor(starts)[:, None] + torch.arange(ids.shape[1])
     kv_length = cache.set_positions(positions, starts)
     hidden = view.embed(ids, positions)
-    return view.exit_logits(view.run_layers(hidden, start_layer, end_layer or view.num_layers, cache, positions,
-                                            kv_length))
+    return view.exit_logits(view.run_layers(hidden, start_layer, end_layer or view.num_layers, cache,
+                                            positions, kv_length))
 
 
 @pytest.mark.parametrize("family", FAMILIES)

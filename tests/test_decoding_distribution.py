@@ -42,8 +42,8 @@ def exact_distributions(model, params: SamplingParams):
 def sample_runs(model, setting: str, exit_layer: int = 1):
     temperature, top_k, top_p, k = SETTINGS[setting]
     out = SelfSpecGenerator(model, exit_layer=exit_layer).generate(
-        [PROMPT] * RUNS, max_new_tokens=2, temperature=temperature, top_k=top_k, top_p=top_p, num_speculations=k,
-        seed=0, eos_token_id=[])
+        [PROMPT] * RUNS, max_new_tokens=2, temperature=temperature, top_k=top_k, top_p=top_p,
+        num_speculations=k, seed=0, eos_token_id=[])
     return np.array(out.sequences), out.stats  # (RUNS, 2)
 
 

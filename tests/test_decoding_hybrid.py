@@ -83,7 +83,8 @@ def test_bad_ngram_settings_are_refused(fields):
 
 # -- the policy ------------------------------------------------------------------------------------
 def test_copy_policy_copies_pads_and_falls_back_to_the_early_exit():
-    policy = CopyPolicy(NGramConfig(max_ngram=2, min_ngram=2, max_copy=4), FixedK(3), copy_controller=FixedK(4))
+    policy = CopyPolicy(NGramConfig(max_ngram=2, min_ngram=2, max_copy=4), FixedK(3),
+                        copy_controller=FixedK(4))
     policy.start([[1, 2, 3, 1, 2], [5, 6, 7], [8, 9, 8, 9]])
     plan = policy.plan(np.array([0, 1, 2]))
     # rows 0 and 2 copy (around their period); row 1 has no match and pads with its last token
@@ -160,10 +161,12 @@ def test_hybrid_and_ngram_greedy_equal_plain_greedy(family_case, monkeypatch):
     switches = []  # early-exit drafts that turned into a copy within a round
     copy_after = CopyPolicy.copy_after
     monkeypatch.setattr(CopyPolicy, "copy_after",
-                        lambda self, rows, drafted: switches.append(copy_after(self, rows, drafted)) or switches[-1])
+                        lambda self, rows, drafted: (switches.append(copy_after(self, rows, drafted))
+                                                     or switches[-1]))
     for exit_layer in (1, 2, 4):
         for vocab in (None, EVEN_IDS):
-            generator = SelfSpecGenerator(model, exit_layer=exit_layer, token_counts=ranking_counts(EVEN_IDS, 96),
+            generator = SelfSpecGenerator(model, exit_layer=exit_layer,
+                                          token_counts=ranking_counts(EVEN_IDS, 96),
                                           draft_vocab_size=0 if vocab is None else len(vocab),
                                           ngram=NGramConfig(max_ngram=3, min_ngram=2, max_copy=6))
             for drafter in ("early_exit", "ngram", "hybrid"):
@@ -214,7 +217,8 @@ def test_a_copy_extended_by_early_exit_drafts_is_lossless(family):
     for exit_layer in (1, 3, 4):
         generator = SelfSpecGenerator(model, exit_layer=exit_layer, token_counts=ranking_counts(EVEN_IDS, 96),
                                       draft_vocab_size=len(EVEN_IDS))
-        out = generator.generate(prompts, max_new_tokens=12, drafter=_CopyThenEarlyExit(expected), eos_token_id=[])
+        out = generator.generate(prompts, max_new_tokens=12, drafter=_CopyThenEarlyExit(expected),
+                                 eos_token_id=[])
         assert out.sequences == [e[:12] for e in expected]
         assert 0 < out.stats.copy.accepted < out.stats.copy.tested and out.stats.early_exit.tested > 0
         sampled = generator.generate(prompts, max_new_tokens=12, drafter=_CopyThenEarlyExit(expected),
@@ -225,7 +229,8 @@ def test_a_copy_extended_by_early_exit_drafts_is_lossless(family):
 def test_copying_stays_idle_on_a_prompt_without_repeats():
     model = tiny_model("llama", seed=1)
     generator = SelfSpecGenerator(model, exit_layer=2, ngram=NGramConfig(max_ngram=3, min_ngram=3))
-    out = generator.generate([RANDOM], max_new_tokens=4, num_speculations=2, drafter="hybrid", eos_token_id=[])
+    out = generator.generate([RANDOM], max_new_tokens=4, num_speculations=2, drafter="hybrid",
+                             eos_token_id=[])
     assert out.stats.copy.drafted == 0 and out.stats.early_exit.drafted > 0
 
 
@@ -291,7 +296,8 @@ def test_hybrid_sampling_matches_the_target_distribution(sharp_model, copy_promp
     assert chi_square_p(tokens[:, 1], second) > P_MIN
 
 
-def test_the_same_test_rejects_copies_whose_rejected_token_is_not_removed(sharp_model, copy_prompt, monkeypatch):
+def test_the_same_test_rejects_copies_whose_rejected_token_is_not_removed(sharp_model, copy_prompt,
+                                                                          monkeypatch):
     """The bug: a copied draft treated as if q were uniform, not one-hot: it is accepted almost always
     and a rejection leaves the copied token in the residual."""
     monkeypatch.setattr(sampling, "copied_probs",

@@ -21,8 +21,8 @@ from selfspec.decoding.sampling import (
 )
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 5, 1.0), (0.8, 0, 0.9),
-                                                     (1.0, 20, 0.5)])
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 5, 1.0),
+                                                     (0.8, 0, 0.9), (1.0, 20, 0.5)])
 def test_processing_matches_hugging_face_warpers(temperature, top_k, top_p):
     logits = torch.randn(4, 64, generator=torch.Generator().manual_seed(0)) * 3
     ours = SamplingParams(temperature, top_k, top_p).process(logits)
@@ -92,7 +92,8 @@ def _speculative_first_tokens(n: int, k: int, p_rows, q_rows):
     q = q_rows.expand(n, -1, -1)
     drafts = sample(q, uniforms(seeds, positions[:, :k], DRAFT))
     tokens, accepted = accept_sampled(drafts, q, p_rows.expand(n, -1, -1),
-                                      uniforms(seeds, positions[:, :k], ACCEPT), uniforms(seeds, positions, TARGET))
+                                      uniforms(seeds, positions[:, :k], ACCEPT),
+                                      uniforms(seeds, positions, TARGET))
     return tokens, accepted
 
 

@@ -80,7 +80,8 @@ def test_batch_rows_equal_single_row_runs():
     generator = SelfSpecGenerator(model, exit_layer=2)
     batch = generator.generate(PROMPTS, max_new_tokens=NEW, num_speculations=3, eos_token_id=[]).sequences
     for prompt, row in zip(PROMPTS, batch):
-        assert generator.generate([prompt], max_new_tokens=NEW, num_speculations=3, eos_token_id=[]).sequences == [row]
+        assert generator.generate([prompt], max_new_tokens=NEW, num_speculations=3,
+                                  eos_token_id=[]).sequences == [row]
 
 
 @pytest.mark.parametrize("max_new_tokens", [0, 1, 2, 5])
@@ -100,7 +101,8 @@ def test_default_eos_is_the_models_own_and_empty_list_disables_it():
     generator = SelfSpecGenerator(model, exit_layer=2)
     stopped = generator.generate(PROMPTS[0], max_new_tokens=NEW, num_speculations=4).sequences[0]
     assert stopped == expected[:expected.index(expected[4]) + 1]
-    assert generator.generate(PROMPTS[0], max_new_tokens=NEW, num_speculations=4, eos_token_id=[]).sequences[0] == expected
+    assert generator.generate(PROMPTS[0], max_new_tokens=NEW, num_speculations=4,
+                              eos_token_id=[]).sequences[0] == expected
     as_int = generator.generate(PROMPTS[0], max_new_tokens=NEW, num_speculations=4, eos_token_id=expected[4])
     assert as_int.sequences[0] == stopped
 
@@ -119,7 +121,8 @@ def test_input_forms_agree():
         got = generator.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=[]).sequences
         assert got == expected, side
     assert generator.generate(PROMPTS[1], max_new_tokens=8, eos_token_id=[]).sequences == [expected[1]]
-    assert generator.generate(torch.tensor(PROMPTS[1]), max_new_tokens=8, eos_token_id=[]).sequences == [expected[1]]
+    assert generator.generate(torch.tensor(PROMPTS[1]), max_new_tokens=8,
+                              eos_token_id=[]).sequences == [expected[1]]
     with pytest.raises(ValueError, match="tokenizer"):
         generator.generate("hello")
     with pytest.raises(ValueError, match="at least one token"):
@@ -283,5 +286,6 @@ def test_the_models_positions_bound_prompt_plus_new_tokens():
     prompt = [1 + i % 90 for i in range(limit - 11)]  # limit - 11 tokens: room for 11 new ones
     with pytest.raises(ValueError, match=f"exceeds the model's {limit} positions; shorten the prompt"):
         gen.generate([prompt], max_new_tokens=12)
-    out = gen.generate([prompt], max_new_tokens=11, num_speculations=6, eos_token_id=[])  # up to the last position
+    # up to the last position
+    out = gen.generate([prompt], max_new_tokens=11, num_speculations=6, eos_token_id=[])
     assert out.sequences[0] == reference_greedy(model, prompt, 11)

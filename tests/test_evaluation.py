@@ -96,11 +96,13 @@ def test_cli_speedup_and_generate_on_a_tiny_checkpoint(tiny_run, tmp_path, capsy
     from selfspec.checkpoint import save_tuned
 
     model = AutoModelForCausalLM.from_pretrained(tiny_run["model"])
-    ckpt = save_tuned(tmp_path / "tuned", model, tiny_run["tokenizer"], settings=DecodeSettings(exit_layer=2, num_speculations=3))
+    ckpt = save_tuned(tmp_path / "tuned", model, tiny_run["tokenizer"],
+                      settings=DecodeSettings(exit_layer=2, num_speculations=3))
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("def f(x):\nimport os\n")
     assert main(["eval", "speedup", "--model", str(ckpt), "--prompts", str(prompts), "--max-new-tokens", "6",
-                 "--repeats", "1", "--warmup", "0", "--methods", "plain,early_exit", "--out", str(tmp_path / "b")]) == 0
+                 "--repeats", "1", "--warmup", "0", "--methods", "plain,early_exit",
+                 "--out", str(tmp_path / "b")]) == 0
     report = json.loads((tmp_path / "b" / "benchmark.json").read_text())
     assert report["settings"]["early_exit"]["exit_layer"] == 2 and report["greedy_outputs_identical"]
     assert report["methods"]["early_exit"]["tokens_per_second"] > 0
@@ -116,7 +118,8 @@ def tiny_ckpt(tiny_run, tmp_path):
     from selfspec.checkpoint import save_tuned
 
     model = AutoModelForCausalLM.from_pretrained(tiny_run["model"])
-    return save_tuned(tmp_path / "tuned", model, tiny_run["tokenizer"], settings=DecodeSettings(exit_layer=2, num_speculations=3))
+    return save_tuned(tmp_path / "tuned", model, tiny_run["tokenizer"],
+                      settings=DecodeSettings(exit_layer=2, num_speculations=3))
 
 
 def test_cli_generate_uses_the_checkpoints_k_and_streams_what_it_returns(tiny_ckpt, capsys, monkeypatch):
@@ -143,7 +146,8 @@ def test_cli_generate_uses_the_checkpoints_k_and_streams_what_it_returns(tiny_ck
 def test_cli_generate_runs_a_prompt_file_as_one_batch_with_stops(tiny_ckpt, tmp_path, capsys):
     jsonl = tmp_path / "prompts.jsonl"
     jsonl.write_text('{"prompt": "def f(x):"}\n{"text": "import os"}\n')
-    assert main(["generate", str(tiny_ckpt), "--prompts", str(jsonl), "--max-new-tokens", "6", "--no-eos"]) == 0
+    assert main(["generate", str(tiny_ckpt), "--prompts", str(jsonl), "--max-new-tokens", "6",
+                 "--no-eos"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("def f(x):") and "\n---\nimport os" in out
     from selfspec import commands as cli
@@ -179,7 +183,8 @@ def test_cli_generate_without_a_tokenizer_says_so(tiny_run, tmp_path, capsys):
 
     from selfspec.checkpoint import save_tuned
 
-    ckpt = save_tuned(tmp_path / "bare", AutoModelForCausalLM.from_pretrained(tiny_run["model"]), settings=DecodeSettings(exit_layer=2))
+    ckpt = save_tuned(tmp_path / "bare", AutoModelForCausalLM.from_pretrained(tiny_run["model"]),
+                      settings=DecodeSettings(exit_layer=2))
     assert main(["generate", str(ckpt), "def f(x):"]) == 2
     assert "has no tokenizer; save one beside the model" in capsys.readouterr().err
 
@@ -194,8 +199,8 @@ def test_cli_sweep_measures_the_grid_plots_and_writes_back_the_best(tiny_run, tm
 
     model = AutoModelForCausalLM.from_pretrained(tiny_run["model"])
     counts = np.arange(model.config.vocab_size)[::-1].copy()  # token 0 the most frequent
-    ckpt = save_tuned(tmp_path / "tuned", model, tiny_run["tokenizer"], settings=DecodeSettings(exit_layer=2, num_speculations=3),
-                      token_counts=counts)
+    ckpt = save_tuned(tmp_path / "tuned", model, tiny_run["tokenizer"],
+                      settings=DecodeSettings(exit_layer=2, num_speculations=3), token_counts=counts)
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("def f(x):\nimport os\n")
     out = tmp_path / "sweep"
@@ -207,7 +212,8 @@ def test_cli_sweep_measures_the_grid_plots_and_writes_back_the_best(tiny_run, tm
     cells = sorted((r["drafter"], r["exit_layer"], str(r["num_speculations"]), r["draft_vocab_size"],
                     r["ngram"]["min_ngram"]) for r in report["grid"])
     early = [(e, k, v) for e in (1, 2, 3) for v in (0, 64) for k in ("1", "auto")]
-    # every cell derives from the checkpoint's settings (E = 2, k = 3, min_ngram 2): the copy drafter keeps them
+    # every cell derives from the checkpoint's settings (E = 2, k = 3, min_ngram 2): the copy drafter
+    # keeps them
     assert cells == sorted([("early_exit", e, k, v, 2) for e, k, v in early]
                            + [("hybrid", e, k, v, n) for e, k, v in early for n in (1, 2)]
                            + [("ngram", 2, "3", 0, 1), ("ngram", 2, "3", 0, 2)])
@@ -222,7 +228,8 @@ def test_cli_sweep_measures_the_grid_plots_and_writes_back_the_best(tiny_run, tm
     assert best["speedup"] == max(r["speedup"] for r in report["grid"] if r["identical_to_plain"])
     # The checkpoint holds what the write-back rule (tested on fixed reports below) says for this report:
     # the fastest setting when it beats plain decoding, else the checkpoint's own.
-    expected = best["settings"] if best["speedup"] > 1.0 else DecodeSettings(exit_layer=2, num_speculations=3).to_json()
+    expected = (best["settings"] if best["speedup"] > 1.0
+                else DecodeSettings(exit_layer=2, num_speculations=3).to_json())
     assert read_settings(ckpt).to_json() == expected
     assert ("sweep" in read_meta(ckpt)) == (best["speedup"] > 1.0)
 
@@ -232,7 +239,8 @@ def _entry(settings: DecodeSettings, speedup: float) -> dict:
     return {"settings": settings.to_json(), "speedup": speedup, "tokens_per_second": 1.0}
 
 
-@pytest.mark.parametrize("speedup, written", [(1.4, True), (0.9, False)])  # slower than plain: keep the checkpoint's
+@pytest.mark.parametrize("speedup, written",
+                         [(1.4, True), (0.9, False)])  # slower than plain: keep the checkpoint's
 def test_sweep_write_back_records_only_a_setting_that_beats_plain(tiny_run, tmp_path, speedup, written):
     from transformers import AutoModelForCausalLM
 
@@ -270,7 +278,8 @@ def test_sweep_write_back_stores_the_drafter_and_load_tuned_decodes_that_way(tin
     assert write_back_fastest(str(ckpt), {"best": entry, "fastest_per_drafter": {best.drafter: entry}},
                               tmp_path / "sweep.json")
     meta = read_meta(ckpt)
-    assert {name: meta[name] for name in best.to_json()} == best.to_json()  # selfspec.json: the same field names
+    # selfspec.json: the same field names
+    assert {name: meta[name] for name in best.to_json()} == best.to_json()
     assert meta["fastest"][best.drafter]["settings"] == best.to_json()
     generator = load_tuned(ckpt)
     assert generator.settings == best
@@ -287,7 +296,8 @@ def test_cli_sweep_rejects_a_bad_grid_in_one_line(tiny_run, tmp_path, capsys):
     from selfspec.checkpoint import save_tuned
 
     model = AutoModelForCausalLM.from_pretrained(tiny_run["model"])
-    ckpt = save_tuned(tmp_path / "tuned", model, tiny_run["tokenizer"], settings=DecodeSettings(exit_layer=2, num_speculations=3))
+    ckpt = save_tuned(tmp_path / "tuned", model, tiny_run["tokenizer"],
+                      settings=DecodeSettings(exit_layer=2, num_speculations=3))
     assert main(["eval", "sweep", "--model", str(ckpt), "--exit-layers", "9"]) == 2
     assert "error: " in capsys.readouterr().err
     assert main(["eval", "sweep", "--model", str(ckpt), "--ks", "two"]) == 2
@@ -300,11 +310,13 @@ def test_cli_draft_vocab_counts_into_the_checkpoint_and_generate_drafts_from_it(
     from selfspec.checkpoint import read_meta, read_token_counts, save_tuned
 
     model = AutoModelForCausalLM.from_pretrained(tiny_run["model"])
-    ckpt = save_tuned(tmp_path / "tuned", model, tiny_run["tokenizer"], settings=DecodeSettings(exit_layer=2, num_speculations=3))
+    ckpt = save_tuned(tmp_path / "tuned", model, tiny_run["tokenizer"],
+                      settings=DecodeSettings(exit_layer=2, num_speculations=3))
     assert main(["draft-vocab", str(ckpt), "--data", str(tiny_run["corpus"]), "--block-size", "32"]) == 0
     out = capsys.readouterr().out
     counts = read_token_counts(ckpt)
-    assert counts.shape == (model.config.vocab_size,) and read_meta(ckpt)["token_counts"]["tokens"] == counts.sum()
+    assert (counts.shape == (model.config.vocab_size,)
+            and read_meta(ckpt)["token_counts"]["tokens"] == counts.sum())
     assert "V' =    256:" in out and "of the tokens" in out
     assert main(["generate", str(ckpt), "def f(x):", "--drafter", "hybrid", "--draft-vocab-size", "64",
                  "--max-new-tokens", "8", "--no-stream", "--no-eos"]) == 0
@@ -328,7 +340,8 @@ def test_the_benchmark_runs_each_drafter_at_the_fastest_setting_the_sweep_stored
             "ngram": DecodeSettings("ngram", 2, 3).override(min_ngram=1)}
     speedups = {"early_exit": 1.2, "hybrid": 2.5, "ngram": 0.9}  # ngram slower than plain: not stored
     fastest = {d: _entry(row, speedups[d]) for d, row in rows.items()}
-    assert write_back_fastest(str(ckpt), {"best": fastest["hybrid"], "fastest_per_drafter": fastest}, tmp_path / "s")
+    assert write_back_fastest(str(ckpt), {"best": fastest["hybrid"], "fastest_per_drafter": fastest},
+                              tmp_path / "s")
     assert set(read_meta(ckpt)["fastest"]) == {"early_exit", "hybrid"}
     settings, stored, counts = resolve_settings(ckpt)
     assert settings == rows["hybrid"] and stored == {d: rows[d] for d in ("early_exit", "hybrid")}

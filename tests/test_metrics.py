@@ -27,7 +27,8 @@ def test_expected_tokens_is_the_geometric_sum(k, alpha):
 
 
 def test_expected_tokens_limits_and_validation():
-    assert expected_tokens(0, 0.7) == 1.0 and expected_tokens(5, 1.0) == 6.0 and expected_tokens(5, 0.0) == 1.0
+    assert (expected_tokens(0, 0.7) == 1.0 and expected_tokens(5, 1.0) == 6.0
+            and expected_tokens(5, 0.0) == 1.0)
     assert expected_tokens(4, 0.8) == pytest.approx(3.3616)  # the layer-skip article's example: "about 3.36"
     with pytest.raises(ValueError):
         expected_tokens(-1, 0.5)
@@ -50,7 +51,8 @@ def test_kv_reuse_form_and_its_relation_to_the_simple_form():
     assert speedup_kv_reuse(k, alpha, c) == pytest.approx((1 - alpha ** 5) / ((1 - alpha) * (1 - c + k * c)))
     assert speedup_simple(k, alpha, c) == pytest.approx(expected_tokens(k, alpha) / (c * k + 1))
     ratio = speedup_kv_reuse(k, alpha, c) / speedup_simple(k, alpha, c)
-    assert ratio == pytest.approx((1 + k * c) / (1 - c + k * c)) and ratio > 1  # the reuse form is an upper bound
+    # the reuse form is an upper bound
+    assert ratio == pytest.approx((1 + k * c) / (1 - c + k * c)) and ratio > 1
     # α = 0.5 with c = 0.25: a longer draft only loses (the layer-skip article's remark)
     assert [speedup_kv_reuse(k, 0.5, 0.25) for k in (2, 4, 6)] == sorted(
         [speedup_kv_reuse(k, 0.5, 0.25) for k in (2, 4, 6)], reverse=True)
@@ -58,7 +60,8 @@ def test_kv_reuse_form_and_its_relation_to_the_simple_form():
 
 def test_measured_cost_form_reduces_to_the_simple_form():
     plain = 0.02
-    assert speedup_measured_costs(4, 0.8, 0.3 * plain, plain, plain) == pytest.approx(speedup_simple(4, 0.8, 0.3))
+    assert (speedup_measured_costs(4, 0.8, 0.3 * plain, plain, plain)
+            == pytest.approx(speedup_simple(4, 0.8, 0.3)))
     assert speedup_measured_costs(0, 0.8, 0.0, plain, plain) == 1.0
 
 

@@ -119,7 +119,8 @@ def test_rotary_table_rows_equal_per_call_values_and_the_table_grows():
 
 
 def test_length_dependent_rotary_is_computed_per_call():
-    model = tiny_model("llama", rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
+    model = tiny_model("llama",
+                       rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
     model = type(model)(model.config).float().eval()
     view = DecoderView(model)
     hidden = torch.randn(1, 2, view.config.hidden_size)
@@ -146,7 +147,8 @@ def test_multi_token_step_on_a_cache_with_a_mask_equals_the_model(family):
         logits = _decode_through_cache(view, ids, [(0, 9), (9, 14)])  # prefill, then a 5-token "verification"
         torch.testing.assert_close(logits[:, 9:], model(ids).logits[:, 9:], rtol=1e-5, atol=1e-5)
         hidden = torch.zeros(2, 5, view.config.hidden_size)
-        masks = view.context(hidden, view.default_positions(ids[:, 9:], 9), 14, cached=True, aligned=True).masks
+        masks = view.context(hidden, view.default_positions(ids[:, 9:], 9), 14, cached=True,
+                             aligned=True).masks
         assert all(mask is not None for mask in masks.values())  # the masked attention path ran
 
 

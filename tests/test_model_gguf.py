@@ -48,7 +48,8 @@ def test_a_package_shipping_one_gguf_resolves_without_being_imported(tmp_path, m
 @pytest.mark.parametrize("make_source, message", [
     (lambda tmp: str(tmp / "missing.gguf"), "does not exist"),
     (lambda tmp: "no_such_package_here", "neither a .gguf file nor an installed package"),
-    (lambda tmp: str((tmp / "x.gguf").write_bytes(b"PK\x03\x04zip") and tmp / "x.gguf"), "is not a GGUF file"),
+    (lambda tmp: str((tmp / "x.gguf").write_bytes(b"PK\x03\x04zip") and tmp / "x.gguf"),
+     "is not a GGUF file"),
 ])
 def test_bad_sources_are_one_line_errors(tmp_path, make_source, message):
     with pytest.raises(GGUFImportError, match=message) as info:
@@ -77,7 +78,8 @@ def test_an_unsupported_architecture_is_named(tmp_path):
 
 def test_missing_gguf_package_says_how_to_install_it(tmp_path, monkeypatch):
     path = write_gguf(tmp_path / "m.gguf", "llama")
-    monkeypatch.setitem(sys.modules, "gguf", types.ModuleType("gguf"))  # find_spec raises on a spec-less module
+    # find_spec raises on a spec-less module
+    monkeypatch.setitem(sys.modules, "gguf", types.ModuleType("gguf"))
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "gguf" else object())
     with pytest.raises(GGUFImportError, match=r"pip install 'selfspec\[gguf\]'"):
         load_gguf(str(path))

@@ -67,7 +67,8 @@ def test_chat_template_makes_the_instruct_model_answer(smollm2, capsys):
     from selfspec.commands import generate
 
     out, _ = smollm2
-    (text,) = generate(str(out), ["What is the capital of France? Answer in one word."], max_new_tokens=12, chat=True)
+    (text,) = generate(str(out), ["What is the capital of France? Answer in one word."], max_new_tokens=12,
+                       chat=True)
     assert "paris" in text.lower()
 
 
@@ -86,7 +87,8 @@ def test_the_chat_recipes_train_on_sharegpt_and_the_adapter_keeps_every_token(sm
                  progress=False)
     meta = __import__("json").loads((chat.model_dir / "selfspec.json").read_text())
     assert meta["exit_layer"] in (6, 8, 10, 12) and meta["draft_vocab_size"] == 8192
-    adapter = train(load_config("configs/smollm2-135m_adapter.yaml", [*common, f"output_dir={tmp_path}/adapter"]),
+    adapter = train(load_config("configs/smollm2-135m_adapter.yaml",
+                                [*common, f"output_dir={tmp_path}/adapter"]),
                     progress=False)
     tuned = load_tuned(adapter.model_dir)
     assert tuned.draft_head.adapter is not None

@@ -10,7 +10,8 @@ from .sampling import SamplingParams, accept_greedy, accept_sampled, residual_pr
 from .settings import ADAPTIVE_K, PLAIN, DecodeSettings, parse_num_speculations
 from .speculative import GenerationOutput, GenerationStats, SelfSpecGenerator
 
-__all__ = ["ADAPTIVE_K", "DRAFTERS", "PLAIN", "DecodeSettings", "parse_num_speculations", "CacheLengthError", "Controller", "CostModelRule", "DraftHead", "DraftPlan", "DraftPolicy",
+__all__ = ["ADAPTIVE_K", "DRAFTERS", "PLAIN", "DecodeSettings", "parse_num_speculations", "CacheLengthError",
+           "Controller", "CostModelRule", "DraftHead", "DraftPlan", "DraftPolicy",
            "FixedK", "GenerationOutput", "GenerationStats", "KVCache", "NGramConfig", "SamplingParams",
-           "SelfSpecGenerator", "WindowRule", "accept_greedy", "accept_sampled", "make_controller", "make_policy",
-           "residual_probs"]
+           "SelfSpecGenerator", "WindowRule", "accept_greedy", "accept_sampled", "make_controller",
+           "make_policy", "residual_probs"]

@@ -62,7 +62,8 @@ class KVCache:
         length = positions.shape[1]
         kv_length = int(starts.max()) + length
         if kv_length > self.capacity:
-            raise ValueError(f"KV cache capacity {self.capacity} exceeded: writing up to slot {kv_length - 1}")
+            raise ValueError(f"KV cache capacity {self.capacity} exceeded: "
+                             f"writing up to slot {kv_length - 1}")
         self._positions = positions
         self._start = int(starts[0]) if (starts == starts[0]).all() else None
         self._ends = starts + length
@@ -75,7 +76,8 @@ class KVCache:
         return self._start is not None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """Write (B, H, T, Dh) keys/values at the announced slots; return slots 0..kv_length-1 of the layer."""
+        """Write (B, H, T, Dh) keys/values at the announced slots; return slots 0..kv_length-1 of the
+        layer."""
         if self.keys[layer_idx] is None:
             batch, heads, _, head_dim = key_states.shape
             shape = (batch, heads, self.capacity, head_dim)

@@ -41,7 +41,8 @@ def coverage(counts, sizes) -> dict[int, float]:
     counts = np.sort(np.asarray(counts, dtype=np.float64))[::-1]
     total = counts.sum()
     cumulative = np.cumsum(counts)
-    return {int(v): float(cumulative[min(v, len(counts)) - 1] / total) if total else float("nan") for v in sizes}
+    return {int(v): float(cumulative[min(v, len(counts)) - 1] / total) if total else float("nan")
+            for v in sizes}
 
 
 class DraftHead:

@@ -60,7 +60,8 @@ class NGramIndex:
         self.config = config
         self.tokens: list[int] = []
         # n -> {n-gram: position of the token after its latest occurrence}
-        self.tables: dict[int, dict[tuple, int]] = {n: {} for n in range(config.min_ngram, config.max_ngram + 1)}
+        self.tables: dict[int, dict[tuple, int]] = {
+            n: {} for n in range(config.min_ngram, config.max_ngram + 1)}
         self.extend(tokens)
 
     def extend(self, tokens) -> None:

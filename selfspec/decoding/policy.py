@@ -97,7 +97,8 @@ class DraftPolicy:
     def observe(self, rows: np.ndarray, tokens: np.ndarray, emit: np.ndarray) -> None:
         """Row rows[s] emitted tokens[s, :emit[s]] this round."""
 
-    def update(self, segments: list[Segment], accepted: np.ndarray, draft_time: float, verify_time: float) -> None:
+    def update(self, segments: list[Segment], accepted: np.ndarray, draft_time: float,
+               verify_time: float) -> None:
         """The round drafted `segments` and accepted `accepted` (B,) drafts; its draft and verify seconds."""
 
 

@@ -21,7 +21,8 @@ from .ngram import NGramConfig
 from .policy import DRAFTERS, DraftPolicy, make_policy
 
 ADAPTIVE_K = ("auto", "window")  # draft lengths chosen per round by a controller (see controller.py)
-FIELDS = ("drafter", "exit_layer", "num_speculations", "draft_vocab_size", "ngram")  # as selfspec.json names them
+# as selfspec.json names them
+FIELDS = ("drafter", "exit_layer", "num_speculations", "draft_vocab_size", "ngram")
 
 
 def parse_num_speculations(value) -> int | str:
@@ -59,9 +60,11 @@ class DecodeSettings:
     def __post_init__(self):
         if self.drafter not in DRAFTERS:
             raise UserError(f"drafter must be one of {', '.join(DRAFTERS)}, got {self.drafter!r}")
-        if self.exit_layer is not None and (isinstance(self.exit_layer, bool) or not isinstance(self.exit_layer, int)
+        if self.exit_layer is not None and (isinstance(self.exit_layer, bool)
+                                            or not isinstance(self.exit_layer, int)
                                             or self.exit_layer < 1):
-            raise UserError(f"exit_layer must be an int >= 1 (the blocks the draft runs), got {self.exit_layer!r}")
+            raise UserError(f"exit_layer must be an int >= 1 (the blocks the draft runs), "
+                            f"got {self.exit_layer!r}")
         object.__setattr__(self, "num_speculations", parse_num_speculations(self.num_speculations))
         size = self.draft_vocab_size
         if size is None:
@@ -83,7 +86,8 @@ class DecodeSettings:
         threshold (and raises `max_ngram` to it when needed; `max_copy` stays)."""
         changes = {name: value for name, value in (("drafter", drafter), ("exit_layer", exit_layer),
                                                    ("num_speculations", num_speculations),
-                                                   ("draft_vocab_size", draft_vocab_size)) if value is not None}
+                                                   ("draft_vocab_size", draft_vocab_size))
+                   if value is not None}
         if min_ngram is not None:
             old = self.ngram
             try:
@@ -93,8 +97,10 @@ class DecodeSettings:
         return dataclasses.replace(self, **changes) if changes else self
 
     def policy(self, controller=None) -> DraftPolicy:
-        """The drafting policy of these settings; `controller` replaces the early exit's k (a `Controller`)."""
-        return make_policy(self.drafter, self.num_speculations if controller is None else controller, self.ngram)
+        """The drafting policy of these settings; `controller` replaces the early exit's k (a
+        `Controller`)."""
+        return make_policy(self.drafter, self.num_speculations if controller is None else controller,
+                           self.ngram)
 
     def describe(self) -> str:
         """One line, e.g. "hybrid, E = 10, k = auto, V' = 8192, min_ngram = 2"."""
@@ -110,7 +116,8 @@ class DecodeSettings:
 
     def to_json(self) -> dict:
         """The fields as `selfspec.json` stores them (top level, and each entry of "fastest")."""
-        return {"drafter": self.drafter, "exit_layer": self.exit_layer, "num_speculations": self.num_speculations,
+        return {"drafter": self.drafter, "exit_layer": self.exit_layer,
+                "num_speculations": self.num_speculations,
                 "draft_vocab_size": self.draft_vocab_size, "ngram": self.ngram.as_dict()}
 
     @classmethod

@@ -245,7 +245,8 @@ class SelfSpecGenerator:
         self.exit_adapters = dict(exit_adapters or {})
         self.check_cache = check_cache
         self._heads: dict[tuple[int, int], DraftHead] = {}  # (E, V') -> its draft head, built once
-        self.settings = self.settings_for(settings if ngram is None else dataclasses.replace(settings, ngram=ngram))
+        self.settings = self.settings_for(settings if ngram is None
+                                          else dataclasses.replace(settings, ngram=ngram))
 
     @property
     def model(self):
@@ -256,14 +257,16 @@ class SelfSpecGenerator:
         num_layers = self.view.num_layers
         if settings.exit_layer is None:
             if settings.drafter != "ngram" and not settings.is_plain:
-                raise UserError("exit_layer is not set: pass exit_layer=E (the number of blocks the draft runs)")
+                raise UserError("exit_layer is not set: pass exit_layer=E "
+                                "(the number of blocks the draft runs)")
             settings = dataclasses.replace(settings, exit_layer=num_layers)
         if settings.exit_layer > num_layers:
-            raise UserError(f"exit_layer must be an int in 1..{num_layers} (the number of blocks the draft runs), "
-                            f"got {settings.exit_layer}")
+            raise UserError(f"exit_layer must be an int in 1..{num_layers} "
+                            f"(the number of blocks the draft runs), got {settings.exit_layer}")
         if settings.draft_vocab_size and self.token_counts is None:
-            raise UserError(f"draft_vocab_size = {settings.draft_vocab_size} needs token counts to rank the ids: "
-                            f"SelfSpecGenerator(..., token_counts=counts) or `selfspec draft-vocab MODEL`")
+            raise UserError(f"draft_vocab_size = {settings.draft_vocab_size} needs token counts to rank the "
+                            f"ids: SelfSpecGenerator(..., token_counts=counts) or "
+                            f"`selfspec draft-vocab MODEL`")
         return settings
 
     def draft_head(self, settings: DecodeSettings | None = None) -> DraftHead:
@@ -271,7 +274,8 @@ class SelfSpecGenerator:
         settings = settings or self.settings
         key = (settings.exit_layer, settings.draft_vocab_size)
         if key not in self._heads:
-            ids = frequent_tokens(self.token_counts, settings.draft_vocab_size) if settings.draft_vocab_size else None
+            ids = (frequent_tokens(self.token_counts, settings.draft_vocab_size) if settings.draft_vocab_size
+                   else None)
             self._heads[key] = DraftHead(self.view, ids, self.exit_adapters.get(settings.exit_layer))
         return self._heads[key]
 
@@ -352,7 +356,8 @@ class SelfSpecGenerator:
         if not draft.hiddens:  # no early-exit draft: every block at once
             hidden = self._run(b, draft.tail, 0, num_layers)  # (B, k+1, D)
         else:
-            hidden = torch.cat([*draft.hiddens, self._run(b, draft.tail, done, b.exit_layer)], 1)  # (B, k+1, D)
+            hidden = torch.cat([*draft.hiddens,
+                                self._run(b, draft.tail, done, b.exit_layer)], 1)  # (B, k+1, D)
             if b.exit_layer < num_layers:
                 hidden = view.run_layers(hidden, b.exit_layer, num_layers, **self._place(b, 0, k + 1))
         p_logits = view.exit_logits(hidden)  # (B, k+1, V)
@@ -361,10 +366,12 @@ class SelfSpecGenerator:
         # q: one-hot for copied drafts (deterministic given the context), the early exit's processed
         # distribution for its own drafts.
         vocab = p_logits.shape[-1]
-        q = torch.cat([sampling.copied_probs(part, vocab) if source == "copy" else b.sampling.probs(part)[:, None]
+        q = torch.cat([sampling.copied_probs(part, vocab) if source == "copy"
+                       else b.sampling.probs(part)[:, None]
                        for source, part in draft.q], 1)  # (B, k, V)
         decided = b.lengths_dev[:, None] + b.steps[1:k + 2]  # (B, k+1): positions n+1 .. n+k+1
-        return accept_sampled(draft.tokens, q, b.sampling.probs(p_logits), uniforms(b.seeds_dev, decided[:, :k], ACCEPT),
+        return accept_sampled(draft.tokens, q, b.sampling.probs(p_logits),
+                              uniforms(b.seeds_dev, decided[:, :k], ACCEPT),
                               uniforms(b.seeds_dev, decided, TARGET))
 
     # -- generation ----------------------------------------------------------------------------------
@@ -415,12 +422,14 @@ class SelfSpecGenerator:
         if max_new_tokens == 0:
             if stream:
                 stream.end()
-            return GenerationOutput([[] for _ in prompts], stats, [""] * len(prompts) if self.tokenizer else None)
+            return GenerationOutput([[] for _ in prompts], stats,
+                                    [""] * len(prompts) if self.tokenizer else None)
         prompt_lengths = np.array([len(p) for p in prompts], dtype=np.int64)
         limit = self.view.max_positions
         if limit is not None and prompt_lengths.max() + max_new_tokens > limit:
-            raise UserError(f"a prompt of {prompt_lengths.max()} tokens plus max_new_tokens = {max_new_tokens} "
-                             f"exceeds the model's {limit} positions; shorten the prompt or lower max_new_tokens")
+            raise UserError(f"a prompt of {prompt_lengths.max()} tokens plus "
+                            f"max_new_tokens = {max_new_tokens} exceeds the model's {limit} positions; "
+                            f"shorten the prompt or lower max_new_tokens")
         clock = _Clock(self.view.device)
 
         b = self._start(prompts, sampling, seed, settings, capacity=int(prompt_lengths.max()) + max_new_tokens
@@ -513,7 +522,8 @@ class SelfSpecGenerator:
             if reached.any():
                 getattr(stats, segment.source).update(kept, segment.length)
         if k:
-            stats.draft_steps += sum(s.length for s in segments if s.source == "early_exit")  # copies take none
+            # copies take none
+            stats.draft_steps += sum(s.length for s in segments if s.source == "early_exit")
             stats.draft_time += draft_time
             stats.verify_time += verify_time
         else:

@@ -110,7 +110,8 @@ class _Runner:
         # Only silences generate()'s warning for prompts without padding; the model's own when it has one.
         config = getattr(self.model, "generation_config", None)
         self.pad_token_id = next((t for t in (getattr(config, "pad_token_id", None),
-                                              getattr(config, "eos_token_id", None)) if isinstance(t, int)), 0)
+                                              getattr(config, "eos_token_id", None))
+                                  if isinstance(t, int)), 0)
 
     def __call__(self, method: str, batch: list[list[int]]):
         """Decode one batch of prompts (token lists) with `method`: (tokens per row, engine stats or None)."""
@@ -122,8 +123,8 @@ class _Runner:
             raise UserError("Hugging Face methods in a batch need prompts of one length; use "
                             "--methods plain,early_exit or --batch-size 1")
         ids = torch.tensor(batch, device=self.device)
-        kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=self.max_new_tokens, do_sample=False,
-                      pad_token_id=self.pad_token_id)
+        kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=self.max_new_tokens,
+                      do_sample=False, pad_token_id=self.pad_token_id)
         if self.eos == []:
             kwargs["eos_token_id"] = None
         if method == "hf_early_exit":  # Hugging Face's self-speculation at the early exit's own E
@@ -141,8 +142,9 @@ def interleaved_rates(names, run, batches: list[list[list[int]]], repeats: int, 
 
     `warmup` untimed rounds, then `repeats` timed ones; in each round every batch of prompts is
     decoded by every name, the order of names rotating from round to round so that drift hits all
-    alike. `progress`: a tqdm bar's label (None: no bar). Returns ({name: tokens/s of each timed round (all rows' tokens ÷ the summed time)},
-    {name: the last round's outputs, one list of rows per batch}, {name: stats of every timed run}).
+    alike. `progress`: a tqdm bar's label (None: no bar). Returns ({name: tokens/s of each timed round
+    (all rows' tokens ÷ the summed time)}, {name: the last round's outputs, one list of rows per batch},
+    {name: stats of every timed run}).
     """
     names = list(names)
     if repeats < 1:
@@ -175,7 +177,8 @@ def interleaved_rates(names, run, batches: list[list[list[int]]], repeats: int, 
 
 
 def run_benchmark(model, prompts: list[list[int]], settings: DecodeSettings, *, tokenizer=None,
-                  fastest: dict[str, DecodeSettings] | None = None, token_counts=None, exit_adapters: dict | None = None,
+                  fastest: dict[str, DecodeSettings] | None = None, token_counts=None,
+                  exit_adapters: dict | None = None,
                   max_new_tokens: int = 128, repeats: int = 5, warmup: int = 1, ignore_eos: bool = True,
                   methods: tuple[str, ...] = METHODS, batch_size: int = 1, progress: bool = False) -> dict:
     """Measure `methods` on `prompts` (token lists), `batch_size` prompts per call; returns the report
@@ -186,14 +189,15 @@ def run_benchmark(model, prompts: list[list[int]], settings: DecodeSettings, *, 
         if method not in METHODS:
             raise UserError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
     if batch_size < 1 or max_new_tokens < 1 or not prompts:
-        raise UserError(f"the benchmark needs a batch size >= 1 ({batch_size}), max_new_tokens >= 1 ({max_new_tokens}) "
-                        f"and a prompt ({len(prompts)})")
+        raise UserError(f"the benchmark needs a batch size >= 1 ({batch_size}), "
+                        f"max_new_tokens >= 1 ({max_new_tokens}) and a prompt ({len(prompts)})")
     batch1_only = [m for m in methods if m in HF_BATCH1_METHODS]
     if batch_size > 1 and batch1_only:
-        raise UserError(f"Hugging Face's assisted generation decodes batch 1 only; leave {', '.join(batch1_only)} "
-                        f"out of --methods for --batch-size > 1")
-    generator = SelfSpecGenerator(model, tokenizer, settings, token_counts=token_counts, exit_adapters=exit_adapters,
-                                  check_cache=False)  # as in the sweep: a timed run does no per-round bookkeeping
+        raise UserError(f"Hugging Face's assisted generation decodes batch 1 only; "
+                        f"leave {', '.join(batch1_only)} out of --methods for --batch-size > 1")
+    # check_cache=False as in the sweep: a timed run does no per-round bookkeeping
+    generator = SelfSpecGenerator(model, tokenizer, settings, token_counts=token_counts,
+                                  exit_adapters=exit_adapters, check_cache=False)
     settings = {m: generator.settings_for(s) for m, s in method_settings(generator.settings, fastest).items()}
     run = _Runner(generator, settings, max_new_tokens, ignore_eos)
     device, view = run.device, generator.view
@@ -308,8 +312,8 @@ def _describe_setting(method: str, settings: dict) -> str:
 
 def to_markdown(report: dict) -> str:
     lines = [f"# Self-speculative decoding benchmark ({report['num_layers']} layers)", "",
-             f"{report['num_prompts']} prompts, batch {report.get('batch_size', 1)}, {report['max_new_tokens']} "
-             "new tokens, greedy, "
+             f"{report['num_prompts']} prompts, batch {report.get('batch_size', 1)}, "
+             f"{report['max_new_tokens']} new tokens, greedy, "
              f"{report['device']} {report['dtype']}, median of {report['repeats']} interleaved repeats "
              f"after {report['warmup']} warm-up.", "",
              "| method | tokens/s | setting |", "|---|---:|---|"]
@@ -317,14 +321,16 @@ def to_markdown(report: dict) -> str:
     for method, row in report["methods"].items():
         lines.append(f"| {method} | {row['tokens_per_second']:.1f} | {_describe_setting(method, settings)} |")
     lines += ["", "| speedup | × |", "|---|---:|"]
-    lines += [f"| {name.replace('_over_', ' / ')} | {value:.3f} |" for name, value in report["speedups"].items()]
+    lines += [f"| {name.replace('_over_', ' / ')} | {value:.3f} |"
+              for name, value in report["speedups"].items()]
     sources = report.get("sources", {})
     if sources:
         lines += ["", "| method | source | rounds | drafted | accepted | α | share of tokens |",
                   "|---|---|---:|---:|---:|---:|---:|"]
         lines += [f"| {method} | {source} | {row['rounds']} | {row['drafted']} | {row['accepted']} | "
                   f"{row['acceptance_rate']:.3f} | {row['share_of_tokens']:.1%} |"
-                  for method, per_source in sources.items() for source, row in per_source.items() if row["rounds"]]
+                  for method, per_source in sources.items() for source, row in per_source.items()
+                  if row["rounds"]]
     cost = report.get("cost_model", {})
     if cost:
         lines += ["", "| cost model | value |", "|---|---:|"]
@@ -356,12 +362,14 @@ def read_prompts(tokenizer, prompts: str | None = None, corpus: str = "stdlib", 
         return prompts_from_corpus(tokenizer, corpus, num_prompts, prompt_tokens)
     file = Path(prompts)
     if not file.is_file():
-        raise UserError(f"prompt file {prompts!r} does not exist; pass a JSON list or a text file, one prompt per line")
+        raise UserError(f"prompt file {prompts!r} does not exist; pass a JSON list or a text file, "
+                        f"one prompt per line")
     try:
         items = json.loads(file.read_text()) if file.suffix == ".json" else [
             line for line in file.read_text().splitlines() if line.strip()]
     except json.JSONDecodeError as exc:
-        raise UserError(f"{prompts} is not valid JSON ({exc.msg}); write a list of strings or token lists") from None
+        raise UserError(f"{prompts} is not valid JSON ({exc.msg}); "
+                        f"write a list of strings or token lists") from None
     if not items:
         raise UserError(f"prompt file {prompts!r} holds no prompt")
     return [tokenizer(item)["input_ids"] if isinstance(item, str) else [int(t) for t in item]
@@ -391,7 +399,8 @@ def speedup(model: str, *, exit_layer: int | None = None, num_speculations=None,
                            tokenizer=tokenizer, fastest=fastest, token_counts=token_counts,
                            exit_adapters=checkpoint_adapters(model, lm), max_new_tokens=max_new_tokens,
                            repeats=repeats, warmup=warmup, ignore_eos=not keep_eos,
-                           methods=tuple(m.strip() for m in methods.split(",")) if isinstance(methods, str) else tuple(methods),
+                            methods=(tuple(m.strip() for m in methods.split(",")) if isinstance(methods, str)
+                                     else tuple(methods)),
                            batch_size=batch_size, progress=True)
     report["model"] = model
     json_path, md_path = write_report(report, out)

@@ -62,9 +62,11 @@ def plot_curve(curve: dict, out_png: str | Path, title: str = "") -> Path:
             values = metrics.get(metric, [])
             if not values:
                 continue
-            label = f"exit {layer}: {'greedy α (top-1)' if metric == 'top1_agreement' else 'expected acceptance'}"
+            label = (f"exit {layer}: "
+                     f"{'greedy α (top-1)' if metric == 'top1_agreement' else 'expected acceptance'}")
             left.plot([t / 1e3 for t in tokens], values, style, label=label, markersize=3)
-    right.plot([t / 1e3 for t in tokens], curve["perplexity"], "--", color="gray", label="final-layer perplexity")
+    right.plot([t / 1e3 for t in tokens], curve["perplexity"], "--", color="gray",
+               label="final-layer perplexity")
     left.set_xlabel("training tokens (thousands)")
     left.set_ylabel("acceptance")
     right.set_ylabel("validation perplexity")

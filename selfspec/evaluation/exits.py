@@ -11,8 +11,8 @@ def format_exit_table(report: dict[int, dict[str, float]], num_layers: int | Non
         lines = ["| exit layer | depth | loss | top-1 agreement | expected acceptance |",
                  "|---:|---:|---:|---:|---:|"]
         for layer, m in sorted(report.items()):
-            lines.append(f"| {layer} | {layer / num_layers:.0%} | {m['loss']:.3f} | {m['top1_agreement']:.3f} "
-                         f"| {m['expected_acceptance']:.3f} |")
+            lines.append(f"| {layer} | {layer / num_layers:.0%} | {m['loss']:.3f} "
+                         f"| {m['top1_agreement']:.3f} | {m['expected_acceptance']:.3f} |")
     else:
         lines = ["| exit layer | depth | loss before | loss after | top-1 before | top-1 after "
                  "| exp. acc. before | exp. acc. after |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]

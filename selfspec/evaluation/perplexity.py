@@ -16,7 +16,8 @@ def perplexity(model, blocks: torch.Tensor, batch_size: int = 8, progress: bool 
     """Next-token perplexity of the full model on token blocks (n, T), and the number of tokens it
     counted (with `target_mask`, chat data's assistant tokens only)."""
     num_layers = count_layers(model)
-    final = exit_layer_metrics(model, blocks, [num_layers], batch_size, progress, target_mask=target_mask)[num_layers]
+    final = exit_layer_metrics(model, blocks, [num_layers], batch_size, progress,
+                               target_mask=target_mask)[num_layers]
     return final["perplexity"], final["tokens"]
 
 
@@ -41,7 +42,8 @@ class GateResult:
 
 
 def perplexity_gate(tuned_model, base_model, blocks: torch.Tensor, max_increase: float = 0.01,
-                    batch_size: int = 8, progress: bool = False, target_mask: torch.Tensor | None = None) -> GateResult:
+                    batch_size: int = 8, progress: bool = False,
+                    target_mask: torch.Tensor | None = None) -> GateResult:
     """Compare full-model perplexity of tuned vs base on the same blocks (their target tokens); pass
     when the relative increase is at most `max_increase` (0.01 = 1%)."""
     base, tokens = perplexity(base_model, blocks, batch_size, progress, target_mask)

@@ -33,7 +33,8 @@ from .benchmark import interleaved_rates, load_model, pooled_costs, read_prompts
 from .report import save_figure, write_report
 
 
-def grid_settings(base: DecodeSettings, exit_layers, ks, drafters, vocabs, min_ngrams) -> list[DecodeSettings]:
+def grid_settings(base: DecodeSettings, exit_layers, ks, drafters, vocabs,
+                  min_ngrams) -> list[DecodeSettings]:
     """Plain first (k = 0), then every combination each drafter uses, each derived from `base` (the
     checkpoint's settings: its copy settings other than the threshold carry over). The n-gram drafter
     has no E, k or V' of its own: it keeps `base`'s."""
@@ -45,7 +46,8 @@ def grid_settings(base: DecodeSettings, exit_layers, ks, drafters, vocabs, min_n
         for e in exit_layers:
             for v in vocabs:
                 for k in ks:
-                    cell = base.override(drafter=drafter, exit_layer=e, num_speculations=k, draft_vocab_size=v)
+                    cell = base.override(drafter=drafter, exit_layer=e, num_speculations=k,
+                                         draft_vocab_size=v)
                     settings += ([cell.override(min_ngram=n) for n in min_ngrams] if drafter == "hybrid"
                                  else [cell])
     return settings
@@ -64,12 +66,14 @@ def check_drafters(drafters, draft_vocab_sizes, min_ngrams, token_counts) -> Non
     if any(v < 0 for v in draft_vocab_sizes) or not draft_vocab_sizes:
         raise UserError(f"draft vocabulary sizes {list(draft_vocab_sizes)} must be >= 0 (0: the whole head)")
     if any(v for v in draft_vocab_sizes) and token_counts is None:
-        raise UserError("a trimmed draft head needs the checkpoint's token counts; run `selfspec draft-vocab MODEL`")
+        raise UserError("a trimmed draft head needs the checkpoint's token counts; "
+                        "run `selfspec draft-vocab MODEL`")
     for n in min_ngrams:
         DecodeSettings().override(min_ngram=n)  # validates
 
 
-def run_sweep(model, prompts: list[list[int]], exit_layers: list[int], ks: list, *, base: DecodeSettings | None = None,
+def run_sweep(model, prompts: list[list[int]], exit_layers: list[int], ks: list, *,
+              base: DecodeSettings | None = None,
               max_new_tokens: int = 64, repeats: int = 3, warmup: int = 1, progress: bool = True,
               drafters=("early_exit",), draft_vocab_sizes=(0,), min_ngrams=(2,), token_counts=None,
               exit_adapters: dict | None = None) -> dict:
@@ -85,8 +89,8 @@ def run_sweep(model, prompts: list[list[int]], exit_layers: list[int], ks: list,
         raise UserError(f"exit layers {bad or exit_layers} are not in 1..{num_layers - 1}: E = N would "
                         f"draft with the whole model")
     if not ks or any(k not in ADAPTIVE_K if isinstance(k, str) else k < 1 for k in ks):
-        raise UserError(f"draft lengths {ks} must be ints >= 1 or {' / '.join(ADAPTIVE_K)} (plain decoding, k = 0, "
-                        f"is always measured)")
+        raise UserError(f"draft lengths {ks} must be ints >= 1 or {' / '.join(ADAPTIVE_K)} "
+                        f"(plain decoding, k = 0, is always measured)")
     if max_new_tokens < 1 or repeats < 1 or not prompts:
         raise UserError(f"the sweep needs max_new_tokens >= 1 ({max_new_tokens}), repeats >= 1 ({repeats}) "
                         f"and a prompt ({len(prompts)})")
@@ -121,7 +125,8 @@ def run_sweep(model, prompts: list[list[int]], exit_layers: list[int], ks: list,
         run_costs = pooled_costs(stats[plain], stats[setting])
         alpha = run_costs["stats"].acceptance_rate
         rate = statistics.median(rates[setting])
-        row = {**setting.to_json(), "tokens_per_second": rate, "speedup": rate / plain_rate, "acceptance_rate": alpha,
+        row = {**setting.to_json(), "tokens_per_second": rate, "speedup": rate / plain_rate,
+               "acceptance_rate": alpha,
                "mean_accepted_length": run_costs["stats"].mean_accepted_length,
                "sources": source_summary(stats[setting]),
                "identical_to_plain": outputs[setting] == outputs[plain]}
@@ -155,7 +160,8 @@ def _brief(row: dict) -> dict:
 
 def _describe(entry: dict) -> str:
     """A grid row or a `_brief` entry as one line."""
-    return (DecodeSettings.from_json(entry["settings"]) if "settings" in entry else settings_of(entry)).describe()
+    return (DecodeSettings.from_json(entry["settings"]) if "settings" in entry
+            else settings_of(entry)).describe()
 
 
 def to_markdown(report: dict) -> str:
@@ -167,7 +173,9 @@ def to_markdown(report: dict) -> str:
              f"{report['device']}; plain {report['plain_tokens_per_second']:.1f} tokens/s; median of "
              f"{report['repeats']} interleaved repeats after {report['warmup']} warm-up."]
     if early:
-        lines += ["", "Early-exit drafts, cells: measured × (cost model E(k,α)/(1+k·c)); V' 0 is the whole head.", "",
+        lines += ["",
+                  "Early-exit drafts, cells: measured × (cost model E(k,α)/(1+k·c)); V' 0 is the whole head.",
+                  "",
                   "| E | V' | α | α kept | c | " + " | ".join(f"k={k}" for k in ks) + " |",
                   "|---|---:|---:|---:|---:|" + "---:|" * len(ks)]
         for exit_layer, per_vocab in report["per_exit_layer"].items():
@@ -182,7 +190,8 @@ def to_markdown(report: dict) -> str:
                                           for k in ks) + " |")
     others = [r for r in report["grid"] if r["drafter"] != "early_exit"]
     if others:
-        lines += ["", "Copying drafters (α of copies / of early-exit drafts; share of tokens from copies):", "",
+        lines += ["", "Copying drafters (α of copies / of early-exit drafts; share of tokens from copies):",
+                  "",
                   "| setting | speedup | tokens/s | α copy | α early exit | tokens copied |",
                   "|---|---:|---:|---:|---:|---:|"]
         for row in sorted(others, key=lambda r: -r["speedup"]):
@@ -196,7 +205,8 @@ def to_markdown(report: dict) -> str:
     best = report["best"]
     fastest = "none (no output matched plain decoding)" if best is None else (
         f"{_describe(best)}: **{best['speedup']:.2f}×** plain decoding")
-    lines += ["", f"Fastest: {fastest}. Outputs identical to plain decoding: **{report['all_identical_to_plain']}**"]
+    lines += ["", f"Fastest: {fastest}. Outputs identical to plain decoding: "
+                  f"**{report['all_identical_to_plain']}**"]
     return "\n".join(lines) + "\n"
 
 
@@ -221,9 +231,11 @@ def plot(report: dict, path: str | Path) -> Path:
             rows = [best_per_k[k] for k in sorted(best_per_k, key=_k_order)]
             if not rows:
                 continue
-            rows = [r for r in rows if isinstance(r["num_speculations"], int)]  # adaptive k: in the tables only
+            # adaptive k: in the tables only
+            rows = [r for r in rows if isinstance(r["num_speculations"], int)]
             ks = [r["num_speculations"] for r in rows]
-            ax.plot(ks, [r["speedup"] for r in rows], style, color=colour, label=f"{drafter}, E = {exit_layer}")
+            ax.plot(ks, [r["speedup"] for r in rows], style, color=colour,
+                    label=f"{drafter}, E = {exit_layer}")
             if drafter == "early_exit":
                 ax.plot(ks, [r["predicted_speedup"] for r in rows], "--", color=colour, alpha=0.6)
     for r in report["grid"]:
@@ -247,7 +259,8 @@ def _k_order(k):
 def k_list(value: str) -> list:
     """--ks: a comma list of ints and the adaptive controllers' names, e.g. '1,2,4,auto'."""
     try:
-        return sorted({v.strip() if v.strip() in ADAPTIVE_K else int(v) for v in value.split(",")}, key=_k_order)
+        return sorted({v.strip() if v.strip() in ADAPTIVE_K else int(v) for v in value.split(",")},
+                      key=_k_order)
     except ValueError:
         raise UserError(f"--ks must be a comma list of ints or {'/'.join(ADAPTIVE_K)} such as '1,2,4,auto', "
                         f"got {value!r}") from None
@@ -263,8 +276,9 @@ def int_list(value: str) -> list[int]:
 
 def sweep(model: str, *, exit_layers: str | list[int] | None = None, ks="1,2,3,4,6,8", drafters="early_exit",
           min_ngrams="2", draft_vocab_sizes="0", prompts: str | None = None, corpus: str = "stdlib",
-          num_prompts: int = 4, prompt_tokens: int = 64, max_new_tokens: int = 64, repeats: int = 3, warmup: int = 1,
-          device: str | None = None, dtype: str = "auto", out: str = "runs/sweep", write_back: bool = False) -> dict:
+          num_prompts: int = 4, prompt_tokens: int = 64, max_new_tokens: int = 64, repeats: int = 3,
+          warmup: int = 1, device: str | None = None, dtype: str = "auto", out: str = "runs/sweep",
+          write_back: bool = False) -> dict:
     """`selfspec eval sweep`: measure the grid on the model `model`; print the report, write sweep.json,
     sweep.md and sweep.png into `out`, and with `write_back` the fastest setting into its selfspec.json.
 
@@ -272,9 +286,11 @@ def sweep(model: str, *, exit_layers: str | list[int] | None = None, ks="1,2,3,4
     ks, drafters, min_ngrams, draft_vocab_sizes: lists, or comma lists as the flags take them.
     """
     ks = k_list(ks) if isinstance(ks, str) else list(ks)
-    drafters = [d.strip() for d in (drafters.split(",") if isinstance(drafters, str) else drafters) if d.strip()]
+    drafters = [d.strip() for d in (drafters.split(",") if isinstance(drafters, str) else drafters)
+                if d.strip()]
     min_ngrams = int_list(min_ngrams) if isinstance(min_ngrams, str) else list(min_ngrams)
-    draft_vocab_sizes = int_list(draft_vocab_sizes) if isinstance(draft_vocab_sizes, str) else list(draft_vocab_sizes)
+    draft_vocab_sizes = (int_list(draft_vocab_sizes) if isinstance(draft_vocab_sizes, str)
+                         else list(draft_vocab_sizes))
     base, _, counts = resolve_settings(model)
     has_meta = (Path(model) / META_FILE).is_file()
     if write_back and not has_meta:
@@ -288,9 +304,10 @@ def sweep(model: str, *, exit_layers: str | list[int] | None = None, ks="1,2,3,4
     num_layers = count_layers(lm)
     if exit_layers is None or isinstance(exit_layers, str):
         exit_layers = parse_layers(exit_layers or "all", num_layers)
-    report = run_sweep(lm, read_prompts(tokenizer, prompts, corpus, num_prompts, prompt_tokens), exit_layers, ks,
-                       base=base, max_new_tokens=max_new_tokens, repeats=repeats, warmup=warmup, drafters=drafters,
-                       draft_vocab_sizes=draft_vocab_sizes, min_ngrams=min_ngrams, token_counts=counts,
+    report = run_sweep(lm, read_prompts(tokenizer, prompts, corpus, num_prompts, prompt_tokens),
+                       exit_layers, ks, base=base, max_new_tokens=max_new_tokens, repeats=repeats,
+                       warmup=warmup, drafters=drafters, draft_vocab_sizes=draft_vocab_sizes,
+                       min_ngrams=min_ngrams, token_counts=counts,
                        exit_adapters=checkpoint_adapters(model, lm))
     report["model"] = model
     out = Path(out)
@@ -311,7 +328,8 @@ def write_back_fastest(model_dir: str, report: dict, report_path: Path) -> bool:
     if best is None or best["speedup"] <= 1.0:
         print(f"{model_dir}/{META_FILE} left as it is: no lossless setting beat plain decoding")
         return False
-    fastest = {drafter: entry for drafter, entry in report["fastest_per_drafter"].items() if entry["speedup"] > 1.0}
+    fastest = {drafter: entry for drafter, entry in report["fastest_per_drafter"].items()
+               if entry["speedup"] > 1.0}
     write_settings(model_dir, DecodeSettings.from_json(best["settings"]), fastest=fastest,
                    sweep={"speedup": best["speedup"], "report": str(report_path)})
     print(f"{model_dir}/{META_FILE}: {_describe(best)}")

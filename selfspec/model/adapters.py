@@ -48,7 +48,8 @@ class Adapter:
         """(B, T) ids at (B, T) positions -> (B, T, D) input of block 0."""
         raise NotImplementedError
 
-    def block_extras(self, hidden: torch.Tensor, positions: torch.Tensor, max_position: int | None = None) -> dict:
+    def block_extras(self, hidden: torch.Tensor, positions: torch.Tensor,
+                     max_position: int | None = None) -> dict:
         """Per-call tensors every block needs (computed once per `run_layers`, not per block).
 
         max_position: the largest entry of `positions` when the caller knows it without a device read.

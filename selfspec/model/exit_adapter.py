@@ -44,7 +44,8 @@ def save_exit_adapter(adapter: ExitAdapter, directory: str | Path) -> None:
     """Write the adapter's weights into `directory` (a checkpoint being staged)."""
     from safetensors.torch import save_file
 
-    save_file({k: v.detach().contiguous() for k, v in adapter.state_dict().items()}, str(Path(directory) / ADAPTER_FILE))
+    save_file({k: v.detach().contiguous() for k, v in adapter.state_dict().items()},
+              str(Path(directory) / ADAPTER_FILE))
 
 
 def load_exit_adapter(directory: str | Path, shape: dict, device=None, dtype=None) -> ExitAdapter:

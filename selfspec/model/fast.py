@@ -11,8 +11,9 @@ SwiGLU MLP -> residual.
 
 `DecoderView` uses it whenever autograd is off, the model is in eval mode and uses SDPA attention
 (decoding, evaluation), and falls back to the model's own blocks otherwise (training, eager or
-flash attention, PEFT adapters not merged, quantised, sharded, offloaded or hooked layers). The speculative engine's plain and self-speculative paths both run
-through it, so its losslessness guarantee is unchanged; tests check it against Hugging Face's blocks.
+flash attention, PEFT adapters not merged, quantised, sharded, offloaded or hooked layers). The
+speculative engine's plain and self-speculative paths both run through it, so its losslessness
+guarantee is unchanged; tests check it against Hugging Face's blocks.
 """
 
 from __future__ import annotations
@@ -90,7 +91,8 @@ def _hooked(modules: nn.Module) -> bool:
     and DeepSpeed ZeRO-3 gather sharded weights in hooks, accelerate's `device_map` offloading moves
     weights in (`_hf_hook`), and any user forward hook would silently not run."""
     for m in modules.modules():
-        if hasattr(m, "_fsdp_wrapped_module") or type(m).__name__.startswith("FSDP") or hasattr(m, "_hf_hook"):
+        if (hasattr(m, "_fsdp_wrapped_module") or type(m).__name__.startswith("FSDP")
+                or hasattr(m, "_hf_hook")):
             return True
         hooks = [*m._forward_hooks.values(), *m._forward_pre_hooks.values()]
         if not all(_records_only(h) for h in hooks):
@@ -140,7 +142,8 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
         v = v[:, :, None].expand(-1, -1, groups, -1, -1).reshape(batch, heads, -1, head_dim)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and length > 1,
                                          scale=b.scaling, **gqa)
-    return out.reshape(batch, heads, length, head_dim).transpose(1, 2).reshape(batch, length, heads * head_dim)
+    return (out.reshape(batch, heads, length, head_dim).transpose(1, 2)
+            .reshape(batch, length, heads * head_dim))
 
 
 class FastLlamaBlocks:
@@ -159,14 +162,16 @@ class FastLlamaBlocks:
     @classmethod
     def build(cls, layers: nn.ModuleList, config, final_norm: nn.Module | None = None,
               lm_head: nn.Module | None = None) -> FastLlamaBlocks | None:
-        """Gather every block (and the final norm + LM head when given and plain); None if one is not plain."""
+        """Gather every block (and the final norm + LM head when given and plain); None if one is not
+        plain."""
         if _hooked(layers):
             return None
         blocks = [_gather(layer, config) for layer in layers]
         if any(b is None for b in blocks):
             return None
         norm = _norm(final_norm)
-        plain_head = norm is not None and _is_plain_linear(lm_head) and not _hooked(nn.ModuleList([final_norm, lm_head]))
+        plain_head = (norm is not None and _is_plain_linear(lm_head)
+                      and not _hooked(nn.ModuleList([final_norm, lm_head])))
         return cls(blocks, (*norm, lm_head.weight, lm_head.bias) if plain_head else None)
 
     def exit_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -47,7 +47,8 @@ def build_llama(vocab_size: int, hidden_size: int, num_layers: int, num_heads: i
 
 def _looks_local(name_or_path: str) -> bool:
     """A path rather than a hub id ("gpt2", "Qwen/Qwen2.5-0.5B")."""
-    return name_or_path.startswith((".", "/", "~")) or Path(name_or_path).exists() or name_or_path.count("/") > 1
+    return (name_or_path.startswith((".", "/", "~")) or Path(name_or_path).exists()
+            or name_or_path.count("/") > 1)
 
 
 def load_causal_lm(name_or_path: str, dtype: str = "auto", attn_implementation: str = "sdpa",
@@ -59,19 +60,22 @@ def load_causal_lm(name_or_path: str, dtype: str = "auto", attn_implementation: 
     """
     path = Path(name_or_path).expanduser()
     if _looks_local(name_or_path) and not (path / "config.json").is_file():
-        raise ModelLoadError(f"no model at {name_or_path!r} (no config.json there); build the embedded base with "
+        raise ModelLoadError(f"no model at {name_or_path!r} (no config.json there); "
+                             f"build the embedded base with "
                              f"`accelerate launch train/pretrain.py` or pass a model directory or hub id")
     try:
         model = AutoModelForCausalLM.from_pretrained(
             str(path) if path.exists() else name_or_path, dtype=resolve_dtype(dtype, device),
-            attn_implementation=attn_implementation, use_safetensors=True, trust_remote_code=trust_remote_code)
+            attn_implementation=attn_implementation, use_safetensors=True,
+            trust_remote_code=trust_remote_code)
     except SafetensorError as exc:
-        raise ModelLoadError(f"the weights in {name_or_path!r} are damaged ({exc}); save or download the model "
-                             f"again") from None
+        raise ModelLoadError(f"the weights in {name_or_path!r} are damaged ({exc}); "
+                             f"save or download the model again") from None
     except OSError as exc:
         if path.is_dir() and not any(path.glob("*.safetensors")):
             raise ModelLoadError(f"{name_or_path!r} holds no .safetensors weights; selfspec loads no pickled "
-                                 f"weights: convert them with save_pretrained(..., safe_serialization=True)") from None
+                                 f"weights: convert them with "
+                                 f"save_pretrained(..., safe_serialization=True)") from None
         raise ModelLoadError(f"cannot load model {name_or_path!r}: {str(exc).splitlines()[0]}") from None
     return model.to(device)
 

@@ -142,8 +142,8 @@ class DecoderView:
                 fast = window is None or window >= length  # SDPA's own causal kernel is exact
             else:
                 fast = aligned and cached and length == 1 and (window is None or window >= kv_length)
-            masks[window] = None if fast and self.adapter.sdpa else self._mask(query_positions, key_positions, window,
-                                                                          hidden.dtype)
+            masks[window] = (None if fast and self.adapter.sdpa
+                             else self._mask(query_positions, key_positions, window, hidden.dtype))
         return LayerContext(positions, masks, self.adapter.block_extras(hidden, positions, max_position))
 
     @staticmethod

@@ -326,7 +326,9 @@ def _setup(cfg: RunConfig, output_dir: Path) -> _Run:
         data = cfg.data
         train_blocks = data_lib.pack_split(corpus["train"], tokenizer, data.block_size, data.text_field,
                                            max_blocks=data.max_train_blocks, cache_dir=data.cache_dir)
-        val_blocks = data_lib.pack_split(corpus["validation"], tokenizer, data.block_size, data.text_field,
+        held_out = corpus if data.eval_source is None else data_lib.load_corpus(
+            data.eval_source, data.text_field, cache_dir=data.cache_dir, seed=cfg.seed)
+        val_blocks = data_lib.pack_split(held_out["validation"], tokenizer, data.block_size, data.text_field,
                                          max_blocks=data.max_eval_blocks, cache_dir=data.cache_dir)
     view = DecoderView(model)
     num_layers, limit = view.num_layers, view.max_positions

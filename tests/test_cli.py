@@ -1,0 +1,138 @@
+"""The command line as a table of functions: keyword calls, intermixed flags, user errors apart from bugs,
+and every `selfspec ...` command the README shows parses."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+from helpers import tiny_model
+
+from selfspec import cli, commands
+from selfspec.checkpoint import read_settings, save_tuned
+from selfspec.decoding import DecodeSettings
+from selfspec.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def tiny_ckpt(tiny_run, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_run["model"])
+    return save_tuned(tmp_path / "tuned", model, tiny_run["tokenizer"],
+                      settings=DecodeSettings(exit_layer=2, num_speculations=3))
+
+
+def test_an_internal_error_keeps_its_traceback_while_a_user_error_is_one_line(monkeypatch, capsys):
+    def bug(**kwargs):
+        raise ValueError("an internal invariant broke")
+
+    monkeypatch.setattr(commands, "layers_report", bug)
+    with pytest.raises(ValueError, match="an internal invariant broke"):  # not swallowed into one line
+        cli.main(["layers", "some/model"])
+
+    def mistake(**kwargs):
+        raise UserError("the model directory is missing; pass another one\nsecond line")
+
+    monkeypatch.setattr(commands, "layers_report", mistake)
+    assert cli.main(["layers", "some/model"]) == 2
+    assert capsys.readouterr().err == "error: the model directory is missing; pass another one\n"
+
+
+def test_every_command_is_called_with_keywords_named_after_its_flags(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(commands, "gate", lambda **kwargs: seen.update(kwargs) or False)
+    assert cli.main(["eval", "gate", "--tuned", "a", "--base", "b", "--data", "sharegpt",
+                     "--max-blocks", "4"]) == 1
+    assert seen == {"tuned": "a", "base": "b", "max_increase": 0.01, "source": "sharegpt", "split": "test",
+                    "block_size": 256, "max_blocks": 4, "json_out": None}
+
+
+def test_a_flag_between_the_model_and_the_prompt_parses(tiny_ckpt, capsys):
+    """The README's `selfspec generate MODEL --chat "..."`: argparse's plain parsing took the prompt for an
+    unrecognized argument; the tiny tokenizer has no chat template, which is the error it must reach."""
+    assert cli.main(["generate", str(tiny_ckpt), "--chat", "What is the capital of France?"]) == 2
+    assert "has no chat template" in capsys.readouterr().err
+    assert cli.main(["generate", str(tiny_ckpt), "--max-new-tokens", "4", "--no-eos", "def f(x):"]) == 0
+    assert capsys.readouterr().out.startswith("def f(x):")
+
+
+def test_a_benchmark_of_no_prompts_is_a_one_line_error_that_writes_nothing(tiny_ckpt, tmp_path, capsys):
+    out = tmp_path / "benchmark"
+    assert cli.main(["eval", "speedup", "--model", str(tiny_ckpt), "--num-prompts", "0",
+                     "--out", str(out)]) == 2
+    assert capsys.readouterr().err.startswith("error: --num-prompts (0)")
+    assert not out.exists()
+    assert cli.main(["eval", "sweep", "--model", str(tiny_ckpt), "--num-prompts", "0",
+                     "--out", str(out)]) == 2
+    assert not out.exists()
+
+
+def test_an_imported_base_decodes_with_copies_never_slower_than_plain(tmp_path, monkeypatch, tiny_run):
+    """An untrained early exit drafts too poorly to pay: the import's default is the copy drafter."""
+    from transformers import AutoTokenizer
+
+    from selfspec import load_tuned
+
+    model = tiny_model("llama")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_run["model"])
+    monkeypatch.setattr("selfspec.model.gguf.load_gguf", lambda source: (model, tokenizer, Path("tiny.gguf")))
+    out = commands.import_gguf("tiny.gguf", str(tmp_path / "base"))
+    settings = read_settings(out)
+    assert settings.drafter == "ngram" and settings.exit_layer == 2  # E kept for a later early exit
+    gen = load_tuned(out)
+    prompt = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]]
+    copied = gen.generate(prompt, max_new_tokens=12, eos_token_id=[])
+    plain = gen.generate(prompt, max_new_tokens=12, eos_token_id=[], num_speculations=0, drafter="early_exit")
+    assert copied.sequences == plain.sequences and copied.stats.early_exit.drafted == 0
+
+
+def test_the_curve_legend_sits_outside_the_acceptance_axes(tmp_path, monkeypatch):
+    from selfspec.evaluation import curves
+
+    boxes, save = [], curves.save_figure
+
+    def check_and_save(fig, path):
+        fig.canvas.draw()
+        axes = fig.axes[0]
+        boxes.append((axes.get_legend().get_window_extent(), axes.get_window_extent()))
+        return save(fig, path)
+
+    monkeypatch.setattr(curves, "save_figure", check_and_save)
+    curve = {"tokens": [0, 100, 200], "perplexity": [9.0, 8.0, 7.5],
+             "exits": {2: {"top1_agreement": [0.1, 0.5, 0.9], "expected_acceptance": [0.2, 0.5, 0.8]}}}
+    curves.plot_curve(curve, tmp_path / "curve.png")
+    ((legend, axes),) = boxes
+    assert not legend.overlaps(axes)  # it once sat on the acceptance curves
+    assert (tmp_path / "curve.png").stat().st_size > 0
+
+
+def readme_commands() -> list[list[str]]:
+    """Every `selfspec ...` command in the README's code blocks, continuation lines joined."""
+    text = (ROOT / "README.md").read_text()
+    found = []
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split(" #")[0].strip()
+            for part in line.split("&&"):
+                part = part.strip()
+                if part.startswith("selfspec "):
+                    found.append(shlex.split(part)[1:])
+    return found
+
+
+@pytest.mark.parametrize("argv", readme_commands(), ids=lambda argv: " ".join(argv[:2]))
+def test_every_command_the_readme_shows_parses(argv):
+    _, table = cli._parser()
+    words = tuple(argv[:2]) if argv[0] == "eval" else tuple(argv[:1])
+    assert words in table, argv
+    args = table[words].parse_intermixed_args(argv[len(words):])  # SystemExit on a flag that is not there
+    assert callable(args.func)
+
+
+def test_the_readme_shows_commands():
+    assert len(readme_commands()) >= 10
