@@ -222,7 +222,8 @@ def draft_vocab(path: str | Path, size: int | None):
 def load_tuned(path: str | Path, device: str = "cpu", dtype: str = "auto",
                settings: DecodeSettings | None = None,
                *, exit_layer: int | None = None, num_speculations=None, drafter: str | None = None,
-               draft_vocab_size: int | None = None, min_ngram: int | None = None):
+               draft_vocab_size: int | None = None, stop_below: float | None = None,
+               min_ngram: int | None = None):
     """Load a tuned checkpoint as a `SelfSpecGenerator` ready for lossless fast generation.
 
     It decodes with `settings`, by default the checkpoint's own (what `selfspec eval sweep
@@ -235,7 +236,7 @@ def load_tuned(path: str | Path, device: str = "cpu", dtype: str = "auto",
     meta = read_meta(path)
     settings = (settings or read_settings(path, meta)).override(
         exit_layer=exit_layer, num_speculations=num_speculations, drafter=drafter,
-        draft_vocab_size=draft_vocab_size, min_ngram=min_ngram)
+        draft_vocab_size=draft_vocab_size, stop_below=stop_below, min_ngram=min_ngram)
     counts = read_token_counts(path)
     if settings.draft_vocab_size and counts is None:
         raise CheckpointError(f"draft_vocab_size = {settings.draft_vocab_size} needs {TOKEN_COUNTS_FILE} "

@@ -64,6 +64,9 @@ def _settings_flags(p) -> None:
                    help="early_exit, ngram (copies from the context) or hybrid")
     p.add_argument("--draft-vocab-size", type=int, default=None,
                    help="V': the early exit drafts among the V' most frequent tokens (0: all)")
+    p.add_argument("--stop-below", type=float, default=None,
+                   help="η: stop a round's early-exit drafts when the draft's top probability falls below it "
+                        "(0: never)")
 
 
 def _timing_flags(p, num_prompts: int, max_new_tokens: int, repeats: int, out: str) -> None:
@@ -198,6 +201,9 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], argparse.A
     p.add_argument("--draft-vocab-sizes", default="0",
                    help="V' of the draft head, e.g. '0,2048,8192' (0: the whole head; others need the "
                         "checkpoint's token counts, see `selfspec draft-vocab`)")
+    p.add_argument("--stop-belows", default="0",
+                   help="η values of the early exit's stopping rule, e.g. '0,0.4,0.6' (0: never stop "
+                        "drafting)")
     p.add_argument("--write-back", action="store_true", help="record the fastest setting in the checkpoint's "
                                                              "selfspec.json")
 

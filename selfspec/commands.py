@@ -125,7 +125,7 @@ def generate(model_dir: str, prompts: list[str], *, max_new_tokens: int = 64, te
              top_k: int = 0, top_p: float = 1.0, seed: int | None = None, chat: bool = False,
              eos: list[int] | None = None, stop: list[str] | None = None, stream: bool = True,
              exit_layer: int | None = None, num_speculations=None, drafter: str | None = None,
-             draft_vocab_size: int | None = None) -> list[str]:
+             draft_vocab_size: int | None = None, stop_below: float | None = None) -> list[str]:
     """Generate continuations of `prompts` (one batch) with a tuned checkpoint; print them and the stats.
 
     It decodes at the checkpoint's `DecodeSettings` (a sweep's `--write-back` sets them); E, k, the
@@ -141,7 +141,7 @@ def generate(model_dir: str, prompts: list[str], *, max_new_tokens: int = 64, te
     if not prompts or any(not p for p in prompts):
         raise UserError("a prompt is empty; pass some text to continue")
     gen = load_tuned(model_dir, exit_layer=exit_layer, num_speculations=num_speculations, drafter=drafter,
-                     draft_vocab_size=draft_vocab_size)
+                     draft_vocab_size=draft_vocab_size, stop_below=stop_below)
     tokenizer = gen.tokenizer
     if tokenizer is None:
         raise UserError(f"{model_dir} has no tokenizer; "

@@ -136,3 +136,32 @@ def test_every_command_the_readme_shows_parses(argv):
 
 def test_the_readme_shows_commands():
     assert len(readme_commands()) >= 10
+
+
+def test_the_sweep_searches_eta_and_writes_it_back(tiny_ckpt, tmp_path, capsys):
+    from helpers import sharp_llama
+
+    from selfspec.evaluation.sweep import run_sweep, to_markdown
+
+    report = run_sweep(sharp_llama(), [[5, 17, 33, 2, 11, 8]], [1], [2], drafters=("early_exit", "hybrid"),
+                       stop_belows=(0.0, 0.5), max_new_tokens=8, repeats=1, warmup=0, progress=False)
+    etas = sorted({(row["drafter"], row["stop_below"]) for row in report["grid"]})
+    assert etas == [("early_exit", 0.0), ("early_exit", 0.5), ("hybrid", 0.0), ("hybrid", 0.5)]
+    assert report["all_identical_to_plain"]
+    assert sum(row["stopped_below_eta"] for row in report["grid"] if row["stop_below"]) > 0
+    assert "early_exit, E = 1, k = 2, η = 0.5" in to_markdown(report)
+    out = tmp_path / "sweep"
+    assert cli.main(["eval", "sweep", "--model", str(tiny_ckpt), "--exit-layers", "2", "--ks", "2",
+                     "--stop-belows", "0,0.4", "--max-new-tokens", "4", "--repeats", "1", "--warmup", "0",
+                     "--num-prompts", "1", "--prompts", str(_prompt_file(tmp_path)), "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert cli.main(["generate", str(tiny_ckpt), "def f(x):", "--stop-below", "1.5"]) == 2
+    assert "stop_below (η) must be a number in [0, 1)" in capsys.readouterr().err
+    assert cli.main(["eval", "sweep", "--model", str(tiny_ckpt), "--stop-belows", "high"]) == 2
+    assert "comma list of numbers" in capsys.readouterr().err
+
+
+def _prompt_file(tmp_path: Path) -> Path:
+    path = tmp_path / "prompts.txt"
+    path.write_text("def f(x):\n")
+    return path

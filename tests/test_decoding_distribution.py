@@ -39,9 +39,9 @@ def exact_distributions(model, params: SamplingParams):
     return first.double().numpy(), second.double().numpy()
 
 
-def sample_runs(model, setting: str, exit_layer: int = 1):
+def sample_runs(model, setting: str, exit_layer: int = 1, stop_below: float = 0.0):
     temperature, top_k, top_p, k = SETTINGS[setting]
-    out = SelfSpecGenerator(model, exit_layer=exit_layer).generate(
+    out = SelfSpecGenerator(model, exit_layer=exit_layer, stop_below=stop_below).generate(
         [PROMPT] * RUNS, max_new_tokens=2, temperature=temperature, top_k=top_k, top_p=top_p,
         num_speculations=k, seed=0, eos_token_id=[])
     return np.array(out.sequences), out.stats  # (RUNS, 2)
@@ -53,6 +53,15 @@ def test_first_and_second_token_match_the_target_distribution(model, setting):
     first, second = exact_distributions(model, SamplingParams(temperature, top_k, top_p))
     tokens, stats = sample_runs(model, setting)
     assert stats.acceptance_rate < 0.7  # a poor draft: many rejections, the residual matters
+    assert chi_square_p(tokens[:, 0], first) > P_MIN
+    assert chi_square_p(tokens[:, 1], second) > P_MIN
+
+
+def test_stopping_below_eta_keeps_the_target_distribution(model):
+    """η reads only the draft's own distribution, so where a round stops never biases the output."""
+    first, second = exact_distributions(model, SamplingParams(1.0, 0, 1.0))
+    tokens, stats = sample_runs(model, "t1_k2", stop_below=0.5)
+    assert stats.stopped_below_eta > 0 or stats.k_rounds.keys() != {2}
     assert chi_square_p(tokens[:, 0], first) > P_MIN
     assert chi_square_p(tokens[:, 1], second) > P_MIN
 

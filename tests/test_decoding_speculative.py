@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import torch
-from helpers import FAMILIES, low_alpha_model, reference_greedy, tiny_model
+from helpers import FAMILIES, low_alpha_model, reference_greedy, sharp_llama, tiny_model
 
 from selfspec.decoding import CacheLengthError, KVCache, SelfSpecGenerator, WindowRule
 
@@ -54,6 +54,39 @@ def test_an_exit_adapter_changes_the_drafts_but_never_the_output(family_case):
         assert out.sequences == expected, (family, exit_layer)
         plain_drafts = without.generate(PROMPTS, max_new_tokens=NEW, num_speculations=3, eos_token_id=[])
         assert out.stats.accepted_histogram != plain_drafts.stats.accepted_histogram  # the drafts did change
+
+
+def test_stopping_below_eta_is_lossless_and_counted(family_case):
+    """η (Kangaroo's rule) cuts rounds short wherever the draft is unsure: before the first draft (the round
+    is a plain step), after some drafts, and inside the hybrid's rounds; the output never changes."""
+    family, model, expected = family_case
+    stopped = {}
+    for eta in (0.0, 0.05, 0.3, 0.999):
+        for drafter in ("early_exit", "hybrid"):
+            generator = SelfSpecGenerator(model, exit_layer=2, num_speculations=4, drafter=drafter,
+                                          stop_below=eta)
+            for batch in (PROMPTS, [PROMPTS[0]]):
+                out = generator.generate(batch, max_new_tokens=NEW, eos_token_id=[])
+                assert out.sequences == [expected[PROMPTS.index(p)] for p in batch], (family, eta, drafter)
+                stopped[eta] = stopped.get(eta, 0) + out.stats.stopped_below_eta
+                if eta == 0.999:  # no draft is that sure: no early-exit draft at all
+                    assert out.stats.early_exit.drafted == 0
+    assert stopped[0.0] == 0 and stopped[0.999] > 0
+    sampled = SelfSpecGenerator(model, exit_layer=2, num_speculations=4, stop_below=0.3).generate(
+        PROMPTS, max_new_tokens=NEW, temperature=1.0, seed=5, eos_token_id=[])
+    assert [len(row) for row in sampled.sequences] == [NEW] * len(PROMPTS)
+
+
+def test_eta_stops_rounds_after_some_drafts():
+    """A sharp model's draft is sure of some tokens and not of others: rounds end after 1..k-1 drafts."""
+    model = sharp_llama()
+    prompts = [[5, 17, 33, 2, 11, 8], [40, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
+    expected = [reference_greedy(model, p, 20) for p in prompts]
+    out = SelfSpecGenerator(model, exit_layer=1, num_speculations=4, stop_below=0.5).generate(
+        prompts, max_new_tokens=20, eos_token_id=[])
+    assert out.sequences == expected
+    cut = sum(n for k, n in out.stats.k_rounds.items() if 0 < k < 4)
+    assert out.stats.stopped_below_eta > 0 and cut > 0 and out.stats.early_exit.drafted > 0
 
 
 def test_rows_stop_at_eos_at_different_steps(family_case):

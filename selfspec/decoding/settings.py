@@ -22,7 +22,7 @@ from .policy import DRAFTERS, DraftPolicy, make_policy
 
 ADAPTIVE_K = ("auto", "window")  # draft lengths chosen per round by a controller (see controller.py)
 # as selfspec.json names them
-FIELDS = ("drafter", "exit_layer", "num_speculations", "draft_vocab_size", "ngram")
+FIELDS = ("drafter", "exit_layer", "num_speculations", "draft_vocab_size", "stop_below", "ngram")
 
 
 def parse_num_speculations(value) -> int | str:
@@ -48,6 +48,8 @@ class DecodeSettings:
     num_speculations: k, the early exit's drafts per round: an int (0: plain decoding), "auto"
         (the cost model per round) or "window" (the articles' rule).
     draft_vocab_size: V', the early exit drafts among the V' most frequent tokens; 0: the whole head.
+    stop_below: η, the early exit stops a round's drafts once its draft's top probability falls
+        below η (Kangaroo: 0.6 at batch 1; in a batch, once no row's reaches it); 0: never stops.
     ngram: the copy settings of "ngram" and "hybrid".
     """
 
@@ -55,6 +57,7 @@ class DecodeSettings:
     exit_layer: int | None = None
     num_speculations: int | str = "auto"
     draft_vocab_size: int = 0
+    stop_below: float = 0.0
     ngram: NGramConfig = field(default_factory=NGramConfig)
 
     def __post_init__(self):
@@ -72,6 +75,11 @@ class DecodeSettings:
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise UserError(f"draft_vocab_size must be an int >= 0 (0: the whole head), got {size!r}")
         object.__setattr__(self, "draft_vocab_size", size)
+        eta = self.stop_below
+        if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not 0 <= eta < 1:
+            raise UserError(f"stop_below (η) must be a number in [0, 1) (0: never stop drafting), "
+                            f"got {eta!r}")
+        object.__setattr__(self, "stop_below", float(eta))
         if not isinstance(self.ngram, NGramConfig):
             raise UserError(f"ngram must be an NGramConfig, got {self.ngram!r}")
 
@@ -81,12 +89,14 @@ class DecodeSettings:
         return self.drafter == "early_exit" and self.num_speculations == 0
 
     def override(self, *, drafter: str | None = None, exit_layer: int | None = None, num_speculations=None,
-                 draft_vocab_size: int | None = None, min_ngram: int | None = None) -> DecodeSettings:
+                 draft_vocab_size: int | None = None, stop_below: float | None = None,
+                 min_ngram: int | None = None) -> DecodeSettings:
         """A copy with the given fields changed; None keeps a field. `min_ngram` moves the copy
         threshold (and raises `max_ngram` to it when needed; `max_copy` stays)."""
         changes = {name: value for name, value in (("drafter", drafter), ("exit_layer", exit_layer),
                                                    ("num_speculations", num_speculations),
-                                                   ("draft_vocab_size", draft_vocab_size))
+                                                   ("draft_vocab_size", draft_vocab_size),
+                                                   ("stop_below", stop_below))
                    if value is not None}
         if min_ngram is not None:
             old = self.ngram
@@ -110,6 +120,7 @@ class DecodeSettings:
         if self.drafter != "ngram":
             parts += [f"E = {self.exit_layer}", f"k = {self.num_speculations}"]
             parts += [f"V' = {self.draft_vocab_size}"] if self.draft_vocab_size else []
+            parts += [f"η = {self.stop_below:g}"] if self.stop_below else []
         if self.drafter != "early_exit":
             parts.append(f"min_ngram = {self.ngram.min_ngram}")
         return ", ".join(parts)
@@ -118,7 +129,8 @@ class DecodeSettings:
         """The fields as `selfspec.json` stores them (top level, and each entry of "fastest")."""
         return {"drafter": self.drafter, "exit_layer": self.exit_layer,
                 "num_speculations": self.num_speculations,
-                "draft_vocab_size": self.draft_vocab_size, "ngram": self.ngram.as_dict()}
+                "draft_vocab_size": self.draft_vocab_size, "stop_below": self.stop_below,
+                "ngram": self.ngram.as_dict()}
 
     @classmethod
     def from_json(cls, entry: dict, default: DecodeSettings | None = None) -> DecodeSettings:

@@ -61,6 +61,7 @@ class GenerationStats(AcceptanceStats):
     num_layers: int = 0
     draft_steps: int = 0  # draft forward passes (Σ k over rounds; a step serves the whole batch)
     plain_steps: int = 0  # rounds with k = 0
+    stopped_below_eta: int = 0  # rounds whose early-exit drafts stopped because no draft reached η
     draft_time: float = 0.0
     verify_time: float = 0.0
     plain_time: float = 0.0
@@ -95,7 +96,8 @@ class GenerationStats(AcceptanceStats):
 
     def as_dict(self) -> dict:
         times = {name: getattr(self, name) for name in (
-            "exit_layer", "num_layers", "draft_steps", "plain_steps", "draft_time", "verify_time",
+            "exit_layer", "num_layers", "draft_steps", "plain_steps", "stopped_below_eta", "draft_time",
+            "verify_time",
             "plain_time", "prefill_time", "total_time", "generated_tokens")}
         return {**super().as_dict(), **times, "draft_cost": self.draft_cost,
                 "tokens_per_second": self.tokens_per_second,
@@ -120,6 +122,7 @@ class _Batch:
     sampling: SamplingParams
     exit_layer: int  # E of this call's early exit
     head: DraftHead  # its draft head (trimmed to V', behind an exit adapter, or the model's own)
+    stop_below: float  # η: stop a round's early-exit drafts when no row's top draft probability reaches it
     steps: torch.Tensor  # arange(capacity) on the device, to build positions
     rows: np.ndarray  # (B,) the caller's row index of each batch slot
     lengths: np.ndarray  # (B,) positions the cache holds = position of the pending token
@@ -151,6 +154,7 @@ class _Draft:
     segments: list = field(default_factory=list)
     hiddens: list = field(default_factory=list)
     tail: torch.Tensor = None
+    stopped: bool = False  # the early exit stopped below η before the plan's last draft
 
     def add(self, source: str, tokens: torch.Tensor, start: int) -> None:
         """Drafts (B, r) from `source` at draft positions start .. start + r - 1."""
@@ -234,13 +238,14 @@ class SelfSpecGenerator:
 
     def __init__(self, model, tokenizer=None, settings: DecodeSettings | None = None, *,
                  exit_layer: int | None = None, num_speculations=None, drafter: str | None = None,
-                 draft_vocab_size: int | None = None, ngram: NGramConfig | None = None, token_counts=None,
+                 draft_vocab_size: int | None = None, stop_below: float | None = None,
+                 ngram: NGramConfig | None = None, token_counts=None,
                  exit_adapters: dict | None = None, check_cache: bool = True):
         self.view = DecoderView(model)
         self.tokenizer = tokenizer
         settings = (settings or DecodeSettings()).override(
             exit_layer=exit_layer, num_speculations=num_speculations, drafter=drafter,
-            draft_vocab_size=draft_vocab_size)
+            draft_vocab_size=draft_vocab_size, stop_below=stop_below)
         self.token_counts = token_counts
         self.exit_adapters = dict(exit_adapters or {})
         self.check_cache = check_cache
@@ -298,19 +303,26 @@ class SelfSpecGenerator:
             return logits.argmax(-1)
         return sample(b.sampling.probs(logits), uniforms(b.seeds_dev, position, DRAFT)[:, 0])
 
+    @staticmethod
+    def _unsure(b: _Batch, logits: torch.Tensor) -> bool:
+        """Whether every row's draft distribution (B, V) puts less than η on its most likely token
+        (Kangaroo's stopping rule). It reads only the draft, so the output stays the target's."""
+        probs = torch.softmax(logits.float(), -1) if b.sampling.greedy else b.sampling.probs(logits)
+        return bool((probs.max(-1).values < b.stop_below).all())  # one small host read per draft step
+
     def _round(self, b: _Batch, plan: DraftPlan, policy: DraftPolicy, clock: _Clock, cap: int):
         """One round for every row: draft, verify all drafts in one pass, accept a prefix.
 
         Returns tokens (B, k+1), accepted (B,), three timestamps (start, drafted, verified) and the
-        draft's `Segment`s. A row emits tokens[:accepted + 1]: its accepted drafts, then the target's
-        own token (the correction after a rejection, the bonus after a full acceptance). k = 0 is
-        one plain decoding step.
+        `_Draft` (its `Segment`s, whether η stopped it). A row emits tokens[:accepted + 1]: its
+        accepted drafts, then the target's own token (the correction after a rejection, the bonus
+        after a full acceptance). k = 0 is one plain decoding step.
         """
         start = clock.mark()
         draft = self._draft(b, plan, policy, cap)
         drafted = clock.mark()
         tokens, accepted = self._verify(b, draft)
-        return tokens, accepted, (start, drafted, clock.mark()), draft.segments
+        return tokens, accepted, (start, drafted, clock.mark()), draft
 
     def _draft(self, b: _Batch, plan: DraftPlan, policy: DraftPolicy, cap: int) -> _Draft:
         """The round's drafts: `plan.copied` (B, m) copied tokens, then up to `plan.extend` early-exit
@@ -332,6 +344,9 @@ class SelfSpecGenerator:
             if early:  # the previous draft through blocks [0, E): this step's input
                 draft.hiddens.append(self._run(b, early[-1][:, None], k, b.exit_layer))
             logits = b.head.logits(draft.hiddens[-1][:, -1])  # (B, V)
+            if b.stop_below and self._unsure(b, logits):  # η: no row trusts this draft; verify what we have
+                draft.stopped = True
+                break
             early.append(self._pick(b, logits, b.lengths_dev[:, None] + (k + 1)))  # the token at n + k + 1
             draft.q.append(("early_exit", logits))
             if policy.copies_after_early_exit and k + 1 < cap:
@@ -340,8 +355,12 @@ class SelfSpecGenerator:
                 copy = policy.copy_after(b.rows, torch.stack(early, 1).cpu().numpy())[:, :cap - k - 1]
                 if copy.size:  # the rest of the round is a copy
                     break
-        draft.add("early_exit", torch.stack(early, 1), m)  # (B, e)
-        draft.tail = early[-1][:, None]  # (B, 1)
+        if early:
+            draft.add("early_exit", torch.stack(early, 1), m)  # (B, e)
+        # The last draft's pass through blocks [0, E) is the verification's first part; when η stopped
+        # the round, every token already had it (without any early-exit draft: a plain step or a copy).
+        # (B, 1), or (B, 0)
+        draft.tail = early[-1][:, None] if early and not draft.stopped else draft.tail[:, :0]
         if copy is not None and copy.size:
             draft.add("copy", torch.as_tensor(copy, device=start.device), m + len(early))  # (B, r)
             draft.tail = torch.cat([draft.tail, draft.parts[-1]], 1)  # (B, r+1)
@@ -356,8 +375,8 @@ class SelfSpecGenerator:
         if not draft.hiddens:  # no early-exit draft: every block at once
             hidden = self._run(b, draft.tail, 0, num_layers)  # (B, k+1, D)
         else:
-            hidden = torch.cat([*draft.hiddens,
-                                self._run(b, draft.tail, done, b.exit_layer)], 1)  # (B, k+1, D)
+            tail = [self._run(b, draft.tail, done, b.exit_layer)] if draft.tail.shape[1] else []
+            hidden = torch.cat([*draft.hiddens, *tail], 1)  # (B, k+1, D)
             if b.exit_layer < num_layers:
                 hidden = view.run_layers(hidden, b.exit_layer, num_layers, **self._place(b, 0, k + 1))
         p_logits = view.exit_logits(hidden)  # (B, k+1, V)
@@ -366,9 +385,9 @@ class SelfSpecGenerator:
         # q: one-hot for copied drafts (deterministic given the context), the early exit's processed
         # distribution for its own drafts.
         vocab = p_logits.shape[-1]
-        q = torch.cat([sampling.copied_probs(part, vocab) if source == "copy"
-                       else b.sampling.probs(part)[:, None]
-                       for source, part in draft.q], 1)  # (B, k, V)
+        q = torch.cat([p_logits[:, :0], *(sampling.copied_probs(part, vocab) if source == "copy"
+                                          else b.sampling.probs(part)[:, None]
+                                          for source, part in draft.q)], 1)  # (B, k, V)
         decided = b.lengths_dev[:, None] + b.steps[1:k + 2]  # (B, k+1): positions n+1 .. n+k+1
         return accept_sampled(draft.tokens, q, b.sampling.probs(p_logits),
                               uniforms(b.seeds_dev, decided[:, :k], ACCEPT),
@@ -441,7 +460,9 @@ class SelfSpecGenerator:
             if limit is not None:  # no draft beyond the last position the model has (GPT-2's table)
                 cap = min(cap, limit - 1 - int(b.lengths.max()))
                 plan = plan.truncate(cap)
-            tokens, accepted, (start, drafted, verified), segments = self._round(b, plan, policy, clock, cap)
+            tokens, accepted, (start, drafted, verified), draft = self._round(b, plan, policy, clock, cap)
+            segments = draft.segments
+            stats.stopped_below_eta += draft.stopped
             k = tokens.shape[1] - 1
             host = torch.cat([tokens, accepted[:, None]], 1).cpu().numpy()  # the round's one host sync
             tokens, accepted = host[:, :-1], host[:, -1]
@@ -486,6 +507,7 @@ class SelfSpecGenerator:
         device, rows = self.view.device, len(prompts)
         b = _Batch(cache=KVCache(self.view.num_layers, rows, capacity), sampling=sampling,
                    exit_layer=settings.exit_layer, head=self.draft_head(settings),
+                   stop_below=settings.stop_below,
                    steps=torch.arange(capacity, device=device), rows=np.arange(rows),
                    lengths=np.zeros(rows, dtype=np.int64),
                    pending_host=np.array([p[-1] for p in prompts], dtype=np.int64),

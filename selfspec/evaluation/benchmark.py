@@ -377,7 +377,9 @@ def read_prompts(tokenizer, prompts: str | None = None, corpus: str = "stdlib", 
 
 
 def speedup(model: str, *, exit_layer: int | None = None, num_speculations=None, drafter: str | None = None,
-            draft_vocab_size: int | None = None, min_ngram: int | None = None, prompts: str | None = None,
+            draft_vocab_size: int | None = None, stop_below: float | None = None,
+            min_ngram: int | None = None,
+            prompts: str | None = None,
             corpus: str = "stdlib", num_prompts: int = 8, prompt_tokens: int = 64, max_new_tokens: int = 128,
             repeats: int = 5, warmup: int = 1, methods=METHODS, batch_size: int = 1, keep_eos: bool = False,
             device: str | None = None, dtype: str = "auto", out: str = "runs/benchmark") -> dict:
@@ -391,7 +393,7 @@ def speedup(model: str, *, exit_layer: int | None = None, num_speculations=None,
                         f"({max_new_tokens}) must be >= 1")
     settings, fastest, token_counts = resolve_settings(
         model, exit_layer=exit_layer, num_speculations=num_speculations, drafter=drafter,
-        draft_vocab_size=draft_vocab_size, min_ngram=min_ngram)
+        draft_vocab_size=draft_vocab_size, stop_below=stop_below, min_ngram=min_ngram)
     if settings.exit_layer is None:
         raise UserError(f"--exit-layer is required: {model} has no selfspec.json")
     lm, tokenizer = load_model(model, device, dtype)

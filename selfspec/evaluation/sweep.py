@@ -33,11 +33,11 @@ from .benchmark import interleaved_rates, load_model, pooled_costs, read_prompts
 from .report import save_figure, write_report
 
 
-def grid_settings(base: DecodeSettings, exit_layers, ks, drafters, vocabs,
-                  min_ngrams) -> list[DecodeSettings]:
+def grid_settings(base: DecodeSettings, exit_layers, ks, drafters, vocabs, min_ngrams,
+                  stop_belows=(0.0,)) -> list[DecodeSettings]:
     """Plain first (k = 0), then every combination each drafter uses, each derived from `base` (the
     checkpoint's settings: its copy settings other than the threshold carry over). The n-gram drafter
-    has no E, k or V' of its own: it keeps `base`'s."""
+    has no E, k, V' or η of its own: it keeps `base`'s."""
     settings = [base.override(drafter="early_exit", num_speculations=0)]
     for drafter in drafters:
         if drafter == "ngram":
@@ -46,10 +46,11 @@ def grid_settings(base: DecodeSettings, exit_layers, ks, drafters, vocabs,
         for e in exit_layers:
             for v in vocabs:
                 for k in ks:
-                    cell = base.override(drafter=drafter, exit_layer=e, num_speculations=k,
-                                         draft_vocab_size=v)
-                    settings += ([cell.override(min_ngram=n) for n in min_ngrams] if drafter == "hybrid"
-                                 else [cell])
+                    for eta in stop_belows:
+                        cell = base.override(drafter=drafter, exit_layer=e, num_speculations=k,
+                                             draft_vocab_size=v, stop_below=eta)
+                        settings += ([cell.override(min_ngram=n) for n in min_ngrams] if drafter == "hybrid"
+                                     else [cell])
     return settings
 
 
@@ -75,11 +76,14 @@ def check_drafters(drafters, draft_vocab_sizes, min_ngrams, token_counts) -> Non
 def run_sweep(model, prompts: list[list[int]], exit_layers: list[int], ks: list, *,
               base: DecodeSettings | None = None,
               max_new_tokens: int = 64, repeats: int = 3, warmup: int = 1, progress: bool = True,
-              drafters=("early_exit",), draft_vocab_sizes=(0,), min_ngrams=(2,), token_counts=None,
+              drafters=("early_exit",), draft_vocab_sizes=(0,), min_ngrams=(2,), stop_belows=(0.0,),
+              token_counts=None,
               exit_adapters: dict | None = None) -> dict:
     """Measure every setting of the grid against plain decoding; returns the report as a dict.
 
     base: the settings the grid varies (the checkpoint's; default `DecodeSettings()`).
+    stop_belows: the η values of the early exit's stopping rule (0: never stops); the first one's cells
+    give the α and c per exit.
     token_counts: (V,) token frequencies (the checkpoint's), needed for draft_vocab_sizes other than 0.
     exit_adapters: E -> the checkpoint's `ExitAdapter` for that exit (its draft cost is measured with it).
     """
@@ -95,6 +99,9 @@ def run_sweep(model, prompts: list[list[int]], exit_layers: list[int], ks: list,
         raise UserError(f"the sweep needs max_new_tokens >= 1 ({max_new_tokens}), repeats >= 1 ({repeats}) "
                         f"and a prompt ({len(prompts)})")
     check_drafters(drafters, draft_vocab_sizes, min_ngrams, token_counts)
+    stop_belows = list(stop_belows)
+    for eta in stop_belows:
+        DecodeSettings(stop_below=eta)  # validates
     base = base or DecodeSettings()
     generator = SelfSpecGenerator(model, settings=base.override(exit_layer=base.exit_layer or exit_layers[0]),
                                   token_counts=token_counts, exit_adapters=exit_adapters, check_cache=False)
@@ -103,17 +110,17 @@ def run_sweep(model, prompts: list[list[int]], exit_layers: list[int], ks: list,
         out = generator.generate(batch, max_new_tokens=max_new_tokens, eos_token_id=[], settings=setting)
         return out.sequences, out.stats
 
-    settings = grid_settings(base, exit_layers, ks, drafters, draft_vocab_sizes, min_ngrams)
+    settings = grid_settings(base, exit_layers, ks, drafters, draft_vocab_sizes, min_ngrams, stop_belows)
     plain = settings[0]
     device = generator.view.device
     rates, outputs, stats = interleaved_rates(settings, run, [[p] for p in prompts], repeats, warmup, device,
                                               "sweep" if progress else None)  # batch 1
 
     plain_rate = statistics.median(rates[plain])
-    per_exit = {}  # str(E) -> {str(V'): α, c, draft step}: early-exit runs pooled over k
+    per_exit = {}  # str(E) -> {str(V'): α, c, draft step}: early-exit runs pooled over k (at the first η)
     for e in exit_layers:
         for v in draft_vocab_sizes:
-            runs = [s for setting in settings if setting.drafter == "early_exit" and not setting.is_plain
+            runs = [s for setting in settings if _in_table(setting.to_json(), stop_belows[0])
                     and (setting.exit_layer, setting.draft_vocab_size) == (e, v) for s in stats[setting]]
             if runs:
                 costs = pooled_costs(stats[plain], runs)
@@ -129,8 +136,9 @@ def run_sweep(model, prompts: list[list[int]], exit_layers: list[int], ks: list,
                "acceptance_rate": alpha,
                "mean_accepted_length": run_costs["stats"].mean_accepted_length,
                "sources": source_summary(stats[setting]),
+               "stopped_below_eta": sum(s.stopped_below_eta for s in stats[setting]),
                "identical_to_plain": outputs[setting] == outputs[plain]}
-        if setting.drafter == "early_exit":
+        if _in_table(row, stop_belows[0]):
             k = setting.num_speculations
             cost = per_exit[str(setting.exit_layer)][str(setting.draft_vocab_size)]["draft_cost"]
             row["predicted_speedup"] = (speedup_simple(k, alpha, cost) if isinstance(k, int)
@@ -143,6 +151,7 @@ def run_sweep(model, prompts: list[list[int]], exit_layers: list[int], ks: list,
         if row["drafter"] not in fastest or row["speedup"] > fastest[row["drafter"]]["speedup"]:
             fastest[row["drafter"]] = row
     return {"num_layers": num_layers, "max_new_tokens": max_new_tokens, "num_prompts": len(prompts),
+            "table_stop_below": stop_belows[0],
             "repeats": repeats, "warmup": warmup, "device": str(device),
             "plain_tokens_per_second": plain_rate,
             "plain_step_seconds": pooled_costs(stats[plain], [])["plain_step"],
@@ -150,6 +159,11 @@ def run_sweep(model, prompts: list[list[int]], exit_layers: list[int], ks: list,
             "fastest_per_drafter": {d: _brief(row) for d, row in fastest.items()},
             "best": None if best is None else _brief(best),
             "all_identical_to_plain": len(lossless) == len(grid)}
+
+
+def _in_table(row: dict, stop_below: float) -> bool:
+    """An early-exit setting of the (E, V') x k table: the one η the table shows (others are listed)."""
+    return row["drafter"] == "early_exit" and row["num_speculations"] != 0 and row["stop_below"] == stop_below
 
 
 def _brief(row: dict) -> dict:
@@ -165,7 +179,7 @@ def _describe(entry: dict) -> str:
 
 
 def to_markdown(report: dict) -> str:
-    early = [r for r in report["grid"] if r["drafter"] == "early_exit"]
+    early = [r for r in report["grid"] if _in_table(r, report["table_stop_below"])]
     ks = sorted({row["num_speculations"] for row in early}, key=_k_order)
     vocabs = sorted({row["draft_vocab_size"] for row in early})
     lines = [f"# Drafter sweep: measured speedup over plain decoding ({report['num_layers']} layers)", "",
@@ -188,9 +202,11 @@ def to_markdown(report: dict) -> str:
                              f"{summary['draft_cost']:.3f} | "
                              + " | ".join(f"{cells[k]['speedup']:.2f} ({cells[k]['predicted_speedup']:.2f})"
                                           for k in ks) + " |")
-    others = [r for r in report["grid"] if r["drafter"] != "early_exit"]
+    others = [r for r in report["grid"] if not _in_table(r, report["table_stop_below"])]
     if others:
-        lines += ["", "Copying drafters (α of copies / of early-exit drafts; share of tokens from copies):",
+        lines += ["", "Copying drafters and other η (α of copies / of early-exit drafts; share of tokens "
+                      "from "
+                      "copies):",
                   "",
                   "| setting | speedup | tokens/s | α copy | α early exit | tokens copied |",
                   "|---|---:|---:|---:|---:|---:|"]
@@ -224,7 +240,8 @@ def plot(report: dict, path: str | Path) -> Path:
         for drafter, style in (("early_exit", "o-"), ("hybrid", "s:")):
             best_per_k = {}
             for r in report["grid"]:
-                if r["drafter"] == drafter and str(r["exit_layer"]) == exit_layer:
+                shown = drafter == "hybrid" or _in_table(r, report["table_stop_below"])  # cost model: one η
+                if r["drafter"] == drafter and str(r["exit_layer"]) == exit_layer and shown:
                     k = r["num_speculations"]
                     if k not in best_per_k or r["speedup"] > best_per_k[k]["speedup"]:
                         best_per_k[k] = r
@@ -266,6 +283,14 @@ def k_list(value: str) -> list:
                         f"got {value!r}") from None
 
 
+def float_list(value: str) -> list[float]:
+    """A comma list of numbers such as '0,0.4,0.6' (--stop-belows), in the order given."""
+    try:
+        return list(dict.fromkeys(float(v) for v in value.split(",")))
+    except ValueError:
+        raise UserError(f"expected a comma list of numbers such as '0,0.6', got {value!r}") from None
+
+
 def int_list(value: str) -> list[int]:
     """A comma list of ints such as '1,2,4,8' (--min-ngrams, --draft-vocab-sizes)."""
     try:
@@ -275,7 +300,8 @@ def int_list(value: str) -> list[int]:
 
 
 def sweep(model: str, *, exit_layers: str | list[int] | None = None, ks="1,2,3,4,6,8", drafters="early_exit",
-          min_ngrams="2", draft_vocab_sizes="0", prompts: str | None = None, corpus: str = "stdlib",
+          min_ngrams="2", draft_vocab_sizes="0", stop_belows="0", prompts: str | None = None,
+          corpus: str = "stdlib",
           num_prompts: int = 4, prompt_tokens: int = 64, max_new_tokens: int = 64, repeats: int = 3,
           warmup: int = 1, device: str | None = None, dtype: str = "auto", out: str = "runs/sweep",
           write_back: bool = False) -> dict:
@@ -283,7 +309,7 @@ def sweep(model: str, *, exit_layers: str | list[int] | None = None, ks="1,2,3,4
     sweep.md and sweep.png into `out`, and with `write_back` the fastest setting into its selfspec.json.
 
     exit_layers: a list, or a string `parse_layers` reads ('2,4,6', '2:10:2', 'all'; default all).
-    ks, drafters, min_ngrams, draft_vocab_sizes: lists, or comma lists as the flags take them.
+    ks, drafters, min_ngrams, draft_vocab_sizes, stop_belows: lists, or comma lists as the flags take them.
     """
     ks = k_list(ks) if isinstance(ks, str) else list(ks)
     drafters = [d.strip() for d in (drafters.split(",") if isinstance(drafters, str) else drafters)
@@ -291,6 +317,7 @@ def sweep(model: str, *, exit_layers: str | list[int] | None = None, ks="1,2,3,4
     min_ngrams = int_list(min_ngrams) if isinstance(min_ngrams, str) else list(min_ngrams)
     draft_vocab_sizes = (int_list(draft_vocab_sizes) if isinstance(draft_vocab_sizes, str)
                          else list(draft_vocab_sizes))
+    stop_belows = float_list(stop_belows) if isinstance(stop_belows, str) else list(stop_belows)
     base, _, counts = resolve_settings(model)
     has_meta = (Path(model) / META_FILE).is_file()
     if write_back and not has_meta:
@@ -307,7 +334,7 @@ def sweep(model: str, *, exit_layers: str | list[int] | None = None, ks="1,2,3,4
     report = run_sweep(lm, read_prompts(tokenizer, prompts, corpus, num_prompts, prompt_tokens),
                        exit_layers, ks, base=base, max_new_tokens=max_new_tokens, repeats=repeats,
                        warmup=warmup, drafters=drafters, draft_vocab_sizes=draft_vocab_sizes,
-                       min_ngrams=min_ngrams, token_counts=counts,
+                       min_ngrams=min_ngrams, stop_belows=stop_belows, token_counts=counts,
                        exit_adapters=checkpoint_adapters(model, lm))
     report["model"] = model
     out = Path(out)
@@ -336,5 +363,6 @@ def write_back_fastest(model_dir: str, report: dict, report_path: Path) -> bool:
     return True
 
 
-__all__ = ["grid_settings", "int_list", "k_list", "plot", "run_sweep", "settings_of", "sweep", "to_markdown",
+__all__ = ["float_list", "grid_settings", "int_list", "k_list", "plot", "run_sweep", "settings_of", "sweep",
+           "to_markdown",
            "write_back_fastest"]
