@@ -12,8 +12,9 @@ read by `read_settings` and written by `save_tuned` and `write_settings` only:
     num_speculations  k: the early exit's drafts per round (int, "auto" or "window")
     draft_vocab_size  V': the draft head's vocabulary (the V' most frequent tokens of
                     token_counts.safetensors); 0: the whole vocabulary
+    stop_below      η: the early exit stops a round's drafts below this top probability; 0: never
     ngram           the copy settings {max_ngram, min_ngram, max_copy}
-    fastest         optional, written by a sweep: {drafter: {settings: {the five fields above},
+    fastest         optional, written by a sweep: {drafter: {settings: {the six fields above},
                     speedup, tokens_per_second}}, each drafter at its fastest measured setting
     sweep           optional: {speedup, report} of the sweep that chose the settings
     token_counts    optional: where token_counts.safetensors was counted {source, tokens, vocab_size}
@@ -135,11 +136,24 @@ def fastest_settings(path: str | Path, meta: dict | None = None) -> dict[str, De
     """{drafter: settings} of each drafter at its fastest, as a sweep stored them (empty without one)."""
     meta = read_meta(path) if meta is None else meta
     try:
-        return {drafter: DecodeSettings.from_json(entry["settings"])
-                for drafter, entry in meta.get("fastest", {}).items()}
-    except (KeyError, TypeError, ValueError) as exc:
+        own = read_settings(path, meta)
+        return {drafter: DecodeSettings.from_json(entry["settings"]) if "settings" in entry
+                else _flat_fastest(entry, own) for drafter, entry in meta.get("fastest", {}).items()}
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"{Path(path) / META_FILE}: bad \"fastest\" entry ({exc}); re-run "
                               f"`selfspec eval sweep --write-back`") from None
+
+
+def _flat_fastest(entry: dict, own: DecodeSettings) -> DecodeSettings:
+    """A "fastest" entry as sweeps wrote it before `DecodeSettings` (flat: drafter, exit_layer,
+    num_speculations, vocab, min_ngram; 0 meant "none"), on top of the checkpoint's own settings."""
+    drafter, min_ngram = entry["drafter"], entry.get("min_ngram") or None
+    if drafter == "ngram":  # it had no E, k or V' of its own
+        return own.override(drafter="ngram", min_ngram=min_ngram)
+    return own.override(drafter=drafter, exit_layer=entry.get("exit_layer") or None,
+                        num_speculations=entry.get("num_speculations"),
+                        draft_vocab_size=entry.get("vocab", 0),
+                        min_ngram=min_ngram if drafter == "hybrid" else None)
 
 
 def resolve_settings(path: str | Path,
@@ -233,6 +247,9 @@ def load_tuned(path: str | Path, device: str = "cpu", dtype: str = "auto",
     from .decoding import SelfSpecGenerator
     from .model.loading import load_causal_lm, load_tokenizer
 
+    if settings is not None and not isinstance(settings, DecodeSettings):
+        raise CheckpointError(f"load_tuned(path, device, dtype, settings): settings must be a "
+                              f"DecodeSettings, got {settings!r}; pass the other fields as keywords")
     meta = read_meta(path)
     settings = (settings or read_settings(path, meta)).override(
         exit_layer=exit_layer, num_speculations=num_speculations, drafter=drafter,

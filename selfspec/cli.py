@@ -56,12 +56,14 @@ def _data_flags(p, split: str = "test", max_blocks: int | None = 64, json_flag: 
         p.add_argument("--json", dest="json_out", help="also write the result to this JSON file")
 
 
-def _settings_flags(p) -> None:
-    """The decode settings a command may override (default: the checkpoint's selfspec.json)."""
+def _settings_flags(p, drafter: bool = True) -> None:
+    """The decode settings a command may override (default: the checkpoint's selfspec.json); the
+    benchmark has no --drafter: each of its engine methods is a drafter."""
     p.add_argument("--exit-layer", type=int, default=None, help="E: blocks the draft runs")
     p.add_argument("--num-speculations", default=None, help="k: an integer, auto or window")
-    p.add_argument("--drafter", choices=DRAFTERS, default=None,
-                   help="early_exit, ngram (copies from the context) or hybrid")
+    if drafter:
+        p.add_argument("--drafter", choices=DRAFTERS, default=None,
+                       help="early_exit, ngram (copies from the context) or hybrid")
     p.add_argument("--draft-vocab-size", type=int, default=None,
                    help="V': the early exit drafts among the V' most frequent tokens (0: all)")
     p.add_argument("--stop-below", type=float, default=None,
@@ -177,7 +179,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], argparse.A
     p = command(("eval", "speedup"), ev, benchmark.speedup,
                 help="decoding benchmark: plain vs self-speculative vs Hugging Face's generators")
     _timing_flags(p, num_prompts=8, max_new_tokens=128, repeats=5, out="runs/benchmark")
-    _settings_flags(p)
+    _settings_flags(p, drafter=False)
     p.add_argument("--min-ngram", type=int, default=None, help="shortest context match that copies")
     p.add_argument("--methods", default=",".join(benchmark.METHODS),
                    help="comma-separated subset of " + ",".join(benchmark.METHODS))

@@ -120,3 +120,26 @@ def test_token_counts_round_trip_and_rank_the_draft_vocabulary(tmp_path):
     with pytest.raises(CheckpointError, match="is damaged.*selfspec draft-vocab"):
         read_token_counts(path)
     assert not [p.name for p in path.iterdir() if p.name.startswith(".")]  # no temp file left behind
+
+
+def test_fastest_entries_a_sweep_wrote_before_decode_settings_still_read(tmp_path):
+    """Flat entries (drafter, exit_layer, num_speculations, vocab, min_ngram) from earlier sweeps."""
+    from selfspec import load_tuned
+    from selfspec.checkpoint import fastest_settings, resolve_settings
+
+    path = save_tuned(tmp_path / "ckpt", tiny_model("llama"), token_counts=[1] * 96,
+                      settings=DecodeSettings(exit_layer=2, num_speculations=3))
+    update_meta(path, fastest={
+        "early_exit": {"drafter": "early_exit", "exit_layer": 3, "num_speculations": 4, "vocab": 64,
+                       "min_ngram": 0, "speedup": 1.2, "tokens_per_second": 10.0},
+        "ngram": {"drafter": "ngram", "exit_layer": 0, "num_speculations": 0, "vocab": 0, "min_ngram": 1,
+                  "speedup": 1.1, "tokens_per_second": 9.0}})
+    fastest = fastest_settings(path)
+    assert fastest["early_exit"] == DecodeSettings(exit_layer=3, num_speculations=4, draft_vocab_size=64)
+    assert fastest["ngram"] == DecodeSettings("ngram", 2, 3).override(min_ngram=1)  # the checkpoint's E and k
+    assert resolve_settings(path)[1] == fastest
+    update_meta(path, fastest={"early_exit": "fast"})
+    with pytest.raises(CheckpointError, match="bad \"fastest\" entry"):
+        fastest_settings(path)
+    with pytest.raises(CheckpointError, match="settings must be a DecodeSettings"):
+        load_tuned(path, "cpu", "auto", 6)

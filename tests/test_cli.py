@@ -165,3 +165,19 @@ def _prompt_file(tmp_path: Path) -> Path:
     path = tmp_path / "prompts.txt"
     path.write_text("def f(x):\n")
     return path
+
+
+def test_a_sweep_whose_table_eta_cuts_every_round_still_reports():
+    """At η = 0.999 no draft is sure enough: the table's cells have nothing to predict from (NaN)."""
+    import math
+
+    from helpers import sharp_llama
+
+    from selfspec.evaluation.sweep import run_sweep, to_markdown
+
+    report = run_sweep(sharp_llama(), [[5, 17, 33, 2, 11, 8]], [1], [2], stop_belows=(0.999, 0.0),
+                       drafters=("early_exit", "early_exit"), max_new_tokens=6, repeats=1, warmup=0,
+                       progress=False)
+    cut = [row for row in report["grid"] if row["stop_below"] == 0.999]
+    assert len(report["grid"]) == 2 and math.isnan(cut[0]["predicted_speedup"])  # drafters deduplicated
+    assert "| 1 | 0 |" in to_markdown(report)

@@ -20,8 +20,9 @@ very first generated token is already drafted and verified.
 
 Batches run in lockstep rounds with one k; each row has its own positions, accepted length and
 cache length (`cache.KVCache`), and a finished row leaves the batch at the end of its round. The
-host reads the device once per round (the round's tokens and accepted counts); everything else the
-loop needs (positions, kv_length, cache lengths) is known on the host already.
+host reads the device once per round (the round's tokens and accepted counts), plus once per draft
+step for η (`stop_below`) and for drafters that copy; everything else the loop needs (positions,
+kv_length, cache lengths) is known on the host already.
 """
 
 from __future__ import annotations
@@ -226,8 +227,8 @@ class SelfSpecGenerator:
 
     model: the (tuned) causal LM, in eval mode; tokenizer: optional, needed for string prompts and
         stop strings; settings: the default `DecodeSettings` of `generate` (drafter, E, k, V', copy
-        settings); the keywords exit_layer, num_speculations, drafter, draft_vocab_size and ngram
-        override its fields (`SelfSpecGenerator(model, exit_layer=4)` is the early exit at E = 4,
+        settings); the keywords exit_layer, num_speculations, drafter, draft_vocab_size, stop_below
+        and ngram override its fields (`SelfSpecGenerator(model, exit_layer=4)` is the early exit at E = 4,
         k = "auto"). E = N drafts with the whole model (every draft accepted, useful as a check).
     token_counts: (V,) token frequencies that rank the V' ids of a trimmed draft head (needed for
         draft_vocab_size > 0; see `draft_head.py`); exit_adapters: {E: `ExitAdapter`} trained for
@@ -467,6 +468,8 @@ class SelfSpecGenerator:
             host = torch.cat([tokens, accepted[:, None]], 1).cpu().numpy()  # the round's one host sync
             tokens, accepted = host[:, :-1], host[:, -1]
             draft_time, verify_time = clock.seconds(start, drafted), clock.seconds(drafted, verified)
+            if not segments:  # a plain step, also one whose first E blocks ran before η stopped the draft
+                draft_time, verify_time = 0.0, draft_time + verify_time
             self._record(stats, segments, accepted, draft_time, verify_time)
             policy.update(segments, accepted, draft_time, verify_time)
 

@@ -372,11 +372,14 @@ def read_prompts(tokenizer, prompts: str | None = None, corpus: str = "stdlib", 
                         f"write a list of strings or token lists") from None
     if not items:
         raise UserError(f"prompt file {prompts!r} holds no prompt")
-    return [tokenizer(item)["input_ids"] if isinstance(item, str) else [int(t) for t in item]
-            for item in items][:num_prompts]
+    try:
+        return [tokenizer(item)["input_ids"] if isinstance(item, str) else [int(t) for t in item]
+                for item in items][:num_prompts]
+    except (TypeError, ValueError):
+        raise UserError(f"{prompts}: every prompt must be a string or a list of token ids") from None
 
 
-def speedup(model: str, *, exit_layer: int | None = None, num_speculations=None, drafter: str | None = None,
+def speedup(model: str, *, exit_layer: int | None = None, num_speculations=None,
             draft_vocab_size: int | None = None, stop_below: float | None = None,
             min_ngram: int | None = None,
             prompts: str | None = None,
@@ -392,8 +395,8 @@ def speedup(model: str, *, exit_layer: int | None = None, num_speculations=None,
         raise UserError(f"--num-prompts ({num_prompts}), --repeats ({repeats}) and --max-new-tokens "
                         f"({max_new_tokens}) must be >= 1")
     settings, fastest, token_counts = resolve_settings(
-        model, exit_layer=exit_layer, num_speculations=num_speculations, drafter=drafter,
-        draft_vocab_size=draft_vocab_size, stop_below=stop_below, min_ngram=min_ngram)
+        model, exit_layer=exit_layer, num_speculations=num_speculations, draft_vocab_size=draft_vocab_size,
+        stop_below=stop_below, min_ngram=min_ngram)
     if settings.exit_layer is None:
         raise UserError(f"--exit-layer is required: {model} has no selfspec.json")
     lm, tokenizer = load_model(model, device, dtype)

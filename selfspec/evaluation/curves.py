@@ -27,8 +27,12 @@ def read_curve(run_dir: str | Path) -> dict:
         raise UserError(f"{path} does not exist; pass the output_dir of a training run")
     curve = {"steps": [], "tokens": [], "minutes": [], "perplexity": [], "exits": {}}
     minutes = 0.0  # a step row's wall clock carries over to the evaluation row logged after it
-    for line in path.read_text().splitlines():
-        row = json.loads(line)
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a running job's last line, half written
+            raise UserError(f"{path}:{number} is not a JSON row; wait for the run to write it, or remove "
+                            f"that line") from None
         minutes = row.get("minutes", minutes)
         if "val/perplexity" not in row:
             continue

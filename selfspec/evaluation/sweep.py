@@ -19,6 +19,7 @@ writes sweep.json, sweep.md and sweep.png into --out; --write-back records the f
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from pathlib import Path
 
@@ -39,9 +40,11 @@ def grid_settings(base: DecodeSettings, exit_layers, ks, drafters, vocabs, min_n
     checkpoint's settings: its copy settings other than the threshold carry over). The n-gram drafter
     has no E, k, V' or η of its own: it keeps `base`'s."""
     settings = [base.override(drafter="early_exit", num_speculations=0)]
-    for drafter in drafters:
+    for drafter in dict.fromkeys(drafters):  # each once
         if drafter == "ngram":
-            settings += [base.override(drafter="ngram", min_ngram=n) for n in min_ngrams]
+            # no V' or η of its own either: no trimmed head to build, no token counts needed
+            copies = dataclasses.replace(base, draft_vocab_size=0, stop_below=0.0)
+            settings += [copies.override(drafter="ngram", min_ngram=n) for n in min_ngrams]
             continue
         for e in exit_layers:
             for v in vocabs:
@@ -141,8 +144,11 @@ def run_sweep(model, prompts: list[list[int]], exit_layers: list[int], ks: list,
         if _in_table(row, stop_belows[0]):
             k = setting.num_speculations
             cost = per_exit[str(setting.exit_layer)][str(setting.draft_vocab_size)]["draft_cost"]
-            row["predicted_speedup"] = (speedup_simple(k, alpha, cost) if isinstance(k, int)
-                                        else predicted_speedup(run_costs["stats"].k_rounds, alpha, cost))
+            if alpha != alpha or not run_costs["draft_steps"]:  # η cut every round: nothing to predict
+                row["predicted_speedup"] = float("nan")
+            else:
+                row["predicted_speedup"] = (speedup_simple(k, alpha, cost) if isinstance(k, int)
+                                            else predicted_speedup(run_costs["stats"].k_rounds, alpha, cost))
         grid.append(row)
     lossless = [row for row in grid if row["identical_to_plain"]]
     best = max(lossless, key=lambda row: row["speedup"]) if lossless else None
@@ -312,8 +318,8 @@ def sweep(model: str, *, exit_layers: str | list[int] | None = None, ks="1,2,3,4
     ks, drafters, min_ngrams, draft_vocab_sizes, stop_belows: lists, or comma lists as the flags take them.
     """
     ks = k_list(ks) if isinstance(ks, str) else list(ks)
-    drafters = [d.strip() for d in (drafters.split(",") if isinstance(drafters, str) else drafters)
-                if d.strip()]
+    drafters = list(dict.fromkeys(d.strip() for d in (drafters.split(",") if isinstance(drafters, str)
+                                                      else drafters) if d.strip()))
     min_ngrams = int_list(min_ngrams) if isinstance(min_ngrams, str) else list(min_ngrams)
     draft_vocab_sizes = (int_list(draft_vocab_sizes) if isinstance(draft_vocab_sizes, str)
                          else list(draft_vocab_sizes))
