@@ -91,7 +91,7 @@ def test_the_chat_recipes_train_on_sharegpt_and_the_adapter_keeps_every_token(sm
                                 [*common, f"output_dir={tmp_path}/adapter"]),
                     progress=False)
     tuned = load_tuned(adapter.model_dir)
-    assert tuned.draft_head.adapter is not None
+    assert tuned.draft_head().adapter is not None
     for a, b in zip(gen.model.state_dict().values(), tuned.model.state_dict().values()):
         assert torch.equal(a, b)
     ids = gen.tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}],
