@@ -169,11 +169,8 @@ def resolve_settings(path: str | Path,
     settings = (read_settings(path, meta) if has_meta else DecodeSettings()).override(**overrides)
     overridden = any(value is not None for value in overrides.values())
     fastest = fastest_settings(path, meta) if has_meta and not overridden else {}
-    counts = read_token_counts(path) if has_meta else None
-    if counts is None and (settings.draft_vocab_size or any(s.draft_vocab_size for s in fastest.values())):
-        raise CheckpointError(f"a draft head of V' tokens needs {TOKEN_COUNTS_FILE} in {path}; count it with "
-                              f"`selfspec draft-vocab {path}`")
-    return settings, fastest, counts
+    sizes = [settings.draft_vocab_size, *(s.draft_vocab_size for s in fastest.values())]
+    return settings, fastest, token_counts_for(path, max(sizes)) if has_meta else None
 
 
 def write_settings(path: str | Path, settings: DecodeSettings, **fields) -> dict:
@@ -220,17 +217,23 @@ def read_token_counts(path: str | Path):
                               f"recount it with `selfspec draft-vocab {path}`") from None
 
 
+def token_counts_for(path: str | Path, size: int | None):
+    """The checkpoint's token counts (or None), which a draft head of V' = `size` ids needs: a
+    CheckpointError that says how to count them when `size` > 0 and they are missing."""
+    counts = read_token_counts(path)
+    if size and counts is None:
+        raise CheckpointError(f"draft_vocab_size = {size} needs {TOKEN_COUNTS_FILE} in {path}; count it with "
+                              f"`selfspec draft-vocab {path}`")
+    return counts
+
+
 def draft_vocab(path: str | Path, size: int | None):
     """The token ids of a V'-token draft head from the checkpoint's counts (None: the whole head)."""
     if not size:
         return None
-    counts = read_token_counts(path)
-    if counts is None:
-        raise CheckpointError(f"draft_vocab_size = {size} needs {TOKEN_COUNTS_FILE} in {path}; count it with "
-                              f"`selfspec draft-vocab {path}`")
     from .decoding.draft_head import frequent_tokens
 
-    return frequent_tokens(counts, int(size))
+    return frequent_tokens(token_counts_for(path, size), int(size))
 
 
 def load_tuned(path: str | Path, device: str = "cpu", dtype: str = "auto",
@@ -254,10 +257,7 @@ def load_tuned(path: str | Path, device: str = "cpu", dtype: str = "auto",
     settings = (settings or read_settings(path, meta)).override(
         exit_layer=exit_layer, num_speculations=num_speculations, drafter=drafter,
         draft_vocab_size=draft_vocab_size, stop_below=stop_below, min_ngram=min_ngram)
-    counts = read_token_counts(path)
-    if settings.draft_vocab_size and counts is None:
-        raise CheckpointError(f"draft_vocab_size = {settings.draft_vocab_size} needs {TOKEN_COUNTS_FILE} "
-                              f"in {path}; count it with `selfspec draft-vocab {path}`")
+    counts = token_counts_for(path, settings.draft_vocab_size)
     model = load_causal_lm(str(path), dtype=dtype, device=device).eval()
     tokenizer = load_tokenizer(str(path)) if (Path(path) / "tokenizer_config.json").is_file() else None
     return SelfSpecGenerator(model, tokenizer, settings, token_counts=counts,

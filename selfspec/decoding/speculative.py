@@ -358,9 +358,8 @@ class SelfSpecGenerator:
                     break
         if early:
             draft.add("early_exit", torch.stack(early, 1), m)  # (B, e)
-        # The last draft's pass through blocks [0, E) is the verification's first part; when η stopped
-        # the round, every token already had it (without any early-exit draft: a plain step or a copy).
-        # (B, 1), or (B, 0)
+        # The last draft's pass through blocks [0, E) is the verification's first part: tail (B, 1).
+        # When η stopped the round every token already had it (B, 0), even with no early-exit draft.
         draft.tail = early[-1][:, None] if early and not draft.stopped else draft.tail[:, :0]
         if copy is not None and copy.size:
             draft.add("copy", torch.as_tensor(copy, device=start.device), m + len(early))  # (B, r)
