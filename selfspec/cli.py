@@ -6,6 +6,7 @@ called with keywords (the table in `_parser`). The functions live where their wo
     selfspec eval gate --tuned runs/demo/model --base runs/base/model
     selfspec eval speedup --model runs/demo/model  # α, draft cost, tokens/s, speedups vs plain and HF
     selfspec eval sweep --model runs/demo/model --write-back   # fastest drafter setting into selfspec.json
+    selfspec eval suite --model runs/demo/model --suite humaneval,stdlib   # per category, every method
     selfspec generate runs/demo/model "def parse_args("
     selfspec draft-vocab runs/demo/model           # token frequencies for a trimmed draft head
 
@@ -22,7 +23,7 @@ from pathlib import Path
 from . import commands, demo
 from .decoding import DRAFTERS
 from .errors import UserError
-from .evaluation import benchmark, sweep
+from .evaluation import benchmark, suite, sweep
 
 
 def _generate(prompt: str | None, prompts: str | None, no_eos: bool, eos, no_stream: bool, model: str,
@@ -69,6 +70,18 @@ def _settings_flags(p, drafter: bool = True) -> None:
     p.add_argument("--stop-below", type=float, default=None,
                    help="η: stop a round's early-exit drafts when the draft's top probability falls below it "
                         "(0: never)")
+
+
+def _suite_flags(p, sweep_use: bool = False) -> None:
+    """Which questions: named suites and/or a question file, the first N of each category."""
+    p.add_argument("--suite", dest="suites", default=None,
+                   help="comma list of " + ", ".join(suite.SUITES)
+                        + (" (the sweep times their first turns instead of --prompts/--corpus)"
+                           if sweep_use else ""))
+    p.add_argument("--questions", default=None,
+                   help="a .jsonl of question_id, category, turns (user messages, chat template)")
+    p.add_argument("--max-per-category", type=int, default=1 if sweep_use else None,
+                   help="the first N questions of each category (default: " + ("1)" if sweep_use else "all)"))
 
 
 def _timing_flags(p, num_prompts: int, max_new_tokens: int, repeats: int, out: str) -> None:
@@ -167,7 +180,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], argparse.A
     p.add_argument("--no-stream", action="store_true",
                    help="print the text at the end instead of as it is accepted")
 
-    ev = sub.add_parser("eval", help="evaluations: gate, speedup, sweep, curve").add_subparsers(
+    ev = sub.add_parser("eval", help="evaluations: gate, speedup, suite, sweep, curve").add_subparsers(
         dest="eval_command", required=True)
     p = command(("eval", "gate"), ev, commands.gate,
                 help="perplexity regression gate (exit code 1 when it fails)")
@@ -186,6 +199,26 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], argparse.A
     p.add_argument("--batch-size", type=int, default=1,
                    help="prompts per generate call (hf_early_exit and hf_prompt_lookup run batch 1 only)")
     p.add_argument("--keep-eos", action="store_true", help="stop at eos (default: always max-new-tokens)")
+
+    p = command(("eval", "suite"), ev, suite.suite,
+                help="every method on a multi-task suite, per category: speedups over Hugging Face "
+                     "greedy and own plain, tokens per pass, α")
+    p.add_argument("--model", required=True, help="directory loadable with AutoModelForCausalLM")
+    _suite_flags(p)
+    p.add_argument("--categories", default=None, help="comma list of the categories to run (default: all)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--methods", default=",".join(benchmark.METHODS),
+                   help="comma-separated subset of " + ",".join(benchmark.METHODS))
+    p.add_argument("--repeats", type=int, default=1, help="timed rounds over all prompts (median)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed decodes of the first prompt per method")
+    p.add_argument("--batch-size", type=int, default=1,
+                   help="prompts of one category per generate call (Hugging Face's assisted methods: 1)")
+    p.add_argument("--no-eos", action="store_true", help="always max-new-tokens (default: stop at eos)")
+    _settings_flags(p, drafter=False)
+    p.add_argument("--min-ngram", type=int, default=None, help="shortest context match that copies")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    p.add_argument("--out", default="runs/suite")
 
     p = command(("eval", "sweep"), ev, sweep.sweep,
                 help="speedup over a grid of drafters, exit layers E and draft lengths k; plot; "
@@ -208,6 +241,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], argparse.A
                         "drafting)")
     p.add_argument("--write-back", action="store_true", help="record the fastest setting in the checkpoint's "
                                                              "selfspec.json")
+    _suite_flags(p, sweep_use=True)
 
     p = command(("eval", "curve"), ev, _curve,
                 help="acceptance at the exits and perplexity vs training tokens (curve.png); "

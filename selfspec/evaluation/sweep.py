@@ -116,8 +116,10 @@ def run_sweep(model, prompts: list[list[int]], exit_layers: list[int], ks: list,
     settings = grid_settings(base, exit_layers, ks, drafters, draft_vocab_sizes, min_ngrams, stop_belows)
     plain = settings[0]
     device = generator.view.device
-    rates, outputs, stats = interleaved_rates(settings, run, [[p] for p in prompts], repeats, warmup, device,
-                                              "sweep" if progress else None)  # batch 1
+    timings = interleaved_rates(settings, run, [[p] for p in prompts], repeats, warmup, device,
+                                "sweep" if progress else None)  # batch 1
+    rates, outputs = {s: timings.rates(s) for s in settings}, timings.outputs
+    stats = {s: timings.run_stats(s) for s in settings}
 
     plain_rate = statistics.median(rates[plain])
     per_exit = {}  # str(E) -> {str(V'): α, c, draft step}: early-exit runs pooled over k (at the first η)
@@ -310,12 +312,15 @@ def sweep(model: str, *, exit_layers: str | list[int] | None = None, ks="1,2,3,4
           corpus: str = "stdlib",
           num_prompts: int = 4, prompt_tokens: int = 64, max_new_tokens: int = 64, repeats: int = 3,
           warmup: int = 1, device: str | None = None, dtype: str = "auto", out: str = "runs/sweep",
-          write_back: bool = False) -> dict:
+          write_back: bool = False, suites: str | None = None, questions: str | None = None,
+          max_per_category: int | None = 1) -> dict:
     """`selfspec eval sweep`: measure the grid on the model `model`; print the report, write sweep.json,
     sweep.md and sweep.png into `out`, and with `write_back` the fastest setting into its selfspec.json.
 
     exit_layers: a list, or a string `parse_layers` reads ('2,4,6', '2:10:2', 'all'; default all).
     ks, drafters, min_ngrams, draft_vocab_sizes, stop_belows: lists, or comma lists as the flags take them.
+    suites / questions: time the first turns of these questions (`evaluation.suite`, the first
+    `max_per_category` of each category) instead of `prompts` / `corpus`; the write-back records them.
     """
     ks = k_list(ks) if isinstance(ks, str) else list(ks)
     drafters = list(dict.fromkeys(d.strip() for d in (drafters.split(",") if isinstance(drafters, str)
@@ -337,12 +342,20 @@ def sweep(model: str, *, exit_layers: str | list[int] | None = None, ks="1,2,3,4
     num_layers = count_layers(lm)
     if exit_layers is None or isinstance(exit_layers, str):
         exit_layers = parse_layers(exit_layers or "all", num_layers)
-    report = run_sweep(lm, read_prompts(tokenizer, prompts, corpus, num_prompts, prompt_tokens),
+    if suites or questions:
+        from .suite import suite_prompts
+
+        positions = getattr(lm.config, "max_position_embeddings", None)
+        chosen = suite_prompts(tokenizer, suites, questions, max_per_category,
+                               positions and positions - max_new_tokens)
+    else:
+        chosen = read_prompts(tokenizer, prompts, corpus, num_prompts, prompt_tokens)
+    report = run_sweep(lm, chosen,
                        exit_layers, ks, base=base, max_new_tokens=max_new_tokens, repeats=repeats,
                        warmup=warmup, drafters=drafters, draft_vocab_sizes=draft_vocab_sizes,
                        min_ngrams=min_ngrams, stop_belows=stop_belows, token_counts=counts,
                        exit_adapters=checkpoint_adapters(model, lm))
-    report["model"] = model
+    report.update(model=model, prompts_from=", ".join(filter(None, (suites, questions))) or prompts or corpus)
     out = Path(out)
     write_report(out, "sweep", report, to_markdown(report))
     plot(report, out / "sweep.png")
@@ -364,7 +377,8 @@ def write_back_fastest(model_dir: str, report: dict, report_path: Path) -> bool:
     fastest = {drafter: entry for drafter, entry in report["fastest_per_drafter"].items()
                if entry["speedup"] > 1.0}
     write_settings(model_dir, DecodeSettings.from_json(best["settings"]), fastest=fastest,
-                   sweep={"speedup": best["speedup"], "report": str(report_path)})
+                   sweep={"speedup": best["speedup"], "report": str(report_path),
+                          "prompts_from": report.get("prompts_from")})
     print(f"{model_dir}/{META_FILE}: {_describe(best)}")
     return True
 

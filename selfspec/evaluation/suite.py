@@ -1,0 +1,320 @@
+"""A multi-task suite: every method on the questions of several categories, per category and overall.
+
+    selfspec eval suite --model runs/smollm2/base --suite mt-bench,sharegpt-heldout,humaneval \
+        --max-per-category 2 --max-new-tokens 128
+
+Questions come in the common format (one JSON object a line: ``question_id``, ``category``,
+``turns``, a list of user messages) from `--questions FILE`, or from suites that installed packages
+ship (`SUITES`): the 80 two-turn MT-bench questions, HumanEval's 164 code prompts, the held-out
+ShareGPT slice's first turns and the stdlib test split's code. Chat questions run through the
+tokenizer's chat template; a later turn holds the model's own earlier answer (plain decoding's, as
+MT-bench does), so turn t + 1 is timed after turn t. Code prompts are continued as they are.
+
+Every method (`benchmark.METHODS`) decodes every prompt, interleaved as in the benchmark, and each
+output is compared with plain decoding's. The report gives per category and overall: tokens/s, the
+speedup over Hugging Face greedy (the field's convention) and over the engine's own plain decoding,
+tokens per full-model pass (the field's "mean accepted tokens": generated tokens ÷ rounds, each
+round one pass of the whole model; 1 for plain decoding), the early exit's α and the share of
+tokens that were accepted copies. It writes suite.json, suite.md and suite.png (grouped bars).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..checkpoint import checkpoint_adapters, resolve_settings
+from ..decoding import DecodeSettings
+from ..errors import UserError
+from ..model.loading import load_tokenizer
+from . import benchmark
+from .benchmark import METHODS, Timings, check_methods, interleaved_rates, load_model, make_runner
+from .report import save_figure, write_report
+
+# suite -> whether its prompts go through the chat template
+SUITES = {"mt-bench": True, "sharegpt-heldout": True, "humaneval": False, "stdlib": False}
+OVERALL = "overall"
+
+
+@dataclass(frozen=True)
+class Question:
+    """One question: `turns` are user messages (chat) or one text to continue (code)."""
+
+    question_id: str
+    category: str
+    turns: tuple[str, ...]
+    chat: bool
+
+
+def suite_questions(name: str, tokenizer) -> list[Question]:
+    """The questions of a named suite (see `SUITES`); a missing package is a one-line error."""
+    from ..data import questions
+
+    if name == "mt-bench":
+        rows = questions.read_questions(questions.mtbench_file())
+    elif name == "sharegpt-heldout":
+        rows = questions.heldout_questions()
+    elif name == "humaneval":
+        rows = questions.humaneval_questions()
+    elif name == "stdlib":  # the benchmark's code prompts: 64 tokens from the middle of test files
+        rows = [{"question_id": f"stdlib/{i}", "category": "stdlib", "turns": [tokenizer.decode(ids)]}
+                for i, ids in enumerate(benchmark.prompts_from_corpus(tokenizer, "stdlib", num_prompts=32))]
+    else:
+        raise UserError(f"unknown suite {name!r}; choose from {', '.join(SUITES)} or pass --questions FILE")
+    return [Question(str(r["question_id"]), r["category"], tuple(r["turns"]), SUITES[name]) for r in rows]
+
+
+def select_questions(tokenizer, suites: str | None = None, questions: str | None = None,
+                     categories: str | None = None, max_per_category: int | None = None) -> list[Question]:
+    """The questions of `suites` (a comma list of `SUITES`) and/or a `questions` file (chat), keeping
+    `categories` (a comma list; all when None) and the first `max_per_category` of each."""
+    from ..data.questions import first_turns, read_questions
+
+    if not suites and not questions:
+        raise UserError(f"pass --suite ({', '.join(SUITES)}) or --questions FILE")
+    if max_per_category is not None and max_per_category < 1:
+        raise UserError(f"--max-per-category must be >= 1, got {max_per_category}")
+    chosen: list[Question] = []
+    for name in [s.strip() for s in (suites or "").split(",") if s.strip()]:
+        chosen += suite_questions(name, tokenizer)
+    if questions:
+        chosen += [Question(str(r["question_id"]), r["category"], tuple(r["turns"]), True)
+                   for r in read_questions(questions)]
+    if categories:
+        wanted = [c.strip() for c in categories.split(",") if c.strip()]
+        unknown = sorted(set(wanted) - {q.category for q in chosen})
+        if unknown:
+            raise UserError(f"no question has category {', '.join(unknown)}; the questions have "
+                            f"{', '.join(sorted({q.category for q in chosen}))}")
+        chosen = [q for q in chosen if q.category in wanted]
+    kept = first_turns([{"category": q.category, "index": i} for i, q in enumerate(chosen)], max_per_category)
+    return [chosen[row["index"]] for row in kept]
+
+
+def prompt_ids(tokenizer, question: Question, turn: int, answers: list[str]) -> list[int]:
+    """Token ids of `question`'s turn `turn` after the model's `answers` to the earlier turns."""
+    if not question.chat:  # a continuation: earlier turns and answers are simply text before this one
+        text = "".join(t + a for t, a in zip(question.turns[:turn], answers)) + question.turns[turn]
+        return tokenizer(text)["input_ids"]
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError("the chat questions need a tokenizer with a chat template (an instruct model); "
+                        "use the humaneval or stdlib suite for a base model")
+    messages = []
+    for user, answer in zip(question.turns[:turn + 1], [*answers[:turn], None]):
+        messages.append({"role": "user", "content": user})
+        if answer is not None:
+            messages.append({"role": "assistant", "content": answer})
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def run_suite(model, tokenizer, questions: list[Question], settings: DecodeSettings, *, fastest=None,
+              token_counts=None, exit_adapters=None, methods=METHODS, max_new_tokens: int = 128,
+              repeats: int = 1, warmup: int = 1, batch_size: int = 1, stop_at_eos: bool = True,
+              progress: bool = True) -> dict:
+    """Decode every question's turns with every method, interleaved; returns the report as a dict.
+
+    Turn by turn: all questions' turn t are timed (batches of `batch_size` prompts of one category),
+    then plain decoding's answers (greedy, so every lossless method's) are put into turn t + 1.
+    `warmup` untimed decodes of the first batch by every method come first. A prompt longer than the
+    model's positions minus `max_new_tokens` keeps its last tokens; the report counts those cut.
+    """
+    methods = list(methods)
+    check_methods(methods, batch_size)
+    if not questions or max_new_tokens < 1 or repeats < 1:
+        raise UserError(f"the suite needs a question ({len(questions)}), max_new_tokens >= 1 "
+                        f"({max_new_tokens}) and repeats >= 1 ({repeats})")
+    run = make_runner(model, settings, tokenizer=tokenizer, fastest=fastest, token_counts=token_counts,
+                      exit_adapters=exit_adapters, max_new_tokens=max_new_tokens, ignore_eos=not stop_at_eos)
+    reference = "plain" if "plain" in methods else methods[0]
+    limit = run.generator.view.max_positions
+    limit = None if limit is None else limit - max_new_tokens
+    answers: list[list[str]] = [[] for _ in questions]
+    timings, batch_categories, cut, num_prompts, start = Timings(), [], 0, 0, time.perf_counter()
+    for turn in range(max(len(q.turns) for q in questions)):
+        asked = [i for i, q in enumerate(questions) if len(q.turns) > turn]
+        ids = {i: prompt_ids(tokenizer, questions[i], turn, answers[i]) for i in asked}
+        num_prompts += len(asked)
+        if limit is not None:
+            cut += sum(len(p) > limit for p in ids.values())
+            ids = {i: p[-limit:] if len(p) > limit else p for i, p in ids.items()}
+        groups = []  # batches of one category each, so each category's rates are its own
+        for category in dict.fromkeys(questions[i].category for i in asked):
+            members = [i for i in asked if questions[i].category == category]
+            groups += [(category, members[j:j + batch_size]) for j in range(0, len(members), batch_size)]
+        batches = [[ids[i] for i in members] for _, members in groups]
+        if turn == 0:
+            for _ in range(warmup):
+                for method in methods:
+                    run(method, batches[0])
+        phase = interleaved_rates(methods, run, batches, repeats, 0, run.device,
+                                  f"turn {turn + 1}" if progress else None, bar_per_name=True)
+        timings.extend(phase)
+        batch_categories += [category for category, _ in groups]
+        for (_, members), rows in zip(groups, phase.outputs[reference]):
+            for i, row in zip(members, rows):
+                answers[i].append(tokenizer.decode(row, skip_special_tokens=True).strip())
+    if cut:
+        print(f"{cut} prompts were longer than the model's positions minus max_new_tokens ({limit}): "
+              f"each kept its last {limit} tokens")
+    view = run.generator.view
+    report = {"num_questions": len(questions), "num_prompts": num_prompts,
+              "cut_prompts": cut, "max_new_tokens": max_new_tokens, "stop_at_eos": stop_at_eos,
+              "batch_size": batch_size, "repeats": repeats, "warmup": warmup, "device": str(view.device),
+              "dtype": str(view.dtype).replace("torch.", ""), "num_layers": view.num_layers,
+              "settings": {m: run.settings[m].to_json() for m in methods if m in benchmark.ENGINE_METHODS},
+              "questions_per_category": {c: sum(q.category == c for q in questions)
+                                         for c in dict.fromkeys(q.category for q in questions)},
+              "identical_to_" + reference: {m: timings.outputs[m] == timings.outputs[reference]
+                                            for m in methods}}
+    report["greedy_outputs_identical"] = all(same for m, same in report["identical_to_" + reference].items()
+                                             if m != "hf_early_exit")
+    groups = {c: [b for b, bc in enumerate(batch_categories) if bc == c]
+              for c in dict.fromkeys(batch_categories)}
+    groups[OVERALL] = list(range(len(batch_categories)))
+    report["results"] = {c: _category_results(timings, methods, batches) for c, batches in groups.items()}
+    report["seconds"] = time.perf_counter() - start
+    return report
+
+
+def _category_results(timings: Timings, methods: list[str], batches: list[int]) -> dict:
+    """Per method, over `batches`: tokens/s (median over rounds), speedups over Hugging Face greedy
+    and own plain, tokens per full-model pass, α of the early exit, the share of copied tokens."""
+    rates = {m: statistics.median(timings.rates(m, batches)) for m in methods}
+    out = {}
+    for method in methods:
+        row = {"tokens_per_second": rates[method],
+               "tokens": sum(timings.tokens[method][0][b] for b in batches)}
+        for base in ("hf_greedy", "plain"):
+            if base in rates:
+                row[f"speedup_over_{base}"] = rates[method] / rates[base]
+        runs = timings.run_stats(method, batches)
+        if runs:
+            passes = sum(s.rounds for s in runs)
+            row["tokens_per_pass"] = sum(s.generated_tokens for s in runs) / max(1, passes)
+            sources = benchmark.source_summary(runs)
+            row["acceptance_rate"] = sources["early_exit"]["acceptance_rate"]
+            row["copied_share"] = sources["copy"]["share_of_tokens"]
+        out[method] = row
+    return out
+
+
+def to_markdown(report: dict) -> str:
+    """The leaderboard tables: a row per method, a column per category and overall."""
+    results = report["results"]
+    columns = list(results)
+    methods = list(results[OVERALL])
+    counts = report["questions_per_category"]
+    lines = [f"# Suite: {report['num_questions']} questions, {report['num_prompts']} prompts "
+             f"({report['num_layers']} layers)", "",
+             f"{', '.join(f'{c} {n}' for c, n in counts.items())}; {report['max_new_tokens']} new tokens"
+             f"{' (or eos)' if report['stop_at_eos'] else ''}, greedy, batch {report['batch_size']}, "
+             f"{report['device']} {report['dtype']}, median of {report['repeats']} interleaved repeats; "
+             f"{report['cut_prompts']} prompts cut to fit the model's positions; "
+             f"{report['seconds'] / 60:.1f} minutes.", ""]
+
+    def table(title: str, cell) -> list[str]:
+        rows = [f"**{title}**", "", "| method | " + " | ".join(columns) + " |",
+                "|---|" + "---:|" * len(columns)]
+        for method in methods:
+            rows.append(f"| {method} | " + " | ".join(cell(results[c][method]) for c in columns) + " |")
+        return rows + [""]
+
+    def ratio(key):
+        return lambda row: f"{row[key]:.2f}×" if key in row else "–"
+
+    if "hf_greedy" in methods:
+        lines += table("Speedup over Hugging Face greedy", ratio("speedup_over_hf_greedy"))
+    if "plain" in methods:
+        lines += table("Speedup over selfspec plain", ratio("speedup_over_plain"))
+    lines += table("Tokens/s", lambda row: f"{row['tokens_per_second']:.1f}")
+    lines += table("Tokens per full-model pass (mean accepted tokens)",
+                   lambda row: f"{row['tokens_per_pass']:.2f}" if "tokens_per_pass" in row else "–")
+    lines += table("Early exit α · share of tokens copied", lambda row: (
+        f"{_fraction(row['acceptance_rate'])} · {row['copied_share']:.0%}" if "acceptance_rate" in row
+        else "–"))
+    identical = report.get("identical_to_plain", {})
+    lines += ["Settings: " + "; ".join(f"{m} {DecodeSettings.from_json(s).describe()}"
+                                       for m, s in report["settings"].items()), "",
+              f"Greedy outputs identical to plain (hf_early_exit reported apart): "
+              f"**{report['greedy_outputs_identical']}**; per method: "
+              + ", ".join(f"{m} {same}" for m, same in identical.items())]
+    return "\n".join(lines) + "\n"
+
+
+def _fraction(value: float) -> str:
+    return "–" if value != value else f"{value:.2f}"
+
+
+def plot(report: dict, path: str | Path) -> Path:
+    """Grouped bars: per category (and overall) one bar per method, the speedup over Hugging Face
+    greedy (over selfspec plain when Hugging Face greedy was not run)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = report["results"]
+    columns, methods = list(results), list(results[OVERALL])
+    base = "hf_greedy" if "hf_greedy" in methods else "plain"
+    key = f"speedup_over_{base}"
+    width = 0.8 / len(methods)
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(columns) * max(1, len(methods) / 4)), 4.2))
+    for m, method in enumerate(methods):
+        values = [results[c][method].get(key, float("nan")) for c in columns]
+        ax.bar([c + (m - (len(methods) - 1) / 2) * width for c in range(len(columns))], values, width,
+               label=method)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(columns)), columns, rotation=20)
+    ax.set_ylabel(f"speedup over {base.replace('_', ' ')}")
+    ax.set_title(f"{report['num_questions']} questions, {report['max_new_tokens']} new tokens, greedy")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+def suite(model: str, *, suites: str | None = None, questions: str | None = None,
+          categories: str | None = None, max_per_category: int | None = None, max_new_tokens: int = 128,
+          methods=METHODS, repeats: int = 1, warmup: int = 1, batch_size: int = 1, no_eos: bool = False,
+          exit_layer: int | None = None, num_speculations=None, draft_vocab_size: int | None = None,
+          stop_below: float | None = None, min_ngram: int | None = None,
+          device: str | None = None, dtype: str = "auto", out: str = "runs/suite") -> dict:
+    """`selfspec eval suite`: run the suite on the checkpoint `model`; print the tables and write
+    suite.json, suite.md and suite.png into `out`. The engine decodes at the checkpoint's settings
+    (the given fields override them), each drafter at its stored fastest otherwise."""
+    methods = tuple(m.strip() for m in methods.split(",")) if isinstance(methods, str) else tuple(methods)
+    check_methods(methods, batch_size)
+    settings, fastest, token_counts = resolve_settings(
+        model, exit_layer=exit_layer, num_speculations=num_speculations, draft_vocab_size=draft_vocab_size,
+        stop_below=stop_below, min_ngram=min_ngram)
+    if settings.exit_layer is None:
+        raise UserError(f"--exit-layer is required: {model} has no selfspec.json")
+    # the questions first: a missing package or category fails before the model loads
+    chosen = select_questions(load_tokenizer(model), suites, questions, categories, max_per_category)
+    lm, tokenizer = load_model(model, device, dtype)
+    report = run_suite(lm, tokenizer, chosen, settings, fastest=fastest, token_counts=token_counts,
+                       exit_adapters=checkpoint_adapters(model, lm), methods=methods,
+                       max_new_tokens=max_new_tokens, repeats=repeats, warmup=warmup, batch_size=batch_size,
+                       stop_at_eos=not no_eos)
+    report.update(model=model, suites=suites, questions=questions)
+    out = Path(out)
+    write_report(out, "suite", report, to_markdown(report))
+    plot(report, out / "suite.png")
+    print(to_markdown(report))
+    print(f"wrote {out / 'suite.json'}, {out / 'suite.md'} and {out / 'suite.png'}")
+    return report
+
+
+def suite_prompts(tokenizer, suites: str | None, questions: str | None, max_per_category: int | None,
+                  max_positions: int | None = None) -> list[list[int]]:
+    """First-turn prompts of a suite's questions, for the sweep: each cut to its last
+    `max_positions` tokens when longer."""
+    chosen = select_questions(tokenizer, suites, questions, None, max_per_category)
+    ids = [prompt_ids(tokenizer, q, 0, []) for q in chosen]
+    return [p[-max_positions:] if max_positions and len(p) > max_positions else p for p in ids]
+
+
+__all__ = ["OVERALL", "SUITES", "Question", "plot", "prompt_ids", "run_suite", "select_questions", "suite",
+           "suite_prompts", "suite_questions", "to_markdown"]
