@@ -7,6 +7,7 @@ called with keywords (the table in `_parser`). The functions live where their wo
     selfspec eval speedup --model runs/demo/model  # α, draft cost, tokens/s, speedups vs plain and HF
     selfspec eval sweep --model runs/demo/model --write-back   # fastest drafter setting into selfspec.json
     selfspec eval suite --model runs/demo/model --suite humaneval,stdlib   # per category, every method
+    selfspec eval roofline --model runs/demo/model # passes against this machine's memory bandwidth
     selfspec generate runs/demo/model "def parse_args("
     selfspec draft-vocab runs/demo/model           # token frequencies for a trimmed draft head
 
@@ -23,7 +24,7 @@ from pathlib import Path
 from . import commands, demo
 from .decoding import DRAFTERS
 from .errors import UserError
-from .evaluation import benchmark, suite, sweep
+from .evaluation import benchmark, roofline, suite, sweep
 
 
 def _generate(prompt: str | None, prompts: str | None, no_eos: bool, eos, no_stream: bool, model: str,
@@ -180,8 +181,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], argparse.A
     p.add_argument("--no-stream", action="store_true",
                    help="print the text at the end instead of as it is accepted")
 
-    ev = sub.add_parser("eval", help="evaluations: gate, speedup, suite, sweep, curve").add_subparsers(
-        dest="eval_command", required=True)
+    ev = sub.add_parser("eval", help="evaluations: gate, speedup, suite, sweep, roofline, curve")
+    ev = ev.add_subparsers(dest="eval_command", required=True)
     p = command(("eval", "gate"), ev, commands.gate,
                 help="perplexity regression gate (exit code 1 when it fails)")
     p.add_argument("--tuned", required=True)
@@ -219,6 +220,19 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], argparse.A
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--out", default="runs/suite")
+
+    p = command(("eval", "roofline"), ev, roofline.run,
+                help="memory bandwidth, bytes per pass, and the plain step, draft step and verification of "
+                     "1..8 positions measured against them")
+    p.add_argument("--model", required=True, help="directory loadable with AutoModelForCausalLM")
+    p.add_argument("--exit-layer", type=int, default=None, help="E (default: the checkpoint's)")
+    p.add_argument("--context", type=int, default=256, help="positions already in the KV cache")
+    p.add_argument("--max-positions", type=int, default=8, help="verify and whole-model passes of 1..this")
+    p.add_argument("--repeats", type=int, default=15, help="timed rounds (median)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    p.add_argument("--out", default="runs/roofline")
 
     p = command(("eval", "sweep"), ev, sweep.sweep,
                 help="speedup over a grid of drafters, exit layers E and draft lengths k; plot; "

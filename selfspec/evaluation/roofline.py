@@ -1,0 +1,239 @@
+"""Roofline: how far decoding is from this machine's memory bandwidth.
+
+A decode step of a small model reads every weight once and does little arithmetic per byte, so its
+physical limit is bytes ÷ memory bandwidth. This report measures
+
+- the bandwidth: a large read (a sum over a tensor far larger than the caches) and a large copy
+  (read + write), median of repeats;
+- the bytes a pass reads: the weights of the blocks it runs, the final norm and LM head, and the KV
+  cache of those blocks at the given context (the embedding reads one row: negligible);
+- the time of the passes the engine runs, through the engine's own blocks (`DecoderView`, the fast
+  path where it applies) on a cache holding `context` positions: a plain step (1 position through
+  all N blocks + head), a draft step (1 position through blocks [0, E) + head) and a verification of
+  m = 1..8 positions (blocks [E, N) + head on m positions), plus a whole-model pass of m positions.
+  Every repeat visits every pass, the order rotating; each time is a median.
+
+Each pass is given as a fraction of its limit (limit ÷ measured time: 1 means at the bandwidth) and
+in plain steps. The cost model and the sweep assume a verification of k + 1 positions costs about
+one plain step: the `verify` rows say what it costs here.
+
+    selfspec eval roofline --model runs/smollm2/base --exit-layer 10
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from ..cpu import sync_device
+from ..decoding.cache import KVCache
+from ..errors import UserError
+from ..model.view import DecoderView
+from .report import save_figure, write_report
+
+
+def _median_seconds(fn, repeats: int, device) -> float:
+    times = []
+    for _ in range(repeats):
+        sync_device(device)
+        start = time.perf_counter()
+        fn()
+        sync_device(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_bandwidth(megabytes: int = 512, repeats: int = 9, device="cpu") -> dict:
+    """Bytes/s of a large read (sum of a float32 tensor) and a large copy (read + write), medians
+    after one untimed pass each. `megabytes` should dwarf the last-level cache."""
+    numel = megabytes * 2**20 // 4
+    source = torch.ones(numel, dtype=torch.float32, device=device)
+    target = torch.empty_like(source)
+    nbytes = source.numel() * source.element_size()
+    source.sum(), target.copy_(source)  # touch the pages before timing
+    read = _median_seconds(lambda: source.sum(), repeats, device)
+    copy = _median_seconds(lambda: target.copy_(source), repeats, device)
+    return {"bytes": nbytes, "read_bytes_per_second": nbytes / read,
+            "copy_bytes_per_second": 2 * nbytes / copy}
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def pass_bytes(view: DecoderView, start: int, end: int, context: int) -> int:
+    """Bytes one pass of blocks [start, end) + final norm + LM head reads at `context` cached positions:
+    the blocks' and the head's weights (a tied head counts once) and those blocks' keys and values."""
+    weights = _nbytes(p for i in range(start, end) for p in view.layers[i].parameters())
+    weights += _nbytes([*view.final_norm.parameters(), *view.lm_head.parameters()])
+    return weights + (end - start) * kv_bytes_per_layer(view, context)
+
+
+def kv_bytes_per_layer(view: DecoderView, context: int) -> int:
+    """Keys + values one block holds for `context` positions (batch 1), from a one-token probe."""
+    cache = KVCache(view.num_layers, 1, 1)
+    ids = torch.zeros(1, 1, dtype=torch.long, device=view.device)
+    positions = view.default_positions(ids)
+    cache.set_positions(positions, [0])
+    with torch.inference_mode():
+        view.run_layers(view.embed(ids, positions), 0, 1, cache, positions, kv_length=1, aligned=True)
+    return context * (_nbytes([cache.keys[0], cache.values[0]]))
+
+
+class _Passes:
+    """Timed passes over a cache that holds `context` positions; every pass writes after them and
+    then rolls the cache back, so each one sees the same context."""
+
+    def __init__(self, view: DecoderView, context: int, max_positions: int):
+        self.view, self.context = view, context
+        self.cache = KVCache(view.num_layers, 1, context + max_positions)
+        generator = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, view.config.vocab_size, (1, context), generator=generator).to(view.device)
+        positions = view.default_positions(ids)
+        self.cache.set_positions(positions, [0])
+        with torch.inference_mode():
+            hidden = view.embed(ids, positions)
+            view.run_layers(hidden, 0, view.num_layers, self.cache, positions, aligned=True)
+        self.ids = ids
+
+    def run(self, start: int, end: int, length: int) -> None:
+        """`length` positions after the context through blocks [start, end) and the head."""
+        view, cache = self.view, self.cache
+        ids = self.ids[:, :length]
+        positions = view.default_positions(ids, self.context)
+        kv_length = cache.set_positions(positions, [self.context])
+        with torch.inference_mode():
+            hidden = view.embed(ids, positions)
+            hidden = view.run_layers(hidden, start, end, cache, positions, kv_length=kv_length, aligned=True)
+            view.exit_logits(hidden)
+        cache.lengths[:] = self.context  # roll back: the next pass sees the same context
+
+
+def measure_passes(view: DecoderView, exit_layer: int, context: int = 256, positions=range(1, 9),
+                   repeats: int = 15, warmup: int = 3) -> dict:
+    """Median seconds of each pass: "plain", "draft", f"verify_{m}" and f"full_{m}" for m in positions
+    (see the module docstring), interleaved over `repeats` rounds after `warmup` untimed ones."""
+    n = view.num_layers
+    positions = sorted(set(positions))
+    passes = {"plain": (0, n, 1), "draft": (0, exit_layer, 1)}
+    passes.update({f"verify_{m}": (exit_layer, n, m) for m in positions})
+    passes.update({f"full_{m}": (0, n, m) for m in positions if m > 1})
+    runner = _Passes(view, context, max(positions))
+    names = list(passes)
+    times = {name: [] for name in names}
+    for round_index in range(warmup + repeats):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            sync_device(view.device)
+            start = time.perf_counter()
+            runner.run(*passes[name])
+            sync_device(view.device)
+            if round_index >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return {name: {"seconds": statistics.median(times[name]), "blocks": list(passes[name][:2]),
+                   "positions": passes[name][2]} for name in names}
+
+
+def roofline(view: DecoderView, exit_layer: int, context: int = 256, positions=range(1, 9), repeats: int = 15,
+             warmup: int = 3, bandwidth_megabytes: int = 512) -> dict:
+    """The report (see the module docstring) as a dict."""
+    n = view.num_layers
+    if not 1 <= exit_layer < n:
+        raise UserError(f"--exit-layer {exit_layer} is not in 1..{n - 1}")
+    if context < 1 or repeats < 1 or not positions or min(positions) < 1:
+        raise UserError(f"--context ({context}), --repeats ({repeats}) and every position count "
+                        f"({list(positions)}) must be >= 1")
+    limit = view.max_positions
+    if limit is not None and context + max(positions) > limit:
+        raise UserError(f"--context {context} + {max(positions)} positions exceed the model's {limit}")
+    bandwidth = measure_bandwidth(bandwidth_megabytes, device=view.device)
+    rate = bandwidth["read_bytes_per_second"]
+    passes = measure_passes(view, exit_layer, context, positions, repeats, warmup)
+    plain = passes["plain"]["seconds"]
+    for row in passes.values():
+        start, end = row["blocks"]
+        row["bytes"] = pass_bytes(view, start, end, context)
+        row["limit_seconds"] = row["bytes"] / rate
+        row["fraction_of_bandwidth"] = row["limit_seconds"] / row["seconds"]
+        row["plain_steps"] = row["seconds"] / plain
+    return {"num_layers": n, "exit_layer": exit_layer, "context": context, "repeats": repeats,
+            "device": str(view.device), "dtype": str(view.dtype).replace("torch.", ""),
+            "threads": torch.get_num_threads(), "bandwidth": bandwidth, "passes": passes}
+
+
+def to_markdown(report: dict) -> str:
+    bw = report["bandwidth"]
+    lines = [f"# Roofline ({report['num_layers']} layers, E = {report['exit_layer']}, context "
+             f"{report['context']})", "",
+             f"{report['device']} {report['dtype']}, {report['threads']} threads; memory bandwidth: read "
+             f"{bw['read_bytes_per_second'] / 1e9:.1f} GB/s, "
+             f"copy {bw['copy_bytes_per_second'] / 1e9:.1f} GB/s "
+             f"(median of repeats over {bw['bytes'] / 2**20:.0f} MiB); passes: median of {report['repeats']} "
+             "interleaved repeats.", "",
+             "| pass | blocks | positions | MB read | limit ms | measured ms | of the limit | plain steps |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for name, row in report["passes"].items():
+        start, end = row["blocks"]
+        lines.append(f"| {name} | [{start}, {end}) | {row['positions']} | {row['bytes'] / 1e6:.1f} | "
+                     f"{row['limit_seconds'] * 1e3:.2f} | {row['seconds'] * 1e3:.2f} | "
+                     f"{row['fraction_of_bandwidth']:.0%} | {row['plain_steps']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: str | Path) -> Path:
+    """Cost of a pass (in plain steps) against the positions it carries: the verification and a
+    whole-model pass, measured, with the bandwidth limit of each."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    passes = report["passes"]
+    plain = passes["plain"]["seconds"]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for prefix, label in (("verify", f"verification, blocks [{report['exit_layer']}, N)"),
+                          ("full", "whole model")):
+        rows = [passes["plain"]] if prefix == "full" else []
+        rows += [row for name, row in passes.items() if name.startswith(prefix + "_")]
+        xs = [row["positions"] for row in rows]
+        line, = ax.plot(xs, [row["seconds"] / plain for row in rows], marker="o", label=f"{label}, measured")
+        ax.plot(xs, [row["limit_seconds"] / plain for row in rows], linestyle="--", color=line.get_color(),
+                label=f"{label}, bandwidth limit")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xlabel("positions in the pass")
+    ax.set_ylabel("cost (measured plain steps)")
+    ax.set_title(f"{report['num_layers']} layers, {report['dtype']}, context {report['context']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+def run(model: str, *, exit_layer: int | None = None, context: int = 256, max_positions: int = 8,
+        repeats: int = 15, warmup: int = 3, device: str | None = None, dtype: str = "auto",
+        out: str = "runs/roofline") -> dict:
+    """`selfspec eval roofline`: measure the model `model`; print the table, write roofline.json,
+    roofline.md and roofline.png into `out`. E defaults to the checkpoint's."""
+    from ..checkpoint import resolve_settings
+    from .benchmark import load_model
+
+    if max_positions < 1:
+        raise UserError(f"--max-positions must be >= 1, got {max_positions}")
+    settings, _, _ = resolve_settings(model, exit_layer=exit_layer)
+    if settings.exit_layer is None:
+        raise UserError(f"--exit-layer is required: {model} has no selfspec.json")
+    lm, _ = load_model(model, device, dtype)
+    report = roofline(DecoderView(lm), settings.exit_layer, context, range(1, max_positions + 1), repeats, warmup)
+    report["model"] = model
+    out = Path(out)
+    write_report(out, "roofline", report, to_markdown(report))
+    plot(report, out / "roofline.png")
+    print(to_markdown(report))
+    print(f"wrote {out / 'roofline.json'}, {out / 'roofline.md'} and {out / 'roofline.png'}")
+    return report
+
+
+__all__ = ["kv_bytes_per_layer", "measure_bandwidth", "measure_passes", "pass_bytes", "plot", "roofline",
+           "run", "to_markdown"]
