@@ -8,7 +8,7 @@ from helpers import tiny_model
 
 from selfspec.decoding.cache import KVCache
 from selfspec.model import DecoderView
-from selfspec.model.fast import FastLlamaBlocks
+from selfspec.model.fast import FastLlamaBlocks, linear
 
 LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -183,3 +183,17 @@ def test_a_user_hook_is_not_mistaken_for_transformers_recording_hook():
 
     model.model.layers[0].register_forward_hook(my_output_capture)
     assert DecoderView(model).adapter.fast is None
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (1, 2), (1, 3), (2, 2), (1, 5), (2, 4), (1, 9), (3, 40)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_columns_linear_equals_f_linear(shape, bias):
+    """`fast.linear` (W @ xᵀ for 2-8 rows on CPU, three rows padded to four) gives F.linear's values
+    and shape for every row count, with and without a bias."""
+    torch.manual_seed(0)
+    weight = torch.randn(48, 32)
+    b = torch.randn(48) if bias else None
+    x = torch.randn(*shape, 32)
+    out = linear(x, weight, b)
+    assert out.shape == (*shape, 48) and out.is_contiguous()
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, b), rtol=1e-5, atol=1e-5)

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from ..errors import UserError
 from ..model import DecoderView
+from ..model.fast import linear
 
 
 def frequent_tokens(counts, size: int) -> np.ndarray:
@@ -83,7 +83,7 @@ class DraftHead:
             hidden = self.adapter(hidden)
         if self.token_ids is None:
             return self.view.exit_logits(hidden)
-        sub = F.linear(self.view.final_norm(hidden), self.weight, self.bias)  # (..., V')
+        sub = linear(self.view.final_norm(hidden), self.weight, self.bias)  # (..., V')
         full = sub.new_full(sub.shape[:-1] + (self.vocab_size,), float("-inf"))
         return full.index_copy_(-1, self.token_ids, sub)
 

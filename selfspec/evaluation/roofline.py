@@ -225,7 +225,8 @@ def run(model: str, *, exit_layer: int | None = None, context: int = 256, max_po
     if settings.exit_layer is None:
         raise UserError(f"--exit-layer is required: {model} has no selfspec.json")
     lm, _ = load_model(model, device, dtype)
-    report = roofline(DecoderView(lm), settings.exit_layer, context, range(1, max_positions + 1), repeats, warmup)
+    report = roofline(DecoderView(lm), settings.exit_layer, context, range(1, max_positions + 1), repeats,
+                      warmup)
     report["model"] = model
     out = Path(out)
     write_report(out, "roofline", report, to_markdown(report))
