@@ -187,9 +187,13 @@ def test_a_user_hook_is_not_mistaken_for_transformers_recording_hook():
 
 @pytest.mark.parametrize("shape", [(1, 1), (1, 2), (1, 3), (2, 2), (1, 5), (2, 4), (1, 9), (3, 40)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_the_columns_linear_equals_f_linear(shape, bias):
-    """`fast.linear` (W @ xᵀ for 2-8 rows on CPU, three rows padded to four) gives F.linear's values
-    and shape for every row count, with and without a bias."""
+@pytest.mark.parametrize("one_row_columns", [False, True])
+def test_the_columns_linear_equals_f_linear(shape, bias, one_row_columns, monkeypatch):
+    """`fast.linear` (W @ xᵀ for 2-8 rows on CPU, and for one row on a large weight, one or three
+    rows padded with a copy) gives F.linear's values and shape for every row count, with and
+    without a bias."""
+    if one_row_columns:  # this small weight as if it were large enough for one row's columns path
+        monkeypatch.setattr("selfspec.model.fast._COLUMNS_MIN_BYTES_ONE_ROW", 0)
     torch.manual_seed(0)
     weight = torch.randn(48, 32)
     b = torch.randn(48) if bias else None

@@ -40,27 +40,32 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 # At most this many rows take the columns path of `linear` (measured up to 8: verification sizes)
 _COLUMNS_MAX_ROWS = 8
+# One row takes the columns path only for a weight at least this large (bytes): there reading it
+# dominates; a smaller one is bound by the per-op overhead the padding adds.
+_COLUMNS_MIN_BYTES_ONE_ROW = 1 << 20
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`: x (..., K) -> (..., N), computed the way the CPU reads `weight`
-    fastest when x has a few rows (a verification of k + 1 positions).
+    fastest when x has a few rows (a decode step, a verification of k + 1 positions).
 
     Measured on 2 AVX2 cores with SmolLM2's weights cold in memory (`selfspec eval roofline`):
-    `F.linear` of 2-8 rows (x @ Wᵀ, an sgemm that repacks W) costs 1.7-2x MKL's one-row product, so
-    a verification of 4-5 positions cost about 1.4 plain steps. The same sgemm posed as W @ xᵀ
-    streams W instead: 2-5 columns cost 0.7-1.0x the one-row product (3 columns more than 4, so
-    three rows are padded with a copy of the last; the copy's result is dropped). One row keeps
-    `F.linear` (MKL's sgemv: posing it as two columns measured no faster on SmolLM2 and slower on
-    the embedded default, whose small weights make every extra op count), and so do other devices
-    and inputs of more than `_COLUMNS_MAX_ROWS` rows (prefill).
+    `F.linear` of 2-8 rows (x @ Wᵀ, an sgemm that repacks W) costs 1.7-2x MKL's one-row product
+    (sgemv), so a verification of 4-5 positions cost about 1.4 plain steps. The same sgemm posed as
+    W @ xᵀ streams W instead: 2-5 columns cost 0.6-0.8 of a plain step's products, and even one row
+    posed as two columns (the row and a copy) beats sgemv: SmolLM2's plain step 12% faster. Three
+    rows are padded to four the same way (3 columns measured slower than 4); copies' results are
+    dropped. One row on a weight under `_COLUMNS_MIN_BYTES_ONE_ROW` keeps sgemv (the embedded
+    default's small weights: the padding's extra ops made its step 27% slower), and so do other
+    devices and inputs of more than `_COLUMNS_MAX_ROWS` rows (prefill).
     """
     rows = x.numel() // x.shape[-1]
-    if rows == 1 or rows > _COLUMNS_MAX_ROWS or x.device.type != "cpu":
+    if rows > _COLUMNS_MAX_ROWS or x.device.type != "cpu" or (
+            rows == 1 and weight.numel() * weight.element_size() < _COLUMNS_MIN_BYTES_ONE_ROW):
         return F.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1])  # (rows, K)
-    if rows == 3:
-        flat = torch.cat([flat, flat[-1:]])  # (4, K)
+    if rows in (1, 3):
+        flat = torch.cat([flat, flat[-1:]])  # (rows + 1, K)
     out = torch.mm(weight, flat.t()).t()[:rows]  # (rows, N), a transposed view
     if bias is not None:
         out = out + bias
