@@ -123,13 +123,16 @@ def choose_exit(acceptance: Mapping[int, float], draft_cost: Mapping[int, float]
             "predicted_speedup": candidates[best]["predicted_speedup"], "candidates": candidates}
 
 
-def predicted_speedup(k_rounds: Mapping[int, int], alpha: float, draft_cost: float) -> float:
-    """Speedup of a run whose rounds used various k: Σ n_k·E(k) / Σ n_k·(1 + k·c) (plain step = 1).
+def predicted_speedup(k_rounds: Mapping[int, int], alpha: float, draft_cost: float,
+                      verify_cost: float = 1.0) -> float:
+    """Speedup of a run whose rounds used various k: Σ n_k·E(k) / Σ n_k·(k·c + v_k) (plain step = 1),
+    v_k = `verify_cost` for a round with drafts (a verification, in plain steps; 1 by default, the
+    articles' assumption) and 1 for a plain step (k = 0).
 
     k_rounds: k -> number of rounds run with that k (k = 0 rounds are plain steps).
     """
     tokens = sum(n * expected_tokens(k, alpha) for k, n in k_rounds.items())
-    cost = sum(n * (1.0 + k * draft_cost) for k, n in k_rounds.items())
+    cost = sum(n * (k * draft_cost + (verify_cost if k else 1.0)) for k, n in k_rounds.items())
     if cost == 0:
         raise ValueError("no rounds")
     return tokens / cost

@@ -346,8 +346,10 @@ def _cost_model(plain_runs, spec_runs, measured: float | None) -> dict:
     out.update({
         "draft_step_seconds": draft_step, "verify_seconds_per_round": verify,
         "draft_cost": c, "mean_k": k_mean,
-        # E(k)/(1 + k·c) per round, weighted by how many rounds used each k (k = 0 rounds count 1/1)
-        "predicted_speedup": predicted_speedup(k_rounds, alpha, c),
+        "verify_cost": verify / plain_step,
+        # E(k)/(k·c + v) per round with v the measured verification in plain steps, weighted by how
+        # many rounds used each k (k = 0 rounds count 1/1)
+        "predicted_speedup": predicted_speedup(k_rounds, alpha, c, verify / plain_step),
         "predicted_speedup_kv_reuse": speedup_kv_reuse(round(k_mean), alpha, c),
         "predicted_speedup_measured_costs": speedup_measured_costs(
             round(k_mean), alpha, draft_step, verify, plain_step),

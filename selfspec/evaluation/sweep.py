@@ -28,7 +28,7 @@ from ..config import parse_layers
 from ..decoding import ADAPTIVE_K, DRAFTERS, DecodeSettings, SelfSpecGenerator
 from ..decoding.settings import FIELDS
 from ..errors import UserError
-from ..metrics import predicted_speedup, speedup_simple
+from ..metrics import predicted_speedup
 from ..model import num_layers as count_layers
 from .benchmark import interleaved_rates, load_model, pooled_costs, read_prompts, source_summary
 from .report import save_figure, write_report
@@ -144,13 +144,16 @@ def run_sweep(model, prompts: list[list[int]], exit_layers: list[int], ks: list,
                "stopped_below_eta": sum(s.stopped_below_eta for s in stats[setting]),
                "identical_to_plain": outputs[setting] == outputs[plain]}
         if _in_table(row, stop_belows[0]):
-            k = setting.num_speculations
             cost = per_exit[str(setting.exit_layer)][str(setting.draft_vocab_size)]["draft_cost"]
             if alpha != alpha or not run_costs["draft_steps"]:  # η cut every round: nothing to predict
-                row["predicted_speedup"] = float("nan")
+                row["predicted_speedup"] = row["verify_cost"] = float("nan")
             else:
-                row["predicted_speedup"] = (speedup_simple(k, alpha, cost) if isinstance(k, int)
-                                            else predicted_speedup(run_costs["stats"].k_rounds, alpha, cost))
+                # the cost model with this cell's measured verification (in plain steps) and its
+                # exit's draft cost c, weighted by the k its rounds used
+                row["verify_cost"] = run_costs["verify_per_round"] / run_costs["plain_step"]
+                row["predicted_speedup"] = predicted_speedup(run_costs["stats"].k_rounds, alpha, cost,
+                                                             row["verify_cost"])
+            row["measured_over_predicted"] = row["speedup"] / row["predicted_speedup"]
         grid.append(row)
     lossless = [row for row in grid if row["identical_to_plain"]]
     best = max(lossless, key=lambda row: row["speedup"]) if lossless else None
@@ -158,7 +161,9 @@ def run_sweep(model, prompts: list[list[int]], exit_layers: list[int], ks: list,
     for row in lossless:
         if row["drafter"] not in fastest or row["speedup"] > fastest[row["drafter"]]["speedup"]:
             fastest[row["drafter"]] = row
+    ratios = [row["measured_over_predicted"] for row in grid if row.get("measured_over_predicted", 0) > 0]
     return {"num_layers": num_layers, "max_new_tokens": max_new_tokens, "num_prompts": len(prompts),
+            "measured_over_predicted": statistics.median(ratios) if ratios else float("nan"),
             "table_stop_below": stop_belows[0],
             "repeats": repeats, "warmup": warmup, "device": str(device),
             "plain_tokens_per_second": plain_rate,
@@ -196,7 +201,8 @@ def to_markdown(report: dict) -> str:
              f"{report['repeats']} interleaved repeats after {report['warmup']} warm-up."]
     if early:
         lines += ["",
-                  "Early-exit drafts, cells: measured × (cost model E(k,α)/(1+k·c)); V' 0 is the whole head.",
+                  "Early-exit drafts, cells: measured × (cost model E(k,α)/(k·c + v), v the cell's measured "
+                  "verification in plain steps); V' 0 is the whole head.",
                   "",
                   "| E | V' | α | α kept | c | " + " | ".join(f"k={k}" for k in ks) + " |",
                   "|---|---:|---:|---:|---:|" + "---:|" * len(ks)]
@@ -226,6 +232,12 @@ def to_markdown(report: dict) -> str:
     if report.get("fastest_per_drafter"):
         lines += ["", "Fastest per drafter: " + "; ".join(
             f"{_describe(row)}: {row['speedup']:.2f}×" for row in report["fastest_per_drafter"].values())]
+    if early:
+        costs = [row["verify_cost"] for row in early if row["verify_cost"] == row["verify_cost"]]
+        ratio = report["measured_over_predicted"]
+        lines += ["", f"Measured ÷ predicted, median over the cells: {ratio:.2f}; "
+                      f"a verification costs {min(costs, default=float('nan')):.2f}-"
+                      f"{max(costs, default=float('nan')):.2f} plain steps."]
     best = report["best"]
     fastest = "none (no output matched plain decoding)" if best is None else (
         f"{_describe(best)}: **{best['speedup']:.2f}×** plain decoding")
