@@ -85,6 +85,13 @@ def _suite_flags(p, sweep_use: bool = False) -> None:
                    help="the first N questions of each category (default: " + ("1)" if sweep_use else "all)"))
 
 
+def _device_flags(p, out: str) -> None:
+    """Where and in which dtype the model runs, and the report's directory."""
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    p.add_argument("--out", default=out)
+
+
 def _timing_flags(p, num_prompts: int, max_new_tokens: int, repeats: int, out: str) -> None:
     """Which prompts, how many tokens, how many interleaved repeats: the benchmark's and the sweep's."""
     p.add_argument("--model", required=True, help="directory loadable with AutoModelForCausalLM")
@@ -96,9 +103,7 @@ def _timing_flags(p, num_prompts: int, max_new_tokens: int, repeats: int, out: s
     p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
     p.add_argument("--repeats", type=int, default=repeats, help="timed rounds (median)")
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    p.add_argument("--out", default=out)
+    _device_flags(p, out)
 
 
 def _parser() -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], argparse.ArgumentParser]]:
@@ -217,9 +222,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], argparse.A
     p.add_argument("--no-eos", action="store_true", help="always max-new-tokens (default: stop at eos)")
     _settings_flags(p, drafter=False)
     p.add_argument("--min-ngram", type=int, default=None, help="shortest context match that copies")
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    p.add_argument("--out", default="runs/suite")
+    _device_flags(p, "runs/suite")
 
     p = command(("eval", "roofline"), ev, roofline.run,
                 help="memory bandwidth, bytes per pass, and the plain step, draft step and verification of "
@@ -230,9 +233,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], argparse.A
     p.add_argument("--max-positions", type=int, default=8, help="verify and whole-model passes of 1..this")
     p.add_argument("--repeats", type=int, default=15, help="timed rounds (median)")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    p.add_argument("--out", default="runs/roofline")
+    _device_flags(p, "runs/roofline")
 
     p = command(("eval", "sweep"), ev, sweep.sweep,
                 help="speedup over a grid of drafters, exit layers E and draft lengths k; plot; "

@@ -116,3 +116,8 @@ def ranking_counts(token_ids, vocab_size: int) -> np.ndarray:
     counts = np.zeros(vocab_size, dtype=np.int64)
     counts[np.asarray(token_ids)] = np.arange(len(token_ids), 0, -1) + 1
     return counts
+
+
+# A ChatML template: tiny tokenizers trained here have none
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

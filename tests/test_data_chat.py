@@ -5,12 +5,10 @@ import copy
 import json
 
 import pytest
+from helpers import CHATML
 
 from selfspec.data import ChatDataError, is_chat_source, load_chat_corpus, pack_chat_dataset, pack_split
 from selfspec.data.chat import chat_tokens, read_chat_jsonl, read_sharegpt, split_of
-
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 @pytest.fixture(scope="module")

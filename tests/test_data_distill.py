@@ -4,6 +4,7 @@ directory was made by another model or tokenizer."""
 import json
 
 import pytest
+from helpers import CHATML
 from transformers import AutoModelForCausalLM
 
 from selfspec.checkpoint import save_tuned
@@ -11,9 +12,6 @@ from selfspec.cli import main
 from selfspec.data import ChatDataError, load_chat_corpus
 from selfspec.data.distill import RESPONSES, distill_prompts, distill_responses
 from selfspec.decoding import DecodeSettings, SelfSpecGenerator
-
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ import json
 import sys
 
 import pytest
+from helpers import CHATML
 from transformers import AutoModelForCausalLM
 
 from selfspec.checkpoint import read_meta, save_tuned
@@ -22,9 +23,6 @@ from selfspec.evaluation.suite import (
     suite_questions,
 )
 from selfspec.evaluation.sweep import write_back_fastest
-
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import tiny_model
+from helpers import CHATML, tiny_model
 from transformers import AutoModelForCausalLM
 
 from selfspec.agreement import shifted_labels
@@ -405,8 +405,6 @@ def test_a_run_killed_anywhere_resumes_to_the_same_weights_bit_for_bit(tiny_run,
 
 # --- chat data and the trimmed exit loss -------------------------------------------------------------
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 @pytest.fixture(scope="module")

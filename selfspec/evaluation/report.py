@@ -29,3 +29,15 @@ def save_figure(fig, path: str | Path, dpi: int = 120) -> Path:
     finally:
         plt.close(fig)
     return Path(path)
+
+
+def publish(out_dir: str | Path, stem: str, data: dict, markdown: str, plot=None) -> list[Path]:
+    """Write `<stem>.json`, `<stem>.md` and, with `plot(data, path)`, `<stem>.png` into out_dir; print
+    the Markdown and the paths written."""
+    out_dir = Path(out_dir)
+    paths = write_report(out_dir, stem, data, markdown)
+    if plot is not None:
+        paths.append(plot(data, out_dir / f"{stem}.png"))
+    print(markdown)
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return paths

@@ -32,7 +32,7 @@ from ..cpu import sync_device
 from ..decoding.cache import KVCache
 from ..errors import UserError
 from ..model.view import DecoderView
-from .report import save_figure, write_report
+from .report import publish, save_figure
 
 
 def _median_seconds(fn, repeats: int, device) -> float:
@@ -228,11 +228,7 @@ def run(model: str, *, exit_layer: int | None = None, context: int = 256, max_po
     report = roofline(DecoderView(lm), settings.exit_layer, context, range(1, max_positions + 1), repeats,
                       warmup)
     report["model"] = model
-    out = Path(out)
-    write_report(out, "roofline", report, to_markdown(report))
-    plot(report, out / "roofline.png")
-    print(to_markdown(report))
-    print(f"wrote {out / 'roofline.json'}, {out / 'roofline.md'} and {out / 'roofline.png'}")
+    publish(out, "roofline", report, to_markdown(report), plot)
     return report
 
 

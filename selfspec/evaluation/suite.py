@@ -31,7 +31,7 @@ from ..errors import UserError
 from ..model.loading import load_tokenizer
 from . import benchmark
 from .benchmark import METHODS, Timings, check_methods, interleaved_rates, load_model, make_runner
-from .report import save_figure, write_report
+from .report import publish, save_figure
 
 # suite -> whether its prompts go through the chat template
 SUITES = {"mt-bench": True, "sharegpt-heldout": True, "humaneval": False, "stdlib": False}
@@ -299,11 +299,7 @@ def suite(model: str, *, suites: str | None = None, questions: str | None = None
                        max_new_tokens=max_new_tokens, repeats=repeats, warmup=warmup, batch_size=batch_size,
                        stop_at_eos=not no_eos)
     report.update(model=model, suites=suites, questions=questions)
-    out = Path(out)
-    write_report(out, "suite", report, to_markdown(report))
-    plot(report, out / "suite.png")
-    print(to_markdown(report))
-    print(f"wrote {out / 'suite.json'}, {out / 'suite.md'} and {out / 'suite.png'}")
+    publish(out, "suite", report, to_markdown(report), plot)
     return report
 
 

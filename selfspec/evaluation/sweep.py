@@ -31,7 +31,7 @@ from ..errors import UserError
 from ..metrics import predicted_speedup
 from ..model import num_layers as count_layers
 from .benchmark import interleaved_rates, load_model, pooled_costs, read_prompts, source_summary
-from .report import save_figure, write_report
+from .report import publish, save_figure
 
 
 def grid_settings(base: DecodeSettings, exit_layers, ks, drafters, vocabs, min_ngrams,
@@ -368,13 +368,9 @@ def sweep(model: str, *, exit_layers: str | list[int] | None = None, ks="1,2,3,4
                        min_ngrams=min_ngrams, stop_belows=stop_belows, token_counts=counts,
                        exit_adapters=checkpoint_adapters(model, lm))
     report.update(model=model, prompts_from=", ".join(filter(None, (suites, questions))) or prompts or corpus)
-    out = Path(out)
-    write_report(out, "sweep", report, to_markdown(report))
-    plot(report, out / "sweep.png")
-    print(to_markdown(report))
-    print(f"wrote {out / 'sweep.json'}, {out / 'sweep.md'} and {out / 'sweep.png'}")
+    publish(out, "sweep", report, to_markdown(report), plot)
     if write_back:
-        write_back_fastest(model, report, out / "sweep.json")
+        write_back_fastest(model, report, Path(out) / "sweep.json")
     return report
 
 
