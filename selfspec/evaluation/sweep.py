@@ -29,6 +29,7 @@ from ..decoding import ADAPTIVE_K, DRAFTERS, DecodeSettings, SelfSpecGenerator
 from ..decoding.settings import FIELDS
 from ..errors import UserError
 from ..metrics import predicted_speedup
+from ..model import DecoderView
 from ..model import num_layers as count_layers
 from .benchmark import interleaved_rates, load_model, pooled_costs, read_prompts, source_summary
 from .report import publish, save_figure
@@ -357,7 +358,7 @@ def sweep(model: str, *, exit_layers: str | list[int] | None = None, ks="1,2,3,4
     if suites or questions:
         from .suite import suite_prompts
 
-        positions = getattr(lm.config, "max_position_embeddings", None)
+        positions = DecoderView(lm).max_positions  # the family's own limit (GPT-2: n_positions)
         chosen = suite_prompts(tokenizer, suites, questions, max_per_category,
                                positions and positions - max_new_tokens)
     else:

@@ -53,11 +53,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     `F.linear` of 2-8 rows (x @ Wᵀ, an sgemm that repacks W) costs 1.7-2x MKL's one-row product
     (sgemv), so a verification of 4-5 positions cost about 1.4 plain steps. The same sgemm posed as
     W @ xᵀ streams W instead: 2-5 columns cost 0.6-0.8 of a plain step's products, and even one row
-    posed as two columns (the row and a copy) beats sgemv: SmolLM2's plain step 12% faster. Three
-    rows are padded to four the same way (3 columns measured slower than 4); copies' results are
-    dropped. One row on a weight under `_COLUMNS_MIN_BYTES_ONE_ROW` keeps sgemv (the embedded
-    default's small weights: the padding's extra ops made its step 27% slower), and so do other
-    devices and inputs of more than `_COLUMNS_MAX_ROWS` rows (prefill).
+    posed as two columns (the row and a copy) beats sgemv: SmolLM2's plain step 12-18% faster
+    (two interleaved A/B runs). Three rows are padded to four the same way (3 columns measured
+    slower than 4); the copies' results are dropped. One row on a weight under
+    `_COLUMNS_MIN_BYTES_ONE_ROW` keeps sgemv (the embedded default's small weights: the padding's
+    extra ops made its step 27% slower), and so do other devices and inputs of more than
+    `_COLUMNS_MAX_ROWS` rows (prefill).
     """
     rows = x.numel() // x.shape[-1]
     if rows > _COLUMNS_MAX_ROWS or x.device.type != "cpu" or (
