@@ -121,7 +121,8 @@ def exit_layer_metrics(model, blocks: torch.Tensor, layers: list[int] | None = N
             hidden = view.run_block(index, hidden, context)
             if index + 1 in layers:
                 adapter = (exit_adapters or {}).get(index + 1)
-                states[index + 1] = hidden if adapter is None or index + 1 == num_layers else adapter(hidden)
+                states[index + 1] = (hidden if adapter is None or index + 1 == num_layers
+                                     else adapter(hidden, view, context))
         final_logits = view.exit_logits(states[num_layers]).float()  # (B, T, V)
         for row, layer in enumerate(layers):
             logits = final_logits if layer == num_layers else view.exit_logits(states[layer]).float()

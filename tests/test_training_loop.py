@@ -503,6 +503,14 @@ def test_an_adapter_run_trains_only_the_adapter_and_decoding_stays_the_models_ow
     assert out.sequences[0] == plain[0, len(prompt):].tolist()
 
 
+def test_an_exit_block_copied_from_a_block_the_model_lacks_is_refused(tiny_run, tmp_path):
+    cfg = run_config(tiny_run, tmp_path, "trainable=adapter", "adapter_kind=block", "adapter_init_layer=4",
+                     "layer_dropout.p_max=0.0", "early_exit.layers=2")
+    with pytest.raises(UserError, match=r"adapter_init_layer = 4 is not a block of the model's 4"):
+        train(cfg, progress=False)
+    assert not (tmp_path / "model").exists()
+
+
 @pytest.mark.parametrize("override, message", [
     ("layer_dropout.p_max=0.2", "layer dropout would change"),
     ("lora.enabled=true", "a LoRA on them cannot train"),
@@ -512,3 +520,91 @@ def test_adapter_training_refuses_what_would_move_the_frozen_model(tiny_run, tmp
 
     with pytest.raises(ConfigError, match=message):
         run_config(tiny_run, tmp_path, "trainable=adapter", "layer_dropout.p_max=0.0", override)
+
+
+# --- cached exit features and the exit block ----------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["mlp", "block"])
+def test_the_cached_exit_loss_equals_the_live_one(kind):
+    """Stored exit states and the teacher's argmax give the very loss (and gradient) that running the
+    frozen model in the step gives, for both adapter kinds, over a trimmed vocabulary with "other"."""
+    import datasets
+
+    from selfspec.model.exit_adapter import new_exit_adapter
+    from selfspec.training.features import compute_exit_features
+
+    model = tiny_model("llama", num_layers=4).eval().requires_grad_(False)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 96, (3, 16))
+    mask = torch.rand(3, 16) < 0.7
+    blocks = datasets.Dataset.from_dict({"input_ids": ids.tolist(), "target_mask": mask.tolist()}
+                                        ).with_format("torch")
+    features = compute_exit_features(model, blocks, exit_layer=2, top_k=1, progress=False)
+    assert torch.equal(features["target_mask"][:], mask)
+    losses_and_grads = []
+    for cached in (False, True):
+        torch.manual_seed(1)
+        adapter = new_exit_adapter(kind, model, 2).requires_grad_(True)
+        if kind == "mlp":
+            torch.nn.init.normal_(adapter.down.weight, std=0.1)
+        objective = SelfSpecObjective(model, EarlyExitConfig(kind="argmax", teacher="self", final_weight=0.0),
+                                      exit_layers=[2], exit_vocab=TrimmedVocab(torch.arange(40), 96),
+                                      exit_adapter=adapter).train()
+        batch = ({name: features[name][:] for name in ("exit_hidden", "teacher_ids", "teacher_probs")}
+                 if cached else {"input_ids": ids})
+        out = objective(**batch, target_mask=mask)
+        out["loss"].backward()
+        losses_and_grads.append((out["exit_loss"], [p.grad.clone() for p in adapter.parameters()]))
+    (live, live_grads), (cached, cached_grads) = losses_and_grads
+    torch.testing.assert_close(cached, live)
+    for a, b in zip(cached_grads, live_grads):
+        torch.testing.assert_close(a, b)
+
+
+def test_features_are_computed_once_and_reused(tiny_run, tmp_path, monkeypatch):
+    from selfspec.training import features as features_lib
+
+    calls = []
+    real = features_lib.compute_exit_features
+    monkeypatch.setattr(features_lib, "compute_exit_features",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    for run in ("first", "second"):
+        cfg = run_config(tiny_run, tmp_path / run, "trainable=adapter", "layer_dropout.p_max=0.0",
+                         "early_exit.layers=2", f"data.cache_dir={tmp_path}/cache")
+        train(cfg, progress=False)
+    assert len(calls) == 1
+    assert len(list((tmp_path / "cache").glob("exit-features-*"))) == 1
+    # The curve counts the preparation as time spent: every point after the first lies beyond it.
+    from selfspec.evaluation.curves import read_curve
+
+    rows = [json.loads(line) for line in (tmp_path / "first" / "metrics.jsonl").read_text().splitlines()]
+    prepared = next(r["feature_minutes"] for r in rows if "feature_minutes" in r)
+    minutes = read_curve(tmp_path / "first")["minutes"]
+    assert prepared > 0 and minutes[0] == 0.0 and all(m > prepared for m in minutes[1:])
+
+
+def test_an_exit_block_run_keeps_the_model_and_decodes_its_own_tokens(tiny_run, tmp_path):
+    """adapter_kind: block: a copy of block 3 trained on cached features; the checkpoint names its kind
+    and source block; load_tuned drafts through it with its own KV cache, the output is the model's."""
+    from selfspec.checkpoint import load_tuned
+
+    cfg = run_config(tiny_run, tmp_path, "trainable=adapter", "adapter_kind=block", "adapter_init_layer=3",
+                     "layer_dropout.p_max=0.0", "early_exit.layers=2", "optim.max_steps=3", "optim.lr=1e-2")
+    result = train(cfg, progress=False)
+    base = AutoModelForCausalLM.from_pretrained(tiny_run["model"])
+    tuned = AutoModelForCausalLM.from_pretrained(result.model_dir)
+    for (name, a), b in zip(base.state_dict().items(), tuned.state_dict().values()):
+        assert torch.equal(a, b), name
+    meta = read_meta(result.model_dir)
+    assert meta["exit_adapter"] == {"exit_layer": 2, "file": "exit_adapter.safetensors", "kind": "block",
+                                    "init_layer": 3}
+    generator = load_tuned(result.model_dir)
+    block = generator.exit_adapters[2]
+    assert block.attends and generator.draft_head().adapter is None
+    trained = block.layer.mlp.down_proj.weight
+    assert not torch.equal(trained, DecoderView(base).layers[3].mlp.down_proj.weight)  # it trained
+    prompt = tiny_run["tokenizer"]("def f(x):")["input_ids"]
+    out = generator.generate([prompt], max_new_tokens=12, num_speculations=3, eos_token_id=[])
+    plain = tuned.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12)
+    assert out.sequences[0] == plain[0, len(prompt):].tolist()
+    assert out.stats.early_exit.drafted > 0

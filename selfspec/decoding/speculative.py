@@ -39,6 +39,7 @@ import torch
 from ..errors import UserError
 from ..metrics import AcceptanceStats
 from ..model import DecoderView
+from ..model.fast import fixed_width
 from . import sampling
 from .cache import KVCache
 from .controller import Controller
@@ -122,7 +123,8 @@ class _Batch:
     cache: KVCache
     sampling: SamplingParams
     exit_layer: int  # E of this call's early exit
-    head: DraftHead  # its draft head (trimmed to V', behind an exit adapter, or the model's own)
+    head: DraftHead  # its draft head (trimmed to V', behind an MLP exit adapter, or the model's own)
+    exit_block: object  # the attending exit adapter the drafts read (`ExitBlock`, KV at layer N), or None
     stop_below: float  # η: stop a round's early-exit drafts when no row's top draft probability reaches it
     steps: torch.Tensor  # arange(capacity) on the device, to build positions
     rows: np.ndarray  # (B,) the caller's row index of each batch slot
@@ -231,18 +233,27 @@ class SelfSpecGenerator:
         and ngram override its fields (`SelfSpecGenerator(model, exit_layer=4)` is the early exit at E = 4,
         k = "auto"). E = N drafts with the whole model (every draft accepted, useful as a check).
     token_counts: (V,) token frequencies that rank the V' ids of a trimmed draft head (needed for
-        draft_vocab_size > 0; see `draft_head.py`); exit_adapters: {E: `ExitAdapter`} trained for
-        those exits, applied to the exit's hidden states before the draft head (verification never
-        reads them); check_cache: assert after every round that each layer's cache length equals
-        the sequence length.
+        draft_vocab_size > 0; see `draft_head.py`); exit_adapters: {E: adapter} trained for those
+        exits (`model.exit_adapter`: an `ExitAdapter`, or an `ExitBlock` with a KV cache of its own
+        at cache layer N), applied to the exit's hidden states before the draft head (verification
+        never reads them); check_cache: assert after every round that each layer's cache length
+        equals the sequence length; fixed_width: run every decoding pass's products and attention
+        on a fixed number of rows (`model.fast.fixed_width`; default: for bf16/fp16 models), which
+        makes speculative output equal plain output in low precision too (Llama-family blocks;
+        GPT-2's are Hugging Face's own and are not covered).
     """
 
     def __init__(self, model, tokenizer=None, settings: DecodeSettings | None = None, *,
                  exit_layer: int | None = None, num_speculations=None, drafter: str | None = None,
                  draft_vocab_size: int | None = None, stop_below: float | None = None,
                  ngram: NGramConfig | None = None, token_counts=None,
-                 exit_adapters: dict | None = None, check_cache: bool = True):
+                 exit_adapters: dict | None = None, check_cache: bool = True,
+                 fixed_width: bool | None = None):
         self.view = DecoderView(model)
+        # bf16/fp16: every decoding pass at one width (`model.fast.fixed_width`), so that a position
+        # gets the same rounding alone (plain) as among k + 1 (verification); fp32 needs no help.
+        self.fixed_width = (self.view.dtype in (torch.bfloat16, torch.float16) if fixed_width is None
+                            else fixed_width)
         self.tokenizer = tokenizer
         settings = (settings or DecodeSettings()).override(
             exit_layer=exit_layer, num_speculations=num_speculations, drafter=drafter,
@@ -276,14 +287,25 @@ class SelfSpecGenerator:
         return settings
 
     def draft_head(self, settings: DecodeSettings | None = None) -> DraftHead:
-        """The draft head of `settings` (default the generator's): its E's adapter, its V' ids."""
+        """The draft head of `settings` (default the generator's): its E's MLP adapter, its V' ids."""
         settings = settings or self.settings
         key = (settings.exit_layer, settings.draft_vocab_size)
         if key not in self._heads:
             ids = (frequent_tokens(self.token_counts, settings.draft_vocab_size) if settings.draft_vocab_size
                    else None)
-            self._heads[key] = DraftHead(self.view, ids, self.exit_adapters.get(settings.exit_layer))
+            adapter = self.exit_adapters.get(settings.exit_layer)
+            self._heads[key] = DraftHead(self.view, ids, None if getattr(adapter, "attends", False)
+                                         else adapter)
         return self._heads[key]
+
+    def exit_block(self, settings: DecodeSettings):
+        """The attending exit adapter the drafts of `settings` read (an `ExitBlock`), or None: none
+        trained for its E, or a call that never drafts with the early exit (plain, copies only), which
+        then does not pay for it."""
+        adapter = self.exit_adapters.get(settings.exit_layer)
+        if not getattr(adapter, "attends", False) or settings.is_plain or settings.drafter == "ngram":
+            return None
+        return adapter
 
     # -- the round -----------------------------------------------------------------------------------
     def _place(self, b: _Batch, offset: int, length: int) -> dict:
@@ -295,8 +317,25 @@ class SelfSpecGenerator:
 
     def _run(self, b: _Batch, tokens: torch.Tensor, offset: int, end: int) -> torch.Tensor:
         """Tokens (B, T) at positions n + offset .. through blocks [0, end): hidden states (B, T, D)."""
+        return self._forward(b, tokens, offset, end)[0]
+
+    def _forward(self, b: _Batch, tokens: torch.Tensor, offset: int, end: int):
+        """`_run`, and the draft head's input at those positions: the exit states (B, T, D) after the
+        exit block when the call has one (else the states after block E, or None when end < E).
+
+        An exit block keeps a KV cache of its own, so it runs wherever blocks [0, E) do (prefill,
+        drafts, verification, plain steps): every layer then holds every position, and rollback and
+        `check` treat it as one more layer."""
         place = self._place(b, offset, tokens.shape[1])
-        return self.view.run_layers(self.view.embed(tokens, place["positions"]), 0, end, **place)
+        hidden = self.view.embed(tokens, place["positions"])
+        if b.exit_block is None or end < b.exit_layer:
+            hidden = self.view.run_layers(hidden, 0, end, **place)
+            return hidden, hidden if end == b.exit_layer else None
+        context = self.view.context(hidden, place["positions"], place["kv_length"], cached=True,
+                                    aligned=place["aligned"])
+        hidden = self.view.run_layers(hidden, 0, b.exit_layer, b.cache, context=context)
+        features = b.exit_block(hidden, self.view, context, b.cache)  # writes cache layer N
+        return self.view.run_layers(hidden, b.exit_layer, end, b.cache, context=context), features
 
     def _pick(self, b: _Batch, logits: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """Draft token (B,) from draft logits (B, V) for the token at `position` (B, 1)."""
@@ -338,13 +377,15 @@ class SelfSpecGenerator:
         draft.tail = torch.cat([start, *draft.parts], 1)  # (B, m+1)
         if not plan.extend:  # a plain step (m = 0) or a pure copy: nothing for the early exit to draft
             return draft
-        draft.hiddens.append(self._run(b, draft.tail, 0, b.exit_layer))  # (B, m+1, D)
+        hidden, features = self._forward(b, draft.tail, 0, b.exit_layer)  # (B, m+1, D) each
+        draft.hiddens.append(hidden)
         early, copy = [], None
         for _ in range(plan.extend):
-            k = m + len(early)  # drafts so far; the last one's exit hidden state is hiddens[-1][:, -1]
+            k = m + len(early)  # drafts so far; the last one's draft features are features[:, -1]
             if early:  # the previous draft through blocks [0, E): this step's input
-                draft.hiddens.append(self._run(b, early[-1][:, None], k, b.exit_layer))
-            logits = b.head.logits(draft.hiddens[-1][:, -1])  # (B, V)
+                hidden, features = self._forward(b, early[-1][:, None], k, b.exit_layer)
+                draft.hiddens.append(hidden)
+            logits = b.head.logits(features[:, -1])  # (B, V)
             if b.stop_below and self._unsure(b, logits):  # η: no row trusts this draft; verify what we have
                 draft.stopped = True
                 break
@@ -454,37 +495,38 @@ class SelfSpecGenerator:
         b = self._start(prompts, sampling, seed, settings, capacity=int(prompt_lengths.max()) + max_new_tokens
                         + policy.k_max + 1)
         stats.prefill_time = time.perf_counter() - wall
-        while b.rows.size:  # finished rows leave the batch
-            plan = policy.plan(b.rows)
-            cap = policy.k_max
-            if limit is not None:  # no draft beyond the last position the model has (GPT-2's table)
-                cap = min(cap, limit - 1 - int(b.lengths.max()))
-                plan = plan.truncate(cap)
-            tokens, accepted, (start, drafted, verified), draft = self._round(b, plan, policy, clock, cap)
-            segments = draft.segments
-            stats.stopped_below_eta += draft.stopped
-            k = tokens.shape[1] - 1
-            host = torch.cat([tokens, accepted[:, None]], 1).cpu().numpy()  # the round's one host sync
-            tokens, accepted = host[:, :-1], host[:, -1]
-            draft_time, verify_time = clock.seconds(start, drafted), clock.seconds(drafted, verified)
-            if not segments:  # a plain step, also one whose first E blocks ran before η stopped the draft
-                draft_time, verify_time = 0.0, draft_time + verify_time
-            self._record(stats, segments, accepted, draft_time, verify_time)
-            policy.update(segments, accepted, draft_time, verify_time)
+        with fixed_width(self.fixed_width):  # a low-precision model: every pass at one width
+            while b.rows.size:  # finished rows leave the batch
+                plan = policy.plan(b.rows)
+                cap = policy.k_max
+                if limit is not None:  # no draft beyond the last position the model has (GPT-2's table)
+                    cap = min(cap, limit - 1 - int(b.lengths.max()))
+                    plan = plan.truncate(cap)
+                tokens, accepted, (start, drafted, verified), draft = self._round(b, plan, policy, clock, cap)
+                segments = draft.segments
+                stats.stopped_below_eta += draft.stopped
+                k = tokens.shape[1] - 1
+                host = torch.cat([tokens, accepted[:, None]], 1).cpu().numpy()  # the round's one host sync
+                tokens, accepted = host[:, :-1], host[:, -1]
+                draft_time, verify_time = clock.seconds(start, drafted), clock.seconds(drafted, verified)
+                if not segments:  # a plain step, also one whose first E blocks ran before η stopped the draft
+                    draft_time, verify_time = 0.0, draft_time + verify_time
+                self._record(stats, segments, accepted, draft_time, verify_time)
+                policy.update(segments, accepted, draft_time, verify_time)
 
-            rows = b.rows
-            emit, finished = self._emit_counts(tokens, accepted, counts[rows], max_new_tokens, eos)
-            slots, cols = np.nonzero(np.arange(k + 1) < emit[:, None])
-            generated[rows[slots], counts[rows[slots]] + cols] = tokens[slots, cols]
-            if stops:
-                finished |= self._cut_at_stop_strings(stops, generated, rows, counts[rows], emit)
-            counts[rows] += emit
-            policy.observe(rows, tokens, emit)
-            if stream:
-                stream.feed(rows, tokens, emit, finished)
-            self._advance(b, tokens, emit, keep=~finished)
-            if self.check_cache:
-                b.cache.check(prompt_lengths[b.rows] - 1 + counts[b.rows])
+                rows = b.rows
+                emit, finished = self._emit_counts(tokens, accepted, counts[rows], max_new_tokens, eos)
+                slots, cols = np.nonzero(np.arange(k + 1) < emit[:, None])
+                generated[rows[slots], counts[rows[slots]] + cols] = tokens[slots, cols]
+                if stops:
+                    finished |= self._cut_at_stop_strings(stops, generated, rows, counts[rows], emit)
+                counts[rows] += emit
+                policy.observe(rows, tokens, emit)
+                if stream:
+                    stream.feed(rows, tokens, emit, finished)
+                self._advance(b, tokens, emit, keep=~finished)
+                if self.check_cache:
+                    b.cache.check(prompt_lengths[b.rows] - 1 + counts[b.rows])
 
         if stream:
             stream.end()
@@ -507,8 +549,10 @@ class SelfSpecGenerator:
     def _start(self, prompts, sampling, seed, settings: DecodeSettings, capacity: int) -> _Batch:
         """Allocate the cache and prefill every prompt token but the last (the first pending token)."""
         device, rows = self.view.device, len(prompts)
-        b = _Batch(cache=KVCache(self.view.num_layers, rows, capacity), sampling=sampling,
-                   exit_layer=settings.exit_layer, head=self.draft_head(settings),
+        exit_block = self.exit_block(settings)
+        b = _Batch(cache=KVCache(self.view.num_layers + (exit_block is not None), rows, capacity),
+                   sampling=sampling, exit_layer=settings.exit_layer, head=self.draft_head(settings),
+                   exit_block=exit_block,
                    stop_below=settings.stop_below,
                    steps=torch.arange(capacity, device=device), rows=np.arange(rows),
                    lengths=np.zeros(rows, dtype=np.int64),

@@ -27,13 +27,15 @@ def read_curve(run_dir: str | Path) -> dict:
         raise UserError(f"{path} does not exist; pass the output_dir of a training run")
     curve = {"steps": [], "tokens": [], "minutes": [], "perplexity": [], "exits": {}}
     minutes = 0.0  # a step row's wall clock carries over to the evaluation row logged after it
+    prepared = 0.0  # minutes spent before the first step (an exit adapter's cached features)
     for number, line in enumerate(path.read_text().splitlines(), 1):
         try:
             row = json.loads(line)
         except json.JSONDecodeError:  # a running job's last line, half written
             raise UserError(f"{path}:{number} is not a JSON row; wait for the run to write it, or remove "
                             f"that line") from None
-        minutes = row.get("minutes", minutes)
+        prepared = row.get("feature_minutes", prepared)
+        minutes = row["minutes"] + prepared if "minutes" in row else minutes
         if "val/perplexity" not in row:
             continue
         curve["steps"].append(row["step"])

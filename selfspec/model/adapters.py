@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..errors import UserError
-from .fast import FastLlamaBlocks
+from .fast import FastLlamaBlocks, run_block
 
 
 class UnsupportedArchitectureError(UserError):
@@ -57,6 +57,11 @@ class Adapter:
         return {}
 
     def call_block(self, index: int, hidden, mask, cache, extras: dict) -> torch.Tensor:
+        return self.call_layer(self.layers[index], hidden, mask, cache, extras)
+
+    def call_layer(self, layer: nn.Module, hidden, mask, cache, extras: dict) -> torch.Tensor:
+        """Call a block module of this family (one of `layers`, or an exit block outside them, which
+        writes its keys at its own `layer_idx`) on hidden (B, T, D)."""
         raise NotImplementedError
 
     def exit_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -135,8 +140,15 @@ class LlamaFamilyAdapter(Adapter):
     def call_block(self, index, hidden, mask, cache, extras):
         if self._use_fast():
             return self.fast(index, hidden, mask, cache, *extras["position_embeddings"])
-        return self.layers[index](hidden, attention_mask=mask, cache=cache,
-                                  use_cache=cache is not None, **extras)
+        return self.call_layer(self.layers[index], hidden, mask, cache, extras)
+
+    def call_layer(self, layer, hidden, mask, cache, extras):
+        if self._use_fast():  # an exit block: the model's own blocks took the branch above
+            block = self.fast.extra(layer, self.config)
+            if block is not None:
+                return run_block(block, layer.self_attn.layer_idx, hidden, mask, cache,
+                                 *extras["position_embeddings"])
+        return layer(hidden, attention_mask=mask, cache=cache, use_cache=cache is not None, **extras)
 
     def exit_logits(self, hidden):
         if self._use_fast() and self.fast.head is not None:
@@ -175,8 +187,8 @@ class GPT2Adapter(Adapter):
         transformer = self.model.transformer
         return transformer.drop(transformer.wte(input_ids) + transformer.wpe(positions))
 
-    def call_block(self, index, hidden, mask, cache, extras):
-        return self.layers[index](hidden, cache=cache, attention_mask=mask, use_cache=cache is not None)
+    def call_layer(self, layer, hidden, mask, cache, extras):
+        return layer(hidden, cache=cache, attention_mask=mask, use_cache=cache is not None)
 
 
 ADAPTERS: tuple[type[Adapter], ...] = (LlamaFamilyAdapter, GPT2Adapter)

@@ -18,6 +18,8 @@ guarantee is unchanged; tests check it against Hugging Face's blocks.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +47,51 @@ _COLUMNS_MAX_ROWS = 8
 _COLUMNS_MIN_BYTES_ONE_ROW = 1 << 20
 
 
+# Rows per product under `fixed_width` (see there): at least a verification's k + 1 positions.
+FIXED_WIDTH = 16
+_fixed_width: contextvars.ContextVar[int] = contextvars.ContextVar("fixed_width", default=0)
+
+
+@contextlib.contextmanager
+def fixed_width(enabled: bool = True):
+    """Within it, every product of `linear` and every attention of these blocks runs on exactly
+    `FIXED_WIDTH` rows (queries): fewer are padded with copies of the last, more are cut into
+    chunks. A position's result then never depends on how many positions share its pass.
+
+    Why: a GEMM's rounding depends on its shape (MKL, oneDNN and cuBLAS pick kernels and reduction
+    splits by the number of rows), which is invisible in fp32 but flips bf16 argmaxes: a
+    verification of k + 1 positions would not compute what k + 1 single plain steps compute. The
+    engine decodes low-precision models inside this context (its prefill, shared by every method,
+    stays outside), so its speculative output equals its own plain output token for token.
+    """
+    token = _fixed_width.set(FIXED_WIDTH if enabled else 0)
+    try:
+        yield
+    finally:
+        _fixed_width.reset(token)
+
+
+def _pad_rows(flat: torch.Tensor, width: int) -> torch.Tensor:
+    """(rows, K) -> (ceil(rows / width) · width, K): padded with copies of the last row."""
+    extra = -flat.shape[0] % width
+    return torch.cat([flat, flat[-1:].expand(extra, -1)]) if extra else flat
+
+
+def _fixed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  width: int) -> torch.Tensor:
+    """`linear` with every product over exactly `width` rows (the `fixed_width` context)."""
+    rows = x.numel() // x.shape[-1]
+    flat = _pad_rows(x.reshape(rows, x.shape[-1]), width)  # (chunks · width, K)
+    if x.device.type == "cpu":  # streams W (see `linear`)
+        out = torch.cat([torch.mm(weight, chunk.t()).t() for chunk in flat.split(width)])
+    else:
+        out = torch.cat([F.linear(chunk, weight) for chunk in flat.split(width)])
+    out = out[:rows]
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], weight.shape[0]).contiguous()
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`: x (..., K) -> (..., N), computed the way the CPU reads `weight`
     fastest when x has a few rows (a decode step, a verification of k + 1 positions).
@@ -60,6 +107,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     extra ops made its step 27% slower), and so do other devices and inputs of more than
     `_COLUMNS_MAX_ROWS` rows (prefill).
     """
+    width = _fixed_width.get()
+    if width:
+        return _fixed_linear(x, weight, bias, width)
     rows = x.numel() // x.shape[-1]
     if rows > _COLUMNS_MAX_ROWS or x.device.type != "cpu" or (
             rows == 1 and weight.numel() * weight.element_size() < _COLUMNS_MIN_BYTES_ONE_ROW):
@@ -166,6 +216,11 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     without a mask; with a mask, one query token folds its Hq/Hkv heads into the query length
     (`pack_gqa`), and longer queries repeat the key/value heads."""
     batch, heads, length, head_dim = q.shape
+    width = _fixed_width.get()
+    if width and (mask is not None or length == 1):  # a decoding pass (cached), not a causal prefill
+        if mask is None:  # one query that sees every cached slot
+            mask = q.new_zeros(1, 1, 1, k.shape[2])
+        return _fixed_attention(q, k, v, mask, b, width)
     gqa = {}
     if b.gqa and mask is None:
         gqa["enable_gqa"] = True
@@ -181,6 +236,32 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
             .reshape(batch, length, heads * head_dim))
 
 
+def _fixed_attention(q, k, v, mask, b: _Block, width: int) -> torch.Tensor:
+    """`_attention` on exactly `width` queries per call (`fixed_width`), always with a mask and with
+    the key/value heads repeated: the same kernel for one query as for a verification's k + 1."""
+    batch, heads, length, head_dim = q.shape
+    if b.gqa:
+        groups = heads // k.shape[1]
+        k = k[:, :, None].expand(-1, -1, groups, -1, -1).reshape(batch, heads, -1, head_dim)
+        v = v[:, :, None].expand(-1, -1, groups, -1, -1).reshape(batch, heads, -1, head_dim)
+    mask = mask.expand(batch, 1, length, k.shape[2])
+    extra = -length % width
+    if extra:  # pad the queries (and their mask rows) with copies of the last
+        q = torch.cat([q, q[:, :, -1:].expand(-1, -1, extra, -1)], 2)
+        mask = torch.cat([mask, mask[:, :, -1:].expand(-1, -1, extra, -1)], 2)
+    # Written out in float32 rather than SDPA, whose CPU kernel rounds a query differently when the
+    # keys hidden from it sit before the visible ones (a sliding window) and the key count changes.
+    # Hidden keys weigh exactly 0 here, and each key keeps its index, so a query's sums are the same
+    # for every key count.
+    keys, values = k.float().transpose(-1, -2), v.float()
+    out = []
+    for qc, mc in zip(q.split(width, 2), mask.split(width, 2)):
+        scores = torch.matmul(qc.float(), keys) * b.scaling + mc.float()  # (B, H, width, S)
+        out.append(torch.matmul(torch.softmax(scores, -1), values).to(q.dtype))  # (B, H, width, hd)
+    out = torch.cat(out, 2)[:, :, :length]
+    return out.transpose(1, 2).reshape(batch, length, heads * head_dim)
+
+
 class FastLlamaBlocks:
     """Run Llama/Mistral/Qwen2/Qwen3 blocks without autograd, as flat tensor operations.
 
@@ -192,6 +273,7 @@ class FastLlamaBlocks:
 
     def __init__(self, blocks: list[_Block], head: tuple | None):
         self.blocks = blocks
+        self._extra: dict[int, _Block | None] = {}  # id(module) -> an exit block's tensors
         self.head = head  # (final norm weight, eps, LM head weight, bias), or None: use the modules
 
     @classmethod
@@ -221,21 +303,34 @@ class FastLlamaBlocks:
         A cache gets `update(k, v, index)` like Hugging Face's attention calls it. A mask of None means
         causal attention over the T inputs (no cache) or attention to every cached slot (T = 1).
         """
-        b = self.blocks[index]
-        batch, length, _ = hidden.shape
-        x = rms_norm(hidden, b.norm1, b.eps1)
-        q = linear(x, b.wq, b.bq).view(batch, length, -1, b.head_dim)
-        k = linear(x, b.wk, b.bk).view(batch, length, -1, b.head_dim)
-        v = linear(x, b.wv, b.bv).view(batch, length, -1, b.head_dim).transpose(1, 2)
-        if b.q_norm is not None:
-            q, k = rms_norm(q, *b.q_norm), rms_norm(k, *b.k_norm)
-        cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, hd): one angle per position, all heads
-        q = apply_rotary(q.transpose(1, 2), cos, sin)  # (B, Hq, T, hd)
-        k = apply_rotary(k.transpose(1, 2), cos, sin)  # (B, Hkv, T, hd)
-        if cache is not None:
-            k, v = cache.update(k, v, index)  # (B, Hkv, S, hd): every slot the layer holds
-        attn = _attention(q, k, v, mask, b)  # (B, T, Hq·hd)
-        hidden = hidden + linear(attn, b.wo, b.bo)
-        x = rms_norm(hidden, b.norm2, b.eps2)
-        mlp = b.act(linear(x, b.w_gate, b.b_gate)) * linear(x, b.w_up, b.b_up)
-        return hidden + linear(mlp, b.w_down, b.b_down)
+        return run_block(self.blocks[index], index, hidden, mask, cache, cos, sin)
+
+    def extra(self, layer: nn.Module, config) -> _Block | None:
+        """The gathered tensors of a block outside the model's list (an exit block), built once per
+        module; None when it is not a plain block."""
+        key = id(layer)
+        if key not in self._extra:
+            self._extra[key] = None if _hooked(layer) else _gather(layer, config)
+        return self._extra[key]
+
+
+def run_block(b: _Block, index: int, hidden: torch.Tensor, mask: torch.Tensor | None, cache,
+              cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`FastLlamaBlocks.__call__` for the gathered block `b`, writing its keys at cache layer `index`."""
+    batch, length, _ = hidden.shape
+    x = rms_norm(hidden, b.norm1, b.eps1)
+    q = linear(x, b.wq, b.bq).view(batch, length, -1, b.head_dim)
+    k = linear(x, b.wk, b.bk).view(batch, length, -1, b.head_dim)
+    v = linear(x, b.wv, b.bv).view(batch, length, -1, b.head_dim).transpose(1, 2)
+    if b.q_norm is not None:
+        q, k = rms_norm(q, *b.q_norm), rms_norm(k, *b.k_norm)
+    cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, hd): one angle per position, all heads
+    q = apply_rotary(q.transpose(1, 2), cos, sin)  # (B, Hq, T, hd)
+    k = apply_rotary(k.transpose(1, 2), cos, sin)  # (B, Hkv, T, hd)
+    if cache is not None:
+        k, v = cache.update(k, v, index)  # (B, Hkv, S, hd): every slot the layer holds
+    attn = _attention(q, k, v, mask, b)  # (B, T, Hq·hd)
+    hidden = hidden + linear(attn, b.wo, b.bo)
+    x = rms_norm(hidden, b.norm2, b.eps2)
+    mlp = b.act(linear(x, b.w_gate, b.b_gate)) * linear(x, b.w_up, b.b_up)
+    return hidden + linear(mlp, b.w_down, b.b_down)

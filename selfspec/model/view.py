@@ -175,6 +175,13 @@ class DecoderView:
         mask = context.masks[self.windows[index]]
         return self.adapter.call_block(index, hidden, mask, cache, context.extras)
 
+    def run_extra_block(self, layer: nn.Module, like: int, hidden: torch.Tensor, context: LayerContext,
+                        cache=None) -> torch.Tensor:
+        """Run a block module outside the model's list (an exit block, `model.exit_adapter.ExitBlock`)
+        with the attention window of block `like`; it writes its keys at its own `layer_idx`."""
+        mask = context.masks[self.windows[like]]
+        return self.adapter.call_layer(layer, hidden, mask, cache, context.extras)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, cache=None,
                 num_layers: int | None = None) -> torch.Tensor:
         """Logits (B, T, V) of the first `num_layers` blocks (default all) + final norm + head."""

@@ -37,9 +37,10 @@ from ..errors import UserError
 from ..files import write_json_atomic, write_text_atomic
 from ..metrics import choose_exit, weight_draft_cost
 from ..model import DecoderView
-from ..model.exit_adapter import ExitAdapter
+from ..model.exit_adapter import new_exit_adapter
 from ..model.loading import build_llama, load_causal_lm, load_tokenizer
 from .early_exit import TrimmedVocab
+from .features import exit_features
 from .layer_dropout import LayerDropout
 from .objective import SelfSpecObjective
 
@@ -207,8 +208,11 @@ def build_objective(model, cfg: RunConfig, num_layers: int, exit_layer: int,
         if layers != [exit_layer]:
             raise UserError(f"trainable: adapter trains one exit, exit_layer = {exit_layer}: "
                             f"set early_exit.layers to {exit_layer} (it is {ee.layers!r})")
-        width = DecoderView(model).lm_head.weight.shape[1]
-        adapter = ExitAdapter(width, cfg.adapter_size or 2 * width).to(DecoderView(model).device)
+        if cfg.adapter_init_layer is not None and not 0 <= cfg.adapter_init_layer < num_layers:
+            raise UserError(f"adapter_init_layer = {cfg.adapter_init_layer} is not a block of the "
+                            f"model's {num_layers}; choose 0..{num_layers - 1}, or null for the last")
+        adapter = new_exit_adapter(cfg.adapter_kind, model, exit_layer, cfg.adapter_size,
+                                   cfg.adapter_init_layer).requires_grad_(True)
     return SelfSpecObjective(model, ee, layers, layer_dropout=dropout, total_steps=cfg.optim.max_steps,
                              frozen_model=frozen, seed=cfg.seed, exit_vocab=vocab, exit_adapter=adapter)
 
@@ -230,6 +234,7 @@ class _Run:
     val_blocks: object
     exit_layer: int
     token_counts: object  # (V,) token frequencies of the training blocks
+    feature_seconds: float = 0.0  # computing the exit features (cache_features), 0 when cached already
     step: int = 0  # optimizer steps done
     micro: int = 0  # micro-batches consumed (per process)
 
@@ -244,8 +249,9 @@ class _Run:
                         objective_inner(self.objective).exit_layers, self.exit_layer, self.cfg)
 
     def batches(self):
-        """Training batches forever, epoch after epoch, from where `micro` says the run is: input_ids
-        (B, T) and, for chat data, target_mask (B, T)."""
+        """Training batches forever, epoch after epoch, from where `micro` says the run is: dicts of
+        input_ids (B, T) and, for chat data, target_mask (B, T); or an exit adapter's cached features
+        (`training.features`)."""
         batches_per_epoch = len(self.loader)
         while True:
             epoch, offset = divmod(self.micro, batches_per_epoch)
@@ -253,7 +259,7 @@ class _Run:
             epoch_loader = self.accelerator.skip_first_batches(self.loader, offset) if offset else self.loader
             for batch in epoch_loader:
                 self.micro += 1
-                yield batch["input_ids"], batch.get("target_mask")
+                yield batch
 
 
 def train(cfg: RunConfig, resume: bool = False, progress: bool = True, kind: str = "tuned",
@@ -273,6 +279,8 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True, kind: str
     bar = tqdm(total=max_steps, initial=run.step, desc="train",
                disable=not (progress and run.accelerator.is_main_process))
     window, last_eval = [], {}  # recent losses and the last evaluation, for the progress bar
+    if run.feature_seconds and run.step == 0:  # the curves count the one-time preparation as time spent
+        run.accelerator.log({"feature_minutes": run.feature_seconds / 60}, step=0)
     if cfg.eval_every and run.step == 0:  # the curve's origin: the model as it came, on the same split
         run.accelerator.log({**run.evaluate(), "tokens": 0}, step=0)
     stream, start_time = run.batches(), time.perf_counter()
@@ -347,6 +355,17 @@ def _setup(cfg: RunConfig, output_dir: Path) -> _Run:
     # Token frequencies of the training data: the ranking of a trimmed exit loss and draft head.
     token_counts = data_lib.count_tokens(train_blocks, view.lm_head.weight.shape[0])
     objective = build_objective(model, cfg, num_layers, exit_layer, token_counts)
+    feature_start = time.perf_counter()
+    if cfg.trainable == "adapter" and cfg.cache_features:
+        # The model is frozen: its exit states and its teacher are the same every epoch.
+        ee = cfg.early_exit
+        with accelerator.main_process_first():
+            cache_dir = None if cfg.model.from_scratch else cfg.data.cache_dir
+            train_blocks = exit_features(model.to(accelerator.device), train_blocks, cfg.model.name_or_path,
+                                         exit_layer, 1 if ee.kind == "argmax" else ee.teacher_top_k,
+                                         ee.temperature, cache_dir, batch_size=cfg.optim.batch_size,
+                                         progress=accelerator.is_local_main_process)
+    feature_seconds = time.perf_counter() - feature_start
     if objective.frozen_model is not None:
         objective.frozen_model.to(accelerator.device)
 
@@ -370,7 +389,8 @@ def _setup(cfg: RunConfig, output_dir: Path) -> _Run:
         raise UserError(f"the training split has fewer than optim.batch_size = {cfg.optim.batch_size} "
                         f"blocks; lower optim.batch_size or data.block_size")
     return _Run(cfg, output_dir, accelerator, objective, optimizer, scheduler, loader, trainable, tokenizer,
-                train_blocks, val_blocks, exit_layer, token_counts)
+                train_blocks, val_blocks, exit_layer, token_counts,
+                feature_seconds=feature_seconds)
 
 
 def _resume(run: _Run) -> None:
@@ -389,9 +409,9 @@ def _train_step(run: _Run, stream) -> dict:
     cfg, accelerator = run.cfg, run.accelerator
     sums = {}  # device tensors: read back once per step, not once per micro-batch and key
     for _ in range(cfg.optim.grad_accum):
-        input_ids, target_mask = next(stream)
+        batch = next(stream)
         with accelerator.accumulate(run.objective):
-            out = run.objective(input_ids, step=run.step, target_mask=target_mask)
+            out = run.objective(**batch, step=run.step)
             accelerator.backward(out["loss"])
             _fault(f"mid_step:{run.step + 1}")
             if accelerator.sync_gradients and cfg.optim.grad_clip > 0:
@@ -454,7 +474,9 @@ def _finish(run: _Run, kind: str, seconds: float) -> TrainResult:
                    base_model=None if cfg.model.from_scratch else cfg.model.name_or_path,
                    training=to_dict(cfg),
                    metrics={**final, "steps": run.step, "tokens_seen": run.tokens,
-                            "train_seconds": round(seconds, 1), "processes": accelerator.num_processes,
+                            "train_seconds": round(seconds, 1),
+                            "feature_seconds": round(run.feature_seconds, 1),
+                            "processes": accelerator.num_processes,
                             "parameters": sum(p.numel() for p in inner.parameters())},
                    kind=kind)
     accelerator.end_training()

@@ -43,8 +43,9 @@ class SelfSpecObjective(nn.Module):
         w·norm(h) + b, one trained row beside the head (it exists for the loss only; a draft
         proposes from the V' ids), initialised at the mean head row of the other ids and
         log(V - V'): a lower bound of their logsumexp by Jensen's inequality.
-    exit_adapter: an `ExitAdapter` (trainable: adapter) applied to the exit hidden states before the
-        head; the exits' losses then train it, and the frozen model's own final layer is the teacher.
+    exit_adapter: an exit adapter (trainable: adapter; `ExitAdapter` or `ExitBlock`) applied to the
+        exit hidden states before the head; the exits' losses then train it, and the frozen model's
+        own final layer is the teacher.
     """
 
     def __init__(self, model: nn.Module, early_exit: EarlyExitConfig | None = None,
@@ -101,10 +102,13 @@ class SelfSpecObjective(nn.Module):
 
         return head
 
-    def forward(self, input_ids: torch.Tensor, step: int = 0, target_mask: torch.Tensor | None = None
-                ) -> dict[str, torch.Tensor]:
+    def forward(self, input_ids: torch.Tensor | None = None, step: int = 0,
+                target_mask: torch.Tensor | None = None, **features) -> dict[str, torch.Tensor]:
         """The losses of one batch (B, T); `target_mask` (B, T) limits them to chat data's assistant
-        tokens."""
+        tokens. With `features` (`training.features`: exit_hidden, teacher_ids, teacher_probs) the
+        frozen model is not run: the exit adapter trains on the stored exit states and teacher."""
+        if features:
+            return self._cached_exit_loss(target_mask=target_mask, **features)
         view, ee = self.view, self.early_exit
         batch = input_ids.shape[0]
         drop = None
@@ -123,7 +127,8 @@ class SelfSpecObjective(nn.Module):
             with torch.no_grad() if index >= grad_end else nullcontext():
                 hidden = block(hidden) if drop is None else apply_block(block, hidden, drop[index])
             if index + 1 in active:
-                exits.append(hidden if self.exit_adapter is None else self.exit_adapter(hidden))
+                exits.append(hidden if self.exit_adapter is None
+                             else self.exit_adapter(hidden, view, context))
         labels = shifted_labels(input_ids, target_mask)
         with torch.no_grad() if grad_end < view.num_layers else nullcontext():
             logits = view.exit_logits(hidden)  # (B, T, V)
@@ -148,6 +153,30 @@ class SelfSpecObjective(nn.Module):
             out["exit_loss"] = exit_loss.detach()
         out["loss"] = loss
         return out
+
+    def _cached_exit_loss(self, exit_hidden: torch.Tensor, teacher_ids: torch.Tensor,
+                          teacher_probs: torch.Tensor, target_mask: torch.Tensor | None = None) -> dict:
+        """Soft CE from stored exit states (B, T, D) to the stored teacher top K (B, T, K), through the
+        exit adapter and the (trimmed) head, at the positions that predict a target (mask[t + 1]).
+
+        The K probabilities are renormalised (argmax: the first alone, weight 1). Ids outside a
+        trimmed vocabulary fold into its "other" class: the gather then adds their weights there."""
+        view = self.view
+        hidden = exit_hidden.to(view.dtype)
+        if self.exit_adapter is not None:
+            hidden = self.exit_adapter(hidden, view, view.context(hidden))
+        valid = (target_mask[:, 1:] if target_mask is not None
+                 else torch.ones(hidden.shape[:2], dtype=torch.bool, device=hidden.device)[:, 1:])
+        hidden = hidden[:, :-1][valid]  # (n, D): position t predicts token t + 1
+        ids = teacher_ids[:, :-1][valid].long()  # (n, K)
+        weights = teacher_probs[:, :-1][valid].float()  # (n, K)
+        if self.early_exit.kind == "argmax":
+            ids, weights = ids[:, :1], torch.ones_like(weights[:, :1])
+        weights = weights / weights.sum(-1, keepdim=True)
+        classes = ids if self.exit_vocab is None else self.exit_vocab.class_of[ids]
+        log_q = torch.log_softmax(self._exit_head()(hidden).float(), -1)  # (n, V or V' + 1)
+        loss = -(weights * log_q.gather(-1, classes)).sum(-1).mean() if len(hidden) else hidden.sum() * 0
+        return {"exit_loss": loss.detach(), "loss": loss}
 
     def _subsample(self, exits, teacher_logits, labels, step: int):
         """The same random `token_fraction` of the B*T positions for every exit, fresh each step.
