@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -210,6 +211,12 @@ def _gather(layer: nn.Module, config) -> _Block | None:
                   q.weight.shape[0] != k.weight.shape[0])
 
 
+def _repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """Key or value heads (B, Hkv, S, hd) repeated to (B, heads, S, hd), as Hugging Face's repeat_kv."""
+    batch, kv_heads, length, head_dim = x.shape
+    return x[:, :, None].expand(-1, -1, heads // kv_heads, -1, -1).reshape(batch, heads, length, head_dim)
+
+
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, b: _Block):
     """SDPA over q (B, Hq, T, hd) and k, v (B, Hkv, S, hd) -> (B, T, Hq·hd), grouped-query heads handled
     as Hugging Face's sdpa integration does (so that CUDA picks the same kernels): `enable_gqa`
@@ -227,9 +234,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     elif b.gqa and length == 1:
         q = q.reshape(batch, k.shape[1], heads // k.shape[1], head_dim)  # (B, Hkv, groups, hd)
     elif b.gqa:
-        groups = heads // k.shape[1]
-        k = k[:, :, None].expand(-1, -1, groups, -1, -1).reshape(batch, heads, -1, head_dim)
-        v = v[:, :, None].expand(-1, -1, groups, -1, -1).reshape(batch, heads, -1, head_dim)
+        k, v = _repeat_kv(k, heads), _repeat_kv(v, heads)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and length > 1,
                                          scale=b.scaling, **gqa)
     return (out.reshape(batch, heads, length, head_dim).transpose(1, 2)
@@ -241,9 +246,7 @@ def _fixed_attention(q, k, v, mask, b: _Block, width: int) -> torch.Tensor:
     the key/value heads repeated: the same kernel for one query as for a verification's k + 1."""
     batch, heads, length, head_dim = q.shape
     if b.gqa:
-        groups = heads // k.shape[1]
-        k = k[:, :, None].expand(-1, -1, groups, -1, -1).reshape(batch, heads, -1, head_dim)
-        v = v[:, :, None].expand(-1, -1, groups, -1, -1).reshape(batch, heads, -1, head_dim)
+        k, v = _repeat_kv(k, heads), _repeat_kv(v, heads)
     mask = mask.expand(batch, 1, length, k.shape[2])
     extra = -length % width
     if extra:  # pad the queries (and their mask rows) with copies of the last
@@ -273,7 +276,7 @@ class FastLlamaBlocks:
 
     def __init__(self, blocks: list[_Block], head: tuple | None):
         self.blocks = blocks
-        self._extra: dict[int, _Block | None] = {}  # id(module) -> an exit block's tensors
+        self._extra: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # exit block -> tensors
         self.head = head  # (final norm weight, eps, LM head weight, bias), or None: use the modules
 
     @classmethod
@@ -308,10 +311,9 @@ class FastLlamaBlocks:
     def extra(self, layer: nn.Module, config) -> _Block | None:
         """The gathered tensors of a block outside the model's list (an exit block), built once per
         module; None when it is not a plain block."""
-        key = id(layer)
-        if key not in self._extra:
-            self._extra[key] = None if _hooked(layer) else _gather(layer, config)
-        return self._extra[key]
+        if layer not in self._extra:
+            self._extra[layer] = None if _hooked(layer) else _gather(layer, config)
+        return self._extra[layer]
 
 
 def run_block(b: _Block, index: int, hidden: torch.Tensor, mask: torch.Tensor | None, cache,

@@ -3,7 +3,8 @@
 Under `trainable: adapter` nothing in the model changes, so two things a training step would
 otherwise recompute every epoch are fixed: the exit's input, the hidden states after block E, and
 the teacher, the model's own next-token distribution. One inference pass over the training blocks
-computes both and stores them with `datasets` (memory-mapped, cached by fingerprint); each step then
+computes both and stores them with `datasets` (saved under a key of their inputs, memory-mapped when
+reloaded); each step then
 runs only the adapter and the (trimmed) head. On SmolLM2-135M at E = 10 that is one block and a
 sixth of the head per token instead of the whole frozen model.
 

@@ -355,8 +355,9 @@ def _setup(cfg: RunConfig, output_dir: Path) -> _Run:
     # Token frequencies of the training data: the ranking of a trimmed exit loss and draft head.
     token_counts = data_lib.count_tokens(train_blocks, view.lm_head.weight.shape[0])
     objective = build_objective(model, cfg, num_layers, exit_layer, token_counts)
-    feature_start = time.perf_counter()
+    feature_seconds = 0.0
     if cfg.trainable == "adapter" and cfg.cache_features:
+        feature_start = time.perf_counter()
         # The model is frozen: its exit states and its teacher are the same every epoch.
         ee = cfg.early_exit
         with accelerator.main_process_first():
@@ -365,7 +366,7 @@ def _setup(cfg: RunConfig, output_dir: Path) -> _Run:
                                          exit_layer, 1 if ee.kind == "argmax" else ee.teacher_top_k,
                                          ee.temperature, cache_dir, batch_size=cfg.optim.batch_size,
                                          progress=accelerator.is_local_main_process)
-    feature_seconds = time.perf_counter() - feature_start
+        feature_seconds = time.perf_counter() - feature_start
     if objective.frozen_model is not None:
         objective.frozen_model.to(accelerator.device)
 
