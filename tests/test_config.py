@@ -166,3 +166,18 @@ def test_the_real_model_recipes_apply_layer_dropout_and_candidate_exits():
         assert (ee.teacher, ee.token_fraction, cfg.trainable) == ("frozen", 1.0, "all")
         if name.startswith(("llama", "tinyllama", "qwen")):
             assert cfg.lora.enabled == name.endswith("lora") and cfg.output_dir == f"runs/{name}"
+
+
+def test_the_adapter_recipes_train_an_exit_block_on_cached_features():
+    """The CPU adapter recipe and its GPU counterpart keep the shape measured best on SmolLM2: a copy of
+    the last block, the frozen model's next token as the target, features computed once."""
+    from pathlib import Path
+
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    for name, layers in (("smollm2-135m_adapter", 30), ("qwen2.5-1.5b-instruct_adapter", 28)):
+        cfg = load_config(configs / f"{name}.yaml")
+        assert (cfg.trainable, cfg.adapter_kind, cfg.cache_features) == ("adapter", "block", True), name
+        assert cfg.adapter_init_layer == layers - 1 and cfg.layer_dropout.p_max == 0.0, name
+        ee = cfg.early_exit
+        assert (ee.kind, ee.teacher, cfg.data.source) == ("argmax", "self", "sharegpt"), name
+        assert int(cfg.early_exit.layers) == cfg.exit_layer <= layers // 3, name

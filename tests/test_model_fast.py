@@ -187,17 +187,18 @@ def test_a_user_hook_is_not_mistaken_for_transformers_recording_hook():
 
 @pytest.mark.parametrize("shape", [(1, 1), (1, 2), (1, 3), (2, 2), (1, 5), (2, 4), (1, 9), (3, 40)])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("one_row_columns", [False, True])
-def test_the_columns_linear_equals_f_linear(shape, bias, one_row_columns, monkeypatch):
-    """`fast.linear` (W @ xᵀ for 2-8 rows on CPU, and for one row on a large weight, one or three
-    rows padded with a copy) gives F.linear's values and shape for every row count, with and
-    without a bias."""
-    if one_row_columns:  # this small weight as if it were large enough for one row's columns path
+@pytest.mark.parametrize("one_row_large", [False, True])
+@pytest.mark.parametrize("out_features", [48, 47])
+def test_the_columns_linear_equals_f_linear(shape, bias, one_row_large, out_features, monkeypatch):
+    """`fast.linear` (W @ xᵀ for 2-8 rows on CPU; for one row on a large weight, W's two halves as a
+    batch when its height is even, else the row padded with a copy) gives F.linear's values and
+    shape for every row count, with and without a bias."""
+    if one_row_large:  # this small weight as if it were large enough for one row's own paths
         monkeypatch.setattr("selfspec.model.fast._COLUMNS_MIN_BYTES_ONE_ROW", 0)
     torch.manual_seed(0)
-    weight = torch.randn(48, 32)
-    b = torch.randn(48) if bias else None
+    weight = torch.randn(out_features, 32)
+    b = torch.randn(out_features) if bias else None
     x = torch.randn(*shape, 32)
     out = linear(x, weight, b)
-    assert out.shape == (*shape, 48) and out.is_contiguous()
+    assert out.shape == (*shape, out_features) and out.is_contiguous()
     torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, b), rtol=1e-5, atol=1e-5)

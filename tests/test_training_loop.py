@@ -568,12 +568,14 @@ def test_features_are_computed_once_and_reused(tiny_run, tmp_path, monkeypatch):
     real = features_lib.compute_exit_features
     monkeypatch.setattr(features_lib, "compute_exit_features",
                         lambda *a, **k: calls.append(1) or real(*a, **k))
+    computed = []
     for run in ("first", "second"):
         cfg = run_config(tiny_run, tmp_path / run, "trainable=adapter", "layer_dropout.p_max=0.0",
                          "early_exit.layers=2", f"data.cache_dir={tmp_path}/cache")
         train(cfg, progress=False)
-    assert len(calls) == 1
-    assert len(list((tmp_path / "cache").glob("exit-features-*"))) == 1
+        computed.append(len(calls))
+    shards = len(list((tmp_path / "cache").glob("exit-features-*")))
+    assert computed == [shards, shards] and shards >= 1  # the second run computed nothing
     # The curve counts the preparation as time spent: every point after the first lies beyond it.
     from selfspec.evaluation.curves import read_curve
 
@@ -581,6 +583,34 @@ def test_features_are_computed_once_and_reused(tiny_run, tmp_path, monkeypatch):
     prepared = next(r["feature_minutes"] for r in rows if "feature_minutes" in r)
     minutes = read_curve(tmp_path / "first")["minutes"]
     assert prepared > 0 and minutes[0] == 0.0 and all(m > prepared for m in minutes[1:])
+
+
+def test_features_grow_shard_by_shard(tmp_path, monkeypatch):
+    """More blocks (the same blocks first, as packing keeps order) compute only the shards they add,
+    and the shards together equal one pass over all the blocks."""
+    import datasets
+
+    from selfspec.training import features as features_lib
+
+    monkeypatch.setattr(features_lib, "SHARD_BLOCKS", 2)
+    model = tiny_model("llama", num_layers=4).eval()
+    torch.manual_seed(0)
+    ids = torch.randint(0, 96, (7, 12))
+    blocks = datasets.Dataset.from_dict({"input_ids": ids.tolist()}).with_format("torch")
+    computed = []
+    real = features_lib.compute_exit_features
+    monkeypatch.setattr(features_lib, "compute_exit_features",
+                        lambda model, part, *a, **k: computed.append(len(part)) or real(model, part, *a, **k))
+    args = ("tiny", 2, 3, 1.0, tmp_path)
+    features_lib.exit_features(model, blocks.select(range(5)), *args, progress=False)
+    assert computed == [2, 2, 1]
+    computed.clear()
+    grown = features_lib.exit_features(model, blocks, *args, progress=False)
+    assert computed == [2, 1]  # blocks 4-5 (the old last shard held only block 4) and block 6
+    whole = real(model, blocks, 2, 3, 1.0, progress=False)
+    assert len(grown) == 7
+    for name in ("exit_hidden", "teacher_ids", "teacher_probs", "target_mask"):
+        torch.testing.assert_close(grown[name][:], whole[name][:])
 
 
 def test_an_exit_block_run_keeps_the_model_and_decodes_its_own_tokens(tiny_run, tmp_path):

@@ -16,6 +16,10 @@ Columns per block of T tokens:
 
 The teacher is kept as its top K only: the loss (`objective.SelfSpecObjective`) renormalises their
 mass, which for K = 1 is CE to the teacher's argmax (`early_exit.kind: argmax`).
+
+The cache holds shards of `SHARD_BLOCKS` blocks, each under the key of its own content: packed data
+keeps its order as `data.max_train_blocks` grows, so a larger run computes only the blocks it adds,
+and a preparation stopped part-way resumes at its last saved shard.
 """
 
 from __future__ import annotations
@@ -32,6 +36,10 @@ from tqdm.auto import tqdm
 from ..data.blocks import block_tensors
 from ..data.packing import cached_blocks
 from ..model import DecoderView
+
+# Blocks per cached shard of features (a multiple of any usual batch size, so that a shard's batches
+# are the whole run's batches)
+SHARD_BLOCKS = 200
 
 
 def _model_fingerprint(name_or_path: str) -> str:
@@ -61,17 +69,21 @@ def features_key(blocks: datasets.Dataset, model_name: str, exit_layer: int, top
 
 @torch.inference_mode()
 def compute_exit_features(model, blocks: datasets.Dataset, exit_layer: int, top_k: int,
-                          temperature: float = 1.0, batch_size: int = 8,
-                          progress: bool = True) -> datasets.Dataset:
+                          temperature: float = 1.0, batch_size: int = 8, progress: bool = True,
+                          bar: tqdm | None = None) -> datasets.Dataset:
     """One pass of the frozen `model` over `blocks` (input_ids (n, T), optional target_mask): the
-    columns of this module's docstring, as an in-memory dataset in torch format."""
+    columns of this module's docstring, as an in-memory dataset in torch format. `bar`: a progress
+    bar to advance (in tokens) instead of a new one."""
     view = DecoderView(model)
     was_training = model.training
     model.eval()
     ids, mask = block_tensors(blocks)  # (n, T) each
     count, length = len(ids), ids.shape[1]
     hidden_rows, id_rows, prob_rows = [], [], []
-    bar = tqdm(total=count * length, desc="exit features", unit="tok", unit_scale=True, disable=not progress)
+    own_bar = bar is None
+    if own_bar:
+        bar = tqdm(total=count * length, desc="exit features", unit="tok", unit_scale=True,
+                   disable=not progress)
     for start in range(0, count, batch_size):
         input_ids = ids[start:start + batch_size].to(view.device)
         hidden = view.run_layers(view.embed(input_ids), 0, exit_layer)  # (B, T, D)
@@ -82,7 +94,8 @@ def compute_exit_features(model, blocks: datasets.Dataset, exit_layer: int, top_
         id_rows.append(top.to(torch.int32).cpu().numpy())
         prob_rows.append(probs.cpu().numpy())
         bar.update(input_ids.numel())
-    bar.close()
+    if own_bar:
+        bar.close()
     model.train(was_training)
 
     def column(rows: list[np.ndarray]) -> pa.Array:
@@ -105,14 +118,25 @@ def compute_exit_features(model, blocks: datasets.Dataset, exit_layer: int, top_
 def exit_features(model, blocks: datasets.Dataset, model_name: str, exit_layer: int, top_k: int,
                   temperature: float, cache_dir: str | Path | None, batch_size: int = 8,
                   progress: bool = True) -> datasets.Dataset:
-    """`compute_exit_features`, cached under `cache_dir` (saved atomically, reused by fingerprint)."""
-    def build():
-        return compute_exit_features(model, blocks, exit_layer, top_k, temperature, batch_size, progress)
-
+    """`compute_exit_features`, cached under `cache_dir` shard by shard (`SHARD_BLOCKS` blocks each,
+    saved atomically, reused by the key of their content)."""
     if cache_dir is None:
-        return build()
-    key = features_key(blocks, model_name, exit_layer, top_k, temperature, DecoderView(model).dtype)
-    return cached_blocks(Path(cache_dir) / f"exit-features-{key}", build)
+        return compute_exit_features(model, blocks, exit_layer, top_k, temperature, batch_size, progress)
+    dtype = DecoderView(model).dtype
+    starts = range(0, len(blocks), SHARD_BLOCKS)
+    parts = [blocks.select(range(start, min(start + SHARD_BLOCKS, len(blocks)))) for start in starts]
+    keys = [features_key(part, model_name, exit_layer, top_k, temperature, dtype) for part in parts]
+    paths = [Path(cache_dir) / f"exit-features-{key}" for key in keys]
+    length = len(blocks[0]["input_ids"]) if len(blocks) else 0
+    missing = sum(len(part) for part, path in zip(parts, paths) if not (path / "state.json").is_file())
+    with tqdm(total=missing * length, desc="exit features", unit="tok", unit_scale=True,
+              disable=not progress or missing == 0) as bar:
+        shards = [cached_blocks(path, lambda part=part: compute_exit_features(
+                      model, part, exit_layer, top_k, temperature, batch_size, bar=bar))
+                  for part, path in zip(parts, paths)]
+    if len(shards) == 1:
+        return shards[0]
+    return datasets.concatenate_datasets([shard.with_format(None) for shard in shards]).with_format("torch")
 
 
-__all__ = ["compute_exit_features", "exit_features", "features_key"]
+__all__ = ["SHARD_BLOCKS", "compute_exit_features", "exit_features", "features_key"]
