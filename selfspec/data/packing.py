@@ -73,15 +73,18 @@ def pack_dataset(
     return packed.with_format("torch")
 
 
+def is_cached(cached: Path) -> bool:
+    """Whether `cached_blocks` has saved a dataset at `cached`."""
+    return (cached / "state.json").is_file()
+
+
 def cached_blocks(cached: Path, build) -> datasets.Dataset:
-    """The blocks saved at `cached` (save_to_disk); the first time, `build()` them and save them
-    atomically."""
-    if (cached / "state.json").is_file():
-        return datasets.load_from_disk(str(cached)).with_format("torch")
-    packed = build()
-    with atomic_directory(cached) as tmp_dir:
-        packed.save_to_disk(str(tmp_dir))
-    return packed
+    """The blocks saved at `cached` (save_to_disk), memory-mapped; the first time, `build()` them
+    and save them atomically (then read them back, so a large build does not stay in memory)."""
+    if not is_cached(cached):
+        with atomic_directory(cached) as tmp_dir:
+            build().save_to_disk(str(tmp_dir))
+    return datasets.load_from_disk(str(cached)).with_format("torch")
 
 
 def count_tokens(blocks, vocab_size: int, chunk: int = 1024) -> np.ndarray:

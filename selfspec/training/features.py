@@ -34,7 +34,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..data.blocks import block_tensors
-from ..data.packing import cached_blocks
+from ..data.packing import cached_blocks, is_cached
 from ..model import DecoderView
 
 # Blocks per cached shard of features (a multiple of any usual batch size, so that a shard's batches
@@ -128,7 +128,7 @@ def exit_features(model, blocks: datasets.Dataset, model_name: str, exit_layer: 
     keys = [features_key(part, model_name, exit_layer, top_k, temperature, dtype) for part in parts]
     paths = [Path(cache_dir) / f"exit-features-{key}" for key in keys]
     length = len(blocks[0]["input_ids"]) if len(blocks) else 0
-    missing = sum(len(part) for part, path in zip(parts, paths) if not (path / "state.json").is_file())
+    missing = sum(len(part) for part, path in zip(parts, paths) if not is_cached(path))
     with tqdm(total=missing * length, desc="exit features", unit="tok", unit_scale=True,
               disable=not progress or missing == 0) as bar:
         shards = [cached_blocks(path, lambda part=part: compute_exit_features(
