@@ -20,7 +20,8 @@ read by `read_settings` and written by `save_tuned` and `write_settings` only:
     token_counts    optional: where token_counts.safetensors was counted {source, tokens, vocab_size}
     exit_adapter    optional: {exit_layer, file, kind, ...} of an exit adapter that the draft at that E
                     reads (trainable: adapter): kind "mlp" with hidden_size, intermediate_size, or
-                    "block" with init_layer (the model block it was copied from)
+                    "block" with init_layers (the model blocks its stack was copied from; a
+                    one-block checkpoint of before stacks has init_layer)
     exit_choice     optional: how the fine-tune chose E and k among its candidate exits
                     {exit_layer, num_speculations, predicted_speedup, candidates: {E: {acceptance_rate,
                     draft_cost, num_speculations, predicted_speedup}}}

@@ -345,6 +345,10 @@ class RunConfig:
     adapter_init_layer: int | None = None
     """adapter_kind: block: the model block (0-based) it starts as a copy of. None: the last block,
     whose output the final norm and head were trained on."""
+    adapter_blocks: int = 1
+    """adapter_kind: block: how many blocks the exit block stacks, copies of the model's blocks
+    ending at adapter_init_layer (2: blocks N-2 and N-1 by default). Each adds one block to the
+    draft's cost."""
     cache_features: bool = True
     """trainable: adapter: compute the exit's hidden states and the teacher's top K once, before
     training (training/features.py), and train on them every epoch: a step then runs the adapter and
@@ -379,6 +383,7 @@ class RunConfig:
                "it must be >= 1, or null for all cores")
         _check(self.adapter_size is None or self.adapter_size >= 1, "adapter_size", self.adapter_size,
                "it must be >= 1, or null for twice the model's width")
+        _check(self.adapter_blocks >= 1, "adapter_blocks", self.adapter_blocks, "it must be >= 1")
         _check(not self.choose_exit or self.early_exit.layers is not None, "choose_exit", self.choose_exit,
                "it picks among the candidate exits: set early_exit.layers, or choose_exit=false")
         if self.trainable == "adapter":

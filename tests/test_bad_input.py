@@ -123,6 +123,8 @@ def test_missing_tokenizer(tiny_run, tmp_path, capsys):
      "cached features hold the teacher, not the data's labels"),
     (["--config", "configs/smollm2-135m_adapter.yaml", "adapter_kind=attention"],
      "choose one of 'mlp', 'block'"),
+    (["--config", "configs/smollm2-135m_adapter.yaml", "adapter_blocks=0"],
+     "adapter_blocks = 0 is not allowed"),
     (["--config", "configs/demo_finetune.yaml", "early_exit.draft_vocab_size=0"], "draft_vocab_size = 0"),
 ])
 def test_recipe_config_mistakes_exit_with_one_line(monkeypatch, capsys, argv, message):

@@ -87,6 +87,12 @@ def test_an_exit_block_keeps_the_output_and_its_own_cache_holds_every_position(f
                 out = generator.generate(batch, max_new_tokens=NEW, num_speculations=k, eos_token_id=[])
                 assert out.sequences == expected[:len(batch)], (family, drafter, k)
                 assert out.stats.early_exit.acceptance_rate == 1.0, (family, drafter, k)  # copies may miss
+    # A stack: copies of the last two blocks at E = N - 2, each with its own cache layer (N, N + 1)
+    stack = ExitBlock.from_model(model, [num_layers - 2, num_layers - 1]).eval()
+    generator = SelfSpecGenerator(model, exit_layer=num_layers - 2, exit_adapters={num_layers - 2: stack})
+    for k in (1, 4):
+        out = generator.generate(PROMPTS, max_new_tokens=NEW, num_speculations=k, eos_token_id=[])
+        assert out.sequences == expected and out.stats.early_exit.acceptance_rate == 1.0, (family, k)
     torch.manual_seed(3)
     noisy = ExitBlock.from_model(model, 0).eval()
     for parameter in noisy.parameters():

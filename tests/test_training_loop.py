@@ -509,6 +509,11 @@ def test_an_exit_block_copied_from_a_block_the_model_lacks_is_refused(tiny_run, 
     with pytest.raises(UserError, match=r"adapter_init_layer = 4 is not a block of the model's 4"):
         train(cfg, progress=False)
     assert not (tmp_path / "model").exists()
+    cfg = run_config(tiny_run, tmp_path, "trainable=adapter", "adapter_kind=block", "adapter_init_layer=1",
+                     "adapter_blocks=3", "layer_dropout.p_max=0.0", "early_exit.layers=2")
+    with pytest.raises(UserError, match=r"adapter_blocks = 3 copies more blocks than the 2 up to block 1"):
+        train(cfg, progress=False)
+    assert not (tmp_path / "model").exists()
 
 
 @pytest.mark.parametrize("override, message", [
@@ -627,14 +632,48 @@ def test_an_exit_block_run_keeps_the_model_and_decodes_its_own_tokens(tiny_run, 
         assert torch.equal(a, b), name
     meta = read_meta(result.model_dir)
     assert meta["exit_adapter"] == {"exit_layer": 2, "file": "exit_adapter.safetensors", "kind": "block",
-                                    "init_layer": 3}
+                                    "init_layers": [3]}
     generator = load_tuned(result.model_dir)
     block = generator.exit_adapters[2]
     assert block.attends and generator.draft_head().adapter is None
-    trained = block.layer.mlp.down_proj.weight
+    trained = block.layers[0].mlp.down_proj.weight
     assert not torch.equal(trained, DecoderView(base).layers[3].mlp.down_proj.weight)  # it trained
     prompt = tiny_run["tokenizer"]("def f(x):")["input_ids"]
     out = generator.generate([prompt], max_new_tokens=12, num_speculations=3, eos_token_id=[])
     plain = tuned.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12)
     assert out.sequences[0] == plain[0, len(prompt):].tolist()
     assert out.stats.early_exit.drafted > 0
+
+
+def test_a_stack_of_exit_blocks_trains_and_an_old_one_block_checkpoint_still_loads(tiny_run, tmp_path):
+    """adapter_blocks: 2 copies blocks 2 and 3 (ending at the last), records both, and decodes the
+    model's own tokens; a checkpoint written before stacks ({init_layer}, weights under "layer.")
+    loads as a one-block stack with the same weights."""
+    from safetensors.torch import load_file, save_file
+
+    from selfspec.checkpoint import load_tuned
+    from selfspec.model.exit_adapter import ADAPTER_FILE, load_exit_adapter
+
+    cfg = run_config(tiny_run, tmp_path / "stack", "trainable=adapter", "adapter_kind=block",
+                     "adapter_blocks=2", "layer_dropout.p_max=0.0", "early_exit.layers=2",
+                     "optim.max_steps=2")
+    result = train(cfg, progress=False)
+    assert read_meta(result.model_dir)["exit_adapter"]["init_layers"] == [2, 3]
+    generator = load_tuned(result.model_dir)
+    assert generator.exit_adapters[2].cache_layers == 2
+    prompt = tiny_run["tokenizer"]("def f(x):")["input_ids"]
+    out = generator.generate([prompt], max_new_tokens=12, num_speculations=3, eos_token_id=[])
+    model = AutoModelForCausalLM.from_pretrained(result.model_dir)
+    plain = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12)
+    assert out.sequences[0] == plain[0, len(prompt):].tolist()
+
+    old = tmp_path / "old"
+    old.mkdir()
+    state = load_file(str(result.model_dir / ADAPTER_FILE))
+    first = {f"layer.{name[len('layers.0.'):]}": value for name, value in state.items()
+             if name.startswith("layers.0.")}
+    save_file(first, str(old / ADAPTER_FILE))
+    block = load_exit_adapter(old, {"kind": "block", "init_layer": 2}, model)
+    assert block.init_layers == [2] and block.cache_layers == 1
+    for name, value in block.state_dict().items():
+        assert torch.equal(value, state[name]), name

@@ -124,7 +124,7 @@ class _Batch:
     sampling: SamplingParams
     exit_layer: int  # E of this call's early exit
     head: DraftHead  # its draft head (trimmed to V', behind an MLP exit adapter, or the model's own)
-    exit_block: object  # the attending exit adapter the drafts read (`ExitBlock`, KV at layer N), or None
+    exit_block: object  # the attending exit adapter the drafts read (`ExitBlock`, KV at layers N..), or None
     stop_below: float  # η: stop a round's early-exit drafts when no row's top draft probability reaches it
     steps: torch.Tensor  # arange(capacity) on the device, to build positions
     rows: np.ndarray  # (B,) the caller's row index of each batch slot
@@ -334,7 +334,7 @@ class SelfSpecGenerator:
         context = self.view.context(hidden, place["positions"], place["kv_length"], cached=True,
                                     aligned=place["aligned"])
         hidden = self.view.run_layers(hidden, 0, b.exit_layer, b.cache, context=context)
-        features = b.exit_block(hidden, self.view, context, b.cache)  # writes cache layer N
+        features = b.exit_block(hidden, self.view, context, b.cache)  # writes cache layers N, N + 1, ..
         return self.view.run_layers(hidden, b.exit_layer, end, b.cache, context=context), features
 
     def _pick(self, b: _Batch, logits: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
@@ -550,7 +550,8 @@ class SelfSpecGenerator:
         """Allocate the cache and prefill every prompt token but the last (the first pending token)."""
         device, rows = self.view.device, len(prompts)
         exit_block = self.exit_block(settings)
-        b = _Batch(cache=KVCache(self.view.num_layers + (exit_block is not None), rows, capacity),
+        extra_layers = 0 if exit_block is None else exit_block.cache_layers
+        b = _Batch(cache=KVCache(self.view.num_layers + extra_layers, rows, capacity),
                    sampling=sampling, exit_layer=settings.exit_layer, head=self.draft_head(settings),
                    exit_block=exit_block,
                    stop_below=settings.stop_below,

@@ -12,12 +12,12 @@ the gate shows 0.0% and greedy decoding equals the base model's token for token.
 - `ExitAdapter` ("mlp"): a residual MLP, h + W_down · silu(W_up · rmsnorm(h)), position-wise (no
   attention, no KV cache), `W_down` zero at the start so a new adapter is the raw exit. Its cost per
   draft token is 2·D·H multiply-adds (SmolLM2, D = 576, H = 1152: a third of one block).
-- `ExitBlock` ("block"): a decoder block of the model's own family, a copy of one of its blocks
+- `ExitBlock` ("block"): decoder blocks of the model's own family, copies of some of its blocks
   (Kangaroo's adapter is one attention layer; a whole block initialised from a trained one starts
-  from weights that already read this model's hidden states). It attends over the exit states of
-  the whole context, so it sees what a position-wise MLP cannot, and it has a KV cache of its own:
-  cache layer N (after the model's N blocks), which the engine writes at every position the first E
-  blocks run on. It costs one block per draft token.
+  from weights that already read this model's hidden states). They attend over the exit states of
+  the whole context, so they see what a position-wise MLP cannot, and they have KV caches of their
+  own: cache layers N, N + 1, ... (after the model's N blocks), which the engine writes at every
+  position the first E blocks run on. Each costs one block per draft token.
 """
 
 from __future__ import annotations
@@ -56,53 +56,66 @@ class ExitAdapter(nn.Module):
 
 
 class ExitBlock(nn.Module):
-    """A decoder block of the model's family on the exit states (B, T, D), with its own KV cache slot.
+    """A stack of decoder blocks of the model's family on the exit states (B, T, D), each with its own
+    KV cache slot.
 
-    layer: the block module (a copy of one of the model's); init_layer: the model block it was copied
-    from (its attention window is the exit block's); layer_idx: its cache layer, N.
+    layers: the block modules (copies of the model's), run in order; init_layers: the model blocks
+    they were copied from (each one's attention window is its copy's); first_cache_layer: the cache
+    layer of the first, N (the next ones take N + 1, ...).
     """
 
     kind = "block"
     attends = True
 
-    def __init__(self, layer: nn.Module, init_layer: int, layer_idx: int):
+    def __init__(self, layers: list[nn.Module], init_layers: list[int], first_cache_layer: int):
         super().__init__()
-        self.layer = layer
-        self.init_layer = init_layer
-        self.layer_idx = layer_idx
-        for module in layer.modules():  # the attention writes its keys at cache layer `layer_idx`
-            if hasattr(module, "layer_idx"):
-                module.layer_idx = layer_idx
+        self.layers = nn.ModuleList(layers)
+        self.init_layers = [int(i) for i in init_layers]
+        for index, layer in enumerate(self.layers):  # each attention writes at its own cache layer
+            for module in layer.modules():
+                if hasattr(module, "layer_idx"):
+                    module.layer_idx = first_cache_layer + index
+
+    @property
+    def cache_layers(self) -> int:
+        """KV cache layers it needs after the model's N."""
+        return len(self.layers)
 
     @classmethod
-    def from_model(cls, model: nn.Module, init_layer: int) -> ExitBlock:
-        """A copy of `model`'s block `init_layer`, writing its keys at cache layer N."""
+    def from_model(cls, model: nn.Module, init_layers: int | list[int]) -> ExitBlock:
+        """Copies of `model`'s blocks `init_layers` (one index or a list), writing their keys at cache
+        layers N, N + 1, ..."""
         from .view import DecoderView
 
         view = DecoderView(model)
-        return cls(copy.deepcopy(view.layers[init_layer]), init_layer, view.num_layers)
+        init_layers = [init_layers] if isinstance(init_layers, int) else list(init_layers)
+        return cls([copy.deepcopy(view.layers[i]) for i in init_layers], init_layers, view.num_layers)
 
     @property
     def shape(self) -> dict:
-        return {"kind": self.kind, "init_layer": self.init_layer}
+        return {"kind": self.kind, "init_layers": self.init_layers}
 
     def forward(self, hidden: torch.Tensor, view, context, cache=None) -> torch.Tensor:
         """Exit states (B, T, D) at the positions of `context` (a `LayerContext` of `view`) ->
-        (B, T, D). With a cache the block writes its keys there and attends to every slot the
+        (B, T, D). With a cache each block writes its keys there and attends to every slot the
         context names, as the model's blocks do."""
-        return view.run_extra_block(self.layer, self.init_layer, hidden, context, cache)
+        for layer, like in zip(self.layers, self.init_layers):
+            hidden = view.run_extra_block(layer, like, hidden, context, cache)
+        return hidden
 
 
 def new_exit_adapter(kind: str, model: nn.Module, exit_layer: int, size: int | None = None,
-                     init_layer: int | None = None) -> nn.Module:
-    """A fresh adapter of `kind` for `model`'s exit E: the MLP of width `size` (default 2·D), or a
-    block copied from block `init_layer` (default the last: its output is what the final norm and
-    head were trained on; on SmolLM2 at E = 10 it learned faster than a copy of block E)."""
+                     init_layer: int | None = None, blocks: int = 1) -> nn.Module:
+    """A fresh adapter of `kind` for `model`'s exit E: the MLP of width `size` (default 2·D), or
+    `blocks` blocks copied from the model's blocks ending at `init_layer` (default the last: its
+    output is what the final norm and head were trained on; on SmolLM2 at E = 10 it learned faster
+    than a copy of block E), in the model's order."""
     from .view import DecoderView
 
     view = DecoderView(model)
     if kind == "block":
-        return ExitBlock.from_model(model, view.num_layers - 1 if init_layer is None else init_layer)
+        last = view.num_layers - 1 if init_layer is None else init_layer
+        return ExitBlock.from_model(model, list(range(last - blocks + 1, last + 1)))
     width = view.lm_head.weight.shape[1]
     return ExitAdapter(width, size or 2 * width).to(view.device)
 
@@ -120,9 +133,14 @@ def load_exit_adapter(directory: str | Path, shape: dict, model: nn.Module, devi
     """The adapter saved in `directory`, of the `shape` recorded in its selfspec.json, for `model`."""
     from safetensors.torch import load_file
 
+    state = load_file(str(Path(directory) / ADAPTER_FILE))
     if shape.get("kind", "mlp") == "block":
-        adapter = ExitBlock.from_model(model, shape["init_layer"])
+        if "init_layers" in shape:
+            adapter = ExitBlock.from_model(model, shape["init_layers"])
+        else:  # a one-block checkpoint from before stacks: {init_layer}, its weights under "layer."
+            adapter = ExitBlock.from_model(model, shape["init_layer"])
+            state = {f"layers.0.{name[len('layer.'):]}": value for name, value in state.items()}
     else:
         adapter = ExitAdapter(shape["hidden_size"], shape["intermediate_size"])
-    adapter.load_state_dict(load_file(str(Path(directory) / ADAPTER_FILE)))
+    adapter.load_state_dict(state)
     return adapter.to(device=device, dtype=dtype).eval().requires_grad_(False)

@@ -211,8 +211,12 @@ def build_objective(model, cfg: RunConfig, num_layers: int, exit_layer: int,
         if cfg.adapter_init_layer is not None and not 0 <= cfg.adapter_init_layer < num_layers:
             raise UserError(f"adapter_init_layer = {cfg.adapter_init_layer} is not a block of the "
                             f"model's {num_layers}; choose 0..{num_layers - 1}, or null for the last")
+        last = num_layers - 1 if cfg.adapter_init_layer is None else cfg.adapter_init_layer
+        if cfg.adapter_kind == "block" and cfg.adapter_blocks > last + 1:
+            raise UserError(f"adapter_blocks = {cfg.adapter_blocks} copies more blocks than the "
+                            f"{last + 1} up to block {last}; choose at most {last + 1}")
         adapter = new_exit_adapter(cfg.adapter_kind, model, exit_layer, cfg.adapter_size,
-                                   cfg.adapter_init_layer).requires_grad_(True)
+                                   cfg.adapter_init_layer, cfg.adapter_blocks).requires_grad_(True)
     return SelfSpecObjective(model, ee, layers, layer_dropout=dropout, total_steps=cfg.optim.max_steps,
                              frozen_model=frozen, seed=cfg.seed, exit_vocab=vocab, exit_adapter=adapter)
 
