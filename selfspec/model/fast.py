@@ -115,7 +115,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     One row on a large weight of even height runs as a batch of two products, x @ W[:N/2]ᵀ and
     x @ W[N/2:]ᵀ (views of W): MKL's one-row product keeps to one core, and the batch gives each
     core a half. Interleaved A/B on SmolLM2 (`_HALVES_ONE_ROW` off/on, 256 positions of context, 40
-    rounds): plain step 1.04-1.17x faster, draft step 1.08-1.12x (two runs on a noisy VM). For 2-8
+    rounds): plain step 1.04-1.17x faster, draft step 1.08-1.16x (three runs on a noisy VM). For 2-8
     rows the columns path stays faster (measured: the halves took 1.2-1.9x as long).
     """
     width = _fixed_width.get()
@@ -129,10 +129,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     if rows == 1 and _HALVES_ONE_ROW and weight.shape[0] % 2 == 0:
         # W's two halves as a batch of two products (views, no copy): one per core
         halves = weight.view(2, weight.shape[0] // 2, weight.shape[1]).transpose(1, 2)
-        out = torch.matmul(flat, halves).reshape(1, weight.shape[0])  # (2, 1, N/2) -> (1, N)
-        if bias is not None:
-            out = out + bias
-        return out.reshape(*x.shape[:-1], weight.shape[0])
+        out = torch.matmul(flat, halves).reshape(*x.shape[:-1], weight.shape[0])  # (2, 1, N/2) -> (..., N)
+        return out if bias is None else out + bias
     if rows in (1, 3):
         flat = torch.cat([flat, flat[-1:]])  # (rows + 1, K)
     out = torch.mm(weight, flat.t()).t()[:rows]  # (rows, N), a transposed view
