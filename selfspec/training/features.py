@@ -134,8 +134,6 @@ def exit_features(model, blocks: datasets.Dataset, model_name: str, exit_layer: 
         shards = [cached_blocks(path, lambda part=part: compute_exit_features(
                       model, part, exit_layer, top_k, temperature, batch_size, bar=bar))
                   for part, path in zip(parts, paths)]
-    if len(shards) == 1:
-        return shards[0]
     return datasets.concatenate_datasets([shard.with_format(None) for shard in shards]).with_format("torch")
 
 
