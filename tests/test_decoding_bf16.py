@@ -2,8 +2,10 @@
 
 In low precision a GEMM's rounding depends on how many rows it multiplies, so a verification of
 k + 1 positions does not compute what k + 1 single plain steps compute, and greedy argmaxes flip.
-The engine decodes low-precision models with `model.fast.fixed_width`: every product and attention
-on exactly FIXED_WIDTH rows, whatever the number of positions. These tests check the result on the
+The engine decodes low-precision models with `model.fast.fixed_width`: every attention on exactly
+FIXED_WIDTH queries, and every product either on exactly FIXED_WIDTH rows (MKL) or through selfspec's
+few-row kernel, whose rows never share a reduction (bf16 on AVX2 CPUs), whatever the number of
+positions. These tests check the result on the
 Llama-family blocks (`FastLlamaBlocks`); GPT-2 runs Hugging Face's own blocks, which it does not
 cover.
 """
@@ -68,18 +70,37 @@ def test_every_drafter_in_bf16_gives_the_plain_bf16_output(family):
         assert generator.generate(PROMPTS, max_new_tokens=NEW, eos_token_id=[]).sequences == expected
 
 
-def test_under_fixed_width_every_product_and_attention_has_the_same_shape(monkeypatch):
+@pytest.mark.parametrize("kernel", [False, True])
+def test_under_fixed_width_every_product_and_attention_has_the_same_shape(kernel, monkeypatch):
     """What makes positions independent of their pass: a decode (plain step, drafts, verification)
-    multiplies exactly FIXED_WIDTH rows in every product and attends with FIXED_WIDTH queries."""
+    attends with exactly FIXED_WIDTH queries, and multiplies either exactly FIXED_WIDTH rows in every
+    MKL product or, with selfspec's kernel (bf16 on AVX2), at most 8 rows per call of a kernel whose
+    rows never share a reduction."""
+    from selfspec.model import kernels
+
+    few_rows = kernels.few_rows_linear()
+    if kernel and few_rows is None:
+        pytest.skip("selfspec's CPU kernel is not available here")
+    monkeypatch.setattr("selfspec.model.fast._KERNEL", kernel)
     model = low_precision("qwen3")
     widths = set()
     mm, matmul = torch.mm, torch.matmul
     monkeypatch.setattr(torch, "mm", lambda a, b: widths.add(("mm", b.shape[1])) or mm(a, b))
     monkeypatch.setattr(torch, "matmul", lambda a, b: widths.add(("attention", a.shape[-2])) or matmul(a, b))
+    if kernel:
+        monkeypatch.setattr(kernels, "few_rows_linear",
+                            lambda: lambda x, w: widths.add(("kernel", x.shape[0])) or few_rows(x, w))
     generator = SelfSpecGenerator(model, exit_layer=2)
     # The batch's prefill (3 x 10 positions, shared by every method) multiplies all its rows at once
     # through F.linear and SDPA, outside fixed width.
     out = generator.generate(PROMPTS, max_new_tokens=12, num_speculations=3, drafter="hybrid",
                              eos_token_id=[])
     assert out.stats.copy.tested > 0 and out.stats.early_exit.tested > 0
-    assert widths == {("mm", FIXED_WIDTH), ("attention", FIXED_WIDTH)}, widths
+    attention = {w for w in widths if w[0] == "attention"}
+    products = widths - attention
+    assert attention == {("attention", FIXED_WIDTH)}, widths
+    if kernel:
+        assert products and {name for name, _ in products} == {"kernel"}, widths
+        assert max(rows for _, rows in products) <= 8, widths
+    else:
+        assert products == {("mm", FIXED_WIDTH)}, widths

@@ -202,3 +202,80 @@ def test_the_columns_linear_equals_f_linear(shape, bias, one_row_large, out_feat
     out = linear(x, weight, b)
     assert out.shape == (*shape, out_features) and out.is_contiguous()
     torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def few_rows():
+    """selfspec's compiled few-row kernel; these tests skip where it cannot be built (no compiler or
+    no AVX2), where `fast.linear` keeps MKL's products."""
+    from selfspec.model import kernels
+
+    kernel = kernels.few_rows_linear()
+    if kernel is None:
+        pytest.skip("selfspec's CPU kernel is not available here (needs a C++ compiler, ninja, AVX2)")
+    return kernel
+
+
+@pytest.mark.parametrize("in_features", [576, 37, 8, 3])
+@pytest.mark.parametrize("out_features", [48, 47, 1])
+def test_the_few_rows_kernel_equals_f_linear_in_fp32(few_rows, in_features, out_features):
+    """Every row count 1-8 (the remainder rows and K's tail included) gives the product within the
+    rounding bound of any fp32 summation order, K·eps·Σ|x·w| (what F.linear also meets)."""
+    torch.manual_seed(0)
+    weight = torch.randn(out_features, in_features)
+    for rows in range(1, 9):
+        x = torch.randn(rows, in_features)
+        out = few_rows(x, weight)
+        assert out.shape == (rows, out_features) and out.dtype == torch.float32
+        exact = x.double() @ weight.double().t()
+        bound = in_features * torch.finfo(torch.float32).eps * (x.double().abs() @ weight.double().abs().t())
+        assert ((out.double() - exact).abs() <= bound).all(), rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_computes_bit_for_bit_the_same_alone_or_among_others_in_the_kernel(few_rows, dtype):
+    """What makes a verification compute what single steps compute: a row's result does not depend on
+    how many rows share the call, nor on how the threads split the weight's rows."""
+    torch.manual_seed(0)
+    weight = torch.randn(1000, 100).to(dtype)
+    x = torch.randn(8, 100).to(dtype)
+    alone = torch.cat([few_rows(x[i:i + 1], weight) for i in range(8)])
+    for rows in range(2, 9):
+        assert torch.equal(few_rows(x[:rows], weight), alone[:rows]), rows
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(few_rows(x, weight), alone)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_kernel_in_bf16_is_the_fp32_product_of_the_bf16_values_rounded_once(few_rows):
+    """bf16 weights widen exactly to fp32 and accumulate in fp32: the result is the fp32 product of
+    the same values, rounded to bf16 once."""
+    torch.manual_seed(0)
+    weight, x = torch.randn(300, 576).bfloat16(), torch.randn(5, 576).bfloat16()
+    out = few_rows(x, weight)
+    reference = torch.nn.functional.linear(x.float(), weight.float())
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), reference.bfloat16().float(), rtol=1e-2, atol=1e-3)
+    # at most one ulp off where fp32 sums in another order round the other way
+    assert (out.float() == reference.bfloat16().float()).float().mean() > 0.95
+
+
+def test_fast_linear_runs_the_kernel_for_few_rows_and_mkl_otherwise(few_rows, monkeypatch):
+    """1-8 rows (a decode step, a verification) go through the kernel, bias added after; a prefill's
+    many rows keep F.linear; `_KERNEL = False` restores MKL's paths for A/B runs."""
+    calls = []
+    monkeypatch.setattr("selfspec.model.kernels.few_rows_linear",
+                        lambda: lambda x, w: calls.append(x.shape[0]) or few_rows(x, w))
+    torch.manual_seed(0)
+    weight, bias = torch.randn(64, 32), torch.randn(64)
+    for shape in [(1, 1, 32), (1, 5, 32), (2, 4, 32), (1, 9, 32)]:
+        x = torch.randn(shape)
+        torch.testing.assert_close(linear(x, weight, bias), torch.nn.functional.linear(x, weight, bias),
+                                   rtol=1e-5, atol=1e-5)
+    assert calls == [1, 5, 8]
+    monkeypatch.setattr("selfspec.model.fast._KERNEL", False)
+    linear(torch.randn(1, 1, 32), weight, bias)
+    assert calls == [1, 5, 8]

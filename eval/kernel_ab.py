@@ -1,0 +1,69 @@
+"""A/B of selfspec's few-row kernel against MKL's products on the roofline's passes, side by side.
+
+    python eval/kernel_ab.py --model runs/smollm2/base --exit-layer 10 --repeats 30
+    python eval/kernel_ab.py --model runs/smollm2/base --exit-layer 10 --dtype bfloat16
+
+Builds the roofline's cache of 256 positions, then times each pass (plain step, draft step,
+verification of 2, 4 and 5 positions through blocks [E, N) and the head, the whole model on 5
+positions) with `selfspec.model.fast._KERNEL` on and off, alternating which goes first, after 3
+untimed rounds. Prints the medians, each as a share of the measured read bandwidth and in plain
+steps of its own arm, and the kernel's speedup per pass. Run it with the machine to itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from selfspec.evaluation.benchmark import load_model
+from selfspec.evaluation.roofline import _Passes, measure_bandwidth, pass_bytes
+from selfspec.model import DecoderView, fast, kernels
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--exit-layer", type=int, required=True)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--context", type=int, default=256)
+    args = parser.parse_args()
+    if kernels.few_rows_linear() is None:
+        raise SystemExit("error: selfspec's kernel is not available here (needs a C++ compiler, ninja, AVX2)")
+    lm, _ = load_model(args.model, None, args.dtype)
+    view = DecoderView(lm)
+    n, e = view.num_layers, args.exit_layer
+    passes = {"plain": (0, n, 1), "draft": (0, e, 1), "verify_2": (e, n, 2), "verify_4": (e, n, 4),
+              "verify_5": (e, n, 5), "full_5": (0, n, 5)}
+    runner = _Passes(view, args.context, 5)
+    times = {(name, arm): [] for name in passes for arm in (False, True)}
+    for round_index in range(args.repeats + 3):
+        for name, spec in passes.items():
+            for arm in ((False, True) if round_index % 2 else (True, False)):
+                fast._KERNEL = arm
+                start = time.perf_counter()
+                runner.run(*spec)
+                if round_index >= 3:
+                    times[(name, arm)].append(time.perf_counter() - start)
+    fast._KERNEL = True
+    rate = measure_bandwidth(512)["read_bytes_per_second"]
+    median = {key: statistics.median(values) for key, values in times.items()}
+    print(f"{args.model} ({args.dtype}), E = {e}, {args.repeats} interleaved rounds, "
+          f"read bandwidth {rate / 1e9:.1f} GB/s")
+    print("| pass | MKL ms | share of bandwidth | plain steps | kernel ms | share of bandwidth | plain steps "
+          "| kernel speedup |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for name, (start, end, _) in passes.items():
+        limit = pass_bytes(view, start, end, args.context) / rate
+        mkl, kernel = median[(name, False)], median[(name, True)]
+        print(f"| {name} | {mkl * 1e3:.2f} | {limit / mkl:.0%} | {mkl / median[('plain', False)]:.2f} "
+              f"| {kernel * 1e3:.2f} | {limit / kernel:.0%} | {kernel / median[('plain', True)]:.2f} "
+              f"| {mkl / kernel:.2f}x |")
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    main()
