@@ -279,3 +279,53 @@ def test_fast_linear_runs_the_kernel_for_few_rows_and_mkl_otherwise(few_rows, mo
     monkeypatch.setattr("selfspec.model.fast._KERNEL", False)
     linear(torch.randn(1, 1, 32), weight, bias)
     assert calls == [1, 5, 8]
+
+
+@pytest.fixture
+def fresh_kernel_lookup():
+    """`kernels.few_rows_linear` looked up anew in the test, and again by the tests after it."""
+    from selfspec.model import kernels
+
+    kernels.few_rows_linear.cache_clear()
+    yield kernels
+    kernels.few_rows_linear.cache_clear()
+
+
+def test_the_kernel_is_off_on_request_and_a_failed_build_falls_back_with_a_warning(fresh_kernel_lookup,
+                                                                                 monkeypatch):
+    kernels = fresh_kernel_lookup
+    monkeypatch.setenv("SELFSPEC_KERNELS", "0")
+    assert kernels.few_rows_linear() is None
+    kernels.few_rows_linear.cache_clear()
+    monkeypatch.delenv("SELFSPEC_KERNELS")
+    monkeypatch.setattr(kernels, "_cpu_has_avx2_fma", lambda: True)
+    monkeypatch.setattr("shutil.which", lambda name: "/usr/bin/" + name)
+
+    def broken(**_):
+        raise RuntimeError("Error building extension 'selfspec_few_rows'\nthe compiler's output")
+
+    monkeypatch.setattr("torch.utils.cpp_extension.load", broken)
+    with pytest.warns(UserWarning, match="did not build.*uses MKL's products"):
+        assert kernels.few_rows_linear() is None
+    x, weight = torch.randn(1, 1, 32), torch.randn(48, 32)
+    torch.testing.assert_close(linear(x, weight, None), torch.nn.functional.linear(x, weight))
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_before_building(fresh_kernel_lookup, monkeypatch, tmp_path):
+    """torch waits forever on its build lock; selfspec removes one older than any build could be."""
+    import os
+    import time
+    kernels = fresh_kernel_lookup
+    build = tmp_path / "py3_cpu" / "selfspec_few_rows"
+    build.mkdir(parents=True)
+    (build / "lock").touch()
+    old = time.time() - kernels._STALE_LOCK_SECONDS - 1
+    os.utime(build / "lock", (old, old))
+    monkeypatch.setattr(kernels, "_cpu_has_avx2_fma", lambda: True)
+    monkeypatch.setattr("shutil.which", lambda name: "/usr/bin/" + name)
+    monkeypatch.setattr("torch.utils.cpp_extension.get_default_build_root", lambda: str(tmp_path))
+    seen = []
+    built = type("Module", (), {"few_rows_linear": 1})
+    monkeypatch.setattr("torch.utils.cpp_extension.load",
+                        lambda **_: seen.append((build / "lock").exists()) or built)
+    assert kernels.few_rows_linear() == 1 and seen == [False]

@@ -13,6 +13,7 @@ import functools
 import os
 import shutil
 import sys
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +21,8 @@ from pathlib import Path
 import torch
 
 _SOURCE = Path(__file__).with_name("few_rows.cpp")
+# A build takes about a minute on 2 cores; a lock file older than this was left by a killed one
+_STALE_LOCK_SECONDS = 600
 
 
 def _cpu_has_avx2_fma() -> bool:
@@ -38,8 +41,13 @@ def few_rows_linear() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | 
     from torch.utils import cpp_extension
 
     name = "selfspec_few_rows"
-    # torch builds into <root>/<python and device tag>/<name>
-    if not any(Path(cpp_extension.get_default_build_root()).glob(f"*/{name}/{name}.so")):
+    # torch builds into <root>/<python and device tag>/<name>, under a lock file that a killed build
+    # leaves behind, and waits for it forever: a lock older than any build is stale
+    root = Path(cpp_extension.get_default_build_root())
+    for lock in root.glob(f"*/{name}/lock"):
+        if time.time() - lock.stat().st_mtime > _STALE_LOCK_SECONDS:
+            lock.unlink(missing_ok=True)
+    if not any(root.glob(f"*/{name}/{name}.so")):
         print("selfspec: building its CPU kernel for few-row products (once per machine, about a minute)",
               file=sys.stderr, flush=True)
     try:
