@@ -1,0 +1,81 @@
+"""Plain decoding in fp32 and bf16, with selfspec's kernel and without, against Hugging Face's bf16 greedy.
+
+    python eval/bf16_speed.py --model runs/smollm2/base --prompts runs/prompts/mtbench.jsonl \
+        --num-prompts 4 --max-new-tokens 48 --repeats 2
+
+Decodes each prompt (chat template applied) greedily, batch 1, with every method in turn, the order
+reversed every other round, after one untimed round; prints the median tokens/s of each and the
+ratios, and whether each arm's tokens equal its reference (each kernel arm against the same dtype
+without it; Hugging Face's bf16 against selfspec's, for information: different kernels round bf16
+differently). Run it with the machine to itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from selfspec.checkpoint import load_tuned
+from selfspec.model import fast
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--prompts", required=True, help=".jsonl with a 'prompt' field per line")
+    parser.add_argument("--num-prompts", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    generators = {dtype: load_tuned(args.model, dtype=dtype) for dtype in ("float32", "bfloat16")}
+    tokenizer = generators["float32"].tokenizer
+    rows = [json.loads(line)["prompt"] for line in open(args.prompts)][:args.num_prompts]
+    prompts = [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                       add_generation_prompt=True))["input_ids"]
+               for text in rows]
+    new = args.max_new_tokens
+
+    def selfspec(dtype: str, kernel: bool):
+        fast._KERNEL = kernel
+        return [generators[dtype].generate([p], max_new_tokens=new, num_speculations=0,
+                                           eos_token_id=[]).sequences[0] for p in prompts]
+
+    def hugging_face():
+        model = generators["bfloat16"].view.model
+        return [model.generate(torch.tensor([p]), max_new_tokens=new, min_new_tokens=new,
+                               do_sample=False)[0, len(p):].tolist() for p in prompts]
+
+    methods = {"fp32, kernel": lambda: selfspec("float32", True),
+               "fp32, MKL": lambda: selfspec("float32", False),
+               "bf16, kernel": lambda: selfspec("bfloat16", True),
+               "bf16, MKL": lambda: selfspec("bfloat16", False),
+               "HF greedy bf16": hugging_face}
+    speeds, outputs = {name: [] for name in methods}, {}
+    for round_index in range(args.repeats + 1):
+        order = list(methods) if round_index % 2 else list(methods)[::-1]
+        for name in order:
+            start = time.perf_counter()
+            outputs[name] = methods[name]()
+            if round_index:
+                speeds[name].append(new * len(prompts) / (time.perf_counter() - start))
+    fast._KERNEL = True
+    median = {name: statistics.median(values) for name, values in speeds.items()}
+    print(f"{args.model}: {len(prompts)} prompts, {new} greedy tokens, batch 1, median of {args.repeats}")
+    print("| method | tokens/s | × fp32 with the kernel |")
+    print("|---|---:|---:|")
+    for name, value in median.items():
+        print(f"| {name} | {value:.1f} | {value / median['fp32, kernel']:.2f} |")
+    print(f"bf16 with the kernel / HF greedy bf16: {median['bf16, kernel'] / median['HF greedy bf16']:.2f}")
+    same_as_hf = sum(a == b for a, b in zip(outputs["HF greedy bf16"], outputs["bf16, kernel"]))
+    print(f"tokens equal: fp32 kernel vs MKL {outputs['fp32, kernel'] == outputs['fp32, MKL']}; "
+          f"bf16 kernel vs MKL {outputs['bf16, kernel'] == outputs['bf16, MKL']}; "
+          f"HF bf16 vs selfspec bf16 {same_as_hf}/{len(prompts)} prompts")
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    main()
