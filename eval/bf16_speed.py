@@ -1,9 +1,11 @@
 """Plain decoding in fp32 and bf16, with selfspec's kernel and without, against Hugging Face's bf16 greedy.
 
-    python eval/bf16_speed.py --model runs/smollm2/base --prompts runs/prompts/mtbench.jsonl \
+    python eval/bf16_speed.py --model runs/smollm2/base --prompts runs/prompts/mtbench_chat_ids.json \
         --num-prompts 4 --max-new-tokens 48 --repeats 2
 
-Decodes each prompt (chat template applied) greedily, batch 1, with every method in turn, the order
+Prompts as `selfspec eval speedup` reads them (a JSON list of token lists or strings, or a text file;
+`runs/prompts/mtbench_chat_ids.json` holds MT-bench first turns through the chat template). Decodes
+each greedily, batch 1, with every method in turn, the order
 reversed every other round, after one untimed round; prints the median tokens/s of each and the
 ratios, and whether each arm's tokens equal its reference (each kernel arm against the same dtype
 without it; Hugging Face's bf16 against selfspec's, for information: different kernels round bf16
@@ -13,30 +15,27 @@ differently). Run it with the machine to itself.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import torch
 
 from selfspec.checkpoint import load_tuned
+from selfspec.evaluation.benchmark import read_prompts
 from selfspec.model import fast
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
-    parser.add_argument("--prompts", required=True, help=".jsonl with a 'prompt' field per line")
+    parser.add_argument("--prompts", required=True,
+                        help="a JSON list of token lists or strings, or a text file, one prompt per line")
     parser.add_argument("--num-prompts", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
     generators = {dtype: load_tuned(args.model, dtype=dtype) for dtype in ("float32", "bfloat16")}
-    tokenizer = generators["float32"].tokenizer
-    rows = [json.loads(line)["prompt"] for line in open(args.prompts)][:args.num_prompts]
-    prompts = [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                       add_generation_prompt=True))["input_ids"]
-               for text in rows]
+    prompts = read_prompts(generators["float32"].tokenizer, args.prompts, num_prompts=args.num_prompts)
     new = args.max_new_tokens
 
     def selfspec(dtype: str, kernel: bool):
