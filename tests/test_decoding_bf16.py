@@ -27,13 +27,16 @@ def low_precision(family: str, dtype=torch.bfloat16):
     return low_alpha_model(family).to(dtype)
 
 
+@pytest.mark.parametrize("kernel", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_a_row_computes_the_same_alone_or_among_others_at_fixed_width(dtype):
+def test_a_row_computes_the_same_alone_or_among_others_at_fixed_width(dtype, kernel, monkeypatch):
+    """Through selfspec's kernel (bf16, where it builds) and through MKL's 16-row products alike."""
+    monkeypatch.setattr("selfspec.model.fast._KERNEL", kernel)
     torch.manual_seed(0)
     weight, bias = torch.randn(300, 64).to(dtype), torch.randn(300).to(dtype)
     x = torch.randn(7, 64).to(dtype)
     with fixed_width():
-        together = linear(x, weight, bias)  # (7, 300): one product of FIXED_WIDTH rows
+        together = linear(x, weight, bias)  # (7, 300): one call of the kernel, or of FIXED_WIDTH rows
         alone = torch.cat([linear(x[i:i + 1], weight, bias) for i in range(7)])
         many = linear(x.repeat(3, 1), weight, bias)  # 21 rows: two chunks
     assert torch.equal(together, alone) and torch.equal(many, together.repeat(3, 1))
@@ -70,6 +73,18 @@ def test_every_drafter_in_bf16_gives_the_plain_bf16_output(family):
         assert generator.generate(PROMPTS, max_new_tokens=NEW, eos_token_id=[]).sequences == expected
 
 
+def test_without_the_kernel_bf16_drafters_still_give_the_plain_bf16_output(monkeypatch):
+    """Where selfspec's kernel does not build, bf16 products run on MKL at fixed width: still lossless."""
+    monkeypatch.setattr("selfspec.model.fast._KERNEL", False)
+    model = low_precision("llama")
+    plain = SelfSpecGenerator(model, exit_layer=2)
+    expected = plain.generate(PROMPTS, max_new_tokens=NEW, num_speculations=0, eos_token_id=[]).sequences
+    for case in (dict(exit_layer=1, num_speculations=4),
+                 dict(exit_layer=2, num_speculations=3, drafter="hybrid")):
+        out = SelfSpecGenerator(model, **case).generate(PROMPTS, max_new_tokens=NEW, eos_token_id=[])
+        assert out.sequences == expected, case
+
+
 @pytest.mark.parametrize("kernel", [False, True])
 def test_under_fixed_width_every_product_and_attention_has_the_same_shape(kernel, monkeypatch):
     """What makes positions independent of their pass: a decode (plain step, drafts, verification)
@@ -99,8 +114,7 @@ def test_under_fixed_width_every_product_and_attention_has_the_same_shape(kernel
     attention = {w for w in widths if w[0] == "attention"}
     products = widths - attention
     assert attention == {("attention", FIXED_WIDTH)}, widths
-    if kernel:
-        assert products and {name for name, _ in products} == {"kernel"}, widths
-        assert max(rows for _, rows in products) <= 8, widths
+    if kernel:  # a verification of 3 rows x 4 positions: 12 rows, sent as chunks of 8 and 4
+        assert {name for name, _ in products} == {"kernel"} and ("kernel", 8) in products, widths
     else:
         assert products == {("mm", FIXED_WIDTH)}, widths

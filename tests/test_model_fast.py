@@ -294,9 +294,10 @@ def fresh_kernel_lookup():
 def test_the_kernel_is_off_on_request_and_a_failed_build_falls_back_with_a_warning(fresh_kernel_lookup,
                                                                                  monkeypatch):
     kernels = fresh_kernel_lookup
-    monkeypatch.setenv("SELFSPEC_KERNELS", "0")
-    assert kernels.few_rows_linear() is None
-    kernels.few_rows_linear.cache_clear()
+    for off in ("0", "off", "False"):
+        monkeypatch.setenv("SELFSPEC_KERNELS", off)
+        assert kernels.few_rows_linear() is None
+        kernels.few_rows_linear.cache_clear()
     monkeypatch.delenv("SELFSPEC_KERNELS")
     monkeypatch.setattr(kernels, "_cpu_has_avx2_fma", lambda: True)
     monkeypatch.setattr("shutil.which", lambda name: "/usr/bin/" + name)
@@ -312,15 +313,13 @@ def test_the_kernel_is_off_on_request_and_a_failed_build_falls_back_with_a_warni
 
 
 def test_a_lock_left_by_a_killed_build_is_removed_before_building(fresh_kernel_lookup, monkeypatch, tmp_path):
-    """torch waits forever on its build lock; selfspec removes one older than any build could be."""
-    import os
-    import time
+    """torch waits forever on its build lock; selfspec builds under a lock of its own (released by the
+    OS when a process dies), and any lock of torch's found while holding it is stale: removed."""
     kernels = fresh_kernel_lookup
     build = tmp_path / "py3_cpu" / "selfspec_few_rows"
     build.mkdir(parents=True)
     (build / "lock").touch()
-    old = time.time() - kernels._STALE_LOCK_SECONDS - 1
-    os.utime(build / "lock", (old, old))
+    monkeypatch.delenv("SELFSPEC_KERNELS", raising=False)
     monkeypatch.setattr(kernels, "_cpu_has_avx2_fma", lambda: True)
     monkeypatch.setattr("shutil.which", lambda name: "/usr/bin/" + name)
     monkeypatch.setattr("torch.utils.cpp_extension.get_default_build_root", lambda: str(tmp_path))
@@ -329,3 +328,15 @@ def test_a_lock_left_by_a_killed_build_is_removed_before_building(fresh_kernel_l
     monkeypatch.setattr("torch.utils.cpp_extension.load",
                         lambda **_: seen.append((build / "lock").exists()) or built)
     assert kernels.few_rows_linear() == 1 and seen == [False]
+
+
+def test_fast_linear_keeps_f_linears_behaviour_where_the_kernel_does_not_apply(few_rows):
+    """No rows, autograd (the kernel has no backward) and a bias of another dtype take F.linear."""
+    weight, bias = torch.randn(16, 32), torch.randn(16)
+    empty = linear(torch.randn(0, 32), weight, bias)
+    assert empty.shape == (0, 16)
+    x = torch.randn(1, 32, requires_grad=True)
+    linear(x, weight, bias).sum().backward()
+    torch.testing.assert_close(x.grad, weight.sum(0, keepdim=True))
+    with pytest.raises(RuntimeError):  # F.linear refuses a bf16 input with an fp32 bias; so does linear
+        linear(torch.randn(1, 32).bfloat16(), weight.bfloat16(), bias)

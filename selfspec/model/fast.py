@@ -102,12 +102,18 @@ def _fixed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out.reshape(*x.shape[:-1], weight.shape[0]).contiguous()
 
 
-def _kernel_for(x: torch.Tensor, weight: torch.Tensor, rows: int, width: int):
-    """selfspec's few-row kernel (`kernels/few_rows.cpp`) where it applies, else None: on CPU, fp32 or
-    bf16, at most `_COLUMNS_MAX_ROWS` rows (any number under `fixed_width`, in chunks)."""
-    if not _KERNEL or x.device.type != "cpu" or x.dtype != weight.dtype or not weight.is_contiguous():
+def _kernel_for(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int, width: int):
+    """selfspec's few-row kernel (`kernels/few_rows.cpp`) where it applies, else None: on CPU, without
+    autograd (it has no backward), fp32 or bf16 throughout (bias included: F.linear refuses a mix),
+    a contiguous weight, 1 to `_COLUMNS_MAX_ROWS` rows (any number under `fixed_width`, in chunks)."""
+    if not _KERNEL or x.device.type != "cpu" or not weight.is_contiguous() or weight.shape[1] == 0:
         return None
-    if x.dtype not in (torch.float32, torch.bfloat16) or (rows > _COLUMNS_MAX_ROWS and not width):
+    if x.dtype not in (torch.float32, torch.bfloat16) or weight.dtype != x.dtype or (
+            bias is not None and bias.dtype != x.dtype):
+        return None
+    if rows < 1 or (rows > _COLUMNS_MAX_ROWS and not width):
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return None
     return kernels.few_rows_linear()
 
@@ -116,8 +122,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     """`F.linear(x, weight, bias)`: x (..., K) -> (..., N), computed the way the CPU reads `weight`
     fastest when x has a few rows (a decode step, a verification of k + 1 positions).
 
-    First choice on CPU, fp32 or bf16, 1-8 rows: selfspec's kernel (`kernels/few_rows.cpp`), which
-    reads each row of W once from both cores and multiplies it with every row of x, each output one
+    First choice on CPU without autograd, fp32 or bf16, 1-8 rows (any number under `fixed_width`, in
+    chunks of 8), a contiguous weight: selfspec's kernel (`kernels/few_rows.cpp`, see `_kernel_for`),
+    which reads each row of W once from both cores and multiplies it with every row of x, each output one
     fp32 dot product in a fixed order. Interleaved A/B against the MKL paths below
     (`python eval/kernel_ab.py`, 30 rounds, SmolLM2 fp32): plain step 1.20x faster, draft step 1.19x,
     a verification of 5 positions 1.29x; on the embedded default 1.12x / 1.11x / 1.31x. A row's
@@ -143,7 +150,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     """
     width = _fixed_width.get()
     rows = x.numel() // x.shape[-1]
-    kernel = _kernel_for(x, weight, rows, width)
+    kernel = _kernel_for(x, weight, bias, rows, width)
     if kernel is not None:
         flat = x.reshape(rows, x.shape[-1]).contiguous()  # (rows, K)
         # The kernel's rows never share a reduction, so chunks of 8 give what one call would

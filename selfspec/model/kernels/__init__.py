@@ -3,26 +3,31 @@
 Built on first use with torch's own extension builder (a C++ compiler and ninja; AVX2 + FMA;
 OpenMP, so that `at::parallel_for` spreads the rows over torch's own threads) and
 cached by torch under `TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`). Where it cannot be
-built (no compiler, another CPU, `SELFSPEC_KERNELS=0`) `few_rows_linear()` returns None once and for
-all, with one warning if the build itself failed, and `fast.linear` keeps MKL's products.
+built (no compiler, another CPU, not POSIX, `SELFSPEC_KERNELS=0`) `few_rows_linear()` returns None
+once and for all, with one warning if the build itself failed, and `fast.linear` keeps MKL's
+products. Processes that start together build once: the first holds a lock file, the others wait.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
 import sys
-import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+try:
+    import fcntl
+except ImportError:  # not POSIX: no compiler setup the kernel supports either
+    fcntl = None
+
 _SOURCE = Path(__file__).with_name("few_rows.cpp")
-# A build takes about a minute on 2 cores; a lock file older than this was left by a killed one
-_STALE_LOCK_SECONDS = 600
+_NAME = "selfspec_few_rows"
 
 
 def _cpu_has_avx2_fma() -> bool:
@@ -30,34 +35,46 @@ def _cpu_has_avx2_fma() -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
+@contextlib.contextmanager
+def _build_lock(root: Path):
+    """Held around the build: one selfspec process builds at a time, and any lock file of torch's
+    found while holding it was left by a killed build (torch waits for its lock forever). The OS
+    releases this lock when its process dies, so it can never be stale itself."""
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f"{_NAME}.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            for stale in root.glob(f"*/{_NAME}/lock"):  # torch builds into <root>/<python tag>/<name>
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 @functools.cache
 def few_rows_linear() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
     """The compiled `few_rows_linear(x (m, K), weight (N, K)) -> (m, N)` (fp32 or bf16, m <= 8), or None
     where it is not available."""
-    if os.environ.get("SELFSPEC_KERNELS", "1") == "0" or not _cpu_has_avx2_fma():
+    if os.environ.get("SELFSPEC_KERNELS", "1").lower() in ("0", "false", "off", "no"):
         return None
-    if shutil.which(os.environ.get("CXX", "c++")) is None or shutil.which("ninja") is None:
+    compiler = (os.environ.get("CXX") or "c++").split()[0]  # CXX may be "ccache g++"
+    if fcntl is None or not _cpu_has_avx2_fma() or None in (shutil.which(compiler), shutil.which("ninja")):
         return None
-    from torch.utils import cpp_extension
+    try:  # whatever fails here (toolchain, file system), decoding keeps MKL's products
+        from torch.utils import cpp_extension
 
-    name = "selfspec_few_rows"
-    # torch builds into <root>/<python and device tag>/<name>, under a lock file that a killed build
-    # leaves behind, and waits for it forever: a lock older than any build is stale
-    root = Path(cpp_extension.get_default_build_root())
-    for lock in root.glob(f"*/{name}/lock"):
-        if time.time() - lock.stat().st_mtime > _STALE_LOCK_SECONDS:
-            lock.unlink(missing_ok=True)
-    if not any(root.glob(f"*/{name}/{name}.so")):
-        print("selfspec: building its CPU kernel for few-row products (once per machine, about a minute)",
-              file=sys.stderr, flush=True)
-    try:
-        module = cpp_extension.load(name=name, sources=[str(_SOURCE)],
-                                    extra_cflags=["-O3", "-funroll-loops", "-mavx2", "-mfma", "-fopenmp"],
-                                    extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as error:  # a broken toolchain must not stop decoding: MKL's products remain
-        warnings.warn(f"selfspec's CPU kernel did not build ({type(error).__name__}: "
-                      f"{str(error).splitlines()[0] if str(error) else ''}); decoding uses MKL's products",
-                      stacklevel=2)
+        root = Path(cpp_extension.get_default_build_root())
+        with _build_lock(root):
+            if not any(root.glob(f"*/{_NAME}/{_NAME}.so")):
+                print("selfspec: building its CPU kernel for few-row products (once per machine, about a "
+                      "minute)", file=sys.stderr, flush=True)
+            module = cpp_extension.load(name=_NAME, sources=[str(_SOURCE)],
+                                        extra_cflags=["-O3", "-funroll-loops", "-mavx2", "-mfma", "-fopenmp"],
+                                        extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as error:
+        first = str(error).splitlines()[0] if str(error) else ""
+        warnings.warn(f"selfspec's CPU kernel did not build ({type(error).__name__}: {first}); decoding uses "
+                      f"MKL's products", stacklevel=2)
         return None
     return module.few_rows_linear
 

@@ -3,8 +3,9 @@
 // Decoding at batch 1 is bound by reading the weights. MKL's one-row product (sgemv) keeps to one
 // core here, and its several-row product (sgemm) repacks W first; this kernel reads each row of W
 // once, from both cores (the rows split between the threads of torch's own pool), and multiplies it
-// with all m rows of x, which sit in L1. bf16 weights widen to fp32 in registers (a 16-bit shift),
-// so a bf16 model reads half the bytes even on CPUs without bf16 arithmetic.
+// with all m rows of x, which sit in L1 (L2 for the widest, 8 rows of K = 1536 floats). bf16 weights
+// widen to fp32 in registers (a 16-bit shift), so a bf16 model reads half the bytes even on CPUs
+// without bf16 arithmetic.
 //
 // Every output is one fp32 dot product of a W row and an x row, accumulated in the same order
 // (8-lane FMAs over K, then the lanes, then K's tail) whatever m and whatever the threads' split: a
@@ -94,6 +95,7 @@ torch::Tensor few_rows_linear(const torch::Tensor& x, const torch::Tensor& weigh
   TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, "1 to 8 rows");
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "contiguous inputs");
   TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "one dtype");
+  TORCH_CHECK(weight.size(1) > 0, "K >= 1");
   const int64_t m = x.size(0), n = weight.size(0), k = weight.size(1);
   auto out = torch::empty({m, n}, weight.options());
   // x in fp32, once (m·K floats, a few KiB): every W row meets it in L1
@@ -109,5 +111,7 @@ torch::Tensor few_rows_linear(const torch::Tensor& x, const torch::Tensor& weigh
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  module.def("few_rows_linear", &few_rows_linear, "x (m <= 8, K) @ weight (N, K)^T, streaming weight once");
+  // Tensors only, no Python objects: other Python threads may run meanwhile
+  module.def("few_rows_linear", &few_rows_linear, "x (m <= 8, K) @ weight (N, K)^T, streaming weight once",
+             pybind11::call_guard<pybind11::gil_scoped_release>());
 }
