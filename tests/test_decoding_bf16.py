@@ -88,14 +88,14 @@ def test_without_the_kernel_bf16_drafters_still_give_the_plain_bf16_output(monke
 @pytest.mark.parametrize("kernel", [False, True])
 def test_under_fixed_width_every_product_and_attention_has_the_same_shape(kernel, monkeypatch):
     """What makes positions independent of their pass: a decode (plain step, drafts, verification)
-    attends with exactly FIXED_WIDTH queries, and multiplies either exactly FIXED_WIDTH rows in every
-    MKL product or, with selfspec's kernel (bf16 on AVX2), at most 8 rows per call of a kernel whose
-    rows never share a reduction."""
+    either multiplies exactly FIXED_WIDTH rows in every MKL product and attends with exactly
+    FIXED_WIDTH queries, or, with selfspec's kernels (bf16 on AVX2), runs every product through the
+    few-row kernel (at most 8 rows a call, no row sharing a reduction) and every attention through the
+    few-query kernel (every query alone), unpadded."""
     from selfspec.model import kernels
 
-    few_rows = kernels.few_rows_linear()
-    if kernel and few_rows is None:
-        pytest.skip("selfspec's CPU kernel is not available here")
+    if kernel and kernels.few_rows_linear() is None:
+        pytest.skip("selfspec's CPU kernels are not available here")
     monkeypatch.setattr("selfspec.model.fast._KERNEL", kernel)
     model = low_precision("qwen3")
     widths = set()
@@ -103,18 +103,20 @@ def test_under_fixed_width_every_product_and_attention_has_the_same_shape(kernel
     monkeypatch.setattr(torch, "mm", lambda a, b: widths.add(("mm", b.shape[1])) or mm(a, b))
     monkeypatch.setattr(torch, "matmul", lambda a, b: widths.add(("attention", a.shape[-2])) or matmul(a, b))
     if kernel:
+        few_rows, attend = kernels.few_rows_linear(), kernels.few_queries_attention()
         monkeypatch.setattr(kernels, "few_rows_linear",
-                            lambda: lambda x, w: widths.add(("kernel", x.shape[0])) or few_rows(x, w))
+                            lambda: lambda x, w: widths.add(("rows kernel", x.shape[0])) or few_rows(x, w))
+        monkeypatch.setattr(kernels, "few_queries_attention", lambda: lambda q, *rest: widths.add(
+            ("queries kernel", q.shape[2])) or attend(q, *rest))
     generator = SelfSpecGenerator(model, exit_layer=2)
     # The batch's prefill (3 x 10 positions, shared by every method) multiplies all its rows at once
     # through F.linear and SDPA, outside fixed width.
     out = generator.generate(PROMPTS, max_new_tokens=12, num_speculations=3, drafter="hybrid",
                              eos_token_id=[])
     assert out.stats.copy.tested > 0 and out.stats.early_exit.tested > 0
-    attention = {w for w in widths if w[0] == "attention"}
-    products = widths - attention
-    assert attention == {("attention", FIXED_WIDTH)}, widths
-    if kernel:  # a verification of 3 rows x 4 positions: 12 rows, sent as chunks of 8 and 4
-        assert {name for name, _ in products} == {"kernel"} and ("kernel", 8) in products, widths
+    kinds = {name for name, _ in widths}
+    if kernel:  # a verification of 3 rows x 4 positions: 12 product rows, sent as chunks of 8 and 4
+        assert kinds == {"rows kernel", "queries kernel"} and ("rows kernel", 8) in widths, widths
+        assert ("queries kernel", 4) in widths and ("queries kernel", 1) in widths, widths  # unpadded
     else:
-        assert products == {("mm", FIXED_WIDTH)}, widths
+        assert widths == {("mm", FIXED_WIDTH), ("attention", FIXED_WIDTH)}, widths

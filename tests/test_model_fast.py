@@ -283,12 +283,12 @@ def test_fast_linear_runs_the_kernel_for_few_rows_and_mkl_otherwise(few_rows, mo
 
 @pytest.fixture
 def fresh_kernel_lookup():
-    """`kernels.few_rows_linear` looked up anew in the test, and again by the tests after it."""
+    """selfspec's compiled kernels looked up anew in the test, and again by the tests after it."""
     from selfspec.model import kernels
 
-    kernels.few_rows_linear.cache_clear()
+    kernels._module.cache_clear()
     yield kernels
-    kernels.few_rows_linear.cache_clear()
+    kernels._module.cache_clear()
 
 
 def test_the_kernel_is_off_on_request_and_a_failed_build_falls_back_with_a_warning(fresh_kernel_lookup,
@@ -297,7 +297,7 @@ def test_the_kernel_is_off_on_request_and_a_failed_build_falls_back_with_a_warni
     for off in ("0", "off", "False"):
         monkeypatch.setenv("SELFSPEC_KERNELS", off)
         assert kernels.few_rows_linear() is None
-        kernels.few_rows_linear.cache_clear()
+        kernels._module.cache_clear()
     monkeypatch.delenv("SELFSPEC_KERNELS")
     monkeypatch.setattr(kernels, "_cpu_has_avx2_fma", lambda: True)
     monkeypatch.setattr("shutil.which", lambda name: "/usr/bin/" + name)
@@ -324,7 +324,7 @@ def test_a_lock_left_by_a_killed_build_is_removed_before_building(fresh_kernel_l
     monkeypatch.setattr("shutil.which", lambda name: "/usr/bin/" + name)
     monkeypatch.setattr("torch.utils.cpp_extension.get_default_build_root", lambda: str(tmp_path))
     seen = []
-    built = type("Module", (), {"few_rows_linear": 1})
+    built = type("Module", (), {"few_rows_linear": 1, "few_queries_attention": 2})
     monkeypatch.setattr("torch.utils.cpp_extension.load",
                         lambda **_: seen.append((build / "lock").exists()) or built)
     assert kernels.few_rows_linear() == 1 and seen == [False]
@@ -340,3 +340,30 @@ def test_fast_linear_keeps_f_linears_behaviour_where_the_kernel_does_not_apply(f
     torch.testing.assert_close(x.grad, weight.sum(0, keepdim=True))
     with pytest.raises(RuntimeError):  # F.linear refuses a bf16 input with an fp32 bias; so does linear
         linear(torch.randn(1, 32).bfloat16(), weight.bfloat16(), bias)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_few_queries_attention_kernel_equals_the_padded_attention_and_each_query_is_alone(few_rows,
+                                                                                             dtype):
+    """Grouped-query heads, keys hidden by -inf and by the dtype's min, keys and values sliced from a
+    longer cache: the padded float32 attention's values, and every query's result bit for bit the
+    same alone as among the others."""
+    from selfspec.model import kernels
+    from selfspec.model.fast import _fixed_attention
+
+    attend = kernels.few_queries_attention()
+    block = type("Block", (), {"gqa": True, "scaling": 0.125})
+    torch.manual_seed(0)
+    q = torch.randn(2, 6, 3, 64).to(dtype)
+    k, v = (torch.randn(2, 2, 40, 64).to(dtype)[:, :, :30] for _ in range(2))  # (B, Hkv, S, hd) views
+    mask = torch.zeros(2, 1, 3, 30)
+    mask[0, :, :, 25:] = float("-inf")
+    mask[1, :, 2, :5] = torch.finfo(torch.float32).min
+    flat = mask.reshape(2, 3, 30)
+    out = attend(q.float().contiguous(), k, v, flat, 0.125)  # (B, m, H·hd)
+    assert out.shape == (2, 3, 6 * 64) and out.dtype == dtype
+    torch.testing.assert_close(out.float(), _fixed_attention(q, k, v, mask, block, 16).float(),
+                               rtol=1e-5, atol=1e-5)
+    alone = torch.cat([attend(q[:, :, i:i + 1].float().contiguous(), k, v, flat[:, i:i + 1].contiguous(), 0.125)
+                       for i in range(3)], 1)
+    assert torch.equal(alone, out)

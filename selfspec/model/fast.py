@@ -280,6 +280,10 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     if width and (mask is not None or length == 1):  # a decoding pass (cached), not a causal prefill
         if mask is None:  # one query that sees every cached slot
             mask = q.new_zeros(1, 1, 1, k.shape[2])
+        attend = _attention_kernel_for(q, k, v)
+        if attend is not None:  # every query alone: nothing to pad
+            mask = mask.expand(batch, 1, length, k.shape[2]).reshape(batch, length, -1).float().contiguous()
+            return attend(q.float().contiguous(), k, v, mask, b.scaling)
         return _fixed_attention(q, k, v, mask, b, width)
     gqa = {}
     if b.gqa and mask is None:
@@ -292,6 +296,19 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
                                          scale=b.scaling, **gqa)
     return (out.reshape(batch, heads, length, head_dim).transpose(1, 2)
             .reshape(batch, length, heads * head_dim))
+
+
+def _attention_kernel_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """selfspec's few-query attention kernel (`kernels/few_rows.cpp`) where it applies under
+    `fixed_width`, else None: on CPU, keys and values fp32 or bf16 alike, each (row, head)'s (S, hd)
+    slice contiguous (the engine's cache), without autograd."""
+    if not _KERNEL or q.device.type != "cpu" or k.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if v.dtype != k.dtype or k.stride(-1) != 1 or k.stride(-2) != k.shape[-1] or v.stride() != k.stride():
+        return None
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return None
+    return kernels.few_queries_attention()
 
 
 def _fixed_attention(q, k, v, mask, b: _Block, width: int) -> torch.Tensor:

@@ -1,11 +1,12 @@
-"""selfspec's one compiled CPU kernel: x @ Wᵀ for 1-8 rows of x, streaming W once (`few_rows.cpp`).
+"""selfspec's compiled CPU kernels (`few_rows.cpp`): x @ Wᵀ for 1-8 rows of x, streaming W once, and
+the attention of a few queries, each computed alone in a fixed order.
 
 Built on first use with torch's own extension builder (a C++ compiler and ninja; AVX2 + FMA;
 OpenMP, so that `at::parallel_for` spreads the rows over torch's own threads) and
 cached by torch under `TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`). Where it cannot be
-built (no compiler, another CPU, not POSIX, `SELFSPEC_KERNELS=0`) `few_rows_linear()` returns None
-once and for all, with one warning if the build itself failed, and `fast.linear` keeps MKL's
-products. Processes that start together build once: the first holds a lock file, the others wait.
+built (no compiler, another CPU, not POSIX, `SELFSPEC_KERNELS=0`) both accessors return None
+once and for all, with one warning if the build itself failed, and `fast` keeps MKL's products and
+its padded attention. Processes that start together build once: the first holds a lock file, the others wait.
 """
 
 from __future__ import annotations
@@ -51,10 +52,24 @@ def _build_lock(root: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-@functools.cache
 def few_rows_linear() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
     """The compiled `few_rows_linear(x (m, K), weight (N, K)) -> (m, N)` (fp32 or bf16, m <= 8), or None
-    where it is not available."""
+    where the kernels are not available."""
+    module = _module()
+    return None if module is None else module.few_rows_linear
+
+
+def few_queries_attention() -> Callable | None:
+    """The compiled `few_queries_attention(q (B, H, m, hd) fp32, k, v (B, Hkv, S, hd) fp32 or bf16,
+    mask (B, m, S) fp32 additive, scale) -> (B, m, H·hd)` in k's dtype, every query computed alone in
+    a fixed order; or None where the kernels are not available."""
+    module = _module()
+    return None if module is None else module.few_queries_attention
+
+
+@functools.cache
+def _module():
+    """The compiled extension, built once per machine, or None."""
     if os.environ.get("SELFSPEC_KERNELS", "1").lower() in ("0", "false", "off", "no"):
         return None
     compiler = (os.environ.get("CXX") or "c++").split()[0]  # CXX may be "ccache g++"
@@ -76,7 +91,7 @@ def few_rows_linear() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | 
         warnings.warn(f"selfspec's CPU kernel did not build ({type(error).__name__}: {first}); decoding uses "
                       f"MKL's products", stacklevel=2)
         return None
-    return module.few_rows_linear
+    return module
 
 
-__all__ = ["few_rows_linear"]
+__all__ = ["few_queries_attention", "few_rows_linear"]

@@ -16,6 +16,9 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <cmath>
+#include <vector>
+
 namespace {
 
 constexpr int64_t kMaxRows = 8;
@@ -86,7 +89,83 @@ void dispatch(int64_t m, const float* x, const T* w, T* out, int64_t n, int64_t 
   }
 }
 
+inline float dot(const float* a, const float* b, int64_t n) {
+  // 8-lane FMAs, then the lanes, then the tail: the order `rows_block` uses
+  const int64_t n8 = n - n % 8;
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t c = 0; c < n8; c += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + c), _mm256_loadu_ps(b + c), acc);
+  float total = hsum(acc);
+  for (int64_t c = n8; c < n; ++c) total += a[c] * b[c];
+  return total;
+}
+
+// Attention of one (row, head): m queries, each alone, over S keys, in fp32 throughout.
+template <typename T>
+void attend_head(const float* q, const T* k, const T* v, const float* mask, T* out, int64_t m, int64_t s_len,
+                 int64_t hd, int64_t out_stride, float scale, float* key, float* p, float* acc) {
+  for (int64_t i = 0; i < m; ++i) {
+    const float* qi = q + i * hd;
+    const float* mi = mask + i * s_len;
+    float best = -INFINITY;
+    for (int64_t j = 0; j < s_len; ++j) {
+      for (int64_t d = 0; d < hd; ++d) key[d] = static_cast<float>(k[j * hd + d]);
+      p[j] = dot(qi, key, hd) * scale + mi[j];
+      best = std::max(best, p[j]);
+    }
+    float total = 0.f;
+    for (int64_t j = 0; j < s_len; ++j) {
+      p[j] = std::exp(p[j] - best);  // a hidden key (mask -inf or the dtype's min) weighs exactly 0
+      total += p[j];
+    }
+    for (int64_t d = 0; d < hd; ++d) acc[d] = 0.f;
+    for (int64_t j = 0; j < s_len; ++j)
+      for (int64_t d = 0; d < hd; ++d) acc[d] += p[j] * static_cast<float>(v[j * hd + d]);
+    for (int64_t d = 0; d < hd; ++d) out[i * out_stride + d] = static_cast<T>(acc[d] / total);
+  }
+}
+
 }  // namespace
+
+// Scaled dot-product attention for a few queries (a decode step, a verification), every query
+// computed alone in a fixed order, so its result never depends on how many queries share the call.
+// q (B, H, m, hd) float32 contiguous; k, v (B, Hkv, S, hd) float32 or bfloat16 with contiguous
+// (S, hd) slices per (row, head) (a slice of a longer cache is fine); mask (B, m, S) float32
+// additive; H a multiple of Hkv (grouped-query heads share keys). Returns (B, m, H·hd) in k's dtype.
+torch::Tensor few_queries_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                    const torch::Tensor& mask, double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && mask.dim() == 3, "q, k, v 4-d and mask 3-d");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && q.is_contiguous(), "q float32 and contiguous");
+  TORCH_CHECK(mask.scalar_type() == torch::kFloat32 && mask.is_contiguous(), "mask float32 and contiguous");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() && k.sizes() == v.sizes(), "k and v alike");
+  const int64_t batch = q.size(0), heads = q.size(1), m = q.size(2), hd = q.size(3);
+  const int64_t kv_heads = k.size(1), s_len = k.size(2);
+  TORCH_CHECK(k.size(0) == batch && k.size(3) == hd && heads % kv_heads == 0, "shapes of q and k");
+  TORCH_CHECK(mask.size(0) == batch && mask.size(1) == m && mask.size(2) == s_len, "mask (B, m, S)");
+  TORCH_CHECK(k.stride(3) == 1 && k.stride(2) == hd && v.stride(3) == 1 && v.stride(2) == hd,
+              "k and v with contiguous (S, hd) slices");
+  auto out = torch::empty({batch, m, heads * hd}, k.options());
+  const int64_t group = heads / kv_heads;
+  const float* qp = q.data_ptr<float>();
+  const float* mp = mask.data_ptr<float>();
+  auto run = [&](auto* kp, auto* vp, auto* op) {
+    at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> key(hd), p(s_len), acc(hd);
+      for (int64_t bh = begin; bh < end; ++bh) {
+        const int64_t b = bh / heads, h = bh % heads, g = h / group;
+        attend_head(qp + bh * m * hd, kp + b * k.stride(0) + g * k.stride(1), vp + b * v.stride(0) + g * v.stride(1),
+                    mp + b * m * s_len, op + b * m * heads * hd + h * hd, m, s_len, hd, heads * hd,
+                    static_cast<float>(scale), key.data(), p.data(), acc.data());
+      }
+    });
+  };
+  if (k.scalar_type() == torch::kFloat32) {
+    run(k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>());
+  } else {
+    TORCH_CHECK(k.scalar_type() == torch::kBFloat16, "k, v float32 or bfloat16");
+    run(k.data_ptr<at::BFloat16>(), v.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>());
+  }
+  return out;
+}
 
 // x (m, K), 1 <= m <= 8, and weight (N, K): both contiguous, on CPU, float32 or bfloat16 (the same)
 // -> (m, N) in that dtype, with fp32 accumulation.
@@ -113,5 +192,8 @@ torch::Tensor few_rows_linear(const torch::Tensor& x, const torch::Tensor& weigh
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   // Tensors only, no Python objects: other Python threads may run meanwhile
   module.def("few_rows_linear", &few_rows_linear, "x (m <= 8, K) @ weight (N, K)^T, streaming weight once",
+             pybind11::call_guard<pybind11::gil_scoped_release>());
+  module.def("few_queries_attention", &few_queries_attention,
+             "attention of a few queries, each alone in a fixed order: (B, m, H*hd)",
              pybind11::call_guard<pybind11::gil_scoped_release>());
 }
