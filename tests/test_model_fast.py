@@ -364,6 +364,6 @@ def test_the_few_queries_attention_kernel_equals_the_padded_attention_and_each_q
     assert out.shape == (2, 3, 6 * 64) and out.dtype == dtype
     torch.testing.assert_close(out.float(), _fixed_attention(q, k, v, mask, block, 16).float(),
                                rtol=1e-5, atol=1e-5)
-    alone = torch.cat([attend(q[:, :, i:i + 1].float().contiguous(), k, v, flat[:, i:i + 1].contiguous(), 0.125)
-                       for i in range(3)], 1)
+    alone = torch.cat([attend(q[:, :, i:i + 1].float().contiguous(), k, v, flat[:, i:i + 1].contiguous(),
+                              0.125) for i in range(3)], 1)
     assert torch.equal(alone, out)

@@ -66,7 +66,9 @@ _fixed_width: contextvars.ContextVar[int] = contextvars.ContextVar("fixed_width"
 def fixed_width(enabled: bool = True):
     """Within it, every product of `linear` and every attention of these blocks runs on exactly
     `FIXED_WIDTH` rows (queries): fewer are padded with copies of the last, more are cut into
-    chunks. A position's result then never depends on how many positions share its pass.
+    chunks. A position's result then never depends on how many positions share its pass. Where
+    selfspec's CPU kernels build (`kernels`), products and attention go through them instead,
+    unpadded: each row (query) is computed alone in a fixed order there.
 
     Why: a GEMM's rounding depends on its shape (MKL, oneDNN and cuBLAS pick kernels and reduction
     splits by the number of rows), which is invisible in fp32 but flips bf16 argmaxes: a
