@@ -54,8 +54,11 @@ _COLUMNS_MIN_BYTES_ONE_ROW = 1 << 20
 # restores the columns path (for A/B measurements)
 _HALVES_ONE_ROW = True
 
-# Few-row products run selfspec's kernel where it builds (see `_kernel_for`); False keeps MKL's (A/B)
+# Few-row products and the fixed-width attention run selfspec's kernels where they build (see
+# `_kernel_for`, `_attention_kernel_for`); False keeps MKL's products and the padded attention (A/B)
 _KERNEL = True
+# Rows per call of the few-row kernel (few_rows.cpp's kMaxRows)
+_KERNEL_ROWS = 8
 
 # Rows per product under `fixed_width` (see there): at least a verification's k + 1 positions.
 FIXED_WIDTH = 16
@@ -107,13 +110,13 @@ def _fixed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def _kernel_for(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int, width: int):
     """selfspec's few-row kernel (`kernels/few_rows.cpp`) where it applies, else None: on CPU, without
     autograd (it has no backward), fp32 or bf16 throughout (bias included: F.linear refuses a mix),
-    a contiguous weight, 1 to `_COLUMNS_MAX_ROWS` rows (any number under `fixed_width`, in chunks)."""
+    a contiguous weight, 1 to `_KERNEL_ROWS` rows (any number under `fixed_width`, in chunks)."""
     if not _KERNEL or x.device.type != "cpu" or not weight.is_contiguous() or weight.shape[1] == 0:
         return None
     if x.dtype not in (torch.float32, torch.bfloat16) or weight.dtype != x.dtype or (
             bias is not None and bias.dtype != x.dtype):
         return None
-    if rows < 1 or (rows > _COLUMNS_MAX_ROWS and not width):
+    if rows < 1 or (rows > _KERNEL_ROWS and not width):
         return None
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return None
@@ -156,7 +159,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     if kernel is not None:
         flat = x.reshape(rows, x.shape[-1]).contiguous()  # (rows, K)
         # The kernel's rows never share a reduction, so chunks of 8 give what one call would
-        out = kernel(flat, weight) if rows <= 8 else torch.cat([kernel(c, weight) for c in flat.split(8)])
+        out = (kernel(flat, weight) if rows <= _KERNEL_ROWS
+               else torch.cat([kernel(chunk, weight) for chunk in flat.split(_KERNEL_ROWS)]))
         if bias is not None:
             out = out + bias
         return out.reshape(*x.shape[:-1], weight.shape[0])

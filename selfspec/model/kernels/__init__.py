@@ -81,15 +81,15 @@ def _module():
         root = Path(cpp_extension.get_default_build_root())
         with _build_lock(root):
             if not any(root.glob(f"*/{_NAME}/{_NAME}.so")):
-                print("selfspec: building its CPU kernel for few-row products (once per machine, about a "
-                      "minute)", file=sys.stderr, flush=True)
+                print("selfspec: building its CPU kernels for decoding (once per machine, about a minute)",
+                      file=sys.stderr, flush=True)
             module = cpp_extension.load(name=_NAME, sources=[str(_SOURCE)],
                                         extra_cflags=["-O3", "-funroll-loops", "-mavx2", "-mfma", "-fopenmp"],
                                         extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as error:
         first = str(error).splitlines()[0] if str(error) else ""
-        warnings.warn(f"selfspec's CPU kernel did not build ({type(error).__name__}: {first}); decoding uses "
-                      f"MKL's products", stacklevel=2)
+        warnings.warn(f"selfspec's CPU kernels did not build ({type(error).__name__}: {first}); decoding "
+                      f"uses MKL's products", stacklevel=2)
         return None
     return module
 
