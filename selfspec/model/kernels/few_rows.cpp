@@ -89,27 +89,27 @@ void dispatch(int64_t m, const float* x, const T* w, T* out, int64_t n, int64_t 
   }
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
-  // 8-lane FMAs, then the lanes, then the tail: the order `rows_block` uses
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t n) {
+  // 8-lane FMAs, then the lanes, then the tail: the order `rows_block` uses (b widened exactly)
   const int64_t n8 = n - n % 8;
   __m256 acc = _mm256_setzero_ps();
-  for (int64_t c = 0; c < n8; c += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + c), _mm256_loadu_ps(b + c), acc);
+  for (int64_t c = 0; c < n8; c += 8) acc = _mm256_fmadd_ps(load8(b + c), _mm256_loadu_ps(a + c), acc);
   float total = hsum(acc);
-  for (int64_t c = n8; c < n; ++c) total += a[c] * b[c];
+  for (int64_t c = n8; c < n; ++c) total += static_cast<float>(b[c]) * a[c];
   return total;
 }
 
 // Attention of one (row, head): m queries, each alone, over S keys, in fp32 throughout.
 template <typename T>
 void attend_head(const float* q, const T* k, const T* v, const float* mask, T* out, int64_t m, int64_t s_len,
-                 int64_t hd, int64_t out_stride, float scale, float* key, float* p, float* acc) {
+                 int64_t hd, int64_t out_stride, float scale, float* p, float* acc) {
   for (int64_t i = 0; i < m; ++i) {
     const float* qi = q + i * hd;
     const float* mi = mask + i * s_len;
     float best = -INFINITY;
     for (int64_t j = 0; j < s_len; ++j) {
-      for (int64_t d = 0; d < hd; ++d) key[d] = static_cast<float>(k[j * hd + d]);
-      p[j] = dot(qi, key, hd) * scale + mi[j];
+      p[j] = dot(qi, k + j * hd, hd) * scale + mi[j];
       best = std::max(best, p[j]);
     }
     float total = 0.f;
@@ -149,12 +149,12 @@ torch::Tensor few_queries_attention(const torch::Tensor& q, const torch::Tensor&
   const float* mp = mask.data_ptr<float>();
   auto run = [&](auto* kp, auto* vp, auto* op) {
     at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> key(hd), p(s_len), acc(hd);
+      std::vector<float> p(s_len), acc(hd);
       for (int64_t bh = begin; bh < end; ++bh) {
         const int64_t b = bh / heads, h = bh % heads, g = h / group;
         attend_head(qp + bh * m * hd, kp + b * k.stride(0) + g * k.stride(1), vp + b * v.stride(0) + g * v.stride(1),
                     mp + b * m * s_len, op + b * m * heads * hd + h * hd, m, s_len, hd, heads * hd,
-                    static_cast<float>(scale), key.data(), p.data(), acc.data());
+                    static_cast<float>(scale), p.data(), acc.data());
       }
     });
   };
