@@ -1,13 +1,14 @@
-"""A/B of selfspec's few-row kernel against MKL's products on the roofline's passes, side by side.
+"""A/B/C of selfspec's kernels on the roofline's passes, side by side: MKL's products and torch's
+operations, the few-row kernel for the products, and the block kernels (each block two compiled calls).
 
     python eval/kernel_ab.py --model runs/smollm2/base --exit-layer 10 --repeats 30
     python eval/kernel_ab.py --model runs/smollm2/base --exit-layer 10 --dtype bfloat16
 
 Builds the roofline's cache of 256 positions, then times each pass (plain step, draft step,
 verification of 2, 4 and 5 positions through blocks [E, N) and the head, the whole model on 5
-positions) with `selfspec.model.fast._KERNEL` on and off, alternating which goes first, after 3
-untimed rounds. Prints the medians, each as a share of the measured read bandwidth and in plain
-steps of its own arm, and the kernel's speedup per pass. Run it with the machine to itself.
+positions) in each arm (`selfspec.model.fast._KERNEL`, `_BLOCK_KERNEL`), rotating which goes first,
+after 3 untimed rounds. Prints the medians, each as a share of the measured read bandwidth and in
+plain steps of its own arm, and the speedups. Run it with the machine to itself.
 """
 
 from __future__ import annotations
@@ -39,29 +40,31 @@ def main() -> None:
     passes = {"plain": (0, n, 1), "draft": (0, e, 1), "verify_2": (e, n, 2), "verify_4": (e, n, 4),
               "verify_5": (e, n, 5), "full_5": (0, n, 5)}
     runner = _Passes(view, args.context, 5)
-    times = {(name, arm): [] for name in passes for arm in (False, True)}
+    arms = {"mkl": (False, False), "rows": (True, False), "block": (True, True)}  # (_KERNEL, _BLOCK_KERNEL)
+    names = list(arms)
+    times = {(name, arm): [] for name in passes for arm in arms}
     for round_index in range(args.repeats + 3):
         for name, spec in passes.items():
-            for arm in ((False, True) if round_index % 2 else (True, False)):
-                fast._KERNEL = arm
+            shift = round_index % len(names)
+            for arm in names[shift:] + names[:shift]:
+                fast._KERNEL, fast._BLOCK_KERNEL = arms[arm]
                 start = time.perf_counter()
                 runner.run(*spec)
                 if round_index >= 3:
                     times[(name, arm)].append(time.perf_counter() - start)
-    fast._KERNEL = True
+    fast._KERNEL, fast._BLOCK_KERNEL = True, True
     rate = measure_bandwidth(512)["read_bytes_per_second"]
     median = {key: statistics.median(values) for key, values in times.items()}
-    print(f"{args.model} ({args.dtype}), E = {e}, {args.repeats} interleaved rounds, "
-          f"read bandwidth {rate / 1e9:.1f} GB/s")
-    print("| pass | MKL ms | share of bandwidth | plain steps | kernel ms | share of bandwidth | plain steps "
-          "| kernel speedup |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print(f"{args.model} ({args.dtype}), E = {e}, {args.repeats} rotated rounds, "
+          f"read bandwidth {rate / 1e9:.1f} GB/s; each arm: ms, share of bandwidth, plain steps")
+    print("| pass | MKL | few-row kernel | block kernels | rows / MKL | blocks / rows |")
+    print("|---|---:|---:|---:|---:|---:|")
     for name, (start, end, _) in passes.items():
         limit = pass_bytes(view, start, end, args.context) / rate
-        mkl, kernel = median[(name, False)], median[(name, True)]
-        print(f"| {name} | {mkl * 1e3:.2f} | {limit / mkl:.0%} | {mkl / median[('plain', False)]:.2f} "
-              f"| {kernel * 1e3:.2f} | {limit / kernel:.0%} | {kernel / median[('plain', True)]:.2f} "
-              f"| {mkl / kernel:.2f}x |")
+        cells = [f"{median[(name, arm)] * 1e3:.2f} ms, {limit / median[(name, arm)]:.0%}, "
+                 f"{median[(name, arm)] / median[('plain', arm)]:.2f}" for arm in names]
+        print(f"| {name} | {' | '.join(cells)} | {median[(name, 'mkl')] / median[(name, 'rows')]:.2f}x "
+              f"| {median[(name, 'rows')] / median[(name, 'block')]:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -89,9 +89,9 @@ def test_without_the_kernel_bf16_drafters_still_give_the_plain_bf16_output(monke
 def test_under_fixed_width_every_product_and_attention_has_the_same_shape(kernel, monkeypatch):
     """What makes positions independent of their pass: a decode (plain step, drafts, verification)
     either multiplies exactly FIXED_WIDTH rows in every MKL product and attends with exactly
-    FIXED_WIDTH queries, or, with selfspec's kernels (bf16 on AVX2), runs every product through the
-    few-row kernel (at most 8 rows a call, no row sharing a reduction) and every attention through the
-    few-query kernel (every query alone), unpadded."""
+    FIXED_WIDTH queries, or, with selfspec's kernels (bf16 on AVX2), runs every block through the
+    block kernels and the head through the few-row kernel (products of at most 8 rows a call, no row
+    sharing a reduction; every query attending alone), unpadded."""
     from selfspec.model import kernels
 
     if kernel and kernels.few_rows_linear() is None:
@@ -103,11 +103,12 @@ def test_under_fixed_width_every_product_and_attention_has_the_same_shape(kernel
     monkeypatch.setattr(torch, "mm", lambda a, b: widths.add(("mm", b.shape[1])) or mm(a, b))
     monkeypatch.setattr(torch, "matmul", lambda a, b: widths.add(("attention", a.shape[-2])) or matmul(a, b))
     if kernel:
-        few_rows, attend = kernels.few_rows_linear(), kernels.few_queries_attention()
+        few_rows, (front, back) = kernels.few_rows_linear(), kernels.block_halves()
         monkeypatch.setattr(kernels, "few_rows_linear",
                             lambda: lambda x, w: widths.add(("rows kernel", x.shape[0])) or few_rows(x, w))
-        monkeypatch.setattr(kernels, "few_queries_attention", lambda: lambda q, *rest: widths.add(
-            ("queries kernel", q.shape[2])) or attend(q, *rest))
+        monkeypatch.setattr(kernels, "block_halves", lambda: (
+            lambda hidden, *rest: widths.add(("block", hidden.shape[0] * hidden.shape[1])) or front(hidden, *rest),
+            back))
     generator = SelfSpecGenerator(model, exit_layer=2)
     # The batch's prefill (3 x 10 positions, shared by every method) multiplies all its rows at once
     # through F.linear and SDPA, outside fixed width.
@@ -115,8 +116,10 @@ def test_under_fixed_width_every_product_and_attention_has_the_same_shape(kernel
                              eos_token_id=[])
     assert out.stats.copy.tested > 0 and out.stats.early_exit.tested > 0
     kinds = {name for name, _ in widths}
-    if kernel:  # a verification of 3 rows x 4 positions: 12 product rows, sent as chunks of 8 and 4
-        assert kinds == {"rows kernel", "queries kernel"} and ("rows kernel", 8) in widths, widths
-        assert ("queries kernel", 4) in widths and ("queries kernel", 1) in widths, widths  # unpadded
+    if kernel:  # every block in the block kernels (their products in chunks of at most 8 rows, their
+        # queries each alone), unpadded: a verification of 3 rows x 4 positions is 12 rows; the head
+        # through the few-row kernel, 12 rows as chunks of 8 and 4
+        assert kinds == {"rows kernel", "block"} and ("rows kernel", 8) in widths, widths
+        assert ("block", 12) in widths and ("block", 3) in widths, widths
     else:
         assert widths == {("mm", FIXED_WIDTH), ("attention", FIXED_WIDTH)}, widths

@@ -367,3 +367,105 @@ def test_the_few_queries_attention_kernel_equals_the_padded_attention_and_each_q
     alone = torch.cat([attend(q[:, :, i:i + 1].float().contiguous(), k, v, flat[:, i:i + 1].contiguous(),
                               0.125) for i in range(3)], 1)
     assert torch.equal(alone, out)
+
+
+@pytest.fixture
+def block_calls(few_rows, monkeypatch):
+    """Counts the rows of every call of the compiled block halves (front, back)."""
+    from selfspec.model import kernels
+
+    front, back = kernels.block_halves()
+    calls = []
+    monkeypatch.setattr(kernels, "block_halves", lambda: (
+        lambda hidden, *rest: calls.append(("front", hidden.shape[1])) or front(hidden, *rest),
+        lambda hidden, *rest: calls.append(("back", hidden.shape[1])) or back(hidden, *rest)))
+    return calls
+
+
+@pytest.mark.parametrize("family", [*LLAMA_FAMILIES, "llama_biased"])
+def test_a_decoding_pass_runs_each_block_as_the_two_compiled_halves_and_equals_the_model(family, block_calls):
+    """One-token steps (no mask) and a masked 4-token verification of two rows (8 positions) behind a
+    prefix go through the block kernels, every block once per pass; a 9-token prefill keeps the tensor
+    path. Qwen2 brings q/k/v
+    biases, Qwen3 per-head q/k norms, Mistral and Qwen2 grouped-query heads and windows."""
+    if family == "llama_biased":
+        model = tiny_model("llama", attention_bias=True, mlp_bias=True)
+        model = type(model)(model.config).float().eval()
+        for p in model.parameters():
+            torch.nn.init.normal_(p, std=0.2)
+    else:
+        model = tiny_model(family)
+    view = DecoderView(model)
+    ids = torch.randint(0, 96, (2, 15))
+    with torch.no_grad():
+        logits = _decode_through_cache(view, ids, [(0, 9), (9, 13), (13, 14), (14, 15)])
+        torch.testing.assert_close(logits[:, 9:], model(ids).logits[:, 9:], rtol=1e-5, atol=1e-5)
+    layers = view.num_layers
+    assert block_calls == [(half, t) for t in (4, 1, 1) for _ in range(layers) for half in ("front", "back")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_block_kernels_compute_a_position_bit_for_bit_the_same_alone_or_in_a_verification(dtype, few_rows):
+    """Four positions in one masked pass and the same four as single steps: the same hidden states and
+    cache entries to the bit, in fp32 and bf16 (the products, norms and attention of each position never
+    share a reduction with another position)."""
+    from selfspec.model import fast
+
+    model = tiny_model("qwen3").to(dtype)
+    view = DecoderView(model)
+    ids = torch.randint(0, 96, (1, 12))
+
+    def run(bounds):
+        cache = KVCache(view.num_layers, 1, 32)
+        out = []
+        with torch.no_grad(), fast.fixed_width(dtype != torch.float32):
+            for start, end in bounds:
+                positions = view.default_positions(ids[:, start:end], start)
+                kv_length = cache.set_positions(positions, [start])
+                out.append(view.run_layers(view.embed(ids[:, start:end], positions), 0, view.num_layers, cache,
+                                           positions, kv_length=kv_length, aligned=True))
+        return torch.cat(out, 1)[:, 8:], cache.keys[-1][:, :, 8:12]
+
+    together, keys_together = run([(0, 8), (8, 12)])
+    alone, keys_alone = run([(0, 8), (8, 9), (9, 10), (10, 11), (11, 12)])
+    assert torch.equal(together, alone) and torch.equal(keys_together, keys_alone)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_the_block_kernels_in_bf16_track_the_operations_they_replace(family, few_rows, monkeypatch):
+    """In bf16 the compiled halves round where torch's operations round (the normalised row, each
+    product, each rotary term, the residuals, silu and its product): a verification's hidden states
+    stay within a step or two of bf16 of the per-operation path with the few-row kernel."""
+    from selfspec.model import fast
+
+    model = tiny_model(family).to(torch.bfloat16)
+    view = DecoderView(model)
+    ids = torch.randint(0, 96, (1, 12))
+    runs = []
+    for block_kernel in (True, False):
+        monkeypatch.setattr(fast, "_BLOCK_KERNEL", block_kernel)
+        cache = KVCache(view.num_layers, 1, 32)
+        with torch.no_grad(), fast.fixed_width():
+            for start, end in [(0, 8), (8, 12)]:
+                positions = view.default_positions(ids[:, start:end], start)
+                kv_length = cache.set_positions(positions, [start])
+                hidden = view.run_layers(view.embed(ids[:, start:end], positions), 0, view.num_layers, cache,
+                                         positions, kv_length=kv_length, aligned=True)
+        runs.append(hidden.float())
+    scale = runs[1].abs().max()
+    assert (runs[0] - runs[1]).abs().max() <= 2 ** -6 * scale
+    assert (runs[0] == runs[1]).float().mean() > 0.9  # most values the same to the bit
+
+
+def test_a_cache_the_attention_kernel_cannot_read_in_place_takes_the_tensor_attention(block_calls, monkeypatch):
+    """Keys the few-query kernel cannot read (another cache layout): the front half still runs, the
+    attention and MLP run as tensor operations, and the logits equal the model's."""
+    from selfspec.model import fast
+
+    monkeypatch.setattr(fast, "_attention_kernel_for", lambda q, k, v: None)
+    model = tiny_model("mistral")
+    ids = torch.randint(0, 96, (1, 12))
+    with torch.no_grad():
+        logits = _decode_through_cache(DecoderView(model), ids, [(0, 8), (8, 11), (11, 12)])
+        torch.testing.assert_close(logits[:, 8:], model(ids).logits[:, 8:], rtol=1e-5, atol=1e-5)
+    assert {half for half, _ in block_calls} == {"front"}

@@ -59,6 +59,9 @@ _HALVES_ONE_ROW = True
 _KERNEL = True
 # Rows per call of the few-row kernel (few_rows.cpp's kMaxRows)
 _KERNEL_ROWS = 8
+# With `_KERNEL`, a decoding pass runs each block as two compiled calls (see `run_block`); False keeps
+# the per-operation path, its products in the few-row kernel (A/B)
+_BLOCK_KERNEL = True
 
 # Rows per product under `fixed_width` (see there): at least a verification's k + 1 positions.
 FIXED_WIDTH = 16
@@ -211,6 +214,12 @@ class _Block:
     head_dim: int
     scaling: float
     gqa: bool  # fewer key/value heads than query heads
+
+    def tensors(self) -> list[torch.Tensor | None]:
+        """Every tensor of the block (None for an absent bias or norm)."""
+        qk_norms = [t for norm in (self.q_norm, self.k_norm) for t in (norm or (None,))[:1]]
+        return [self.norm1, self.wq, self.bq, self.wk, self.bk, self.wv, self.bv, self.wo, self.bo,
+                *qk_norms, self.norm2, self.w_gate, self.b_gate, self.w_up, self.b_up, self.w_down, self.b_down]
 
 
 def _is_plain_linear(module) -> bool:
@@ -392,9 +401,52 @@ class FastLlamaBlocks:
         return self._extra[layer]
 
 
+def _block_kernels_for(b: _Block, hidden: torch.Tensor, mask: torch.Tensor | None, cos: torch.Tensor):
+    """selfspec's whole-block kernels (`kernels.block_halves`) where they apply, else None: on CPU,
+    without autograd, every tensor of the block in hidden's dtype (fp32 or bf16), SwiGLU with SiLU, a
+    decoding pass (a mask, or one position that sees every cached slot) of 1-`_KERNEL_ROWS` positions
+    (any number under `fixed_width`)."""
+    if not (_KERNEL and _BLOCK_KERNEL) or hidden.device.type != "cpu" or hidden.dtype not in (
+            torch.float32, torch.bfloat16):
+        return None
+    rows = hidden.shape[0] * hidden.shape[1]
+    if rows < 1 or (rows > _KERNEL_ROWS and not _fixed_width.get()) or (mask is None and hidden.shape[1] > 1):
+        return None
+    if b.act is not F.silu or cos.dtype != hidden.dtype or (mask is not None and mask.dtype.is_complex):
+        return None
+    if torch.is_grad_enabled() and (hidden.requires_grad or b.wq.requires_grad):
+        return None
+    if any(t is not None and (t.dtype != hidden.dtype or not t.is_contiguous()) for t in b.tensors()):
+        return None
+    return kernels.block_halves()
+
+
 def run_block(b: _Block, index: int, hidden: torch.Tensor, mask: torch.Tensor | None, cache,
               cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`FastLlamaBlocks.__call__` for the gathered block `b`, writing its keys at cache layer `index`."""
+    """`FastLlamaBlocks.__call__` for the gathered block `b`, writing its keys at cache layer `index`.
+
+    A decoding pass of a few positions runs as two compiled calls (`kernels.block_halves`) around the
+    cache write, where they build: measured on SmolLM2, the ~60 small tensor operations of a block
+    (norms, rotary, views, residuals) and the gaps between its seven product calls cost more than its
+    attention. The tensor operations below are the same computation, for every other case."""
+    halves = _block_kernels_for(b, hidden, mask, cos)
+    if halves is not None:
+        front, back = halves
+        q_norm, q_eps = b.q_norm or (None, 0.0)
+        k_norm, k_eps = b.k_norm or (None, 0.0)
+        q, k, v = front(hidden.contiguous(), b.norm1, b.eps1, b.wq, b.bq, b.wk, b.bk, b.wv, b.bv,
+                        q_norm, q_eps, k_norm, k_eps, cos.contiguous(), sin.contiguous(), b.head_dim)
+        if cache is not None:
+            k, v = cache.update(k, v, index)  # (B, Hkv, S, hd): every slot the layer holds
+        if _attention_kernel_for(q, k, v) is not None:
+            if mask is not None:  # (B, 1, T, S) -> (B, T, S)
+                mask = mask.expand(hidden.shape[0], 1, hidden.shape[1], k.shape[2])[:, 0]
+            return back(hidden.contiguous(), q, k, v, mask, b.scaling, b.wo, b.bo, b.norm2, b.eps2,
+                        b.w_gate, b.b_gate, b.w_up, b.b_up, b.w_down, b.b_down)
+        # keys the attention kernel cannot read in place (a cache of another layout): the tensor path
+        attn = _attention(q.to(hidden.dtype), k, v, mask, b)
+        hidden = hidden + linear(attn, b.wo, b.bo)
+        return _mlp_half(b, hidden)
     batch, length, _ = hidden.shape
     x = rms_norm(hidden, b.norm1, b.eps1)
     q = linear(x, b.wq, b.bq).view(batch, length, -1, b.head_dim)
@@ -409,6 +461,11 @@ def run_block(b: _Block, index: int, hidden: torch.Tensor, mask: torch.Tensor | 
         k, v = cache.update(k, v, index)  # (B, Hkv, S, hd): every slot the layer holds
     attn = _attention(q, k, v, mask, b)  # (B, T, Hq·hd)
     hidden = hidden + linear(attn, b.wo, b.bo)
+    return _mlp_half(b, hidden)
+
+
+def _mlp_half(b: _Block, hidden: torch.Tensor) -> torch.Tensor:
+    """RMSNorm -> SwiGLU MLP -> residual."""
     x = rms_norm(hidden, b.norm2, b.eps2)
     mlp = b.act(linear(x, b.w_gate, b.b_gate)) * linear(x, b.w_up, b.b_up)
     return hidden + linear(mlp, b.w_down, b.b_down)

@@ -67,6 +67,16 @@ def few_queries_attention() -> Callable | None:
     return None if module is None else module.few_queries_attention
 
 
+def block_halves() -> tuple[Callable, Callable] | None:
+    """The compiled halves of a Llama-family block for a few positions, or None where the kernels are
+    not available: `block_front(hidden, norm, eps, wq, bq, wk, bk, wv, bv, q_norm, q_eps, k_norm, k_eps,
+    cos, sin, head_dim) -> (q fp32 (B, H, T, hd), k, v (B, Hkv, T, hd))` before the cache write, and
+    `block_back(hidden, q, keys, values, mask (B, T, S) or None, scale, wo, bo, norm, eps, w_gate,
+    b_gate, w_up, b_up, w_down, b_down) -> (B, T, D)` after it."""
+    module = _module()
+    return None if module is None else (module.block_front, module.block_back)
+
+
 @functools.cache
 def _module():
     """The compiled extension, built once per machine, or None."""
@@ -94,4 +104,4 @@ def _module():
     return module
 
 
-__all__ = ["few_queries_attention", "few_rows_linear"]
+__all__ = ["block_halves", "few_queries_attention", "few_rows_linear"]

@@ -75,6 +75,46 @@ void rows_all(const float* x, const T* w, T* out, int64_t n, int64_t k) {
   });
 }
 
+// Several products of the same x, x @ W_iᵀ -> out_i (m, n_i), as one range of rows split between the
+// threads: one parallel region instead of one per weight (a block's q/k/v, its gate/up), and the
+// threads' shares balanced over all of them.
+template <typename T>
+struct Product {
+  const T* w;
+  T* out;
+  int64_t n;
+};
+
+template <int M, typename T>
+void rows_many(const float* x, const std::vector<Product<T>>& products, int64_t k) {
+  int64_t total = 0;
+  for (const auto& p : products) total += p.n;
+  const int64_t grain = std::max<int64_t>(1, (32 << 10) / (k * static_cast<int64_t>(sizeof(T))));
+  constexpr int W_ROWS = M == 1 ? 4 : (M == 2 ? 2 : 1);
+  at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
+    int64_t first = 0;  // the first row of the current product in the joint range
+    for (const auto& p : products) {
+      const int64_t lo = std::max(begin, first), hi = std::min(end, first + p.n);
+      if (lo < hi) rows_block<M, W_ROWS, T>(x, p.w, p.out, p.n, k, lo - first, hi - first);
+      first += p.n;
+    }
+  });
+}
+
+template <typename T>
+void dispatch_many(int64_t m, const float* x, const std::vector<Product<T>>& products, int64_t k) {
+  switch (m) {
+    case 1: return rows_many<1>(x, products, k);
+    case 2: return rows_many<2>(x, products, k);
+    case 3: return rows_many<3>(x, products, k);
+    case 4: return rows_many<4>(x, products, k);
+    case 5: return rows_many<5>(x, products, k);
+    case 6: return rows_many<6>(x, products, k);
+    case 7: return rows_many<7>(x, products, k);
+    default: return rows_many<8>(x, products, k);
+  }
+}
+
 template <typename T>
 void dispatch(int64_t m, const float* x, const T* w, T* out, int64_t n, int64_t k) {
   switch (m) {
@@ -189,11 +229,192 @@ torch::Tensor few_rows_linear(const torch::Tensor& x, const torch::Tensor& weigh
   return out;
 }
 
+namespace {
+
+// A value as the dtype T holds it (bf16: rounded to nearest even, as torch rounds), back in fp32.
+template <typename T>
+inline float held(float x) { return static_cast<float>(static_cast<T>(x)); }
+
+// Hugging Face's RMSNorm of one row, op for op: statistics in fp32, the normalised row rounded to T,
+// then scaled by the weight in T. `x` holds values of T; `out` gets values of T.
+template <typename T>
+void rms_norm_row(const float* x, const T* weight, float eps, float* out, int64_t d) {
+  float squares = 0.f;
+  for (int64_t i = 0; i < d; ++i) squares += x[i] * x[i];
+  const float inv = 1.f / std::sqrt(squares / static_cast<float>(d) + eps);
+  for (int64_t i = 0; i < d; ++i) out[i] = held<T>(static_cast<float>(weight[i]) * held<T>(x[i] * inv));
+}
+
+// x (m, K) fp32 holding values of T -> outs[i] (m, N_i) fp32 holding values of T: x @ W_iᵀ (+ bias_i,
+// added in T after the product is rounded, as `fast.linear` adds it) for every weight W_i (all K wide),
+// in chunks of kMaxRows rows, each chunk one parallel region over all the weights.
+template <typename T>
+void linear_rows(const float* x, const std::vector<const torch::Tensor*>& weights,
+                 const std::vector<const c10::optional<torch::Tensor>*>& biases, const std::vector<float*>& outs,
+                 int64_t m) {
+  const int64_t k = weights[0]->size(1);
+  std::vector<std::vector<T>> products(weights.size());
+  std::vector<Product<T>> jobs;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    products[i].resize(kMaxRows * weights[i]->size(0));
+    jobs.push_back({weights[i]->data_ptr<T>(), products[i].data(), weights[i]->size(0)});
+  }
+  for (int64_t first = 0; first < m; first += kMaxRows) {
+    const int64_t rows = std::min(kMaxRows, m - first);
+    dispatch_many<T>(rows, x + first * k, jobs, k);
+    for (size_t i = 0; i < weights.size(); ++i) {
+      const int64_t n = weights[i]->size(0);
+      const T* b = biases[i]->has_value() ? (*biases[i])->data_ptr<T>() : nullptr;
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = 0; j < n; ++j) {
+          const float value = static_cast<float>(products[i][r * n + j]);
+          outs[i][(first + r) * n + j] = b ? held<T>(value + static_cast<float>(b[j])) : value;
+        }
+    }
+  }
+}
+
+// Rotary embedding of one head's vector x (hd values of T), as `fast.apply_rotary` computes it in T:
+// x·cos and rotate_half(x)·sin each rounded, then their sum.
+template <typename T>
+void rotate(const float* x, const T* cos, const T* sin, float* out, int64_t hd) {
+  const int64_t half = hd / 2;
+  for (int64_t i = 0; i < hd; ++i) {
+    const float turned = i < half ? -x[i + half] : x[i - half];
+    out[i] = held<T>(held<T>(x[i] * static_cast<float>(cos[i])) + held<T>(turned * static_cast<float>(sin[i])));
+  }
+}
+
+template <typename T>
+std::vector<float> widen(const torch::Tensor& t) {
+  const T* p = t.data_ptr<T>();
+  return std::vector<float>(p, p + t.numel());
+}
+
+template <typename T>
+std::vector<torch::Tensor> front(const torch::Tensor& hidden, const torch::Tensor& norm, double eps,
+                                 const torch::Tensor& wq, const c10::optional<torch::Tensor>& bq,
+                                 const torch::Tensor& wk, const c10::optional<torch::Tensor>& bk,
+                                 const torch::Tensor& wv, const c10::optional<torch::Tensor>& bv,
+                                 const c10::optional<torch::Tensor>& q_norm, double q_eps,
+                                 const c10::optional<torch::Tensor>& k_norm, double k_eps, const torch::Tensor& cos, const torch::Tensor& sin, int64_t hd) {
+  const int64_t batch = hidden.size(0), length = hidden.size(1), d = hidden.size(2), m = batch * length;
+  const int64_t heads = wq.size(0) / hd, kv_heads = wk.size(0) / hd;
+  const std::vector<float> h = widen<T>(hidden);
+  std::vector<float> x(m * d), q(m * heads * hd), k(m * kv_heads * hd), v(m * kv_heads * hd), row(hd);
+  for (int64_t r = 0; r < m; ++r) rms_norm_row<T>(h.data() + r * d, norm.data_ptr<T>(), eps, x.data() + r * d, d);
+  linear_rows<T>(x.data(), {&wq, &wk, &wv}, {&bq, &bk, &bv}, {q.data(), k.data(), v.data()}, m);
+  auto q_out = torch::empty({batch, heads, length, hd}, hidden.options().dtype(torch::kFloat32));
+  auto k_out = torch::empty({batch, kv_heads, length, hd}, hidden.options());
+  auto v_out = torch::empty({batch, kv_heads, length, hd}, hidden.options());
+  float* qp = q_out.data_ptr<float>();
+  T* kp = k_out.data_ptr<T>();
+  T* vp = v_out.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  for (int64_t r = 0; r < m; ++r) {
+    const int64_t b = r / length, t = r % length;
+    for (int64_t head = 0; head < heads; ++head) {
+      float* x_head = q.data() + (r * heads + head) * hd;
+      if (q_norm.has_value()) rms_norm_row<T>(x_head, q_norm->data_ptr<T>(), q_eps, x_head, hd);
+      rotate<T>(x_head, cp + r * hd, sp + r * hd, qp + ((b * heads + head) * length + t) * hd, hd);
+    }
+    for (int64_t head = 0; head < kv_heads; ++head) {
+      float* k_head = k.data() + (r * kv_heads + head) * hd;
+      if (k_norm.has_value()) rms_norm_row<T>(k_head, k_norm->data_ptr<T>(), k_eps, k_head, hd);
+      rotate<T>(k_head, cp + r * hd, sp + r * hd, row.data(), hd);
+      const int64_t at = ((b * kv_heads + head) * length + t) * hd;
+      const float* v_head = v.data() + (r * kv_heads + head) * hd;
+      for (int64_t i = 0; i < hd; ++i) {
+        kp[at + i] = static_cast<T>(row[i]);
+        vp[at + i] = static_cast<T>(v_head[i]);
+      }
+    }
+  }
+  return {q_out, k_out, v_out};
+}
+
+template <typename T>
+torch::Tensor back(const torch::Tensor& hidden, const torch::Tensor& q, const torch::Tensor& keys,
+                   const torch::Tensor& values, const c10::optional<torch::Tensor>& mask, double scale,
+                   const torch::Tensor& wo, const c10::optional<torch::Tensor>& bo, const torch::Tensor& norm,
+                   double eps, const torch::Tensor& w_gate, const c10::optional<torch::Tensor>& b_gate,
+                   const torch::Tensor& w_up, const c10::optional<torch::Tensor>& b_up,
+                   const torch::Tensor& w_down, const c10::optional<torch::Tensor>& b_down) {
+  const int64_t batch = hidden.size(0), length = hidden.size(1), d = hidden.size(2), m = batch * length;
+  const int64_t s_len = keys.size(2);
+  // The additive mask in fp32, (B, T, S); none: every query sees every key
+  auto additive = mask.has_value() ? mask->to(torch::kFloat32).contiguous()
+                                   : torch::zeros({batch, length, s_len}, q.options());
+  const torch::Tensor attended = few_queries_attention(q, keys, values, additive, scale);  // (B, T, H·hd) in T
+  const std::vector<float> a = widen<T>(attended);
+  std::vector<float> h = widen<T>(hidden);
+  const int64_t inner = w_gate.size(0);
+  std::vector<float> o(m * d), x(m * d), gate(m * inner), up(m * inner), down(m * d);
+  linear_rows<T>(a.data(), {&wo}, {&bo}, {o.data()}, m);
+  for (int64_t i = 0; i < m * d; ++i) h[i] = held<T>(h[i] + o[i]);  // the residual, in T
+  for (int64_t r = 0; r < m; ++r) rms_norm_row<T>(h.data() + r * d, norm.data_ptr<T>(), eps, x.data() + r * d, d);
+  linear_rows<T>(x.data(), {&w_gate, &w_up}, {&b_gate, &b_up}, {gate.data(), up.data()}, m);
+  for (int64_t i = 0; i < m * inner; ++i) {  // SwiGLU: silu(gate) rounded, times up, rounded
+    const float g = gate[i];
+    gate[i] = held<T>(held<T>(g / (1.f + std::exp(-g))) * up[i]);
+  }
+  linear_rows<T>(gate.data(), {&w_down}, {&b_down}, {down.data()}, m);
+  auto out = torch::empty_like(hidden);
+  T* op = out.data_ptr<T>();
+  for (int64_t i = 0; i < m * d; ++i) op[i] = static_cast<T>(h[i] + down[i]);
+  return out;
+}
+
+}  // namespace
+
+// The attention half's inputs of one Llama-family block for a few positions (a decode step, a
+// verification): RMSNorm, the q/k/v products (+ biases, + Qwen3's per-head norms) and the rotary
+// embedding, in the dtype of `hidden` (fp32 or bf16), every row computed alone. hidden (B, T, D) and
+// cos, sin (B, T, hd) contiguous; returns q (B, H, T, hd) fp32 (holding values of the dtype, as the
+// attention takes them), k and v (B, Hkv, T, hd) in the dtype, for the cache.
+std::vector<torch::Tensor> block_front(const torch::Tensor& hidden, const torch::Tensor& norm, double eps,
+                                       const torch::Tensor& wq, const c10::optional<torch::Tensor>& bq,
+                                       const torch::Tensor& wk, const c10::optional<torch::Tensor>& bk,
+                                       const torch::Tensor& wv, const c10::optional<torch::Tensor>& bv,
+                                       const c10::optional<torch::Tensor>& q_norm, double q_eps,
+                                       const c10::optional<torch::Tensor>& k_norm, double k_eps,
+                                       const torch::Tensor& cos, const torch::Tensor& sin, int64_t head_dim) {
+  TORCH_CHECK(hidden.dim() == 3 && hidden.is_contiguous() && cos.is_contiguous() && sin.is_contiguous(),
+              "hidden (B, T, D), cos and sin (B, T, hd), contiguous");
+  if (hidden.scalar_type() == torch::kFloat32)
+    return front<float>(hidden, norm, eps, wq, bq, wk, bk, wv, bv, q_norm, q_eps, k_norm, k_eps, cos, sin, head_dim);
+  TORCH_CHECK(hidden.scalar_type() == torch::kBFloat16, "float32 or bfloat16");
+  return front<at::BFloat16>(hidden, norm, eps, wq, bq, wk, bk, wv, bv, q_norm, q_eps, k_norm, k_eps, cos, sin, head_dim);
+}
+
+// The rest of the block after the cache write: attention of q over keys/values (B, Hkv, S, hd) with an
+// additive mask (B, T, S) or none, the o product, the residual, RMSNorm, the SwiGLU MLP and its
+// residual. Returns the block's output (B, T, D) in hidden's dtype.
+torch::Tensor block_back(const torch::Tensor& hidden, const torch::Tensor& q, const torch::Tensor& keys,
+                         const torch::Tensor& values, const c10::optional<torch::Tensor>& mask, double scale,
+                         const torch::Tensor& wo, const c10::optional<torch::Tensor>& bo, const torch::Tensor& norm,
+                         double eps, const torch::Tensor& w_gate, const c10::optional<torch::Tensor>& b_gate,
+                         const torch::Tensor& w_up, const c10::optional<torch::Tensor>& b_up,
+                         const torch::Tensor& w_down, const c10::optional<torch::Tensor>& b_down) {
+  TORCH_CHECK(hidden.dim() == 3 && hidden.is_contiguous(), "hidden (B, T, D) contiguous");
+  if (hidden.scalar_type() == torch::kFloat32)
+    return back<float>(hidden, q, keys, values, mask, scale, wo, bo, norm, eps, w_gate, b_gate, w_up, b_up,
+                       w_down, b_down);
+  TORCH_CHECK(hidden.scalar_type() == torch::kBFloat16, "float32 or bfloat16");
+  return back<at::BFloat16>(hidden, q, keys, values, mask, scale, wo, bo, norm, eps, w_gate, b_gate, w_up, b_up,
+                            w_down, b_down);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   // Tensors only, no Python objects: other Python threads may run meanwhile
   module.def("few_rows_linear", &few_rows_linear, "x (m <= 8, K) @ weight (N, K)^T, streaming weight once",
              pybind11::call_guard<pybind11::gil_scoped_release>());
   module.def("few_queries_attention", &few_queries_attention,
              "attention of a few queries, each alone in a fixed order: (B, m, H*hd)",
+             pybind11::call_guard<pybind11::gil_scoped_release>());
+  module.def("block_front", &block_front, "a block's norm, q/k/v products and rotary for a few positions",
+             pybind11::call_guard<pybind11::gil_scoped_release>());
+  module.def("block_back", &block_back, "a block's attention, o product, residuals and MLP for a few positions",
              pybind11::call_guard<pybind11::gil_scoped_release>());
 }
