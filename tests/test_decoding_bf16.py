@@ -107,8 +107,8 @@ def test_under_fixed_width_every_product_and_attention_has_the_same_shape(kernel
         monkeypatch.setattr(kernels, "few_rows_linear",
                             lambda: lambda x, w: widths.add(("rows kernel", x.shape[0])) or few_rows(x, w))
         monkeypatch.setattr(kernels, "block_halves", lambda: (
-            lambda hidden, *rest: widths.add(("block", hidden.shape[0] * hidden.shape[1])) or front(hidden, *rest),
-            back))
+            lambda hidden, *rest: widths.add(("block", hidden.shape[0] * hidden.shape[1]))
+            or front(hidden, *rest), back))
     generator = SelfSpecGenerator(model, exit_layer=2)
     # The batch's prefill (3 x 10 positions, shared by every method) multiplies all its rows at once
     # through F.linear and SDPA, outside fixed width.

@@ -405,7 +405,7 @@ def test_a_decoding_pass_runs_each_block_as_the_two_compiled_halves_and_equals_t
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_block_kernels_compute_a_position_bit_for_bit_the_same_alone_or_in_a_verification(dtype, few_rows):
+def test_the_block_kernels_compute_a_position_bit_for_bit_alike_alone_or_in_a_verification(dtype, few_rows):
     """Four positions in one masked pass and the same four as single steps: the same hidden states and
     cache entries to the bit, in fp32 and bf16 (the products, norms and attention of each position never
     share a reduction with another position)."""
@@ -422,8 +422,9 @@ def test_the_block_kernels_compute_a_position_bit_for_bit_the_same_alone_or_in_a
             for start, end in bounds:
                 positions = view.default_positions(ids[:, start:end], start)
                 kv_length = cache.set_positions(positions, [start])
-                out.append(view.run_layers(view.embed(ids[:, start:end], positions), 0, view.num_layers, cache,
-                                           positions, kv_length=kv_length, aligned=True))
+                hidden = view.embed(ids[:, start:end], positions)
+                out.append(view.run_layers(hidden, 0, view.num_layers, cache, positions, kv_length=kv_length,
+                                           aligned=True))
         return torch.cat(out, 1)[:, 8:], cache.keys[-1][:, :, 8:12]
 
     together, keys_together = run([(0, 8), (8, 12)])
@@ -457,7 +458,7 @@ def test_the_block_kernels_in_bf16_track_the_operations_they_replace(family, few
     assert (runs[0] == runs[1]).float().mean() > 0.9  # most values the same to the bit
 
 
-def test_a_cache_the_attention_kernel_cannot_read_in_place_takes_the_tensor_attention(block_calls, monkeypatch):
+def test_keys_the_attention_kernel_cannot_read_in_place_take_the_tensor_attention(block_calls, monkeypatch):
     """Keys the few-query kernel cannot read (another cache layout): the front half still runs, the
     attention and MLP run as tensor operations, and the logits equal the model's."""
     from selfspec.model import fast

@@ -218,8 +218,8 @@ class _Block:
     def tensors(self) -> list[torch.Tensor | None]:
         """Every tensor of the block (None for an absent bias or norm)."""
         qk_norms = [t for norm in (self.q_norm, self.k_norm) for t in (norm or (None,))[:1]]
-        return [self.norm1, self.wq, self.bq, self.wk, self.bk, self.wv, self.bv, self.wo, self.bo,
-                *qk_norms, self.norm2, self.w_gate, self.b_gate, self.w_up, self.b_up, self.w_down, self.b_down]
+        return [self.norm1, self.wq, self.bq, self.wk, self.bk, self.wv, self.bv, self.wo, self.bo, *qk_norms,
+                self.norm2, self.w_gate, self.b_gate, self.w_up, self.b_up, self.w_down, self.b_down]
 
 
 def _is_plain_linear(module) -> bool:
