@@ -7,8 +7,8 @@ operations, the few-row kernel for the products, and the block kernels (each blo
 Builds the roofline's cache of 256 positions, then times each pass (plain step, draft step,
 verification of 2, 4 and 5 positions through blocks [E, N) and the head, the whole model on 5
 positions) in each arm (`selfspec.model.fast._KERNEL`, `_BLOCK_KERNEL`), rotating which goes first,
-after 3 untimed rounds. Prints the medians, each as a share of the measured read bandwidth and in
-plain steps of its own arm, and the speedups. Run it with the machine to itself.
+after 3 untimed rounds. Prints the medians, each as a share of the read bandwidth (a 512 MiB sum timed
+once a round) and in plain steps of its own arm, and the speedups. Run it with the machine to itself.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import time
 import torch
 
 from selfspec.evaluation.benchmark import load_model
-from selfspec.evaluation.roofline import _Passes, measure_bandwidth, pass_bytes
+from selfspec.evaluation.roofline import _Passes, pass_bytes
 from selfspec.model import DecoderView, fast, kernels
 
 
@@ -43,7 +43,12 @@ def main() -> None:
     arms = {"mkl": (False, False), "rows": (True, False), "block": (True, True)}  # (_KERNEL, _BLOCK_KERNEL)
     names = list(arms)
     times = {(name, arm): [] for name in passes for arm in arms}
+    source = torch.ones(512 * 2**20 // 4)  # the read that sets the limit, timed in the same rounds
+    reads = []
     for round_index in range(args.repeats + 3):
+        start = time.perf_counter()
+        source.sum()
+        reads.append(time.perf_counter() - start)
         for name, spec in passes.items():
             shift = round_index % len(names)
             for arm in names[shift:] + names[:shift]:
@@ -53,7 +58,7 @@ def main() -> None:
                 if round_index >= 3:
                     times[(name, arm)].append(time.perf_counter() - start)
     fast._KERNEL, fast._BLOCK_KERNEL = True, True
-    rate = measure_bandwidth(512)["read_bytes_per_second"]
+    rate = source.numel() * 4 / statistics.median(reads[3:])
     median = {key: statistics.median(values) for key, values in times.items()}
     print(f"{args.model} ({args.dtype}), E = {e}, {args.repeats} rotated rounds, "
           f"read bandwidth {rate / 1e9:.1f} GB/s; each arm: ms, share of bandwidth, plain steps")

@@ -3,8 +3,9 @@
 A decode step of a small model reads every weight once and does little arithmetic per byte, so its
 physical limit is bytes ÷ memory bandwidth. This report measures
 
-- the bandwidth: a large read (a sum over a tensor far larger than the caches) and a large copy
-  (read + write), median of repeats;
+- the bandwidth: a large read (a sum over a tensor far larger than the caches; timed in the rotation
+  of the passes below, so that both see the same machine) and a large copy (read + write), medians
+  of repeats;
 - the bytes a pass reads: the weights of the blocks it runs, the final norm and LM head, and the KV
   cache of those blocks at the given context (the embedding reads one row: negligible);
 - the time of the passes the engine runs, through the engine's own blocks (`DecoderView`, the fast
@@ -113,28 +114,34 @@ class _Passes:
 
 
 def measure_passes(view: DecoderView, exit_layer: int, context: int = 256, positions=range(1, 9),
-                   repeats: int = 15, warmup: int = 3) -> dict:
+                   repeats: int = 15, warmup: int = 3, probes: dict | None = None) -> dict:
     """Median seconds of each pass: "plain", "draft", f"verify_{m}" and f"full_{m}" for m in positions
-    (see the module docstring), interleaved over `repeats` rounds after `warmup` untimed ones."""
+    (see the module docstring), interleaved over `repeats` rounds after `warmup` untimed ones. Each
+    callable of `probes` (name -> fn) joins the rotation and its median comes back under its name
+    (`{"seconds": ...}`): a bandwidth probe timed beside the passes sees the machine they see."""
     n = view.num_layers
     positions = sorted(set(positions))
     passes = {"plain": (0, n, 1), "draft": (0, exit_layer, 1)}
     passes.update({f"verify_{m}": (exit_layer, n, m) for m in positions})
     passes.update({f"full_{m}": (0, n, m) for m in positions if m > 1})
     runner = _Passes(view, context, max(positions))
-    names = list(passes)
+    tasks = {name: (lambda spec=spec: runner.run(*spec)) for name, spec in passes.items()}
+    tasks.update(probes or {})
+    names = list(tasks)
     times = {name: [] for name in names}
     for round_index in range(warmup + repeats):
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:
             sync_device(view.device)
             start = time.perf_counter()
-            runner.run(*passes[name])
+            tasks[name]()
             sync_device(view.device)
             if round_index >= warmup:
                 times[name].append(time.perf_counter() - start)
-    return {name: {"seconds": statistics.median(times[name]), "blocks": list(passes[name][:2]),
-                   "positions": passes[name][2]} for name in names}
+    report = {name: {"seconds": statistics.median(times[name])} for name in names}
+    for name, (start, end, length) in passes.items():
+        report[name].update({"blocks": [start, end], "positions": length})
+    return report
 
 
 def roofline(view: DecoderView, exit_layer: int, context: int = 256, positions=range(1, 9), repeats: int = 15,
@@ -150,8 +157,13 @@ def roofline(view: DecoderView, exit_layer: int, context: int = 256, positions=r
     if limit is not None and context + max(positions) > limit:
         raise UserError(f"--context {context} + {max(positions)} positions exceed the model's {limit}")
     bandwidth = measure_bandwidth(bandwidth_megabytes, device=view.device)
+    # The read that sets the limit runs in the passes' rotation: a shared machine's bandwidth drifts
+    # by a third within minutes, and a limit measured apart from the passes would mis-state them.
+    source = torch.ones(bandwidth["bytes"] // 4, device=view.device)
+    passes = measure_passes(view, exit_layer, context, positions, repeats, warmup,
+                            probes={"read": lambda: source.sum()})
+    bandwidth["read_bytes_per_second"] = bandwidth["bytes"] / passes.pop("read")["seconds"]
     rate = bandwidth["read_bytes_per_second"]
-    passes = measure_passes(view, exit_layer, context, positions, repeats, warmup)
     plain = passes["plain"]["seconds"]
     for row in passes.values():
         start, end = row["blocks"]
@@ -171,8 +183,8 @@ def to_markdown(report: dict) -> str:
              f"{report['device']} {report['dtype']}, {report['threads']} threads; memory bandwidth: read "
              f"{bw['read_bytes_per_second'] / 1e9:.1f} GB/s, "
              f"copy {bw['copy_bytes_per_second'] / 1e9:.1f} GB/s "
-             f"(median of repeats over {bw['bytes'] / 2**20:.0f} MiB); passes: median of {report['repeats']} "
-             "interleaved repeats.", "",
+             f"(median of repeats over {bw['bytes'] / 2**20:.0f} MiB, the read interleaved with the passes); "
+             f"passes: median of {report['repeats']} interleaved repeats.", "",
              "| pass | blocks | positions | MB read | limit ms | measured ms | of the limit | plain steps |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
     for name, row in report["passes"].items():
