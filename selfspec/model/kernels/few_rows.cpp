@@ -17,6 +17,7 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -129,15 +130,32 @@ void dispatch(int64_t m, const float* x, const T* w, T* out, int64_t n, int64_t 
   }
 }
 
+// out[j] = a · b_j for the `count` rows b_j = b + j·n: 8-lane FMAs, then the lanes, then the tail, the
+// order `rows_block` uses (b widened exactly). Four rows at a time give the FMA units independent
+// chains; each row's sum keeps its own order.
 template <typename T>
-inline float dot(const float* a, const T* b, int64_t n) {
-  // 8-lane FMAs, then the lanes, then the tail: the order `rows_block` uses (b widened exactly)
+inline void dots(const float* a, const T* b, int64_t n, int64_t count, float* out) {
   const int64_t n8 = n - n % 8;
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t c = 0; c < n8; c += 8) acc = _mm256_fmadd_ps(load8(b + c), _mm256_loadu_ps(a + c), acc);
-  float total = hsum(acc);
-  for (int64_t c = n8; c < n; ++c) total += static_cast<float>(b[c]) * a[c];
-  return total;
+  int64_t j = 0;
+  for (; j + 4 <= count; j += 4) {
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t c = 0; c < n8; c += 8) {
+      const __m256 av = _mm256_loadu_ps(a + c);
+      for (int r = 0; r < 4; ++r) acc[r] = _mm256_fmadd_ps(load8(b + (j + r) * n + c), av, acc[r]);
+    }
+    for (int r = 0; r < 4; ++r) {
+      float total = hsum(acc[r]);
+      for (int64_t c = n8; c < n; ++c) total += static_cast<float>(b[(j + r) * n + c]) * a[c];
+      out[j + r] = total;
+    }
+  }
+  for (; j < count; ++j) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t c = 0; c < n8; c += 8) acc = _mm256_fmadd_ps(load8(b + j * n + c), _mm256_loadu_ps(a + c), acc);
+    float total = hsum(acc);
+    for (int64_t c = n8; c < n; ++c) total += static_cast<float>(b[j * n + c]) * a[c];
+    out[j] = total;
+  }
 }
 
 // Attention of one (row, head): m queries, each alone, over S keys, in fp32 throughout.
@@ -147,9 +165,10 @@ void attend_head(const float* q, const T* k, const T* v, const float* mask, T* o
   for (int64_t i = 0; i < m; ++i) {
     const float* qi = q + i * hd;
     const float* mi = mask + i * s_len;
+    dots(qi, k, hd, s_len, p);
     float best = -INFINITY;
     for (int64_t j = 0; j < s_len; ++j) {
-      p[j] = dot(qi, k + j * hd, hd) * scale + mi[j];
+      p[j] = p[j] * scale + mi[j];
       best = std::max(best, p[j]);
     }
     float total = 0.f;
@@ -253,11 +272,12 @@ void linear_rows(const float* x, const std::vector<const torch::Tensor*>& weight
                  const std::vector<const c10::optional<torch::Tensor>*>& biases, const std::vector<float*>& outs,
                  int64_t m) {
   const int64_t k = weights[0]->size(1);
-  std::vector<std::vector<T>> products(weights.size());
+  const int64_t chunk = std::min(kMaxRows, m);
+  std::vector<std::unique_ptr<T[]>> products;  // (chunk, N_i) each, written before read: not zeroed
   std::vector<Product<T>> jobs;
-  for (size_t i = 0; i < weights.size(); ++i) {
-    products[i].resize(kMaxRows * weights[i]->size(0));
-    jobs.push_back({weights[i]->data_ptr<T>(), products[i].data(), weights[i]->size(0)});
+  for (const auto* weight : weights) {
+    products.emplace_back(new T[chunk * weight->size(0)]);
+    jobs.push_back({weight->data_ptr<T>(), products.back().get(), weight->size(0)});
   }
   for (int64_t first = 0; first < m; first += kMaxRows) {
     const int64_t rows = std::min(kMaxRows, m - first);
