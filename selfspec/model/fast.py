@@ -9,6 +9,11 @@ so no extra memory): pre-norm RMSNorm -> q/k/v projections (+ Qwen3's per-head q
 rotary -> cache update -> scaled dot-product attention -> o projection -> residual -> RMSNorm ->
 SwiGLU MLP -> residual.
 
+On CPU a decoding pass of a few positions (a plain step, a draft step, a verification) runs each
+block instead as two compiled calls around the cache write (`kernels/few_rows.cpp`: `block_front`
+norm -> q/k/v -> rotary, `block_back` attention -> o -> residual -> norm -> MLP -> residual), the
+same computation rounded where the tensor operations round; see `run_block`.
+
 `DecoderView` uses it whenever autograd is off, the model is in eval mode and uses SDPA attention
 (decoding, evaluation), and falls back to the model's own blocks otherwise (training, eager or
 flash attention, PEFT adapters not merged, quantised, sharded, offloaded or hooked layers). The
@@ -405,14 +410,16 @@ def _block_kernels_for(b: _Block, hidden: torch.Tensor, mask: torch.Tensor | Non
     """selfspec's whole-block kernels (`kernels.block_halves`) where they apply, else None: on CPU,
     without autograd, every tensor of the block in hidden's dtype (fp32 or bf16), SwiGLU with SiLU, a
     decoding pass (a mask, or one position that sees every cached slot) of 1-`_KERNEL_ROWS` positions
-    (any number under `fixed_width`)."""
+    (any number under `fixed_width`), an additive float mask."""
     if not (_KERNEL and _BLOCK_KERNEL) or hidden.device.type != "cpu" or hidden.dtype not in (
             torch.float32, torch.bfloat16):
         return None
     rows = hidden.shape[0] * hidden.shape[1]
     if rows < 1 or (rows > _KERNEL_ROWS and not _fixed_width.get()) or (mask is None and hidden.shape[1] > 1):
         return None
-    if b.act is not F.silu or cos.dtype != hidden.dtype or (mask is not None and mask.dtype.is_complex):
+    if b.act is not F.silu or cos.dtype != hidden.dtype:
+        return None
+    if mask is not None and not mask.is_floating_point():  # a boolean mask is not additive
         return None
     if torch.is_grad_enabled() and (hidden.requires_grad or b.wq.requires_grad):
         return None

@@ -1,5 +1,6 @@
-"""selfspec's compiled CPU kernels (`few_rows.cpp`): x @ Wᵀ for 1-8 rows of x, streaming W once, and
-the attention of a few queries, each computed alone in a fixed order.
+"""selfspec's compiled CPU kernels (`few_rows.cpp`): x @ Wᵀ for 1-8 rows of x, streaming W once, the
+attention of a few queries, each computed alone in a fixed order, and a Llama-family block for a few
+positions as two calls around the cache write (built from those two).
 
 Built on first use with torch's own extension builder (a C++ compiler and ninja; AVX2 + FMA;
 OpenMP, so that `at::parallel_for` spreads the rows over torch's own threads) and

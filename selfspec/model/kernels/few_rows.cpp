@@ -11,6 +11,13 @@
 // (8-lane FMAs over K, then the lanes, then K's tail) whatever m and whatever the threads' split: a
 // position's result never depends on how many positions share the call, so a verification computes
 // bit for bit what single steps compute, in bf16 as in fp32.
+//
+// Built on these: the attention of a few queries (each alone), and a whole Llama-family block for a
+// few positions as two calls around the cache write (`block_front`, `block_back`). A decode step of
+// SmolLM2 otherwise spends a fifth of its time outside the products: some 60 small tensor operations
+// a block and the gaps between its seven product calls. In the block calls the products of q/k/v,
+// and of gate/up, share one parallel region, and the small steps are loops over a few rows, rounded
+// to the model's dtype wherever torch's operations round.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
