@@ -404,14 +404,16 @@ def test_a_decoding_pass_runs_each_block_as_the_two_compiled_halves_and_equals_t
     assert block_calls == [(half, t) for t in (4, 1, 1) for _ in range(layers) for half in ("front", "back")]
 
 
+@pytest.mark.parametrize("family", ["qwen3", "mistral"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_block_kernels_compute_a_position_bit_for_bit_alike_alone_or_in_a_verification(dtype, few_rows):
-    """Four positions in one masked pass and the same four as single steps: the same hidden states and
-    cache entries to the bit, in fp32 and bf16 (the products, norms and attention of each position never
-    share a reduction with another position)."""
+def test_the_block_kernels_compute_a_position_bit_for_bit_alike_alone_or_in_a_verification(dtype, family,
+                                                                                           block_calls):
+    """Four positions in one masked pass and the same four as single steps, through the block kernels:
+    the same hidden states and cache entries to the bit, in fp32 and bf16 (the products, norms and
+    attention of each position never share a reduction with another position)."""
     from selfspec.model import fast
 
-    model = tiny_model("qwen3").to(dtype)
+    model = tiny_model(family).to(dtype)
     view = DecoderView(model)
     ids = torch.randint(0, 96, (1, 12))
 
@@ -425,11 +427,12 @@ def test_the_block_kernels_compute_a_position_bit_for_bit_alike_alone_or_in_a_ve
                 hidden = view.embed(ids[:, start:end], positions)
                 out.append(view.run_layers(hidden, 0, view.num_layers, cache, positions, kv_length=kv_length,
                                            aligned=True))
-        return torch.cat(out, 1)[:, 8:], cache.keys[-1][:, :, 8:12]
+        return torch.cat(out, 1)[:, 8:], cache.keys[-1][:, :, 8:12], cache.values[-1][:, :, 8:12]
 
-    together, keys_together = run([(0, 8), (8, 12)])
-    alone, keys_alone = run([(0, 8), (8, 9), (9, 10), (10, 11), (11, 12)])
-    assert torch.equal(together, alone) and torch.equal(keys_together, keys_alone)
+    together = run([(0, 8), (8, 12)])
+    alone = run([(0, 8), (8, 9), (9, 10), (10, 11), (11, 12)])
+    assert all(torch.equal(a, b) for a, b in zip(together, alone))
+    assert {4, 1} <= {t for half, t in block_calls if half == "front"}  # the kernels ran both ways
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -470,3 +473,23 @@ def test_keys_the_attention_kernel_cannot_read_in_place_take_the_tensor_attentio
         logits = _decode_through_cache(DecoderView(model), ids, [(0, 8), (8, 11), (11, 12)])
         torch.testing.assert_close(logits[:, 8:], model(ids).logits[:, 8:], rtol=1e-5, atol=1e-5)
     assert {half for half, _ in block_calls} == {"front"}
+
+
+def test_angles_broadcast_over_the_batch_reach_every_row_of_the_block_kernels(few_rows, monkeypatch):
+    """Hugging Face's rotary returns (1, T, hd) angles for a batch at shared positions: every row of
+    the block kernels reads them, as the tensor path broadcasts them."""
+    from selfspec.model import fast
+
+    view = DecoderView(tiny_model("qwen2"))
+    block = view.adapter.fast.blocks[0]
+    hidden = torch.randn(2, 3, view.config.hidden_size)
+    positions = view.default_positions(hidden[:1, :, 0].long(), 5)
+    cos, sin = view.adapter.block_extras(hidden[:1], positions)["position_embeddings"]  # (1, 3, hd)
+    mask = torch.zeros(2, 1, 3, 3)
+    mask[:, :, 0, 1:] = mask[:, :, 1, 2:] = torch.finfo(torch.float32).min
+    outs = []
+    with torch.no_grad():
+        for block_kernel in (True, False):
+            monkeypatch.setattr(fast, "_BLOCK_KERNEL", block_kernel)
+            outs.append(fast.run_block(block, 0, hidden, mask, None, cos, sin))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)

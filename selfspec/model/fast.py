@@ -406,7 +406,8 @@ class FastLlamaBlocks:
         return self._extra[layer]
 
 
-def _block_kernels_for(b: _Block, hidden: torch.Tensor, mask: torch.Tensor | None, cos: torch.Tensor):
+def _block_kernels_for(b: _Block, hidden: torch.Tensor, mask: torch.Tensor | None, cos: torch.Tensor,
+                       sin: torch.Tensor):
     """selfspec's whole-block kernels (`kernels.block_halves`) where they apply, else None: on CPU,
     without autograd, every tensor of the block in hidden's dtype (fp32 or bf16), SwiGLU with SiLU, a
     decoding pass (a mask, or one position that sees every cached slot) of 1-`_KERNEL_ROWS` positions
@@ -417,8 +418,11 @@ def _block_kernels_for(b: _Block, hidden: torch.Tensor, mask: torch.Tensor | Non
     rows = hidden.shape[0] * hidden.shape[1]
     if rows < 1 or (rows > _KERNEL_ROWS and not _fixed_width.get()) or (mask is None and hidden.shape[1] > 1):
         return None
-    if b.act is not F.silu or cos.dtype != hidden.dtype:
+    batch, length = hidden.shape[:2]
+    if b.act is not F.silu or cos.dtype != hidden.dtype or sin.dtype != cos.dtype or sin.shape != cos.shape:
         return None
+    if cos.dim() != 3 or cos.shape[0] not in (1, batch) or tuple(cos.shape[1:]) != (length, b.head_dim):
+        return None  # the kernels read (B, T, hd) angles; one row of them is broadcast below
     if mask is not None and not mask.is_floating_point():  # a boolean mask is not additive
         return None
     if torch.is_grad_enabled() and (hidden.requires_grad or b.wq.requires_grad):
@@ -436,21 +440,24 @@ def run_block(b: _Block, index: int, hidden: torch.Tensor, mask: torch.Tensor | 
     cache write, where they build: measured on SmolLM2, the ~60 small tensor operations of a block
     (norms, rotary, views, residuals) and the gaps between its seven product calls cost more than its
     attention. The tensor operations below are the same computation, for every other case."""
-    halves = _block_kernels_for(b, hidden, mask, cos)
+    halves = _block_kernels_for(b, hidden, mask, cos, sin)
     if halves is not None:
         front, back = halves
+        batch = hidden.shape[0]
+        cos, sin = cos.expand(batch, -1, -1).contiguous(), sin.expand(batch, -1, -1).contiguous()
         q_norm, q_eps = b.q_norm or (None, 0.0)
         k_norm, k_eps = b.k_norm or (None, 0.0)
         q, k, v = front(hidden.contiguous(), b.norm1, b.eps1, b.wq, b.bq, b.wk, b.bk, b.wv, b.bv,
-                        q_norm, q_eps, k_norm, k_eps, cos.contiguous(), sin.contiguous(), b.head_dim)
+                        q_norm, q_eps, k_norm, k_eps, cos, sin, b.head_dim)
         if cache is not None:
             k, v = cache.update(k, v, index)  # (B, Hkv, S, hd): every slot the layer holds
-        if _attention_kernel_for(q, k, v) is not None:
+        if k.dtype == hidden.dtype and _attention_kernel_for(q, k, v) is not None:
             if mask is not None:  # (B, 1, T, S) -> (B, T, S)
                 mask = mask.expand(hidden.shape[0], 1, hidden.shape[1], k.shape[2])[:, 0]
             return back(hidden.contiguous(), q, k, v, mask, b.scaling, b.wo, b.bo, b.norm2, b.eps2,
                         b.w_gate, b.b_gate, b.w_up, b.b_up, b.w_down, b.b_down)
-        # keys the attention kernel cannot read in place (a cache of another layout): the tensor path
+        # keys the attention kernel cannot read in place (a cache of another layout or dtype): the
+        # tensor path
         attn = _attention(q.to(hidden.dtype), k, v, mask, b)
         hidden = hidden + linear(attn, b.wo, b.bo)
         return _mlp_half(b, hidden)

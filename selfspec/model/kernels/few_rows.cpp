@@ -409,6 +409,18 @@ std::vector<torch::Tensor> block_front(const torch::Tensor& hidden, const torch:
                                        const torch::Tensor& cos, const torch::Tensor& sin, int64_t head_dim) {
   TORCH_CHECK(hidden.dim() == 3 && hidden.is_contiguous() && cos.is_contiguous() && sin.is_contiguous(),
               "hidden (B, T, D), cos and sin (B, T, hd), contiguous");
+  const int64_t d = hidden.size(2);
+  TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0 && wq.size(0) % head_dim == 0 && wk.size(0) % head_dim == 0,
+              "q and k widths in whole heads of an even head_dim");
+  TORCH_CHECK((wq.size(0) / head_dim) % (wk.size(0) / head_dim) == 0, "query heads a multiple of key heads");
+  TORCH_CHECK(wq.size(1) == d && wk.size(1) == d && wv.sizes() == wk.sizes() && norm.numel() == d,
+              "q/k/v weights (N, D), v like k, norm (D)");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 3 && cos.size(0) == hidden.size(0) &&
+              cos.size(1) == hidden.size(1) && cos.size(2) == head_dim, "cos and sin (B, T, head_dim)");
+  for (const auto* norm_i : {&q_norm, &k_norm})
+    TORCH_CHECK(!norm_i->has_value() || (*norm_i)->numel() == head_dim, "q/k norms (head_dim)");
+  for (const auto& [bias, weight] : {std::pair{&bq, &wq}, std::pair{&bk, &wk}, std::pair{&bv, &wv}})
+    TORCH_CHECK(!bias->has_value() || (*bias)->numel() == weight->size(0), "a bias per output");
   if (hidden.scalar_type() == torch::kFloat32)
     return front<float>(hidden, norm, eps, wq, bq, wk, bk, wv, bv, q_norm, q_eps, k_norm, k_eps, cos, sin, head_dim);
   TORCH_CHECK(hidden.scalar_type() == torch::kBFloat16, "float32 or bfloat16");
@@ -425,6 +437,15 @@ torch::Tensor block_back(const torch::Tensor& hidden, const torch::Tensor& q, co
                          const torch::Tensor& w_up, const c10::optional<torch::Tensor>& b_up,
                          const torch::Tensor& w_down, const c10::optional<torch::Tensor>& b_down) {
   TORCH_CHECK(hidden.dim() == 3 && hidden.is_contiguous(), "hidden (B, T, D) contiguous");
+  const int64_t d = hidden.size(2);
+  TORCH_CHECK(q.dim() == 4 && q.size(0) == hidden.size(0) && q.size(2) == hidden.size(1) &&
+              wo.size(1) == q.size(1) * q.size(3) && wo.size(0) == d && norm.numel() == d,
+              "q (B, H, T, hd), o (D, H·hd), norm (D)");
+  TORCH_CHECK(w_gate.size(1) == d && w_up.sizes() == w_gate.sizes() && w_down.size(0) == d &&
+              w_down.size(1) == w_gate.size(0), "gate and up (F, D), down (D, F)");
+  for (const auto& [bias, weight] : {std::pair{&bo, &wo}, std::pair{&b_gate, &w_gate}, std::pair{&b_up, &w_up},
+                                     std::pair{&b_down, &w_down}})
+    TORCH_CHECK(!bias->has_value() || (*bias)->numel() == weight->size(0), "a bias per output");
   if (hidden.scalar_type() == torch::kFloat32)
     return back<float>(hidden, q, keys, values, mask, scale, wo, bo, norm, eps, w_gate, b_gate, w_up, b_up,
                        w_down, b_down);
