@@ -73,19 +73,9 @@ void rows_block(const float* x, const T* w, T* out, int64_t n, int64_t k, int64_
   if (j < end) rows_block<M, 1, T>(x, w, out, n, k, j, end);  // the rows left over, one at a time
 }
 
-template <int M, typename T>
-void rows_all(const float* x, const T* w, T* out, int64_t n, int64_t k) {
-  // Threads split W's rows in chunks of at least ~32 KiB: below that, waking a thread costs more
-  const int64_t grain = std::max<int64_t>(1, (32 << 10) / (k * static_cast<int64_t>(sizeof(T))));
-  constexpr int W_ROWS = M == 1 ? 4 : (M == 2 ? 2 : 1);
-  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
-    rows_block<M, W_ROWS, T>(x, w, out, n, k, begin, end);
-  });
-}
-
-// Several products of the same x, x @ W_iᵀ -> out_i (m, n_i), as one range of rows split between the
-// threads: one parallel region instead of one per weight (a block's q/k/v, its gate/up), and the
-// threads' shares balanced over all of them.
+// Products of the same x, x @ W_iᵀ -> out_i (m, n_i), as one range of rows split between the threads:
+// one parallel region for several weights (a block's q/k/v, its gate/up) instead of one per weight,
+// the threads' shares balanced over all of them.
 template <typename T>
 struct Product {
   const T* w;
@@ -97,6 +87,7 @@ template <int M, typename T>
 void rows_many(const float* x, const std::vector<Product<T>>& products, int64_t k) {
   int64_t total = 0;
   for (const auto& p : products) total += p.n;
+  // Threads split the rows in chunks of at least ~32 KiB of weights: below that, waking a thread costs more
   const int64_t grain = std::max<int64_t>(1, (32 << 10) / (k * static_cast<int64_t>(sizeof(T))));
   constexpr int W_ROWS = M == 1 ? 4 : (M == 2 ? 2 : 1);
   at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
@@ -120,20 +111,6 @@ void dispatch_many(int64_t m, const float* x, const std::vector<Product<T>>& pro
     case 6: return rows_many<6>(x, products, k);
     case 7: return rows_many<7>(x, products, k);
     default: return rows_many<8>(x, products, k);
-  }
-}
-
-template <typename T>
-void dispatch(int64_t m, const float* x, const T* w, T* out, int64_t n, int64_t k) {
-  switch (m) {
-    case 1: return rows_all<1>(x, w, out, n, k);
-    case 2: return rows_all<2>(x, w, out, n, k);
-    case 3: return rows_all<3>(x, w, out, n, k);
-    case 4: return rows_all<4>(x, w, out, n, k);
-    case 5: return rows_all<5>(x, w, out, n, k);
-    case 6: return rows_all<6>(x, w, out, n, k);
-    case 7: return rows_all<7>(x, w, out, n, k);
-    default: return rows_all<8>(x, w, out, n, k);
   }
 }
 
@@ -246,11 +223,11 @@ torch::Tensor few_rows_linear(const torch::Tensor& x, const torch::Tensor& weigh
   // x in fp32, once (m·K floats, a few KiB): every W row meets it in L1
   const auto xf = x.to(torch::kFloat32).contiguous();
   if (weight.scalar_type() == torch::kFloat32) {
-    dispatch<float>(m, xf.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(), n, k);
+    dispatch_many<float>(m, xf.data_ptr<float>(), {{weight.data_ptr<float>(), out.data_ptr<float>(), n}}, k);
   } else {
     TORCH_CHECK(weight.scalar_type() == torch::kBFloat16, "float32 or bfloat16");
-    dispatch<at::BFloat16>(m, xf.data_ptr<float>(), weight.data_ptr<at::BFloat16>(),
-                           out.data_ptr<at::BFloat16>(), n, k);
+    dispatch_many<at::BFloat16>(m, xf.data_ptr<float>(),
+                                {{weight.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), n}}, k);
   }
   return out;
 }
