@@ -233,15 +233,19 @@ def test_the_few_rows_kernel_equals_f_linear_in_fp32(few_rows, in_features, out_
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_row_computes_bit_for_bit_the_same_alone_or_among_others_in_the_kernel(few_rows, dtype):
+@pytest.mark.parametrize("in_features", [100, 108])  # bf16's two chains: 16-column blocks + 4, + 8 + 4
+def test_a_row_computes_bit_for_bit_the_same_alone_or_among_others_in_the_kernel(few_rows, dtype, in_features):
     """What makes a verification compute what single steps compute: a row's result does not depend on
-    how many rows share the call, nor on how the threads split the weight's rows."""
+    how many rows share the call (bf16: one group of x rows or two), nor on how the threads split the
+    weight's rows."""
     torch.manual_seed(0)
-    weight = torch.randn(1000, 100).to(dtype)
-    x = torch.randn(8, 100).to(dtype)
+    weight = torch.randn(1000, in_features).to(dtype)
+    x = torch.randn(8, in_features).to(dtype)
     alone = torch.cat([few_rows(x[i:i + 1], weight) for i in range(8)])
     for rows in range(2, 9):
         assert torch.equal(few_rows(x[:rows], weight), alone[:rows]), rows
+    many = torch.cat([x, x.flip(0), x[:3]])  # 19 rows: chunks of 8, 8 and 3 in one call
+    assert torch.equal(few_rows(many, weight), torch.cat([alone, alone.flip(0), alone[:3]]))
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -250,11 +254,13 @@ def test_a_row_computes_bit_for_bit_the_same_alone_or_among_others_in_the_kernel
         torch.set_num_threads(threads)
 
 
-def test_the_kernel_in_bf16_is_the_fp32_product_of_the_bf16_values_rounded_once(few_rows):
+@pytest.mark.parametrize("in_features", [576, 108, 37])
+def test_the_kernel_in_bf16_is_the_fp32_product_of_the_bf16_values_rounded_once(few_rows, in_features):
     """bf16 weights widen exactly to fp32 and accumulate in fp32: the result is the fp32 product of
-    the same values, rounded to bf16 once."""
+    the same values, rounded to bf16 once (every part of the order: both chains, a leftover 8-column
+    block, K's tail)."""
     torch.manual_seed(0)
-    weight, x = torch.randn(300, 576).bfloat16(), torch.randn(5, 576).bfloat16()
+    weight, x = torch.randn(300, in_features).bfloat16(), torch.randn(5, in_features).bfloat16()
     out = few_rows(x, weight)
     reference = torch.nn.functional.linear(x.float(), weight.float())
     assert out.dtype == torch.bfloat16
@@ -279,6 +285,31 @@ def test_fast_linear_runs_the_kernel_for_few_rows_and_mkl_otherwise(few_rows, mo
     monkeypatch.setattr("selfspec.model.fast._KERNEL", False)
     linear(torch.randn(1, 1, 32), weight, bias)
     assert calls == [1, 5, 8]
+
+
+def test_a_bf16_prefill_on_a_cpu_that_emulates_bf16_avoids_torchs_bf16_product(few_rows, monkeypatch):
+    """Where oneDNN has no bf16 arithmetic (`_emulated_bf16`), 9 to 31 bf16 rows go through the kernel
+    (each row as it computes alone) and from 32 rows the product runs in fp32 on the widened values,
+    rounded once; with bf16 arithmetic (AVX-512 BF16, AMX) both keep torch's bf16 product."""
+    from selfspec.model import fast
+
+    calls = []
+    monkeypatch.setattr("selfspec.model.kernels.few_rows_linear",
+                        lambda: lambda x, w: calls.append(x.shape[0]) or few_rows(x, w))
+    monkeypatch.setattr(fast, "_emulated_bf16", lambda: True)
+    torch.manual_seed(0)
+    weight, bias = torch.randn(48, 40).bfloat16(), torch.randn(48).bfloat16()
+    x = torch.randn(1, 40, 40).bfloat16()
+    widened = torch.nn.functional.linear(x.float(), weight.float(), bias.float()).bfloat16()
+    assert torch.equal(linear(x, weight, bias), widened) and calls == []
+    few = linear(x[:, :20], weight, None)
+    assert calls == [20]
+    assert torch.equal(few, torch.cat([few_rows(row, weight) for row in x[0, :20, None]])[None])
+    monkeypatch.setattr(fast, "_emulated_bf16", lambda: False)
+    calls.clear()
+    torch.testing.assert_close(linear(x, weight, bias), torch.nn.functional.linear(x, weight, bias))
+    linear(x[:, :20], weight, None)
+    assert calls == []
 
 
 @pytest.fixture

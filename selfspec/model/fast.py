@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import weakref
 from dataclasses import dataclass
 
@@ -64,6 +65,11 @@ _HALVES_ONE_ROW = True
 _KERNEL = True
 # Rows per call of the few-row kernel (few_rows.cpp's kMaxRows)
 _KERNEL_ROWS = 8
+# From this many rows a bf16 product on a CPU that emulates bf16 (`_emulated_bf16`: a prefill) runs as
+# fp32 MKL on the weight widened for the call, rounded to bf16 once: SmolLM2's 7 block weights x 30,
+# measured 214 ms at 100 rows against 392 ms in the kernel (which is compute-bound there) and 1.3 s in
+# torch's bf16 product; at 16 rows the kernel wins, 70 ms against 140.
+_WIDEN_MIN_ROWS = 32
 # With `_KERNEL`, a decoding pass runs each block as two compiled calls (see `run_block`); False keeps
 # the per-operation path, its products in the few-row kernel (A/B)
 _BLOCK_KERNEL = True
@@ -115,16 +121,28 @@ def _fixed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out.reshape(*x.shape[:-1], weight.shape[0]).contiguous()
 
 
+@functools.cache
+def _emulated_bf16() -> bool:
+    """True where this CPU has no bf16 arithmetic for oneDNN (AVX2 and older): there torch's bf16
+    products of many rows (a prefill) are emulated, measured 4.5x slower than fp32's on SmolLM2."""
+    try:
+        return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    except (AttributeError, RuntimeError):  # a torch without the query: assume the common case
+        return True
+
+
 def _kernel_for(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int, width: int):
     """selfspec's few-row kernel (`kernels/few_rows.cpp`) where it applies, else None: on CPU, without
     autograd (it has no backward), fp32 or bf16 throughout (bias included: F.linear refuses a mix),
-    a contiguous weight, 1 to `_KERNEL_ROWS` rows (any number under `fixed_width`, in chunks)."""
+    a contiguous weight, 1 to `_KERNEL_ROWS` rows; any number (in chunks of 8) under `fixed_width`,
+    and fewer than `_WIDEN_MIN_ROWS` in bf16 on a CPU without bf16 arithmetic (`_emulated_bf16`)."""
     if not _KERNEL or x.device.type != "cpu" or not weight.is_contiguous() or weight.shape[1] == 0:
         return None
     if x.dtype not in (torch.float32, torch.bfloat16) or weight.dtype != x.dtype or (
             bias is not None and bias.dtype != x.dtype):
         return None
-    if rows < 1 or (rows > _KERNEL_ROWS and not width):
+    if rows < 1 or (rows > _KERNEL_ROWS and not width and not (
+            x.dtype == torch.bfloat16 and rows < _WIDEN_MIN_ROWS and _emulated_bf16())):
         return None
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return None
@@ -135,8 +153,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     """`F.linear(x, weight, bias)`: x (..., K) -> (..., N), computed the way the CPU reads `weight`
     fastest when x has a few rows (a decode step, a verification of k + 1 positions).
 
-    First choice on CPU without autograd, fp32 or bf16, 1-8 rows (any number under `fixed_width`, in
-    chunks of 8), a contiguous weight: selfspec's kernel (`kernels/few_rows.cpp`, see `_kernel_for`),
+    First choice on CPU without autograd, fp32 or bf16, 1-8 rows (any number in chunks of 8 under
+    `fixed_width`, and up to `_WIDEN_MIN_ROWS` in bf16 where the CPU emulates it), a contiguous weight: selfspec's kernel (`kernels/few_rows.cpp`, see `_kernel_for`),
     which reads each row of W once from both cores and multiplies it with every row of x, each output one
     fp32 dot product in a fixed order. Interleaved A/B against the MKL paths below
     (`python eval/kernel_ab.py`, 30 rounds, SmolLM2 fp32): plain step 1.20x faster, draft step 1.19x,
@@ -165,15 +183,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     rows = x.numel() // x.shape[-1]
     kernel = _kernel_for(x, weight, bias, rows, width)
     if kernel is not None:
-        flat = x.reshape(rows, x.shape[-1]).contiguous()  # (rows, K)
-        # The kernel's rows never share a reduction, so chunks of 8 give what one call would
-        out = (kernel(flat, weight) if rows <= _KERNEL_ROWS
-               else torch.cat([kernel(chunk, weight) for chunk in flat.split(_KERNEL_ROWS)]))
+        out = kernel(x.reshape(rows, x.shape[-1]).contiguous(), weight)  # (rows, N), each row alone
         if bias is not None:
             out = out + bias
         return out.reshape(*x.shape[:-1], weight.shape[0])
     if width:
         return _fixed_linear(x, weight, bias, width)
+    if x.dtype == torch.bfloat16 and rows >= _WIDEN_MIN_ROWS and x.device.type == "cpu" and _emulated_bf16():
+        # the fp32 product of the bf16 values, rounded once, as torch's bf16 product defines it
+        out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+        return out.to(torch.bfloat16)
     if rows > _COLUMNS_MAX_ROWS or x.device.type != "cpu" or (
             rows == 1 and weight.numel() * weight.element_size() < _COLUMNS_MIN_BYTES_ONE_ROW):
         return F.linear(x, weight, bias)

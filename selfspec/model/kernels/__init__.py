@@ -1,4 +1,4 @@
-"""selfspec's compiled CPU kernels (`few_rows.cpp`): x @ Wᵀ for 1-8 rows of x, streaming W once, the
+"""selfspec's compiled CPU kernels (`few_rows.cpp`): x @ Wᵀ for a few rows of x, streaming W once, the
 attention of a few queries, each computed alone in a fixed order, and a Llama-family block for a few
 positions as two calls around the cache write (built from those two).
 
@@ -54,8 +54,8 @@ def _build_lock(root: Path):
 
 
 def few_rows_linear() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
-    """The compiled `few_rows_linear(x (m, K), weight (N, K)) -> (m, N)` (fp32 or bf16, m <= 8), or None
-    where the kernels are not available."""
+    """The compiled `few_rows_linear(x (m, K), weight (N, K)) -> (m, N)` (fp32 or bf16; more than 8 rows
+    in chunks of 8), or None where the kernels are not available."""
     module = _module()
     return None if module is None else module.few_rows_linear
 

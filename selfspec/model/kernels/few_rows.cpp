@@ -8,7 +8,8 @@
 // without bf16 arithmetic.
 //
 // Every output is one fp32 dot product of a W row and an x row, accumulated in the same order
-// (8-lane FMAs over K, then the lanes, then K's tail) whatever m and whatever the threads' split: a
+// (8-lane FMAs over K in one chain, two for bf16, then the lanes, then K's tail; see `tile`) whatever
+// m and whatever the threads' split: a
 // position's result never depends on how many positions share the call, so a verification computes
 // bit for bit what single steps compute, in bf16 as in fp32.
 //
@@ -25,6 +26,7 @@
 
 #include <cmath>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -46,31 +48,66 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// out[r, j] for j in [begin, end): M rows of x (fp32, (M, k)) against W rows [begin, end).
-// Each W row is read once; W_ROWS rows at a time give the FMA units independent chains.
-template <int M, int W_ROWS, typename T>
-void rows_block(const float* x, const T* w, T* out, int64_t n, int64_t k, int64_t begin, int64_t end) {
-  const int64_t k8 = k - k % 8;
-  int64_t j = begin;
-  for (; j + W_ROWS <= end; j += W_ROWS) {
-    __m256 acc[W_ROWS][M];
-    for (int a = 0; a < W_ROWS; ++a)
-      for (int r = 0; r < M; ++r) acc[a][r] = _mm256_setzero_ps();
-    for (int64_t c = 0; c < k8; c += 8) {
-      for (int a = 0; a < W_ROWS; ++a) {
-        const __m256 wv = load8(w + (j + a) * k + c);
-        for (int r = 0; r < M; ++r) acc[a][r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + r * k + c), acc[a][r]);
-      }
-    }
+// How many accumulator chains one output's sum runs in: each takes every chains-th 8-lane block of K.
+// fp32 rows are read several at a time (`rows_block`), which gives the FMA units independent chains;
+// a bf16 row is half the bytes, and reading rows side by side left a third of the bandwidth unused
+// (measured: 16 vs 22 GB/s at one row of x), so bf16 reads one W row at a time, end to end, in two
+// chains.
+template <typename T> constexpr int kChains = 1;
+template <> constexpr int kChains<at::BFloat16> = 2;
+
+// out[r, j + a] for r < G, a < W_ROWS: G rows of x (fp32, (G, k)) against W rows j .. j + W_ROWS - 1.
+// One output's order: P chains of 8-lane FMAs over the first k - k % 8P columns (chain p takes blocks
+// p, p + P, ...), the chains added in turn, the 8-lane blocks left over, then the lanes, then K's tail.
+template <int W_ROWS, int G, int P, typename T>
+inline void tile(const float* x, const T* w, T* out, int64_t n, int64_t k, int64_t j) {
+  const int64_t kp = k - k % (8 * P);
+  __m256 acc[W_ROWS][G][P];
+  for (int a = 0; a < W_ROWS; ++a)
+    for (int r = 0; r < G; ++r)
+      for (int p = 0; p < P; ++p) acc[a][r][p] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < kp; c += 8 * P) {
     for (int a = 0; a < W_ROWS; ++a) {
-      for (int r = 0; r < M; ++r) {
-        float total = hsum(acc[a][r]);
-        for (int64_t c = k8; c < k; ++c) total += static_cast<float>(w[(j + a) * k + c]) * x[r * k + c];
-        out[r * n + j + a] = static_cast<T>(total);
+      for (int p = 0; p < P; ++p) {
+        const __m256 wv = load8(w + (j + a) * k + c + 8 * p);
+        for (int r = 0; r < G; ++r)
+          acc[a][r][p] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + r * k + c + 8 * p), acc[a][r][p]);
       }
     }
   }
-  if (j < end) rows_block<M, 1, T>(x, w, out, n, k, j, end);  // the rows left over, one at a time
+  for (int a = 0; a < W_ROWS; ++a) {
+    const T* row = w + (j + a) * k;
+    for (int r = 0; r < G; ++r) {
+      __m256 sum = acc[a][r][0];
+      for (int p = 1; p < P; ++p) sum = _mm256_add_ps(sum, acc[a][r][p]);
+      int64_t c = kp;
+      for (; c + 8 <= k; c += 8) sum = _mm256_fmadd_ps(load8(row + c), _mm256_loadu_ps(x + r * k + c), sum);
+      float total = hsum(sum);
+      for (; c < k; ++c) total += static_cast<float>(row[c]) * x[r * k + c];
+      out[r * n + j + a] = static_cast<T>(total);
+    }
+  }
+}
+
+// out[r, j] for j in [begin, end): M rows of x (fp32, (M, k)) against W rows [begin, end), each W row
+// read once. fp32: W_ROWS rows at a time give the FMA units independent chains. bf16 (two chains of
+// its own): one W row at a time, its x rows in groups of at most 4 (8 accumulators in registers; a
+// second group reads the row again from L1).
+template <int M, typename T>
+void rows_block(const float* x, const T* w, T* out, int64_t n, int64_t k, int64_t begin, int64_t end) {
+  constexpr int P = kChains<T>;
+  if constexpr (P == 1) {
+    constexpr int W_ROWS = M == 1 ? 4 : (M == 2 ? 2 : 1);
+    int64_t j = begin;
+    for (; j + W_ROWS <= end; j += W_ROWS) tile<W_ROWS, M, P>(x, w, out, n, k, j);
+    for (; j < end; ++j) tile<1, M, P>(x, w, out, n, k, j);  // the rows left over, one at a time
+  } else {
+    constexpr int FIRST = M < 4 ? M : 4;
+    for (int64_t j = begin; j < end; ++j) {
+      tile<1, FIRST, P>(x, w, out, n, k, j);
+      if constexpr (M > 4) tile<1, M - 4, P>(x + 4 * k, w, out + 4 * n, n, k, j);
+    }
+  }
 }
 
 // Products of the same x, x @ W_iᵀ -> out_i (m, n_i), as one range of rows split between the threads:
@@ -89,12 +126,11 @@ void rows_many(const float* x, const std::vector<Product<T>>& products, int64_t 
   for (const auto& p : products) total += p.n;
   // Threads split the rows in chunks of at least ~32 KiB of weights: below that, waking a thread costs more
   const int64_t grain = std::max<int64_t>(1, (32 << 10) / (k * static_cast<int64_t>(sizeof(T))));
-  constexpr int W_ROWS = M == 1 ? 4 : (M == 2 ? 2 : 1);
   at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
     int64_t first = 0;  // the first row of the current product in the joint range
     for (const auto& p : products) {
       const int64_t lo = std::max(begin, first), hi = std::min(end, first + p.n);
-      if (lo < hi) rows_block<M, W_ROWS, T>(x, p.w, p.out, p.n, k, lo - first, hi - first);
+      if (lo < hi) rows_block<M, T>(x, p.w, p.out, p.n, k, lo - first, hi - first);
       first += p.n;
     }
   });
@@ -114,8 +150,8 @@ void dispatch_many(int64_t m, const float* x, const std::vector<Product<T>>& pro
   }
 }
 
-// out[j] = a · b_j for the `count` rows b_j = b + j·n: 8-lane FMAs, then the lanes, then the tail, the
-// order `rows_block` uses (b widened exactly). Four rows at a time give the FMA units independent
+// out[j] = a · b_j for the `count` rows b_j = b + j·n (an attention's keys, hd long): 8-lane FMAs in one
+// chain, then the lanes, then the tail (b widened exactly). Four rows at a time give the FMA units independent
 // chains; each row's sum keeps its own order.
 template <typename T>
 inline void dots(const float* a, const T* b, int64_t n, int64_t count, float* out) {
@@ -210,24 +246,29 @@ torch::Tensor few_queries_attention(const torch::Tensor& q, const torch::Tensor&
   return out;
 }
 
-// x (m, K), 1 <= m <= 8, and weight (N, K): both contiguous, on CPU, float32 or bfloat16 (the same)
-// -> (m, N) in that dtype, with fp32 accumulation.
+// x (m, K) and weight (N, K): both contiguous, on CPU, float32 or bfloat16 (the same) -> (m, N) in that
+// dtype, with fp32 accumulation. More than 8 rows (a prefill) run in chunks of 8, W read once a chunk;
+// each row is computed alone either way.
 torch::Tensor few_rows_linear(const torch::Tensor& x, const torch::Tensor& weight) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "shapes (m, K) and (N, K)");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, "1 to 8 rows");
+  TORCH_CHECK(x.size(0) >= 1, "at least one row");
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "contiguous inputs");
   TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "one dtype");
   TORCH_CHECK(weight.size(1) > 0, "K >= 1");
   const int64_t m = x.size(0), n = weight.size(0), k = weight.size(1);
   auto out = torch::empty({m, n}, weight.options());
-  // x in fp32, once (m·K floats, a few KiB): every W row meets it in L1
+  // x in fp32, once (m·K floats): every W row meets a chunk's 8 rows in L1
   const auto xf = x.to(torch::kFloat32).contiguous();
+  auto run = [&](const auto* w, auto* o) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(w)>>;
+    for (int64_t first = 0; first < m; first += kMaxRows)
+      dispatch_many<T>(std::min(kMaxRows, m - first), xf.data_ptr<float>() + first * k, {{w, o + first * n, n}}, k);
+  };
   if (weight.scalar_type() == torch::kFloat32) {
-    dispatch_many<float>(m, xf.data_ptr<float>(), {{weight.data_ptr<float>(), out.data_ptr<float>(), n}}, k);
+    run(weight.data_ptr<float>(), out.data_ptr<float>());
   } else {
     TORCH_CHECK(weight.scalar_type() == torch::kBFloat16, "float32 or bfloat16");
-    dispatch_many<at::BFloat16>(m, xf.data_ptr<float>(),
-                                {{weight.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), n}}, k);
+    run(weight.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>());
   }
   return out;
 }
