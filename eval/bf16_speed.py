@@ -6,8 +6,9 @@
 Prompts as `selfspec eval speedup` reads them (a JSON list of token lists or strings, or a text file;
 `runs/prompts/mtbench_chat_ids.json` holds MT-bench first turns through the chat template). Decodes
 each greedily, batch 1, with every method in turn, the order
-reversed every other round, after one untimed round; prints the median tokens/s of each and the
-ratios, and whether each arm's tokens equal its reference (each kernel arm against the same dtype
+reversed every other round, after one untimed round; prints the median tokens/s of each end to end
+and, for selfspec's arms, after the prefill (the decode steps alone: the engine times its prefill),
+and the ratios, and whether each arm's tokens equal its reference (each kernel arm against the same dtype
 without it; Hugging Face's bf16 against selfspec's, for information: different kernels round bf16
 differently). Run it with the machine to itself.
 """
@@ -38,36 +39,46 @@ def main() -> None:
     prompts = read_prompts(generators["float32"].tokenizer, args.prompts, num_prompts=args.num_prompts)
     new = args.max_new_tokens
 
-    def selfspec(dtype: str, kernel: bool):
+    prefill = {}  # method -> seconds of its last run's prefills
+
+    def selfspec(dtype: str, kernel: bool, name: str):
         fast._KERNEL = kernel
-        return [generators[dtype].generate([p], max_new_tokens=new, num_speculations=0,
-                                           eos_token_id=[]).sequences[0] for p in prompts]
+        runs = [generators[dtype].generate([p], max_new_tokens=new, num_speculations=0, eos_token_id=[])
+                for p in prompts]
+        prefill[name] = sum(run.stats.prefill_time for run in runs)
+        return [run.sequences[0] for run in runs]
 
     def hugging_face():
         model = generators["bfloat16"].view.model
         return [model.generate(torch.tensor([p]), max_new_tokens=new, min_new_tokens=new,
                                do_sample=False)[0, len(p):].tolist() for p in prompts]
 
-    methods = {"fp32, kernel": lambda: selfspec("float32", True),
-               "fp32, MKL": lambda: selfspec("float32", False),
-               "bf16, kernel": lambda: selfspec("bfloat16", True),
-               "bf16, MKL": lambda: selfspec("bfloat16", False),
+    methods = {"fp32, kernel": lambda: selfspec("float32", True, "fp32, kernel"),
+               "fp32, MKL": lambda: selfspec("float32", False, "fp32, MKL"),
+               "bf16, kernel": lambda: selfspec("bfloat16", True, "bf16, kernel"),
+               "bf16, MKL": lambda: selfspec("bfloat16", False, "bf16, MKL"),
                "HF greedy bf16": hugging_face}
-    speeds, outputs = {name: [] for name in methods}, {}
+    speeds, steps, outputs = {name: [] for name in methods}, {name: [] for name in methods}, {}
     for round_index in range(args.repeats + 1):
         order = list(methods) if round_index % 2 else list(methods)[::-1]
         for name in order:
             start = time.perf_counter()
             outputs[name] = methods[name]()
+            seconds = time.perf_counter() - start
             if round_index:
-                speeds[name].append(new * len(prompts) / (time.perf_counter() - start))
+                speeds[name].append(new * len(prompts) / seconds)
+                if name in prefill:
+                    steps[name].append(new * len(prompts) / (seconds - prefill.pop(name)))
     fast._KERNEL = True
     median = {name: statistics.median(values) for name, values in speeds.items()}
+    after = {name: statistics.median(values) for name, values in steps.items() if values}
     print(f"{args.model}: {len(prompts)} prompts, {new} greedy tokens, batch 1, median of {args.repeats}")
-    print("| method | tokens/s | × fp32 with the kernel |")
-    print("|---|---:|---:|")
+    print("| method | tokens/s | × fp32 with the kernel | after the prefill: tokens/s | × fp32 kernel |")
+    print("|---|---:|---:|---:|---:|")
     for name, value in median.items():
-        print(f"| {name} | {value:.1f} | {value / median['fp32, kernel']:.2f} |")
+        decode = (f"{after[name]:.1f} | {after[name] / after['fp32, kernel']:.2f}" if name in after
+                  else "— | —")
+        print(f"| {name} | {value:.1f} | {value / median['fp32, kernel']:.2f} | {decode} |")
     print(f"bf16 with the kernel / HF greedy bf16: {median['bf16, kernel'] / median['HF greedy bf16']:.2f}")
     same_as_hf = sum(a == b for a, b in zip(outputs["HF greedy bf16"], outputs["bf16, kernel"]))
     print(f"tokens equal: fp32 kernel vs MKL {outputs['fp32, kernel'] == outputs['fp32, MKL']}; "

@@ -154,9 +154,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     fastest when x has a few rows (a decode step, a verification of k + 1 positions).
 
     First choice on CPU without autograd, fp32 or bf16, 1-8 rows (any number in chunks of 8 under
-    `fixed_width`, and up to `_WIDEN_MIN_ROWS` in bf16 where the CPU emulates it), a contiguous weight: selfspec's kernel (`kernels/few_rows.cpp`, see `_kernel_for`),
-    which reads each row of W once from both cores and multiplies it with every row of x, each output one
-    fp32 dot product in a fixed order. Interleaved A/B against the MKL paths below
+    `fixed_width`, and fewer than `_WIDEN_MIN_ROWS` in bf16 where the CPU emulates it), a contiguous
+    weight: selfspec's kernel (`kernels/few_rows.cpp`, see `_kernel_for`), which reads each row of W
+    once from both cores and multiplies it with every row of x, each output one fp32 dot product in a
+    fixed order. Interleaved A/B against the MKL paths below
     (`python eval/kernel_ab.py`, 30 rounds, SmolLM2 fp32): plain step 1.20x faster, draft step 1.19x,
     a verification of 5 positions 1.29x; on the embedded default 1.12x / 1.11x / 1.31x. A row's
     result does not depend on how many rows share the call, so under `fixed_width` it needs no
@@ -171,7 +172,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     slower than 4); the copies' results are dropped. One row on a weight under
     `_COLUMNS_MIN_BYTES_ONE_ROW` keeps sgemv (the embedded default's small weights: the padding's
     extra ops made its step 27% slower), and so do other devices and inputs of more than
-    `_COLUMNS_MAX_ROWS` rows (prefill).
+    `_COLUMNS_MAX_ROWS` rows (prefill). A bf16 prefill where the CPU emulates bf16 runs in fp32 on
+    the widened weight (see `_WIDEN_MIN_ROWS`).
 
     One row on a large weight of even height runs as a batch of two products, x @ W[:N/2]ᵀ and
     x @ W[N/2:]ᵀ (views of W): MKL's one-row product keeps to one core, and the batch gives each

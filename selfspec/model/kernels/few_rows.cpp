@@ -8,8 +8,7 @@
 // without bf16 arithmetic.
 //
 // Every output is one fp32 dot product of a W row and an x row, accumulated in the same order
-// (8-lane FMAs over K in one chain, two for bf16, then the lanes, then K's tail; see `tile`) whatever
-// m and whatever the threads' split: a
+// (8-lane FMAs over K, then the lanes, then K's tail) whatever m and whatever the threads' split: a
 // position's result never depends on how many positions share the call, so a verification computes
 // bit for bit what single steps compute, in bf16 as in fp32.
 //
@@ -48,64 +47,26 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// How many accumulator chains one output's sum runs in: each takes every chains-th 8-lane block of K.
-// fp32 rows are read several at a time (`rows_block`), which gives the FMA units independent chains;
-// a bf16 row is half the bytes, and reading rows side by side left a third of the bandwidth unused
-// (measured: 16 vs 22 GB/s at one row of x), so bf16 reads one W row at a time, end to end, in two
-// chains.
-template <typename T> constexpr int kChains = 1;
-template <> constexpr int kChains<at::BFloat16> = 2;
-
-// out[r, j + a] for r < G, a < W_ROWS: G rows of x (fp32, (G, k)) against W rows j .. j + W_ROWS - 1.
-// One output's order: P chains of 8-lane FMAs over the first k - k % 8P columns (chain p takes blocks
-// p, p + P, ...), the chains added in turn, the 8-lane blocks left over, then the lanes, then K's tail.
-template <int W_ROWS, int G, int P, typename T>
-inline void tile(const float* x, const T* w, T* out, int64_t n, int64_t k, int64_t j) {
-  const int64_t kp = k - k % (8 * P);
-  __m256 acc[W_ROWS][G][P];
-  for (int a = 0; a < W_ROWS; ++a)
-    for (int r = 0; r < G; ++r)
-      for (int p = 0; p < P; ++p) acc[a][r][p] = _mm256_setzero_ps();
-  for (int64_t c = 0; c < kp; c += 8 * P) {
-    for (int a = 0; a < W_ROWS; ++a) {
-      for (int p = 0; p < P; ++p) {
-        const __m256 wv = load8(w + (j + a) * k + c + 8 * p);
-        for (int r = 0; r < G; ++r)
-          acc[a][r][p] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + r * k + c + 8 * p), acc[a][r][p]);
-      }
-    }
-  }
-  for (int a = 0; a < W_ROWS; ++a) {
-    const T* row = w + (j + a) * k;
-    for (int r = 0; r < G; ++r) {
-      __m256 sum = acc[a][r][0];
-      for (int p = 1; p < P; ++p) sum = _mm256_add_ps(sum, acc[a][r][p]);
-      int64_t c = kp;
-      for (; c + 8 <= k; c += 8) sum = _mm256_fmadd_ps(load8(row + c), _mm256_loadu_ps(x + r * k + c), sum);
-      float total = hsum(sum);
-      for (; c < k; ++c) total += static_cast<float>(row[c]) * x[r * k + c];
-      out[r * n + j + a] = static_cast<T>(total);
-    }
-  }
-}
-
-// out[r, j] for j in [begin, end): M rows of x (fp32, (M, k)) against W rows [begin, end), each W row
-// read once. fp32: W_ROWS rows at a time give the FMA units independent chains. bf16 (two chains of
-// its own): one W row at a time, its x rows in groups of at most 4 (8 accumulators in registers; a
-// second group reads the row again from L1).
+// out[r, j] for j in [begin, end): M rows of x (fp32, (M, k)) against W rows [begin, end). Each W row
+// is read once, end to end, against all M rows of x (M independent FMA chains). Reading rows one at
+// a time, not several side by side, keeps the read a single stream the prefetchers follow: measured
+// on one row of x, 4 W rows side by side streamed bf16 at 12-15 GB/s and one at a time at 16-18
+// (fp32 at 13 vs 14 GB/s; a plain read 22 GB/s on that hour).
 template <int M, typename T>
 void rows_block(const float* x, const T* w, T* out, int64_t n, int64_t k, int64_t begin, int64_t end) {
-  constexpr int P = kChains<T>;
-  if constexpr (P == 1) {
-    constexpr int W_ROWS = M == 1 ? 4 : (M == 2 ? 2 : 1);
-    int64_t j = begin;
-    for (; j + W_ROWS <= end; j += W_ROWS) tile<W_ROWS, M, P>(x, w, out, n, k, j);
-    for (; j < end; ++j) tile<1, M, P>(x, w, out, n, k, j);  // the rows left over, one at a time
-  } else {
-    constexpr int FIRST = M < 4 ? M : 4;
-    for (int64_t j = begin; j < end; ++j) {
-      tile<1, FIRST, P>(x, w, out, n, k, j);
-      if constexpr (M > 4) tile<1, M - 4, P>(x + 4 * k, w, out + 4 * n, n, k, j);
+  const int64_t k8 = k - k % 8;
+  for (int64_t j = begin; j < end; ++j) {
+    const T* row = w + j * k;
+    __m256 acc[M];
+    for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < k8; c += 8) {
+      const __m256 wv = load8(row + c);
+      for (int r = 0; r < M; ++r) acc[r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + r * k + c), acc[r]);
+    }
+    for (int r = 0; r < M; ++r) {
+      float total = hsum(acc[r]);
+      for (int64_t c = k8; c < k; ++c) total += static_cast<float>(row[c]) * x[r * k + c];
+      out[r * n + j] = static_cast<T>(total);
     }
   }
 }
@@ -150,8 +111,8 @@ void dispatch_many(int64_t m, const float* x, const std::vector<Product<T>>& pro
   }
 }
 
-// out[j] = a · b_j for the `count` rows b_j = b + j·n (an attention's keys, hd long): 8-lane FMAs in one
-// chain, then the lanes, then the tail (b widened exactly). Four rows at a time give the FMA units independent
+// out[j] = a · b_j for the `count` rows b_j = b + j·n: 8-lane FMAs, then the lanes, then the tail, the
+// order `rows_block` uses (b widened exactly). Four rows at a time give the FMA units independent
 // chains; each row's sum keeps its own order.
 template <typename T>
 inline void dots(const float* a, const T* b, int64_t n, int64_t count, float* out) {
