@@ -3,12 +3,16 @@ operations, the few-row kernel for the products, and the block kernels (each blo
 
     python eval/kernel_ab.py --model runs/smollm2/base --exit-layer 10 --repeats 30
     python eval/kernel_ab.py --model runs/smollm2/base --exit-layer 10 --dtype bfloat16
+    git show HEAD~1:selfspec/model/kernels/few_rows.cpp > /tmp/before.cpp
+    python eval/kernel_ab.py --model runs/smollm2/base --exit-layer 10 --against /tmp/before.cpp
 
 Builds the roofline's cache of 256 positions, then times each pass (plain step, draft step,
 verification of 2, 4 and 5 positions through blocks [E, N) and the head, the whole model on 5
 positions) in each arm (`selfspec.model.fast._KERNEL`, `_BLOCK_KERNEL`), rotating which goes first,
 after 3 untimed rounds. Prints the medians, each as a share of the read bandwidth (a 512 MiB sum timed
-once a round) and in plain steps of its own arm, and the speedups. Run it with the machine to itself.
+once a round) and in plain steps of its own arm, and the speedups. `--against FILE` builds another
+version of `few_rows.cpp` beside the package's and adds its block kernels as a fourth arm (a kernel
+change measured side by side). Run it with the machine to itself.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -31,9 +36,18 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--against", metavar="FILE",
+                        help="another few_rows.cpp: its block kernels as a fourth arm")
     args = parser.parse_args()
     if kernels.few_rows_linear() is None:
         raise SystemExit("error: selfspec's kernel is not available here (needs a C++ compiler, ninja, AVX2)")
+    if args.against and not Path(args.against).is_file():
+        raise SystemExit(f"error: --against {args.against}: no such file; write one with "
+                         f"`git show REV:selfspec/model/kernels/few_rows.cpp > FILE`")
+    package = kernels._module
+    modules = {}  # arm -> the extension it runs (the package's where absent)
+    if args.against:
+        modules["against"] = kernels.build(Path(args.against), "selfspec_few_rows_against")
     lm, _ = load_model(args.model, None, args.dtype)
     view = DecoderView(lm)
     n, e = view.num_layers, args.exit_layer
@@ -41,6 +55,8 @@ def main() -> None:
               "verify_5": (e, n, 5), "full_5": (0, n, 5)}
     runner = _Passes(view, args.context, 5)
     arms = {"mkl": (False, False), "rows": (True, False), "block": (True, True)}  # (_KERNEL, _BLOCK_KERNEL)
+    if modules:
+        arms["against"] = (True, True)
     names = list(arms)
     times = {(name, arm): [] for name in passes for arm in arms}
     source = torch.ones(512 * 2**20 // 4)  # the read that sets the limit, timed in the same rounds
@@ -53,23 +69,30 @@ def main() -> None:
             shift = round_index % len(names)
             for arm in names[shift:] + names[:shift]:
                 fast._KERNEL, fast._BLOCK_KERNEL = arms[arm]
+                kernels._module = (lambda module=modules[arm]: module) if arm in modules else package
                 start = time.perf_counter()
                 runner.run(*spec)
                 if round_index >= 3:
                     times[(name, arm)].append(time.perf_counter() - start)
     fast._KERNEL, fast._BLOCK_KERNEL = True, True
+    kernels._module = package
     rate = source.numel() * 4 / statistics.median(reads[3:])
     median = {key: statistics.median(values) for key, values in times.items()}
     print(f"{args.model} ({args.dtype}), E = {e}, {args.repeats} rotated rounds, "
           f"read bandwidth {rate / 1e9:.1f} GB/s; each arm: ms, share of bandwidth, plain steps")
-    print("| pass | MKL | few-row kernel | block kernels | rows / MKL | blocks / rows |")
-    print("|---|---:|---:|---:|---:|---:|")
+    against = f" | block kernels of {args.against} | blocks / those" if modules else ""
+    print(f"| pass | MKL | few-row kernel | block kernels | rows / MKL | blocks / rows{against} |")
+    print("|---|---:|---:|---:|---:|---:|" + ("---:|---:|" if modules else ""))
     for name, (start, end, _) in passes.items():
         limit = pass_bytes(view, start, end, args.context) / rate
-        cells = [f"{median[(name, arm)] * 1e3:.2f} ms, {limit / median[(name, arm)]:.0%}, "
-                 f"{median[(name, arm)] / median[('plain', arm)]:.2f}" for arm in names]
-        print(f"| {name} | {' | '.join(cells)} | {median[(name, 'mkl')] / median[(name, 'rows')]:.2f}x "
-              f"| {median[(name, 'rows')] / median[(name, 'block')]:.2f}x |")
+        ms = {arm: median[(name, arm)] for arm in names}
+        cells = {arm: f"{ms[arm] * 1e3:.2f} ms, {limit / ms[arm]:.0%}, {ms[arm] / median[('plain', arm)]:.2f}"
+                 for arm in names}
+        row = [cells["mkl"], cells["rows"], cells["block"], f"{ms['mkl'] / ms['rows']:.2f}x",
+               f"{ms['rows'] / ms['block']:.2f}x"]
+        if modules:
+            row += [cells["against"], f"{ms['against'] / ms['block']:.2f}x"]
+        print(f"| {name} | {' | '.join(row)} |")
 
 
 if __name__ == "__main__":

@@ -78,6 +78,16 @@ def block_halves() -> tuple[Callable, Callable] | None:
     return None if module is None else (module.block_front, module.block_back)
 
 
+def build(source: Path, name: str):
+    """Compile `source` as the extension `name` with the kernels' flags (torch caches the build under
+    `name`); raises what the build raises. `eval/kernel_ab.py --against` builds a second version with it."""
+    from torch.utils import cpp_extension
+
+    return cpp_extension.load(name=name, sources=[str(source)],
+                              extra_cflags=["-O3", "-funroll-loops", "-mavx2", "-mfma", "-fopenmp"],
+                              extra_ldflags=["-fopenmp"], verbose=False)
+
+
 @functools.cache
 def _module():
     """The compiled extension, built once per machine, or None."""
@@ -94,9 +104,7 @@ def _module():
             if not any(root.glob(f"*/{_NAME}/{_NAME}.so")):
                 print("selfspec: building its CPU kernels for decoding (once per machine, about a minute)",
                       file=sys.stderr, flush=True)
-            module = cpp_extension.load(name=_NAME, sources=[str(_SOURCE)],
-                                        extra_cflags=["-O3", "-funroll-loops", "-mavx2", "-mfma", "-fopenmp"],
-                                        extra_ldflags=["-fopenmp"], verbose=False)
+            module = build(_SOURCE, _NAME)
     except Exception as error:
         first = str(error).splitlines()[0] if str(error) else ""
         warnings.warn(f"selfspec's CPU kernels did not build ({type(error).__name__}: {first}); decoding "
