@@ -400,6 +400,44 @@ def test_the_few_queries_attention_kernel_equals_the_padded_attention_and_each_q
     assert torch.equal(alone, out)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_keys_hidden_after_a_querys_own_change_nothing_in_the_attention_kernel(few_rows, dtype):
+    """A verification's query t sees keys up to its own position and the later ones hidden; the
+    single step at t has no later keys at all. Bit for bit the same for every count of hidden keys,
+    those that fill a lane group of 8 and those that start a new one (the softmax runs in 8 lanes)."""
+    from selfspec.model import kernels
+
+    attend = kernels.few_queries_attention()
+    torch.manual_seed(0)
+    q = torch.randn(1, 4, 1, 64)
+    k, v = (torch.randn(1, 2, 40, 64).to(dtype) for _ in range(2))
+    for seen in (13, 16, 17):
+        alone = attend(q, k[:, :, :seen], v[:, :, :seen], torch.zeros(1, 1, seen), 0.125)
+        for total in (seen + 1, seen + 3, seen + 11, 40):
+            mask = torch.zeros(1, 1, total)
+            mask[..., seen:] = float("-inf")
+            assert torch.equal(attend(q, k[:, :, :total], v[:, :, :total], mask, 0.125), alone), (seen, total)
+
+
+def test_the_attention_kernels_exp_follows_expf_and_hides_what_it_should(few_rows):
+    """The softmax's vectorized exp against torch's on one query and one key at a time (scores from
+    -87 to 88 and beyond): within 2 ulp, exactly 0 for the hidden."""
+    from selfspec.model import kernels
+
+    attend = kernels.few_queries_attention()
+    scores = torch.cat([torch.linspace(-87.0, 0.0, 4001), torch.tensor([-87.5, -1e4, float("-inf")])])
+    # two keys: a first with score 0 (the max) and value 0, a second with the score under test and
+    # value 1, so the output is e^s / (1 + e^s)
+    q = torch.ones(1, 1, 1, 8)
+    k = torch.zeros(1, 1, 2, 8)
+    v = torch.tensor([0.0, 1.0]).repeat_interleave(8).reshape(1, 1, 2, 8)
+    mask = torch.stack([torch.zeros_like(scores), scores], -1)[:, None]  # (N, 1, 2)
+    out = torch.stack([attend(q, k, v, row[None], 1.0)[0, 0, 0] for row in mask])
+    expected = torch.exp(scores.double()) / (1 + torch.exp(scores.double()))
+    assert (out[-3:] == 0).all()
+    torch.testing.assert_close(out[:-3].double(), expected[:-3], rtol=4 * 2**-23, atol=0)
+
+
 @pytest.fixture
 def block_calls(few_rows, monkeypatch):
     """Counts the rows of every call of the compiled block halves (front, back)."""
