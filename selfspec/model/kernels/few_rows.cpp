@@ -57,12 +57,17 @@ void rows_block(const float* x, const T* w, T* out, int64_t n, int64_t k, int64_
   const int64_t k8 = k - k % 8;
   for (int64_t j = begin; j < end; ++j) {
     const T* row = w + j * k;
+    // every loop over the M rows unrolled, so that acc lives in registers (without it GCC kept the
+    // array on the stack and stored each accumulator after every FMA)
     __m256 acc[M];
+#pragma GCC unroll 8
     for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t c = 0; c < k8; c += 8) {
       const __m256 wv = load8(row + c);
+#pragma GCC unroll 8
       for (int r = 0; r < M; ++r) acc[r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + r * k + c), acc[r]);
     }
+#pragma GCC unroll 8
     for (int r = 0; r < M; ++r) {
       float total = hsum(acc[r]);
       for (int64_t c = k8; c < k; ++c) total += static_cast<float>(row[c]) * x[r * k + c];
