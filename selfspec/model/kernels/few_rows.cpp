@@ -127,8 +127,10 @@ inline void dots(const float* a, const T* b, int64_t n, int64_t count, float* ou
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t c = 0; c < n8; c += 8) {
       const __m256 av = _mm256_loadu_ps(a + c);
+#pragma GCC unroll 4
       for (int r = 0; r < 4; ++r) acc[r] = _mm256_fmadd_ps(load8(b + (j + r) * n + c), av, acc[r]);
     }
+#pragma GCC unroll 4
     for (int r = 0; r < 4; ++r) {
       float total = hsum(acc[r]);
       for (int64_t c = n8; c < n; ++c) total += static_cast<float>(b[(j + r) * n + c]) * a[c];
