@@ -191,7 +191,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         return out.reshape(*x.shape[:-1], weight.shape[0])
     if width:
         return _fixed_linear(x, weight, bias, width)
-    if x.dtype == torch.bfloat16 and rows >= _WIDEN_MIN_ROWS and x.device.type == "cpu" and _emulated_bf16():
+    if (x.dtype == weight.dtype == torch.bfloat16 and (bias is None or bias.dtype == x.dtype)
+            and rows >= _WIDEN_MIN_ROWS and x.device.type == "cpu" and _emulated_bf16()):
         # the fp32 product of the bf16 values, rounded once, as torch's bf16 product defines it
         out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
         return out.to(torch.bfloat16)
