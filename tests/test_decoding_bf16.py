@@ -103,12 +103,14 @@ def test_under_fixed_width_every_product_and_attention_has_the_same_shape(kernel
     monkeypatch.setattr(torch, "mm", lambda a, b: widths.add(("mm", b.shape[1])) or mm(a, b))
     monkeypatch.setattr(torch, "matmul", lambda a, b: widths.add(("attention", a.shape[-2])) or matmul(a, b))
     if kernel:
-        few_rows, (front, back) = kernels.few_rows_linear(), kernels.block_halves()
+        few_rows, (front, back), (block, run) = kernels.few_rows_linear(), kernels.block_halves(), kernels.blocks_pass()
         monkeypatch.setattr(kernels, "few_rows_linear",
                             lambda: lambda x, w: widths.add(("rows kernel", x.shape[0])) or few_rows(x, w))
         monkeypatch.setattr(kernels, "block_halves", lambda: (
             lambda hidden, *rest: widths.add(("block", hidden.shape[0] * hidden.shape[1]))
             or front(hidden, *rest), back))
+        monkeypatch.setattr(kernels, "blocks_pass", lambda: (block, lambda blocks, hidden, *rest: widths.add(
+            ("block", hidden.shape[0] * hidden.shape[1])) or run(blocks, hidden, *rest)))
     generator = SelfSpecGenerator(model, exit_layer=2)
     # The batch's prefill (3 x 10 positions, shared by every method) runs outside fixed width: its
     # products in one call (F.linear; the few-row kernel where the CPU emulates bf16), SDPA.

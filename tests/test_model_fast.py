@@ -440,9 +440,11 @@ def test_the_attention_kernels_exp_follows_expf_and_hides_what_it_should(few_row
 
 @pytest.fixture
 def block_calls(few_rows, monkeypatch):
-    """Counts the rows of every call of the compiled block halves (front, back)."""
-    from selfspec.model import kernels
+    """Counts the rows of every call of the compiled block halves (front, back), run block by block
+    (the one-call pass, built on the same halves, off: see the pass's own tests)."""
+    from selfspec.model import fast, kernels
 
+    monkeypatch.setattr(fast, "_PASS_KERNEL", False)
     front, back = kernels.block_halves()
     calls = []
     monkeypatch.setattr(kernels, "block_halves", lambda: (
@@ -502,6 +504,88 @@ def test_the_block_kernels_compute_a_position_bit_for_bit_alike_alone_or_in_a_ve
     alone = run([(0, 8), (8, 9), (9, 10), (10, 11), (11, 12)])
     assert all(torch.equal(a, b) for a, b in zip(together, alone))
     assert {4, 1} <= {t for half, t in block_calls if half == "front"}  # the kernels ran both ways
+
+
+@pytest.fixture
+def pass_calls(few_rows, monkeypatch):
+    """Counts the (blocks, rows) of every call of the compiled pass (`kernels.blocks_pass`)."""
+    from selfspec.model import kernels
+
+    block, run = kernels.blocks_pass()
+    calls = []
+    monkeypatch.setattr(kernels, "blocks_pass", lambda: (block, lambda blocks, hidden, *rest: calls.append(
+        (len(blocks), hidden.shape[0] * hidden.shape[1])) or run(blocks, hidden, *rest)))
+    return calls
+
+
+def _decode_with_caches(view, ids, bounds, layers=None):
+    """`_decode_through_cache` over blocks [0, N) in the given ranges (e.g. [(0, 2), (2, N)], as the
+    engine's drafts and verifications split them): the logits and the cache."""
+    cache = KVCache(view.num_layers, ids.shape[0], 32)
+    logits = []
+    for start, end in bounds:
+        positions = view.default_positions(ids[:, start:end], start)
+        kv_length = cache.set_positions(positions, [start] * ids.shape[0])
+        hidden = view.embed(ids[:, start:end], positions)
+        context = view.context(hidden, positions, kv_length, cached=True, aligned=True)
+        for first, last in layers or [(0, view.num_layers)]:
+            hidden = view.run_layers(hidden, first, last, cache, context=context)
+        logits.append(view.exit_logits(hidden))
+    return torch.cat(logits, 1), cache
+
+
+@pytest.mark.parametrize("family", [*LLAMA_FAMILIES, "llama_biased"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decoding_pass_runs_its_blocks_in_one_call_bit_for_bit_as_block_by_block(family, dtype, pass_calls,
+                                                                                   monkeypatch):
+    """Blocks [0, 2) and [2, N) of a masked 4-token verification of two rows and of one-token steps, each
+    range in one compiled call: the logits, every layer's keys and values and the cache's lengths the
+    same to the bit as block by block, in fp32 and bf16 (a 9-token prefill runs block by block)."""
+    from selfspec.model import fast
+
+    if family == "llama_biased":
+        model = tiny_model("llama", attention_bias=True, mlp_bias=True)
+        model = type(model)(model.config).float().eval()
+        for p in model.parameters():
+            torch.nn.init.normal_(p, std=0.2)
+    else:
+        model = tiny_model(family)
+    model = model.to(dtype)
+    ids = torch.randint(0, 96, (2, 15))
+    bounds, layers = [(0, 9), (9, 13), (13, 14), (14, 15)], [(0, 2), (2, 4)]
+    runs = []
+    for one_call in (True, False):
+        monkeypatch.setattr(fast, "_PASS_KERNEL", one_call)
+        with torch.no_grad(), fast.fixed_width(dtype != torch.float32):
+            runs.append(_decode_with_caches(DecoderView(model), ids, bounds, layers))
+    (logits, cache), (reference, expected) = runs
+    assert torch.equal(logits, reference)
+    assert all(torch.equal(a, b) for a, b in zip(cache.keys + cache.values, expected.keys + expected.values))
+    assert (cache.lengths == expected.lengths).all() and (cache.lengths == 15).all()
+    assert pass_calls == [(2, rows) for rows in (8, 2, 2) for _ in layers]
+
+
+def test_rows_at_different_slots_or_a_block_the_kernels_cannot_read_run_block_by_block(pass_calls):
+    """The pass falls back, having computed nothing, where the cache cannot lend its buffers (rows at
+    different slots: a scatter) and where a block's weight is no longer what the kernels read (made
+    non-contiguous after the view was built); the logits still equal the model's."""
+    model = tiny_model("qwen2")
+    view = DecoderView(model)
+    ids = torch.randint(0, 96, (2, 12))
+    with torch.no_grad():
+        cache = KVCache(view.num_layers, 2, 32)
+        positions = view.default_positions(ids[:, :8])
+        cache.set_positions(positions, [0, 0])
+        view.run_layers(view.embed(ids[:, :8], positions), 0, view.num_layers, cache, positions, aligned=True)
+        assert cache.slot_buffers(0, view.num_layers) is not None
+        cache.set_positions(positions[:, :1] + torch.tensor([[8], [7]]), [8, 7])
+        assert cache.slot_buffers(0, view.num_layers) is None  # rows at slots 8 and 7
+        assert pass_calls == []
+        up = view.layers[1].mlp.up_proj.weight
+        up.data = up.data.t().contiguous().t()  # the same values, transposed in memory
+        logits = _decode_through_cache(view, ids, [(0, 8), (8, 11), (11, 12)])
+        torch.testing.assert_close(logits[:, 8:], model(ids).logits[:, 8:], rtol=1e-5, atol=1e-5)
+    assert len(pass_calls) == 2  # the kernel was asked twice and declined: nothing was written twice
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

@@ -95,6 +95,20 @@ class KVCache:
         self.lengths[layer_idx] = self._ends
         return keys[:, :, :self._kv_length], values[:, :, :self._kv_length]
 
+    def slot_buffers(self, start: int, end: int):
+        """For a caller that writes layers [start, end) itself (`fast.FastLlamaBlocks.run_range`): their
+        key and value buffers (B, H_kv, capacity, head_dim), the first slot of the announced writes and
+        kv_length; None when some layer has no buffer yet or the rows start at different slots. Call
+        `written(start, end)` once they are written."""
+        keys, values = self.keys[start:end], self.values[start:end]
+        if self._start is None or any(k is None for k in keys):
+            return None
+        return keys, values, self._start, self._kv_length
+
+    def written(self, start: int, end: int) -> None:
+        """Layers [start, end) hold the announced writes (what `update` records for one layer)."""
+        self.lengths[start:end] = self._ends
+
     def rollback(self, lengths) -> None:
         """Set every layer's length per row to `lengths` (B,), dropping the rejected positions.
 

@@ -59,6 +59,11 @@ class Adapter:
     def call_block(self, index: int, hidden, mask, cache, extras: dict) -> torch.Tensor:
         return self.call_layer(self.layers[index], hidden, mask, cache, extras)
 
+    def run_blocks(self, start: int, end: int, hidden, mask, cache, extras: dict) -> torch.Tensor | None:
+        """Blocks [start, end) on hidden (B, T, D) with one mask, all at once where this family has a
+        faster way than block by block; None (nothing run) otherwise."""
+        return None
+
     def call_layer(self, layer: nn.Module, hidden, mask, cache, extras: dict) -> torch.Tensor:
         """Call a block module of this family (one of `layers`, or an exit block outside them, which
         writes its keys at its own `layer_idx`) on hidden (B, T, D)."""
@@ -141,6 +146,11 @@ class LlamaFamilyAdapter(Adapter):
         if self._use_fast():
             return self.fast(index, hidden, mask, cache, *extras["position_embeddings"])
         return self.call_layer(self.layers[index], hidden, mask, cache, extras)
+
+    def run_blocks(self, start, end, hidden, mask, cache, extras):
+        if self._use_fast():
+            return self.fast.run_range(start, end, hidden, mask, cache, *extras["position_embeddings"])
+        return None
 
     def call_layer(self, layer, hidden, mask, cache, extras):
         if self._use_fast():  # an exit block: the model's own blocks took the branch above

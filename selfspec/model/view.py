@@ -166,6 +166,12 @@ class DecoderView:
         """
         if context is None:
             context = self.context(hidden, positions, kv_length, cached=cache is not None, aligned=aligned)
+        if cache is not None and start < end and len(set(self.windows[start:end])) == 1:
+            # blocks of one attention window: the family may run them in one go (a decoding pass)
+            out = self.adapter.run_blocks(start, end, hidden, context.masks[self.windows[start]], cache,
+                                          context.extras)
+            if out is not None:
+                return out
         for index in range(start, end):
             hidden = self.run_block(index, hidden, context, cache)
         return hidden

@@ -1,6 +1,7 @@
 """selfspec's compiled CPU kernels (`few_rows.cpp`): x @ Wᵀ for a few rows of x, streaming W once, the
-attention of a few queries, each computed alone in a fixed order, and a Llama-family block for a few
-positions as two calls around the cache write (built from those two).
+attention of a few queries, each computed alone in a fixed order, a Llama-family block for a few
+positions as two calls around the cache write (built from those two), and a range of blocks with their
+cache writes in one call.
 
 Built on first use with torch's own extension builder (a C++ compiler and ninja; AVX2 + FMA;
 OpenMP, so that `at::parallel_for` spreads the rows over torch's own threads) and
@@ -78,6 +79,18 @@ def block_halves() -> tuple[Callable, Callable] | None:
     return None if module is None else (module.block_front, module.block_back)
 
 
+def blocks_pass() -> tuple[type, Callable] | None:
+    """The compiled `(Block, blocks_pass)`, or None where the kernels are not available. `Block(norm1,
+    eps1, wq, bq, wk, bk, wv, bv, q_norm, q_eps, k_norm, k_eps, head_dim, scale, wo, bo, norm2, eps2,
+    w_gate, b_gate, w_up, b_up, w_down, b_down)` holds one block's tensors; `blocks_pass(blocks, hidden
+    (B, T, D), keys, values, start, kv_length, mask (B, T, kv_length) or None, cos, sin)` runs the blocks
+    one after the other as `block_halves` does, writing each one's keys and values into its buffer
+    (B, Hkv, capacity, hd) at slots start .. start + T - 1, and returns the last one's output, or None
+    (nothing computed) where a block's tensors or a buffer do not suit the kernels."""
+    module = _module()
+    return None if module is None else (module.Block, module.blocks_pass)
+
+
 def build(source: Path, name: str):
     """Compile `source` as the extension `name` with the kernels' flags (torch caches the build under
     `name`); raises what the build raises. `eval/kernel_ab.py --against` builds a second version with it."""
@@ -113,4 +126,4 @@ def _module():
     return module
 
 
-__all__ = ["block_halves", "few_queries_attention", "few_rows_linear"]
+__all__ = ["block_halves", "blocks_pass", "few_queries_attention", "few_rows_linear"]

@@ -468,6 +468,90 @@ torch::Tensor block_back(const torch::Tensor& hidden, const torch::Tensor& q, co
                             w_down, b_down);
 }
 
+// The tensors and constants of one Llama-family block, gathered once for `blocks_pass` (by
+// `fast.FastLlamaBlocks`). The tensors are the modules' own: in-place updates stay visible.
+struct Block {
+  torch::Tensor norm1;
+  double eps1;
+  torch::Tensor wq;
+  c10::optional<torch::Tensor> bq;
+  torch::Tensor wk;
+  c10::optional<torch::Tensor> bk;
+  torch::Tensor wv;
+  c10::optional<torch::Tensor> bv;
+  c10::optional<torch::Tensor> q_norm;
+  double q_eps;
+  c10::optional<torch::Tensor> k_norm;
+  double k_eps;
+  int64_t head_dim;
+  double scale;
+  torch::Tensor wo;
+  c10::optional<torch::Tensor> bo;
+  torch::Tensor norm2;
+  double eps2;
+  torch::Tensor w_gate;
+  c10::optional<torch::Tensor> b_gate;
+  torch::Tensor w_up;
+  c10::optional<torch::Tensor> b_up;
+  torch::Tensor w_down;
+  c10::optional<torch::Tensor> b_down;
+
+  // Every tensor on the CPU, contiguous, in `dtype`: what the block halves read
+  bool usable(at::ScalarType dtype) const {
+    for (const auto* t : {&norm1, &wq, &wk, &wv, &wo, &norm2, &w_gate, &w_up, &w_down})
+      if (!t->device().is_cpu() || t->scalar_type() != dtype || !t->is_contiguous()) return false;
+    for (const auto* t : {&bq, &bk, &bv, &q_norm, &k_norm, &bo, &b_gate, &b_up, &b_down})
+      if (t->has_value() && (!(*t)->device().is_cpu() || (*t)->scalar_type() != dtype || !(*t)->is_contiguous()))
+        return false;
+    return true;
+  }
+};
+
+// Blocks [first, last) of a decoding pass in one call: for each, `block_front`, the cache write, then
+// `block_back`. hidden (B, T, D); keys[i], values[i] the cache's buffers of block i (B, Hkv, capacity,
+// hd), the T new positions written at slots start .. start + T - 1 and slots 0 .. kv_length - 1
+// attended (with `mask` (B, T, kv_length), additive; none: every slot); cos, sin (B, T, hd).
+// The same calls as block by block, so the same bits; it saves the Python between blocks (checks,
+// the cache's update, argument passing: measured ~50 µs a block). None, computing nothing, where a
+// block's tensors or a buffer do not fit the kernels (the caller then runs block by block).
+c10::optional<torch::Tensor> blocks_pass(const std::vector<const Block*>& blocks, torch::Tensor hidden,
+                                         const std::vector<torch::Tensor>& keys,
+                                         const std::vector<torch::Tensor>& values, int64_t start,
+                                         int64_t kv_length, const c10::optional<torch::Tensor>& mask,
+                                         const torch::Tensor& cos, const torch::Tensor& sin) {
+  TORCH_CHECK(keys.size() == blocks.size() && values.size() == blocks.size(), "a key and a value buffer a block");
+  TORCH_CHECK(hidden.dim() == 3, "hidden (B, T, D)");
+  const auto dtype = hidden.scalar_type();
+  const int64_t batch = hidden.size(0), length = hidden.size(1);
+  if (!hidden.device().is_cpu() || (dtype != torch::kFloat32 && dtype != torch::kBFloat16)) return c10::nullopt;
+  if (start < 0 || start + length > kv_length) return c10::nullopt;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const Block& b = *blocks[i];
+    const torch::Tensor &k = keys[i], &v = values[i];
+    if (!b.usable(dtype) || k.dim() != 4 || !k.device().is_cpu() || k.scalar_type() != dtype ||
+        k.size(0) != batch || k.size(2) < kv_length || k.size(3) != b.head_dim || k.stride(3) != 1 ||
+        k.stride(2) != b.head_dim || v.sizes() != k.sizes() || v.strides() != k.strides() ||
+        v.scalar_type() != dtype || !v.device().is_cpu())
+      return c10::nullopt;
+  }
+  // the additive mask in fp32 once for all blocks (each block's half would convert it again)
+  const torch::Tensor additive = mask.has_value() ? mask->to(torch::kFloat32).contiguous()
+                                                  : torch::zeros({batch, length, kv_length},
+                                                                 hidden.options().dtype(torch::kFloat32));
+  hidden = hidden.contiguous();
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const Block& b = *blocks[i];
+    const auto qkv = block_front(hidden, b.norm1, b.eps1, b.wq, b.bq, b.wk, b.bk, b.wv, b.bv, b.q_norm, b.q_eps,
+                                 b.k_norm, b.k_eps, cos, sin, b.head_dim);
+    keys[i].narrow(2, start, length).copy_(qkv[1]);
+    values[i].narrow(2, start, length).copy_(qkv[2]);
+    hidden = block_back(hidden, qkv[0], keys[i].narrow(2, 0, kv_length), values[i].narrow(2, 0, kv_length),
+                        additive, b.scale, b.wo, b.bo, b.norm2, b.eps2, b.w_gate, b.b_gate, b.w_up, b.b_up,
+                        b.w_down, b.b_down);
+  }
+  return hidden;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   // Tensors only, no Python objects: other Python threads may run meanwhile
   module.def("few_rows_linear", &few_rows_linear, "x (m <= 8, K) @ weight (N, K)^T, streaming weight once",
@@ -478,5 +562,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("block_front", &block_front, "a block's norm, q/k/v products and rotary for a few positions",
              pybind11::call_guard<pybind11::gil_scoped_release>());
   module.def("block_back", &block_back, "a block's attention, o product, residuals and MLP for a few positions",
+             pybind11::call_guard<pybind11::gil_scoped_release>());
+  pybind11::class_<Block>(module, "Block")
+      .def(pybind11::init<torch::Tensor, double, torch::Tensor, c10::optional<torch::Tensor>, torch::Tensor,
+                          c10::optional<torch::Tensor>, torch::Tensor, c10::optional<torch::Tensor>,
+                          c10::optional<torch::Tensor>, double, c10::optional<torch::Tensor>, double, int64_t,
+                          double, torch::Tensor, c10::optional<torch::Tensor>, torch::Tensor, double,
+                          torch::Tensor, c10::optional<torch::Tensor>, torch::Tensor,
+                          c10::optional<torch::Tensor>, torch::Tensor, c10::optional<torch::Tensor>>());
+  module.def("blocks_pass", &blocks_pass, "blocks of a decoding pass, the cache written, in one call",
              pybind11::call_guard<pybind11::gil_scoped_release>());
 }
