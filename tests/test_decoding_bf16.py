@@ -103,7 +103,8 @@ def test_under_fixed_width_every_product_and_attention_has_the_same_shape(kernel
     monkeypatch.setattr(torch, "mm", lambda a, b: widths.add(("mm", b.shape[1])) or mm(a, b))
     monkeypatch.setattr(torch, "matmul", lambda a, b: widths.add(("attention", a.shape[-2])) or matmul(a, b))
     if kernel:
-        few_rows, (front, back), (block, run) = kernels.few_rows_linear(), kernels.block_halves(), kernels.blocks_pass()
+        few_rows, (front, back) = kernels.few_rows_linear(), kernels.block_halves()
+        block, run = kernels.blocks_pass()
         monkeypatch.setattr(kernels, "few_rows_linear",
                             lambda: lambda x, w: widths.add(("rows kernel", x.shape[0])) or few_rows(x, w))
         monkeypatch.setattr(kernels, "block_halves", lambda: (
