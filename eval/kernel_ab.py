@@ -1,5 +1,6 @@
-"""A/B/C of selfspec's kernels on the roofline's passes, side by side: MKL's products and torch's
-operations, the few-row kernel for the products, and the block kernels (each block two compiled calls).
+"""A/B/C/D of selfspec's kernels on the roofline's passes, side by side: MKL's products and torch's
+operations, the few-row kernel for the products, the block kernels (each block two compiled calls), and
+a pass's blocks in one compiled call.
 
     python eval/kernel_ab.py --model runs/smollm2/base --exit-layer 10 --repeats 30
     python eval/kernel_ab.py --model runs/smollm2/base --exit-layer 10 --dtype bfloat16
@@ -8,11 +9,11 @@ operations, the few-row kernel for the products, and the block kernels (each blo
 
 Builds the roofline's cache of 256 positions, then times each pass (plain step, draft step,
 verification of 2, 4 and 5 positions through blocks [E, N) and the head, the whole model on 5
-positions) in each arm (`selfspec.model.fast._KERNEL`, `_BLOCK_KERNEL`), rotating which goes first,
-after 3 untimed rounds. Prints the medians, each as a share of the read bandwidth (a 512 MiB sum timed
-once a round) and in plain steps of its own arm, and the speedups. `--against FILE` builds another
-version of `few_rows.cpp` beside the package's and adds its block kernels as a fourth arm (a kernel
-change measured side by side). Run it with the machine to itself.
+positions) in each arm (`selfspec.model.fast._KERNEL`, `_BLOCK_KERNEL`, `_PASS_KERNEL`), rotating which
+goes first, after 3 untimed rounds. Prints the medians, each as a share of the read bandwidth (a
+512 MiB sum timed once a round) and in plain steps of its own arm, and the speedups. `--against FILE`
+builds another version of `few_rows.cpp` beside the package's and adds its one-call pass as a fifth
+arm (a kernel change measured side by side). Run it with the machine to itself.
 """
 
 from __future__ import annotations
@@ -54,9 +55,11 @@ def main() -> None:
     passes = {"plain": (0, n, 1), "draft": (0, e, 1), "verify_2": (e, n, 2), "verify_4": (e, n, 4),
               "verify_5": (e, n, 5), "full_5": (0, n, 5)}
     runner = _Passes(view, args.context, 5)
-    arms = {"mkl": (False, False), "rows": (True, False), "block": (True, True)}  # (_KERNEL, _BLOCK_KERNEL)
+    # (_KERNEL, _BLOCK_KERNEL, _PASS_KERNEL)
+    arms = {"mkl": (False, False, False), "rows": (True, False, False), "block": (True, True, False),
+            "pass": (True, True, True)}
     if modules:
-        arms["against"] = (True, True)
+        arms["against"] = (True, True, True)
     names = list(arms)
     times = {(name, arm): [] for name in passes for arm in arms}
     source = torch.ones(512 * 2**20 // 4)  # the read that sets the limit, timed in the same rounds
@@ -68,30 +71,31 @@ def main() -> None:
         for name, spec in passes.items():
             shift = round_index % len(names)
             for arm in names[shift:] + names[:shift]:
-                fast._KERNEL, fast._BLOCK_KERNEL = arms[arm]
+                fast._KERNEL, fast._BLOCK_KERNEL, fast._PASS_KERNEL = arms[arm]
                 kernels._module = (lambda module=modules[arm]: module) if arm in modules else package
                 start = time.perf_counter()
                 runner.run(*spec)
                 if round_index >= 3:
                     times[(name, arm)].append(time.perf_counter() - start)
-    fast._KERNEL, fast._BLOCK_KERNEL = True, True
+    fast._KERNEL, fast._BLOCK_KERNEL, fast._PASS_KERNEL = True, True, True
     kernels._module = package
     rate = source.numel() * 4 / statistics.median(reads[3:])
     median = {key: statistics.median(values) for key, values in times.items()}
     print(f"{args.model} ({args.dtype}), E = {e}, {args.repeats} rotated rounds, "
           f"read bandwidth {rate / 1e9:.1f} GB/s; each arm: ms, share of bandwidth, plain steps")
-    against = f" | block kernels of {args.against} | blocks / those" if modules else ""
-    print(f"| pass | MKL | few-row kernel | block kernels | rows / MKL | blocks / rows{against} |")
-    print("|---|---:|---:|---:|---:|---:|" + ("---:|---:|" if modules else ""))
+    against = f" | one call, kernels of {args.against} | one call / those" if modules else ""
+    print(f"| pass | MKL | few-row kernel | block kernels | one call per pass | rows / MKL | blocks / rows "
+          f"| one call / blocks{against} |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if modules else ""))
     for name, (start, end, _) in passes.items():
         limit = pass_bytes(view, start, end, args.context) / rate
         ms = {arm: median[(name, arm)] for arm in names}
         cells = {arm: f"{ms[arm] * 1e3:.2f} ms, {limit / ms[arm]:.0%}, {ms[arm] / median[('plain', arm)]:.2f}"
                  for arm in names}
-        row = [cells["mkl"], cells["rows"], cells["block"], f"{ms['mkl'] / ms['rows']:.2f}x",
-               f"{ms['rows'] / ms['block']:.2f}x"]
+        row = [cells["mkl"], cells["rows"], cells["block"], cells["pass"], f"{ms['mkl'] / ms['rows']:.2f}x",
+               f"{ms['rows'] / ms['block']:.2f}x", f"{ms['block'] / ms['pass']:.2f}x"]
         if modules:
-            row += [cells["against"], f"{ms['against'] / ms['block']:.2f}x"]
+            row += [cells["against"], f"{ms['against'] / ms['pass']:.2f}x"]
         print(f"| {name} | {' | '.join(row)} |")
 
 

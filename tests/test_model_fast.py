@@ -588,6 +588,28 @@ def test_rows_at_different_slots_or_a_block_the_kernels_cannot_read_run_block_by
     assert len(pass_calls) == 2  # the kernel was asked twice and declined: nothing was written twice
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_block_kernels_silu_matches_torch_far_out_where_its_exp_saturates(dtype, few_rows, monkeypatch):
+    """Gate values in the hundreds (the kernel's vectorized exp clamps its argument past ±88): SiLU still
+    gives the gate itself far above 0 and (almost) 0 far below, as torch's operations do."""
+    from selfspec.model import fast
+
+    model = tiny_model("llama").to(dtype)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate_proj.weight.mul_(2000)
+    view = DecoderView(model)
+    ids = torch.randint(0, 96, (1, 10))
+    runs = []
+    for block_kernel in (True, False):
+        monkeypatch.setattr(fast, "_BLOCK_KERNEL", block_kernel)
+        with torch.no_grad(), fast.fixed_width(dtype != torch.float32):
+            runs.append(_decode_with_caches(view, ids, [(0, 8), (8, 9), (9, 10)])[0][:, 8:].float())
+    assert runs[0].isfinite().all()
+    torch.testing.assert_close(runs[0], runs[1], rtol=1e-5 if dtype == torch.float32 else 2e-2,
+                               atol=1e-4 * runs[1].abs().max().item())
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_the_block_kernels_in_bf16_track_the_operations_they_replace(family, few_rows, monkeypatch):
     """In bf16 the compiled halves round where torch's operations round (the normalised row, each

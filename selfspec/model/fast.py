@@ -393,7 +393,7 @@ class FastLlamaBlocks:
         self.blocks = blocks
         self._extra: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # exit block -> tensors
         self.head = head  # (final norm weight, eps, LM head weight, bias), or None: use the modules
-        self._kernel_blocks = False  # see `_compiled`; False: not built yet
+        self._kernel_blocks = None  # (the extension's Block class, the blocks as its objects): `_compiled`
 
     @classmethod
     def build(cls, layers: nn.ModuleList, config, final_norm: nn.Module | None = None,
@@ -453,20 +453,20 @@ class FastLlamaBlocks:
         return out
 
     def _compiled(self):
-        """`(the blocks as the kernels' Block objects, blocks_pass)`, built once; None where the kernels
-        are not available or a block's activation is not SiLU."""
-        if self._kernel_blocks is False:
-            made = kernels.blocks_pass()
-            if made is None or any(b.act is not F.silu for b in self.blocks):
-                self._kernel_blocks = None
-            else:
-                block, run = made
-                self._kernel_blocks = ([block(b.norm1, b.eps1, b.wq, b.bq, b.wk, b.bk, b.wv, b.bv,
-                                              *(b.q_norm or (None, 0.0)), *(b.k_norm or (None, 0.0)),
-                                              b.head_dim, b.scaling, b.wo, b.bo, b.norm2, b.eps2, b.w_gate,
-                                              b.b_gate, b.w_up, b.b_up, b.w_down, b.b_down)
-                                        for b in self.blocks], run)
-        return self._kernel_blocks if _KERNEL and _BLOCK_KERNEL and _PASS_KERNEL else None
+        """`(the blocks as the kernels' Block objects, blocks_pass)`, the objects built once per extension
+        (`eval/kernel_ab.py` swaps it); None where the kernels are not available or off, or a block's
+        activation is not SiLU."""
+        made = kernels.blocks_pass() if _KERNEL and _BLOCK_KERNEL and _PASS_KERNEL else None
+        if made is None or any(b.act is not F.silu for b in self.blocks):
+            return None
+        block, run = made
+        if self._kernel_blocks is None or self._kernel_blocks[0] is not block:
+            self._kernel_blocks = (block, [block(b.norm1, b.eps1, b.wq, b.bq, b.wk, b.bk, b.wv, b.bv,
+                                                 *(b.q_norm or (None, 0.0)), *(b.k_norm or (None, 0.0)),
+                                                 b.head_dim, b.scaling, b.wo, b.bo, b.norm2, b.eps2, b.w_gate,
+                                                 b.b_gate, b.w_up, b.b_up, b.w_down, b.b_down)
+                                           for b in self.blocks])
+        return self._kernel_blocks[1], run
 
     def extra(self, layer: nn.Module, config) -> _Block | None:
         """The gathered tensors of a block outside the model's list (an exit block), built once per

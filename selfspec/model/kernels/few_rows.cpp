@@ -57,6 +57,12 @@ void rows_block(const float* x, const T* w, T* out, int64_t n, int64_t k, int64_
   const int64_t k8 = k - k % 8;
   for (int64_t j = begin; j < end; ++j) {
     const T* row = w + j * k;
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      if (j + 2 < end) {
+        const char* ahead = reinterpret_cast<const char*>(row + 2 * k);
+        for (int64_t b = 0; b < k * static_cast<int64_t>(sizeof(T)); b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+      }
+    }
     // every loop over the M rows unrolled, so that acc lives in registers (without it GCC kept the
     // array on the stack and stored each accumulator after every FMA)
     __m256 acc[M];
@@ -396,10 +402,16 @@ torch::Tensor back(const torch::Tensor& hidden, const torch::Tensor& q, const to
   for (int64_t i = 0; i < m * d; ++i) h[i] = held<T>(h[i] + o[i]);  // the residual, in T
   for (int64_t r = 0; r < m; ++r) rms_norm_row<T>(h.data() + r * d, norm.data_ptr<T>(), eps, x.data() + r * d, d);
   linear_rows<T>(x.data(), {&w_gate, &w_up}, {&b_gate, &b_up}, {gate.data(), up.data()}, m);
-  for (int64_t i = 0; i < m * inner; ++i) {  // SwiGLU: silu(gate) rounded, times up, rounded
-    const float g = gate[i];
-    gate[i] = held<T>(held<T>(g / (1.f + std::exp(-g))) * up[i]);
+  // SwiGLU: silu(gate) = gate / (1 + e^-gate) rounded, times up, rounded. The exp in 8 lanes (`exp8`):
+  // scalar expf took ~8 us a block on SmolLM2, 1536 a position.
+  const int64_t count = m * inner, count8 = count - count % 8;
+  for (int64_t i = 0; i < count8; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate.data() + i);
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    _mm256_storeu_ps(gate.data() + i, _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)));
   }
+  for (int64_t i = count8; i < count; ++i) gate[i] = gate[i] / (1.f + std::exp(-gate[i]));
+  for (int64_t i = 0; i < count; ++i) gate[i] = held<T>(held<T>(gate[i]) * up[i]);
   linear_rows<T>(gate.data(), {&w_down}, {&b_down}, {down.data()}, m);
   auto out = torch::empty_like(hidden);
   T* op = out.data_ptr<T>();
@@ -563,7 +575,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              pybind11::call_guard<pybind11::gil_scoped_release>());
   module.def("block_back", &block_back, "a block's attention, o product, residuals and MLP for a few positions",
              pybind11::call_guard<pybind11::gil_scoped_release>());
-  pybind11::class_<Block>(module, "Block")
+  pybind11::class_<Block>(module, "Block", pybind11::module_local())
       .def(pybind11::init<torch::Tensor, double, torch::Tensor, c10::optional<torch::Tensor>, torch::Tensor,
                           c10::optional<torch::Tensor>, torch::Tensor, c10::optional<torch::Tensor>,
                           c10::optional<torch::Tensor>, double, c10::optional<torch::Tensor>, double, int64_t,
