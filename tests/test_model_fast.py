@@ -270,21 +270,22 @@ def test_the_kernel_in_bf16_is_the_fp32_product_of_the_bf16_values_rounded_once(
 
 
 def test_fast_linear_runs_the_kernel_for_few_rows_and_mkl_otherwise(few_rows, monkeypatch):
-    """1-8 rows (a decode step, a verification) go through the kernel, bias added after; a prefill's
-    many rows keep F.linear; `_KERNEL = False` restores MKL's paths for A/B runs."""
+    """1-48 fp32 rows (a decode step, a verification, a copy's 11 positions, a short prefill) go through
+    the kernel, bias added after; more keep F.linear; `_KERNEL = False` restores MKL's paths for A/B
+    runs."""
     calls = []
     monkeypatch.setattr("selfspec.model.kernels.few_rows_linear",
                         lambda: lambda x, w: calls.append(x.shape[0]) or few_rows(x, w))
     torch.manual_seed(0)
     weight, bias = torch.randn(64, 32), torch.randn(64)
-    for shape in [(1, 1, 32), (1, 5, 32), (2, 4, 32), (1, 9, 32)]:
+    for shape in [(1, 1, 32), (1, 5, 32), (2, 4, 32), (1, 11, 32), (2, 24, 32), (1, 49, 32)]:
         x = torch.randn(shape)
         torch.testing.assert_close(linear(x, weight, bias), torch.nn.functional.linear(x, weight, bias),
                                    rtol=1e-5, atol=1e-5)
-    assert calls == [1, 5, 8]
+    assert calls == [1, 5, 8, 11, 48]
     monkeypatch.setattr("selfspec.model.fast._KERNEL", False)
     linear(torch.randn(1, 1, 32), weight, bias)
-    assert calls == [1, 5, 8]
+    assert calls == [1, 5, 8, 11, 48]
 
 
 def test_a_bf16_prefill_on_a_cpu_that_emulates_bf16_avoids_torchs_bf16_product(few_rows, monkeypatch):
@@ -456,9 +457,9 @@ def block_calls(few_rows, monkeypatch):
 @pytest.mark.parametrize("family", [*LLAMA_FAMILIES, "llama_biased"])
 def test_a_decoding_pass_runs_each_block_as_the_two_compiled_halves_and_equals_the_model(family, block_calls):
     """One-token steps (no mask) and a masked 4-token verification of two rows (8 positions) behind a
-    prefix go through the block kernels, every block once per pass; a 9-token prefill keeps the tensor
-    path. Qwen2 brings q/k/v
-    biases, Qwen3 per-head q/k norms, Mistral and Qwen2 grouped-query heads and windows."""
+    prefix go through the block kernels, every block once per pass; a prefill of two 25-token rows
+    (50 positions, past `_KERNEL_MAX_ROWS`) keeps the tensor path. Qwen2 brings q/k/v biases, Qwen3
+    per-head q/k norms, Mistral and Qwen2 grouped-query heads and windows."""
     if family == "llama_biased":
         model = tiny_model("llama", attention_bias=True, mlp_bias=True)
         model = type(model)(model.config).float().eval()
@@ -467,10 +468,10 @@ def test_a_decoding_pass_runs_each_block_as_the_two_compiled_halves_and_equals_t
     else:
         model = tiny_model(family)
     view = DecoderView(model)
-    ids = torch.randint(0, 96, (2, 15))
+    ids = torch.randint(0, 96, (2, 31))
     with torch.no_grad():
-        logits = _decode_through_cache(view, ids, [(0, 9), (9, 13), (13, 14), (14, 15)])
-        torch.testing.assert_close(logits[:, 9:], model(ids).logits[:, 9:], rtol=1e-5, atol=1e-5)
+        logits = _decode_through_cache(view, ids, [(0, 25), (25, 29), (29, 30), (30, 31)])
+        torch.testing.assert_close(logits[:, 25:], model(ids).logits[:, 25:], rtol=1e-5, atol=1e-5)
     layers = view.num_layers
     assert block_calls == [(half, t) for t in (4, 1, 1) for _ in range(layers) for half in ("front", "back")]
 
@@ -538,9 +539,10 @@ def _decode_with_caches(view, ids, bounds, layers=None):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_decoding_pass_runs_its_blocks_in_one_call_bit_for_bit_as_block_by_block(family, dtype, pass_calls,
                                                                                    monkeypatch):
-    """Blocks [0, 2) and [2, N) of a masked 4-token verification of two rows and of one-token steps, each
-    range in one compiled call: the logits, every layer's keys and values and the cache's lengths the
-    same to the bit as block by block, in fp32 and bf16 (a 9-token prefill runs block by block)."""
+    """Blocks [0, 2) and [2, N) of masked 4- and 11-token verifications of two rows (a copy of 10
+    tokens verifies 11) and of one-token steps, each range in one compiled call: the logits, every
+    layer's keys and values and the cache's lengths the same to the bit as block by block, in fp32 and
+    bf16 (the prefill, before the cache has buffers, runs block by block)."""
     from selfspec.model import fast
 
     if family == "llama_biased":
@@ -551,8 +553,8 @@ def test_a_decoding_pass_runs_its_blocks_in_one_call_bit_for_bit_as_block_by_blo
     else:
         model = tiny_model(family)
     model = model.to(dtype)
-    ids = torch.randint(0, 96, (2, 15))
-    bounds, layers = [(0, 9), (9, 13), (13, 14), (14, 15)], [(0, 2), (2, 4)]
+    ids = torch.randint(0, 96, (2, 26))
+    bounds, layers = [(0, 9), (9, 13), (13, 24), (24, 25), (25, 26)], [(0, 2), (2, 4)]
     runs = []
     for one_call in (True, False):
         monkeypatch.setattr(fast, "_PASS_KERNEL", one_call)
@@ -561,8 +563,8 @@ def test_a_decoding_pass_runs_its_blocks_in_one_call_bit_for_bit_as_block_by_blo
     (logits, cache), (reference, expected) = runs
     assert torch.equal(logits, reference)
     assert all(torch.equal(a, b) for a, b in zip(cache.keys + cache.values, expected.keys + expected.values))
-    assert (cache.lengths == expected.lengths).all() and (cache.lengths == 15).all()
-    assert pass_calls == [(2, rows) for rows in (8, 2, 2) for _ in layers]
+    assert (cache.lengths == expected.lengths).all() and (cache.lengths == 26).all()
+    assert pass_calls == [(2, rows) for rows in (8, 22, 2, 2) for _ in layers]
 
 
 def test_rows_at_different_slots_or_a_block_the_kernels_cannot_read_run_block_by_block(pass_calls):

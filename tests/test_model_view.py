@@ -54,7 +54,8 @@ def test_exit_logits_apply_the_final_norm(family):
         expected = view.lm_head(view.final_norm(hidden))
         unnormed = view.lm_head(hidden)
         got = view.exit_logits(hidden)
-    assert torch.equal(got, expected)
+    # equal up to the summation order (the fast head's products of 2-48 rows run selfspec's kernel)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(got, unnormed)
 
 

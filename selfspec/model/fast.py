@@ -12,7 +12,8 @@ SwiGLU MLP -> residual.
 On CPU a decoding pass of a few positions (a plain step, a draft step, a verification) runs each
 block instead as two compiled calls around the cache write (`kernels/few_rows.cpp`: `block_front`
 norm -> q/k/v -> rotary, `block_back` attention -> o -> residual -> norm -> MLP -> residual), the
-same computation rounded where the tensor operations round; see `run_block`.
+same computation rounded where the tensor operations round; see `run_block`. A pass over several
+blocks with the engine's cache runs them all in one compiled call (`FastLlamaBlocks.run_range`).
 
 `DecoderView` uses it whenever autograd is off, the model is in eval mode and uses SDPA attention
 (decoding, evaluation), and falls back to the model's own blocks otherwise (training, eager or
@@ -63,8 +64,14 @@ _HALVES_ONE_ROW = True
 # Few-row products and the fixed-width attention run selfspec's kernels where they build (see
 # `_kernel_for`, `_attention_kernel_for`); False keeps MKL's products and the padded attention (A/B)
 _KERNEL = True
-# Rows per call of the few-row kernel (few_rows.cpp's kMaxRows)
+# Rows per call of the few-row kernel (few_rows.cpp's kMaxRows); more run in chunks of this many
 _KERNEL_ROWS = 8
+# Up to this many rows an fp32 product, and an fp32 block (see `_pass_fits_kernels`), take the kernels,
+# W read once per chunk of `_KERNEL_ROWS`: MKL's product of more than 8 rows repacks all of W at every
+# call, so on SmolLM2 a whole-model pass of 9-48 positions (copies of 10 tokens verify 11) ran
+# 1.2-2.3x faster in the kernels (9 positions 146 -> 64 ms, 16: 166 -> 90, 32: 220 -> 173, 48:
+# 291 -> 235), and 64 positions slower (317 against 284).
+_KERNEL_MAX_ROWS = 48
 # From this many rows a bf16 product on a CPU that emulates bf16 (`_emulated_bf16`: a prefill) runs as
 # fp32 MKL on the weight widened for the call, rounded to bf16 once: SmolLM2's 7 block weights x 30,
 # measured 214 ms at 100 rows against 392 ms in the kernel (which is compute-bound there) and 1.3 s in
@@ -134,18 +141,26 @@ def _emulated_bf16() -> bool:
         return True
 
 
+def _max_kernel_rows(dtype: torch.dtype) -> int:
+    """The most rows the kernels take outside `fixed_width` (where they take any number):
+    `_KERNEL_MAX_ROWS` in fp32; in bf16 fewer than `_WIDEN_MIN_ROWS` on a CPU without bf16 arithmetic
+    (`_emulated_bf16`), `_KERNEL_ROWS` on one with it (torch's bf16 product is native there)."""
+    if dtype == torch.float32:
+        return _KERNEL_MAX_ROWS
+    return _WIDEN_MIN_ROWS - 1 if _emulated_bf16() else _KERNEL_ROWS
+
+
 def _kernel_for(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int, width: int):
     """selfspec's few-row kernel (`kernels/few_rows.cpp`) where it applies, else None: on CPU, without
     autograd (it has no backward), fp32 or bf16 throughout (bias included: F.linear refuses a mix),
-    a contiguous weight, 1 to `_KERNEL_ROWS` rows; any number (in chunks of 8) under `fixed_width`,
-    and fewer than `_WIDEN_MIN_ROWS` in bf16 on a CPU without bf16 arithmetic (`_emulated_bf16`)."""
+    a contiguous weight, 1 to `_max_kernel_rows` rows (in chunks of 8); any number under
+    `fixed_width`."""
     if not _KERNEL or x.device.type != "cpu" or not weight.is_contiguous() or weight.shape[1] == 0:
         return None
     if x.dtype not in (torch.float32, torch.bfloat16) or weight.dtype != x.dtype or (
             bias is not None and bias.dtype != x.dtype):
         return None
-    if rows < 1 or (rows > _KERNEL_ROWS and not width and not (
-            x.dtype == torch.bfloat16 and rows < _WIDEN_MIN_ROWS and _emulated_bf16())):
+    if rows < 1 or (rows > _max_kernel_rows(x.dtype) and not width):
         return None
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return None
@@ -156,8 +171,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     """`F.linear(x, weight, bias)`: x (..., K) -> (..., N), computed the way the CPU reads `weight`
     fastest when x has a few rows (a decode step, a verification of k + 1 positions).
 
-    First choice on CPU without autograd, fp32 or bf16, 1-8 rows (any number in chunks of 8 under
-    `fixed_width`, and fewer than `_WIDEN_MIN_ROWS` in bf16 where the CPU emulates it), a contiguous
+    First choice on CPU without autograd, fp32 or bf16, 1 to `_max_kernel_rows` rows (48 in fp32, 31
+    in bf16 where the CPU emulates it; in chunks of 8; any number under `fixed_width`), a contiguous
     weight: selfspec's kernel (`kernels/few_rows.cpp`, see `_kernel_for`), which reads each row of W
     once from both cores and multiplies it with every row of x, each output one fp32 dot product in a
     fixed order. Interleaved A/B against the MKL paths below
@@ -479,15 +494,16 @@ class FastLlamaBlocks:
 def _pass_fits_kernels(hidden: torch.Tensor, mask: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                        head_dim: int) -> bool:
     """Whether a pass on hidden (B, T, D) suits selfspec's block kernels, its blocks aside: on CPU, fp32
-    or bf16, a decoding pass (a mask, or one position that sees every cached slot) of
-    1-`_KERNEL_ROWS` positions (any number under `fixed_width`), an additive float mask, (B, T, hd)
+    or bf16, a decoding pass (a mask, or one position that sees every cached slot) of 1 to
+    `_max_kernel_rows` positions (any number under `fixed_width`), an additive float mask, (B, T, hd)
     angles in hidden's dtype (one row of them is broadcast to every row)."""
     if not (_KERNEL and _BLOCK_KERNEL) or hidden.device.type != "cpu" or hidden.dtype not in (
             torch.float32, torch.bfloat16):
         return False
     batch, length = hidden.shape[:2]
     rows = batch * length
-    if rows < 1 or (rows > _KERNEL_ROWS and not _fixed_width.get()) or (mask is None and length > 1):
+    if rows < 1 or (rows > _max_kernel_rows(hidden.dtype) and not _fixed_width.get()) or (
+            mask is None and length > 1):
         return False
     if cos.dtype != hidden.dtype or sin.dtype != cos.dtype or sin.shape != cos.shape:
         return False

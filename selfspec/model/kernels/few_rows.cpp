@@ -17,7 +17,8 @@
 // SmolLM2 otherwise spends a fifth of its time outside the products: some 60 small tensor operations
 // a block and the gaps between its seven product calls. In the block calls the products of q/k/v,
 // and of gate/up, share one parallel region, and the small steps are loops over a few rows, rounded
-// to the model's dtype wherever torch's operations round.
+// to the model's dtype wherever torch's operations round. `blocks_pass` runs a range of blocks, and
+// their cache writes, in one call.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
