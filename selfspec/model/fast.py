@@ -409,6 +409,7 @@ class FastLlamaBlocks:
         self._extra: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # exit block -> tensors
         self.head = head  # (final norm weight, eps, LM head weight, bias), or None: use the modules
         self._kernel_blocks = None  # (the extension's Block class, the blocks as its objects): `_compiled`
+        self._silu = all(b.act is F.silu for b in blocks)  # the compiled blocks' MLP activation
 
     @classmethod
     def build(cls, layers: nn.ModuleList, config, final_norm: nn.Module | None = None,
@@ -471,8 +472,8 @@ class FastLlamaBlocks:
         """`(the blocks as the kernels' Block objects, blocks_pass)`, the objects built once per extension
         (`eval/kernel_ab.py` swaps it); None where the kernels are not available or off, or a block's
         activation is not SiLU."""
-        made = kernels.blocks_pass() if _KERNEL and _BLOCK_KERNEL and _PASS_KERNEL else None
-        if made is None or any(b.act is not F.silu for b in self.blocks):
+        made = kernels.blocks_pass() if _KERNEL and _BLOCK_KERNEL and _PASS_KERNEL and self._silu else None
+        if made is None:
             return None
         block, run = made
         if self._kernel_blocks is None or self._kernel_blocks[0] is not block:
