@@ -484,6 +484,7 @@ def _finish(run: _Run, kind: str, seconds: float) -> TrainResult:
                             "processes": accelerator.num_processes,
                             "parameters": sum(p.numel() for p in inner.parameters())},
                    kind=kind)
+    accelerator.wait_for_everyone()  # every rank may read the saved model after this (finetune.py does)
     accelerator.end_training()
     return TrainResult(run.output_dir, model_dir, run.step, run.tokens, seconds, final)
 
