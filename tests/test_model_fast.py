@@ -38,10 +38,7 @@ def test_fast_block_equals_the_model_block(family):
 
 def test_biases_everywhere_are_applied():
     """Llama with attention and MLP biases (Qwen2 covers q/k/v biases alone)."""
-    model = tiny_model("llama", attention_bias=True, mlp_bias=True)
-    model = type(model)(model.config).float().eval()  # rebuilt so the biased layers exist
-    for p in model.parameters():
-        torch.nn.init.normal_(p, std=0.2)
+    model = _family_model("llama_biased")
     view = DecoderView(model)
     ids = torch.randint(0, 96, (1, 10))
     with torch.no_grad():
@@ -439,6 +436,17 @@ def test_the_attention_kernels_exp_follows_expf_and_hides_what_it_should(few_row
     torch.testing.assert_close(out[:-3].double(), expected[:-3], rtol=4 * 2**-23, atol=0)
 
 
+def _family_model(family):
+    """`tiny_model(family)`; "llama_biased": Llama with attention and MLP biases, weights drawn wide."""
+    if family != "llama_biased":
+        return tiny_model(family)
+    model = tiny_model("llama", attention_bias=True, mlp_bias=True)
+    model = type(model)(model.config).float().eval()  # rebuilt so the biased layers exist
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    return model
+
+
 @pytest.fixture
 def block_calls(few_rows, monkeypatch):
     """Counts the rows of every call of the compiled block halves (front, back), run block by block
@@ -460,13 +468,7 @@ def test_a_decoding_pass_runs_each_block_as_the_two_compiled_halves_and_equals_t
     prefix go through the block kernels, every block once per pass; a prefill of two 25-token rows
     (50 positions, past `_KERNEL_MAX_ROWS`) keeps the tensor path. Qwen2 brings q/k/v biases, Qwen3
     per-head q/k norms, Mistral and Qwen2 grouped-query heads and windows."""
-    if family == "llama_biased":
-        model = tiny_model("llama", attention_bias=True, mlp_bias=True)
-        model = type(model)(model.config).float().eval()
-        for p in model.parameters():
-            torch.nn.init.normal_(p, std=0.2)
-    else:
-        model = tiny_model(family)
+    model = _family_model(family)
     view = DecoderView(model)
     ids = torch.randint(0, 96, (2, 31))
     with torch.no_grad():
@@ -545,13 +547,7 @@ def test_a_decoding_pass_runs_its_blocks_in_one_call_bit_for_bit_as_block_by_blo
     bf16 (the prefill, before the cache has buffers, runs block by block)."""
     from selfspec.model import fast
 
-    if family == "llama_biased":
-        model = tiny_model("llama", attention_bias=True, mlp_bias=True)
-        model = type(model)(model.config).float().eval()
-        for p in model.parameters():
-            torch.nn.init.normal_(p, std=0.2)
-    else:
-        model = tiny_model(family)
+    model = _family_model(family)
     model = model.to(dtype)
     ids = torch.randint(0, 96, (2, 26))
     bounds, layers = [(0, 9), (9, 13), (13, 24), (24, 25), (25, 26)], [(0, 2), (2, 4)]
