@@ -542,9 +542,9 @@ c10::optional<torch::Tensor> blocks_pass(const std::vector<const Block*>& blocks
     const Block& b = *blocks[i];
     const torch::Tensor &k = keys[i], &v = values[i];
     if (!b.usable(dtype) || k.dim() != 4 || !k.device().is_cpu() || k.scalar_type() != dtype ||
-        k.size(0) != batch || k.size(2) < kv_length || k.size(3) != b.head_dim || k.stride(3) != 1 ||
-        k.stride(2) != b.head_dim || v.sizes() != k.sizes() || v.strides() != k.strides() ||
-        v.scalar_type() != dtype || !v.device().is_cpu())
+        k.size(0) != batch || k.size(1) * b.head_dim != b.wk.size(0) || k.size(2) < kv_length ||
+        k.size(3) != b.head_dim || k.stride(3) != 1 || k.stride(2) != b.head_dim || v.sizes() != k.sizes() ||
+        v.strides() != k.strides() || v.scalar_type() != dtype || !v.device().is_cpu())
       return c10::nullopt;
   }
   // the additive mask in fp32 once for all blocks (each block's half would convert it again)
