@@ -15,6 +15,7 @@ from selfspec.decoding.sampling import (
     SamplingParams,
     accept_greedy,
     accept_sampled,
+    greedy_tokens,
     residual_probs,
     sample,
     uniforms,
@@ -83,6 +84,20 @@ def test_greedy_accept_counts_the_leading_matches():
     tokens, accepted = accept_greedy(drafts, logits)
     assert accepted.tolist() == [3, 1, 0]
     assert torch.equal(tokens, target)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_greedy_tokens_are_the_argmax_ties_and_nans_included(dtype):
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(3, 5, 1000, generator=g) * 4).to(dtype)
+    logits[0, 0, [7, 300, 900]] = 50.0  # a tie: the first index wins
+    logits[1, 2, 400] = float("nan")  # a NaN counts as the largest, as in torch.argmax
+    logits[2, 4, 10] = float("nan")
+    logits[2, 4, 20] = float("nan")
+    tokens = greedy_tokens(logits)
+    assert tokens.dtype == torch.int64
+    assert torch.equal(tokens, logits.argmax(-1))
+    assert tokens[0, 0] == 7 and tokens[1, 2] == 400 and tokens[2, 4] == 10
 
 
 def _speculative_first_tokens(n: int, k: int, p_rows, q_rows):

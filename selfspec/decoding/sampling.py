@@ -137,6 +137,16 @@ def copied_probs(copied: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return F.one_hot(copied, vocab_size).float()
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(-1)`, the same ids. bf16/fp16 logits on CPU are widened to fp32 first (exactly,
+    so ties and NaNs pick the same index): torch's CPU argmax over a low-precision dtype is slower
+    than the widening and an fp32 argmax together (SmolLM2's 49,152 logits: 246 µs against 155 µs
+    for one row, 735 against 418 µs for a verification's 5 rows)."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.bfloat16, torch.float16):
+        logits = logits.float()
+    return logits.argmax(-1)
+
+
 def accept_greedy(drafts: torch.Tensor, target_logits: torch.Tensor):
     """Greedy verification: accept drafts while they equal the target's argmax.
 
@@ -144,7 +154,7 @@ def accept_greedy(drafts: torch.Tensor, target_logits: torch.Tensor):
     (position 0: after the pending token). Returns (tokens (B, k+1), accepted (B,)): a row emits
     tokens[:accepted + 1], its accepted drafts (equal to the argmax) then the target's own token.
     """
-    tokens = target_logits.argmax(-1)  # (B, k+1)
+    tokens = greedy_tokens(target_logits)  # (B, k+1)
     matches = drafts == tokens[:, :-1]  # (B, k)
     accepted = matches.int().cumprod(1).sum(1)  # length of the leading run of matches
     return tokens, accepted

@@ -46,7 +46,17 @@ from .controller import Controller
 from .draft_head import DraftHead, frequent_tokens
 from .ngram import NGramConfig
 from .policy import DraftPlan, DraftPolicy, Segment
-from .sampling import ACCEPT, DRAFT, TARGET, SamplingParams, accept_greedy, accept_sampled, sample, uniforms
+from .sampling import (
+    ACCEPT,
+    DRAFT,
+    TARGET,
+    SamplingParams,
+    accept_greedy,
+    accept_sampled,
+    greedy_tokens,
+    sample,
+    uniforms,
+)
 from .settings import DecodeSettings
 
 
@@ -340,7 +350,7 @@ class SelfSpecGenerator:
     def _pick(self, b: _Batch, logits: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """Draft token (B,) from draft logits (B, V) for the token at `position` (B, 1)."""
         if b.sampling.greedy:
-            return logits.argmax(-1)
+            return greedy_tokens(logits)
         return sample(b.sampling.probs(logits), uniforms(b.seeds_dev, position, DRAFT)[:, 0])
 
     @staticmethod
