@@ -103,6 +103,33 @@ def test_stats_histogram_and_positions():
     assert stats.as_dict()["accepted_histogram"] == [1, 1, 1, 1]
 
 
+def test_stats_equal_their_definitions_over_random_rounds():
+    """Counts of random batches and k against the definitions, row by row: position i is tested where
+    at least i drafts were accepted and accepted where more than i were."""
+    rng = np.random.default_rng(0)
+    stats = AcceptanceStats()
+    tested = accepted = drafted = 0
+    histogram, position_tested, position_accepted = [0] * 9, [0] * 8, [0] * 8
+    for _ in range(300):
+        k, rows = int(rng.integers(0, 9)), int(rng.integers(1, 6))
+        counts = rng.integers(0, k + 1, size=rows)
+        stats.update(counts, k)
+        if k == 0:
+            continue
+        drafted += rows * k
+        for a in counts.tolist():
+            tested += min(a + 1, k)
+            accepted += a
+            histogram[a] += 1
+            for i in range(k):
+                position_tested[i] += a >= i
+                position_accepted[i] += a > i
+    assert (stats.tested, stats.accepted, stats.drafted) == (tested, accepted, drafted)
+    assert stats.accepted_histogram == histogram and stats.position_tested == position_tested
+    assert stats.position_accepted == position_accepted
+    assert all(type(n) is int for n in stats.accepted_histogram + stats.position_tested)  # JSON-ready
+
+
 def test_merge_pools_runs():
     a, b, both = AcceptanceStats(), AcceptanceStats(), AcceptanceStats()
     a.update([0, 2], 2)
