@@ -196,9 +196,10 @@ class AcceptanceStats:
             self.position_accepted[i] += at_least[i + 1]
         self.row_rounds += rows
         self.drafted += rows * k
+        accepted_drafts = sum(at_least[1:k + 1])  # Σ a
         self.tested += sum(at_least[:k])  # Σ min(a + 1, k): the accepted drafts and the first rejected
-        self.accepted += sum(at_least[1:k + 1])  # Σ a
-        self.emitted += sum(at_least[1:k + 1]) + rows
+        self.accepted += accepted_drafts
+        self.emitted += accepted_drafts + rows
 
     def merge(self, other: AcceptanceStats) -> None:
         """Add another run's counts to these (to pool several `generate` calls)."""
