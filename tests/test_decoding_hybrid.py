@@ -243,7 +243,7 @@ def test_stats_per_source_add_up():
     assert copy.drafted + early.drafted <= s.drafted  # early-exit drafts after a rejected copy go untested
     assert copy.accepted + early.accepted == s.accepted
     assert s.draft_steps >= early.drafted  # a step serves the whole batch; untested ones were run too
-    assert set(s.as_dict()["by_source"]) == {"copy", "early_exit"}
+    assert set(s.as_dict()["by_source"]) == {"copy", "forced", "early_exit"}
 
 
 # -- sampling: in distribution ---------------------------------------------------------------------

@@ -42,7 +42,8 @@ COPY_WINDOW = 16  # copy rounds the copy length's α is taken over: copying come
 
 @dataclass(frozen=True)
 class Segment:
-    """Draft positions start .. start + length − 1 of a round came from `source` ("copy", "early_exit")."""
+    """Draft positions start .. start + length − 1 of a round came from `source` ("copy", "forced": a
+    grammar's forced tokens, "early_exit")."""
 
     source: str
     start: int
@@ -113,7 +114,9 @@ class EarlyExitPolicy(DraftPolicy):
         return DraftPlan(np.zeros((len(rows), 0), dtype=np.int64), self.controller.next_k())
 
     def update(self, segments, accepted, draft_time, verify_time):
-        self.controller.update(sum(s.length for s in segments), accepted, draft_time, verify_time)
+        # the early exit's own drafts: a grammar's forced tokens cost no draft step
+        self.controller.update(sum(s.length for s in segments if s.source == "early_exit"), accepted,
+                               draft_time, verify_time)
 
 
 class CopyPolicy(DraftPolicy):
@@ -172,7 +175,7 @@ class CopyPolicy(DraftPolicy):
                 continue
             if segment.source == "copy":  # proposing a copy took no draft time
                 self.copy_controller.update(segment.length, kept, 0.0, verify_time)
-            else:
+            elif segment.source == "early_exit":  # a grammar's forced tokens teach neither
                 self.early_exit.update(segment.length, kept, draft_time, verify_time)
 
 

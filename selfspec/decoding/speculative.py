@@ -44,6 +44,7 @@ from . import sampling
 from .cache import KVCache
 from .controller import Controller
 from .draft_head import DraftHead, frequent_tokens
+from .grammar import GrammarBatch, GrammarTokenizer, apply_mask, constraints_for_rows
 from .ngram import NGramConfig
 from .policy import DraftPlan, DraftPolicy, Segment
 from .sampling import (
@@ -58,6 +59,10 @@ from .sampling import (
     uniforms,
 )
 from .settings import DecodeSettings
+
+# A grammar's forced tokens a round may draft beyond the policy's k: they cost no model call, and a
+# pass of up to 16 + k positions stays in the compiled kernels' range of rows.
+FORCED_PER_ROUND = 16
 
 
 @dataclass
@@ -74,16 +79,18 @@ class GenerationStats(AcceptanceStats):
     draft_steps: int = 0  # draft forward passes (Σ k over rounds; a step serves the whole batch)
     plain_steps: int = 0  # rounds with k = 0
     stopped_below_eta: int = 0  # rounds whose early-exit drafts stopped because no draft reached η
+    grammar_time: float = 0.0  # seconds in the grammar engine (masks, forced tokens), constrained calls
     draft_time: float = 0.0
     verify_time: float = 0.0
     plain_time: float = 0.0
     prefill_time: float = 0.0
     total_time: float = 0.0
     generated_tokens: int = 0
-    # Where the drafts came from: copied from the context vs drafted by the early exit. Each run of
-    # a round's positions from one source (a `Segment`) counts under its source, in the rows whose
-    # verifier tested it (every earlier draft accepted).
+    # Where the drafts came from: copied from the context, forced by a grammar, or drafted by the
+    # early exit. Each run of a round's positions from one source (a `Segment`) counts under its
+    # source, in the rows whose verifier tested it (every earlier draft accepted).
     copy: AcceptanceStats = field(default_factory=AcceptanceStats)
+    forced: AcceptanceStats = field(default_factory=AcceptanceStats)
     early_exit: AcceptanceStats = field(default_factory=AcceptanceStats)
 
     @property
@@ -109,11 +116,14 @@ class GenerationStats(AcceptanceStats):
     def as_dict(self) -> dict:
         times = {name: getattr(self, name) for name in (
             "exit_layer", "num_layers", "draft_steps", "plain_steps", "stopped_below_eta", "draft_time",
-            "verify_time",
+            "verify_time", "grammar_time",
             "plain_time", "prefill_time", "total_time", "generated_tokens")}
         return {**super().as_dict(), **times, "draft_cost": self.draft_cost,
                 "tokens_per_second": self.tokens_per_second,
-                "by_source": {"copy": self.copy.as_dict(), "early_exit": self.early_exit.as_dict()}}
+                "by_source": {source: getattr(self, source).as_dict() for source in SOURCES}}
+
+
+SOURCES = ("copy", "forced", "early_exit")  # where a draft comes from (`GenerationStats.by_source`)
 
 
 @dataclass
@@ -121,6 +131,9 @@ class GenerationOutput:
     sequences: list  # generated token ids per row, prompt excluded, an eos included
     stats: GenerationStats
     texts: list | None = None  # decoded `sequences` when the generator has a tokenizer
+    # per row under a grammar: whether the output is complete (it parses); False for a row that
+    # max_new_tokens cut first, True for an unconstrained row. None when no row was constrained.
+    complete: list | None = None
 
 
 @dataclass
@@ -136,6 +149,8 @@ class _Batch:
     head: DraftHead  # its draft head (trimmed to V', behind an MLP exit adapter, or the model's own)
     exit_block: object  # the attending exit adapter the drafts read (`ExitBlock`, KV at layers N..), or None
     stop_below: float  # η: stop a round's early-exit drafts when no row's top draft probability reaches it
+    grammar: GrammarBatch | None  # the rows' grammars (structured output), or None
+    forced: bool  # draft the grammar's forced tokens (every drafter but plain decoding)
     steps: torch.Tensor  # arange(capacity) on the device, to build positions
     rows: np.ndarray  # (B,) the caller's row index of each batch slot
     lengths: np.ndarray  # (B,) positions the cache holds = position of the pending token
@@ -169,12 +184,22 @@ class _Draft:
     tail: torch.Tensor = None
     stopped: bool = False  # the early exit stopped below η before the plan's last draft
 
-    def add(self, source: str, tokens: torch.Tensor, start: int) -> None:
-        """Drafts (B, r) from `source` at draft positions start .. start + r - 1."""
+    def add(self, source: str, tokens: torch.Tensor) -> None:
+        """Drafts (B, r) from `source` at the next r draft positions. Consecutive drafts of one
+        source make one `Segment`. Copied and forced drafts are deterministic: one-hot q."""
+        start = self.k
         self.parts.append(tokens)
-        self.segments.append(Segment(source, start, tokens.shape[1]))
-        if source == "copy":
+        last = self.segments[-1] if self.segments else None
+        if last is not None and last.source == source:
+            self.segments[-1] = Segment(source, last.start, last.length + tokens.shape[1])
+        else:
+            self.segments.append(Segment(source, start, tokens.shape[1]))
+        if source != "early_exit":
             self.q.append(("copy", tokens))
+
+    def host_tokens(self) -> np.ndarray:
+        """(B, k) every draft of the round, on the host."""
+        return self.tokens.cpu().numpy()
 
     @property
     def tokens(self) -> torch.Tensor:
@@ -184,6 +209,11 @@ class _Draft:
     @property
     def k(self) -> int:
         return sum(part.shape[1] for part in self.parts)
+
+
+def _width(parts: list) -> int:
+    """Positions in a list of (B, r) token tensors."""
+    return sum(part.shape[1] for part in parts)
 
 
 class _Clock:
@@ -272,6 +302,7 @@ class SelfSpecGenerator:
         self.exit_adapters = dict(exit_adapters or {})
         self.check_cache = check_cache
         self._heads: dict[tuple[int, int], DraftHead] = {}  # (E, V') -> its draft head, built once
+        self._grammar_tokenizer: GrammarTokenizer | None = None
         self.settings = self.settings_for(settings if ngram is None
                                           else dataclasses.replace(settings, ngram=ngram))
 
@@ -375,47 +406,74 @@ class SelfSpecGenerator:
         return tokens, accepted, (start, drafted, clock.mark()), draft
 
     def _draft(self, b: _Batch, plan: DraftPlan, policy: DraftPolicy, cap: int) -> _Draft:
-        """The round's drafts: `plan.copied` (B, m) copied tokens, then up to `plan.extend` early-exit
-        drafts, each through blocks [0, E) + final norm + draft head, one at a time. When the policy
-        turns the rest of the round into a copy (`policy.copy_after`), the copy ends it. At most `cap`
-        drafts in all. The pending token and the copied drafts have no exit hidden state yet: they run
-        through blocks [0, E) in one parallel pass; an early-exit draft keeps its own step's state."""
-        m, start = plan.num_copied, b.pending_dev[:, None]  # (B, 1)
+        """The round's drafts, at most `cap`: first the free ones (a grammar's forced tokens, then
+        `plan.copied` (B, m) copied tokens, see `_free_drafts`), then up to `plan.extend` early-exit
+        drafts, each through blocks [0, E) + final norm + draft head, one at a time, each followed by
+        the free drafts it makes possible: under a grammar its forced tokens (the early exit then
+        goes on after them); when the policy turns the rest of the round into a copy
+        (`policy.copy_after`), the copy ends it. Tokens without an exit hidden state yet (the
+        pending token, copied and forced drafts) run through blocks [0, E) together, in one parallel
+        pass, when the early exit next needs their state; an early-exit draft keeps its own step's."""
         draft = _Draft()
-        if m:
-            draft.add("copy", torch.as_tensor(plan.copied, device=start.device), 0)  # (B, m)
-        draft.tail = torch.cat([start, *draft.parts], 1)  # (B, m+1)
-        if not plan.extend:  # a plain step (m = 0) or a pure copy: nothing for the early exit to draft
-            return draft
-        hidden, features = self._forward(b, draft.tail, 0, b.exit_layer)  # (B, m+1, D) each
-        draft.hiddens.append(hidden)
-        early, copy = [], None
-        for _ in range(plan.extend):
-            k = m + len(early)  # drafts so far; the last one's draft features are features[:, -1]
-            if early:  # the previous draft through blocks [0, E): this step's input
-                hidden, features = self._forward(b, early[-1][:, None], k, b.exit_layer)
+        unrun = [b.pending_dev[:, None]]  # (B, r) each: tokens not yet through blocks [0, E), in order
+        copied = self._free_drafts(b, draft, unrun, policy, cap, plan.copied)
+        extend = 0 if copied and not plan.num_copied else plan.extend  # a copy found on the way ends it
+        for _ in range(extend):
+            if draft.k >= cap:
+                break
+            if unrun:  # this step's input: the tokens since the last pass through blocks [0, E)
+                hidden, features = self._forward(b, torch.cat(unrun, 1), draft.k + 1 - _width(unrun),
+                                                 b.exit_layer)  # (B, r, D) each
                 draft.hiddens.append(hidden)
+                unrun = []
             logits = b.head.logits(features[:, -1])  # (B, V)
+            if b.grammar is not None:  # the draft picks among what the grammar allows: q is masked too
+                logits = apply_mask(logits, b.grammar.mask())
             if b.stop_below and self._unsure(b, logits):  # η: no row trusts this draft; verify what we have
                 draft.stopped = True
                 break
-            early.append(self._pick(b, logits, b.lengths_dev[:, None] + (k + 1)))  # the token at n + k + 1
+            token = self._pick(b, logits, b.lengths_dev[:, None] + (draft.k + 1))  # the token at n + k + 1
             draft.q.append(("early_exit", logits))
-            if policy.copies_after_early_exit and k + 1 < cap:
-                # the policy reads the drafts on the host: one small device read per draft step, only
-                # for drafters that copy
-                copy = policy.copy_after(b.rows, torch.stack(early, 1).cpu().numpy())[:, :cap - k - 1]
-                if copy.size:  # the rest of the round is a copy
+            draft.add("early_exit", token[:, None])
+            unrun.append(token[:, None])
+            if b.grammar is not None:
+                b.grammar.admit(token[:, None].cpu().numpy())
+            if draft.k < cap and (b.grammar is not None or policy.copies_after_early_exit):
+                if self._free_drafts(b, draft, unrun, policy, cap):  # a copy ends the round
                     break
-        if early:
-            draft.add("early_exit", torch.stack(early, 1), m)  # (B, e)
-        # The last draft's pass through blocks [0, E) is the verification's first part: tail (B, 1).
-        # When η stopped the round every token already had it (B, 0), even with no early-exit draft.
-        draft.tail = early[-1][:, None] if early and not draft.stopped else draft.tail[:, :0]
-        if copy is not None and copy.size:
-            draft.add("copy", torch.as_tensor(copy, device=start.device), m + len(early))  # (B, r)
-            draft.tail = torch.cat([draft.tail, draft.parts[-1]], 1)  # (B, r+1)
+        # The drafts after the last pass through blocks [0, E) are the verification's first part; when
+        # η stopped the round every token already had that pass (B, 0), even with no early-exit draft.
+        draft.tail = torch.cat(unrun, 1) if unrun else b.pending_dev[:, None][:, :0]
         return draft
+
+    def _free_drafts(self, b: _Batch, draft: _Draft, unrun: list, policy: DraftPolicy, cap: int,
+                     copy: np.ndarray | None = None) -> bool:
+        """Drafts that take no model call, appended to `draft` and `unrun`: a grammar's forced tokens,
+        then a copy (`copy` (B, r), or the policy's `copy_after` the drafts so far), cut at the first
+        token every row's grammar refuses; under a grammar, forced tokens and copies alternate while
+        either finds something. Whether a copy was added."""
+        copied = False
+        while draft.k < cap:
+            forced = b.grammar.forced(cap - draft.k) if b.forced else None
+            if forced is not None and forced.shape[1]:
+                draft.add("forced", torch.as_tensor(forced, device=b.steps.device))
+                unrun.append(draft.parts[-1])
+                copy = None  # the copy was looked up before the forced tokens
+            if copy is None:
+                if not draft.k or not (b.grammar is not None or policy.copies_after_early_exit):
+                    break
+                copy = policy.copy_after(b.rows, draft.host_tokens())
+            copy = copy[:, :cap - draft.k]
+            if copy.shape[1] and b.grammar is not None:
+                copy = copy[:, :b.grammar.admit(copy)]
+            if not copy.shape[1]:
+                break
+            draft.add("copy", torch.as_tensor(copy, device=b.steps.device))
+            unrun.append(draft.parts[-1])
+            copied, copy = True, None
+            if b.grammar is None:  # unconstrained, one copy ends the free drafts
+                break
+        return copied
 
     def _verify(self, b: _Batch, draft: _Draft):
         """Run the target on the k + 1 positions n .. n + k, then accept the longest prefix of the
@@ -431,10 +489,12 @@ class SelfSpecGenerator:
             if b.exit_layer < num_layers:
                 hidden = view.run_layers(hidden, b.exit_layer, num_layers, **self._place(b, 0, k + 1))
         p_logits = view.exit_logits(hidden)  # (B, k+1, V)
+        if b.grammar is not None:  # the target at each drafted prefix, masked by the grammar there
+            p_logits = apply_mask(p_logits, b.grammar.verification_masks(draft.host_tokens()))
         if b.sampling.greedy:
             return accept_greedy(draft.tokens, p_logits)
-        # q: one-hot for copied drafts (deterministic given the context), the early exit's processed
-        # distribution for its own drafts.
+        # q: one-hot for copied and forced drafts (deterministic given the context), the early exit's
+        # processed (and masked) distribution for its own drafts.
         vocab = p_logits.shape[-1]
         q = torch.cat([p_logits[:, :0], *(sampling.copied_probs(part, vocab) if source == "copy"
                                           else b.sampling.probs(part)[:, None]
@@ -449,7 +509,8 @@ class SelfSpecGenerator:
     def generate(self, input_ids, attention_mask=None, max_new_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, num_speculations=None, drafter=None,
                  eos_token_id=None, stop_strings=None, seed=None, streamer=None,
-                 settings: DecodeSettings | None = None) -> GenerationOutput:
+                 settings: DecodeSettings | None = None, json_schema=None, regex=None,
+                 grammar=None) -> GenerationOutput:
         """Generate up to `max_new_tokens` tokens per prompt; the result is exactly the full model's.
 
         input_ids: a list of token lists (any lengths), one token list, a (B, T) tensor with an
@@ -473,9 +534,16 @@ class SelfSpecGenerator:
             prompt (the first row's), then the accepted tokens of each round as they are decided, then
             `end()` is called. The rows of a batch stream one after another in row order: row 0 live,
             each later row's tokens held back until the rows before it have finished.
+        json_schema/regex/grammar: structured output (needs `selfspec[structured]` and a fast
+            tokenizer): a JSON schema (dict or JSON text), a regex or a Lark grammar the output must
+            follow, one for every row or a list with one per row (None: that row is free). The
+            output is then exactly constrained decoding's: the target's tokens masked by the grammar
+            (see `grammar.py`). A row ends when its grammar is complete; `GenerationOutput.complete`
+            says which rows' outputs are (False: max_new_tokens cut it first).
         """
         wall = time.perf_counter()
         prompts = self._prompts(input_ids, attention_mask)
+        constraints = constraints_for_rows(len(prompts), json_schema, regex, grammar)
         sampling = SamplingParams(temperature, top_k, top_p)
         settings, policy = self._resolve(settings, drafter, num_speculations)
         policy.start(prompts)
@@ -493,7 +561,8 @@ class SelfSpecGenerator:
             if stream:
                 stream.end()
             return GenerationOutput([[] for _ in prompts], stats,
-                                    [""] * len(prompts) if self.tokenizer else None)
+                                    [""] * len(prompts) if self.tokenizer else None,
+                                    None if constraints is None else [c is None for c in constraints])
         prompt_lengths = np.array([len(p) for p in prompts], dtype=np.int64)
         limit = self.view.max_positions
         if limit is not None and prompt_lengths.max() + max_new_tokens > limit:
@@ -502,13 +571,16 @@ class SelfSpecGenerator:
                             f"shorten the prompt or lower max_new_tokens")
         clock = _Clock(self.view.device)
 
+        grammars = None if constraints is None else GrammarBatch(self.grammar_tokenizer(), constraints)
+        forced = grammars is not None and not settings.is_plain
+        k_max = policy.k_max + (FORCED_PER_ROUND if forced else 0)
         b = self._start(prompts, sampling, seed, settings, capacity=int(prompt_lengths.max()) + max_new_tokens
-                        + policy.k_max + 1)
+                        + k_max + 1, grammars=grammars, forced=forced)
         stats.prefill_time = time.perf_counter() - wall
         with fixed_width(self.fixed_width):  # a low-precision model: every pass at one width
             while b.rows.size:  # finished rows leave the batch
                 plan = policy.plan(b.rows)
-                cap = policy.k_max
+                cap = k_max
                 if limit is not None:  # no draft beyond the last position the model has (GPT-2's table)
                     cap = min(cap, limit - 1 - int(b.lengths.max()))
                     plan = plan.truncate(cap)
@@ -526,6 +598,8 @@ class SelfSpecGenerator:
 
                 rows = b.rows
                 emit, finished = self._emit_counts(tokens, accepted, counts[rows], max_new_tokens, eos)
+                if b.grammar is not None:  # the matchers take what their rows emitted
+                    emit, finished = b.grammar.commit(tokens, emit, finished)
                 slots, cols = np.nonzero(np.arange(k + 1) < emit[:, None])
                 generated[rows[slots], counts[rows[slots]] + cols] = tokens[slots, cols]
                 if stops:
@@ -544,7 +618,10 @@ class SelfSpecGenerator:
         stats.total_time = time.perf_counter() - wall
         sequences = [generated[row, :counts[row]].tolist() for row in range(len(prompts))]
         texts = [self.tokenizer.decode(s) for s in sequences] if self.tokenizer is not None else None
-        return GenerationOutput(sequences, stats, texts)
+        if grammars is None:
+            return GenerationOutput(sequences, stats, texts)
+        stats.grammar_time = grammars.seconds
+        return GenerationOutput(sequences, stats, texts, list(grammars.complete))
 
     def _resolve(self, settings, drafter, num_speculations) -> tuple[DecodeSettings, DraftPolicy]:
         """This call's settings (the generator's, then `settings`, then the two overrides) and policy."""
@@ -556,7 +633,15 @@ class SelfSpecGenerator:
             drafter=drafter, num_speculations=None if controller is not None else num_speculations))
         return settings, settings.policy(controller)
 
-    def _start(self, prompts, sampling, seed, settings: DecodeSettings, capacity: int) -> _Batch:
+    def grammar_tokenizer(self) -> GrammarTokenizer:
+        """llguidance's index of the tokenizer (structured output), built on first use."""
+        if self._grammar_tokenizer is None:
+            self._grammar_tokenizer = GrammarTokenizer(self.tokenizer, self.view.vocab_size,
+                                                       self._eos_ids(None).tolist())
+        return self._grammar_tokenizer
+
+    def _start(self, prompts, sampling, seed, settings: DecodeSettings, capacity: int,
+               grammars: GrammarBatch | None = None, forced: bool = False) -> _Batch:
         """Allocate the cache and prefill every prompt token but the last (the first pending token)."""
         device, rows = self.view.device, len(prompts)
         exit_block = self.exit_block(settings)
@@ -564,7 +649,7 @@ class SelfSpecGenerator:
         b = _Batch(cache=KVCache(self.view.num_layers + extra_layers, rows, capacity),
                    sampling=sampling, exit_layer=settings.exit_layer, head=self.draft_head(settings),
                    exit_block=exit_block,
-                   stop_below=settings.stop_below,
+                   stop_below=settings.stop_below, grammar=grammars, forced=forced,
                    steps=torch.arange(capacity, device=device), rows=np.arange(rows),
                    lengths=np.zeros(rows, dtype=np.int64),
                    pending_host=np.array([p[-1] for p in prompts], dtype=np.int64),
@@ -589,6 +674,8 @@ class SelfSpecGenerator:
             b.rows, b.lengths, b.pending_host, b.seeds_host = (
                 b.rows[keep], b.lengths[keep], b.pending_host[keep], b.seeds_host[keep])
             b.cache.select_rows(np.nonzero(keep)[0])
+            if b.grammar is not None:
+                b.grammar.select_rows(np.nonzero(keep)[0])
         b.upload(self.view.device)
 
     @staticmethod
@@ -601,7 +688,7 @@ class SelfSpecGenerator:
             if reached.any():
                 getattr(stats, segment.source).update(kept, segment.length)
         if k:
-            # copies take none
+            # copies and forced tokens take none
             stats.draft_steps += sum(s.length for s in segments if s.source == "early_exit")
             stats.draft_time += draft_time
             stats.verify_time += verify_time

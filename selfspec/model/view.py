@@ -89,6 +89,11 @@ class DecoderView:
         return self.adapter.max_positions
 
     @property
+    def vocab_size(self) -> int:
+        """V: the width of the logits (the LM head's rows; may exceed the tokenizer's vocabulary)."""
+        return self.lm_head.weight.shape[0]
+
+    @property
     def device(self) -> torch.device:
         return self.lm_head.weight.device
 

@@ -1,0 +1,303 @@
+"""Grammar-constrained decoding: the output follows a JSON schema, a regex or a Lark grammar.
+
+`llguidance` (the grammar engine of vLLM and SGLang; the optional extra `selfspec[structured]`)
+compiles the constraint and, for one row's output so far, gives the mask of tokens the grammar
+allows next. Constrained decoding picks from the target's logits with every disallowed token at
+-inf; that masked and renormalised distribution is the target the engine stays lossless to. In a
+speculative round:
+
+- every draft is masked too: the early exit's logits (so its q is the masked distribution), and
+  copies are cut at the first token the grammar refuses;
+- the grammar's *forced* tokens are drafted without any model call: where the grammar allows only
+  one continuation of bytes (`{"name": "` after the start of an object), llguidance's fast-forward
+  tokens spell it in the tokenizer's own way. They are drafts like copies (one-hot q), verified in
+  the same pass as the others, so a model that would spell them otherwise still gets its own tokens;
+- the verification masks the target at each drafted prefix: the k + 1 masks of a round come from
+  one llguidance call per round (`LLExecutor`, with the drafts);
+- after the verification each row's matcher rolls back the drafts it had consumed and consumes the
+  tokens the row emitted, as the KV cache does.
+
+A row ends when its grammar is complete and allows nothing more (a closing brace of the top-level
+object): no eos token is needed after it. `GrammarBatch.complete` tells whether a row's output
+reached an accepting state; a row cut by `max_new_tokens` before that is reported incomplete.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..errors import UserError
+
+# JSON as `json.dumps` writes it: ", " and ": ", no other whitespace. Models write JSON this way
+# more often than any other spacing, and a compact grammar forces more of the output. A schema's
+# own "x-guidance" options override these.
+JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+INSTALL = "pip install 'selfspec[structured]' (or pip install llguidance)"
+
+
+def _llguidance():
+    try:
+        import llguidance
+        import llguidance.hf  # noqa: F401
+    except ImportError:
+        raise UserError(f"structured output needs the llguidance package: {INSTALL}") from None
+    return llguidance
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """One request's output constraint: kind "json_schema", "regex" or "lark", and its text."""
+
+    kind: str
+    text: str
+
+    @classmethod
+    def of(cls, json_schema=None, regex: str | None = None, grammar: str | None = None) -> Constraint | None:
+        """The constraint of whichever argument is given (a schema may be a dict or its JSON text);
+        None when none is; a UserError when more than one is."""
+        given = [(kind, value) for kind, value in (("json_schema", json_schema), ("regex", regex),
+                                                   ("lark", grammar)) if value is not None]
+        if len(given) > 1:
+            names = " and ".join(kind for kind, _ in given)
+            raise UserError(f"pass one of json_schema, regex and grammar, got {names}")
+        if not given:
+            return None
+        kind, value = given[0]
+        if kind == "json_schema" and not isinstance(value, str):
+            value = json.dumps(value)
+        if not isinstance(value, str):
+            raise UserError(f"{kind} must be text, got {type(value).__name__}")
+        return cls(kind, value)
+
+    def grammar(self) -> str:
+        """llguidance's grammar for this constraint (not yet checked against a tokenizer)."""
+        matcher = _llguidance().LLMatcher
+        if self.kind == "json_schema":
+            try:
+                schema = json.loads(self.text)
+            except json.JSONDecodeError as exc:
+                raise UserError(f"the JSON schema is not valid JSON (line {exc.lineno}, column {exc.colno}: "
+                                f"{exc.msg}); fix the file") from None
+            if not isinstance(schema, dict):
+                raise UserError("the JSON schema must be a JSON object, e.g. {\"type\": \"object\", ...}")
+            return matcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
+        if self.kind == "regex":
+            return matcher.grammar_from_regex(self.text)
+        return matcher.grammar_from_lark(self.text)
+
+
+def constraints_for_rows(rows: int, json_schema=None, regex=None,
+                         grammar=None) -> list[Constraint | None] | None:
+    """One constraint per row from `generate`'s arguments: each may be one value for every row or a
+    list with one entry (or None) per row. None when no row is constrained."""
+    per_row = []
+    for name, value in (("json_schema", json_schema), ("regex", regex), ("grammar", grammar)):
+        if isinstance(value, (list, tuple)):
+            if len(value) != rows:
+                raise UserError(f"{name}: got {len(value)} entries for {rows} prompts; pass one per prompt")
+            per_row.append(list(value))
+        else:
+            per_row.append([value] * rows)
+    constraints = [Constraint.of(*row) for row in zip(*per_row)]
+    return constraints if any(c is not None for c in constraints) else None
+
+
+class GrammarTokenizer:
+    """llguidance's view of a Hugging Face fast tokenizer (built once: it indexes the whole vocabulary).
+
+    vocab_size: the model's logits width (it may exceed the tokenizer's; the extra ids are never
+    allowed); eos: the token ids that may end an output where the grammar allows it to end.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, eos: list[int]):
+        llguidance = _llguidance()
+        if tokenizer is None:
+            raise UserError("structured output needs the model's tokenizer: "
+                            "SelfSpecGenerator(model, tokenizer)")
+        if getattr(tokenizer, "backend_tokenizer", None) is None:
+            raise UserError(f"structured output needs a fast tokenizer, got {type(tokenizer).__name__}; "
+                            f"load it with AutoTokenizer.from_pretrained(..., use_fast=True)")
+        self.vocab_size, self.eos = vocab_size, list(eos)
+        try:
+            self.ll = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=self.eos or None)
+        except ValueError as exc:
+            raise UserError(f"llguidance cannot read this tokenizer ({exc}); structured output needs a "
+                            f"byte-level or byte-fallback tokenizer") from None
+
+    def matcher(self, constraint: Constraint):
+        """A fresh matcher of `constraint`; a UserError that says where the grammar fails to compile."""
+        llguidance = _llguidance()
+        grammar = constraint.grammar()
+        error = llguidance.LLMatcher.validate_grammar(grammar, self.ll)
+        if error and not error.startswith("WARNING"):
+            where = " ".join(error.split())
+            raise UserError(f"the {constraint.kind.replace('_', ' ')} does not compile: {where}")
+        matcher = llguidance.LLMatcher(self.ll, grammar, log_level=0)
+        if matcher.is_error():
+            raise UserError(f"the {constraint.kind.replace('_', ' ')} does not compile: "
+                            f"{' '.join(matcher.get_error().split())}")
+        return matcher
+
+
+class GrammarBatch:
+    """The grammar state of a batch's rows (None for a row without a constraint) through the rounds.
+
+    Between rounds each matcher has consumed exactly the tokens its row emitted. During a round's
+    draft it also consumes the drafts, up to the first one its grammar refuses (the row is then
+    `dead` for the rest of the round: its later drafts are rejected at verification whatever they
+    are). `verification_masks` rolls the drafts back; `commit` consumes what the row emitted.
+    `seconds` adds up the time spent in llguidance (masks, forced tokens, consuming).
+    """
+
+    def __init__(self, tokenizer: GrammarTokenizer, constraints: list[Constraint | None]):
+        self.vocab_size, self.eos = tokenizer.vocab_size, tokenizer.eos
+        self.words = (tokenizer.vocab_size + 31) // 32  # int32 words of one bitmask
+        compiled = {}  # one compiled matcher per distinct constraint; rows get copies (cheap)
+        for c in constraints:
+            if c is not None and c not in compiled:
+                compiled[c] = tokenizer.matcher(c)
+        self.matchers = [None if c is None else compiled[c].deep_copy() for c in constraints]
+        self.complete = [c is None for c in constraints]  # per caller row: the output is accepted
+        self.rows = np.arange(len(constraints))  # caller row of each slot
+        self.consumed = np.zeros(len(constraints), dtype=np.int64)  # drafts consumed this round
+        self.dead = np.zeros(len(constraints), dtype=bool)
+        self.executor = _llguidance().LLExecutor()
+        self.seconds = 0.0
+
+    # -- drafting --------------------------------------------------------------------------------
+    def mask(self) -> torch.Tensor:
+        """(B, V) bool: the tokens each row's grammar allows next (all for a dead or free row)."""
+        start = time.perf_counter()
+        bits = np.full((len(self.matchers), self.words), -1, dtype=np.int32)
+        live = [(m, slot) for slot, m in enumerate(self.matchers) if m is not None and not self.dead[slot]]
+        if live:
+            self.executor.unsafe_compute_mask_ptr(live, bits.ctypes.data, self.words * 4, len(self.matchers))
+        mask = self._unpack(bits)
+        self.seconds += time.perf_counter() - start
+        return mask
+
+    def forced(self, limit: int) -> np.ndarray:
+        """(B, f) the grammar's forced tokens (llguidance's fast-forward tokens) at each row's state,
+        at most `limit`, consumed. Rows with fewer fill up with their last forced token (a draft the
+        verification rejects: any draft is lossless). (B, 0) when no row has any."""
+        start = time.perf_counter()
+        runs = []
+        for slot, m in enumerate(self.matchers):
+            run = [] if m is None or self.dead[slot] or limit <= 0 else m.compute_ff_tokens()[:limit]
+            runs.append(run)
+        width = max(len(r) for r in runs)
+        out = np.zeros((len(runs), width), dtype=np.int64)
+        for slot, run in enumerate(runs):
+            if run:
+                out[slot] = run + [run[-1]] * (width - len(run))
+        self.seconds += time.perf_counter() - start
+        if width:
+            self.admit(out)
+        return out
+
+    def admit(self, tokens: np.ndarray) -> int:
+        """Consume each row's drafts `tokens` (B, r) up to the first one its grammar refuses (that row
+        is dead for the rest of the round); returns the longest valid run over the rows (free rows
+        count r): the drafts after it are refused by every row and need not be verified."""
+        start = time.perf_counter()
+        longest = 0
+        for slot, m in enumerate(self.matchers):
+            if m is None:
+                longest = tokens.shape[1]
+                continue
+            if self.dead[slot]:
+                continue
+            row = tokens[slot].tolist()
+            n = m.try_consume_tokens(row) if row else 0
+            self.consumed[slot] += n
+            if n < len(row) or m.is_stopped():
+                self.dead[slot] = True
+            longest = max(longest, n)
+        self.seconds += time.perf_counter() - start
+        return longest
+
+    # -- verification ----------------------------------------------------------------------------
+    def verification_masks(self, drafts: np.ndarray) -> torch.Tensor:
+        """(B, k + 1, V) bool: the masks of the target's k + 1 positions, at each drafted prefix of
+        the round's drafts (B, k). Rolls back the drafts consumed while drafting, then computes the
+        masks in one llguidance call (it runs the drafts and undoes them itself). Masks after a draft
+        the grammar refuses are left all-true: the verification never gets past that draft."""
+        start = time.perf_counter()
+        B, k = drafts.shape
+        for slot, m in enumerate(self.matchers):
+            if m is not None and self.consumed[slot]:
+                m.rollback(int(self.consumed[slot]))
+        self.consumed[:] = 0
+        self.dead[:] = False
+        bits = np.full((B * (k + 1), self.words), -1, dtype=np.int32)
+        live = [(m, slot * (k + 1)) for slot, m in enumerate(self.matchers) if m is not None]
+        if live and k:
+            jobs = [(m, index, drafts[index // (k + 1)].tolist()) for m, index in live]
+            self.executor.unsafe_compute_mask_ptr_with_draft_token(jobs, bits.ctypes.data, self.words * 4,
+                                                                    B * (k + 1))
+        elif live:  # a plain step: the masks of the rows' current states
+            self.executor.unsafe_compute_mask_ptr(live, bits.ctypes.data, self.words * 4, B)
+        mask = self._unpack(bits).reshape(B, k + 1, -1)
+        self.seconds += time.perf_counter() - start
+        self._check_writable(mask[:, 0])
+        return mask
+
+    def _check_writable(self, mask: torch.Tensor) -> None:
+        """A UserError when a row's grammar, not yet complete, allows no token but eos (B, V): the
+        vocabulary cannot write what it needs next."""
+        allowed = mask.clone()
+        allowed[:, [t for t in self.eos if t < self.vocab_size]] = False
+        for slot, m in enumerate(self.matchers):
+            if m is not None and not allowed[slot].any() and (m.is_error() or not m.is_accepting()):
+                raise UserError("the grammar needs text this tokenizer's vocabulary cannot write; use a "
+                                "byte-level tokenizer or a grammar over the characters it has")
+
+    def commit(self, tokens: np.ndarray, emit: np.ndarray, finished: np.ndarray):
+        """Consume each row's emitted tokens `tokens[s, :emit[s]]`; a row whose grammar is complete
+        and allows nothing more ends there. Returns (emit, finished), both updated."""
+        start = time.perf_counter()
+        emit, finished = emit.copy(), finished.copy()
+        for slot, m in enumerate(self.matchers):
+            if m is None:
+                continue
+            for i in range(int(emit[slot])):
+                if not m.consume_token(int(tokens[slot, i])):
+                    raise RuntimeError(f"the grammar refused an emitted token: {m.get_error()}")
+                if m.is_stopped():  # complete, nothing more allowed: the row ends with this token
+                    emit[slot], finished[slot] = i + 1, True
+                    break
+            if finished[slot]:
+                self.complete[self.rows[slot]] = bool(m.is_accepting() or m.is_stopped())
+        self.seconds += time.perf_counter() - start
+        return emit, finished
+
+    def select_rows(self, keep: np.ndarray) -> None:
+        """Keep the slots `keep` (indices), as the batch drops finished rows."""
+        self.matchers = [self.matchers[i] for i in keep]
+        self.rows, self.consumed, self.dead = self.rows[keep], self.consumed[keep], self.dead[keep]
+
+    def _unpack(self, bits: np.ndarray) -> torch.Tensor:
+        """int32 bitmasks (n, W), bit j of word w = token 32 w + j -> (n, V) bool."""
+        allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :self.vocab_size]
+        return torch.from_numpy(allowed.view(np.bool_))
+
+
+def apply_mask(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Logits (..., V) with every token `mask` (..., V, bool) disallows at -inf. A row whose logits
+    keep no allowed finite value (a trimmed draft head outside the mask) becomes uniform over the
+    mask, so a draft is always one the grammar allows."""
+    mask = mask.to(logits.device)
+    masked = logits.masked_fill(~mask, float("-inf"))
+    empty = ~torch.isfinite(masked).any(-1, keepdim=True)
+    if bool(empty.any()):
+        masked = torch.where(empty & mask, torch.zeros((), dtype=logits.dtype, device=logits.device), masked)
+    return masked
+
+
+__all__ = ["Constraint", "GrammarBatch", "GrammarTokenizer", "INSTALL", "JSON_DEFAULTS", "apply_mask",
+           "constraints_for_rows"]

@@ -1,0 +1,318 @@
+"""Structured output: constrained self-speculative decoding equals constrained plain decoding.
+
+The reference (`constrained_reference`) is independent of the engine: no cache, the whole model on
+the whole sequence at each step, the target's logits masked by a fresh llguidance matcher, the
+argmax taken, until the grammar is complete. Models are tiny and random (every family), with a
+byte-level BPE tokenizer trained here on stdlib code and JSON, so any text can be written.
+"""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from pathlib import Path
+
+import jsonschema
+import llguidance
+import llguidance.hf
+import numpy as np
+import pytest
+import torch
+from helpers import FAMILIES, P_MIN, chi_square_p, tiny_model
+
+from selfspec.data import train_tokenizer
+from selfspec.decoding import DecodeSettings, SamplingParams, SelfSpecGenerator
+from selfspec.decoding.grammar import Constraint, GrammarBatch, GrammarTokenizer
+from selfspec.errors import UserError
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 8},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "city": {"enum": ["Madrid", "Paris", "Lima"]}},
+    "required": ["name", "age", "city"], "additionalProperties": False}
+
+SCHEMAS = [
+    PERSON,
+    {"type": "object", "properties": {  # nested object, array, boolean, optional field
+        "order": {"type": "object", "properties": {
+            "id": {"type": "integer", "minimum": 1, "maximum": 9999},
+            "items": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
+            "paid": {"type": "boolean"}}, "required": ["id", "items", "paid"], "additionalProperties": False},
+        "note": {"type": "string", "maxLength": 5}},
+     "required": ["order"], "additionalProperties": False},
+    {"type": "object", "properties": {  # a tool call: an enum of names, numbers with bounds
+        "tool": {"enum": ["get_weather", "get_time"]},
+        "arguments": {"type": "object", "properties": {
+            "lat": {"type": "integer", "minimum": -90, "maximum": 90},
+            "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["lat", "unit"],
+            "additionalProperties": False}},
+     "required": ["tool", "arguments"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "object", "properties": {
+        "sku": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"},
+        "qty": {"type": "integer", "minimum": 1, "maximum": 50}},
+        "required": ["sku", "qty"], "additionalProperties": False}, "minItems": 1, "maxItems": 2},
+]
+
+
+def _json_examples() -> list[str]:
+    rows = [{"name": "Maria Lopez", "age": 34, "city": "Madrid"},
+            {"order": {"id": 17, "items": ["pen", "ink"], "paid": True}, "note": "none"},
+            {"tool": "get_weather", "arguments": {"lat": 40.4, "unit": "celsius"}},
+            [{"sku": "AB-123", "qty": 2}]]
+    return [json.dumps(r) for r in rows] * 20
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    root = Path(sysconfig.get_paths()["stdlib"])
+    texts = [(root / name).read_text()[:20000] for name in ("json/encoder.py", "textwrap.py")]
+    return train_tokenizer(texts + _json_examples(), tmp_path_factory.mktemp("tok"), vocab_size=400)
+
+
+def make_model(family: str, tokenizer, seed: int = 0):
+    return tiny_model(family, vocab_size=len(tokenizer), seed=seed, eos_token_id=tokenizer.eos_token_id,
+                      bos_token_id=tokenizer.eos_token_id)
+
+
+def constrained_reference(model, tokenizer, prompt: list[int], constraint: Constraint, max_new_tokens: int):
+    """Constrained greedy decoding with no cache: (tokens, complete)."""
+    vocab = model.config.vocab_size
+    ll = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab, eos_token=tokenizer.eos_token_id)
+    matcher = llguidance.LLMatcher(ll, constraint.grammar(), log_level=0)
+    ids, out = list(prompt), []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), np.uint8), bitorder="little")
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            logits[~torch.from_numpy(bits[:vocab].astype(bool))] = float("-inf")
+            token = int(logits.argmax())
+            assert matcher.consume_token(token)
+            ids.append(token)
+            out.append(token)
+            if matcher.is_stopped() or token == tokenizer.eos_token_id:
+                break
+    return out, bool(matcher.is_accepting() or matcher.is_stopped())
+
+
+def prompt_ids(tokenizer):
+    # the prompt holds JSON the output may copy from
+    return tokenizer('Text: Maria Lopez, 34, lives in Madrid. JSON: {"name": "Maria Lopez", "age": 34}. '
+                     'Again as JSON:')["input_ids"]
+
+
+DRAFTERS = {
+    "plain": DecodeSettings(num_speculations=0),
+    "early_exit": DecodeSettings(exit_layer=2, num_speculations=3),
+    "ngram": DecodeSettings(drafter="ngram"),
+    "hybrid": DecodeSettings(drafter="hybrid", exit_layer=1, num_speculations=2),
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_under_a_json_schema_equals_constrained_plain_decoding(family, tokenizer):
+    model = make_model(family, tokenizer)
+    gen = SelfSpecGenerator(model, tokenizer, drafter="ngram")
+    prompt = prompt_ids(tokenizer)
+    expected, complete = constrained_reference(model, tokenizer, prompt, Constraint.of(PERSON), 60)
+    for name, settings in DRAFTERS.items():
+        out = gen.generate([prompt], max_new_tokens=60, json_schema=PERSON, settings=settings)
+        assert out.sequences[0] == expected, (family, name)
+        assert out.complete == [complete]
+        if name != "plain":  # the schema's keys and punctuation were drafted for free
+            assert out.stats.forced.accepted > 0
+        else:
+            assert out.stats.forced.drafted == 0
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_greedy_under_a_regex_and_a_lark_grammar(family, tokenizer):
+    model = make_model(family, tokenizer, seed=1)
+    gen = SelfSpecGenerator(model, tokenizer, exit_layer=2, num_speculations=3)
+    prompt = prompt_ids(tokenizer)
+    lark = 'start: "answer: " WORD ("," WORD)*\nWORD: /[a-z]{1,5}/'
+    for kind, text in (("regex", r"(yes|no), because [a-z ]{3,20}\."), ("grammar", lark)):
+        constraint = Constraint.of(**{"regex" if kind == "regex" else "grammar": text})
+        expected, _ = constrained_reference(model, tokenizer, prompt, constraint, 40)
+        for drafter in ("early_exit", "hybrid"):
+            out = gen.generate([prompt], max_new_tokens=40, drafter=drafter, **{kind: text})
+            assert out.sequences[0] == expected, (kind, drafter)
+
+
+def test_a_batch_of_rows_with_their_own_grammars_equals_each_row_alone(tokenizer):
+    model = make_model("llama", tokenizer, seed=2)
+    gen = SelfSpecGenerator(model, tokenizer, drafter="hybrid", exit_layer=2, num_speculations=2)
+    prompts = [prompt_ids(tokenizer), tokenizer("Order 17: pen and ink, paid.")["input_ids"],
+               tokenizer("free text")["input_ids"]]
+    schemas = [PERSON, SCHEMAS[1], None]  # the last row is unconstrained
+    out = gen.generate(prompts, max_new_tokens=50, json_schema=schemas)
+    for row, (prompt, schema) in enumerate(zip(prompts, schemas)):
+        alone = gen.generate([prompt], max_new_tokens=50, json_schema=schema)
+        assert out.sequences[row] == alone.sequences[0]
+    assert out.complete[2] is True
+
+
+def test_every_output_is_valid_json_of_its_schema(tokenizer):
+    for seed in range(3):
+        model = make_model("llama", tokenizer, seed=10 + seed)
+        gen = SelfSpecGenerator(model, tokenizer, drafter="hybrid", exit_layer=2, num_speculations=3)
+        for schema in SCHEMAS:
+            out = gen.generate([prompt_ids(tokenizer)], max_new_tokens=170, json_schema=schema)
+            assert out.complete == [True], (seed, schema, out.texts[0])
+            jsonschema.validate(json.loads(out.texts[0]), schema)
+
+
+def test_a_reply_cut_by_max_new_tokens_is_reported_incomplete(tokenizer):
+    gen = SelfSpecGenerator(make_model("llama", tokenizer), tokenizer, drafter="ngram")
+    out = gen.generate([prompt_ids(tokenizer)], max_new_tokens=5, json_schema=PERSON)
+    assert out.complete == [False]
+    assert len(out.sequences[0]) == 5
+
+
+def test_forced_runs_are_drafted_without_model_calls(tokenizer):
+    """A schema whose output is almost all forced: the ngram drafter (no early exit) needs far fewer
+    rounds than tokens, and every forced draft is accepted by the target."""
+    schema = {"type": "object", "properties": {
+        "first_property_name": {"const": "constant_value"},
+        "second_property_name": {"enum": ["only_choice"]},
+        "flag": {"type": "boolean"}},
+        "required": ["first_property_name", "second_property_name", "flag"], "additionalProperties": False}
+    model = make_model("llama", tokenizer, seed=4)
+    expected, _ = constrained_reference(model, tokenizer, [5, 6, 7], Constraint.of(schema), 80)
+    out = SelfSpecGenerator(model, tokenizer, drafter="ngram").generate([[5, 6, 7]], max_new_tokens=80,
+                                                                        json_schema=schema)
+    assert out.sequences[0] == expected
+    assert out.stats.rounds * 3 < len(expected)
+    forced = out.stats.forced
+    assert forced.accepted >= len(expected) // 2
+
+
+def test_rollback_after_rejection_restores_the_matcher(tokenizer):
+    """Drafts consumed and rolled back, then the emitted tokens consumed: the same state (masks) as a
+    matcher that only ever saw the emitted tokens."""
+    gt = GrammarTokenizer(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    constraint = Constraint.of(PERSON)
+    batch = GrammarBatch(gt, [constraint])
+    fresh = gt.matcher(constraint)
+    forced = batch.forced(16)[0].tolist()
+    rest = tokenizer('{"name": "Ann", "age": 3'[len(tokenizer.decode(forced)):])["input_ids"]
+    drafts = np.array([forced + rest[:3] + [tokenizer.eos_token_id]])
+    batch.admit(drafts[:, len(forced):])  # the eos is refused: the row is dead for this round
+    assert batch.dead[0]
+    masks = batch.verification_masks(drafts)  # rolls every draft back
+    assert masks.shape == (1, drafts.shape[1] + 1, len(tokenizer))
+    assert not masks[0, -2, tokenizer.eos_token_id]  # the mask at the refused draft refuses it
+    accepted = len(forced) + 1  # the round keeps some drafts and the target's next token
+    emitted = drafts[:, :accepted + 1]
+    batch.commit(emitted, np.array([accepted + 1]), np.array([False]))
+    assert fresh.consume_tokens(emitted[0].tolist())
+    expected = np.unpackbits(np.frombuffer(fresh.compute_bitmask(), np.uint8), bitorder="little")
+    assert np.array_equal(batch.mask()[0].numpy(), expected[:len(tokenizer)].astype(bool))
+    for i in range(drafts.shape[1]):  # and each verification mask is the mask after that prefix
+        probe = gt.matcher(constraint)
+        assert probe.consume_tokens(drafts[0, :i].tolist())
+        bits = np.unpackbits(np.frombuffer(probe.compute_bitmask(), np.uint8), bitorder="little")
+        assert np.array_equal(masks[0, i].numpy(), bits[:len(tokenizer)].astype(bool)), i
+
+
+# -- sampling ------------------------------------------------------------------------------------
+RUNS = 6000
+REGEX = r"[a-e][a-z]{0,6}"  # a few dozen allowed first tokens, many second ones
+
+
+def test_sampling_under_a_grammar_matches_the_masked_target_distribution(tokenizer):
+    model = make_model("llama", tokenizer, seed=5)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8)  # distributions far from uniform
+    vocab, prompt = len(tokenizer), tokenizer("Write a word:")["input_ids"]
+    gt = GrammarTokenizer(tokenizer, vocab, [tokenizer.eos_token_id])
+    constraint = Constraint.of(regex=REGEX)
+    params = SamplingParams(temperature=1.0)
+
+    def mask_after(tokens):
+        matcher = gt.matcher(constraint)
+        assert matcher.consume_tokens(tokens)
+        bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), np.uint8), bitorder="little")
+        return torch.from_numpy(bits[:vocab].astype(bool))
+
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, -1]
+        first = params.probs(logits.masked_fill(~mask_after([]), float("-inf")))
+        second = torch.zeros(vocab)
+        allowed = torch.nonzero(first > 0)[:, 0].tolist()
+        nexts = model(torch.tensor([prompt + [x] for x in allowed])).logits[:, -1]
+        for row, x in enumerate(allowed):
+            second += first[x] * params.probs(nexts[row].masked_fill(~mask_after([x]), float("-inf")))
+    gen = SelfSpecGenerator(model, tokenizer, exit_layer=1, num_speculations=2)
+    out = gen.generate([prompt] * RUNS, max_new_tokens=2, temperature=1.0, seed=0, regex=REGEX,
+                       eos_token_id=[])
+    rows = [s for s in out.sequences if len(s) == 2]  # a one-token word that ends the grammar stops early
+    tokens = np.array([s[0] for s in out.sequences])
+    early = out.stats.early_exit
+    assert early.tested - early.accepted > RUNS // 5  # many rejections: the masked residual matters
+    assert chi_square_p(tokens, first.double().numpy()) > P_MIN
+    # the second token's distribution given that the row went on
+    went_on = 1 - sum(float(first[x]) for x in allowed if mask_after([x]).sum() == 0)
+    assert len(rows) > RUNS * went_on * 0.9
+    assert chi_square_p(np.array([s[1] for s in rows]), second.double().numpy()) > P_MIN
+
+
+# -- bad input -----------------------------------------------------------------------------------
+def test_bad_constraints_are_one_line_user_errors(tokenizer):
+    gen = SelfSpecGenerator(make_model("llama", tokenizer), tokenizer, drafter="ngram")
+    prompt = [[5, 6]]
+    cases = [
+        ({"json_schema": {"type": "object", "properties": {"a": {"type": "strin"}}}}, "does not compile"),
+        ({"json_schema": "{not json"}, "not valid JSON"),
+        ({"regex": "a("}, "does not compile"),
+        ({"grammar": "start: foo\n"}, "does not compile"),
+        ({"regex": "a", "json_schema": PERSON}, "pass one of"),
+        ({"json_schema": [PERSON, PERSON]}, "one per prompt"),
+    ]
+    for kwargs, words in cases:
+        with pytest.raises(UserError, match=words) as info:
+            gen.generate(prompt, max_new_tokens=4, **kwargs)
+        assert "\n" not in str(info.value)
+
+
+def test_a_slow_tokenizer_or_none_is_refused(tokenizer):
+    class Slow:  # what a Python (non-fast) tokenizer lacks: the Rust backend
+        eos_token_id = 0
+
+    model = make_model("llama", tokenizer)
+    with pytest.raises(UserError, match="fast tokenizer"):
+        SelfSpecGenerator(model, Slow(), drafter="ngram").generate([[5]], max_new_tokens=2, regex="a")
+    with pytest.raises(UserError, match="tokenizer"):
+        SelfSpecGenerator(model, drafter="ngram").generate([[5]], max_new_tokens=2, regex="a")
+
+
+def test_a_grammar_the_tokenizer_cannot_write_is_refused():
+    """A byte-fallback (sentencepiece-like) vocabulary of a, b, c and no byte tokens cannot write z."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE({"<eos>": 0, "▁": 1, "a": 2, "b": 3, "c": 4}, [], byte_fallback=True))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                         decoders.Fuse()])
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>")
+    gen = SelfSpecGenerator(tiny_model("llama", vocab_size=5, eos_token_id=0), tok, drafter="ngram")
+    assert gen.generate([[2, 3]], max_new_tokens=4, regex="(a|b)c").complete == [True]  # writable
+    with pytest.raises(UserError, match="vocabulary cannot write"):
+        gen.generate([[2, 3]], max_new_tokens=4, regex="z+")
+
+
+def test_without_llguidance_the_error_names_the_install(tokenizer, monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_llguidance(name, *args, **kwargs):
+        if name.startswith("llguidance"):
+            raise ImportError(name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_llguidance)
+    gen = SelfSpecGenerator(make_model("llama", tokenizer), tokenizer, drafter="ngram")
+    with pytest.raises(UserError, match=r"selfspec\[structured\]"):
+        gen.generate([[5]], max_new_tokens=2, json_schema=PERSON)
+
