@@ -33,7 +33,15 @@ def _generate(prompt: str | None, prompts: str | None, no_eos: bool, eos, no_str
     if (prompt is None) == (prompts is None):
         raise UserError("pass one prompt or --prompts FILE (not both, not neither)")
     batch = [prompt] if prompts is None else commands.read_prompt_file(prompts)
-    commands.generate(model, batch, eos=[] if no_eos else eos, stream=not no_stream, **rest)
+    return commands.generate(model, batch, eos=[] if no_eos else eos, stream=not no_stream, **rest)
+
+
+def _constraint_flags(p) -> None:
+    """Structured output: the flags that constrain every reply (one of them)."""
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--json-schema", metavar="FILE", help="replies are JSON valid under this JSON schema")
+    group.add_argument("--regex", help="replies match this regular expression")
+    group.add_argument("--grammar", metavar="FILE", help="replies follow this Lark grammar (.lark)")
 
 
 def _curve(runs: list[str], exit_layer: int | None, out: str) -> None:
@@ -185,6 +193,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], argparse.A
     p.add_argument("--stop", action="append", help="a string that ends a row (repeatable)")
     p.add_argument("--no-stream", action="store_true",
                    help="print the text at the end instead of as it is accepted")
+    _constraint_flags(p)
 
     ev = sub.add_parser("eval", help="evaluations: gate, speedup, suite, sweep, roofline, curve")
     ev = ev.add_subparsers(dest="eval_command", required=True)

@@ -125,7 +125,9 @@ def generate(model_dir: str, prompts: list[str], *, max_new_tokens: int = 64, te
              top_k: int = 0, top_p: float = 1.0, seed: int | None = None, chat: bool = False,
              eos: list[int] | None = None, stop: list[str] | None = None, stream: bool = True,
              exit_layer: int | None = None, num_speculations=None, drafter: str | None = None,
-             draft_vocab_size: int | None = None, stop_below: float | None = None) -> list[str]:
+             draft_vocab_size: int | None = None, stop_below: float | None = None,
+             json_schema: str | None = None, regex: str | None = None,
+             grammar: str | None = None) -> list[str] | bool:
     """Generate continuations of `prompts` (one batch) with a tuned checkpoint; print them and the stats.
 
     It decodes at the checkpoint's `DecodeSettings` (a sweep's `--write-back` sets them); E, k, the
@@ -133,13 +135,18 @@ def generate(model_dir: str, prompts: list[str], *, max_new_tokens: int = 64, te
     as one user turn (instruct models). `eos`: token ids that end a row (default the model's; an
     empty list never stops early); `stop`: strings that end a row. A single prompt streams its tokens
     as they are accepted; a batch prints each row in order, rows separated by a line holding `---`.
+    Structured output: `json_schema` (a JSON file) or `grammar` (a Lark file) or `regex` constrains
+    every row; a row that max_new_tokens cuts before its grammar is complete is reported on stderr
+    and the result is False (exit code 1), never passed off as valid.
     """
     from transformers import TextStreamer
 
     from .checkpoint import load_tuned
+    from .decoding.grammar import read_constraint
 
     if not prompts or any(not p for p in prompts):
         raise UserError("a prompt is empty; pass some text to continue")
+    constraint = read_constraint(json_schema=json_schema, regex=regex, grammar=grammar)
     gen = load_tuned(model_dir, exit_layer=exit_layer, num_speculations=num_speculations, drafter=drafter,
                      draft_vocab_size=draft_vocab_size, stop_below=stop_below)
     tokenizer = gen.tokenizer
@@ -156,16 +163,24 @@ def generate(model_dir: str, prompts: list[str], *, max_new_tokens: int = 64, te
         print(prompts[0], end="", flush=True)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=chat) if live else None
     out = gen.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                       seed=seed, eos_token_id=eos, stop_strings=stop or None, streamer=streamer)
+                       seed=seed, eos_token_id=eos, stop_strings=stop or None, streamer=streamer,
+                       **(constraint.keywords() if constraint else {}))
     texts = [tokenizer.decode(seq, skip_special_tokens=chat) for seq in out.sequences]
     if not live:
         print("\n---\n".join(t if chat else p + t for p, t in zip(prompts, texts)))
     stats = out.stats
-    print(f"\n[{gen.settings.describe()}: acceptance rate {stats.acceptance_rate:.3f} (copied "
+    forced = f"forced {stats.forced.accepted}/{stats.forced.drafted}, " if out.complete is not None else ""
+    print(f"\n[{gen.settings.describe()}: acceptance rate {stats.acceptance_rate:.3f} ({forced}copied "
           f"{stats.copy.accepted}/{stats.copy.drafted}, early exit {stats.early_exit.accepted}/"
           f"{stats.early_exit.drafted} drafts accepted), "
           f"mean accepted length {stats.mean_accepted_length:.2f}, "
           f"{stats.tokens_per_second:.1f} tokens/s]", file=sys.stderr)
+    incomplete = [row for row, done in enumerate(out.complete or []) if not done]
+    if incomplete:
+        rows = ", ".join(str(r + 1) for r in incomplete)
+        print(f"error: the output of prompt {rows} does not complete its grammar within --max-new-tokens "
+              f"{max_new_tokens}; raise --max-new-tokens", file=sys.stderr)
+        return False
     return texts
 
 

@@ -181,3 +181,26 @@ def test_a_sweep_whose_table_eta_cuts_every_round_still_reports():
     cut = [row for row in report["grid"] if row["stop_below"] == 0.999]
     assert len(report["grid"]) == 2 and math.isnan(cut[0]["predicted_speedup"])  # drafters deduplicated
     assert "| 1 | 0 |" in to_markdown(report)
+
+
+def test_generate_under_a_json_schema_exits_1_when_the_reply_is_cut(tiny_ckpt, tmp_path, capsys):
+    """`selfspec generate --json-schema FILE`: the reply follows the schema; one cut by --max-new-tokens
+    before the schema is complete is reported on stderr with exit code 1; bad flags exit 2."""
+    import json
+
+    schema = tmp_path / "flag.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}},
+                                  "required": ["ok"], "additionalProperties": False}))
+    assert cli.main(["generate", str(tiny_ckpt), "def f(x):", "--json-schema", str(schema),
+                     "--max-new-tokens", "32", "--no-stream"]) == 0
+    out = capsys.readouterr().out
+    assert json.loads(out.split("def f(x):", 1)[1].strip()) in ({"ok": True}, {"ok": False})
+    assert cli.main(["generate", str(tiny_ckpt), "def f(x):", "--json-schema", str(schema),
+                     "--max-new-tokens", "2"]) == 1
+    assert "does not complete its grammar within --max-new-tokens 2" in capsys.readouterr().err
+    assert cli.main(["generate", str(tiny_ckpt), "x", "--json-schema", str(tmp_path / "none.json")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    assert cli.main(["generate", str(tiny_ckpt), "x", "--regex", "a(", "--max-new-tokens", "2"]) == 2
+    assert "does not compile" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # argparse: the constraint flags exclude each other
+        cli.main(["generate", str(tiny_ckpt), "x", "--regex", "a", "--grammar", "g.lark"])

@@ -74,6 +74,10 @@ class Constraint:
             raise UserError(f"{kind} must be text, got {type(value).__name__}")
         return cls(kind, value)
 
+    def keywords(self) -> dict:
+        """This constraint as `generate`'s keyword argument: {"json_schema" | "regex" | "grammar": text}."""
+        return {"grammar" if self.kind == "lark" else self.kind: self.text}
+
     def grammar(self) -> str:
         """llguidance's grammar for this constraint (not yet checked against a tokenizer)."""
         matcher = _llguidance().LLMatcher
@@ -299,5 +303,77 @@ def apply_mask(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return masked
 
 
-__all__ = ["Constraint", "GrammarBatch", "GrammarTokenizer", "INSTALL", "JSON_DEFAULTS", "apply_mask",
-           "constraints_for_rows"]
+class HFGrammarProcessor:
+    """The same grammar for Hugging Face's `generate`, batch 1: a logits processor that masks the
+    scores by llguidance's mask after the tokens generated so far, and a stopping criterion that
+    ends the output where the grammar is complete. The peer a user would otherwise build by hand.
+
+    Hugging Face's assisted generation calls the processor on prefixes of the candidates, so each
+    call rolls the matcher back to the longest common prefix with what it has seen, then consumes
+    the rest: the mask is always the one after exactly `input_ids`' generated part.
+
+        proc = HFGrammarProcessor(GrammarTokenizer(tok, V, [eos]), Constraint.of(json_schema=schema))
+        model.generate(ids, logits_processor=[proc], stopping_criteria=[proc.stopping()])
+    """
+
+    def __init__(self, tokenizer: GrammarTokenizer, constraint: Constraint):
+        self.tokenizer, self.constraint = tokenizer, constraint
+        self.matcher = tokenizer.matcher(constraint)
+        self.words = (tokenizer.vocab_size + 31) // 32
+        self.prompt_length: int | None = None
+        self.seen: list[int] = []
+
+    def _follow(self, input_ids: torch.Tensor) -> None:
+        if input_ids.shape[0] != 1:
+            raise UserError("the Hugging Face grammar processor decodes batch 1 only")
+        if self.prompt_length is None:
+            self.prompt_length = input_ids.shape[1]
+        generated = input_ids[0, self.prompt_length:].tolist()
+        common = 0
+        while common < min(len(generated), len(self.seen)) and generated[common] == self.seen[common]:
+            common += 1
+        if len(self.seen) > common:
+            self.matcher.rollback(len(self.seen) - common)
+        if not self.matcher.consume_tokens(generated[common:]):
+            raise RuntimeError(f"the grammar refused a generated token: {self.matcher.get_error()}")
+        self.seen = generated
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self._follow(input_ids)
+        bits = np.full((1, self.words), -1, dtype=np.int32)
+        self.matcher.unsafe_compute_mask_ptr(bits.ctypes.data, self.words * 4)
+        allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :scores.shape[-1]]
+        return apply_mask(scores, torch.from_numpy(allowed.view(np.bool_)))
+
+    def stopping(self):
+        """A stopping criterion: True once the generated tokens complete the grammar."""
+        from transformers import StoppingCriteria
+
+        processor = self
+
+        class _Complete(StoppingCriteria):
+            def __call__(self, input_ids, scores, **kwargs):
+                processor._follow(input_ids)
+                done = processor.matcher.is_stopped()
+                return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+
+        return _Complete()
+
+def read_constraint(json_schema: str | None = None, regex: str | None = None,
+                    grammar: str | None = None) -> Constraint | None:
+    """The constraint of the CLI's flags: `json_schema` and `grammar` are file paths (a JSON schema,
+    a Lark grammar), `regex` the expression itself. A missing file is a UserError."""
+    from pathlib import Path
+
+    texts = {}
+    for flag, path in (("--json-schema", json_schema), ("--grammar", grammar)):
+        if path is not None:
+            if not Path(path).is_file():
+                raise UserError(f"{flag} {path}: no such file")
+            texts[flag] = Path(path).read_text()
+    return Constraint.of(json_schema=texts.get("--json-schema"), regex=regex, grammar=texts.get("--grammar"))
+
+
+
+__all__ = ["Constraint", "GrammarBatch", "GrammarTokenizer", "HFGrammarProcessor", "INSTALL",
+           "JSON_DEFAULTS", "apply_mask", "constraints_for_rows", "read_constraint"]
