@@ -316,3 +316,34 @@ def test_without_llguidance_the_error_names_the_install(tokenizer, monkeypatch):
     with pytest.raises(UserError, match=r"selfspec\[structured\]"):
         gen.generate([[5]], max_new_tokens=2, json_schema=PERSON)
 
+
+
+def test_the_benchmark_times_every_method_under_each_prompts_schema(tokenizer):
+    """`run_benchmark` with `Structured` prompts: the engine's methods and Hugging Face's greedy with
+    the same masks give one output; the report has the forced drafts and the grammar's cost."""
+    from selfspec.evaluation.benchmark import Structured, run_benchmark, to_markdown
+
+    model = make_model("llama", tokenizer, seed=6)
+    prompts = [Structured(prompt_ids(tokenizer), Constraint.of(schema)) for schema in SCHEMAS[:2]]
+    report = run_benchmark(model, prompts, DecodeSettings(exit_layer=2, num_speculations=3), tokenizer=tokenizer,
+                           max_new_tokens=80, repeats=1, warmup=0,
+                           methods=("plain", "early_exit", "ngram", "hybrid", "hf_greedy", "hf_prompt_lookup"))
+    assert all(report["identical_to_plain"].values()), report["identical_to_plain"]
+    assert report["sources"]["ngram"]["forced"]["accepted"] > 0
+    assert report["grammar"]["seconds_per_token"] > 0
+    assert "Grammar masks" in to_markdown(report)
+
+
+def test_extraction_prompts_are_seeded_and_splits_share_no_record():
+    from selfspec.data.extraction import CATEGORIES, extraction_prompts
+
+    test = extraction_prompts("test", per_category=3)
+    assert test == extraction_prompts("test", per_category=3)  # the same on every machine
+    assert [p.category for p in test] == [c for c in CATEGORIES for _ in range(3)]
+    train = extraction_prompts("train", per_category=30)
+    identity = {"people": "name", "products": "product", "events": "title", "tool_calls": "arguments"}
+    keys = {split: {json.dumps(p.record[identity[p.category]], sort_keys=True) for p in prompts}
+            for split, prompts in (("train", train), ("test", test))}
+    assert not keys["train"] & keys["test"]
+    for p in test + train:  # every record is an answer its schema accepts
+        jsonschema.validate(p.record, p.schema)

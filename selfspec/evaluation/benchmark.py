@@ -44,6 +44,8 @@ from tqdm.auto import tqdm
 from ..checkpoint import checkpoint_adapters, resolve_settings
 from ..cpu import sync_device
 from ..decoding import DRAFTERS, DecodeSettings, SelfSpecGenerator
+from ..decoding.grammar import Constraint, HFGrammarProcessor, read_constraint
+from ..decoding.speculative import SOURCES
 from ..errors import UserError
 from ..metrics import AcceptanceStats, predicted_speedup, speedup_kv_reuse, speedup_measured_costs
 from ..model.loading import load_causal_lm, load_tokenizer
@@ -53,6 +55,33 @@ METHODS = ("plain", "early_exit", "ngram", "hybrid", "hf_greedy", "hf_early_exit
 ENGINE_METHODS = ("plain", *DRAFTERS)  # selfspec's engine; each drafter is a method of its own name
 HF_BATCH1_METHODS = ("hf_early_exit", "hf_prompt_lookup")  # Hugging Face's assisted generation: batch 1 only
 PROMPT_LOOKUP_TOKENS = 10  # Hugging Face's documented example value
+
+
+@dataclass(frozen=True)
+class Structured:
+    """A prompt (token ids) whose reply follows `constraint` (structured output). The runner decodes
+    it under the grammar: the engine methods with `generate(json_schema=...)`, Hugging Face's with
+    the same llguidance masks as a logits processor (`HFGrammarProcessor`, batch 1)."""
+
+    ids: list
+    constraint: Constraint
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def constraint_keywords(constraints: list) -> dict:
+    """`generate`'s per-row keyword lists (json_schema, regex, grammar) of a batch's constraints
+    (None: a free row); {} when no row is constrained."""
+    if all(c is None for c in constraints):
+        return {}
+    out = {"json_schema": [None] * len(constraints), "regex": [None] * len(constraints),
+           "grammar": [None] * len(constraints)}
+    for row, constraint in enumerate(constraints):
+        if constraint is not None:
+            (keyword, text), = constraint.keywords().items()
+            out[keyword][row] = text
+    return out
 
 
 def load_model(path: str, device: str | None = None, dtype: str = "auto"):
@@ -114,11 +143,14 @@ class _Runner:
                                               getattr(config, "eos_token_id", None))
                                   if isinstance(t, int)), 0)
 
-    def __call__(self, method: str, batch: list[list[int]]):
-        """Decode one batch of prompts (token lists) with `method`: (tokens per row, engine stats or None)."""
+    def __call__(self, method: str, batch: list):
+        """Decode one batch of prompts (token lists, or `Structured` ones) with `method`: (tokens per row,
+        engine stats or None)."""
+        constraints = [p.constraint if isinstance(p, Structured) else None for p in batch]
+        batch = [p.ids if isinstance(p, Structured) else p for p in batch]
         if method in ENGINE_METHODS:
             out = self.generator.generate(batch, max_new_tokens=self.max_new_tokens, eos_token_id=self.eos,
-                                          settings=self.settings[method])
+                                          settings=self.settings[method], **constraint_keywords(constraints))
             return out.sequences, out.stats
         if len({len(p) for p in batch}) > 1:
             raise UserError("Hugging Face methods in a batch need prompts of one length; use "
@@ -128,6 +160,11 @@ class _Runner:
                       do_sample=False, pad_token_id=self.pad_token_id)
         if self.eos == []:
             kwargs["eos_token_id"] = None
+        if constraints[0] is not None:  # the same grammar as a logits processor, batch 1
+            if len(batch) > 1:
+                raise UserError("Hugging Face methods under a grammar decode batch 1; pass --batch-size 1")
+            processor = HFGrammarProcessor(self.generator.grammar_tokenizer(), constraints[0])
+            kwargs.update(logits_processor=[processor], stopping_criteria=[processor.stopping()])
         if method == "hf_early_exit":  # Hugging Face's self-speculation at the early exit's own E
             kwargs["assistant_early_exit"] = self.settings["early_exit"].exit_layer
         elif method == "hf_prompt_lookup":
@@ -287,6 +324,8 @@ def run_benchmark(model, prompts: list[list[int]], settings: DecodeSettings, *, 
     report["greedy_outputs_identical"] = all(report["identical_to_" + reference][m]
                                              for m in methods if m != "hf_early_exit")
     report["sources"] = {m: source_summary(stats[m]) for m in methods if m in ENGINE_METHODS and m != "plain"}
+    if any(isinstance(p, Structured) for p in prompts) and "plain" in methods:
+        report["grammar"] = grammar_costs(stats["plain"])
     if "plain" in methods and "early_exit" in methods:
         report["cost_model"] = _cost_model(stats["plain"], stats["early_exit"],
                                            report["speedups"].get("early_exit_over_plain"))
@@ -294,11 +333,12 @@ def run_benchmark(model, prompts: list[list[int]], settings: DecodeSettings, *, 
 
 
 def source_summary(runs) -> dict:
-    """Where the drafts of engine runs came from: per source (copy, early exit) the rounds, drafted,
-    accepted and α, and the share of all generated tokens that were accepted drafts of that source."""
+    """Where the drafts of engine runs came from: per source (copy, forced by a grammar, early exit)
+    the rounds, drafted, accepted and α, and the share of all generated tokens that were accepted
+    drafts of that source."""
     generated = sum(s.generated_tokens for s in runs)
     out = {}
-    for source in ("copy", "early_exit"):
+    for source in SOURCES:
         pooled = AcceptanceStats()
         for stats in runs:
             pooled.merge(getattr(stats, source))
@@ -306,6 +346,16 @@ def source_summary(runs) -> dict:
                        "acceptance_rate": pooled.acceptance_rate,
                        "share_of_tokens": pooled.accepted / generated if generated else float("nan")}
     return out
+
+
+def grammar_costs(plain_runs) -> dict:
+    """What the grammar costs in constrained plain decoding: llguidance's seconds per generated token,
+    and as a share of a plain step."""
+    tokens = sum(s.generated_tokens for s in plain_runs)
+    per_token = sum(s.grammar_time for s in plain_runs) / max(1, tokens)
+    plain_step = sum(s.plain_time for s in plain_runs) / max(1, sum(s.plain_steps for s in plain_runs))
+    return {"seconds_per_token": per_token, "share_of_plain_step": per_token / plain_step if plain_step
+            else float("nan")}
 
 
 def pooled_costs(plain_runs, spec_runs) -> dict:
@@ -406,6 +456,11 @@ def to_markdown(report: dict) -> str:
             else:
                 shown = str(value)
             lines.append(f"| {name} | {shown} |")
+    grammar = report.get("grammar")
+    if grammar:
+        lines += ["", f"Grammar masks (llguidance) in constrained plain decoding: "
+                  f"{grammar['seconds_per_token'] * 1e6:.0f} µs a token, "
+                  f"{grammar['share_of_plain_step']:.1%} of a plain step."]
     lines += ["", "Greedy outputs identical (every method but hf_early_exit, which is reported apart): "
               f"**{report['greedy_outputs_identical']}**; identical to plain per method: "
               + ", ".join(f"{m} {same}" for m, same in report.get("identical_to_plain", {}).items())]
@@ -424,6 +479,8 @@ def read_prompts(tokenizer, prompts: str | None = None, corpus: str = "stdlib", 
         raise UserError(f"--num-prompts must be >= 1, got {num_prompts}")
     if prompts is None:
         return prompts_from_corpus(tokenizer, corpus, num_prompts, prompt_tokens)
+    if prompts == JSON_EXTRACT:
+        return extraction_benchmark_prompts(tokenizer, num_prompts)
     file = Path(prompts)
     if not file.is_file():
         raise UserError(f"prompt file {prompts!r} does not exist; pass a JSON list or a text file, "
@@ -443,17 +500,41 @@ def read_prompts(tokenizer, prompts: str | None = None, corpus: str = "stdlib", 
         raise UserError(f"{prompts}: every prompt must be a string or a list of token ids") from None
 
 
+JSON_EXTRACT = "json-extract"  # `--prompts json-extract`: the extraction prompts, each with its schema
+
+
+def extraction_benchmark_prompts(tokenizer, num_prompts: int, split: str = "test") -> list[Structured]:
+    """The first `num_prompts` extraction prompts of `split` (categories in turn), each a user turn
+    in the tokenizer's chat template (plain text without one) and constrained by its own schema."""
+    from ..data.extraction import CATEGORIES, extraction_prompts
+
+    per_category = -(-num_prompts // len(CATEGORIES))
+    by_category = extraction_prompts(split, per_category)
+    ordered = [p for i in range(per_category) for p in by_category[i::per_category]][:num_prompts]
+    out = []
+    for item in ordered:
+        text = (tokenizer.apply_chat_template([{"role": "user", "content": item.message}], tokenize=False,
+                                              add_generation_prompt=True)
+                if getattr(tokenizer, "chat_template", None) else item.message)
+        ids = tokenizer(text, add_special_tokens=not getattr(tokenizer, "chat_template", None))["input_ids"]
+        out.append(Structured(list(ids), Constraint.of(json_schema=item.schema)))
+    return out
+
+
 def speedup(model: str, *, exit_layer: int | None = None, num_speculations=None,
             draft_vocab_size: int | None = None, stop_below: float | None = None,
             min_ngram: int | None = None,
             prompts: str | None = None,
             corpus: str = "stdlib", num_prompts: int = 8, prompt_tokens: int = 64, max_new_tokens: int = 128,
             repeats: int = 5, warmup: int = 1, methods=METHODS, batch_size: int = 1, keep_eos: bool = False,
-            device: str | None = None, dtype: str = "auto", out: str = "runs/benchmark") -> dict:
+            device: str | None = None, dtype: str = "auto", out: str = "runs/benchmark",
+            json_schema: str | None = None, regex: str | None = None, grammar: str | None = None) -> dict:
     """`selfspec eval speedup`: benchmark the checkpoint `model`; print the report, write it into `out`.
 
     The engine decodes at the checkpoint's settings (`selfspec.json`), with the given fields
     overriding them; without any override each drafter runs at its fastest a sweep stored.
+    Structured output: `json_schema`/`grammar` (files) or `regex` constrain every reply, and
+    `prompts="json-extract"` takes the extraction prompts, each under its own schema.
     """
     if num_prompts < 1 or repeats < 1 or max_new_tokens < 1:
         raise UserError(f"--num-prompts ({num_prompts}), --repeats ({repeats}) and --max-new-tokens "
@@ -463,8 +544,12 @@ def speedup(model: str, *, exit_layer: int | None = None, num_speculations=None,
         stop_below=stop_below, min_ngram=min_ngram)
     if settings.exit_layer is None:
         raise UserError(f"--exit-layer is required: {model} has no selfspec.json")
+    constraint = read_constraint(json_schema=json_schema, regex=regex, grammar=grammar)
     lm, tokenizer = load_model(model, device, dtype)
-    report = run_benchmark(lm, read_prompts(tokenizer, prompts, corpus, num_prompts, prompt_tokens), settings,
+    prompt_ids = read_prompts(tokenizer, prompts, corpus, num_prompts, prompt_tokens)
+    if constraint is not None:
+        prompt_ids = [Structured(p.ids if isinstance(p, Structured) else p, constraint) for p in prompt_ids]
+    report = run_benchmark(lm, prompt_ids, settings,
                            tokenizer=tokenizer, fastest=fastest, token_counts=token_counts,
                            exit_adapters=checkpoint_adapters(model, lm), max_new_tokens=max_new_tokens,
                            repeats=repeats, warmup=warmup, ignore_eos=not keep_eos,
