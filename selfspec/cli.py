@@ -103,7 +103,8 @@ def _device_flags(p, out: str) -> None:
 def _timing_flags(p, num_prompts: int, max_new_tokens: int, repeats: int, out: str) -> None:
     """Which prompts, how many tokens, how many interleaved repeats: the benchmark's and the sweep's."""
     p.add_argument("--model", required=True, help="directory loadable with AutoModelForCausalLM")
-    p.add_argument("--prompts", default=None, help="JSON list (token lists or strings) or text file")
+    p.add_argument("--prompts", default=None, help="JSON list (token lists or strings) or text file; "
+                                                    "json-extract: extraction prompts, each under its schema")
     p.add_argument("--corpus", default="stdlib",
                    help="without --prompts: prompts from this corpus's test split")
     p.add_argument("--num-prompts", type=int, default=num_prompts, help="use the first N prompts")
@@ -214,6 +215,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], argparse.A
     p.add_argument("--batch-size", type=int, default=1,
                    help="prompts per generate call (hf_early_exit and hf_prompt_lookup run batch 1 only)")
     p.add_argument("--keep-eos", action="store_true", help="stop at eos (default: always max-new-tokens)")
+    _constraint_flags(p)
 
     p = command(("eval", "suite"), ev, suite.suite,
                 help="every method on a multi-task suite, per category: speedups over Hugging Face "
