@@ -308,9 +308,11 @@ class HFGrammarProcessor:
     scores by llguidance's mask after the tokens generated so far, and a stopping criterion that
     ends the output where the grammar is complete. The peer a user would otherwise build by hand.
 
-    Hugging Face's assisted generation calls the processor on prefixes of the candidates, so each
-    call rolls the matcher back to the longest common prefix with what it has seen, then consumes
-    the rest: the mask is always the one after exactly `input_ids`' generated part.
+    Hugging Face's assisted generation calls the processor on prefixes of its candidates, which no
+    grammar constrained, so each call rolls the matcher back to the longest common prefix with what
+    it has consumed, then consumes the rest as far as the grammar allows. After a refused candidate
+    the scores are left as they are: that candidate is rejected (the mask before it refuses it), so
+    nothing after it is kept.
 
         proc = HFGrammarProcessor(GrammarTokenizer(tok, V, [eos]), Constraint.of(json_schema=schema))
         model.generate(ids, logits_processor=[proc], stopping_criteria=[proc.stopping()])
@@ -323,7 +325,8 @@ class HFGrammarProcessor:
         self.prompt_length: int | None = None
         self.seen: list[int] = []
 
-    def _follow(self, input_ids: torch.Tensor) -> None:
+    def _follow(self, input_ids: torch.Tensor) -> bool:
+        """Bring the matcher to `input_ids`' generated tokens; whether the grammar allows all of them."""
         if input_ids.shape[0] != 1:
             raise UserError("the Hugging Face grammar processor decodes batch 1 only")
         if self.prompt_length is None:
@@ -334,12 +337,14 @@ class HFGrammarProcessor:
             common += 1
         if len(self.seen) > common:
             self.matcher.rollback(len(self.seen) - common)
-        if not self.matcher.consume_tokens(generated[common:]):
-            raise RuntimeError(f"the grammar refused a generated token: {self.matcher.get_error()}")
-        self.seen = generated
+        rest = generated[common:]
+        consumed = self.matcher.try_consume_tokens(rest) if rest else 0
+        self.seen = generated[:common + consumed]
+        return consumed == len(rest)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        self._follow(input_ids)
+        if not self._follow(input_ids):
+            return scores
         bits = np.full((1, self.words), -1, dtype=np.int32)
         self.matcher.unsafe_compute_mask_ptr(bits.ctypes.data, self.words * 4)
         allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :scores.shape[-1]]
@@ -353,8 +358,7 @@ class HFGrammarProcessor:
 
         class _Complete(StoppingCriteria):
             def __call__(self, input_ids, scores, **kwargs):
-                processor._follow(input_ids)
-                done = processor.matcher.is_stopped()
+                done = processor._follow(input_ids) and processor.matcher.is_stopped()
                 return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
 
         return _Complete()
