@@ -325,9 +325,10 @@ def test_the_benchmark_times_every_method_under_each_prompts_schema(tokenizer):
 
     model = make_model("llama", tokenizer, seed=6)
     prompts = [Structured(prompt_ids(tokenizer), Constraint.of(schema)) for schema in SCHEMAS[:2]]
-    report = run_benchmark(model, prompts, DecodeSettings(exit_layer=2, num_speculations=3), tokenizer=tokenizer,
-                           max_new_tokens=80, repeats=1, warmup=0,
-                           methods=("plain", "early_exit", "ngram", "hybrid", "hf_greedy", "hf_prompt_lookup"))
+    report = run_benchmark(model, prompts, DecodeSettings(exit_layer=2, num_speculations=3),
+                           tokenizer=tokenizer, max_new_tokens=80, repeats=1, warmup=0,
+                           methods=("plain", "early_exit", "ngram", "hybrid", "hf_greedy",
+                                    "hf_prompt_lookup"))
     assert all(report["identical_to_plain"].values()), report["identical_to_plain"]
     assert report["sources"]["ngram"]["forced"]["accepted"] > 0
     assert report["grammar"]["seconds_per_token"] > 0

@@ -4,6 +4,7 @@ drafts copied from the context (n-grams) and a trimmed draft head."""
 from .cache import CacheLengthError, KVCache
 from .controller import Controller, CostModelRule, FixedK, WindowRule, make_controller
 from .draft_head import DraftHead
+from .grammar import Constraint
 from .ngram import NGramConfig
 from .policy import DRAFTERS, DraftPlan, DraftPolicy, make_policy
 from .sampling import SamplingParams, accept_greedy, accept_sampled, residual_probs
@@ -11,7 +12,7 @@ from .settings import ADAPTIVE_K, PLAIN, DecodeSettings, parse_num_speculations
 from .speculative import GenerationOutput, GenerationStats, SelfSpecGenerator
 
 __all__ = ["ADAPTIVE_K", "DRAFTERS", "PLAIN", "DecodeSettings", "parse_num_speculations", "CacheLengthError",
-           "Controller", "CostModelRule", "DraftHead", "DraftPlan", "DraftPolicy",
+           "Constraint", "Controller", "CostModelRule", "DraftHead", "DraftPlan", "DraftPolicy",
            "FixedK", "GenerationOutput", "GenerationStats", "KVCache", "NGramConfig", "SamplingParams",
            "SelfSpecGenerator", "WindowRule", "accept_greedy", "accept_sampled", "make_controller",
            "make_policy", "residual_probs"]

@@ -228,9 +228,9 @@ class GrammarBatch:
     # -- verification ----------------------------------------------------------------------------
     def verification_masks(self, drafts: np.ndarray) -> torch.Tensor:
         """(B, k + 1, V) bool: the masks of the target's k + 1 positions, at each drafted prefix of
-        the round's drafts (B, k). Rolls back the drafts consumed while drafting, then computes the
-        masks in one llguidance call (it runs the drafts and undoes them itself). Masks after a draft
-        the grammar refuses are left all-true: the verification never gets past that draft."""
+        the round's drafts (B, k). Rolls back the drafts consumed while drafting, then per row computes
+        a mask, consumes the next draft, and so on, and rolls those back. Masks after a draft the
+        grammar refuses are left all-true: the verification never gets past that draft."""
         start = time.perf_counter()
         B, k = drafts.shape
         for slot, m in enumerate(self.matchers):
@@ -240,12 +240,16 @@ class GrammarBatch:
         self.dead[:] = False
         bits = np.full((B * (k + 1), self.words), -1, dtype=np.int32)
         live = [(m, slot * (k + 1)) for slot, m in enumerate(self.matchers) if m is not None]
-        if live and k:
-            jobs = [(m, index, drafts[index // (k + 1)].tolist()) for m, index in live]
-            self.executor.unsafe_compute_mask_ptr_with_draft_token(jobs, bits.ctypes.data, self.words * 4,
-                                                                    B * (k + 1))
-        elif live:  # a plain step: the masks of the rows' current states
-            self.executor.unsafe_compute_mask_ptr(live, bits.ctypes.data, self.words * 4, B)
+        for m, index in live:  # mask, consume the draft, mask again ...; then undo the drafts
+            row, consumed = drafts[index // (k + 1)].tolist(), 0
+            for i in range(k + 1):
+                target = bits[index + i]
+                m.unsafe_compute_mask_ptr(target.ctypes.data, self.words * 4)
+                if i == k or m.is_stopped() or not m.try_consume_tokens(row[i:i + 1]):
+                    break  # the masks after a refused draft stay all-true: never reached
+                consumed += 1
+            if consumed:
+                m.rollback(consumed)
         mask = self._unpack(bits).reshape(B, k + 1, -1)
         self.seconds += time.perf_counter() - start
         self._check_writable(mask[:, 0])
