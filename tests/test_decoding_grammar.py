@@ -214,6 +214,47 @@ def test_rollback_after_rejection_restores_the_matcher(tokenizer):
         assert np.array_equal(masks[0, i].numpy(), bits[:len(tokenizer)].astype(bool)), i
 
 
+
+def test_random_rounds_keep_each_matcher_equal_to_one_fed_only_the_emitted_tokens(tokenizer):
+    """Rounds of random drafts (forced tokens, allowed picks, refused tokens), their verification
+    masks and a random accepted prefix: after each, the committed state's mask equals a fresh
+    matcher's fed the emitted tokens alone, and the first verification mask is that mask."""
+    rng = np.random.default_rng(0)
+    gt = GrammarTokenizer(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    constraint = Constraint.of(SCHEMAS[1])
+    batch, emitted = GrammarBatch(gt, [constraint]), []
+
+    def fresh_mask():
+        matcher = gt.matcher(constraint)
+        assert matcher.consume_tokens(emitted)
+        bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), np.uint8), bitorder="little")
+        return bits[:len(tokenizer)].astype(bool)
+
+    for _ in range(40):
+        drafts = [batch.forced(4)]
+        for _ in range(int(rng.integers(0, 4))):
+            allowed = np.nonzero(batch.mask()[0].numpy())[0]
+            token = int(rng.choice(allowed)) if rng.random() < 0.8 else int(rng.integers(len(tokenizer)))
+            batch.admit(np.array([[token]]))
+            drafts.append(np.array([[token]]))
+        drafts = np.concatenate(drafts, 1)
+        masks = batch.verification_masks(drafts)
+        assert np.array_equal(masks[0, 0].numpy(), fresh_mask())
+        accepted = int(rng.integers(0, drafts.shape[1] + 1))
+        for i in range(accepted):  # keep drafts only while the grammar took them
+            if not masks[0, i, drafts[0, i]]:
+                accepted = i
+                break
+        target = int(rng.choice(np.nonzero(masks[0, accepted].numpy())[0]))
+        tokens = np.concatenate([drafts[:, :accepted], [[target]]], 1)
+        emit, finished = batch.commit(tokens, np.array([accepted + 1]), np.array([False]))
+        emitted += tokens[0, :emit[0]].tolist()
+        if finished[0]:
+            break
+        assert np.array_equal(batch.mask()[0].numpy(), fresh_mask())
+        batch.verification_masks(np.zeros((1, 0), dtype=np.int64))  # ends the probe's "round"
+
+
 # -- sampling ------------------------------------------------------------------------------------
 RUNS = 6000
 REGEX = r"[a-e][a-z]{0,6}"  # a few dozen allowed first tokens, many second ones

@@ -12,10 +12,9 @@ speculative round:
   one continuation of bytes (`{"name": "` after the start of an object), llguidance's fast-forward
   tokens spell it in the tokenizer's own way. They are drafts like copies (one-hot q), verified in
   the same pass as the others, so a model that would spell them otherwise still gets its own tokens;
-- the verification masks the target at each drafted prefix: the k + 1 masks of a round come from
-  one llguidance call per round (`LLExecutor`, with the drafts);
-- after the verification each row's matcher rolls back the drafts it had consumed and consumes the
-  tokens the row emitted, as the KV cache does.
+- the verification masks the target at each drafted prefix;
+- the drafts go to a copy of each row's matcher; after the verification the matcher consumes the
+  tokens its row emitted, as the KV cache keeps them.
 
 A row ends when its grammar is complete and allows nothing more (a closing brace of the top-level
 object): no eos token is needed after it. `GrammarBatch.complete` tells whether a row's output
@@ -151,11 +150,14 @@ class GrammarTokenizer:
 class GrammarBatch:
     """The grammar state of a batch's rows (None for a row without a constraint) through the rounds.
 
-    Between rounds each matcher has consumed exactly the tokens its row emitted. During a round's
-    draft it also consumes the drafts, up to the first one its grammar refuses (the row is then
-    `dead` for the rest of the round: its later drafts are rejected at verification whatever they
-    are). `verification_masks` rolls the drafts back; `commit` consumes what the row emitted.
-    `seconds` adds up the time spent in llguidance (masks, forced tokens, consuming).
+    `matchers[s]` has consumed exactly the tokens its row emitted. A round drafts on a copy of it
+    (`LLMatcher.deep_copy`, a few µs), which consumes the drafts up to the first one its grammar
+    refuses (the row is then `dead` for the rest of the round: its later drafts are rejected at
+    verification whatever they are); the verification's masks come from another copy, and `commit`
+    consumes what the row emitted. Copies rather than `LLMatcher.rollback`: in one SmolLM2 decode a
+    matcher rolled back after a round's drafts had a mask that differed from a fresh matcher fed the
+    same emitted tokens (cause not isolated; `tests/test_smollm2_slow.py` holds the case), while a
+    committed state that never rolls back cannot drift. `seconds` adds up the time in llguidance.
     """
 
     def __init__(self, tokenizer: GrammarTokenizer, constraints: list[Constraint | None]):
@@ -166,32 +168,40 @@ class GrammarBatch:
             if c is not None and c not in compiled:
                 compiled[c] = tokenizer.matcher(c)
         self.matchers = [None if c is None else compiled[c].deep_copy() for c in constraints]
+        self.drafting: list | None = None  # this round's drafting copies, made on first use
         self.complete = [c is None for c in constraints]  # per caller row: the output is accepted
         self.rows = np.arange(len(constraints))  # caller row of each slot
-        self.consumed = np.zeros(len(constraints), dtype=np.int64)  # drafts consumed this round
         self.dead = np.zeros(len(constraints), dtype=bool)
         self.executor = _llguidance().LLExecutor()
         self.seconds = 0.0
 
+    def _drafting(self) -> list:
+        """The matchers the round's drafts go to: copies of the committed ones."""
+        if self.drafting is None:
+            self.drafting = [None if m is None else m.deep_copy() for m in self.matchers]
+        return self.drafting
+
     # -- drafting --------------------------------------------------------------------------------
     def mask(self) -> torch.Tensor:
-        """(B, V) bool: the tokens each row's grammar allows next (all for a dead or free row)."""
+        """(B, V) bool: the tokens each row's grammar allows after the drafts so far (all for a
+        dead or free row)."""
         start = time.perf_counter()
-        bits = np.full((len(self.matchers), self.words), -1, dtype=np.int32)
-        live = [(m, slot) for slot, m in enumerate(self.matchers) if m is not None and not self.dead[slot]]
+        matchers = self._drafting()
+        bits = np.full((len(matchers), self.words), -1, dtype=np.int32)
+        live = [(m, slot) for slot, m in enumerate(matchers) if m is not None and not self.dead[slot]]
         if live:
-            self.executor.unsafe_compute_mask_ptr(live, bits.ctypes.data, self.words * 4, len(self.matchers))
+            self.executor.unsafe_compute_mask_ptr(live, bits.ctypes.data, self.words * 4, len(matchers))
         mask = self._unpack(bits)
         self.seconds += time.perf_counter() - start
         return mask
 
     def forced(self, limit: int) -> np.ndarray:
-        """(B, f) the grammar's forced tokens (llguidance's fast-forward tokens) at each row's state,
-        at most `limit`, consumed. Rows with fewer fill up with their last forced token (a draft the
-        verification rejects: any draft is lossless). (B, 0) when no row has any."""
+        """(B, f) the grammar's forced tokens (llguidance's fast-forward tokens) after each row's
+        drafts so far, at most `limit`, consumed. Rows with fewer fill up with their last forced
+        token (a draft the verification rejects: any draft is lossless). (B, 0) when no row has any."""
         start = time.perf_counter()
         runs = []
-        for slot, m in enumerate(self.matchers):
+        for slot, m in enumerate(self._drafting()):
             run = [] if m is None or self.dead[slot] or limit <= 0 else m.compute_ff_tokens()[:limit]
             runs.append(run)
         width = max(len(r) for r in runs)
@@ -210,7 +220,7 @@ class GrammarBatch:
         count r): the drafts after it are refused by every row and need not be verified."""
         start = time.perf_counter()
         longest = 0
-        for slot, m in enumerate(self.matchers):
+        for slot, m in enumerate(self._drafting()):
             if m is None:
                 longest = tokens.shape[1]
                 continue
@@ -218,7 +228,6 @@ class GrammarBatch:
                 continue
             row = tokens[slot].tolist()
             n = m.try_consume_tokens(row) if row else 0
-            self.consumed[slot] += n
             if n < len(row) or m.is_stopped():
                 self.dead[slot] = True
             longest = max(longest, n)
@@ -228,28 +237,22 @@ class GrammarBatch:
     # -- verification ----------------------------------------------------------------------------
     def verification_masks(self, drafts: np.ndarray) -> torch.Tensor:
         """(B, k + 1, V) bool: the masks of the target's k + 1 positions, at each drafted prefix of
-        the round's drafts (B, k). Rolls back the drafts consumed while drafting, then per row computes
-        a mask, consumes the next draft, and so on, and rolls those back. Masks after a draft the
-        grammar refuses are left all-true: the verification never gets past that draft."""
+        the round's drafts (B, k): per row, on a copy of its committed matcher, a mask, the next
+        draft consumed, and so on. Masks after a draft the grammar refuses are left all-true: the
+        verification never gets past that draft. Ends the round's drafting."""
         start = time.perf_counter()
+        self.drafting, self.dead[:] = None, False
         B, k = drafts.shape
-        for slot, m in enumerate(self.matchers):
-            if m is not None and self.consumed[slot]:
-                m.rollback(int(self.consumed[slot]))
-        self.consumed[:] = 0
-        self.dead[:] = False
         bits = np.full((B * (k + 1), self.words), -1, dtype=np.int32)
-        live = [(m, slot * (k + 1)) for slot, m in enumerate(self.matchers) if m is not None]
-        for m, index in live:  # mask, consume the draft, mask again ...; then undo the drafts
-            row, consumed = drafts[index // (k + 1)].tolist(), 0
+        for slot, committed in enumerate(self.matchers):
+            if committed is None:
+                continue
+            m, row = committed.deep_copy(), drafts[slot].tolist()
             for i in range(k + 1):
-                target = bits[index + i]
+                target = bits[slot * (k + 1) + i]
                 m.unsafe_compute_mask_ptr(target.ctypes.data, self.words * 4)
                 if i == k or m.is_stopped() or not m.try_consume_tokens(row[i:i + 1]):
                     break  # the masks after a refused draft stay all-true: never reached
-                consumed += 1
-            if consumed:
-                m.rollback(consumed)
         mask = self._unpack(bits).reshape(B, k + 1, -1)
         self.seconds += time.perf_counter() - start
         self._check_writable(mask[:, 0])
@@ -287,7 +290,7 @@ class GrammarBatch:
     def select_rows(self, keep: np.ndarray) -> None:
         """Keep the slots `keep` (indices), as the batch drops finished rows."""
         self.matchers = [self.matchers[i] for i in keep]
-        self.rows, self.consumed, self.dead = self.rows[keep], self.consumed[keep], self.dead[keep]
+        self.rows, self.dead, self.drafting = self.rows[keep], self.dead[keep], None
 
     def _unpack(self, bits: np.ndarray) -> torch.Tensor:
         """int32 bitmasks (n, W), bit j of word w = token 32 w + j -> (n, V) bool."""
@@ -313,8 +316,9 @@ class HFGrammarProcessor:
     ends the output where the grammar is complete. The peer a user would otherwise build by hand.
 
     Hugging Face's assisted generation calls the processor on prefixes of its candidates, which no
-    grammar constrained, so each call rolls the matcher back to the longest common prefix with what
-    it has consumed, then consumes the rest as far as the grammar allows. After a refused candidate
+    grammar constrained, so each call goes back to the longest common prefix with what the matcher
+    has consumed (a copy of the fresh matcher fed that prefix, as `GrammarBatch` avoids `rollback`),
+    then consumes the rest as far as the grammar allows. After a refused candidate
     the scores are left as they are: that candidate is rejected (the mask before it refuses it), so
     nothing after it is kept.
 
@@ -324,7 +328,8 @@ class HFGrammarProcessor:
 
     def __init__(self, tokenizer: GrammarTokenizer, constraint: Constraint):
         self.tokenizer, self.constraint = tokenizer, constraint
-        self.matcher = tokenizer.matcher(constraint)
+        self.initial = tokenizer.matcher(constraint)  # never consumes: the start of every replay
+        self.matcher = self.initial.deep_copy()
         self.words = (tokenizer.vocab_size + 31) // 32
         self.prompt_length: int | None = None
         self.seen: list[int] = []
@@ -339,8 +344,9 @@ class HFGrammarProcessor:
         common = 0
         while common < min(len(generated), len(self.seen)) and generated[common] == self.seen[common]:
             common += 1
-        if len(self.seen) > common:
-            self.matcher.rollback(len(self.seen) - common)
+        if len(self.seen) > common:  # back to the common prefix
+            self.matcher = self.initial.deep_copy()
+            self.matcher.consume_tokens(generated[:common])
         rest = generated[common:]
         consumed = self.matcher.try_consume_tokens(rest) if rest else 0
         self.seen = generated[:common + consumed]
