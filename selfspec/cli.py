@@ -156,8 +156,9 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], argparse.A
     p.add_argument("model_dir", metavar="model", help="a checkpoint directory with a chat tokenizer "
                                                       "(e.g. runs/smollm2/base)")
     p.add_argument("--prompts", default="sharegpt", help="sharegpt (its train split), a question .jsonl "
-                                                         "(turns), or a prompt file "
-                                                         "(one per line, .jsonl prompt)")
+                                                         "(turns), a prompt file (one per line, .jsonl "
+                                                         "prompt), or json-extract (extraction prompts, "
+                                                         "each reply under its schema)")
     p.add_argument("--out", required=True, help="directory for responses.jsonl and manifest.json")
     p.add_argument("--limit", type=int, default=None, help="answer only the first prompts")
     p.add_argument("--batch-size", type=int, default=8)

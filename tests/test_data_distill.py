@@ -93,3 +93,29 @@ def test_the_command_line_writes_replies_and_bad_prompt_sources_are_one_line(cha
     assert main(["distill-data", str(chat_ckpt["dir"]), "--prompts", str(empty), "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error:") and "no usable prompt" in err[-1]
+
+
+def test_json_extract_replies_are_the_models_constrained_outputs(chat_ckpt, tmp_path):
+    """`--prompts json-extract`: train-split extraction prompts, categories in turn, each reply the
+    model's own output under its schema (valid JSON of that schema when complete)."""
+    import jsonschema
+
+    triples = distill_prompts("json-extract")[:4]
+    assert [t[0].split("-")[2] for t in triples] == ["people", "products", "events", "tool_calls"]
+    assert len({t[0] for t in distill_prompts("json-extract")}) == len(distill_prompts("json-extract"))
+    summary = distill_responses(_generator(chat_ckpt), triples, tmp_path, model_name="tiny", batch_size=2,
+                                max_new_tokens=200, max_prompt_tokens=2000, progress=False)
+    assert summary["rows"] == 4
+    rows = [json.loads(line) for line in (tmp_path / RESPONSES).read_text().splitlines()]
+    gen = _generator(chat_ckpt)
+    tokenizer = chat_ckpt["tokenizer"]
+    for row, (_, prompt, schema) in zip(rows, triples):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+        alone = gen.generate([tokenizer(text, add_special_tokens=False)["input_ids"]], max_new_tokens=200,
+                             json_schema=schema)
+        assert row["messages"][1]["content"] == tokenizer.decode(alone.sequences[0],
+                                                                 skip_special_tokens=True).strip()
+        if alone.complete[0]:
+            jsonschema.validate(json.loads(row["messages"][1]["content"]), schema)
+    assert json.loads((tmp_path / "manifest.json").read_text())["constrained"] is True

@@ -33,11 +33,25 @@ RESPONSES = "responses.jsonl"
 MANIFEST = "manifest.json"
 
 
+JSON_EXTRACT = "json-extract"
+JSON_EXTRACT_PER_CATEGORY = 250  # train-split records per category `json-extract` offers (1,000 prompts)
+
+
 def distill_prompts(source: str, read_prompt_file: Callable[[str], list[str]] | None = None,
-                    max_chars: int = 2000) -> list[tuple[str, str]]:
+                    max_chars: int = 2000) -> list[tuple]:
     """(id, prompt) pairs from a prompt source: ``"sharegpt"`` (the *train* split's first user turns,
     never the held-out ones), a question .jsonl (``turns``: the first turn), or any file
-    `read_prompt_file` reads. Prompts longer than `max_chars` characters are left out."""
+    `read_prompt_file` reads; ``"json-extract"`` gives (id, prompt, schema) triples, the extraction
+    prompts of the *train* split with the schema each reply must follow, categories in turn.
+    Prompts longer than `max_chars` characters are left out."""
+    if source == JSON_EXTRACT:
+        from .extraction import CATEGORIES, extraction_prompts
+
+        per = JSON_EXTRACT_PER_CATEGORY
+        items = extraction_prompts("train", per)
+        by_category = [items[c * per:(c + 1) * per] for c in range(len(CATEGORIES))]
+        return [(f"{source}-{group[i].category}-{i}", group[i].message, group[i].schema)
+                for i in range(per) for group in by_category]
     if source == "sharegpt":
         pairs = [(row["id"], next(m["content"] for m in row["messages"] if m["role"] == "user"))
                  for row in load_chat_corpus("sharegpt", verbose=False)["train"]]
@@ -92,7 +106,9 @@ def distill_responses(generator, prompts: list[tuple[str, str]], out_dir: str | 
 
     generator: a `SelfSpecGenerator` with its tokenizer (any drafter: decoding is lossless, so the
     replies are the model's own). Prompts go through the chat template; those longer than
-    `max_prompt_tokens` are skipped and counted. Returns a summary (rows, tokens, seconds, skipped).
+    `max_prompt_tokens` are skipped and counted. A prompt given as (id, prompt, schema) is answered
+    under its JSON schema (structured output: the replies are the model's constrained outputs).
+    Returns a summary (rows, tokens, seconds, skipped).
     """
     tokenizer = generator.tokenizer
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
@@ -101,7 +117,8 @@ def distill_responses(generator, prompts: list[tuple[str, str]], out_dir: str | 
     out_dir = Path(out_dir)
     manifest = {"model": model_name, "tokenizer": tokenizer_fingerprint(tokenizer),
                 "max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens,
-                "temperature": temperature, "seed": seed}
+                "temperature": temperature, "seed": seed,
+                "constrained": any(len(item) > 2 and item[2] is not None for item in prompts)}
     manifest_path, responses = out_dir / MANIFEST, out_dir / RESPONSES
     if manifest_path.is_file() and not force:
         previous = json.loads(manifest_path.read_text())
@@ -117,7 +134,7 @@ def distill_responses(generator, prompts: list[tuple[str, str]], out_dir: str | 
 
     done = _read_done(responses)
     todo, skipped = [], 0
-    for prompt_id, prompt in prompts:
+    for prompt_id, prompt, *schema in prompts:
         if prompt_id in done:
             continue
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
@@ -126,15 +143,17 @@ def distill_responses(generator, prompts: list[tuple[str, str]], out_dir: str | 
         if len(ids) > max_prompt_tokens:
             skipped += 1
             continue
-        todo.append((prompt_id, prompt, ids))
+        todo.append((prompt_id, prompt, ids, schema[0] if schema else None))
     bar = tqdm(total=len(todo), desc="distill", unit="row", disable=not progress)
     tokens, start = 0, time.perf_counter()
     for first in range(0, len(todo), batch_size):
         batch = todo[first:first + batch_size]
-        out = generator.generate([ids for _, _, ids in batch], max_new_tokens=max_new_tokens,
-                                 temperature=temperature, seed=seed + first)
+        schemas = [schema for *_, schema in batch]
+        out = generator.generate([ids for _, _, ids, _ in batch], max_new_tokens=max_new_tokens,
+                                 temperature=temperature, seed=seed + first,
+                                 json_schema=schemas if any(schemas) else None)
         lines = []
-        for (prompt_id, prompt, _), sequence in zip(batch, out.sequences):
+        for (prompt_id, prompt, _, _), sequence in zip(batch, out.sequences):
             reply = tokenizer.decode(sequence, skip_special_tokens=True).strip()
             tokens += len(sequence)
             messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply}]
