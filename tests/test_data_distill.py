@@ -104,7 +104,7 @@ def test_json_extract_replies_are_the_models_constrained_outputs(chat_ckpt, tmp_
     assert [t[0].split("-")[2] for t in triples] == ["people", "products", "events", "tool_calls"]
     assert len({t[0] for t in distill_prompts("json-extract")}) == len(distill_prompts("json-extract"))
     summary = distill_responses(_generator(chat_ckpt), triples, tmp_path, model_name="tiny", batch_size=2,
-                                max_new_tokens=200, max_prompt_tokens=2000, progress=False)
+                                max_new_tokens=40, max_prompt_tokens=200, progress=False)
     assert summary["rows"] == 4
     rows = [json.loads(line) for line in (tmp_path / RESPONSES).read_text().splitlines()]
     gen = _generator(chat_ckpt)
@@ -112,7 +112,7 @@ def test_json_extract_replies_are_the_models_constrained_outputs(chat_ckpt, tmp_
     for row, (_, prompt, schema) in zip(rows, triples):
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                              add_generation_prompt=True)
-        alone = gen.generate([tokenizer(text, add_special_tokens=False)["input_ids"]], max_new_tokens=200,
+        alone = gen.generate([tokenizer(text, add_special_tokens=False)["input_ids"]], max_new_tokens=40,
                              json_schema=schema)
         assert row["messages"][1]["content"] == tokenizer.decode(alone.sequences[0],
                                                                  skip_special_tokens=True).strip()
