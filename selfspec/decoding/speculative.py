@@ -63,6 +63,7 @@ from .settings import DecodeSettings
 # A grammar's forced tokens a round may draft beyond the policy's k: they cost no model call, and a
 # pass of up to 16 + k positions stays in the compiled kernels' range of rows.
 FORCED_PER_ROUND = 16
+SOURCES = ("copy", "forced", "early_exit")  # where a draft comes from (`GenerationStats.by_source`)
 
 
 @dataclass
@@ -121,9 +122,6 @@ class GenerationStats(AcceptanceStats):
         return {**super().as_dict(), **times, "draft_cost": self.draft_cost,
                 "tokens_per_second": self.tokens_per_second,
                 "by_source": {source: getattr(self, source).as_dict() for source in SOURCES}}
-
-
-SOURCES = ("copy", "forced", "early_exit")  # where a draft comes from (`GenerationStats.by_source`)
 
 
 @dataclass
