@@ -182,7 +182,7 @@ class AcceptanceStats:
         histogram = np.bincount(accepted, minlength=k + 1).tolist()  # [a] -> rows accepting a drafts
         # at_least[i]: rows that accepted >= i drafts. Draft position i is tested in those rows and
         # accepted in the rows of at_least[i + 1]. Counted in Python: k + 1 <= 9 numbers, where each
-        # numpy call costs more than the sum (this runs once or twice a round: 70 -> 7 µs a call).
+        # numpy call costs more than the sum, and this runs once or twice a round.
         at_least = [0] * (k + 2)
         for a in range(k, -1, -1):
             at_least[a] = at_least[a + 1] + histogram[a]

@@ -151,7 +151,7 @@ class GrammarBatch:
     """The grammar state of a batch's rows (None for a row without a constraint) through the rounds.
 
     `matchers[s]` has consumed exactly the tokens its row emitted. A round drafts on a copy of it
-    (`LLMatcher.deep_copy`, a few µs), which consumes the drafts up to the first one its grammar
+    (`LLMatcher.deep_copy`, cheap), which consumes the drafts up to the first one its grammar
     refuses (the row is then `dead` for the rest of the round: its later drafts are rejected at
     verification whatever they are); the verification's masks come from another copy, and `commit`
     consumes what the row emitted. Copies rather than `LLMatcher.rollback`: in one SmolLM2 decode a
@@ -304,10 +304,8 @@ def apply_mask(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     mask, so a draft is always one the grammar allows."""
     mask = mask.to(logits.device)
     masked = logits.masked_fill(~mask, float("-inf"))
-    empty = ~torch.isfinite(masked).any(-1, keepdim=True)
-    if bool(empty.any()):
-        masked = torch.where(empty & mask, torch.zeros((), dtype=logits.dtype, device=logits.device), masked)
-    return masked
+    empty = ~torch.isfinite(masked).any(-1, keepdim=True)  # no host read: a where on every call
+    return torch.where(empty & mask, torch.zeros((), dtype=logits.dtype, device=logits.device), masked)
 
 
 class HFGrammarProcessor:

@@ -82,7 +82,8 @@ class DraftPolicy:
     """Base class: plans rounds; `k_max` bounds a round's draft length (it sizes the KV cache's headroom)."""
 
     k_max: int = 0
-    copies_after_early_exit = False  # whether `copy_after` can return a copy (the engine then asks)
+    copies = False  # whether `copy_after` can return a copy at all (after forced tokens, say)
+    copies_after_early_exit = False  # whether it can after early-exit drafts (the engine then asks)
 
     def start(self, prompts: list[list[int]]) -> None:
         """A new `generate` call with these prompts (row i = prompts[i])."""
@@ -134,6 +135,7 @@ class CopyPolicy(DraftPolicy):
             k=ngram.max_copy, k_min=1, k_max=ngram.max_copy, window=COPY_WINDOW)
         # the longest round: early-exit drafts that turn into a copy (a plan copies or drafts, never both)
         self.k_max = early_exit.k_max + self.copy_controller.k_max
+        self.copies = True
         self.copies_after_early_exit = early_exit.k_max > 0
         self.indexes: list[NGramIndex] = []
 

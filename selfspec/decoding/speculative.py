@@ -436,7 +436,7 @@ class SelfSpecGenerator:
             unrun.append(token[:, None])
             if b.grammar is not None:
                 b.grammar.admit(token[:, None].cpu().numpy())
-            if draft.k < cap and (b.grammar is not None or policy.copies_after_early_exit):
+            if draft.k < cap and (b.forced or policy.copies_after_early_exit):
                 if self._free_drafts(b, draft, unrun, policy, cap):  # a copy ends the round
                     break
         # The drafts after the last pass through blocks [0, E) are the verification's first part; when
@@ -457,8 +457,9 @@ class SelfSpecGenerator:
                 draft.add("forced", torch.as_tensor(forced, device=b.steps.device))
                 unrun.append(draft.parts[-1])
                 copy = None  # the copy was looked up before the forced tokens
-            if copy is None:
-                if not draft.k or not (b.grammar is not None or policy.copies_after_early_exit):
+            if copy is None:  # the policy reads the drafts on the host: ask only one that can copy
+                if not draft.k or not (policy.copies if b.grammar is not None
+                                       else policy.copies_after_early_exit):
                     break
                 copy = policy.copy_after(b.rows, draft.host_tokens())
             copy = copy[:, :cap - draft.k]

@@ -66,9 +66,6 @@ class Structured:
     ids: list
     constraint: Constraint
 
-    def __len__(self) -> int:
-        return len(self.ids)
-
 
 def constraint_keywords(constraints: list) -> dict:
     """`generate`'s per-row keyword lists (json_schema, regex, grammar) of a batch's constraints

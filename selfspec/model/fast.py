@@ -68,14 +68,13 @@ _KERNEL = True
 _KERNEL_ROWS = 8
 # Up to this many rows an fp32 product, and an fp32 block (see `_pass_fits_kernels`), take the kernels,
 # W read once per chunk of `_KERNEL_ROWS`: MKL's product of more than 8 rows repacks all of W at every
-# call, so on SmolLM2 a whole-model pass of 9-48 positions (copies of 10 tokens verify 11) ran
-# 1.2-2.3x faster in the kernels (9 positions 146 -> 64 ms, 16: 166 -> 90, 32: 220 -> 173, 48:
-# 291 -> 235), and 64 positions slower (317 against 284).
+# call, which costs more than the kernel's re-reads up to 48 rows and less from 64 on
+# (docs/performance.md, "Kernel thresholds").
 _KERNEL_MAX_ROWS = 48
 # From this many rows a bf16 product on a CPU that emulates bf16 (`_emulated_bf16`: a prefill) runs as
-# fp32 MKL on the weight widened for the call, rounded to bf16 once: SmolLM2's 7 block weights x 30,
-# measured 214 ms at 100 rows against 392 ms in the kernel (which is compute-bound there) and 1.3 s in
-# torch's bf16 product; at 16 rows the kernel wins, 70 ms against 140.
+# fp32 MKL on the weight widened for the call, rounded to bf16 once: at that many rows the kernel is
+# compute-bound and torch's emulated bf16 product slower still; below it the kernel wins
+# (docs/performance.md, "Kernel thresholds").
 _WIDEN_MIN_ROWS = 32
 # With `_KERNEL`, a decoding pass runs each block as two compiled calls (see `run_block`); False keeps
 # the per-operation path, its products in the few-row kernel (A/B)
@@ -175,29 +174,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     in bf16 where the CPU emulates it; in chunks of 8; any number under `fixed_width`), a contiguous
     weight: selfspec's kernel (`kernels/few_rows.cpp`, see `_kernel_for`), which reads each row of W
     once from both cores and multiplies it with every row of x, each output one fp32 dot product in a
-    fixed order. Interleaved A/B against the MKL paths below
-    (`python eval/kernel_ab.py`, 30 rounds, SmolLM2 fp32): plain step 1.20x faster, draft step 1.19x,
-    a verification of 5 positions 1.29x; on the embedded default 1.12x / 1.11x / 1.31x. A row's
-    result does not depend on how many rows share the call, so under `fixed_width` it needs no
-    padding. Where the kernel does not build, the MKL paths:
+    fixed order; it is faster than the MKL paths below for plain steps, draft steps and
+    verifications (docs/performance.md). A row's result does not depend on how many rows share the
+    call, so under `fixed_width` it needs no padding. Where the kernel does not build, the MKL paths:
 
-    Measured on 2 AVX2 cores with SmolLM2's weights cold in memory (`selfspec eval roofline`):
-    `F.linear` of 2-8 rows (x @ Wᵀ, an sgemm that repacks W) costs 1.7-2x MKL's one-row product
-    (sgemv), so a verification of 4-5 positions cost about 1.4 plain steps. The same sgemm posed as
-    W @ xᵀ streams W instead: 2-5 columns cost 0.6-0.8 of a plain step's products, and even one row
-    posed as two columns (the row and a copy) beats sgemv: SmolLM2's plain step 12-18% faster
-    (two interleaved A/B runs). Three rows are padded to four the same way (3 columns measured
-    slower than 4); the copies' results are dropped. One row on a weight under
-    `_COLUMNS_MIN_BYTES_ONE_ROW` keeps sgemv (the embedded default's small weights: the padding's
-    extra ops made its step 27% slower), and so do other devices and inputs of more than
+    `F.linear` of 2-8 rows (x @ Wᵀ, an sgemm that repacks W) costs more than MKL's one-row product
+    (sgemv) per row read, so a verification would cost well over a plain step. The same sgemm posed
+    as W @ xᵀ streams W instead, and even one row posed as two columns (the row and a copy) beats
+    sgemv on a large weight. Three rows are padded to four the same way (3 columns were slower than
+    4); the copies' results are dropped. One row on a weight under `_COLUMNS_MIN_BYTES_ONE_ROW` keeps
+    sgemv (on small weights the padding's extra operations cost more than the streaming saves), and
+    so do other devices and inputs of more than
     `_COLUMNS_MAX_ROWS` rows (prefill). A bf16 prefill where the CPU emulates bf16 runs in fp32 on
     the widened weight (see `_WIDEN_MIN_ROWS`).
 
     One row on a large weight of even height runs as a batch of two products, x @ W[:N/2]ᵀ and
     x @ W[N/2:]ᵀ (views of W): MKL's one-row product keeps to one core, and the batch gives each
-    core a half. Interleaved A/B on SmolLM2 (`_HALVES_ONE_ROW` off/on, 256 positions of context, 40
-    rounds): plain step 1.04-1.17x faster, draft step 1.08-1.16x (three runs on a noisy VM). For 2-8
-    rows the columns path stays faster (measured: the halves took 1.2-1.9x as long).
+    core a half. For 2-8 rows the columns path stays faster. The A/B figures behind these choices
+    are in docs/performance.md.
     """
     width = _fixed_width.get()
     rows = x.numel() // x.shape[-1]
@@ -448,8 +442,7 @@ class FastLlamaBlocks:
         `_block_kernels_for`) with a cache that lends its buffers (`KVCache.slot_buffers`: every layer
         written before, every row at the same slots). The same calls as block by block, so the same
         bits, without the Python between blocks (argument checks, the cache's `update`, the calls'
-        arguments): on SmolLM2 the bf16 plain step 23.02 -> 20.21 ms, fp32 38.84 -> 34.59
-        (`python eval/kernel_ab.py`, one call per pass against block kernels), ~90-140 us a block."""
+        arguments), which is a visible share of a small model's step (docs/performance.md)."""
         compiled = self._compiled()
         slot_buffers = getattr(cache, "slot_buffers", None)
         if (compiled is None or slot_buffers is None or torch.is_grad_enabled()
@@ -533,9 +526,9 @@ def run_block(b: _Block, index: int, hidden: torch.Tensor, mask: torch.Tensor | 
     """`FastLlamaBlocks.__call__` for the gathered block `b`, writing its keys at cache layer `index`.
 
     A decoding pass of a few positions runs as two compiled calls (`kernels.block_halves`) around the
-    cache write, where they build: on SmolLM2 the ~60 small tensor operations of a block (norms,
-    rotary, views, residuals) and the gaps between its seven product calls took a fifth of a plain
-    step (`python eval/kernel_ab.py`: the block kernels' step 1.27x faster in fp32, 1.55x in bf16).
+    cache write, where they build: the ~60 small tensor operations of a block (norms, rotary, views,
+    residuals) and the gaps between its seven product calls are a large share of a plain step on a
+    small model (docs/performance.md).
     The tensor operations below are the same computation, for every other case."""
     halves = _block_kernels_for(b, hidden, mask, cos, sin)
     if halves is not None:
