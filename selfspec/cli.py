@@ -216,6 +216,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], argparse.A
     p.add_argument("--batch-size", type=int, default=1,
                    help="prompts per generate call (hf_early_exit and hf_prompt_lookup run batch 1 only)")
     p.add_argument("--keep-eos", action="store_true", help="stop at eos (default: always max-new-tokens)")
+    p.add_argument("--profile", action="store_true",
+                   help="add the round profile: where each engine method's rounds spend their time")
     _constraint_flags(p)
 
     p = command(("eval", "suite"), ev, suite.suite,
@@ -245,6 +247,16 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], argparse.A
     p.add_argument("--max-positions", type=int, default=8, help="verify and whole-model passes of 1..this")
     p.add_argument("--repeats", type=int, default=15, help="timed rounds (median)")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--num-speculations", type=int, default=None,
+                   help="k of the profiled early exit (default: the checkpoint's)")
+    p.add_argument("--prompts", default=None,
+                   help="the profile's prompts: a file, or json-extract (default: the corpus's test split)")
+    p.add_argument("--corpus", default="stdlib",
+                   help="where the profile's prompts come from without --prompts")
+    p.add_argument("--num-prompts", type=int, default=4, help="prompts the round profile decodes")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt in the round profile")
+    p.add_argument("--profile-repeats", type=int, default=3,
+                   help="timed repeats of the round profile (0: passes only)")
     _device_flags(p, "runs/roofline")
 
     p = command(("eval", "sweep"), ev, sweep.sweep,
@@ -255,6 +267,11 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], argparse.A
                    help="E values: a list '2,4,6', a slice '2:10:2' or 'all' (default: all, 1..N-1)")
     p.add_argument("--ks", default="1,2,3,4,6,8",
                    help="early-exit draft lengths k, e.g. '1,2,4,8,auto' (auto: the cost model per round)")
+    p.add_argument("--confirm", type=int, default=3,
+                   help="re-time the N fastest cells and each drafter's fastest against plain (0: no)")
+    p.add_argument("--confirm-repeats", type=int, default=5,
+                   help="interleaved repeats of the re-timing; a cell is stored only when the interval "
+                        "of its paired speedups is above 1")
     p.add_argument("--drafters", default="early_exit",
                    help="comma list of " + ", ".join(DRAFTERS) + " (default: early_exit)")
     p.add_argument("--min-ngrams", default="2",

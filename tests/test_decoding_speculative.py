@@ -289,6 +289,25 @@ def test_stats_are_consistent():
     assert np.isnan(plain.acceptance_rate)
 
 
+@pytest.mark.parametrize("drafter", ["early_exit", "hybrid"])
+def test_a_profiled_call_splits_every_round_into_its_parts_and_keeps_the_output(drafter):
+    from selfspec.decoding.profile import PARTS, PASSES, overhead
+
+    model = tiny_model("llama")
+    generator = SelfSpecGenerator(model, exit_layer=2)
+    kwargs = dict(max_new_tokens=NEW, num_speculations=3, drafter=drafter, eos_token_id=[])
+    plain = generator.generate(PROMPTS, **kwargs)
+    out = generator.generate(PROMPTS, profile=True, **kwargs)
+    assert out.sequences == plain.sequences and plain.stats.profile is None
+    parts = out.stats.profile
+    assert list(parts) == list(PARTS) and all(seconds >= 0 for seconds in parts.values())
+    assert parts["draft passes"] > 0 and parts["verification pass"] > 0 and parts["grammar"] == 0
+    # the laps cover the rounds and nothing else: within the call, after the prefill
+    assert sum(parts.values()) <= out.stats.total_time - out.stats.prefill_time
+    assert overhead(parts) == pytest.approx(sum(v for p, v in parts.items() if p not in PASSES))
+    assert "profile" in out.stats.as_dict()
+
+
 def test_invalid_arguments():
     model = tiny_model("llama")
     for exit_layer in (0, 5, None):

@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,6 +14,7 @@ from selfspec.cli import main
 from selfspec.decoding import DecodeSettings
 from selfspec.evaluation.exits import format_exit_table
 from selfspec.evaluation.perplexity import perplexity, perplexity_gate
+from selfspec.evaluation.sweep import settings_of
 
 
 def test_exit_metrics_match_a_direct_computation():
@@ -224,19 +226,80 @@ def test_cli_sweep_measures_the_grid_plots_and_writes_back_the_best(tiny_run, tm
     assert (out / "sweep.png").stat().st_size > 0 and "| E | V' | α | α kept | c | k=1 | k=auto |" in markdown
     assert "| ngram, min_ngram = 2 |" in markdown and set(report["fastest_per_drafter"]) == {
         "early_exit", "hybrid", "ngram"}
-    best = report["best"]
-    assert best["speedup"] == max(r["speedup"] for r in report["grid"] if r["identical_to_plain"])
+    # the re-timed cells: the 3 fastest of the grid and each drafter's fastest, each with its interval
+    best, confirmed = report["best"], report["confirmed"]
+    lossless = sorted((r for r in report["grid"] if r["identical_to_plain"]), key=lambda r: -r["speedup"])
+    retimed = {DecodeSettings.from_json(c["settings"]) for c in confirmed}
+    assert {settings_of(r) for r in lossless[:3]} <= retimed
+    assert 3 <= len(confirmed) <= 6 and best == confirmed[0]
+    assert all(c["low"] <= c["speedup"] <= c["high"] and c["coverage"] == pytest.approx(0.9375)
+               for c in confirmed)  # 5 repeats: the min and max, 94%
+    assert all(r["speedup_spread"][0] <= r["speedup"] <= r["speedup_spread"][1] for r in report["grid"])
+    assert "| setting | grid | re-timed | interval |" in markdown
     # The checkpoint holds what the write-back rule (tested on fixed reports below) says for this report:
-    # the fastest setting when it beats plain decoding, else the checkpoint's own.
-    expected = (best["settings"] if best["speedup"] > 1.0
-                else DecodeSettings(exit_layer=2, num_speculations=3).to_json())
+    # the fastest setting when it beats plain decoding by more than the noise, else the checkpoint's own.
+    stored = [c for c in confirmed if c["low"] > 1.0]
+    own = DecodeSettings(exit_layer=2, num_speculations=3).to_json()
+    expected = stored[0]["settings"] if stored else own
     assert read_settings(ckpt).to_json() == expected
-    assert ("sweep" in read_meta(ckpt)) == (best["speedup"] > 1.0)
+    assert ("sweep" in read_meta(ckpt)) == bool(stored)
 
 
-def _entry(settings: DecodeSettings, speedup: float) -> dict:
-    """A sweep report's "best" / "fastest_per_drafter" entry."""
-    return {"settings": settings.to_json(), "speedup": speedup, "tokens_per_second": 1.0}
+def _entry(settings: DecodeSettings, speedup: float, low: float | None = None) -> dict:
+    """A sweep report's "best" / "fastest_per_drafter" entry (its interval's low end `low`, by default
+    just under the median)."""
+    low = speedup - 0.05 if low is None else low
+    return {"settings": settings.to_json(), "speedup": speedup, "tokens_per_second": 1.0, "low": low,
+            "high": speedup + 0.05, "coverage": 0.94, "drafter": settings.drafter}
+
+
+def test_the_interval_of_paired_speedups_is_distribution_free_and_noise_is_not_a_win():
+    from selfspec.evaluation.sweep import beats_plain, median_interval, paired_speedups, select_fastest
+
+    assert paired_speedups([2.0, 3.0], [1.0, 2.0]) == [2.0, 1.5]
+    five = median_interval([1.10, 0.97, 1.30, 1.02, 1.05])
+    assert (five["speedup"], five["low"], five["high"]) == (1.05, 0.97, 1.30)
+    assert five["coverage"] == pytest.approx(1 - 2 / 32) and five["spread"] == [0.97, 1.30]
+    nine = median_interval([1.0 + i / 100 for i in range(9)])  # j = 2: 1 - 2·(1 + 9)/512 = 96%
+    assert (nine["low"], nine["high"], nine["coverage"]) == (1.01, 1.07, pytest.approx(1 - 20 / 512))
+    three = median_interval([1.2, 1.3, 1.25])  # too few for 90%: the min and max at 75%
+    assert (three["low"], three["coverage"]) == (1.2, 0.75)
+    # Injected timings: a grid whose every cell runs at plain's speed, with noise. One cell's median
+    # looks fastest (1.03) but its interval holds 1; a cell steadily at 1.20 beats plain.
+    rng = np.random.default_rng(0)
+    plain = list(1000 * (1 + rng.normal(0, 0.03, 5)))
+    noisy = median_interval(paired_speedups([p * r for p, r in zip(plain, [1.03, 0.96, 1.08, 1.03, 0.99])],
+                                            plain))
+    steady = median_interval(paired_speedups([p * r for p, r in zip(plain, [1.19, 1.21, 1.20, 1.18, 1.22])],
+                                             plain))
+    assert noisy["speedup"] == pytest.approx(1.03) and not beats_plain(noisy)
+    assert steady["low"] == pytest.approx(1.18) and beats_plain(steady)
+    rows = [{"drafter": "early_exit", **noisy}, {"drafter": "hybrid", **steady},
+            {"drafter": "early_exit", **median_interval([1.1, 1.12, 1.15, 1.11, 1.13])}]
+    best, fastest = select_fastest(rows)
+    assert best is rows[1] and fastest == {"hybrid": rows[1], "early_exit": rows[2]}
+    assert select_fastest([]) == (None, {})
+
+
+def test_the_write_back_skips_a_median_win_inside_the_noise(tiny_run, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from selfspec.checkpoint import fastest_settings, read_meta, save_tuned
+    from selfspec.evaluation.sweep import write_back_fastest
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_run["model"])
+    own = DecodeSettings(exit_layer=2, num_speculations=3)
+    ckpt = save_tuned(tmp_path / "tuned", model, tiny_run["tokenizer"], settings=own)
+    lucky = _entry(DecodeSettings(exit_layer=3, num_speculations=4), 1.04, low=0.98)  # fastest median, noise
+    steady = _entry(DecodeSettings("ngram", 2, 3), 1.02, low=1.01)
+    assert write_back_fastest(str(ckpt), {"best": lucky, "fastest_per_drafter": {"early_exit": lucky,
+                                                                                  "ngram": steady}},
+                              tmp_path / "sweep.json")
+    assert read_settings(ckpt) == DecodeSettings("ngram", 2, 3)  # the one that beats plain beyond noise
+    assert set(fastest_settings(ckpt)) == {"ngram"}
+    assert read_meta(ckpt)["sweep"]["interval"] == [1.01, 1.07]
+    assert not write_back_fastest(str(ckpt), {"best": lucky, "fastest_per_drafter": {"early_exit": lucky}},
+                                  tmp_path / "sweep.json")
 
 
 @pytest.mark.parametrize("speedup, written",

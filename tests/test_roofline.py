@@ -40,11 +40,24 @@ def test_the_command_writes_its_table_and_plot(tiny_run, tmp_path, capsys):
     out = tmp_path / "roofline"
     assert main(["eval", "roofline", "--model", str(tiny_run["model"]), "--exit-layer", "2",
                  "--context", "16", "--max-positions", "3", "--repeats", "2", "--warmup", "1",
-                 "--out", str(out)]) == 0
+                 "--num-speculations", "3", "--corpus", str(tiny_run["corpus"]), "--num-prompts", "2",
+                 "--max-new-tokens", "12", "--profile-repeats", "1", "--out", str(out)]) == 0
     report = json.loads((out / "roofline.json").read_text())
     assert report["bandwidth"]["read_bytes_per_second"] > 0
     assert report["passes"]["plain"]["plain_steps"] == 1.0
-    assert "| verify_3 | [2, 4) | 3 |" in (out / "roofline.md").read_text()
+    markdown = (out / "roofline.md").read_text()
+    assert "| verify_3 | [2, 4) | 3 |" in markdown
+    # the round profile: plain's round is the plain step; the early exit drafts 3 per round
+    profile = report["round_profile"]
+    assert profile["settings"]["num_speculations"] == 3 and profile["settings"]["exit_layer"] == 2
+    plain, early_exit = profile["methods"]["plain"], profile["methods"]["early_exit"]
+    assert plain["plain_steps"]["round"] == pytest.approx(1.0)
+    assert plain["parts"]["draft passes"] == 0 and plain["draft_steps_per_round"] == 0
+    assert plain["tokens_per_round"] == 1.0 and plain["rounds"] == 2 * 12
+    assert early_exit["draft_steps_per_round"] == pytest.approx(3.0)
+    assert early_exit["parts"]["draft passes"] > 0
+    assert early_exit["round"] == pytest.approx(sum(early_exit["parts"].values()))
+    assert "| draft passes (pass) |" in markdown and "| after the drafts (v) |" in markdown
     assert (out / "roofline.png").read_bytes()[:4] == b"\x89PNG"
     assert main(["eval", "roofline", "--model", str(tiny_run["model"]), "--exit-layer", "4"]) == 2
     assert "--exit-layer 4 is not in 1..3" in capsys.readouterr().err

@@ -167,7 +167,7 @@ def test_the_sweep_times_a_suites_first_turns_and_records_them(chat_ckpt, tmp_pa
     assert report["num_prompts"] == 2  # the first question of each category, first turn only
     assert report["prompts_from"] == str(chat_ckpt["questions"])
     # written back only when a setting beat plain: a tiny model's timing decides, so record one that did
-    best = {**report["fastest_per_drafter"]["ngram"], "speedup": 1.5}
-    assert write_back_fastest(str(checkpoint), {**report, "best": best, "fastest_per_drafter": {}},
+    best = {**report["fastest_per_drafter"]["ngram"], "speedup": 1.5, "low": 1.4}
+    assert write_back_fastest(str(checkpoint), {**report, "best": best, "confirmed": [best]},
                               tmp_path / "sweep" / "sweep.json")
     assert read_meta(checkpoint)["sweep"]["prompts_from"] == str(chat_ckpt["questions"])

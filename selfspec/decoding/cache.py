@@ -54,6 +54,7 @@ class KVCache:
         self._positions: torch.Tensor | None = None  # (B, T) slots of the next writes
         self._start: int | None = None  # shared first slot when every row starts there, else None
         self._ends = np.zeros(batch_size, dtype=np.int64)  # per-row length after the next writes
+        self._length = 0  # positions per row of the next writes
         self._kv_length = 0
 
     def set_positions(self, positions: torch.Tensor, starts) -> int:
@@ -67,6 +68,7 @@ class KVCache:
         self._positions = positions
         self._start = int(starts[0]) if (starts == starts[0]).all() else None
         self._ends = starts + length
+        self._length = length
         self._kv_length = kv_length
         return kv_length
 
@@ -105,9 +107,10 @@ class KVCache:
             return None
         return keys, values, self._start, self._kv_length
 
-    def written(self, start: int, end: int) -> None:
-        """Layers [start, end) hold the announced writes (what `update` records for one layer)."""
-        self.lengths[start:end] = self._ends
+    def written(self, start: int, end: int, count: int | None = None) -> None:
+        """Layers [start, end) hold the announced writes (what `update` records for one layer), or only
+        their first `count` positions (a draft loop that stopped early)."""
+        self.lengths[start:end] = self._ends if count is None else self._ends - self._length + count
 
     def rollback(self, lengths) -> None:
         """Set every layer's length per row to `lengths` (B,), dropping the rejected positions.

@@ -77,6 +77,17 @@ class DraftHead:
         """V': the number of tokens the draft can propose."""
         return self.view.lm_head.weight.shape[0] if self.token_ids is None else self.token_ids.numel()
 
+    def tensors(self) -> tuple | None:
+        """(weight (V', D), bias or None, token ids (V',) or None, V): the head as the compiled draft
+        loop reads it (`DecoderView.draft_loop`); None behind an exit adapter, which the loop does not
+        run."""
+        if self.adapter is not None:
+            return None
+        if self.token_ids is None:
+            lm_head = self.view.lm_head
+            return lm_head.weight, getattr(lm_head, "bias", None), None, lm_head.weight.shape[0]
+        return self.weight, self.bias, self.token_ids, self.vocab_size
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(..., D) exit hidden states -> (..., V) draft logits; -inf outside the subset."""
         if self.adapter is not None:

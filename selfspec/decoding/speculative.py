@@ -47,6 +47,7 @@ from .draft_head import DraftHead, frequent_tokens
 from .grammar import GrammarBatch, GrammarTokenizer, apply_mask, constraints_for_rows
 from .ngram import NGramConfig
 from .policy import DraftPlan, DraftPolicy, Segment
+from .profile import RoundProfile, no_lap
 from .sampling import (
     ACCEPT,
     DRAFT,
@@ -87,6 +88,7 @@ class GenerationStats(AcceptanceStats):
     prefill_time: float = 0.0
     total_time: float = 0.0
     generated_tokens: int = 0
+    profile: dict | None = None  # generate(profile=True): seconds per part of the rounds (`profile.PARTS`)
     # Where the drafts came from: copied from the context, forced by a grammar, or drafted by the
     # early exit. Each run of a round's positions from one source (a `Segment`) counts under its
     # source, in the rows whose verifier tested it (every earlier draft accepted).
@@ -121,7 +123,8 @@ class GenerationStats(AcceptanceStats):
             "plain_time", "prefill_time", "total_time", "generated_tokens")}
         return {**super().as_dict(), **times, "draft_cost": self.draft_cost,
                 "tokens_per_second": self.tokens_per_second,
-                "by_source": {source: getattr(self, source).as_dict() for source in SOURCES}}
+                "by_source": {source: getattr(self, source).as_dict() for source in SOURCES},
+                **({"profile": self.profile} if self.profile is not None else {})}
 
 
 @dataclass
@@ -146,6 +149,8 @@ class _Batch:
     exit_layer: int  # E of this call's early exit
     head: DraftHead  # its draft head (trimmed to V', behind an MLP exit adapter, or the model's own)
     exit_block: object  # the attending exit adapter the drafts read (`ExitBlock`, KV at layers N..), or None
+    compiled: bool  # greedy, unconstrained, no exit block: the round may run in compiled calls
+    loop_head: tuple | None  # the head as the compiled draft loop reads it (`DraftHead.tensors`), or None
     stop_below: float  # η: stop a round's early-exit drafts when no row's top draft probability reaches it
     grammar: GrammarBatch | None  # the rows' grammars (structured output), or None
     forced: bool  # draft the grammar's forced tokens (every drafter but plain decoding)
@@ -157,6 +162,7 @@ class _Batch:
     lengths_dev: torch.Tensor = None  # (B,) device copies of the three arrays above
     pending_dev: torch.Tensor = None
     seeds_dev: torch.Tensor = None
+    lap: object = no_lap  # `RoundProfile.lap` of a profiled call: charges the time since the last lap
 
     def upload(self, device) -> None:
         both = torch.from_numpy(np.stack([self.lengths, self.pending_host, self.seeds_host])).to(device)
@@ -416,6 +422,9 @@ class SelfSpecGenerator:
         unrun = [b.pending_dev[:, None]]  # (B, r) each: tokens not yet through blocks [0, E), in order
         copied = self._free_drafts(b, draft, unrun, policy, cap, plan.copied)
         extend = 0 if copied and not plan.num_copied else plan.extend  # a copy found on the way ends it
+        if (extend and not draft.k and b.loop_head is not None and not policy.copies_after_early_exit
+                and self._draft_loop(b, draft, min(extend, cap))):
+            return draft
         for _ in range(extend):
             if draft.k >= cap:
                 break
@@ -425,24 +434,49 @@ class SelfSpecGenerator:
                 draft.hiddens.append(hidden)
                 unrun = []
             logits = b.head.logits(features[:, -1])  # (B, V)
+            b.lap("draft passes")
             if b.grammar is not None:  # the draft picks among what the grammar allows: q is masked too
                 logits = apply_mask(logits, b.grammar.mask())
+                b.lap("grammar")
             if b.stop_below and self._unsure(b, logits):  # η: no row trusts this draft; verify what we have
                 draft.stopped = True
+                b.lap("draft choice")
                 break
             token = self._pick(b, logits, b.lengths_dev[:, None] + (draft.k + 1))  # the token at n + k + 1
             draft.q.append(("early_exit", logits))
             draft.add("early_exit", token[:, None])
             unrun.append(token[:, None])
+            b.lap("draft choice")
             if b.grammar is not None:
                 b.grammar.admit(token[:, None].cpu().numpy())
+                b.lap("grammar")
             if draft.k < cap and (b.forced or policy.copies_after_early_exit):
                 if self._free_drafts(b, draft, unrun, policy, cap):  # a copy ends the round
                     break
         # The drafts after the last pass through blocks [0, E) are the verification's first part; when
         # η stopped the round every token already had that pass (B, 0), even with no early-exit draft.
         draft.tail = torch.cat(unrun, 1) if unrun else b.pending_dev[:, None][:, :0]
+        b.lap("draft choice")
         return draft
+
+    def _draft_loop(self, b: _Batch, draft: _Draft, k: int) -> bool:
+        """The round's k greedy early-exit drafts in one compiled call (`DecoderView.draft_loop`), the
+        same drafts and the same cache as the step-by-step loop of `_draft`, without the Python between
+        the steps. Its last pass through blocks [0, E) runs the last draft (which `_verify` would run
+        first), so the draft time holds it. Whether it ran (else nothing was run)."""
+        place = self._place(b, 0, k + 1)
+        out = self.view.draft_loop(b.exit_layer, b.pending_dev, b.cache, place["positions"], b.loop_head, k,
+                                   b.stop_below)
+        if out is None:
+            return False
+        drafts, hidden = out  # (B, s), (B, s + 1, D)
+        if drafts.shape[1]:
+            draft.add("early_exit", drafts)
+        draft.hiddens.append(hidden)
+        draft.stopped = drafts.shape[1] < k
+        draft.tail = drafts[:, :0]
+        b.lap("draft passes")
+        return True
 
     def _free_drafts(self, b: _Batch, draft: _Draft, unrun: list, policy: DraftPolicy, cap: int,
                      copy: np.ndarray | None = None) -> bool:
@@ -452,23 +486,30 @@ class SelfSpecGenerator:
         either finds something. Whether a copy was added."""
         copied = False
         while draft.k < cap:
-            forced = b.grammar.forced(cap - draft.k) if b.forced else None
+            forced = None
+            if b.forced:
+                forced = b.grammar.forced(cap - draft.k)
+                b.lap("grammar")
             if forced is not None and forced.shape[1]:
                 draft.add("forced", torch.as_tensor(forced, device=b.steps.device))
                 unrun.append(draft.parts[-1])
                 copy = None  # the copy was looked up before the forced tokens
+                b.lap("draft choice")
             if copy is None:  # the policy reads the drafts on the host: ask only one that can copy
                 if not draft.k or not (policy.copies if b.grammar is not None
                                        else policy.copies_after_early_exit):
                     break
                 copy = policy.copy_after(b.rows, draft.host_tokens())
+                b.lap("policy")
             copy = copy[:, :cap - draft.k]
             if copy.shape[1] and b.grammar is not None:
                 copy = copy[:, :b.grammar.admit(copy)]
+                b.lap("grammar")
             if not copy.shape[1]:
                 break
             draft.add("copy", torch.as_tensor(copy, device=b.steps.device))
             unrun.append(draft.parts[-1])
+            b.lap("draft choice")
             copied, copy = True, None
             if b.grammar is None:  # unconstrained, one copy ends the free drafts
                 break
@@ -480,6 +521,11 @@ class SelfSpecGenerator:
         while drafting and are not run again on the drafts; only the draft's tail runs them."""
         view, num_layers, k = self.view, self.view.num_layers, draft.k
         done = sum(h.shape[1] for h in draft.hiddens)  # positions that already ran through [0, E)
+        if b.compiled:
+            out = self._verify_compiled(b, draft, done)
+            if out is not None:
+                b.lap("verification pass")
+                return out
         if not draft.hiddens:  # no early-exit draft: every block at once
             hidden = self._run(b, draft.tail, 0, num_layers)  # (B, k+1, D)
         else:
@@ -488,8 +534,10 @@ class SelfSpecGenerator:
             if b.exit_layer < num_layers:
                 hidden = view.run_layers(hidden, b.exit_layer, num_layers, **self._place(b, 0, k + 1))
         p_logits = view.exit_logits(hidden)  # (B, k+1, V)
+        b.lap("verification pass")
         if b.grammar is not None:  # the target at each drafted prefix, masked by the grammar there
             p_logits = apply_mask(p_logits, b.grammar.verification_masks(draft.host_tokens()))
+            b.lap("grammar")
         if b.sampling.greedy:
             return accept_greedy(draft.tokens, p_logits)
         # q: one-hot for copied and forced drafts (deterministic given the context), the early exit's
@@ -503,13 +551,30 @@ class SelfSpecGenerator:
                               uniforms(b.seeds_dev, decided[:, :k], ACCEPT),
                               uniforms(b.seeds_dev, decided, TARGET))
 
+    def _verify_compiled(self, b: _Batch, draft: _Draft, done: int):
+        """`_verify` of a greedy round in one compiled call (`DecoderView.verify_greedy`): the draft's
+        tail through blocks [0, E) first when it has one (from Python), then the target's pass, its head,
+        the argmax and the accepted prefix; a round without early-exit drafts (a plain step, a copy) as
+        one whole-model call. (tokens, accepted), or None with nothing run but the tail."""
+        num_layers = self.view.num_layers
+        if not draft.hiddens:
+            positions = self._place(b, 0, draft.k + 1)["positions"]
+            return self.view.verify_greedy(0, num_layers, b.cache, positions, draft.tokens, tokens=draft.tail)
+        if draft.tail.shape[1]:
+            draft.hiddens.append(self._run(b, draft.tail, done, b.exit_layer))
+            draft.tail = draft.tail[:, :0]
+        hidden = torch.cat(draft.hiddens, 1) if len(draft.hiddens) > 1 else draft.hiddens[0]  # (B, k+1, D)
+        positions = self._place(b, 0, draft.k + 1)["positions"]
+        return self.view.verify_greedy(b.exit_layer, num_layers, b.cache, positions, draft.tokens,
+                                       hidden=hidden)
+
     # -- generation ----------------------------------------------------------------------------------
     @torch.inference_mode()
     def generate(self, input_ids, attention_mask=None, max_new_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, num_speculations=None, drafter=None,
                  eos_token_id=None, stop_strings=None, seed=None, streamer=None,
                  settings: DecodeSettings | None = None, json_schema=None, regex=None,
-                 grammar=None) -> GenerationOutput:
+                 grammar=None, profile: bool = False) -> GenerationOutput:
         """Generate up to `max_new_tokens` tokens per prompt; the result is exactly the full model's.
 
         input_ids: a list of token lists (any lengths), one token list, a (B, T) tensor with an
@@ -539,6 +604,7 @@ class SelfSpecGenerator:
             output is then exactly constrained decoding's: the target's tokens masked by the grammar
             (see `grammar.py`). A row ends when its grammar is complete; `GenerationOutput.complete`
             says which rows' outputs are (False: max_new_tokens cut it first).
+        profile: time each part of every round (`profile.PARTS`) into `GenerationStats.profile`.
         """
         wall = time.perf_counter()
         prompts = self._prompts(input_ids, attention_mask)
@@ -576,6 +642,9 @@ class SelfSpecGenerator:
         b = self._start(prompts, sampling, seed, settings, capacity=int(prompt_lengths.max()) + max_new_tokens
                         + k_max + 1, grammars=grammars, forced=forced)
         stats.prefill_time = time.perf_counter() - wall
+        laps = RoundProfile() if profile else None
+        if laps is not None:
+            b.lap = laps.lap
         with fixed_width(self.fixed_width):  # a low-precision model: every pass at one width
             while b.rows.size:  # finished rows leave the batch
                 plan = policy.plan(b.rows)
@@ -583,38 +652,50 @@ class SelfSpecGenerator:
                 if limit is not None:  # no draft beyond the last position the model has (GPT-2's table)
                     cap = min(cap, limit - 1 - int(b.lengths.max()))
                     plan = plan.truncate(cap)
+                b.lap("policy")
                 tokens, accepted, (start, drafted, verified), draft = self._round(b, plan, policy, clock, cap)
                 segments = draft.segments
                 stats.stopped_below_eta += draft.stopped
                 k = tokens.shape[1] - 1
                 host = torch.cat([tokens, accepted[:, None]], 1).cpu().numpy()  # the round's one host sync
                 tokens, accepted = host[:, :-1], host[:, -1]
+                b.lap("acceptance")
                 draft_time, verify_time = clock.seconds(start, drafted), clock.seconds(drafted, verified)
                 if not segments:  # a plain step, also one whose first E blocks ran before η stopped the draft
                     draft_time, verify_time = 0.0, draft_time + verify_time
                 self._record(stats, segments, accepted, draft_time, verify_time)
+                b.lap("statistics")
                 policy.update(segments, accepted, draft_time, verify_time)
+                b.lap("policy")
 
                 rows = b.rows
                 emit, finished = self._emit_counts(tokens, accepted, counts[rows], max_new_tokens, eos)
                 if b.grammar is not None:  # the matchers take what their rows emitted
+                    b.lap("other")
                     emit, finished = b.grammar.commit(tokens, emit, finished)
+                    b.lap("grammar")
                 slots, cols = np.nonzero(np.arange(k + 1) < emit[:, None])
                 generated[rows[slots], counts[rows[slots]] + cols] = tokens[slots, cols]
                 if stops:
                     finished |= self._cut_at_stop_strings(stops, generated, rows, counts[rows], emit)
                 counts[rows] += emit
+                b.lap("other")
                 policy.observe(rows, tokens, emit)
+                b.lap("policy")
                 if stream:
                     stream.feed(rows, tokens, emit, finished)
+                    b.lap("other")
                 self._advance(b, tokens, emit, keep=~finished)
+                b.lap("rollback")
                 if self.check_cache:
                     b.cache.check(prompt_lengths[b.rows] - 1 + counts[b.rows])
+                    b.lap("other")
 
         if stream:
             stream.end()
         stats.generated_tokens = int(counts.sum())
         stats.total_time = time.perf_counter() - wall
+        stats.profile = None if laps is None else laps.seconds
         sequences = [generated[row, :counts[row]].tolist() for row in range(len(prompts))]
         texts = [self.tokenizer.decode(s) for s in sequences] if self.tokenizer is not None else None
         if grammars is None:
@@ -644,10 +725,13 @@ class SelfSpecGenerator:
         """Allocate the cache and prefill every prompt token but the last (the first pending token)."""
         device, rows = self.view.device, len(prompts)
         exit_block = self.exit_block(settings)
+        head = self.draft_head(settings)
+        compiled = sampling.greedy and grammars is None and exit_block is None
         extra_layers = 0 if exit_block is None else exit_block.cache_layers
         b = _Batch(cache=KVCache(self.view.num_layers + extra_layers, rows, capacity),
-                   sampling=sampling, exit_layer=settings.exit_layer, head=self.draft_head(settings),
-                   exit_block=exit_block,
+                   sampling=sampling, exit_layer=settings.exit_layer, head=head, exit_block=exit_block,
+                   compiled=compiled,
+                   loop_head=head.tensors() if compiled and not settings.is_plain else None,
                    stop_below=settings.stop_below, grammar=grammars, forced=forced,
                    steps=torch.arange(capacity, device=device), rows=np.arange(rows),
                    lengths=np.zeros(rows, dtype=np.int64),

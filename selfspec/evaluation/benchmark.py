@@ -50,6 +50,8 @@ from ..errors import UserError
 from ..metrics import AcceptanceStats, predicted_speedup, speedup_kv_reuse, speedup_measured_costs
 from ..model.loading import load_causal_lm, load_tokenizer
 from .report import write_report as write_files
+from .rounds import round_profile
+from .rounds import to_markdown as profile_markdown
 
 METHODS = ("plain", "early_exit", "ngram", "hybrid", "hf_greedy", "hf_early_exit", "hf_prompt_lookup")
 ENGINE_METHODS = ("plain", *DRAFTERS)  # selfspec's engine; each drafter is a method of its own name
@@ -129,9 +131,9 @@ class _Runner:
     """Runs one method on one batch: returns the generated tokens and, for the engine, its stats."""
 
     def __init__(self, generator: SelfSpecGenerator, settings: dict[str, DecodeSettings], max_new_tokens: int,
-                 ignore_eos: bool):
+                 ignore_eos: bool, profile: bool = False):
         self.generator, self.model, self.settings = generator, generator.model, settings
-        self.max_new_tokens = max_new_tokens
+        self.max_new_tokens, self.profile = max_new_tokens, profile
         self.eos = [] if ignore_eos else None
         self.device = generator.view.device
         # Only silences generate()'s warning for prompts without padding; the model's own when it has one.
@@ -147,7 +149,8 @@ class _Runner:
         batch = [p.ids if isinstance(p, Structured) else p for p in batch]
         if method in ENGINE_METHODS:
             out = self.generator.generate(batch, max_new_tokens=self.max_new_tokens, eos_token_id=self.eos,
-                                          settings=self.settings[method], **constraint_keywords(constraints))
+                                          settings=self.settings[method], profile=self.profile,
+                                          **constraint_keywords(constraints))
             return out.sequences, out.stats
         if len({len(p) for p in batch}) > 1:
             raise UserError("Hugging Face methods in a batch need prompts of one length; use "
@@ -185,13 +188,15 @@ def check_methods(methods, batch_size: int) -> None:
 
 
 def make_runner(model, settings: DecodeSettings, *, tokenizer=None, fastest=None, token_counts=None,
-                exit_adapters=None, max_new_tokens: int = 128, ignore_eos: bool = True) -> _Runner:
-    """The engine over `model` and a runner of every method: the engine methods at `method_settings`."""
+                exit_adapters=None, max_new_tokens: int = 128, ignore_eos: bool = True,
+                profile: bool = False) -> _Runner:
+    """The engine over `model` and a runner of every method: the engine methods at `method_settings`,
+    profiling their rounds with `profile` (`decoding.profile`)."""
     # check_cache=False as in the sweep: a timed run does no per-round bookkeeping
     generator = SelfSpecGenerator(model, tokenizer, settings, token_counts=token_counts,
                                   exit_adapters=exit_adapters, check_cache=False)
     settings = {m: generator.settings_for(s) for m, s in method_settings(generator.settings, fastest).items()}
-    return _Runner(generator, settings, max_new_tokens, ignore_eos)
+    return _Runner(generator, settings, max_new_tokens, ignore_eos, profile)
 
 
 @dataclass
@@ -282,17 +287,20 @@ def run_benchmark(model, prompts: list[list[int]], settings: DecodeSettings, *, 
                   fastest: dict[str, DecodeSettings] | None = None, token_counts=None,
                   exit_adapters: dict | None = None,
                   max_new_tokens: int = 128, repeats: int = 5, warmup: int = 1, ignore_eos: bool = True,
-                  methods: tuple[str, ...] = METHODS, batch_size: int = 1, progress: bool = False) -> dict:
+                  methods: tuple[str, ...] = METHODS, batch_size: int = 1, progress: bool = False,
+                  profile: bool = False) -> dict:
     """Measure `methods` on `prompts` (token lists), `batch_size` prompts per call; returns the report
     as a dict (see module docstring). The engine methods decode at `settings`, each drafter at its
     own fastest when `fastest` names one (`method_settings`). token_counts: the ranking of a trimmed
-    draft head's ids (V' > 0); exit_adapters: {E: ExitAdapter} of the checkpoint."""
+    draft head's ids (V' > 0); exit_adapters: {E: ExitAdapter} of the checkpoint; profile: add the
+    engine methods' round profile (`rounds.round_profile`)."""
     check_methods(methods, batch_size)
     if max_new_tokens < 1 or not prompts:
         raise UserError(f"the benchmark needs max_new_tokens >= 1 ({max_new_tokens}) and a prompt "
                         f"({len(prompts)})")
     run = make_runner(model, settings, tokenizer=tokenizer, fastest=fastest, token_counts=token_counts,
-                      exit_adapters=exit_adapters, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
+                      exit_adapters=exit_adapters, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos,
+                      profile=profile)
     generator, settings = run.generator, run.settings
     device, view = run.device, generator.view
     batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
@@ -326,6 +334,8 @@ def run_benchmark(model, prompts: list[list[int]], settings: DecodeSettings, *, 
     if "plain" in methods and "early_exit" in methods:
         report["cost_model"] = _cost_model(stats["plain"], stats["early_exit"],
                                            report["speedups"].get("early_exit_over_plain"))
+    if profile:
+        report["round_profile"] = round_profile({m: stats[m] for m in methods if m in ENGINE_METHODS})
     return report
 
 
@@ -458,6 +468,8 @@ def to_markdown(report: dict) -> str:
         lines += ["", f"Grammar masks (llguidance) in constrained plain decoding: "
                   f"{grammar['seconds_per_token'] * 1e6:.0f} µs a token, "
                   f"{grammar['share_of_plain_step']:.1%} of a plain step."]
+    if report.get("round_profile"):
+        lines += ["", profile_markdown(report["round_profile"]).rstrip()]
     lines += ["", "Greedy outputs identical (every method but hf_early_exit, which is reported apart): "
               f"**{report['greedy_outputs_identical']}**; identical to plain per method: "
               + ", ".join(f"{m} {same}" for m, same in report.get("identical_to_plain", {}).items())]
@@ -525,13 +537,15 @@ def speedup(model: str, *, exit_layer: int | None = None, num_speculations=None,
             corpus: str = "stdlib", num_prompts: int = 8, prompt_tokens: int = 64, max_new_tokens: int = 128,
             repeats: int = 5, warmup: int = 1, methods=METHODS, batch_size: int = 1, keep_eos: bool = False,
             device: str | None = None, dtype: str = "auto", out: str = "runs/benchmark",
-            json_schema: str | None = None, regex: str | None = None, grammar: str | None = None) -> dict:
+            json_schema: str | None = None, regex: str | None = None, grammar: str | None = None,
+            profile: bool = False) -> dict:
     """`selfspec eval speedup`: benchmark the checkpoint `model`; print the report, write it into `out`.
 
     The engine decodes at the checkpoint's settings (`selfspec.json`), with the given fields
     overriding them; without any override each drafter runs at its fastest a sweep stored.
     Structured output: `json_schema`/`grammar` (files) or `regex` constrain every reply, and
     `prompts="json-extract"` takes the extraction prompts, each under its own schema.
+    profile: add the round profile of every engine method (where its rounds' time goes).
     """
     if num_prompts < 1 or repeats < 1 or max_new_tokens < 1:
         raise UserError(f"--num-prompts ({num_prompts}), --repeats ({repeats}) and --max-new-tokens "
@@ -552,7 +566,7 @@ def speedup(model: str, *, exit_layer: int | None = None, num_speculations=None,
                            repeats=repeats, warmup=warmup, ignore_eos=not keep_eos,
                             methods=(tuple(m.strip() for m in methods.split(",")) if isinstance(methods, str)
                                      else tuple(methods)),
-                           batch_size=batch_size, progress=True)
+                           batch_size=batch_size, progress=True, profile=profile)
     report["model"] = model
     json_path, md_path = write_report(report, out)
     print(to_markdown(report))

@@ -18,6 +18,10 @@ Each pass is given as a fraction of its limit (limit ÷ measured time: 1 means a
 in plain steps. The cost model and the sweep assume a verification of k + 1 positions costs about
 one plain step: the `verify` rows say what it costs here.
 
+Then the round profile (`rounds.py`): the engine decodes a few prompts with plain decoding and with
+the early exit at E and the checkpoint's k (or `--num-speculations`), and each part of a round (the
+passes, and what sits between them) is given in µs and in plain steps.
+
     selfspec eval roofline --model runs/smollm2/base --exit-layer 10
 """
 
@@ -34,6 +38,8 @@ from ..decoding.cache import KVCache
 from ..errors import UserError
 from ..model.view import DecoderView
 from .report import publish, save_figure
+from .rounds import round_profile
+from .rounds import to_markdown as profile_markdown
 
 
 def _median_seconds(fn, repeats: int, device) -> float:
@@ -192,7 +198,23 @@ def to_markdown(report: dict) -> str:
         lines.append(f"| {name} | [{start}, {end}) | {row['positions']} | {row['bytes'] / 1e6:.1f} | "
                      f"{row['limit_seconds'] * 1e3:.2f} | {row['seconds'] * 1e3:.2f} | "
                      f"{row['fraction_of_bandwidth']:.0%} | {row['plain_steps']:.2f} |")
+    if report.get("round_profile"):
+        lines += ["", profile_markdown(report["round_profile"]).rstrip()]
     return "\n".join(lines) + "\n"
+
+
+def measure_round_profile(model, settings, prompts: list, *, tokenizer=None, token_counts=None,
+                          exit_adapters=None, max_new_tokens: int = 64, repeats: int = 3,
+                          warmup: int = 1) -> dict:
+    """The round profile (`rounds.round_profile`) of plain decoding and of the early exit at `settings`,
+    decoding `prompts` greedily at batch 1, interleaved over `repeats` after `warmup`."""
+    from .benchmark import interleaved_rates, make_runner
+
+    run = make_runner(model, settings, tokenizer=tokenizer, token_counts=token_counts,
+                      exit_adapters=exit_adapters, max_new_tokens=max_new_tokens, profile=True)
+    methods = ("plain", "early_exit")
+    timings = interleaved_rates(methods, run, [[p] for p in prompts], repeats, warmup, run.device)
+    return round_profile({m: timings.run_stats(m) for m in methods})
 
 
 def plot(report: dict, path: str | Path) -> Path:
@@ -223,22 +245,36 @@ def plot(report: dict, path: str | Path) -> Path:
     return save_figure(fig, path)
 
 
-def run(model: str, *, exit_layer: int | None = None, context: int = 256, max_positions: int = 8,
-        repeats: int = 15, warmup: int = 3, device: str | None = None, dtype: str = "auto",
-        out: str = "runs/roofline") -> dict:
+def run(model: str, *, exit_layer: int | None = None, num_speculations: int | None = None, context: int = 256,
+        max_positions: int = 8, repeats: int = 15, warmup: int = 3, prompts: str | None = None,
+        corpus: str = "stdlib", num_prompts: int = 4, max_new_tokens: int = 64, profile_repeats: int = 3,
+        device: str | None = None, dtype: str = "auto", out: str = "runs/roofline") -> dict:
     """`selfspec eval roofline`: measure the model `model`; print the table, write roofline.json,
-    roofline.md and roofline.png into `out`. E defaults to the checkpoint's."""
-    from ..checkpoint import resolve_settings
-    from .benchmark import load_model
+    roofline.md and roofline.png into `out`. E and k default to the checkpoint's. The round profile
+    decodes `num_prompts` prompts (`benchmark.read_prompts`: `prompts` or `corpus`) `profile_repeats`
+    times (0: no profile)."""
+    from ..checkpoint import checkpoint_adapters, resolve_settings
+    from .benchmark import load_model, read_prompts
 
-    if max_positions < 1:
-        raise UserError(f"--max-positions must be >= 1, got {max_positions}")
-    settings, _, _ = resolve_settings(model, exit_layer=exit_layer)
+    if max_positions < 1 or profile_repeats < 0 or max_new_tokens < 1:
+        raise UserError(f"--max-positions ({max_positions}) and --max-new-tokens ({max_new_tokens}) must be "
+                        f">= 1, --profile-repeats ({profile_repeats}) >= 0")
+    if num_speculations is not None and num_speculations < 1:
+        raise UserError(f"--num-speculations must be >= 1 (plain decoding is profiled anyway), "
+                        f"got {num_speculations}")
+    settings, _, counts = resolve_settings(model, exit_layer=exit_layer, num_speculations=num_speculations)
     if settings.exit_layer is None:
         raise UserError(f"--exit-layer is required: {model} has no selfspec.json")
-    lm, _ = load_model(model, device, dtype)
+    lm, tokenizer = load_model(model, device, dtype)
     report = roofline(DecoderView(lm), settings.exit_layer, context, range(1, max_positions + 1), repeats,
                       warmup)
+    if profile_repeats:
+        early_exit = settings.override(drafter="early_exit")
+        report["round_profile"] = measure_round_profile(
+            lm, early_exit, read_prompts(tokenizer, prompts, corpus, num_prompts), tokenizer=tokenizer,
+            token_counts=counts, exit_adapters=checkpoint_adapters(model, lm), max_new_tokens=max_new_tokens,
+            repeats=profile_repeats)
+        report["round_profile"]["settings"] = early_exit.to_json()
     report["model"] = model
     publish(out, "roofline", report, to_markdown(report), plot)
     return report

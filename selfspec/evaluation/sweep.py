@@ -7,8 +7,15 @@ decodes the same prompts greedily at batch 1 with each setting. Every round visi
 the order rotating from round to round (interleaved, so drift hits all alike); each setting's
 tokens/s is the median over rounds. Per (E, V') it reports α and the draft cost c (draft step ÷
 plain step), and how much of the whole head's α each V' keeps; per setting the measured speedup over
-plain and, for early-exit drafting, the cost model's E(k, α)/(1 + k·c). Every output must equal plain
-decoding's (checked, reported).
+plain, its spread over the repeats and, for early-exit drafting, the cost model's E(k, α)/(1 + k·c).
+Every output must equal plain decoding's (checked, reported).
+
+A grid of many cells measured a few times each has winners by noise: the best of thirty cells that
+all run at 1.00× shows 1.03×. So the sweep re-times its best cells (the `confirm` fastest, and each
+drafter's fastest) against plain decoding, interleaved, with `confirm_repeats` repeats, and judges
+each by its paired speedups (cell ÷ plain within one repeat): their median, and a distribution-free
+confidence interval for that median (`median_interval`). "best" and "fastest_per_drafter" are the
+re-timed cells; the write-back stores a cell only when the interval's lower end beats plain.
 
     selfspec eval sweep --model runs/demo/model --exit-layers 2:10:2 --ks 1,2,4,6,8 --write-back
 
@@ -20,6 +27,7 @@ writes sweep.json, sweep.md and sweep.png into --out; --write-back records the f
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 from pathlib import Path
 
@@ -67,6 +75,51 @@ def grid_settings(base: DecodeSettings, exit_layers, ks, drafters, vocabs, min_n
     return settings
 
 
+CONFIDENCE = 0.9  # of the interval the write-back's "beats plain" is judged by
+
+
+def median_interval(ratios, confidence: float = CONFIDENCE) -> dict:
+    """The median of paired speedups and a distribution-free interval for it: the j-th smallest and
+    j-th largest ratio, j the largest whose coverage 1 − 2·P(Binomial(n, ½) < j) is at least
+    `confidence` (n = 5 gives the min and max, 94%); with too few ratios for that, the min and max
+    and their lower coverage (n = 3: 75%). Returns speedup, low, high, coverage, spread ([min, max])."""
+    ratios = sorted(ratios)
+    n = len(ratios)
+    if not n:
+        return {"speedup": float("nan"), "low": float("nan"), "high": float("nan"), "coverage": 0.0,
+                "spread": [float("nan"), float("nan")]}
+
+    def coverage(j: int) -> float:
+        return 1 - 2 * sum(math.comb(n, i) for i in range(j)) / 2**n
+
+    j = max([j for j in range(1, (n + 1) // 2 + 1) if coverage(j) >= confidence], default=1)
+    return {"speedup": statistics.median(ratios), "low": ratios[j - 1], "high": ratios[n - j],
+            "coverage": coverage(j), "spread": [ratios[0], ratios[-1]]}
+
+
+def paired_speedups(rates: list[float], plain_rates: list[float]) -> list[float]:
+    """A cell's speedup in each repeat: its tokens/s ÷ plain decoding's in the same repeat (both saw
+    the same machine state, interleaved)."""
+    return [rate / plain for rate, plain in zip(rates, plain_rates)]
+
+
+def beats_plain(entry: dict | None) -> bool:
+    """Whether a re-timed cell beats plain decoding by more than the noise: its interval's lower end
+    is above 1."""
+    return entry is not None and entry.get("low", float("nan")) > 1.0
+
+
+def select_fastest(rows: list[dict]) -> tuple[dict | None, dict]:
+    """From re-timed rows (each with "drafter", "speedup" = its median paired speedup, "low"): the
+    fastest overall and each drafter's fastest, by the median. Whether one beats plain is
+    `beats_plain`'s question, asked at the write-back."""
+    ordered = sorted(rows, key=lambda row: -row["speedup"])
+    fastest = {}
+    for row in ordered:
+        fastest.setdefault(row["drafter"], row)
+    return (ordered[0] if ordered else None), fastest
+
+
 def settings_of(row: dict) -> DecodeSettings:
     """The `DecodeSettings` of a grid row of the report (its `to_json` fields)."""
     return DecodeSettings.from_json({key: row[key] for key in FIELDS})
@@ -90,7 +143,7 @@ def run_sweep(model, prompts: list[list[int]], exit_layers: list[int], ks: list,
               base: DecodeSettings | None = None,
               max_new_tokens: int = 64, repeats: int = 3, warmup: int = 1, progress: bool = True,
               drafters=("early_exit",), draft_vocab_sizes=(0,), min_ngrams=(2,), stop_belows=(0.0,),
-              token_counts=None,
+              token_counts=None, confirm: int = 3, confirm_repeats: int = 5,
               exit_adapters: dict | None = None, tokenizer=None) -> dict:
     """Measure every setting of the grid against plain decoding; returns the report as a dict.
 
@@ -99,6 +152,9 @@ def run_sweep(model, prompts: list[list[int]], exit_layers: list[int], ks: list,
     give the α and c per exit.
     token_counts: (V,) token frequencies (the checkpoint's), needed for draft_vocab_sizes other than 0.
     exit_adapters: E -> the checkpoint's `ExitAdapter` for that exit (its draft cost is measured with it).
+    confirm / confirm_repeats: re-time the `confirm` fastest lossless cells and each drafter's fastest
+    with plain decoding over `confirm_repeats` interleaved repeats ("best", "fastest_per_drafter" and
+    "confirmed" come from them); confirm = 0 judges the cells by the grid's own repeats.
     prompts may be `benchmark.Structured` (structured output): each decodes under its grammar, which
     needs the `tokenizer`.
     """
@@ -110,9 +166,10 @@ def run_sweep(model, prompts: list[list[int]], exit_layers: list[int], ks: list,
     if not ks or any(k not in ADAPTIVE_K if isinstance(k, str) else k < 1 for k in ks):
         raise UserError(f"draft lengths {ks} must be ints >= 1 or {' / '.join(ADAPTIVE_K)} "
                         f"(plain decoding, k = 0, is always measured)")
-    if max_new_tokens < 1 or repeats < 1 or not prompts:
-        raise UserError(f"the sweep needs max_new_tokens >= 1 ({max_new_tokens}), repeats >= 1 ({repeats}) "
-                        f"and a prompt ({len(prompts)})")
+    if max_new_tokens < 1 or repeats < 1 or not prompts or confirm < 0 or confirm_repeats < 1:
+        raise UserError(f"the sweep needs max_new_tokens >= 1 ({max_new_tokens}), repeats >= 1 ({repeats}), "
+                        f"confirm >= 0 ({confirm}), confirm_repeats >= 1 ({confirm_repeats}) and a prompt "
+                        f"({len(prompts)})")
     check_drafters(drafters, draft_vocab_sizes, min_ngrams, token_counts)
     stop_belows = list(stop_belows)
     for eta in stop_belows:
@@ -152,8 +209,9 @@ def run_sweep(model, prompts: list[list[int]], exit_layers: list[int], ks: list,
         run_costs = pooled_costs(stats[plain], stats[setting])
         alpha = run_costs["stats"].acceptance_rate
         rate = statistics.median(rates[setting])
+        spread = median_interval(paired_speedups(rates[setting], rates[plain]))["spread"]
         row = {**setting.to_json(), "tokens_per_second": rate, "speedup": rate / plain_rate,
-               "acceptance_rate": alpha,
+               "speedup_spread": spread, "acceptance_rate": alpha,
                "mean_accepted_length": run_costs["stats"].mean_accepted_length,
                "sources": source_summary(stats[setting]),
                "stopped_below_eta": sum(s.stopped_below_eta for s in stats[setting]),
@@ -171,11 +229,24 @@ def run_sweep(model, prompts: list[list[int]], exit_layers: list[int], ks: list,
             row["measured_over_predicted"] = row["speedup"] / row["predicted_speedup"]
         grid.append(row)
     lossless = [row for row in grid if row["identical_to_plain"]]
-    best = max(lossless, key=lambda row: row["speedup"]) if lossless else None
-    fastest = {}  # drafter -> its fastest lossless row
-    for row in lossless:
-        if row["drafter"] not in fastest or row["speedup"] > fastest[row["drafter"]]["speedup"]:
-            fastest[row["drafter"]] = row
+    if confirm:
+        candidates = sorted(lossless, key=lambda row: -row["speedup"])[:confirm]
+        candidates += [row for row in select_fastest(lossless)[1].values() if row not in candidates]
+        cells = [settings_of(row) for row in candidates]
+        again = interleaved_rates([plain, *cells], run, [[p] for p in prompts], confirm_repeats, warmup,
+                                  device, "confirm" if progress else None)
+        plain_rates = again.rates(plain)
+        confirmed = [{**_brief(row), **median_interval(paired_speedups(again.rates(cell), plain_rates)),
+                      "tokens_per_second": statistics.median(again.rates(cell)),
+                      "grid_speedup": row["speedup"], "drafter": row["drafter"],
+                      "identical_to_plain": again.outputs[cell] == again.outputs[plain]}
+                     for row, cell in zip(candidates, cells)]
+        confirmed = [row for row in confirmed if row["identical_to_plain"]]
+    else:
+        confirmed = [{**_brief(row), **median_interval(paired_speedups(rates[s], rates[plain])),
+                      "grid_speedup": row["speedup"], "drafter": row["drafter"]}
+                     for row, s in zip(grid, settings[1:]) if row["identical_to_plain"]]
+    best, fastest = select_fastest(confirmed)
     ratios = [row["measured_over_predicted"] for row in grid if row.get("measured_over_predicted", 0) > 0]
     return {"num_layers": num_layers, "max_new_tokens": max_new_tokens, "num_prompts": len(prompts),
             "measured_over_predicted": statistics.median(ratios) if ratios else float("nan"),
@@ -184,14 +255,20 @@ def run_sweep(model, prompts: list[list[int]], exit_layers: list[int], ks: list,
             "plain_tokens_per_second": plain_rate,
             "plain_step_seconds": pooled_costs(stats[plain], [])["plain_step"],
             "per_exit_layer": per_exit, "grid": grid,
-            "fastest_per_drafter": {d: _brief(row) for d, row in fastest.items()},
-            "best": None if best is None else _brief(best),
+            "confirm_repeats": confirm_repeats if confirm else repeats,
+            "confirmed": sorted(confirmed, key=lambda row: -row["speedup"]),
+            "fastest_per_drafter": fastest, "best": best,
             "all_identical_to_plain": len(lossless) == len(grid)}
 
 
 def _in_table(row: dict, stop_below: float) -> bool:
     """An early-exit setting of the (E, V') x k table: the one η the table shows (others are listed)."""
     return row["drafter"] == "early_exit" and row["num_speculations"] != 0 and row["stop_below"] == stop_below
+
+
+def _spread(row: dict) -> str:
+    low, high = row.get("speedup_spread") or row["spread"]
+    return f"{low:.2f}-{high:.2f}"
 
 
 def _brief(row: dict) -> dict:
@@ -237,16 +314,27 @@ def to_markdown(report: dict) -> str:
                       "from "
                       "copies):",
                   "",
-                  "| setting | speedup | tokens/s | α copy | α early exit | tokens copied |",
-                  "|---|---:|---:|---:|---:|---:|"]
+                  "| setting | speedup | spread | tokens/s | α copy | α early exit | tokens copied |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
         for row in sorted(others, key=lambda r: -r["speedup"]):
             copy, early_exit = row["sources"]["copy"], row["sources"]["early_exit"]
-            lines.append(f"| {_describe(row)} | {row['speedup']:.2f} | {row['tokens_per_second']:.1f} | "
+            lines.append(f"| {_describe(row)} | {row['speedup']:.2f} | {_spread(row)} | "
+                         f"{row['tokens_per_second']:.1f} | "
                          f"{copy['acceptance_rate']:.3f} | {early_exit['acceptance_rate']:.3f} | "
                          f"{copy['share_of_tokens']:.1%} |")
+    if report.get("confirmed"):
+        lines += ["", f"Re-timed against plain decoding ({report['confirm_repeats']} interleaved repeats): "
+                      f"median paired speedup, the interval for it and its coverage, the spread; a cell is "
+                      f"stored only when the interval's low end beats plain.", "",
+                  "| setting | grid | re-timed | interval | coverage | spread | beats plain |",
+                  "|---|---:|---:|---:|---:|---:|---|"]
+        lines += [f"| {_describe(row)} | {row['grid_speedup']:.2f} | {row['speedup']:.3f} | "
+                  f"{row['low']:.3f}-{row['high']:.3f} | {row['coverage']:.0%} | {_spread(row)} | "
+                  f"{'yes' if beats_plain(row) else 'no'} |" for row in report["confirmed"]]
     if report.get("fastest_per_drafter"):
         lines += ["", "Fastest per drafter: " + "; ".join(
-            f"{_describe(row)}: {row['speedup']:.2f}×" for row in report["fastest_per_drafter"].values())]
+            f"{_describe(row)}: {row['speedup']:.2f}× ({row['low']:.2f}-{row['high']:.2f})"
+            for row in report["fastest_per_drafter"].values())]
     if early:
         costs = [row["verify_cost"] for row in early if row["verify_cost"] == row["verify_cost"]]
         ratio = report["measured_over_predicted"]
@@ -255,7 +343,8 @@ def to_markdown(report: dict) -> str:
                       f"{max(costs, default=float('nan')):.2f} plain steps."]
     best = report["best"]
     fastest = "none (no output matched plain decoding)" if best is None else (
-        f"{_describe(best)}: **{best['speedup']:.2f}×** plain decoding")
+        f"{_describe(best)}: **{best['speedup']:.2f}×** plain decoding "
+        f"({best['low']:.2f}-{best['high']:.2f}, {best['coverage']:.0%})")
     lines += ["", f"Fastest: {fastest}. Outputs identical to plain decoding: "
                   f"**{report['all_identical_to_plain']}**"]
     return "\n".join(lines) + "\n"
@@ -340,7 +429,7 @@ def sweep(model: str, *, exit_layers: str | list[int] | None = None, ks="1,2,3,4
           num_prompts: int = 4, prompt_tokens: int = 64, max_new_tokens: int = 64, repeats: int = 3,
           warmup: int = 1, device: str | None = None, dtype: str = "auto", out: str = "runs/sweep",
           write_back: bool = False, suites: str | None = None, questions: str | None = None,
-          max_per_category: int | None = 1) -> dict:
+          max_per_category: int | None = 1, confirm: int = 3, confirm_repeats: int = 5) -> dict:
     """`selfspec eval sweep`: measure the grid on the model `model`; print the report, write sweep.json,
     sweep.md and sweep.png into `out`, and with `write_back` the fastest setting into its selfspec.json.
 
@@ -348,6 +437,8 @@ def sweep(model: str, *, exit_layers: str | list[int] | None = None, ks="1,2,3,4
     ks, drafters, min_ngrams, draft_vocab_sizes, stop_belows: lists, or comma lists as the flags take them.
     suites / questions: time the first turns of these questions (`evaluation.suite`, the first
     `max_per_category` of each category) instead of `prompts` / `corpus`; the write-back records them.
+    confirm / confirm_repeats: how many of the fastest cells to re-time, over how many repeats
+    (`run_sweep`).
     """
     ks = k_list(ks) if isinstance(ks, str) else list(ks)
     drafters = list(dict.fromkeys(d.strip() for d in (drafters.split(",") if isinstance(drafters, str)
@@ -384,6 +475,7 @@ def sweep(model: str, *, exit_layers: str | list[int] | None = None, ks="1,2,3,4
                        exit_layers, ks, base=base, max_new_tokens=max_new_tokens, repeats=repeats,
                        warmup=warmup, drafters=drafters, draft_vocab_sizes=draft_vocab_sizes,
                        min_ngrams=min_ngrams, stop_belows=stop_belows, token_counts=counts,
+                       confirm=confirm, confirm_repeats=confirm_repeats,
                        exit_adapters=checkpoint_adapters(model, lm), tokenizer=tokenizer)
     report.update(model=model, prompts_from=", ".join(filter(None, (suites, questions))) or prompts or corpus)
     publish(out, "sweep", report, to_markdown(report), plot)
@@ -393,22 +485,24 @@ def sweep(model: str, *, exit_layers: str | list[int] | None = None, ks="1,2,3,4
 
 
 def write_back_fastest(model_dir: str, report: dict, report_path: Path) -> bool:
-    """Record the sweep's fastest setting in the checkpoint's selfspec.json, only when it is lossless
-    and beats plain decoding (else the checkpoint keeps its own), with each drafter's fastest that
-    beats plain beside it. Returns whether it wrote."""
-    best = report["best"]
-    if best is None or best["speedup"] <= 1.0:
-        print(f"{model_dir}/{META_FILE} left as it is: no lossless setting beat plain decoding")
+    """Record the sweep's fastest re-timed setting in the checkpoint's selfspec.json, only when it is
+    lossless and beats plain decoding by more than the noise (`beats_plain`; else the checkpoint
+    keeps its own), with each drafter's fastest that does beside it. Returns whether it wrote."""
+    entries = (report["best"], *report["fastest_per_drafter"].values())
+    rows = report.get("confirmed") or [entry for entry in entries if entry]
+    best, fastest = select_fastest([row for row in rows if beats_plain(row)])
+    if best is None:
+        print(f"{model_dir}/{META_FILE} left as it is: no lossless setting beat plain decoding by more than "
+              f"the noise of its repeats")
         return False
-    fastest = {drafter: entry for drafter, entry in report["fastest_per_drafter"].items()
-               if entry["speedup"] > 1.0}
     write_settings(model_dir, DecodeSettings.from_json(best["settings"]), fastest=fastest,
-                   sweep={"speedup": best["speedup"], "report": str(report_path),
+                   sweep={"speedup": best["speedup"], "interval": [best["low"], best["high"]],
+                          "coverage": best["coverage"], "report": str(report_path),
                           "prompts_from": report.get("prompts_from")})
     print(f"{model_dir}/{META_FILE}: {_describe(best)}")
     return True
 
 
-__all__ = ["float_list", "grid_settings", "int_list", "k_list", "plot", "run_sweep", "settings_of", "sweep",
-           "to_markdown",
-           "write_back_fastest"]
+__all__ = ["CONFIDENCE", "beats_plain", "float_list", "grid_settings", "int_list", "k_list",
+           "median_interval", "paired_speedups", "plot", "run_sweep", "select_fastest", "settings_of",
+           "sweep", "to_markdown", "write_back_fastest"]

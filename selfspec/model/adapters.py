@@ -64,6 +64,16 @@ class Adapter:
         faster way than block by block; None (nothing run) otherwise."""
         return None
 
+    def draft_loop(self, exit_layer: int, token, cache, positions, head: tuple, k: int, eta: float):
+        """Greedy early-exit drafts of a round in one call where this family has one (see
+        `DecoderView.draft_loop`); None (nothing run) otherwise."""
+        return None
+
+    def verify_greedy(self, start: int, end: int, hidden, tokens, cache, positions, drafts):
+        """Greedy verification in one call where this family has one (see `DecoderView.verify_greedy`);
+        None (nothing run) otherwise."""
+        return None
+
     def call_layer(self, layer: nn.Module, hidden, mask, cache, extras: dict) -> torch.Tensor:
         """Call a block module of this family (one of `layers`, or an exit block outside them, which
         writes its keys at its own `layer_idx`) on hidden (B, T, D)."""
@@ -151,6 +161,36 @@ class LlamaFamilyAdapter(Adapter):
         if self._use_fast():
             return self.fast.run_range(start, end, hidden, mask, cache, *extras["position_embeddings"])
         return None
+
+    def draft_loop(self, exit_layer, token, cache, positions, head, k, eta):
+        angles = self._round_angles(0, exit_layer, cache, positions)
+        if angles is None:
+            return None
+        embedding = self.model.model.embed_tokens
+        return self.fast.draft_loop(exit_layer, embedding, token, cache, *angles, head, k, eta)
+
+    def verify_greedy(self, start, end, hidden, tokens, cache, positions, drafts):
+        angles = self._round_angles(start, end, cache, positions)
+        if angles is None:
+            return None
+        embedding = self.model.model.embed_tokens
+        mask_value = torch.finfo(embedding.weight.dtype).min  # `DecoderView._mask`'s
+        return self.fast.verify_greedy(start, end, embedding, hidden, tokens, cache, *angles, mask_value,
+                                       drafts)
+
+    def _round_angles(self, start: int, end: int, cache, positions):
+        """The rotary cos, sin (B, T, hd) of a compiled round call over blocks [start, end) at
+        `positions` (B, T), or None where the call does not apply: no fast blocks, rows at different
+        slots or a layer without a buffer yet (`KVCache.slot_buffers`), or an attention window that
+        cuts a slot (the calls attend causally to every slot, with no window)."""
+        slots = cache.slot_buffers(start, end) if hasattr(cache, "slot_buffers") else None
+        if slots is None or not self._use_fast():
+            return None
+        last = slots[3] - 1  # the last slot written: kv_length - 1
+        if any(w is not None and w <= last for w in (self.sliding_window(i) for i in range(start, end))):
+            return None
+        return self.block_extras(self.model.model.embed_tokens.weight[:1, None], positions,
+                                 last)["position_embeddings"]
 
     def call_layer(self, layer, hidden, mask, cache, extras):
         if self._use_fast():  # an exit block: the model's own blocks took the branch above

@@ -82,6 +82,10 @@ _BLOCK_KERNEL = True
 # With `_BLOCK_KERNEL`, a decoding pass over several blocks runs them in one compiled call (see
 # `FastLlamaBlocks.run_range`); False runs them block by block (A/B)
 _PASS_KERNEL = True
+# With `_PASS_KERNEL`, the engine's greedy rounds run in compiled calls: the early-exit drafts in one
+# (`FastLlamaBlocks.draft_loop`), the verification in another (`verify_greedy`); False runs them from
+# Python, step by step (A/B, and the tests' reference)
+_DRAFT_LOOP = True
 
 # Rows per product under `fixed_width` (see there): at least a verification's k + 1 positions.
 FIXED_WIDTH = 16
@@ -461,6 +465,72 @@ class FastLlamaBlocks:
         if out is not None:
             cache.written(start, end)
         return out
+
+    def draft_loop(self, exit_layer: int, embedding: nn.Module, token: torch.Tensor, cache, cos: torch.Tensor,
+                   sin: torch.Tensor, head: tuple, k: int, eta: float):
+        """Greedy early-exit drafts in one compiled call (`kernels.draft_loop`): from `token` (B,) at
+        the cache's announced first slot, k steps of blocks [0, E) (the cache written), the final norm,
+        the draft head and the argmax, ending early below η (`eta`; 0: never). cos, sin (B, k + 1, hd):
+        the rotary of the k + 1 slots; head: (weight (V', D), bias or None, ids (V',) of a trimmed head
+        or None, V). Returns (drafts (B, s), exit states (B, s + 1, D)), the cache holding the s + 1
+        inputs at layers [0, E); or None, nothing computed, where it does not apply (see `_round_call`).
+        `embedding`: the model's token embedding."""
+        weight, bias, ids, vocab = head
+        call = self._round_call(kernels.draft_loop, 0, exit_layer, embedding, cache, cos, sin, (weight, bias))
+        if call is None:
+            return None
+        made, blocks, embed, (keys, values, first, _), cos, sin = call
+        out = made(blocks, embed, token, keys, values, first, cos, sin, self.head[0], self.head[1], weight,
+                   bias, ids, vocab, k, eta)
+        if not out:
+            return None
+        drafts, hidden = out
+        cache.written(0, exit_layer, hidden.shape[1])
+        return drafts, hidden
+
+    def verify_greedy(self, start: int, end: int, embedding: nn.Module, hidden: torch.Tensor | None,
+                      tokens: torch.Tensor | None, cache, cos: torch.Tensor, sin: torch.Tensor,
+                      mask_value: float, drafts: torch.Tensor):
+        """Greedy verification in one compiled call (`kernels.verify_greedy`): blocks [start, end) on T
+        positions at the cache's announced slots (the cache written), with causal attention over them,
+        the final norm and LM head, the argmax and the accepted prefix of `drafts` (B, T - 1). The input:
+        `hidden` (B, T, D), or `tokens` (B, T) embedded (start = 0). mask_value: what the engine's mask
+        holds where a query may not look (its dtype's lowest). Returns (tokens (B, T), accepted (B,)),
+        as `sampling.accept_greedy`; or None, nothing computed, where it does not apply."""
+        call = self._round_call(kernels.verify_greedy, start, end, embedding, cache, cos, sin,
+                                (self.head[2], self.head[3]))
+        if call is None:
+            return None
+        made, blocks, embed, (keys, values, first, _), cos, sin = call
+        out = made(blocks, hidden, tokens, embed, keys, values, first, cos, sin, mask_value, self.head[0],
+                   self.head[1], self.head[2], self.head[3], drafts)
+        if not out:
+            return None
+        cache.written(start, end)
+        return out[0], out[1]
+
+    def _round_call(self, accessor, start: int, end: int, embedding: nn.Module, cache, cos: torch.Tensor,
+                    sin: torch.Tensor, head: tuple):
+        """What a compiled round call (`draft_loop`, `verify_greedy`) over blocks [start, end) needs:
+        (the compiled function, the blocks as the kernels' objects, the embedding table, the cache's
+        `slot_buffers`, cos and sin (B, T, hd), one row per row, contiguous), or None where it does not apply: the kernels
+        off or missing (`_DRAFT_LOOP`, `_compiled`), autograd on, an embedding that is not a plain
+        lookup (`nn.Embedding` without hooks), no plain final norm + LM head, a head tensor not in the
+        model's dtype, angles not in it, rows at different slots, a layer without a buffer yet."""
+        compiled = self._compiled()
+        made = accessor() if _DRAFT_LOOP and compiled is not None else None
+        if (made is None or self.head is None or torch.is_grad_enabled()
+                or type(embedding) is not nn.Embedding or _hooked(embedding)):
+            return None
+        embed = embedding.weight
+        if (embed.dtype not in (torch.float32, torch.bfloat16) or cos.dtype != embed.dtype
+                or any(t is not None and (t.dtype != embed.dtype or not t.is_contiguous())
+                       for t in (*head, self.head[0]))):
+            return None
+        slots = cache.slot_buffers(start, end) if hasattr(cache, "slot_buffers") else None
+        if slots is None:
+            return None
+        return made, compiled[0][start:end], embed, slots, cos.contiguous(), sin.contiguous()
 
     def _compiled(self):
         """`(the blocks as the kernels' Block objects, blocks_pass)`, the objects built once per extension

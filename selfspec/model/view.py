@@ -181,6 +181,28 @@ class DecoderView:
             hidden = self.run_block(index, hidden, context, cache)
         return hidden
 
+    def draft_loop(self, exit_layer: int, token: torch.Tensor, cache, positions: torch.Tensor, head: tuple,
+                   k: int, eta: float = 0.0):
+        """Greedy early-exit drafts in one compiled call, where the family has one (the Llama family on
+        selfspec's CPU kernels): from `token` (B,) at `positions[:, 0]` (announced to `cache`, every row
+        at the same slots), k steps of blocks [0, exit_layer) + final norm + draft head + argmax, each
+        draft the next step's input, ending early when no row's draft puts `eta` on its top token.
+        positions (B, k + 1); head: (weight (V', D), bias or None, ids (V',) of a trimmed head or None,
+        V). Returns (drafts (B, s), exit states (B, s + 1, D): every input that ran, the last draft
+        included unless η stopped first), the cache holding those s + 1 positions at blocks
+        [0, exit_layer); or None, nothing run, where it does not apply."""
+        return self.adapter.draft_loop(exit_layer, token, cache, positions, head, k, eta)
+
+    def verify_greedy(self, start: int, end: int, cache, positions: torch.Tensor, drafts: torch.Tensor,
+                      hidden: torch.Tensor | None = None, tokens: torch.Tensor | None = None):
+        """Greedy verification in one compiled call, where the family has one (as `draft_loop`): blocks
+        [start, end) on the T positions `positions` (B, T) (announced to `cache`, every row at the same
+        slots), causal over them, then the final norm, the LM head, the argmax and the accepted prefix
+        of `drafts` (B, T - 1), as `sampling.accept_greedy`. The input: `hidden` (B, T, D), or `tokens`
+        (B, T) embedded (start = 0: a whole-model pass). Returns (tokens (B, T), accepted (B,)), the
+        cache written at blocks [start, end); or None, nothing run, where it does not apply."""
+        return self.adapter.verify_greedy(start, end, hidden, tokens, cache, positions, drafts)
+
     def run_block(self, index: int, hidden: torch.Tensor, context: LayerContext, cache=None) -> torch.Tensor:
         """Run block `index` once (the unit that layer dropout skips)."""
         mask = context.masks[self.windows[index]]

@@ -91,6 +91,23 @@ def blocks_pass() -> tuple[type, Callable] | None:
     return None if module is None else (module.Block, module.blocks_pass)
 
 
+def draft_loop() -> Callable | None:
+    """The compiled `draft_loop(blocks, embed, token, keys, values, start, cos, sin, norm, eps, head, bias,
+    ids, vocab, k, eta) -> [drafts (B, s), hidden (B, s + 1, D)]` (greedy early-exit drafts: k steps of
+    `blocks_pass` over blocks [0, E), the draft head and the argmax, stopping below eta; [] where
+    `blocks_pass` declines), or None where the kernels are not available."""
+    module = _module()
+    return None if module is None else module.draft_loop
+
+
+def verify_greedy() -> Callable | None:
+    """The compiled `verify_greedy(blocks, hidden, tokens, embed, keys, values, start, cos, sin, mask_value,
+    norm, eps, head, bias, drafts) -> [tokens (B, T), accepted (B,)]` (the target's pass, head, argmax
+    and accepted prefix; [] where `blocks_pass` declines), or None where the kernels are not available."""
+    module = _module()
+    return None if module is None else module.verify_greedy
+
+
 def build(source: Path, name: str):
     """Compile `source` as the extension `name` with the kernels' flags (torch caches the build under
     `name`); raises what the build raises. `eval/kernel_ab.py --against` builds a second version with it."""
@@ -126,4 +143,5 @@ def _module():
     return module
 
 
-__all__ = ["block_halves", "blocks_pass", "few_queries_attention", "few_rows_linear"]
+__all__ = ["block_halves", "blocks_pass", "draft_loop", "few_queries_attention", "few_rows_linear",
+           "verify_greedy"]

@@ -25,6 +25,7 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <limits>
 #include <memory>
 #include <type_traits>
 #include <vector>
@@ -565,6 +566,104 @@ c10::optional<torch::Tensor> blocks_pass(const std::vector<const Block*>& blocks
   return hidden;
 }
 
+// The draft's head on exit states h (B, D): the final norm op for op as `fast.rms_norm` (statistics in
+// fp32, scaled in the dtype), the head's product (`few_rows_linear`, + bias) and, for a trimmed head
+// (FR-Spec: `ids` the V' token ids of its rows), the logits over the whole vocabulary, -inf elsewhere,
+// as `DraftHead.logits` returns them. The same operations as the Python path, so the same bits.
+torch::Tensor draft_logits(const torch::Tensor& h, const torch::Tensor& norm, double eps, const torch::Tensor& head,
+                           const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& ids,
+                           int64_t vocab) {
+  auto x = h.to(torch::kFloat32);
+  x = x * torch::rsqrt(x.pow(2).mean(-1, true) + eps);
+  auto logits = few_rows_linear((norm * x.to(h.scalar_type())).contiguous(), head);
+  if (bias.has_value()) logits = logits + *bias;
+  if (!ids.has_value()) return logits;
+  auto full = torch::full({logits.size(0), vocab}, -std::numeric_limits<float>::infinity(), logits.options());
+  return full.index_copy_(-1, *ids, logits);
+}
+
+// Greedy early-exit drafting in one call: the engine's draft loop (`fast.FastLlamaBlocks.draft_loop`)
+// without the Python between its steps. Step i runs input i at slot start + i through blocks [0, E)
+// (`blocks_pass`, the cache written; input 0 is `token` (B,), input i > 0 the draft of step i - 1), then,
+// for i < k, the draft head on its exit state (`draft_logits`) and the argmax (bf16 logits widened
+// first, as `sampling.greedy_tokens` does) give draft i + 1. With eta > 0, a step where no row's draft
+// puts eta on its top token (softmax in fp32, as the engine's `_unsure`) drafts nothing and ends the
+// loop. Every row sits at the same slots and sees every slot up to its own (no mask, no window).
+// embed (V, D): the embedding table; cos, sin (B, k + 1, hd): the rotary of slots start .. start + k.
+// Returns {drafts (B, s) int64, hidden (B, s + 1, D)}: s <= k drafts and the exit states of the s + 1
+// inputs that ran (the last draft included, the verification's first position, unless eta stopped the
+// loop before drafting it); an empty vector, nothing computed, where `blocks_pass` declines.
+std::vector<torch::Tensor> draft_loop(const std::vector<const Block*>& blocks, const torch::Tensor& embed,
+                                      const torch::Tensor& token, const std::vector<torch::Tensor>& keys,
+                                      const std::vector<torch::Tensor>& values, int64_t start,
+                                      const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& norm,
+                                      double eps, const torch::Tensor& head, const c10::optional<torch::Tensor>& bias,
+                                      const c10::optional<torch::Tensor>& ids, int64_t vocab, int64_t k,
+                                      double eta) {
+  TORCH_CHECK(token.dim() == 1 && token.scalar_type() == torch::kLong, "token (B,) int64");
+  TORCH_CHECK(cos.dim() == 3 && cos.size(0) == token.size(0) && cos.size(1) >= k + 1 && sin.sizes() == cos.sizes(),
+              "cos and sin (B, k + 1, hd)");
+  std::vector<torch::Tensor> drafts, states;
+  torch::Tensor input = token;
+  for (int64_t i = 0; i <= k; ++i) {
+    const auto hidden = embed.index_select(0, input).unsqueeze(1);  // (B, 1, D)
+    const auto out = blocks_pass(blocks, hidden, keys, values, start + i, start + i + 1, c10::nullopt,
+                                 cos.narrow(1, i, 1).contiguous(), sin.narrow(1, i, 1).contiguous());
+    if (!out.has_value()) {
+      TORCH_CHECK(i == 0, "blocks_pass declined after its first step");
+      return {};
+    }
+    states.push_back(*out);
+    if (i == k) break;
+    auto logits = draft_logits(out->select(1, 0), norm, eps, head, bias, ids, vocab);  // (B, V)
+    if (logits.scalar_type() != torch::kFloat32) logits = logits.to(torch::kFloat32);
+    if (eta > 0 && (std::get<0>(torch::softmax(logits, -1).max(-1)) < eta).all().item<bool>()) break;
+    input = logits.argmax(-1);
+    drafts.push_back(input.unsqueeze(1));
+  }
+  auto made = drafts.empty() ? torch::empty({token.size(0), 0}, token.options()) : torch::cat(drafts, 1);
+  return {made, torch::cat(states, 1)};
+}
+
+// Greedy verification in one call: the target's pass over blocks [first, last) on T positions at slots
+// start .. start + T - 1 (every row at the same slots; query t sees slots 0 .. start + t: the additive
+// mask holds `mask_value` beyond, as the engine's mask holds its dtype's lowest value; one position
+// sees every slot, with no mask), the final norm and LM head (`draft_logits`), the argmax (bf16 widened
+// first) and the accepted prefix: the leading run of drafts equal to the target's argmax, as
+// `sampling.accept_greedy` computes it. The pass's input: `hidden` (B, T, D), or the embedding rows of
+// `tokens` (B, T) (a plain step: blocks [0, N)). drafts (B, T - 1) int64; cos, sin (B, T, hd).
+// Returns {tokens (B, T) int64, accepted (B,) int64}, or an empty vector, nothing computed, where
+// `blocks_pass` declines.
+std::vector<torch::Tensor> verify_greedy(const std::vector<const Block*>& blocks,
+                                         const c10::optional<torch::Tensor>& hidden,
+                                         const c10::optional<torch::Tensor>& tokens, const torch::Tensor& embed,
+                                         const std::vector<torch::Tensor>& keys,
+                                         const std::vector<torch::Tensor>& values, int64_t start,
+                                         const torch::Tensor& cos, const torch::Tensor& sin, double mask_value,
+                                         const torch::Tensor& norm, double eps, const torch::Tensor& head,
+                                         const c10::optional<torch::Tensor>& bias, const torch::Tensor& drafts) {
+  TORCH_CHECK(hidden.has_value() != tokens.has_value(), "hidden or tokens, one of them");
+  const torch::Tensor input = hidden.has_value() ? *hidden : embed.index_select(0, tokens->reshape(-1))
+                                                                 .view({tokens->size(0), tokens->size(1), -1});
+  const int64_t batch = input.size(0), length = input.size(1);
+  TORCH_CHECK(drafts.dim() == 2 && drafts.size(0) == batch && drafts.size(1) == length - 1, "drafts (B, T - 1)");
+  c10::optional<torch::Tensor> mask;
+  if (length > 1) {
+    const auto slots = torch::arange(start + length, drafts.options());  // (S,)
+    const auto last = torch::arange(start, start + length, drafts.options()).unsqueeze(1);  // (T, 1)
+    mask = torch::zeros({length, start + length}, input.options().dtype(torch::kFloat32))
+               .masked_fill_(slots.unsqueeze(0) > last, mask_value)
+               .expand({batch, length, start + length});
+  }
+  const auto out = blocks_pass(blocks, input, keys, values, start, start + length, mask, cos, sin);
+  if (!out.has_value()) return {};
+  auto logits = draft_logits(out->reshape({batch * length, -1}), norm, eps, head, bias, c10::nullopt, 0);
+  if (logits.scalar_type() != torch::kFloat32) logits = logits.to(torch::kFloat32);
+  const auto target = logits.argmax(-1).view({batch, length});
+  const auto accepted = drafts.eq(target.narrow(1, 0, length - 1)).to(torch::kInt).cumprod(1).sum(1);
+  return {target, accepted};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   // Tensors only, no Python objects: other Python threads may run meanwhile
   module.def("few_rows_linear", &few_rows_linear, "x (m <= 8, K) @ weight (N, K)^T, streaming weight once",
@@ -584,5 +683,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
                           torch::Tensor, c10::optional<torch::Tensor>, torch::Tensor,
                           c10::optional<torch::Tensor>, torch::Tensor, c10::optional<torch::Tensor>>());
   module.def("blocks_pass", &blocks_pass, "blocks of a decoding pass, the cache written, in one call",
+             pybind11::call_guard<pybind11::gil_scoped_release>());
+  module.def("draft_loop", &draft_loop, "greedy early-exit drafts: k steps of blocks [0, E), head, argmax",
+             pybind11::call_guard<pybind11::gil_scoped_release>());
+  module.def("verify_greedy", &verify_greedy, "greedy verification: the pass, the head, the accepted prefix",
              pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -1,0 +1,136 @@
+"""The compiled round (`DecoderView.draft_loop` and `verify_greedy`, `kernels.draft_loop` and
+`verify_greedy`): a round's greedy early-exit drafts in one call draft exactly what the step-by-step
+Python loop drafts, leave the same cache, stop below η at the same step; the verification in one call
+accepts what the Python path accepts; the output stays plain greedy's, for every family, batch, k and
+drafter (GPT-2 and windows that cut a slot fall back to Python, which the same assertions cover)."""
+
+import numpy as np
+import pytest
+import torch
+from helpers import FAMILIES, low_alpha_model, reference_greedy, tiny_model
+
+import selfspec.model.kernels as kernels
+from selfspec.decoding import DecodeSettings, SelfSpecGenerator
+from selfspec.model import fast
+
+NEW = 14
+BATCHES = {
+    "one": [[5, 17, 33, 2, 71, 8]],
+    "aligned": [[5, 17, 33, 2, 71, 8], [40, 3, 9, 9, 1, 60], [11, 12, 13, 14, 15, 16]],  # same lengths
+    "ragged": [[5, 17, 33, 2, 71, 8], [40, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19]],
+}
+
+
+def _count(monkeypatch, name: str) -> list:
+    """Whether each call of the compiled function `name` ran (its accessor wrapped)."""
+    made = getattr(kernels, name)()
+    if made is None:
+        pytest.skip("selfspec's CPU kernels are not available here")
+    calls = []
+
+    def counted(*args):
+        out = made(*args)
+        calls.append(bool(out))
+        return out
+
+    monkeypatch.setattr(kernels, name, lambda: counted)
+    return calls
+
+
+@pytest.fixture
+def loop_calls(monkeypatch):
+    return _count(monkeypatch, "draft_loop")
+
+
+@pytest.fixture
+def verify_calls(monkeypatch):
+    return _count(monkeypatch, "verify_greedy")
+
+
+def _stats(out) -> tuple:
+    s = out.stats
+    return (s.accepted_histogram, s.k_rounds, s.draft_steps, s.plain_steps, s.stopped_below_eta,
+            s.early_exit.accepted, s.rounds)
+
+
+def _both(generator, prompts, monkeypatch, **kwargs):
+    compiled = generator.generate(prompts, max_new_tokens=NEW, eos_token_id=[], **kwargs)
+    with monkeypatch.context() as patch:
+        patch.setattr(fast, "_DRAFT_LOOP", False)
+        python = generator.generate(prompts, max_new_tokens=NEW, eos_token_id=[], **kwargs)
+    return compiled, python
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_compiled_loop_drafts_what_the_python_loop_drafts(family, loop_calls, monkeypatch):
+    model = low_alpha_model(family)
+    expected = {name: [reference_greedy(model, p, NEW) for p in prompts] for name, prompts in BATCHES.items()}
+    stopped = 0
+    for exit_layer in (1, 3):
+        generator = SelfSpecGenerator(model, exit_layer=exit_layer)  # checks the cache after every round
+        for k in (1, 3, 7):
+            for eta in (0.0, 0.15):
+                for name, prompts in BATCHES.items():
+                    settings = DecodeSettings(exit_layer=exit_layer, num_speculations=k, stop_below=eta)
+                    compiled, python = _both(generator, prompts, monkeypatch, settings=settings)
+                    assert compiled.sequences == python.sequences == expected[name], (family, exit_layer, k, name)
+                    assert _stats(compiled) == _stats(python), (family, exit_layer, k, eta, name)
+                    stopped += compiled.stats.stopped_below_eta
+    assert stopped > 0  # η stopped some rounds, in the loop as in Python
+    if family == "gpt2":  # GPT-2's blocks are not the Llama family's: the Python loop throughout
+        assert not loop_calls
+    else:  # Mistral's window of 8 cuts slots past 8: the compiled loop only before that
+        assert any(loop_calls)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
+def test_the_compiled_verification_accepts_what_python_accepts_for_every_drafter(family, verify_calls,
+                                                                                   monkeypatch):
+    """Plain steps (a whole-model call), copies (no early-exit pass), the hybrid (copies after
+    early-exit drafts: the tail runs from Python first) and the early exit at E = N."""
+    model = low_alpha_model(family)
+    generator = SelfSpecGenerator(model, exit_layer=2)
+    for name, prompts in BATCHES.items():
+        expected = [reference_greedy(model, p, NEW) for p in prompts]
+        for kwargs in (dict(num_speculations=0), dict(drafter="ngram", num_speculations=3),
+                       dict(drafter="hybrid", num_speculations=3),
+                       dict(settings=DecodeSettings(exit_layer=4, num_speculations=2))):
+            compiled, python = _both(generator, prompts, monkeypatch, **kwargs)
+            assert compiled.sequences == python.sequences == expected, (family, name, kwargs)
+            assert _stats(compiled) == _stats(python), (family, name, kwargs)
+    assert any(verify_calls) == (family != "gpt2")
+
+
+def test_a_trimmed_head_and_a_bf16_model_draft_the_same_in_the_loop(loop_calls, monkeypatch):
+    model = low_alpha_model("qwen3")  # q/k norms in the blocks
+    counts = np.arange(model.config.vocab_size)[::-1].copy()
+    generator = SelfSpecGenerator(model, exit_layer=2, token_counts=counts)
+    prompts = BATCHES["one"]
+    for k in (2, 5):
+        settings = DecodeSettings(exit_layer=2, num_speculations=k, draft_vocab_size=40)
+        compiled, python = _both(generator, prompts, monkeypatch, settings=settings)
+        assert compiled.sequences == python.sequences == [reference_greedy(model, prompts[0], NEW)]
+        assert _stats(compiled) == _stats(python)
+    assert loop_calls and all(loop_calls)
+
+    loop_calls.clear()
+    low = tiny_model("llama", seed=5).to(torch.bfloat16)
+    generator = SelfSpecGenerator(low, exit_layer=2)
+    plain = generator.generate(prompts, max_new_tokens=NEW, eos_token_id=[], num_speculations=0)
+    compiled, python = _both(generator, prompts, monkeypatch, num_speculations=3)
+    assert compiled.sequences == python.sequences == plain.sequences
+    assert _stats(compiled) == _stats(python) and loop_calls and all(loop_calls)
+
+
+def test_the_loop_never_runs_where_a_round_needs_python_between_drafts(loop_calls, monkeypatch):
+    """Sampling (q and the draft's random numbers), the hybrid drafter (copies after early-exit
+    drafts) and an attending exit block keep the step-by-step loop."""
+    model = low_alpha_model("llama")
+    generator = SelfSpecGenerator(model, exit_layer=2)
+    prompts = BATCHES["one"]
+    generator.generate(prompts, max_new_tokens=NEW, eos_token_id=[], num_speculations=3, temperature=0.8,
+                       seed=0)
+    generator.generate(prompts, max_new_tokens=NEW, eos_token_id=[], num_speculations=3, drafter="hybrid")
+    assert not loop_calls
+    generator.generate(prompts, max_new_tokens=NEW, eos_token_id=[], num_speculations=3)
+    assert loop_calls
