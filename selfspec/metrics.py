@@ -138,6 +138,22 @@ def predicted_speedup(k_rounds: Mapping[int, int], alpha: float, draft_cost: flo
     return tokens / cost
 
 
+def break_even_acceptance(k_rounds: Mapping[int, int], draft_cost: float, verify_cost: float) -> float:
+    """The α at which `predicted_speedup` is 1 for these rounds and costs (bisection: the speedup
+    rises with α); NaN when even α = 1 does not reach plain decoding's speed (k + 1 tokens cost more
+    than k + 1 plain steps) or no round drafted."""
+    if not any(k for k in k_rounds) or predicted_speedup(k_rounds, 1.0, draft_cost, verify_cost) < 1.0:
+        return float("nan")
+    low, high = 0.0, 1.0
+    for _ in range(40):
+        middle = (low + high) / 2
+        if predicted_speedup(k_rounds, middle, draft_cost, verify_cost) < 1.0:
+            low = middle
+        else:
+            high = middle
+    return high
+
+
 # -- acceptance statistics -------------------------------------------------------------------------
 def drafts_tested(accepted: np.ndarray, k: int) -> np.ndarray:
     """Drafts the verifier tested per round: all accepted ones plus the first rejected one."""

@@ -42,12 +42,33 @@ def test_benchmark_report(tmp_path):
     assert 0 < cost["acceptance_rate"] <= 1 and cost["mean_accepted_length"] >= 1
     assert cost["k_rounds"].keys() == {3} and cost["mean_k"] == 3
     assert cost["predicted_speedup"] > 0 and cost["measured_over_predicted"] > 0 and cost["draft_cost"] > 0
+    # each method against plain in the same repeats: plain's own ratio is exactly 1
+    assert report["methods"]["plain"]["over_plain"]["speedup"] == 1.0
+    assert all(m["over_plain"]["low"] <= m["over_plain"]["speedup"] <= m["over_plain"]["high"]
+               for m in report["methods"].values())
     json_path, md_path = write_report(report, tmp_path)
     assert json.loads(json_path.read_text())["settings"]["early_exit"]["exit_layer"] == 3
     text = md_path.read_text()
     assert "early_exit / plain" in text and "acceptance_rate" in text and "Greedy outputs identical" in text
     assert "| hybrid | copy |" in text and "hybrid / hf_prompt_lookup" in text
     assert "hybrid, E = 3, k = 3, V' = 48, min_ngram = 2" in text
+
+
+def test_a_losing_early_exit_is_explained_in_one_line():
+    from selfspec.evaluation.benchmark import early_exit_verdict
+
+    cost = {"acceptance_rate": 0.76, "mean_k": 2.0, "draft_cost": 0.55, "verify_cost": 1.47,
+            "break_even_acceptance": 0.81}
+    losing = {"methods": {"early_exit": {"over_plain": {"speedup": 0.96, "low": 0.94, "high": 0.98,
+                                                        "coverage": 0.94}}}, "cost_model": cost}
+    assert early_exit_verdict(losing) == (
+        "The early exit runs at 0.96× plain: α 0.76 at mean k 2.0, a draft step costs c = 0.55 plain steps "
+        "and a verification v = 1.47; it needs α ≥ 0.81 to break even at these costs.")
+    noisy = {**losing, "methods": {"early_exit": {"over_plain": {"speedup": 0.99, "low": 0.95, "high": 1.03,
+                                                                 "coverage": 0.94}}}}
+    assert early_exit_verdict(noisy) is None  # within the noise of plain: no verdict
+    hopeless = {**losing, "cost_model": {**cost, "break_even_acceptance": float("nan")}}
+    assert "even α = 1 cannot pay for these costs at k = 2.0" in early_exit_verdict(hopeless)
 
 
 def test_each_engine_method_may_decode_at_its_own_setting():

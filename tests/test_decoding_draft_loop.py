@@ -73,8 +73,9 @@ def test_the_compiled_loop_drafts_what_the_python_loop_drafts(family, loop_calls
                 for name, prompts in BATCHES.items():
                     settings = DecodeSettings(exit_layer=exit_layer, num_speculations=k, stop_below=eta)
                     compiled, python = _both(generator, prompts, monkeypatch, settings=settings)
-                    assert compiled.sequences == python.sequences == expected[name], (family, exit_layer, k, name)
-                    assert _stats(compiled) == _stats(python), (family, exit_layer, k, eta, name)
+                    case = (family, exit_layer, k, eta, name)
+                    assert compiled.sequences == python.sequences == expected[name], case
+                    assert _stats(compiled) == _stats(python), case
                     stopped += compiled.stats.stopped_below_eta
     assert stopped > 0  # η stopped some rounds, in the loop as in Python
     if family == "gpt2":  # GPT-2's blocks are not the Llama family's: the Python loop throughout

@@ -124,6 +124,28 @@ def test_greedy_under_a_json_schema_equals_constrained_plain_decoding(family, to
             assert out.stats.forced.drafted == 0
 
 
+def test_the_compiled_verification_applies_the_grammars_masks(tokenizer, monkeypatch):
+    import selfspec.model.kernels as kernels
+    from selfspec.model import fast
+
+    made = kernels.verify_greedy()
+    if made is None:
+        pytest.skip("selfspec's CPU kernels are not available here")
+    calls = []
+    monkeypatch.setattr(kernels, "verify_greedy", lambda: lambda *args: calls.append(1) or made(*args))
+    model = make_model("llama", tokenizer)
+    gen = SelfSpecGenerator(model, tokenizer, drafter="ngram")
+    prompt = prompt_ids(tokenizer)
+    for name, settings in DRAFTERS.items():
+        compiled = gen.generate([prompt], max_new_tokens=60, json_schema=PERSON, settings=settings)
+        with monkeypatch.context() as patch:
+            patch.setattr(fast, "_DRAFT_LOOP", False)
+            python = gen.generate([prompt], max_new_tokens=60, json_schema=PERSON, settings=settings)
+        assert compiled.sequences == python.sequences and compiled.complete == python.complete, name
+        assert compiled.stats.accepted_histogram == python.stats.accepted_histogram, name
+    assert calls
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_greedy_under_a_regex_and_a_lark_grammar(family, tokenizer):
     model = make_model(family, tokenizer, seed=1)

@@ -254,7 +254,8 @@ def _entry(settings: DecodeSettings, speedup: float, low: float | None = None) -
 
 
 def test_the_interval_of_paired_speedups_is_distribution_free_and_noise_is_not_a_win():
-    from selfspec.evaluation.sweep import beats_plain, median_interval, paired_speedups, select_fastest
+    from selfspec.evaluation.paired import beats_plain, median_interval, paired_speedups
+    from selfspec.evaluation.sweep import select_fastest
 
     assert paired_speedups([2.0, 3.0], [1.0, 2.0]) == [2.0, 1.5]
     five = median_interval([1.10, 0.97, 1.30, 1.02, 1.05])

@@ -65,6 +65,17 @@ def test_measured_cost_form_reduces_to_the_simple_form():
     assert speedup_measured_costs(0, 0.8, 0.0, plain, plain) == 1.0
 
 
+def test_the_break_even_acceptance_is_where_the_cost_model_meets_plain():
+    from selfspec.metrics import break_even_acceptance
+
+    alpha = break_even_acceptance({2: 10}, 0.55, 1.47)
+    assert predicted_speedup({2: 10}, alpha, 0.55, 1.47) == pytest.approx(1.0, abs=1e-9)
+    assert 0.5 < alpha < 1.0
+    assert break_even_acceptance({2: 10}, 0.2, 1.0) < alpha  # cheaper rounds need less
+    assert math.isnan(break_even_acceptance({1: 10}, 0.9, 1.2))  # 2 tokens for 2.1 plain steps: never
+    assert math.isnan(break_even_acceptance({0: 10}, 0.5, 1.0))  # no drafts
+
+
 def test_predicted_speedup_weights_rounds_by_k():
     assert predicted_speedup({4: 10}, 0.8, 0.2) == pytest.approx(speedup_simple(4, 0.8, 0.2))
     mixed = predicted_speedup({0: 5, 3: 5}, 0.8, 0.2)

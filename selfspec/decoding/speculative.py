@@ -149,7 +149,7 @@ class _Batch:
     exit_layer: int  # E of this call's early exit
     head: DraftHead  # its draft head (trimmed to V', behind an MLP exit adapter, or the model's own)
     exit_block: object  # the attending exit adapter the drafts read (`ExitBlock`, KV at layers N..), or None
-    compiled: bool  # greedy, unconstrained, no exit block: the round may run in compiled calls
+    compiled: bool  # greedy, no exit block: the verification may run in one compiled call
     loop_head: tuple | None  # the head as the compiled draft loop reads it (`DraftHead.tensors`), or None
     stop_below: float  # η: stop a round's early-exit drafts when no row's top draft probability reaches it
     grammar: GrammarBatch | None  # the rows' grammars (structured output), or None
@@ -521,8 +521,12 @@ class SelfSpecGenerator:
         while drafting and are not run again on the drafts; only the draft's tail runs them."""
         view, num_layers, k = self.view, self.view.num_layers, draft.k
         done = sum(h.shape[1] for h in draft.hiddens)  # positions that already ran through [0, E)
+        allowed = None
+        if b.grammar is not None:  # (B, k+1, V): the grammar's masks at each drafted prefix
+            allowed = b.grammar.verification_masks(draft.host_tokens())
+            b.lap("grammar")
         if b.compiled:
-            out = self._verify_compiled(b, draft, done)
+            out = self._verify_compiled(b, draft, done, allowed)
             if out is not None:
                 b.lap("verification pass")
                 return out
@@ -534,10 +538,9 @@ class SelfSpecGenerator:
             if b.exit_layer < num_layers:
                 hidden = view.run_layers(hidden, b.exit_layer, num_layers, **self._place(b, 0, k + 1))
         p_logits = view.exit_logits(hidden)  # (B, k+1, V)
+        if allowed is not None:  # the target at each drafted prefix, masked by the grammar there
+            p_logits = apply_mask(p_logits, allowed)
         b.lap("verification pass")
-        if b.grammar is not None:  # the target at each drafted prefix, masked by the grammar there
-            p_logits = apply_mask(p_logits, b.grammar.verification_masks(draft.host_tokens()))
-            b.lap("grammar")
         if b.sampling.greedy:
             return accept_greedy(draft.tokens, p_logits)
         # q: one-hot for copied and forced drafts (deterministic given the context), the early exit's
@@ -551,22 +554,24 @@ class SelfSpecGenerator:
                               uniforms(b.seeds_dev, decided[:, :k], ACCEPT),
                               uniforms(b.seeds_dev, decided, TARGET))
 
-    def _verify_compiled(self, b: _Batch, draft: _Draft, done: int):
+    def _verify_compiled(self, b: _Batch, draft: _Draft, done: int, allowed: torch.Tensor | None):
         """`_verify` of a greedy round in one compiled call (`DecoderView.verify_greedy`): the draft's
         tail through blocks [0, E) first when it has one (from Python), then the target's pass, its head,
-        the argmax and the accepted prefix; a round without early-exit drafts (a plain step, a copy) as
-        one whole-model call. (tokens, accepted), or None with nothing run but the tail."""
+        the grammar's masks `allowed` (B, k + 1, V) when given, the argmax and the accepted prefix; a
+        round without early-exit drafts (a plain step, a copy, forced tokens) as one whole-model call.
+        (tokens, accepted), or None with nothing run but the tail."""
         num_layers = self.view.num_layers
         if not draft.hiddens:
             positions = self._place(b, 0, draft.k + 1)["positions"]
-            return self.view.verify_greedy(0, num_layers, b.cache, positions, draft.tokens, tokens=draft.tail)
+            return self.view.verify_greedy(0, num_layers, b.cache, positions, draft.tokens, tokens=draft.tail,
+                                           allowed=allowed)
         if draft.tail.shape[1]:
             draft.hiddens.append(self._run(b, draft.tail, done, b.exit_layer))
             draft.tail = draft.tail[:, :0]
         hidden = torch.cat(draft.hiddens, 1) if len(draft.hiddens) > 1 else draft.hiddens[0]  # (B, k+1, D)
         positions = self._place(b, 0, draft.k + 1)["positions"]
         return self.view.verify_greedy(b.exit_layer, num_layers, b.cache, positions, draft.tokens,
-                                       hidden=hidden)
+                                       hidden=hidden, allowed=allowed)
 
     # -- generation ----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -726,12 +731,13 @@ class SelfSpecGenerator:
         device, rows = self.view.device, len(prompts)
         exit_block = self.exit_block(settings)
         head = self.draft_head(settings)
-        compiled = sampling.greedy and grammars is None and exit_block is None
+        compiled = sampling.greedy and exit_block is None
         extra_layers = 0 if exit_block is None else exit_block.cache_layers
         b = _Batch(cache=KVCache(self.view.num_layers + extra_layers, rows, capacity),
                    sampling=sampling, exit_layer=settings.exit_layer, head=head, exit_block=exit_block,
                    compiled=compiled,
-                   loop_head=head.tensors() if compiled and not settings.is_plain else None,
+                   loop_head=(head.tensors() if compiled and grammars is None and not settings.is_plain
+                              else None),
                    stop_below=settings.stop_below, grammar=grammars, forced=forced,
                    steps=torch.arange(capacity, device=device), rows=np.arange(rows),
                    lengths=np.zeros(rows, dtype=np.int64),

@@ -47,8 +47,15 @@ from ..decoding import DRAFTERS, DecodeSettings, SelfSpecGenerator
 from ..decoding.grammar import Constraint, HFGrammarProcessor, read_constraint
 from ..decoding.speculative import SOURCES
 from ..errors import UserError
-from ..metrics import AcceptanceStats, predicted_speedup, speedup_kv_reuse, speedup_measured_costs
+from ..metrics import (
+    AcceptanceStats,
+    break_even_acceptance,
+    predicted_speedup,
+    speedup_kv_reuse,
+    speedup_measured_costs,
+)
 from ..model.loading import load_causal_lm, load_tokenizer
+from .paired import median_interval, paired_speedups
 from .report import write_report as write_files
 from .rounds import round_profile
 from .rounds import to_markdown as profile_markdown
@@ -317,6 +324,9 @@ def run_benchmark(model, prompts: list[list[int]], settings: DecodeSettings, *, 
     for method in methods:
         report["methods"][method] = {"tokens_per_second": statistics.median(rates[method]),
                                      "tokens_per_second_all": rates[method]}
+        if "plain" in methods:  # paired with plain in each repeat: the median and its interval
+            report["methods"][method]["over_plain"] = median_interval(paired_speedups(rates[method],
+                                                                                      rates["plain"]))
     tps = {m: report["methods"][m]["tokens_per_second"] for m in methods}
     report["speedups"] = {f"{a}_over_{b}": tps[a] / tps[b] for a, b in (
         ("hybrid", "hf_prompt_lookup"), ("hybrid", "plain"), ("hybrid", "early_exit"), ("hybrid", "ngram"),
@@ -410,10 +420,31 @@ def _cost_model(plain_runs, spec_runs, measured: float | None) -> dict:
         "predicted_speedup_kv_reuse": speedup_kv_reuse(round(k_mean), alpha, c),
         "predicted_speedup_measured_costs": speedup_measured_costs(
             round(k_mean), alpha, draft_step, verify, plain_step),
+        # the α these rounds would need to match plain decoding at the measured c and v
+        "break_even_acceptance": break_even_acceptance(k_rounds, c, verify / plain_step),
     })
     if measured is not None:
         out["measured_over_predicted"] = measured / out["predicted_speedup"]
     return out
+
+
+def early_exit_verdict(report: dict) -> str | None:
+    """One line on why the early exit loses to plain decoding, when it does (its interval's high end
+    below 1, or its median under 1 without one): its α, its draft step c and verification v in plain
+    steps, and the α it would need at those costs. None when it does not lose, or was not measured."""
+    paired = report["methods"].get("early_exit", {}).get("over_plain")
+    cost = report.get("cost_model", {})
+    if not paired or "draft_cost" not in cost:
+        return None
+    loses = paired["high"] < 1.0 if paired["coverage"] else paired["speedup"] < 1.0
+    if not loses:
+        return None
+    need = cost["break_even_acceptance"]
+    needed = (f"it needs α ≥ {need:.2f} to break even at these costs" if need == need else
+              f"even α = 1 cannot pay for these costs at k = {cost['mean_k']:.1f}")
+    return (f"The early exit runs at {paired['speedup']:.2f}× plain: α {cost['acceptance_rate']:.2f} at "
+            f"mean k {cost['mean_k']:.1f}, a draft step costs c = {cost['draft_cost']:.2f} plain steps and a "
+            f"verification v = {cost['verify_cost']:.2f}; {needed}.")
 
 
 def write_report(report: dict, out_dir: str | Path) -> tuple[Path, Path]:
@@ -437,10 +468,21 @@ def to_markdown(report: dict) -> str:
              f"{report['max_new_tokens']} new tokens, greedy, "
              f"{report['device']} {report['dtype']}, median of {report['repeats']} interleaved repeats "
              f"after {report['warmup']} warm-up.", "",
-             "| method | tokens/s | setting |", "|---|---:|---|"]
+             "| method | tokens/s | × plain (interval) | setting |", "|---|---:|---:|---|"]
     settings = report.get("settings", {})
     for method, row in report["methods"].items():
-        lines.append(f"| {method} | {row['tokens_per_second']:.1f} | {_describe_setting(method, settings)} |")
+        paired = row.get("over_plain")
+        shown = (f"{paired['speedup']:.2f} ({paired['low']:.2f}-{paired['high']:.2f})" if paired
+                 and paired["coverage"] else "")
+        lines.append(f"| {method} | {row['tokens_per_second']:.1f} | {shown} | "
+                     f"{_describe_setting(method, settings)} |")
+    coverages = [row["over_plain"]["coverage"] for row in report["methods"].values() if row.get("over_plain")]
+    if coverages:
+        lines += ["", f"× plain: the median of paired speedups (method ÷ plain in the same repeat) and a "
+                      f"{coverages[0]:.0%} interval for it (`evaluation.paired`)."]
+    verdict = early_exit_verdict(report)
+    if verdict:
+        lines += ["", verdict]
     lines += ["", "| speedup | × |", "|---|---:|"]
     lines += [f"| {name.replace('_over_', ' / ')} | {value:.3f} |"
               for name, value in report["speedups"].items()]

@@ -14,7 +14,7 @@ A grid of many cells measured a few times each has winners by noise: the best of
 all run at 1.00× shows 1.03×. So the sweep re-times its best cells (the `confirm` fastest, and each
 drafter's fastest) against plain decoding, interleaved, with `confirm_repeats` repeats, and judges
 each by its paired speedups (cell ÷ plain within one repeat): their median, and a distribution-free
-confidence interval for that median (`median_interval`). "best" and "fastest_per_drafter" are the
+confidence interval for that median (`paired.median_interval`). "best" and "fastest_per_drafter" are the
 re-timed cells; the write-back stores a cell only when the interval's lower end beats plain.
 
     selfspec eval sweep --model runs/demo/model --exit-layers 2:10:2 --ks 1,2,4,6,8 --write-back
@@ -27,7 +27,6 @@ writes sweep.json, sweep.md and sweep.png into --out; --write-back records the f
 from __future__ import annotations
 
 import dataclasses
-import math
 import statistics
 from pathlib import Path
 
@@ -49,6 +48,7 @@ from .benchmark import (
     read_prompts,
     source_summary,
 )
+from .paired import beats_plain, median_interval, paired_speedups
 from .report import publish, save_figure
 
 
@@ -73,40 +73,6 @@ def grid_settings(base: DecodeSettings, exit_layers, ks, drafters, vocabs, min_n
                         settings += ([cell.override(min_ngram=n) for n in min_ngrams] if drafter == "hybrid"
                                      else [cell])
     return settings
-
-
-CONFIDENCE = 0.9  # of the interval the write-back's "beats plain" is judged by
-
-
-def median_interval(ratios, confidence: float = CONFIDENCE) -> dict:
-    """The median of paired speedups and a distribution-free interval for it: the j-th smallest and
-    j-th largest ratio, j the largest whose coverage 1 − 2·P(Binomial(n, ½) < j) is at least
-    `confidence` (n = 5 gives the min and max, 94%); with too few ratios for that, the min and max
-    and their lower coverage (n = 3: 75%). Returns speedup, low, high, coverage, spread ([min, max])."""
-    ratios = sorted(ratios)
-    n = len(ratios)
-    if not n:
-        return {"speedup": float("nan"), "low": float("nan"), "high": float("nan"), "coverage": 0.0,
-                "spread": [float("nan"), float("nan")]}
-
-    def coverage(j: int) -> float:
-        return 1 - 2 * sum(math.comb(n, i) for i in range(j)) / 2**n
-
-    j = max([j for j in range(1, (n + 1) // 2 + 1) if coverage(j) >= confidence], default=1)
-    return {"speedup": statistics.median(ratios), "low": ratios[j - 1], "high": ratios[n - j],
-            "coverage": coverage(j), "spread": [ratios[0], ratios[-1]]}
-
-
-def paired_speedups(rates: list[float], plain_rates: list[float]) -> list[float]:
-    """A cell's speedup in each repeat: its tokens/s ÷ plain decoding's in the same repeat (both saw
-    the same machine state, interleaved)."""
-    return [rate / plain for rate, plain in zip(rates, plain_rates)]
-
-
-def beats_plain(entry: dict | None) -> bool:
-    """Whether a re-timed cell beats plain decoding by more than the noise: its interval's lower end
-    is above 1."""
-    return entry is not None and entry.get("low", float("nan")) > 1.0
 
 
 def select_fastest(rows: list[dict]) -> tuple[dict | None, dict]:
@@ -503,6 +469,5 @@ def write_back_fastest(model_dir: str, report: dict, report_path: Path) -> bool:
     return True
 
 
-__all__ = ["CONFIDENCE", "beats_plain", "float_list", "grid_settings", "int_list", "k_list",
-           "median_interval", "paired_speedups", "plot", "run_sweep", "select_fastest", "settings_of",
-           "sweep", "to_markdown", "write_back_fastest"]
+__all__ = ["float_list", "grid_settings", "int_list", "k_list", "plot", "run_sweep", "select_fastest",
+           "settings_of", "sweep", "to_markdown", "write_back_fastest"]

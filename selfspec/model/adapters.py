@@ -69,7 +69,7 @@ class Adapter:
         `DecoderView.draft_loop`); None (nothing run) otherwise."""
         return None
 
-    def verify_greedy(self, start: int, end: int, hidden, tokens, cache, positions, drafts):
+    def verify_greedy(self, start: int, end: int, hidden, tokens, cache, positions, drafts, allowed=None):
         """Greedy verification in one call where this family has one (see `DecoderView.verify_greedy`);
         None (nothing run) otherwise."""
         return None
@@ -169,14 +169,14 @@ class LlamaFamilyAdapter(Adapter):
         embedding = self.model.model.embed_tokens
         return self.fast.draft_loop(exit_layer, embedding, token, cache, *angles, head, k, eta)
 
-    def verify_greedy(self, start, end, hidden, tokens, cache, positions, drafts):
+    def verify_greedy(self, start, end, hidden, tokens, cache, positions, drafts, allowed=None):
         angles = self._round_angles(start, end, cache, positions)
         if angles is None:
             return None
         embedding = self.model.model.embed_tokens
         mask_value = torch.finfo(embedding.weight.dtype).min  # `DecoderView._mask`'s
         return self.fast.verify_greedy(start, end, embedding, hidden, tokens, cache, *angles, mask_value,
-                                       drafts)
+                                       drafts, allowed)
 
     def _round_angles(self, start: int, end: int, cache, positions):
         """The rotary cos, sin (B, T, hd) of a compiled round call over blocks [start, end) at

@@ -490,20 +490,22 @@ class FastLlamaBlocks:
 
     def verify_greedy(self, start: int, end: int, embedding: nn.Module, hidden: torch.Tensor | None,
                       tokens: torch.Tensor | None, cache, cos: torch.Tensor, sin: torch.Tensor,
-                      mask_value: float, drafts: torch.Tensor):
+                      mask_value: float, drafts: torch.Tensor, allowed: torch.Tensor | None = None):
         """Greedy verification in one compiled call (`kernels.verify_greedy`): blocks [start, end) on T
         positions at the cache's announced slots (the cache written), with causal attention over them,
         the final norm and LM head, the argmax and the accepted prefix of `drafts` (B, T - 1). The input:
         `hidden` (B, T, D), or `tokens` (B, T) embedded (start = 0). mask_value: what the engine's mask
-        holds where a query may not look (its dtype's lowest). Returns (tokens (B, T), accepted (B,)),
-        as `sampling.accept_greedy`; or None, nothing computed, where it does not apply."""
+        holds where a query may not look (its dtype's lowest). allowed: a grammar's masks (B, T, V)
+        bool, applied to the target's logits as `grammar.apply_mask` does. Returns (tokens (B, T),
+        accepted (B,)), as `sampling.accept_greedy`; or None, nothing computed, where it does not
+        apply."""
         call = self._round_call(kernels.verify_greedy, start, end, embedding, cache, cos, sin,
                                 (self.head[2], self.head[3]))
         if call is None:
             return None
         made, blocks, embed, (keys, values, first, _), cos, sin = call
         out = made(blocks, hidden, tokens, embed, keys, values, first, cos, sin, mask_value, self.head[0],
-                   self.head[1], self.head[2], self.head[3], drafts)
+                   self.head[1], self.head[2], self.head[3], drafts, allowed)
         if not out:
             return None
         cache.written(start, end)
@@ -513,7 +515,7 @@ class FastLlamaBlocks:
                     sin: torch.Tensor, head: tuple):
         """What a compiled round call (`draft_loop`, `verify_greedy`) over blocks [start, end) needs:
         (the compiled function, the blocks as the kernels' objects, the embedding table, the cache's
-        `slot_buffers`, cos and sin (B, T, hd), one row per row, contiguous), or None where it does not apply: the kernels
+        `slot_buffers`, cos and sin (B, T, hd) contiguous), or None where it does not apply: the kernels
         off or missing (`_DRAFT_LOOP`, `_compiled`), autograd on, an embedding that is not a plain
         lookup (`nn.Embedding` without hooks), no plain final norm + LM head, a head tensor not in the
         model's dtype, angles not in it, rows at different slots, a layer without a buffer yet."""

@@ -194,14 +194,16 @@ class DecoderView:
         return self.adapter.draft_loop(exit_layer, token, cache, positions, head, k, eta)
 
     def verify_greedy(self, start: int, end: int, cache, positions: torch.Tensor, drafts: torch.Tensor,
-                      hidden: torch.Tensor | None = None, tokens: torch.Tensor | None = None):
+                      hidden: torch.Tensor | None = None, tokens: torch.Tensor | None = None,
+                      allowed: torch.Tensor | None = None):
         """Greedy verification in one compiled call, where the family has one (as `draft_loop`): blocks
         [start, end) on the T positions `positions` (B, T) (announced to `cache`, every row at the same
         slots), causal over them, then the final norm, the LM head, the argmax and the accepted prefix
         of `drafts` (B, T - 1), as `sampling.accept_greedy`. The input: `hidden` (B, T, D), or `tokens`
-        (B, T) embedded (start = 0: a whole-model pass). Returns (tokens (B, T), accepted (B,)), the
-        cache written at blocks [start, end); or None, nothing run, where it does not apply."""
-        return self.adapter.verify_greedy(start, end, hidden, tokens, cache, positions, drafts)
+        (B, T) embedded (start = 0: a whole-model pass). allowed: a grammar's masks (B, T, V) bool on
+        the target's logits. Returns (tokens (B, T), accepted (B,)), the cache written at blocks
+        [start, end); or None, nothing run, where it does not apply."""
+        return self.adapter.verify_greedy(start, end, hidden, tokens, cache, positions, drafts, allowed)
 
     def run_block(self, index: int, hidden: torch.Tensor, context: LayerContext, cache=None) -> torch.Tensor:
         """Run block `index` once (the unit that layer dropout skips)."""

@@ -102,8 +102,9 @@ def draft_loop() -> Callable | None:
 
 def verify_greedy() -> Callable | None:
     """The compiled `verify_greedy(blocks, hidden, tokens, embed, keys, values, start, cos, sin, mask_value,
-    norm, eps, head, bias, drafts) -> [tokens (B, T), accepted (B,)]` (the target's pass, head, argmax
-    and accepted prefix; [] where `blocks_pass` declines), or None where the kernels are not available."""
+    norm, eps, head, bias, drafts, allowed) -> [tokens (B, T), accepted (B,)]` (the target's pass, head,
+    a grammar's masks, argmax and accepted prefix; [] where `blocks_pass` declines), or None where the
+    kernels are not available."""
     module = _module()
     return None if module is None else module.verify_greedy
 

@@ -628,8 +628,10 @@ std::vector<torch::Tensor> draft_loop(const std::vector<const Block*>& blocks, c
 // Greedy verification in one call: the target's pass over blocks [first, last) on T positions at slots
 // start .. start + T - 1 (every row at the same slots; query t sees slots 0 .. start + t: the additive
 // mask holds `mask_value` beyond, as the engine's mask holds its dtype's lowest value; one position
-// sees every slot, with no mask), the final norm and LM head (`draft_logits`), the argmax (bf16 widened
-// first) and the accepted prefix: the leading run of drafts equal to the target's argmax, as
+// sees every slot, with no mask), the final norm and LM head (`draft_logits`), a grammar's masks
+// `allowed` (B, T, V) bool where given (as `grammar.apply_mask`: refused tokens at -inf, a row left
+// with nothing finite uniform over the allowed ones), the argmax (bf16 widened first) and the accepted
+// prefix: the leading run of drafts equal to the target's argmax, as
 // `sampling.accept_greedy` computes it. The pass's input: `hidden` (B, T, D), or the embedding rows of
 // `tokens` (B, T) (a plain step: blocks [0, N)). drafts (B, T - 1) int64; cos, sin (B, T, hd).
 // Returns {tokens (B, T) int64, accepted (B,) int64}, or an empty vector, nothing computed, where
@@ -641,7 +643,8 @@ std::vector<torch::Tensor> verify_greedy(const std::vector<const Block*>& blocks
                                          const std::vector<torch::Tensor>& values, int64_t start,
                                          const torch::Tensor& cos, const torch::Tensor& sin, double mask_value,
                                          const torch::Tensor& norm, double eps, const torch::Tensor& head,
-                                         const c10::optional<torch::Tensor>& bias, const torch::Tensor& drafts) {
+                                         const c10::optional<torch::Tensor>& bias, const torch::Tensor& drafts,
+                                         const c10::optional<torch::Tensor>& allowed) {
   TORCH_CHECK(hidden.has_value() != tokens.has_value(), "hidden or tokens, one of them");
   const torch::Tensor input = hidden.has_value() ? *hidden : embed.index_select(0, tokens->reshape(-1))
                                                                  .view({tokens->size(0), tokens->size(1), -1});
@@ -658,6 +661,12 @@ std::vector<torch::Tensor> verify_greedy(const std::vector<const Block*>& blocks
   const auto out = blocks_pass(blocks, input, keys, values, start, start + length, mask, cos, sin);
   if (!out.has_value()) return {};
   auto logits = draft_logits(out->reshape({batch * length, -1}), norm, eps, head, bias, c10::nullopt, 0);
+  if (allowed.has_value()) {
+    const auto mask = allowed->reshape({batch * length, -1});
+    const auto masked = logits.masked_fill(mask.logical_not(), -std::numeric_limits<float>::infinity());
+    const auto empty = torch::isfinite(masked).any(-1, true).logical_not();
+    logits = torch::where(empty.logical_and(mask), torch::zeros({}, logits.options()), masked);
+  }
   if (logits.scalar_type() != torch::kFloat32) logits = logits.to(torch::kFloat32);
   const auto target = logits.argmax(-1).view({batch, length});
   const auto accepted = drafts.eq(target.narrow(1, 0, length - 1)).to(torch::kInt).cumprod(1).sum(1);
