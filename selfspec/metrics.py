@@ -187,11 +187,12 @@ class AcceptanceStats:
     position_tested: list = field(default_factory=list)
     position_accepted: list = field(default_factory=list)
 
-    def update(self, accepted, k: int) -> None:
-        """Record one round: `accepted` holds the accepted draft count of every active row."""
+    def update(self, accepted, k: int, rounds: int = 1) -> None:
+        """Record one round: `accepted` holds the accepted draft count of every active row. Several
+        rounds of the same k at once: `rounds` of them, `accepted` every row of every one."""
         accepted = np.asarray(accepted, dtype=np.int64)
-        self.rounds += 1
-        self.k_rounds[k] = self.k_rounds.get(k, 0) + 1
+        self.rounds += rounds
+        self.k_rounds[k] = self.k_rounds.get(k, 0) + rounds
         if k == 0 or accepted.size == 0:
             return
         rows = accepted.size

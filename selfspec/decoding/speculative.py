@@ -95,6 +95,32 @@ class GenerationStats(AcceptanceStats):
     copy: AcceptanceStats = field(default_factory=AcceptanceStats)
     forced: AcceptanceStats = field(default_factory=AcceptanceStats)
     early_exit: AcceptanceStats = field(default_factory=AcceptanceStats)
+    # (segments, accepted (B,), k) per round, folded into the counts above at the end of the call
+    # (`fold_rounds`): a round only appends, whatever its batch (numpy's per-call cost, paid per round,
+    # was a tenth of a small model's step)
+    _rounds: list = field(default_factory=list, repr=False)
+
+    def log_round(self, segments: list, accepted: np.ndarray, k: int) -> None:
+        """A round's drafts (its `Segment`s, k in all) and each row's accepted count, for `fold_rounds`."""
+        self._rounds.append((segments, accepted, k))
+
+    def fold_rounds(self) -> None:
+        """Count the logged rounds into the acceptance statistics, overall and per source: rounds of
+        one k (of one segment) at once, the same counts as `update` round by round."""
+        by_k, by_segment = {}, {}
+        for segments, accepted, k in self._rounds:
+            by_k.setdefault(k, []).append(accepted)
+            for segment in segments:
+                by_segment.setdefault(segment, []).append(accepted)
+        for k, rows in by_k.items():
+            self.update(np.concatenate(rows), k, rounds=len(rows))
+        for segment, rows in by_segment.items():
+            reached = [a[a >= segment.start] for a in rows]  # rows whose verifier tested the segment
+            rounds = sum(1 for a in reached if a.size)
+            if rounds:
+                kept = np.clip(np.concatenate(reached) - segment.start, 0, segment.length)
+                getattr(self, segment.source).update(kept, segment.length, rounds=rounds)
+        self._rounds.clear()
 
     @property
     def draft_cost(self) -> float:
@@ -162,11 +188,19 @@ class _Batch:
     lengths_dev: torch.Tensor = None  # (B,) device copies of the three arrays above
     pending_dev: torch.Tensor = None
     seeds_dev: torch.Tensor = None
+    _shared: np.ndarray = None  # on CPU: (3, B), the memory the three device tensors are views of
     lap: object = no_lap  # `RoundProfile.lap` of a profiled call: charges the time since the last lap
 
     def upload(self, device) -> None:
-        both = torch.from_numpy(np.stack([self.lengths, self.pending_host, self.seeds_host])).to(device)
-        self.lengths_dev, self.pending_dev, self.seeds_dev = both[0], both[1], both[2]
+        """Refresh the device copies. On CPU they are views of one host array, written in place: no
+        tensor is made per round (a round reads them before the next upload)."""
+        rows = len(self.lengths)
+        if device.type != "cpu" or self._shared is None or self._shared.shape[1] != rows:
+            both = torch.from_numpy(np.stack([self.lengths, self.pending_host, self.seeds_host])).to(device)
+            self._shared = both.numpy() if device.type == "cpu" else None
+            self.lengths_dev, self.pending_dev, self.seeds_dev = both[0], both[1], both[2]
+            return
+        self._shared[0], self._shared[1], self._shared[2] = self.lengths, self.pending_host, self.seeds_host
 
 
 @dataclass
@@ -213,6 +247,11 @@ class _Draft:
     @property
     def k(self) -> int:
         return sum(part.shape[1] for part in self.parts)
+
+
+def _decided(tokens: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
+    """A round's outcome as one tensor (B, k+2): the tokens (B, k+1), then the accepted count (B,)."""
+    return torch.cat([tokens, accepted[:, None].to(tokens.dtype)], 1)
 
 
 def _width(parts: list) -> int:
@@ -398,16 +437,16 @@ class SelfSpecGenerator:
     def _round(self, b: _Batch, plan: DraftPlan, policy: DraftPolicy, clock: _Clock, cap: int):
         """One round for every row: draft, verify all drafts in one pass, accept a prefix.
 
-        Returns tokens (B, k+1), accepted (B,), three timestamps (start, drafted, verified) and the
-        `_Draft` (its `Segment`s, whether η stopped it). A row emits tokens[:accepted + 1]: its
-        accepted drafts, then the target's own token (the correction after a rejection, the bonus
-        after a full acceptance). k = 0 is one plain decoding step.
+        Returns decided (B, k+2): per row the tokens (k + 1) then the accepted count, three timestamps
+        (start, drafted, verified) and the `_Draft` (its `Segment`s, whether η stopped it). A row emits
+        tokens[:accepted + 1]: its accepted drafts, then the target's own token (the correction after
+        a rejection, the bonus after a full acceptance). k = 0 is one plain decoding step.
         """
         start = clock.mark()
         draft = self._draft(b, plan, policy, cap)
         drafted = clock.mark()
-        tokens, accepted = self._verify(b, draft)
-        return tokens, accepted, (start, drafted, clock.mark()), draft
+        decided = self._verify(b, draft)
+        return decided, (start, drafted, clock.mark()), draft
 
     def _draft(self, b: _Batch, plan: DraftPlan, policy: DraftPolicy, cap: int) -> _Draft:
         """The round's drafts, at most `cap`: first the free ones (a grammar's forced tokens, then
@@ -517,7 +556,8 @@ class SelfSpecGenerator:
 
     def _verify(self, b: _Batch, draft: _Draft):
         """Run the target on the k + 1 positions n .. n + k, then accept the longest prefix of the
-        drafts it agrees with: (tokens (B, k+1), accepted (B,)). Blocks [0, E) wrote their KV cache
+        drafts it agrees with: decided (B, k+2), the tokens (B, k+1) then the accepted count of each
+        row (`_round`), one tensor for the round's one host read. Blocks [0, E) wrote their KV cache
         while drafting and are not run again on the drafts; only the draft's tail runs them."""
         view, num_layers, k = self.view, self.view.num_layers, draft.k
         done = sum(h.shape[1] for h in draft.hiddens)  # positions that already ran through [0, E)
@@ -542,7 +582,7 @@ class SelfSpecGenerator:
             p_logits = apply_mask(p_logits, allowed)
         b.lap("verification pass")
         if b.sampling.greedy:
-            return accept_greedy(draft.tokens, p_logits)
+            return _decided(*accept_greedy(draft.tokens, p_logits))
         # q: one-hot for copied and forced drafts (deterministic given the context), the early exit's
         # processed (and masked) distribution for its own drafts.
         vocab = p_logits.shape[-1]
@@ -550,16 +590,16 @@ class SelfSpecGenerator:
                                           else b.sampling.probs(part)[:, None]
                                           for source, part in draft.q)], 1)  # (B, k, V)
         decided = b.lengths_dev[:, None] + b.steps[1:k + 2]  # (B, k+1): positions n+1 .. n+k+1
-        return accept_sampled(draft.tokens, q, b.sampling.probs(p_logits),
-                              uniforms(b.seeds_dev, decided[:, :k], ACCEPT),
-                              uniforms(b.seeds_dev, decided, TARGET))
+        return _decided(*accept_sampled(draft.tokens, q, b.sampling.probs(p_logits),
+                                        uniforms(b.seeds_dev, decided[:, :k], ACCEPT),
+                                        uniforms(b.seeds_dev, decided, TARGET)))
 
     def _verify_compiled(self, b: _Batch, draft: _Draft, done: int, allowed: torch.Tensor | None):
         """`_verify` of a greedy round in one compiled call (`DecoderView.verify_greedy`): the draft's
         tail through blocks [0, E) first when it has one (from Python), then the target's pass, its head,
         the grammar's masks `allowed` (B, k + 1, V) when given, the argmax and the accepted prefix; a
         round without early-exit drafts (a plain step, a copy, forced tokens) as one whole-model call.
-        (tokens, accepted), or None with nothing run but the tail."""
+        decided (B, k+2) as `_verify`'s, or None with nothing run but the tail."""
         num_layers = self.view.num_layers
         if not draft.hiddens:
             positions = self._place(b, 0, draft.k + 1)["positions"]
@@ -658,12 +698,12 @@ class SelfSpecGenerator:
                     cap = min(cap, limit - 1 - int(b.lengths.max()))
                     plan = plan.truncate(cap)
                 b.lap("policy")
-                tokens, accepted, (start, drafted, verified), draft = self._round(b, plan, policy, clock, cap)
+                decided, (start, drafted, verified), draft = self._round(b, plan, policy, clock, cap)
                 segments = draft.segments
                 stats.stopped_below_eta += draft.stopped
-                k = tokens.shape[1] - 1
-                host = torch.cat([tokens, accepted[:, None]], 1).cpu().numpy()  # the round's one host sync
+                host = decided.cpu().numpy()  # the round's one host sync
                 tokens, accepted = host[:, :-1], host[:, -1]
+                k = tokens.shape[1] - 1
                 b.lap("acceptance")
                 draft_time, verify_time = clock.seconds(start, drafted), clock.seconds(drafted, verified)
                 if not segments:  # a plain step, also one whose first E blocks ran before η stopped the draft
@@ -698,6 +738,7 @@ class SelfSpecGenerator:
 
         if stream:
             stream.end()
+        stats.fold_rounds()
         stats.generated_tokens = int(counts.sum())
         stats.total_time = time.perf_counter() - wall
         stats.profile = None if laps is None else laps.seconds
@@ -771,11 +812,7 @@ class SelfSpecGenerator:
     def _record(stats: GenerationStats, segments: list[Segment], accepted: np.ndarray, draft_time: float,
                 verify_time: float) -> None:
         k = sum(s.length for s in segments)
-        stats.update(accepted, k)
-        for segment in segments:
-            reached, kept = segment.accepted(accepted)
-            if reached.any():
-                getattr(stats, segment.source).update(kept, segment.length)
+        stats.log_round(segments, accepted, k)
         if k:
             # copies and forced tokens take none
             stats.draft_steps += sum(s.length for s in segments if s.source == "early_exit")

@@ -496,9 +496,9 @@ class FastLlamaBlocks:
         the final norm and LM head, the argmax and the accepted prefix of `drafts` (B, T - 1). The input:
         `hidden` (B, T, D), or `tokens` (B, T) embedded (start = 0). mask_value: what the engine's mask
         holds where a query may not look (its dtype's lowest). allowed: a grammar's masks (B, T, V)
-        bool, applied to the target's logits as `grammar.apply_mask` does. Returns (tokens (B, T),
-        accepted (B,)), as `sampling.accept_greedy`; or None, nothing computed, where it does not
-        apply."""
+        bool, applied to the target's logits as `grammar.apply_mask` does. Returns decided (B, T + 1):
+        the tokens (B, T) then the accepted count, as `sampling.accept_greedy` gives them; or None,
+        nothing computed, where it does not apply."""
         call = self._round_call(kernels.verify_greedy, start, end, embedding, cache, cos, sin,
                                 (self.head[2], self.head[3]))
         if call is None:
@@ -509,7 +509,7 @@ class FastLlamaBlocks:
         if not out:
             return None
         cache.written(start, end)
-        return out[0], out[1]
+        return out[0]
 
     def _round_call(self, accessor, start: int, end: int, embedding: nn.Module, cache, cos: torch.Tensor,
                     sin: torch.Tensor, head: tuple):

@@ -201,8 +201,9 @@ class DecoderView:
         slots), causal over them, then the final norm, the LM head, the argmax and the accepted prefix
         of `drafts` (B, T - 1), as `sampling.accept_greedy`. The input: `hidden` (B, T, D), or `tokens`
         (B, T) embedded (start = 0: a whole-model pass). allowed: a grammar's masks (B, T, V) bool on
-        the target's logits. Returns (tokens (B, T), accepted (B,)), the cache written at blocks
-        [start, end); or None, nothing run, where it does not apply."""
+        the target's logits. Returns decided (B, T + 1): the tokens (B, T), then each row's accepted
+        count; the cache written at blocks [start, end); or None, nothing run, where it does not
+        apply."""
         return self.adapter.verify_greedy(start, end, hidden, tokens, cache, positions, drafts, allowed)
 
     def run_block(self, index: int, hidden: torch.Tensor, context: LayerContext, cache=None) -> torch.Tensor:

@@ -102,7 +102,7 @@ def draft_loop() -> Callable | None:
 
 def verify_greedy() -> Callable | None:
     """The compiled `verify_greedy(blocks, hidden, tokens, embed, keys, values, start, cos, sin, mask_value,
-    norm, eps, head, bias, drafts, allowed) -> [tokens (B, T), accepted (B,)]` (the target's pass, head,
+    norm, eps, head, bias, drafts, allowed) -> [decided (B, T + 1)]` (the target's pass, head,
     a grammar's masks, argmax and accepted prefix; [] where `blocks_pass` declines), or None where the
     kernels are not available."""
     module = _module()

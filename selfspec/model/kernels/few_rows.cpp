@@ -634,8 +634,9 @@ std::vector<torch::Tensor> draft_loop(const std::vector<const Block*>& blocks, c
 // prefix: the leading run of drafts equal to the target's argmax, as
 // `sampling.accept_greedy` computes it. The pass's input: `hidden` (B, T, D), or the embedding rows of
 // `tokens` (B, T) (a plain step: blocks [0, N)). drafts (B, T - 1) int64; cos, sin (B, T, hd).
-// Returns {tokens (B, T) int64, accepted (B,) int64}, or an empty vector, nothing computed, where
-// `blocks_pass` declines.
+// Returns {decided (B, T + 1) int64: the tokens (B, T), then each row's accepted count}, one tensor
+// for the engine's one host read a round, or an empty vector, nothing computed, where `blocks_pass`
+// declines.
 std::vector<torch::Tensor> verify_greedy(const std::vector<const Block*>& blocks,
                                          const c10::optional<torch::Tensor>& hidden,
                                          const c10::optional<torch::Tensor>& tokens, const torch::Tensor& embed,
@@ -670,7 +671,7 @@ std::vector<torch::Tensor> verify_greedy(const std::vector<const Block*>& blocks
   if (logits.scalar_type() != torch::kFloat32) logits = logits.to(torch::kFloat32);
   const auto target = logits.argmax(-1).view({batch, length});
   const auto accepted = drafts.eq(target.narrow(1, 0, length - 1)).to(torch::kInt).cumprod(1).sum(1);
-  return {target, accepted};
+  return {torch::cat({target, accepted.to(torch::kLong).unsqueeze(1)}, 1)};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {

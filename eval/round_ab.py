@@ -1,0 +1,94 @@
+"""A/B of the compiled greedy round against the round run from Python, side by side.
+
+    python eval/round_ab.py --model runs/demo/model --exit-layer 6 --ks 2,3,4 --repeats 5
+    python eval/round_ab.py --model runs/smollm2/base --exit-layer 10 --ks 3 --prompts json-extract
+
+Decodes the same prompts (batch 1, greedy) with plain decoding and the early exit at each k, each in
+two arms: `python` (`selfspec.model.fast._DRAFT_LOOP = False`: the draft steps and the verification
+from Python, the operations one by one) and `compiled` (the draft loop and the verification in one
+kernel call each), interleaved over repeats after a warm-up. Prints each decode's tokens/s (median),
+its speedup over plain decoding in the same arm (the median of paired ratios and its interval), the
+compiled arm over the Python arm, and the round profile of every decode (`evaluation.rounds`).
+Outputs must be identical across arms and methods (checked). Run it with the machine to itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from selfspec.checkpoint import checkpoint_adapters, resolve_settings
+from selfspec.decoding import SelfSpecGenerator
+from selfspec.evaluation.benchmark import (
+    Structured,
+    constraint_keywords,
+    interleaved_rates,
+    load_model,
+    read_prompts,
+)
+from selfspec.evaluation.paired import median_interval, paired_speedups
+from selfspec.evaluation.rounds import round_profile, to_markdown
+from selfspec.model import fast
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--exit-layer", type=int, default=None, help="E (default: the checkpoint's)")
+    parser.add_argument("--ks", default="3", help="comma list of k")
+    parser.add_argument("--prompts", default=None, help="a prompt file or json-extract (default: the corpus)")
+    parser.add_argument("--corpus", default="stdlib")
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+
+    settings, _, counts = resolve_settings(args.model, exit_layer=args.exit_layer)
+    lm, tokenizer = load_model(args.model)
+    generator = SelfSpecGenerator(lm, tokenizer, settings, token_counts=counts,
+                                  exit_adapters=checkpoint_adapters(args.model, lm), check_cache=False)
+    prompts = read_prompts(tokenizer, args.prompts, args.corpus, args.num_prompts)
+    cells = {"plain": settings.override(drafter="early_exit", num_speculations=0)}
+    cells.update({f"k={k}": settings.override(drafter="early_exit", num_speculations=int(k))
+                  for k in args.ks.split(",")})
+    names = [(arm, cell) for cell in cells for arm in ("python", "compiled")]
+
+    def run(name, batch):
+        arm, cell = name
+        fast._DRAFT_LOOP = arm == "compiled"
+        try:
+            constraints = [p.constraint if isinstance(p, Structured) else None for p in batch]
+            out = generator.generate([p.ids if isinstance(p, Structured) else p for p in batch],
+                                     max_new_tokens=args.max_new_tokens, eos_token_id=[],
+                                     settings=cells[cell], profile=True, **constraint_keywords(constraints))
+        finally:
+            fast._DRAFT_LOOP = True
+        return out.sequences, out.stats
+
+    timings = interleaved_rates(names, run, [[p] for p in prompts], args.repeats, 1, generator.view.device,
+                                "round A/B")
+    reference = timings.outputs[("python", "plain")]
+    print(f"{args.model}: E = {settings.exit_layer}, {len(prompts)} prompts x {args.max_new_tokens} tokens, "
+          f"median of {args.repeats} interleaved repeats; outputs identical across arms and methods: "
+          f"{all(out == reference for out in timings.outputs.values())}\n")
+    print("| decode | python tok/s | compiled tok/s | compiled / python | python × plain | "
+          "compiled × plain |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for cell in cells:
+        rates = {arm: timings.rates((arm, cell)) for arm in ("python", "compiled")}
+        over = median_interval(paired_speedups(rates["compiled"], rates["python"]))
+        plain = {arm: median_interval(paired_speedups(rates[arm], timings.rates((arm, "plain"))))
+                 for arm in rates}
+        print(f"| {cell} | {statistics.median(rates['python']):.1f} | "
+              f"{statistics.median(rates['compiled']):.1f} | "
+              f"{over['speedup']:.3f} ({over['low']:.3f}-{over['high']:.3f}) | "
+              + " | ".join(f"{plain[arm]['speedup']:.3f} ({plain[arm]['low']:.3f}-{plain[arm]['high']:.3f})"
+                           for arm in rates) + " |")
+    for arm in ("python", "compiled"):
+        profile = round_profile({("plain" if cell == "plain" else cell): timings.run_stats((arm, cell))
+                                 for cell in cells})
+        print(f"\n{arm}: " + to_markdown(profile))
+
+
+if __name__ == "__main__":
+    main()
