@@ -806,7 +806,7 @@ class SelfSpecGenerator:
             b.cache.select_rows(np.nonzero(keep)[0])
             if b.grammar is not None:
                 b.grammar.select_rows(np.nonzero(keep)[0])
-        b.upload(self.view.device)
+        b.upload(b.steps.device)
 
     @staticmethod
     def _record(stats: GenerationStats, segments: list[Segment], accepted: np.ndarray, draft_time: float,

@@ -8,6 +8,8 @@ cos/sin for the Llama family), and how to call one block. Everything else in sel
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -87,6 +89,12 @@ class Adapter:
         """Attention window of block `index` (None: full causal attention)."""
         return None
 
+    @functools.cached_property
+    def windows(self) -> tuple:
+        """Every block's attention window (`sliding_window`), read once: the config's attributes cost
+        microseconds each, and a decoding round asks for them."""
+        return tuple(self.sliding_window(i) for i in range(len(self.layers)))
+
     @property
     def max_positions(self) -> int | None:
         """The longest sequence the model is made for (its position table or rotary setup); None: unknown."""
@@ -140,16 +148,10 @@ class LlamaFamilyAdapter(Adapter):
         # Rotary cos/sin: (B, T, head_dim) each, shared by every block of this call. Rows of a table
         # computed once for positions 0..L-1 are the very values a per-call computation gives (the
         # angle of a position is one product, no reduction), at the cost of one index per call.
-        rotary = self.model.model.rotary_emb
         if max_position is None or self._rope_per_call:
+            rotary = self.model.model.rotary_emb
             return {"position_embeddings": rotary(hidden, position_ids=positions), "position_ids": positions}
-        table = self._rope_table
-        if table is None or table[0].shape[0] <= max_position or table[0].dtype != hidden.dtype \
-                or table[0].device != hidden.device:
-            size = 1 << max(max_position, 255).bit_length()  # grows by doubling: few rebuilds
-            with torch.no_grad():
-                cos, sin = rotary(hidden, position_ids=torch.arange(size, device=hidden.device)[None])
-            table = self._rope_table = (cos[0], sin[0])
+        table = self._rope_rows(hidden, max_position)
         return {"position_embeddings": (table[0][positions], table[1][positions]), "position_ids": positions}
 
     def call_block(self, index, hidden, mask, cache, extras):
@@ -178,6 +180,18 @@ class LlamaFamilyAdapter(Adapter):
         return self.fast.verify_greedy(start, end, embedding, hidden, tokens, cache, *angles, mask_value,
                                        drafts, allowed)
 
+    def _rope_rows(self, hidden, max_position: int) -> tuple:
+        """The rotary table (cos, sin), (L, head_dim) each in hidden's dtype and device, L > max_position."""
+        table = self._rope_table
+        if table is None or table[0].shape[0] <= max_position or table[0].dtype != hidden.dtype \
+                or table[0].device != hidden.device:
+            size = 1 << max(max_position, 255).bit_length()  # grows by doubling: few rebuilds
+            positions = torch.arange(size, device=hidden.device)[None]
+            with torch.no_grad():
+                cos, sin = self.model.model.rotary_emb(hidden, position_ids=positions)
+            table = self._rope_table = (cos[0], sin[0])
+        return table
+
     def _round_angles(self, start: int, end: int, cache, positions):
         """The rotary cos, sin (B, T, hd) of a compiled round call over blocks [start, end) at
         `positions` (B, T), or None where the call does not apply: no fast blocks, rows at different
@@ -187,10 +201,15 @@ class LlamaFamilyAdapter(Adapter):
         if slots is None or not self._use_fast():
             return None
         last = slots[3] - 1  # the last slot written: kv_length - 1
-        if any(w is not None and w <= last for w in (self.sliding_window(i) for i in range(start, end))):
+        if any(w is not None and w <= last for w in self.windows[start:end]):
             return None
-        return self.block_extras(self.model.model.embed_tokens.weight[:1, None], positions,
-                                 last)["position_embeddings"]
+        weight = self.model.model.embed_tokens.weight
+        if self._rope_per_call:
+            return self.block_extras(weight[:1, None], positions, last)["position_embeddings"]
+        # every row at slots first .. last: rows of the table, sliced (the positions' own values)
+        batch, first = positions.shape[0], slots[2]
+        cos, sin = self._rope_rows(weight[:1, None], last)
+        return cos[first:last + 1].expand(batch, -1, -1), sin[first:last + 1].expand(batch, -1, -1)
 
     def call_layer(self, layer, hidden, mask, cache, extras):
         if self._use_fast():  # an exit block: the model's own blocks took the branch above

@@ -405,6 +405,7 @@ class FastLlamaBlocks:
     def __init__(self, blocks: list[_Block], head: tuple | None):
         self.blocks = blocks
         self._extra: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # exit block -> tensors
+        self._lookup: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # embedding -> plain lookup?
         self.head = head  # (final norm weight, eps, LM head weight, bias), or None: use the modules
         self._kernel_blocks = None  # (the extension's Block class, the blocks as its objects): `_compiled`
         self._silu = all(b.act is F.silu for b in blocks)  # the compiled blocks' MLP activation
@@ -521,8 +522,9 @@ class FastLlamaBlocks:
         model's dtype, angles not in it, rows at different slots, a layer without a buffer yet."""
         compiled = self._compiled()
         made = accessor() if _DRAFT_LOOP and compiled is not None else None
-        if (made is None or self.head is None or torch.is_grad_enabled()
-                or type(embedding) is not nn.Embedding or _hooked(embedding)):
+        if embedding not in self._lookup:  # checked once per module, as the blocks are at `build`
+            self._lookup[embedding] = type(embedding) is nn.Embedding and not _hooked(embedding)
+        if made is None or self.head is None or torch.is_grad_enabled() or not self._lookup[embedding]:
             return None
         embed = embedding.weight
         if (embed.dtype not in (torch.float32, torch.bfloat16) or cos.dtype != embed.dtype

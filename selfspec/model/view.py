@@ -64,7 +64,7 @@ class DecoderView:
         self.adapter: Adapter = adapter_for(self.model)
         self.config = self.model.config
         # Attention window of every block, looked up once (None: full causal attention).
-        self.windows: list[int | None] = [self.adapter.sliding_window(i) for i in range(self.num_layers)]
+        self.windows: list[int | None] = list(self.adapter.windows)
 
     # -- structure -----------------------------------------------------------------------------------
     @property
