@@ -461,8 +461,15 @@ class SelfSpecGenerator:
         unrun = [b.pending_dev[:, None]]  # (B, r) each: tokens not yet through blocks [0, E), in order
         copied = self._free_drafts(b, draft, unrun, policy, cap, plan.copied)
         extend = 0 if copied and not plan.num_copied else plan.extend  # a copy found on the way ends it
-        if (extend and not draft.k and b.loop_head is not None and not policy.copies_after_early_exit
-                and self._draft_loop(b, draft, min(extend, cap))):
+        compiled = extend and not draft.k and b.loop_head is not None
+        if compiled and self._draft_loop(b, draft, min(extend, cap)):
+            # a policy that copies after early-exit drafts looks once, after them all (the step-by-step
+            # loop looks after each): other drafts, the same output
+            if policy.copies_after_early_exit and not draft.stopped and draft.k < cap:
+                unrun = []
+                self._free_drafts(b, draft, unrun, policy, cap)
+                if unrun:
+                    draft.tail = torch.cat(unrun, 1)
             return draft
         for _ in range(extend):
             if draft.k >= cap:
