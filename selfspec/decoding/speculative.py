@@ -175,7 +175,7 @@ class _Batch:
     exit_layer: int  # E of this call's early exit
     head: DraftHead  # its draft head (trimmed to V', behind an MLP exit adapter, or the model's own)
     exit_block: object  # the attending exit adapter the drafts read (`ExitBlock`, KV at layers N..), or None
-    compiled: bool  # greedy, no exit block: the verification may run in one compiled call
+    compiled: bool  # greedy: the verification may run in one compiled call
     loop_head: tuple | None  # the head as the compiled draft loop reads it (`DraftHead.tensors`), or None
     stop_below: float  # η: stop a round's early-exit drafts when no row's top draft probability reaches it
     grammar: GrammarBatch | None  # the rows' grammars (structured output), or None
@@ -605,14 +605,15 @@ class SelfSpecGenerator:
         """`_verify` of a greedy round in one compiled call (`DecoderView.verify_greedy`): the draft's
         tail through blocks [0, E) first when it has one (from Python), then the target's pass, its head,
         the grammar's masks `allowed` (B, k + 1, V) when given, the argmax and the accepted prefix; a
-        round without early-exit drafts (a plain step, a copy, forced tokens) as one whole-model call.
+        round without early-exit drafts (a plain step, a copy, forced tokens) as one whole-model call,
+        unless an exit block must see its positions (then blocks [0, E) run from Python first).
         decided (B, k+2) as `_verify`'s, or None with nothing run but the tail."""
         num_layers = self.view.num_layers
-        if not draft.hiddens:
+        if not draft.hiddens and b.exit_block is None:  # a whole-model call
             positions = self._place(b, 0, draft.k + 1)["positions"]
             return self.view.verify_greedy(0, num_layers, b.cache, positions, draft.tokens, tokens=draft.tail,
                                            allowed=allowed)
-        if draft.tail.shape[1]:
+        if draft.tail.shape[1]:  # through blocks [0, E) from Python: an exit block writes its cache there
             draft.hiddens.append(self._run(b, draft.tail, done, b.exit_layer))
             draft.tail = draft.tail[:, :0]
         hidden = torch.cat(draft.hiddens, 1) if len(draft.hiddens) > 1 else draft.hiddens[0]  # (B, k+1, D)
@@ -779,13 +780,13 @@ class SelfSpecGenerator:
         device, rows = self.view.device, len(prompts)
         exit_block = self.exit_block(settings)
         head = self.draft_head(settings)
-        compiled = sampling.greedy and exit_block is None
+        compiled = sampling.greedy
         extra_layers = 0 if exit_block is None else exit_block.cache_layers
         b = _Batch(cache=KVCache(self.view.num_layers + extra_layers, rows, capacity),
                    sampling=sampling, exit_layer=settings.exit_layer, head=head, exit_block=exit_block,
                    compiled=compiled,
-                   loop_head=(head.tensors() if compiled and grammars is None and not settings.is_plain
-                              else None),
+                   loop_head=(head.tensors() if compiled and grammars is None and exit_block is None
+                              and not settings.is_plain else None),
                    stop_below=settings.stop_below, grammar=grammars, forced=forced,
                    steps=torch.arange(capacity, device=device), rows=np.arange(rows),
                    lengths=np.zeros(rows, dtype=np.int64),
