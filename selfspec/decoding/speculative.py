@@ -242,7 +242,7 @@ class _Draft:
     @property
     def tokens(self) -> torch.Tensor:
         """(B, k) every draft of the round."""
-        return torch.cat(self.parts, 1) if self.parts else self.tail[:, :0]
+        return _joined(self.parts) if self.parts else self.tail[:, :0]
 
     @property
     def k(self) -> int:
@@ -252,6 +252,12 @@ class _Draft:
 def _decided(tokens: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
     """A round's outcome as one tensor (B, k+2): the tokens (B, k+1), then the accepted count (B,)."""
     return torch.cat([tokens, accepted[:, None].to(tokens.dtype)], 1)
+
+
+def _joined(parts: list) -> torch.Tensor:
+    """(B, r) tensors side by side along dimension 1; a single part is returned as it is (no copy:
+    one tensor operation fewer in most rounds)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
 
 
 def _width(parts: list) -> int:
@@ -469,13 +475,13 @@ class SelfSpecGenerator:
                 unrun = []
                 self._free_drafts(b, draft, unrun, policy, cap)
                 if unrun:
-                    draft.tail = torch.cat(unrun, 1)
+                    draft.tail = _joined(unrun)
             return draft
         for _ in range(extend):
             if draft.k >= cap:
                 break
             if unrun:  # this step's input: the tokens since the last pass through blocks [0, E)
-                hidden, features = self._forward(b, torch.cat(unrun, 1), draft.k + 1 - _width(unrun),
+                hidden, features = self._forward(b, _joined(unrun), draft.k + 1 - _width(unrun),
                                                  b.exit_layer)  # (B, r, D) each
                 draft.hiddens.append(hidden)
                 unrun = []
@@ -501,7 +507,7 @@ class SelfSpecGenerator:
                     break
         # The drafts after the last pass through blocks [0, E) are the verification's first part; when
         # η stopped the round every token already had that pass (B, 0), even with no early-exit draft.
-        draft.tail = torch.cat(unrun, 1) if unrun else b.pending_dev[:, None][:, :0]
+        draft.tail = _joined(unrun) if unrun else b.pending_dev[:, None][:, :0]
         b.lap("draft choice")
         return draft
 
@@ -616,7 +622,7 @@ class SelfSpecGenerator:
         if draft.tail.shape[1]:  # through blocks [0, E) from Python: an exit block writes its cache there
             draft.hiddens.append(self._run(b, draft.tail, done, b.exit_layer))
             draft.tail = draft.tail[:, :0]
-        hidden = torch.cat(draft.hiddens, 1) if len(draft.hiddens) > 1 else draft.hiddens[0]  # (B, k+1, D)
+        hidden = _joined(draft.hiddens)  # (B, k+1, D)
         positions = self._place(b, 0, draft.k + 1)["positions"]
         return self.view.verify_greedy(b.exit_layer, num_layers, b.cache, positions, draft.tokens,
                                        hidden=hidden, allowed=allowed)
