@@ -308,6 +308,31 @@ def test_a_profiled_call_splits_every_round_into_its_parts_and_keeps_the_output(
     assert "profile" in out.stats.as_dict()
 
 
+def test_rounds_folded_at_the_end_count_what_round_by_round_updates_count():
+    from selfspec.decoding.policy import Segment
+    from selfspec.decoding.speculative import GenerationStats
+    from selfspec.metrics import AcceptanceStats
+
+    rng = np.random.default_rng(0)
+    folded, stepped = GenerationStats(), GenerationStats()
+    for _ in range(60):
+        rows = int(rng.integers(1, 4))
+        copy, early = int(rng.integers(0, 4)), int(rng.integers(0, 4))
+        segments = [s for s in (Segment("copy", 0, copy), Segment("early_exit", copy, early)) if s.length]
+        k = copy + early
+        accepted = rng.integers(0, k + 1, rows)
+        folded.log_round(segments, accepted, k)
+        stepped.update(accepted, k)
+        for segment in segments:
+            reached, kept = segment.accepted(accepted)
+            if reached.any():
+                getattr(stepped, segment.source).update(kept, segment.length)
+    folded.fold_rounds()
+    for name in ("copy", "early_exit", "forced"):  # repr: NaN (nothing tested) equals NaN there
+        assert repr(getattr(folded, name).as_dict()) == repr(getattr(stepped, name).as_dict())
+    assert repr(AcceptanceStats.as_dict(folded)) == repr(AcceptanceStats.as_dict(stepped))
+
+
 def test_invalid_arguments():
     model = tiny_model("llama")
     for exit_layer in (0, 5, None):

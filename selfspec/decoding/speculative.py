@@ -96,8 +96,7 @@ class GenerationStats(AcceptanceStats):
     forced: AcceptanceStats = field(default_factory=AcceptanceStats)
     early_exit: AcceptanceStats = field(default_factory=AcceptanceStats)
     # (segments, accepted (B,), k) per round, folded into the counts above at the end of the call
-    # (`fold_rounds`): a round only appends, whatever its batch (numpy's per-call cost, paid per round,
-    # was a tenth of a small model's step)
+    # (`fold_rounds`): a round only appends, and the counting runs once, in bulk, off the rounds' path
     _rounds: list = field(default_factory=list, repr=False)
 
     def log_round(self, segments: list, accepted: np.ndarray, k: int) -> None:
