@@ -1,23 +1,15 @@
 """selfspec: self-speculative decoding — a model's own first layers draft, the rest verify, losslessly.
 
     from selfspec import load_tuned
-    gen = load_tuned("runs/demo/model")
+    gen = load_tuned("runs/demo/model")          # a tuned checkpoint, or any Hugging Face causal LM
     out = gen.generate(["def fibonacci(n):"], max_new_tokens=64)
+    reply = gen.chat([{"role": "user", "content": "Hi!"}]).texts[0]   # instruct models
 """
 
 from .checkpoint import load_tuned, save_tuned
-from .model import DecoderView
+from .decoding import DecodeSettings, GenerationOutput, SelfSpecGenerator
 
 __version__ = "0.1.0"
 
-
-def __getattr__(name):
-    # The decoding engine imports lazily so that `import selfspec` stays light for training-only use.
-    if name == "SelfSpecGenerator":
-        from .decoding import SelfSpecGenerator
-
-        return SelfSpecGenerator
-    raise AttributeError(f"module 'selfspec' has no attribute {name!r}")
-
-
-__all__ = ["DecoderView", "SelfSpecGenerator", "load_tuned", "save_tuned", "__version__"]
+__all__ = ["DecodeSettings", "GenerationOutput", "SelfSpecGenerator", "load_tuned", "save_tuned",
+           "__version__"]

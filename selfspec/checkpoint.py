@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from pathlib import Path
 
 from .decoding.settings import FIELDS as SETTINGS_FIELDS
@@ -238,30 +239,47 @@ def draft_vocab(path: str | Path, size: int | None):
     return frequent_tokens(token_counts_for(path, size), int(size))
 
 
-def load_tuned(path: str | Path, device: str = "cpu", dtype: str = "auto",
+def load_tuned(path: str | Path, device: str = "auto", dtype: str = "auto",
                settings: DecodeSettings | None = None,
                *, exit_layer: int | None = None, num_speculations=None, drafter: str | None = None,
                draft_vocab_size: int | None = None, stop_below: float | None = None,
                min_ngram: int | None = None):
-    """Load a tuned checkpoint as a `SelfSpecGenerator` ready for lossless fast generation.
+    """Load a checkpoint as a `SelfSpecGenerator` ready for lossless fast generation.
 
-    It decodes with `settings`, by default the checkpoint's own (what `selfspec eval sweep
-    --write-back` stored); the keywords override single fields (None keeps them; draft_vocab_size 0:
-    the whole head).
+    A tuned checkpoint decodes with `settings`, by default its own (what `selfspec eval sweep
+    --write-back` stored). Any other Hugging Face causal LM (a directory without selfspec.json, or a
+    hub id) loads too: it decodes with `settings` or the keywords, else with copies from the context
+    (the drafter that is never slower than plain decoding), and a warning says so. The keywords
+    override single fields (None keeps them; draft_vocab_size 0: the whole head). device: "auto" is
+    CUDA when there is one, else the CPU.
     """
+    import torch
+
     from .decoding import SelfSpecGenerator
     from .model.loading import load_causal_lm, load_tokenizer
 
     if settings is not None and not isinstance(settings, DecodeSettings):
         raise CheckpointError(f"load_tuned(path, device, dtype, settings): settings must be a "
                               f"DecodeSettings, got {settings!r}; pass the other fields as keywords")
-    meta = read_meta(path)
-    settings = (settings or read_settings(path, meta)).override(
+    tuned = (Path(path) / META_FILE).is_file()
+    meta = read_meta(path) if tuned else {}
+    untold = not tuned and settings is None and exit_layer is None and drafter is None
+    if settings is None:  # the checkpoint's own; a plain model's: copies, or the early exit when told
+        settings = (read_settings(path, meta) if tuned
+                    else DecodeSettings(drafter="ngram" if untold else "early_exit"))
+    settings = settings.override(
         exit_layer=exit_layer, num_speculations=num_speculations, drafter=drafter,
         draft_vocab_size=draft_vocab_size, stop_below=stop_below, min_ngram=min_ngram)
     counts = token_counts_for(path, settings.draft_vocab_size)
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     model = load_causal_lm(str(path), dtype=dtype, device=device).eval()
-    tokenizer = load_tokenizer(str(path)) if (Path(path) / "tokenizer_config.json").is_file() else None
+    if untold:  # said once the model is there: a path that holds none gets only that error
+        warnings.warn(f"{path} has no {META_FILE} (not tuned by selfspec): decoding with copies from the "
+                      f"context; pass exit_layer=E to draft with the early exit", stacklevel=2)
+    local = Path(path).is_dir()
+    tokenizer = (load_tokenizer(str(path)) if not local or (Path(path) / "tokenizer_config.json").is_file()
+                 else None)
     return SelfSpecGenerator(model, tokenizer, settings, token_counts=counts,
                              exit_adapters=checkpoint_adapters(path, model, meta))
 

@@ -55,7 +55,7 @@ CLI_CASES = [
     (["generate", "{ckpt}", "--prompts", "{long_prompt}"],
      "exceeds the model's 256 positions; shorten the prompt"),
     (["generate", "{ckpt}", "--prompts", "{tmp}/none.txt"], "prompt file"),
-    (["generate", "{tmp}/no-model", "x"], "has no selfspec.json"),
+    (["generate", "{tmp}/no-model", "x"], "no model at"),
     (["layers", "{tmp}/no-model"], "no model at"),
     (["eval", "gate", "--tuned", "{tmp}/no-model", "--base", "{ckpt}"], "no model at"),
     (["eval", "sweep", "--model", "{ckpt}", "--ks", "two"], "--ks must be a comma list of ints"),

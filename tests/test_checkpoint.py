@@ -143,3 +143,54 @@ def test_fastest_entries_a_sweep_wrote_before_decode_settings_still_read(tmp_pat
         fastest_settings(path)
     with pytest.raises(CheckpointError, match="settings must be a DecodeSettings"):
         load_tuned(path, "cpu", "auto", 6)
+
+
+def test_a_plain_hugging_face_model_loads_and_decodes_with_copies_unless_told(tiny_run, tmp_path, recwarn):
+    """A directory without selfspec.json (a model the user already has): copies by default, said once;
+    the keywords choose the early exit; the output is plain greedy's either way."""
+    import selfspec
+    from selfspec import load_tuned
+
+    plain_dir = tmp_path / "hf"
+    model = AutoModelForCausalLM.from_pretrained(tiny_run["model"])
+    model.save_pretrained(plain_dir)
+    tiny_run["tokenizer"].save_pretrained(plain_dir)
+    gen = load_tuned(plain_dir)
+    assert [str(w.message) for w in recwarn].count(
+        f"{plain_dir} has no selfspec.json (not tuned by selfspec): decoding with copies from the context; "
+        f"pass exit_layer=E to draft with the early exit") == 1
+    assert gen.settings.drafter == "ngram" and gen.view.device.type == ("cuda" if torch.cuda.is_available()
+                                                                          else "cpu")
+    recwarn.clear()
+    early = load_tuned(plain_dir, exit_layer=2, num_speculations=3)
+    assert not recwarn.list and early.settings == DecodeSettings(exit_layer=2, num_speculations=3)
+    prompt = ["def f(x):\n    return x + x"]
+    plain = early.generate(prompt, max_new_tokens=12, num_speculations=0, eos_token_id=[])
+    assert gen.generate(prompt, max_new_tokens=12, eos_token_id=[]).sequences == plain.sequences
+    assert early.generate(prompt, max_new_tokens=12, eos_token_id=[]).sequences == plain.sequences
+    with pytest.raises(CheckpointError, match="draft_vocab_size = 8 needs token_counts"):
+        load_tuned(plain_dir, exit_layer=2, draft_vocab_size=8)
+    assert {"DecodeSettings", "GenerationOutput", "SelfSpecGenerator", "load_tuned"} <= set(selfspec.__all__)
+
+
+def test_chat_applies_the_template_and_answers_each_conversation(tiny_run):
+    from helpers import CHATML
+
+    from selfspec import SelfSpecGenerator
+    from selfspec.errors import UserError
+
+    tokenizer = type(tiny_run["tokenizer"]).from_pretrained(tiny_run["model"])
+    model = AutoModelForCausalLM.from_pretrained(tiny_run["model"]).eval()
+    with pytest.raises(UserError, match="chat needs a tokenizer with a chat template"):
+        SelfSpecGenerator(model, tokenizer, exit_layer=2).chat([{"role": "user", "content": "hi"}])
+    tokenizer.chat_template = CHATML
+    gen = SelfSpecGenerator(model, tokenizer, exit_layer=2, num_speculations=2)
+    talk = [{"role": "user", "content": "def f(x):"}]
+    longer = talk + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
+    out = gen.chat([talk, longer], max_new_tokens=6, eos_token_id=[])
+    text = tokenizer.apply_chat_template(talk, tokenize=False, add_generation_prompt=True)
+    direct = gen.generate([tokenizer(text, add_special_tokens=False)["input_ids"]], max_new_tokens=6,
+                          eos_token_id=[])
+    assert out.sequences[0] == direct.sequences[0] and len(out.sequences) == 2
+    assert out.texts[0] == tokenizer.decode(direct.sequences[0], skip_special_tokens=True)
+    assert gen.chat(talk, max_new_tokens=6, eos_token_id=[]).sequences == [direct.sequences[0]]

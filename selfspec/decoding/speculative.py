@@ -762,6 +762,24 @@ class SelfSpecGenerator:
         stats.grammar_time = grammars.seconds
         return GenerationOutput(sequences, stats, texts, list(grammars.complete))
 
+    def chat(self, messages, **kwargs) -> GenerationOutput:
+        """Reply to a conversation, a list of {"role", "content"} messages (or to a list of
+        conversations, one row each), through the tokenizer's chat template with the generation
+        prompt; keywords as `generate`'s. The texts leave out special tokens (the end of the turn)."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        if template is None:
+            raise UserError("chat needs a tokenizer with a chat template (an instruct model's); "
+                            "use generate for a plain continuation")
+        if not messages:
+            raise UserError("chat needs a conversation: a list of {'role', 'content'} messages")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        texts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
+                 for c in conversations]
+        ids = [self.tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+        out = self.generate(ids, **kwargs)
+        out.texts = [self.tokenizer.decode(s, skip_special_tokens=True) for s in out.sequences]
+        return out
+
     def _resolve(self, settings, drafter, num_speculations) -> tuple[DecodeSettings, DraftPolicy]:
         """This call's settings (the generator's, then `settings`, then the two overrides) and policy."""
         settings = self.settings_for(settings) if settings is not None else self.settings
