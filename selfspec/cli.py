@@ -10,6 +10,7 @@ called with keywords (the table in `_parser`). The functions live where their wo
     selfspec eval roofline --model runs/demo/model # passes against this machine's memory bandwidth
     selfspec generate runs/demo/model "def parse_args("
     selfspec draft-vocab runs/demo/model           # token frequencies for a trimmed draft head
+    selfspec doctor runs/demo/model                # why it is (not) faster: probe and checklist
 
 A `UserError` (a bad flag, file, config or checkpoint) prints one line and exits 2; any other
 exception is a bug and shows its traceback.
@@ -24,7 +25,7 @@ from pathlib import Path
 from . import commands, demo
 from .decoding import DRAFTERS
 from .errors import UserError
-from .evaluation import benchmark, roofline, suite, sweep
+from .evaluation import benchmark, doctor, roofline, suite, sweep
 
 
 def _generate(prompt: str | None, prompts: str | None, no_eos: bool, eos, no_stream: bool, model: str,
@@ -169,6 +170,20 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], argparse.A
     p.add_argument("--drafter", choices=DRAFTERS, default="ngram",
                    help="how to decode them fast; every drafter gives the model's own replies (lossless)")
     p.add_argument("--force", action="store_true", help="start --out again")
+
+    p = command(("doctor",), sub, doctor.doctor,
+                help="why the model does or does not decode faster: a short probe and the checklist")
+    p.add_argument("model", help="a checkpoint or model directory")
+    p.add_argument("--exit-layer", type=int, default=None, help="E (default: the checkpoint's)")
+    p.add_argument("--num-speculations", type=int, default=None, help="k (default: the checkpoint's, or 3)")
+    p.add_argument("--prompts", default=None, help="a prompt file, or json-extract (default: the corpus)")
+    p.add_argument("--corpus", default="stdlib")
+    p.add_argument("--num-prompts", type=int, default=2)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--context", type=int, default=256, help="the short context the passes are timed at")
+    p.add_argument("--long-context", type=int, default=2048, help="the long one")
+    p.add_argument("--repeats", type=int, default=1, help="timed decodes of each prompt per method")
+    _device_flags(p, None)
 
     p = command(("layers",), sub, commands.layers_report,
                 help="per-exit-layer agreement with the final layer")

@@ -1,0 +1,167 @@
+"""`selfspec doctor`: why a model does or does not decode faster, from a short probe.
+
+The probe decodes a few prompts with plain decoding, the early exit, copies and the hybrid
+(`benchmark.run_benchmark`, the round profile on), and times the passes at a short and a long
+context (`roofline.measure_passes`). The diagnosis (`diagnose`) goes through the practitioners'
+checklist in order, each check one line from the measured figures:
+
+1. acceptance: the early exit's α against the α its measured costs need (`break_even_acceptance`);
+2. draft cost: c measured against the share of the weights a draft step reads (E/N plus the head);
+3. per-round overhead: the work between a round's passes, in plain steps;
+4. context: how c and v grow from the short to the long context;
+5. verdict: the fastest drafter measured, and what would change it.
+
+    selfspec doctor runs/smollm2/base --exit-layer 10
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..errors import UserError
+from ..files import write_json_atomic
+from ..metrics import break_even_acceptance, weight_draft_cost
+
+# A check flags its figure beyond these (the first two in plain steps' ratios)
+DRAFT_COST_MARGIN = 1.25  # measured c over the weights' share
+OVERHEAD_LIMIT = 0.10  # work between the passes, per round, in plain steps
+CONTEXT_GROWTH = 1.15  # c or v at the long context over the short
+
+
+def diagnose(figures: dict) -> list[str]:
+    """The checklist's lines from the probe's figures: `alpha`, `k`, `exit_layer`, `num_layers`,
+    `draft_cost` (c), `verify_cost` (v), `weight_cost` (the weights' c), `overhead` (plain steps per
+    round outside the passes), `context`, `long_context`, `draft_cost_long`, `verify_cost_long` (the
+    last two None when the long context was not measured), `speedups` (method -> × plain)."""
+    lines = []
+    alpha, k, c, v = figures["alpha"], figures["k"], figures["draft_cost"], figures["verify_cost"]
+    exit_layer = figures["exit_layer"]
+    need = break_even_acceptance({k: 1}, c, v)
+    if need != need:
+        lines.append(f"1. acceptance: at c = {c:.2f} and v = {v:.2f} no α pays for k = {k} (k + 1 "
+                     f"tokens cost more than k + 1 plain steps): draft fewer tokens a round or from a "
+                     f"shallower exit.")
+    elif alpha != alpha or alpha < need:
+        shown = "not measured (no early-exit draft was tested)" if alpha != alpha else f"{alpha:.2f}"
+        lines.append(f"1. acceptance: the early exit's α {shown} at E = {exit_layer} is below the {need:.2f} "
+                     f"it needs at c = {c:.2f}, v = {v:.2f}, k = {k}: train the exit on your data "
+                     f"(`train/finetune.py`, a recipe in configs/) or move E (`selfspec layers MODEL`).")
+    else:
+        lines.append(f"1. acceptance: α {alpha:.2f} at E = {exit_layer} clears the {need:.2f} that "
+                     f"c = {c:.2f}, v = {v:.2f}, k = {k} need.")
+    weight = figures["weight_cost"]
+    if c > DRAFT_COST_MARGIN * weight:
+        lines.append(f"2. draft cost: a draft step costs c = {c:.2f} plain steps, {c / weight:.2f}× the "
+                     f"{weight:.2f} its weights predict: per-step work beyond reading the weights; a "
+                     f"trimmed draft head (--draft-vocab-size) or a GPU's captured step cuts it.")
+    else:
+        lines.append(f"2. draft cost: c = {c:.2f} plain steps, near the {weight:.2f} its weights predict "
+                     f"(E/N plus the head); a trimmed head (--draft-vocab-size) lowers the head's share.")
+    overhead = figures["overhead"]
+    if overhead > OVERHEAD_LIMIT:
+        lines.append(f"3. overhead: the work between a round's passes costs {overhead:.2f} plain steps "
+                     f"a round (above {OVERHEAD_LIMIT:.2f}): a small model's step is short; longer rounds "
+                     f"(higher k, copies) spread it.")
+    else:
+        lines.append(f"3. overhead: {overhead:.2f} plain steps a round between the passes.")
+    c_long, v_long = figures.get("draft_cost_long"), figures.get("verify_cost_long")
+    if c_long is None:
+        lines.append(f"4. context: not measured at {figures['long_context']} tokens (beyond the model's "
+                     f"positions with a round's k + 1): pass a shorter --long-context.")
+    elif c_long > CONTEXT_GROWTH * c or v_long > CONTEXT_GROWTH * v:
+        lines.append(f"4. context: at {figures['long_context']} tokens c = {c_long:.2f} and "
+                     f"v = {v_long:.2f} (at {figures['context']}: {c:.2f}, {v:.2f}); long contexts erode "
+                     f"the gain: a smaller k or plain decoding there (--ks auto decides per round).")
+    else:
+        lines.append(f"4. context: c and v hold from {figures['context']} to {figures['long_context']} "
+                     f"tokens ({c:.2f} -> {c_long:.2f}, {v:.2f} -> {v_long:.2f}).")
+    speedups = figures["speedups"]
+    best = max(speedups, key=speedups.get)
+    if speedups[best] <= 1.0:
+        lines.append(f"5. verdict: nothing beats plain decoding here (best {best} {speedups[best]:.2f}×); "
+                     f"train the exit, or decode under a grammar (--json-schema), where forced tokens and "
+                     f"copies pay.")
+    else:
+        others = ", ".join(f"{m} {s:.2f}×" for m, s in speedups.items() if m != best)
+        change = ("the early exit would need the α above" if best != "early_exit"
+                  else "copies or the hybrid may add more where the text repeats")
+        lines.append(f"5. verdict: {best} is fastest at {speedups[best]:.2f}× plain ({others}); {change}.")
+    return lines
+
+
+def doctor(model: str, *, exit_layer: int | None = None, num_speculations: int | None = None,
+           prompts: str | None = None, corpus: str = "stdlib", num_prompts: int = 2, max_new_tokens: int = 32,
+           context: int = 256, long_context: int = 2048, repeats: int = 1, device: str | None = None,
+           dtype: str = "auto", out: str | None = None) -> dict:
+    """Probe the model `model` and print the diagnosis; returns {"figures", "diagnosis"} (also written
+    as doctor.json into `out` when given). E and k default to the checkpoint's (k = 3 when it has
+    none or an adaptive one)."""
+    from ..checkpoint import checkpoint_adapters, resolve_settings
+    from ..model import DecoderView
+    from .benchmark import load_model, read_prompts, run_benchmark
+    from .roofline import measure_passes
+
+    if num_prompts < 1 or max_new_tokens < 1 or repeats < 1 or not 1 <= context < long_context:
+        raise UserError(f"--num-prompts ({num_prompts}), --max-new-tokens ({max_new_tokens}) and --repeats "
+                        f"({repeats}) must be >= 1, and 1 <= --context ({context}) < --long-context "
+                        f"({long_context})")
+    settings, _, counts = resolve_settings(model, exit_layer=exit_layer, num_speculations=num_speculations)
+    if settings.exit_layer is None:
+        raise UserError(f"--exit-layer is required: {model} has no selfspec.json")
+    k = settings.num_speculations
+    k = k if isinstance(k, int) and k else 3  # an adaptive or plain checkpoint: probe k = 3
+    settings = settings.override(drafter="early_exit", num_speculations=k)
+    lm, tokenizer = load_model(model, device, dtype)
+    view = DecoderView(lm)
+    if not 1 <= settings.exit_layer < view.num_layers:
+        raise UserError(f"--exit-layer {settings.exit_layer} is not in 1..{view.num_layers - 1}")
+    chosen = read_prompts(tokenizer, prompts, corpus, num_prompts)
+    report = run_benchmark(lm, chosen, settings, tokenizer=tokenizer, token_counts=counts,
+                           exit_adapters=checkpoint_adapters(model, lm),
+                           max_new_tokens=max_new_tokens, repeats=repeats, warmup=1,
+                           methods=("plain", "early_exit", "ngram", "hybrid"), profile=True)
+    cost = report.get("cost_model", {})
+    if "draft_cost" not in cost:
+        raise UserError("the probe drafted nothing with the early exit (η stopped every round?); "
+                        "pass --num-speculations or lower the checkpoint's stop_below")
+    passes = {length: measure_passes(view, settings.exit_layer, length, (k + 1,), repeats=5, warmup=1)
+              for length in (context, long_context)
+              if view.max_positions is None or length + k + 1 <= view.max_positions}
+
+    def ratio(length, name):
+        return passes[length][name]["seconds"] / passes[length]["plain"]["seconds"]
+
+    blocks = [sum(p.numel() for p in layer.parameters()) for layer in view.layers]
+    head = view.lm_head.weight.numel()
+    vocab = settings.draft_vocab_size
+    draft_head = vocab * view.lm_head.weight.shape[1] if vocab else None
+    both = long_context in passes and context in passes
+    growth = {name: ratio(long_context, key) / ratio(context, key) if both else None
+              for name, key in (("draft", "draft"), ("verify", f"verify_{k + 1}"))}
+    figures = {
+        "exit_layer": settings.exit_layer, "num_layers": view.num_layers, "k": k,
+        "alpha": cost["acceptance_rate"], "draft_cost": cost["draft_cost"],
+        "verify_cost": cost["verify_cost"],
+        "weight_cost": weight_draft_cost(settings.exit_layer, blocks, head, draft_head),
+        "overhead": report["round_profile"]["methods"]["early_exit"]["plain_steps"]["outside_passes"],
+        "context": context, "long_context": long_context,
+        # the engine's c and v at the short context, scaled by how the bare passes grow with context
+        "draft_cost_long": None if growth["draft"] is None else cost["draft_cost"] * growth["draft"],
+        "verify_cost_long": None if growth["verify"] is None else cost["verify_cost"] * growth["verify"],
+        "speedups": {m: row["over_plain"]["speedup"] for m, row in report["methods"].items() if m != "plain"},
+        "tokens_per_second": {m: row["tokens_per_second"] for m, row in report["methods"].items()},
+        "settings": settings.to_json(),
+    }
+    lines = diagnose(figures)
+    print(f"selfspec doctor: {model} (E = {settings.exit_layer} of {view.num_layers}, k = {k}; "
+          f"{report['num_prompts']} prompts x {max_new_tokens} tokens)")
+    print("\n".join(lines))
+    result = {"figures": figures, "diagnosis": lines}
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        write_json_atomic(Path(out) / "doctor.json", json.loads(json.dumps(result, default=float)))
+    return result
+
+
+__all__ = ["diagnose", "doctor"]

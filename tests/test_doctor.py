@@ -1,0 +1,56 @@
+"""`selfspec doctor`: each check of the checklist flags its case and passes the others, from injected
+figures; the command probes a tiny model end to end. (Times are measured, never asserted.)"""
+
+import json
+
+import pytest
+
+from selfspec.cli import main
+from selfspec.evaluation.doctor import diagnose
+
+HEALTHY = {"alpha": 0.9, "k": 4, "exit_layer": 6, "num_layers": 12, "draft_cost": 0.4, "verify_cost": 1.0,
+           "weight_cost": 0.45, "overhead": 0.05, "context": 256, "long_context": 2048,
+           "draft_cost_long": 0.42, "verify_cost_long": 1.05,
+           "speedups": {"early_exit": 1.5, "ngram": 1.2, "hybrid": 1.4}}
+
+
+def _check(figures: dict, number: int) -> str:
+    return diagnose(figures)[number - 1]
+
+
+def test_a_healthy_model_passes_every_check():
+    lines = diagnose(HEALTHY)
+    assert len(lines) == 5 and [line[:2] for line in lines] == ["1.", "2.", "3.", "4.", "5."]
+    assert "clears the" in lines[0] and "near the 0.45" in lines[1] and "0.05 plain steps a round" in lines[2]
+    assert "hold from 256 to 2048" in lines[3] and "early_exit is fastest at 1.50×" in lines[4]
+
+
+@pytest.mark.parametrize("change, number, expected", [
+    ({"alpha": 0.3}, 1, "below the"),  # acceptance under break-even: train or move E
+    ({"alpha": float("nan")}, 1, "not measured"),
+    ({"draft_cost": 1.5, "verify_cost": 1.5, "k": 1}, 1, "no α pays for k = 1"),
+    ({"draft_cost": 0.7}, 2, "1.56× the 0.45 its weights predict"),  # c far above the weights' share
+    ({"overhead": 0.2}, 3, "costs 0.20 plain steps a round (above 0.10)"),
+    ({"verify_cost_long": 1.4}, 4, "long contexts erode the gain"),
+    ({"draft_cost_long": None, "verify_cost_long": None}, 4, "not measured at 2048"),
+    ({"speedups": {"early_exit": 0.8, "ngram": 0.95}}, 5, "nothing beats plain decoding"),
+    ({"speedups": {"early_exit": 0.8, "ngram": 1.3}}, 5, "ngram is fastest at 1.30×"),
+])
+def test_each_check_flags_its_case(change, number, expected):
+    assert expected in _check({**HEALTHY, **change}, number)
+    assert "below the" not in _check({**HEALTHY, **change}, 1) or number == 1
+
+
+def test_the_command_probes_and_writes_its_figures(tiny_run, tmp_path, capsys):
+    out = tmp_path / "doctor"
+    assert main(["doctor", str(tiny_run["model"]), "--exit-layer", "2", "--corpus", str(tiny_run["corpus"]),
+                 "--num-prompts", "1", "--max-new-tokens", "8", "--context", "16", "--long-context", "64",
+                 "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "selfspec doctor:" in printed and "5. verdict:" in printed
+    result = json.loads((out / "doctor.json").read_text())
+    assert result["figures"]["k"] == 3 and result["figures"]["exit_layer"] == 2
+    assert set(result["figures"]["speedups"]) == {"early_exit", "ngram", "hybrid"}
+    assert result["diagnosis"] == diagnose(result["figures"])
+    assert main(["doctor", str(tiny_run["model"]), "--context", "64", "--long-context", "16"]) == 2
+    assert "--context (64) < --long-context (16)" in capsys.readouterr().err
