@@ -42,9 +42,9 @@ def main() -> None:
     prefill = {}  # method -> seconds of its last run's prefills
 
     def selfspec(dtype: str, kernel: bool, name: str):
-        fast._KERNEL = kernel
-        runs = [generators[dtype].generate([p], max_new_tokens=new, num_speculations=0, eos_token_id=[])
-                for p in prompts]
+        with fast.kernels_up_to("rounds" if kernel else None):
+            runs = [generators[dtype].generate([p], max_new_tokens=new, num_speculations=0, eos_token_id=[])
+                    for p in prompts]
         prefill[name] = sum(run.stats.prefill_time for run in runs)
         return [run.sequences[0] for run in runs]
 
@@ -69,7 +69,6 @@ def main() -> None:
                 speeds[name].append(new * len(prompts) / seconds)
                 if name in prefill:
                     steps[name].append(new * len(prompts) / (seconds - prefill.pop(name)))
-    fast._KERNEL = True
     median = {name: statistics.median(values) for name, values in speeds.items()}
     after = {name: statistics.median(values) for name, values in steps.items() if values}
     print(f"{args.model}: {len(prompts)} prompts, {new} greedy tokens, batch 1, median of {args.repeats}")

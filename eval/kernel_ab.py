@@ -9,7 +9,7 @@ a pass's blocks in one compiled call.
 
 Builds the roofline's cache of 256 positions, then times each pass (plain step, draft step,
 verification of 2, 4 and 5 positions through blocks [E, N) and the head, the whole model on 5
-positions) in each arm (`selfspec.model.fast._KERNEL`, `_BLOCK_KERNEL`, `_PASS_KERNEL`), rotating which
+positions) in each arm (`selfspec.model.fast.kernels_up_to` None, products, blocks, passes), rotating which
 goes first, after 3 untimed rounds. Prints the medians, each as a share of the read bandwidth (a
 512 MiB sum timed once a round) and in plain steps of its own arm, and the speedups. `--against FILE`
 builds another version of `few_rows.cpp` beside the package's and adds its one-call pass as a fifth
@@ -55,11 +55,9 @@ def main() -> None:
     passes = {"plain": (0, n, 1), "draft": (0, e, 1), "verify_2": (e, n, 2), "verify_4": (e, n, 4),
               "verify_5": (e, n, 5), "full_5": (0, n, 5)}
     runner = _Passes(view, args.context, 5)
-    # (_KERNEL, _BLOCK_KERNEL, _PASS_KERNEL)
-    arms = {"mkl": (False, False, False), "rows": (True, False, False), "block": (True, True, False),
-            "pass": (True, True, True)}
+    arms = {"mkl": None, "rows": "products", "block": "blocks", "pass": "passes"}  # `fast.kernels_up_to`
     if modules:
-        arms["against"] = (True, True, True)
+        arms["against"] = "passes"
     names = list(arms)
     times = {(name, arm): [] for name in passes for arm in arms}
     source = torch.ones(512 * 2**20 // 4)  # the read that sets the limit, timed in the same rounds
@@ -71,13 +69,12 @@ def main() -> None:
         for name, spec in passes.items():
             shift = round_index % len(names)
             for arm in names[shift:] + names[:shift]:
-                fast._KERNEL, fast._BLOCK_KERNEL, fast._PASS_KERNEL = arms[arm]
                 kernels._module = (lambda module=modules[arm]: module) if arm in modules else package
-                start = time.perf_counter()
-                runner.run(*spec)
-                if round_index >= 3:
-                    times[(name, arm)].append(time.perf_counter() - start)
-    fast._KERNEL, fast._BLOCK_KERNEL, fast._PASS_KERNEL = True, True, True
+                with fast.kernels_up_to(arms[arm]):
+                    start = time.perf_counter()
+                    runner.run(*spec)
+                    if round_index >= 3:
+                        times[(name, arm)].append(time.perf_counter() - start)
     kernels._module = package
     rate = source.numel() * 4 / statistics.median(reads[3:])
     median = {key: statistics.median(values) for key, values in times.items()}

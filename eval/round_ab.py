@@ -4,7 +4,7 @@
     python eval/round_ab.py --model runs/smollm2/base --exit-layer 10 --ks 3 --prompts json-extract
 
 Decodes the same prompts (batch 1, greedy) with plain decoding and the early exit at each k, each in
-two arms: `python` (`selfspec.model.fast._DRAFT_LOOP = False`: the draft steps and the verification
+two arms: `python` (`selfspec.model.fast.kernels_up_to("passes")`: the draft steps and the verification
 from Python, the operations one by one) and `compiled` (the draft loop and the verification in one
 kernel call each), interleaved over repeats after a warm-up. Prints each decode's tokens/s (median),
 its speedup over plain decoding in the same arm (the median of paired ratios and its interval), the
@@ -55,14 +55,11 @@ def main() -> None:
 
     def run(name, batch):
         arm, cell = name
-        fast._DRAFT_LOOP = arm == "compiled"
-        try:
-            constraints = [p.constraint if isinstance(p, Structured) else None for p in batch]
+        constraints = [p.constraint if isinstance(p, Structured) else None for p in batch]
+        with fast.kernels_up_to("rounds" if arm == "compiled" else "passes"):
             out = generator.generate([p.ids if isinstance(p, Structured) else p for p in batch],
                                      max_new_tokens=args.max_new_tokens, eos_token_id=[],
                                      settings=cells[cell], profile=True, **constraint_keywords(constraints))
-        finally:
-            fast._DRAFT_LOOP = True
         return out.sequences, out.stats
 
     timings = interleaved_rates(names, run, [[p] for p in prompts], args.repeats, 1, generator.view.device,

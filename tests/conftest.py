@@ -45,3 +45,15 @@ def tiny_run(tmp_path_factory):
     model.save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")
     return {"model": root / "model", "corpus": corpus, "tokenizer": tokenizer, "root": root}
+
+
+@pytest.fixture
+def kernel_level():
+    """`kernel_level(level)` sets how far selfspec's compiled paths run for the rest of the test
+    (`selfspec.model.fast.kernels_up_to`), restored after it."""
+    import contextlib
+
+    from selfspec.model import fast
+
+    with contextlib.ExitStack() as stack:
+        yield lambda level: stack.enter_context(fast.kernels_up_to(level))

@@ -29,9 +29,9 @@ def low_precision(family: str, dtype=torch.bfloat16):
 
 @pytest.mark.parametrize("kernel", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_a_row_computes_the_same_alone_or_among_others_at_fixed_width(dtype, kernel, monkeypatch):
+def test_a_row_computes_the_same_alone_or_among_others_at_fixed_width(dtype, kernel, kernel_level):
     """Through selfspec's kernel (bf16, where it builds) and through MKL's 16-row products alike."""
-    monkeypatch.setattr("selfspec.model.fast._KERNEL", kernel)
+    kernel_level("rounds" if kernel else None)
     torch.manual_seed(0)
     weight, bias = torch.randn(300, 64).to(dtype), torch.randn(300).to(dtype)
     x = torch.randn(7, 64).to(dtype)
@@ -73,9 +73,9 @@ def test_every_drafter_in_bf16_gives_the_plain_bf16_output(family):
         assert generator.generate(PROMPTS, max_new_tokens=NEW, eos_token_id=[]).sequences == expected
 
 
-def test_without_the_kernel_bf16_drafters_still_give_the_plain_bf16_output(monkeypatch):
+def test_without_the_kernel_bf16_drafters_still_give_the_plain_bf16_output(kernel_level):
     """Where selfspec's kernel does not build, bf16 products run on MKL at fixed width: still lossless."""
-    monkeypatch.setattr("selfspec.model.fast._KERNEL", False)
+    kernel_level(None)
     model = low_precision("llama")
     plain = SelfSpecGenerator(model, exit_layer=2)
     expected = plain.generate(PROMPTS, max_new_tokens=NEW, num_speculations=0, eos_token_id=[]).sequences
@@ -86,7 +86,7 @@ def test_without_the_kernel_bf16_drafters_still_give_the_plain_bf16_output(monke
 
 
 @pytest.mark.parametrize("kernel", [False, True])
-def test_under_fixed_width_every_product_and_attention_has_the_same_shape(kernel, monkeypatch):
+def test_under_fixed_width_every_product_and_attention_has_the_same_shape(kernel, monkeypatch, kernel_level):
     """What makes positions independent of their pass: a decode (plain step, drafts, verification)
     either multiplies exactly FIXED_WIDTH rows in every MKL product and attends with exactly
     FIXED_WIDTH queries, or, with selfspec's kernels (bf16 on AVX2), runs every block through the
@@ -96,7 +96,7 @@ def test_under_fixed_width_every_product_and_attention_has_the_same_shape(kernel
 
     if kernel and kernels.few_rows_linear() is None:
         pytest.skip("selfspec's CPU kernels are not available here")
-    monkeypatch.setattr("selfspec.model.fast._KERNEL", kernel)
+    kernel_level("rounds" if kernel else None)
     model = low_precision("qwen3")
     widths = set()
     mm, matmul = torch.mm, torch.matmul

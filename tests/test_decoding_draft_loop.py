@@ -55,8 +55,7 @@ def _stats(out) -> tuple:
 
 def _both(generator, prompts, monkeypatch, **kwargs):
     compiled = generator.generate(prompts, max_new_tokens=NEW, eos_token_id=[], **kwargs)
-    with monkeypatch.context() as patch:
-        patch.setattr(fast, "_DRAFT_LOOP", False)
+    with fast.kernels_up_to("passes"):
         python = generator.generate(prompts, max_new_tokens=NEW, eos_token_id=[], **kwargs)
     return compiled, python
 

@@ -8,7 +8,7 @@ from helpers import tiny_model
 
 from selfspec.decoding.cache import KVCache
 from selfspec.model import DecoderView
-from selfspec.model.fast import FastLlamaBlocks, linear
+from selfspec.model.fast import FastLlamaBlocks, kernels_up_to, linear
 
 LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -268,7 +268,7 @@ def test_the_kernel_in_bf16_is_the_fp32_product_of_the_bf16_values_rounded_once(
 
 def test_fast_linear_runs_the_kernel_for_few_rows_and_mkl_otherwise(few_rows, monkeypatch):
     """1-48 fp32 rows (a decode step, a verification, a copy's 11 positions, a short prefill) go through
-    the kernel, bias added after; more keep F.linear; `_KERNEL = False` restores MKL's paths for A/B
+    the kernel, bias added after; more keep F.linear; `kernels_up_to(None)` restores MKL's paths for A/B
     runs."""
     calls = []
     monkeypatch.setattr("selfspec.model.kernels.few_rows_linear",
@@ -280,8 +280,8 @@ def test_fast_linear_runs_the_kernel_for_few_rows_and_mkl_otherwise(few_rows, mo
         torch.testing.assert_close(linear(x, weight, bias), torch.nn.functional.linear(x, weight, bias),
                                    rtol=1e-5, atol=1e-5)
     assert calls == [1, 5, 8, 11, 48]
-    monkeypatch.setattr("selfspec.model.fast._KERNEL", False)
-    linear(torch.randn(1, 1, 32), weight, bias)
+    with kernels_up_to(None):
+        linear(torch.randn(1, 1, 32), weight, bias)
     assert calls == [1, 5, 8, 11, 48]
 
 
@@ -453,13 +453,13 @@ def block_calls(few_rows, monkeypatch):
     (the one-call pass, built on the same halves, off: see the pass's own tests)."""
     from selfspec.model import fast, kernels
 
-    monkeypatch.setattr(fast, "_PASS_KERNEL", False)
     front, back = kernels.block_halves()
     calls = []
     monkeypatch.setattr(kernels, "block_halves", lambda: (
         lambda hidden, *rest: calls.append(("front", hidden.shape[1])) or front(hidden, *rest),
         lambda hidden, *rest: calls.append(("back", hidden.shape[1])) or back(hidden, *rest)))
-    return calls
+    with fast.kernels_up_to("blocks"):
+        yield calls
 
 
 @pytest.mark.parametrize("family", [*LLAMA_FAMILIES, "llama_biased"])
@@ -553,8 +553,8 @@ def test_a_decoding_pass_runs_its_blocks_in_one_call_bit_for_bit_as_block_by_blo
     bounds, layers = [(0, 9), (9, 13), (13, 24), (24, 25), (25, 26)], [(0, 2), (2, 4)]
     runs = []
     for one_call in (True, False):
-        monkeypatch.setattr(fast, "_PASS_KERNEL", one_call)
-        with torch.no_grad(), fast.fixed_width(dtype != torch.float32):
+        with torch.no_grad(), fast.fixed_width(dtype != torch.float32), \
+                fast.kernels_up_to("passes" if one_call else "blocks"):
             runs.append(_decode_with_caches(DecoderView(model), ids, bounds, layers))
     (logits, cache), (reference, expected) = runs
     assert torch.equal(logits, reference)
@@ -600,8 +600,8 @@ def test_the_block_kernels_silu_matches_torch_far_out_where_its_exp_saturates(dt
     ids = torch.randint(0, 96, (1, 10))
     runs = []
     for block_kernel in (True, False):
-        monkeypatch.setattr(fast, "_BLOCK_KERNEL", block_kernel)
-        with torch.no_grad(), fast.fixed_width(dtype != torch.float32):
+        with torch.no_grad(), fast.fixed_width(dtype != torch.float32), \
+                fast.kernels_up_to("blocks" if block_kernel else "products"):
             runs.append(_decode_with_caches(view, ids, [(0, 8), (8, 9), (9, 10)])[0][:, 8:].float())
     assert runs[0].isfinite().all()
     torch.testing.assert_close(runs[0], runs[1], rtol=1e-5 if dtype == torch.float32 else 2e-2,
@@ -620,9 +620,9 @@ def test_the_block_kernels_in_bf16_track_the_operations_they_replace(family, few
     ids = torch.randint(0, 96, (1, 12))
     runs = []
     for block_kernel in (True, False):
-        monkeypatch.setattr(fast, "_BLOCK_KERNEL", block_kernel)
         cache = KVCache(view.num_layers, 1, 32)
-        with torch.no_grad(), fast.fixed_width():
+        level = "blocks" if block_kernel else "products"
+        with torch.no_grad(), fast.fixed_width(), fast.kernels_up_to(level):
             for start, end in [(0, 8), (8, 12)]:
                 positions = view.default_positions(ids[:, start:end], start)
                 kv_length = cache.set_positions(positions, [start])
@@ -663,6 +663,25 @@ def test_angles_broadcast_over_the_batch_reach_every_row_of_the_block_kernels(fe
     outs = []
     with torch.no_grad():
         for block_kernel in (True, False):
-            monkeypatch.setattr(fast, "_BLOCK_KERNEL", block_kernel)
-            outs.append(fast.run_block(block, 0, hidden, mask, None, cos, sin))
+            with fast.kernels_up_to("blocks" if block_kernel else "products"):
+                outs.append(fast.run_block(block, 0, hidden, mask, None, cos, sin))
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_levels_switch_the_compiled_paths_cumulatively_and_restore_them():
+    from selfspec.model import fast
+
+    def state():
+        return fast._KERNEL, fast._BLOCK_KERNEL, fast._PASS_KERNEL, fast._DRAFT_LOOP
+
+    assert state() == (True, True, True, True)
+    with fast.kernels_up_to("blocks"):
+        assert state() == (True, True, False, False)
+        with fast.kernels_up_to(None):
+            assert state() == (False, False, False, False)
+        assert state() == (True, True, False, False)
+    assert state() == (True, True, True, True)
+    with pytest.raises(ValueError, match="kernel level 'fast' is not None or one of products"):
+        with fast.kernels_up_to("fast"):
+            pass
+    assert state() == (True, True, True, True)

@@ -61,8 +61,9 @@ _COLUMNS_MIN_BYTES_ONE_ROW = 1 << 20
 # restores the columns path (for A/B measurements)
 _HALVES_ONE_ROW = True
 
+# The compiled paths, each on top of the one before; `kernels_up_to` turns them off from a level on.
 # Few-row products and the fixed-width attention run selfspec's kernels where they build (see
-# `_kernel_for`, `_attention_kernel_for`); False keeps MKL's products and the padded attention (A/B)
+# `_kernel_for`, `_attention_kernel_for`); False keeps MKL's products and the padded attention
 _KERNEL = True
 # Rows per call of the few-row kernel (few_rows.cpp's kMaxRows); more run in chunks of this many
 _KERNEL_ROWS = 8
@@ -77,15 +78,39 @@ _KERNEL_MAX_ROWS = 48
 # (docs/performance.md, "Kernel thresholds").
 _WIDEN_MIN_ROWS = 32
 # With `_KERNEL`, a decoding pass runs each block as two compiled calls (see `run_block`); False keeps
-# the per-operation path, its products in the few-row kernel (A/B)
+# the per-operation path, its products in the few-row kernel
 _BLOCK_KERNEL = True
 # With `_BLOCK_KERNEL`, a decoding pass over several blocks runs them in one compiled call (see
-# `FastLlamaBlocks.run_range`); False runs them block by block (A/B)
+# `FastLlamaBlocks.run_range`); False runs them block by block
 _PASS_KERNEL = True
 # With `_PASS_KERNEL`, the engine's greedy rounds run in compiled calls: the early-exit drafts in one
 # (`FastLlamaBlocks.draft_loop`), the verification in another (`verify_greedy`); False runs them from
-# Python, step by step (A/B, and the tests' reference)
+# Python, step by step
 _DRAFT_LOOP = True
+
+KERNEL_LEVELS = ("products", "blocks", "passes", "rounds")  # each adds a compiled path to the one before
+
+
+@contextlib.contextmanager
+def kernels_up_to(level: str | None):
+    """Inside the block, run selfspec's compiled CPU paths only up to `level` (A/B runs and tests; the
+    default is all of them): None, MKL's products and torch's operations; "products", the few-row
+    kernel for the products (`linear`); "blocks", + each block of a decoding pass as two calls
+    (`run_block`); "passes", + a pass's blocks in one call (`FastLlamaBlocks.run_range`); "rounds", +
+    a greedy round's drafts and its verification in one call each (`draft_loop`, `verify_greedy`).
+    Outputs are the same at every level (greedy, fp32: token for token). It sets module state: not
+    for threads that decode at other levels meanwhile."""
+    global _KERNEL, _BLOCK_KERNEL, _PASS_KERNEL, _DRAFT_LOOP
+    if level is not None and level not in KERNEL_LEVELS:
+        raise ValueError(f"kernel level {level!r} is not None or one of {', '.join(KERNEL_LEVELS)}")
+    before = _KERNEL, _BLOCK_KERNEL, _PASS_KERNEL, _DRAFT_LOOP
+    upto = -1 if level is None else KERNEL_LEVELS.index(level)
+    _KERNEL, _BLOCK_KERNEL, _PASS_KERNEL, _DRAFT_LOOP = (upto >= i for i in range(4))
+    try:
+        yield
+    finally:
+        _KERNEL, _BLOCK_KERNEL, _PASS_KERNEL, _DRAFT_LOOP = before
+
 
 # Rows per product under `fixed_width` (see there): at least a verification's k + 1 positions.
 FIXED_WIDTH = 16
