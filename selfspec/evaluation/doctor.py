@@ -16,7 +16,6 @@ checklist in order, each check one line from the measured figures:
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from ..errors import UserError
@@ -160,7 +159,7 @@ def doctor(model: str, *, exit_layer: int | None = None, num_speculations: int |
     result = {"figures": figures, "diagnosis": lines}
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
-        write_json_atomic(Path(out) / "doctor.json", json.loads(json.dumps(result, default=float)))
+        write_json_atomic(Path(out) / "doctor.json", result)
     return result
 
 
