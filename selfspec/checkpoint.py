@@ -147,6 +147,18 @@ def fastest_settings(path: str | Path, meta: dict | None = None) -> dict[str, De
                               f"`selfspec eval sweep --write-back`") from None
 
 
+def format_settings(path: str | Path, meta: dict | None = None) -> dict[str, DecodeSettings]:
+    """{constraint kind: settings}: what calls under a constraint of that kind ("json_schema",
+    "regex", "lark") decode with, as a sweep on such prompts stored it (empty without one)."""
+    meta = read_meta(path) if meta is None else meta
+    try:
+        return {kind: DecodeSettings.from_json(entry["settings"])
+                for kind, entry in meta.get("formats", {}).items()}
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{Path(path) / META_FILE}: bad \"formats\" entry ({exc}); re-run "
+                              f"`selfspec eval sweep --prompts json-extract --write-back`") from None
+
+
 def _flat_fastest(entry: dict, own: DecodeSettings) -> DecodeSettings:
     """A "fastest" entry as sweeps wrote it before `DecodeSettings` (flat: drafter, exit_layer,
     num_speculations, vocab, min_ngram; 0 meant "none"), on top of the checkpoint's own settings."""
@@ -264,13 +276,18 @@ def load_tuned(path: str | Path, device: str = "auto", dtype: str = "auto",
     tuned = (Path(path) / META_FILE).is_file()
     meta = read_meta(path) if tuned else {}
     untold = not tuned and settings is None and exit_layer is None and drafter is None
+    told = settings is not None or any(v is not None for v in (exit_layer, num_speculations, drafter,
+                                                                draft_vocab_size, stop_below, min_ngram))
+    # a sweep's settings for constrained calls count only when the caller set nothing
+    formats = format_settings(path, meta) if tuned and not told else {}
     if settings is None:  # the checkpoint's own; a plain model's: copies, or the early exit when told
         settings = (read_settings(path, meta) if tuned
                     else DecodeSettings(drafter="ngram" if untold else "early_exit"))
     settings = settings.override(
         exit_layer=exit_layer, num_speculations=num_speculations, drafter=drafter,
         draft_vocab_size=draft_vocab_size, stop_below=stop_below, min_ngram=min_ngram)
-    counts = token_counts_for(path, settings.draft_vocab_size)
+    counts = token_counts_for(path, max([settings.draft_vocab_size,
+                                         *(s.draft_vocab_size for s in formats.values())]))
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     model = load_causal_lm(str(path), dtype=dtype, device=device).eval()
@@ -281,7 +298,7 @@ def load_tuned(path: str | Path, device: str = "auto", dtype: str = "auto",
     tokenizer = (load_tokenizer(str(path)) if not local or (Path(path) / "tokenizer_config.json").is_file()
                  else None)
     return SelfSpecGenerator(model, tokenizer, settings, token_counts=counts,
-                             exit_adapters=checkpoint_adapters(path, model, meta))
+                             exit_adapters=checkpoint_adapters(path, model, meta), format_settings=formats)
 
 
 def checkpoint_adapters(path: str | Path, model, meta: dict | None = None) -> dict:

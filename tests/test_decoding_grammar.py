@@ -410,3 +410,51 @@ def test_extraction_prompts_are_seeded_and_splits_share_no_record():
     assert not keys["train"] & keys["test"]
     for p in test + train:  # every record is an answer its schema accepts
         jsonschema.validate(p.record, p.schema)
+
+
+def test_a_sweep_on_structured_prompts_stores_the_formats_own_setting(tokenizer, tmp_path):
+    """`sweep --prompts json-extract --write-back` stores its pick under `formats`: calls under a JSON
+    schema decode with it, free calls keep the checkpoint's own, and any setting the caller passes wins."""
+    from selfspec import load_tuned
+    from selfspec.checkpoint import format_settings, read_meta, read_settings, save_tuned
+    from selfspec.evaluation.sweep import write_back_fastest
+
+    model = make_model("llama", tokenizer)
+    own = DecodeSettings(exit_layer=2, num_speculations=3)
+    ckpt = save_tuned(tmp_path / "tuned", model, tokenizer, settings=own)
+    pick = DecodeSettings("ngram", 2, 3)
+    entry = {"settings": pick.to_json(), "speedup": 1.6, "low": 1.4, "high": 1.7, "coverage": 0.94,
+             "drafter": "ngram", "tokens_per_second": 1.0}
+    assert write_back_fastest(str(ckpt), {"best": entry, "fastest_per_drafter": {"ngram": entry},
+                                          "confirmed": [entry]}, tmp_path / "sweep.json", "json_schema")
+    assert read_settings(ckpt) == own and "sweep" not in read_meta(ckpt)
+    assert format_settings(ckpt) == {"json_schema": pick}
+    gen = load_tuned(ckpt)
+    prompt = prompt_ids(tokenizer)
+    constrained = gen.generate([prompt], max_new_tokens=60, json_schema=PERSON)
+    assert constrained.stats.early_exit.drafted == 0 and constrained.stats.forced.accepted > 0  # copies
+    assert gen.generate([prompt], max_new_tokens=12, eos_token_id=[]).stats.early_exit.drafted > 0
+    told = gen.generate([prompt], max_new_tokens=60, json_schema=PERSON, settings=own)
+    assert told.stats.early_exit.drafted > 0 and told.sequences == constrained.sequences
+    assert load_tuned(ckpt, num_speculations=2).format_settings == {}  # a keyword: the caller's setting
+
+
+def test_the_sweep_command_on_json_extract_writes_back_under_formats_only(tokenizer, tmp_path):
+    import json as json_module
+
+    from selfspec.checkpoint import read_meta, read_settings, save_tuned
+    from selfspec.cli import main
+    from selfspec.evaluation.paired import beats_plain
+
+    own = DecodeSettings(exit_layer=2, num_speculations=3)
+    ckpt = save_tuned(tmp_path / "tuned", make_model("llama", tokenizer), tokenizer, settings=own)
+    out = tmp_path / "sweep"
+    assert main(["eval", "sweep", "--model", str(ckpt), "--prompts", "json-extract", "--num-prompts", "1",
+                 "--exit-layers", "2", "--ks", "2", "--drafters", "early_exit,ngram", "--max-new-tokens", "8",
+                 "--repeats", "1", "--warmup", "0", "--confirm-repeats", "2", "--write-back",
+                 "--out", str(out)]) == 0
+    report = json_module.loads((out / "sweep.json").read_text())
+    meta = read_meta(ckpt)
+    # timing decides whether anything beat plain; either way the free-text defaults stay the checkpoint's
+    assert read_settings(ckpt) == own and "sweep" not in meta
+    assert ("json_schema" in meta.get("formats", {})) == any(beats_plain(c) for c in report["confirmed"])

@@ -328,7 +328,9 @@ class SelfSpecGenerator:
         equals the sequence length; fixed_width: run every decoding pass's products and attention
         on a fixed number of rows (`model.fast.fixed_width`; default: for bf16/fp16 models), which
         makes speculative output equal plain output in low precision too (Llama-family blocks;
-        GPT-2's are Hugging Face's own and are not covered).
+        GPT-2's are Hugging Face's own and are not covered); format_settings: {constraint kind:
+        settings}, the default of a `generate` call whose constrained rows all have that kind
+        ("json_schema", "regex", "lark"), as a sweep on such prompts stored it.
     """
 
     def __init__(self, model, tokenizer=None, settings: DecodeSettings | None = None, *,
@@ -336,7 +338,7 @@ class SelfSpecGenerator:
                  draft_vocab_size: int | None = None, stop_below: float | None = None,
                  ngram: NGramConfig | None = None, token_counts=None,
                  exit_adapters: dict | None = None, check_cache: bool = True,
-                 fixed_width: bool | None = None):
+                 fixed_width: bool | None = None, format_settings: dict | None = None):
         self.view = DecoderView(model)
         # bf16/fp16: every decoding pass at one width (`model.fast.fixed_width`), so that a position
         # gets the same rounding alone (plain) as among k + 1 (verification); fp32 needs no help.
@@ -353,6 +355,7 @@ class SelfSpecGenerator:
         self._grammar_tokenizer: GrammarTokenizer | None = None
         self.settings = self.settings_for(settings if ngram is None
                                           else dataclasses.replace(settings, ngram=ngram))
+        self.format_settings = {kind: self.settings_for(s) for kind, s in (format_settings or {}).items()}
 
     @property
     def model(self):
@@ -667,6 +670,9 @@ class SelfSpecGenerator:
         wall = time.perf_counter()
         prompts = self._prompts(input_ids, attention_mask)
         constraints = constraints_for_rows(len(prompts), json_schema, regex, grammar)
+        kinds = {c.kind for c in constraints or () if c is not None}
+        if settings is None and len(kinds) == 1 and kinds <= self.format_settings.keys():
+            settings = self.format_settings[kinds.pop()]  # the format's own fastest
         sampling = SamplingParams(temperature, top_k, top_p)
         settings, policy = self._resolve(settings, drafter, num_speculations)
         policy.start(prompts)

@@ -30,7 +30,14 @@ import dataclasses
 import statistics
 from pathlib import Path
 
-from ..checkpoint import META_FILE, checkpoint_adapters, resolve_settings, write_settings
+from ..checkpoint import (
+    META_FILE,
+    checkpoint_adapters,
+    read_meta,
+    resolve_settings,
+    update_meta,
+    write_settings,
+)
 from ..config import parse_layers
 from ..decoding import ADAPTIVE_K, DRAFTERS, DecodeSettings, SelfSpecGenerator
 from ..decoding.settings import FIELDS
@@ -417,9 +424,6 @@ def sweep(model: str, *, exit_layers: str | list[int] | None = None, ks="1,2,3,4
     has_meta = (Path(model) / META_FILE).is_file()
     if write_back and not has_meta:
         raise UserError(f"--write-back needs a tuned checkpoint: {model} has no {META_FILE}")
-    if write_back and prompts == JSON_EXTRACT:
-        raise UserError("--write-back stores the fastest setting for free text; a structured format's "
-                        "own fastest is not stored yet, so sweep --prompts json-extract without it")
     check_drafters(drafters, draft_vocab_sizes, min_ngrams, counts)  # before loading anything
     if num_prompts < 1 or repeats < 1 or max_new_tokens < 1:
         raise UserError(f"--num-prompts ({num_prompts}), --repeats ({repeats}) and --max-new-tokens "
@@ -446,14 +450,19 @@ def sweep(model: str, *, exit_layers: str | list[int] | None = None, ks="1,2,3,4
     report.update(model=model, prompts_from=", ".join(filter(None, (suites, questions))) or prompts or corpus)
     publish(out, "sweep", report, to_markdown(report), plot)
     if write_back:
-        write_back_fastest(model, report, Path(out) / "sweep.json")
+        write_back_fastest(model, report, Path(out) / "sweep.json",
+                           constraint_kind="json_schema" if prompts == JSON_EXTRACT else None)
     return report
 
 
-def write_back_fastest(model_dir: str, report: dict, report_path: Path) -> bool:
+def write_back_fastest(model_dir: str, report: dict, report_path: Path,
+                       constraint_kind: str | None = None) -> bool:
     """Record the sweep's fastest re-timed setting in the checkpoint's selfspec.json, only when it is
     lossless and beats plain decoding by more than the noise (`beats_plain`; else the checkpoint
-    keeps its own), with each drafter's fastest that does beside it. Returns whether it wrote."""
+    keeps its own), with each drafter's fastest that does beside it. Returns whether it wrote.
+    constraint_kind: the prompts decoded under constraints of that kind ("json_schema", ...): the
+    setting goes under `formats` instead, the default of calls under such a constraint
+    (`checkpoint.format_settings`), and the checkpoint's own defaults stay."""
     entries = (report["best"], *report["fastest_per_drafter"].values())
     rows = report.get("confirmed") or [entry for entry in entries if entry]
     best, fastest = select_fastest([row for row in rows if beats_plain(row)])
@@ -461,10 +470,16 @@ def write_back_fastest(model_dir: str, report: dict, report_path: Path) -> bool:
         print(f"{model_dir}/{META_FILE} left as it is: no lossless setting beat plain decoding by more than "
               f"the noise of its repeats")
         return False
-    write_settings(model_dir, DecodeSettings.from_json(best["settings"]), fastest=fastest,
-                   sweep={"speedup": best["speedup"], "interval": [best["low"], best["high"]],
-                          "coverage": best["coverage"], "report": str(report_path),
-                          "prompts_from": report.get("prompts_from")})
+    record = {"speedup": best["speedup"], "interval": [best["low"], best["high"]],
+              "coverage": best["coverage"], "report": str(report_path),
+              "prompts_from": report.get("prompts_from")}
+    if constraint_kind is not None:
+        formats = {**read_meta(model_dir).get("formats", {}),
+                   constraint_kind: {"settings": best["settings"], **record, "fastest": fastest}}
+        update_meta(model_dir, formats=formats)
+        print(f"{model_dir}/{META_FILE}: under a {constraint_kind} constraint, {_describe(best)}")
+        return True
+    write_settings(model_dir, DecodeSettings.from_json(best["settings"]), fastest=fastest, sweep=record)
     print(f"{model_dir}/{META_FILE}: {_describe(best)}")
     return True
 
