@@ -260,9 +260,10 @@ def load_tuned(path: str | Path, device: str = "auto", dtype: str = "auto",
 
     A tuned checkpoint decodes with `settings`, by default its own (what `selfspec eval sweep
     --write-back` stored), and calls under a constraint with its `formats` entry for that kind when
-    the caller sets nothing (`format_settings`). Any other Hugging Face causal LM (a directory without selfspec.json, or a
-    hub id) loads too: it decodes with `settings` or the keywords, else with copies from the context
-    (the drafter that is never slower than plain decoding), and a warning says so. The keywords
+    the caller sets nothing (`format_settings`). Any other Hugging Face causal LM (a directory
+    without selfspec.json, or a hub id) loads too: it decodes with `settings` or the keywords, else
+    with copies from the context (the drafter that is never slower than plain decoding), and a
+    warning says so. The keywords
     override single fields (None keeps them; draft_vocab_size 0: the whole head). device: "auto" is
     CUDA when there is one, else the CPU.
     """
