@@ -42,7 +42,7 @@ from ..config import parse_layers
 from ..decoding import ADAPTIVE_K, DRAFTERS, DecodeSettings, SelfSpecGenerator
 from ..decoding.settings import FIELDS
 from ..errors import UserError
-from ..metrics import predicted_speedup
+from ..metrics import break_even_acceptance, predicted_speedup
 from ..model import DecoderView
 from ..model import num_layers as count_layers
 from .benchmark import (
@@ -234,6 +234,25 @@ def run_sweep(model, prompts: list[list[int]], exit_layers: list[int], ks: list,
             "all_identical_to_plain": len(lossless) == len(grid)}
 
 
+def break_even_line(early: list[dict], per_exit: dict) -> str | None:
+    """One line on the fastest early-exit cell of the table (a fixed k): its α against the α it needs
+    at its exit's c and its own measured v (`metrics.break_even_acceptance`), as `selfspec doctor`
+    reads them. None when no such cell has costs."""
+    cells = [row for row in early if isinstance(row["num_speculations"], int)
+             and row["verify_cost"] == row["verify_cost"]]
+    if not cells:
+        return None
+    row = max(cells, key=lambda r: r["speedup"])
+    k = row["num_speculations"]
+    c = per_exit[str(row["exit_layer"])][str(row["draft_vocab_size"])]["draft_cost"]
+    need = break_even_acceptance({k: 1}, c, row["verify_cost"])
+    needs = f"break even at α ≥ {need:.2f}" if need == need else "cannot pay at any α"
+    return (f"The early exit's fastest cell (E = {row['exit_layer']}, k = {k}, {row['speedup']:.2f}×): α "
+            f"{row['acceptance_rate']:.2f}; at c = {c:.2f} and v = {row['verify_cost']:.2f} its drafts alone "
+            f"{needs} against plain decoding (free drafts, a grammar's forced tokens, come on top; "
+            f"`selfspec doctor` goes through the rest of the checklist).")
+
+
 def _in_table(row: dict, stop_below: float) -> bool:
     """An early-exit setting of the (E, V') x k table: the one η the table shows (others are listed)."""
     return row["drafter"] == "early_exit" and row["num_speculations"] != 0 and row["stop_below"] == stop_below
@@ -314,6 +333,9 @@ def to_markdown(report: dict) -> str:
         lines += ["", f"Measured ÷ predicted, median over the cells: {ratio:.2f}; "
                       f"a verification costs {min(costs, default=float('nan')):.2f}-"
                       f"{max(costs, default=float('nan')):.2f} plain steps."]
+        verdict = break_even_line(early, report["per_exit_layer"])
+        if verdict:
+            lines += ["", verdict]
     best = report["best"]
     fastest = "none (no output matched plain decoding)" if best is None else (
         f"{_describe(best)}: **{best['speedup']:.2f}×** plain decoding "
