@@ -174,7 +174,6 @@ class _Batch:
     exit_layer: int  # E of this call's early exit
     head: DraftHead  # its draft head (trimmed to V', behind an MLP exit adapter, or the model's own)
     exit_block: object  # the attending exit adapter the drafts read (`ExitBlock`, KV at layers N..), or None
-    compiled: bool  # greedy: the verification may run in one compiled call
     loop_head: tuple | None  # the head as the compiled draft loop reads it (`DraftHead.tensors`), or None
     stop_below: float  # η: stop a round's early-exit drafts when no row's top draft probability reaches it
     grammar: GrammarBatch | None  # the rows' grammars (structured output), or None
@@ -580,7 +579,7 @@ class SelfSpecGenerator:
         if b.grammar is not None:  # (B, k+1, V): the grammar's masks at each drafted prefix
             allowed = b.grammar.verification_masks(draft.host_tokens())
             b.lap("grammar")
-        if b.compiled:
+        if b.sampling.greedy:  # the verification may run in one compiled call
             out = self._verify_compiled(b, draft, done, allowed)
             if out is not None:
                 b.lap("verification pass")
@@ -809,12 +808,10 @@ class SelfSpecGenerator:
         device, rows = self.view.device, len(prompts)
         exit_block = self.exit_block(settings)
         head = self.draft_head(settings)
-        compiled = sampling.greedy
         extra_layers = 0 if exit_block is None else exit_block.cache_layers
         b = _Batch(cache=KVCache(self.view.num_layers + extra_layers, rows, capacity),
                    sampling=sampling, exit_layer=settings.exit_layer, head=head, exit_block=exit_block,
-                   compiled=compiled,
-                   loop_head=(head.tensors() if compiled and grammars is None and exit_block is None
+                   loop_head=(head.tensors() if sampling.greedy and grammars is None and exit_block is None
                               and not settings.is_plain else None),
                    stop_below=settings.stop_below, grammar=grammars, forced=forced,
                    steps=torch.arange(capacity, device=device), rows=np.arange(rows),

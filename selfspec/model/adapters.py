@@ -165,19 +165,19 @@ class LlamaFamilyAdapter(Adapter):
         return None
 
     def draft_loop(self, exit_layer, token, cache, positions, head, k, eta):
-        angles = self._round_angles(0, exit_layer, cache, positions)
-        if angles is None:
+        place = self._round_place(0, exit_layer, cache, positions)
+        if place is None:
             return None
         embedding = self.model.model.embed_tokens
-        return self.fast.draft_loop(exit_layer, embedding, token, cache, *angles, head, k, eta)
+        return self.fast.draft_loop(exit_layer, embedding, token, cache, *place, head, k, eta)
 
     def verify_greedy(self, start, end, hidden, tokens, cache, positions, drafts, allowed=None):
-        angles = self._round_angles(start, end, cache, positions)
-        if angles is None:
+        place = self._round_place(start, end, cache, positions)
+        if place is None:
             return None
         embedding = self.model.model.embed_tokens
         mask_value = torch.finfo(embedding.weight.dtype).min  # `DecoderView._mask`'s
-        return self.fast.verify_greedy(start, end, embedding, hidden, tokens, cache, *angles, mask_value,
+        return self.fast.verify_greedy(start, end, embedding, hidden, tokens, cache, *place, mask_value,
                                        drafts, allowed)
 
     def _rope_rows(self, hidden, max_position: int) -> tuple:
@@ -192,11 +192,11 @@ class LlamaFamilyAdapter(Adapter):
             table = self._rope_table = (cos[0], sin[0])
         return table
 
-    def _round_angles(self, start: int, end: int, cache, positions):
-        """The rotary cos, sin (B, T, hd) of a compiled round call over blocks [start, end) at
-        `positions` (B, T), or None where the call does not apply: no fast blocks, rows at different
-        slots or a layer without a buffer yet (`KVCache.slot_buffers`), or an attention window that
-        cuts a slot (the calls attend causally to every slot, with no window)."""
+    def _round_place(self, start: int, end: int, cache, positions):
+        """Where a compiled round call over blocks [start, end) at `positions` (B, T) writes and
+        attends: (the cache's `slot_buffers`, the rotary cos, sin (B, T, hd)), or None where the call
+        does not apply: no fast blocks, rows at different slots or a layer without a buffer yet, or an
+        attention window that cuts a slot (the calls attend causally to every slot, with no window)."""
         slots = cache.slot_buffers(start, end) if hasattr(cache, "slot_buffers") else None
         if slots is None or not self._use_fast():
             return None
@@ -205,11 +205,11 @@ class LlamaFamilyAdapter(Adapter):
             return None
         weight = self.model.model.embed_tokens.weight
         if self._rope_per_call:
-            return self.block_extras(weight[:1, None], positions, last)["position_embeddings"]
+            return slots, *self.block_extras(weight[:1, None], positions, last)["position_embeddings"]
         # every row at slots first .. last: rows of the table, sliced (the positions' own values)
         batch, first = positions.shape[0], slots[2]
         cos, sin = self._rope_rows(weight[:1, None], last)
-        return cos[first:last + 1].expand(batch, -1, -1), sin[first:last + 1].expand(batch, -1, -1)
+        return slots, cos[first:last + 1].expand(batch, -1, -1), sin[first:last + 1].expand(batch, -1, -1)
 
     def call_layer(self, layer, hidden, mask, cache, extras):
         if self._use_fast():  # an exit block: the model's own blocks took the branch above

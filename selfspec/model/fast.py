@@ -492,20 +492,22 @@ class FastLlamaBlocks:
             cache.written(start, end)
         return out
 
-    def draft_loop(self, exit_layer: int, embedding: nn.Module, token: torch.Tensor, cache, cos: torch.Tensor,
-                   sin: torch.Tensor, head: tuple, k: int, eta: float):
+    def draft_loop(self, exit_layer: int, embedding: nn.Module, token: torch.Tensor, cache, slots: tuple,
+                   cos: torch.Tensor, sin: torch.Tensor, head: tuple, k: int, eta: float):
         """Greedy early-exit drafts in one compiled call (`kernels.draft_loop`): from `token` (B,) at
         the cache's announced first slot, k steps of blocks [0, E) (the cache written), the final norm,
-        the draft head and the argmax, ending early below η (`eta`; 0: never). cos, sin (B, k + 1, hd):
+        the draft head and the argmax, ending early below η (`eta`; 0: never). slots: the cache's
+        `slot_buffers(0, exit_layer)` (every row at the same slots); cos, sin (B, k + 1, hd):
         the rotary of the k + 1 slots; head: (weight (V', D), bias or None, ids (V',) of a trimmed head
         or None, V). Returns (drafts (B, s), exit states (B, s + 1, D)), the cache holding the s + 1
         inputs at layers [0, E); or None, nothing computed, where it does not apply (see `_round_call`).
         `embedding`: the model's token embedding."""
         weight, bias, ids, vocab = head
-        call = self._round_call(kernels.draft_loop, 0, exit_layer, embedding, cache, cos, sin, (weight, bias))
+        call = self._round_call(kernels.draft_loop, 0, exit_layer, embedding, cos, sin, (weight, bias))
         if call is None:
             return None
-        made, blocks, embed, (keys, values, first, _), cos, sin = call
+        made, blocks, embed, cos, sin = call
+        keys, values, first, _ = slots
         out = made(blocks, embed, token, keys, values, first, cos, sin, self.head[0], self.head[1], weight,
                    bias, ids, vocab, k, eta)
         if not out:
@@ -515,21 +517,23 @@ class FastLlamaBlocks:
         return drafts, hidden
 
     def verify_greedy(self, start: int, end: int, embedding: nn.Module, hidden: torch.Tensor | None,
-                      tokens: torch.Tensor | None, cache, cos: torch.Tensor, sin: torch.Tensor,
+                      tokens: torch.Tensor | None, cache, slots: tuple, cos: torch.Tensor, sin: torch.Tensor,
                       mask_value: float, drafts: torch.Tensor, allowed: torch.Tensor | None = None):
         """Greedy verification in one compiled call (`kernels.verify_greedy`): blocks [start, end) on T
         positions at the cache's announced slots (the cache written), with causal attention over them,
         the final norm and LM head, the argmax and the accepted prefix of `drafts` (B, T - 1). The input:
-        `hidden` (B, T, D), or `tokens` (B, T) embedded (start = 0). mask_value: what the engine's mask
+        `hidden` (B, T, D), or `tokens` (B, T) embedded (start = 0). slots: the cache's
+        `slot_buffers(start, end)`; cos, sin (B, T, hd). mask_value: what the engine's mask
         holds where a query may not look (its dtype's lowest). allowed: a grammar's masks (B, T, V)
         bool, applied to the target's logits as `grammar.apply_mask` does. Returns decided (B, T + 1):
         the tokens (B, T) then the accepted count, as `sampling.accept_greedy` gives them; or None,
         nothing computed, where it does not apply."""
-        call = self._round_call(kernels.verify_greedy, start, end, embedding, cache, cos, sin,
+        call = self._round_call(kernels.verify_greedy, start, end, embedding, cos, sin,
                                 (self.head[2], self.head[3]))
         if call is None:
             return None
-        made, blocks, embed, (keys, values, first, _), cos, sin = call
+        made, blocks, embed, cos, sin = call
+        keys, values, first, _ = slots
         out = made(blocks, hidden, tokens, embed, keys, values, first, cos, sin, mask_value, self.head[0],
                    self.head[1], self.head[2], self.head[3], drafts, allowed)
         if not out:
@@ -537,14 +541,14 @@ class FastLlamaBlocks:
         cache.written(start, end)
         return out[0]
 
-    def _round_call(self, accessor, start: int, end: int, embedding: nn.Module, cache, cos: torch.Tensor,
+    def _round_call(self, accessor, start: int, end: int, embedding: nn.Module, cos: torch.Tensor,
                     sin: torch.Tensor, head: tuple):
-        """What a compiled round call (`draft_loop`, `verify_greedy`) over blocks [start, end) needs:
-        (the compiled function, the blocks as the kernels' objects, the embedding table, the cache's
-        `slot_buffers`, cos and sin (B, T, hd) contiguous), or None where it does not apply: the kernels
-        off or missing (`_DRAFT_LOOP`, `_compiled`), autograd on, an embedding that is not a plain
-        lookup (`nn.Embedding` without hooks), no plain final norm + LM head, a head tensor not in the
-        model's dtype, angles not in it, rows at different slots, a layer without a buffer yet."""
+        """What a compiled round call (`draft_loop`, `verify_greedy`) over blocks [start, end) needs
+        besides the cache's slots: (the compiled function, the blocks as the kernels' objects, the
+        embedding table, cos and sin (B, T, hd) contiguous), or None where it does not apply: the
+        kernels off or missing (`_DRAFT_LOOP`, `_compiled`), autograd on, an embedding that is not a
+        plain lookup (`nn.Embedding` without hooks), no plain final norm + LM head, a head tensor not
+        in the model's dtype, angles not in it."""
         compiled = self._compiled()
         made = accessor() if _DRAFT_LOOP and compiled is not None else None
         if embedding not in self._lookup:  # checked once per module, as the blocks are at `build`
@@ -556,10 +560,7 @@ class FastLlamaBlocks:
                 or any(t is not None and (t.dtype != embed.dtype or not t.is_contiguous())
                        for t in (*head, self.head[0]))):
             return None
-        slots = cache.slot_buffers(start, end) if hasattr(cache, "slot_buffers") else None
-        if slots is None:
-            return None
-        return made, compiled[0][start:end], embed, slots, cos.contiguous(), sin.contiguous()
+        return made, compiled[0][start:end], embed, cos.contiguous(), sin.contiguous()
 
     def _compiled(self):
         """`(the blocks as the kernels' Block objects, blocks_pass)`, the objects built once per extension
