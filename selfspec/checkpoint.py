@@ -106,7 +106,7 @@ def read_meta(path: str | Path) -> dict:
     meta_path = Path(path) / META_FILE
     if not meta_path.is_file():
         raise CheckpointError(f"{str(path)!r} has no {META_FILE}; "
-                              f"pass a directory written by train/finetune.py "
+                              f"pass a directory written by `selfspec train` "
                               f"or use SelfSpecGenerator(model, tokenizer, exit_layer=E) for other models")
     try:
         meta = json.loads(meta_path.read_text())

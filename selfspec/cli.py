@@ -2,6 +2,9 @@
 called with keywords (the table in `_parser`). The functions live where their work does.
 
     selfspec demo                                  # the whole pipeline on the embedded default
+    selfspec recipes                               # the shipped training recipes
+    selfspec pretrain --config embedded_base       # the embedded default's base model
+    selfspec train --config demo_finetune          # layer dropout + early-exit losses (a recipe or a YAML)
     selfspec layers runs/base/model                # per-exit-layer agreement table (test split)
     selfspec eval gate --tuned runs/demo/model --base runs/base/model
     selfspec eval speedup --model runs/demo/model  # α, draft cost, tokens/s, speedups vs plain and HF
@@ -22,10 +25,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from . import commands, demo
+from . import commands, demo, recipes
 from .decoding import DRAFTERS
 from .errors import UserError
 from .evaluation import benchmark, doctor, roofline, suite, sweep
+from .training import commands as training
 
 
 def _generate(prompt: str | None, prompts: str | None, no_eos: bool, eos, no_stream: bool, model: str,
@@ -35,6 +39,35 @@ def _generate(prompt: str | None, prompts: str | None, no_eos: bool, eos, no_str
         raise UserError("pass one prompt or --prompts FILE (not both, not neither)")
     batch = [prompt] if prompts is None else commands.read_prompt_file(prompts)
     return commands.generate(model, batch, eos=[] if no_eos else eos, stream=not no_stream, **rest)
+
+
+def _recipes(path: str | None) -> None:
+    """`selfspec recipes`: each shipped recipe's name and purpose, or (--path NAME) one recipe's file."""
+    if path is not None:
+        found = recipes.find(path)
+        if found is None:
+            near = recipes.closest(path)
+            hint = f" (did you mean {' or '.join(near)}?)" if near else ""
+            raise UserError(f"no shipped recipe is named {path!r}{hint}; `selfspec recipes` lists them")
+        print(found)
+        return
+    shipped = recipes.shipped()
+    width = max(len(r.name) for r in shipped)
+    for recipe in shipped:
+        print(f"{recipe.name:<{width}}  {recipe.purpose}")
+    print("\nselfspec train --config NAME (or a YAML file of your own; `selfspec recipes --path NAME` "
+          "prints a recipe's file to copy)")
+
+
+def _recipe_flags(p, default: str) -> None:
+    """A training command's recipe, its overrides and where its run goes."""
+    p.add_argument("--config", default=default,
+                   help=f"a shipped recipe's name (`selfspec recipes`) or a YAML file (default {default})")
+    p.add_argument("overrides", nargs="*", help="field overrides such as optim.max_steps=100")
+    p.add_argument("--output-dir", default=None, help="the run's directory (default: the recipe's "
+                                                      "output_dir, under ./runs)")
+    p.add_argument("--resume", action="store_true", help="continue from the last saved state in the run")
+    p.add_argument("--force", action="store_true", help="replace a previous run in the output directory")
 
 
 def _constraint_flags(p) -> None:
@@ -139,6 +172,19 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], argparse.A
     p.add_argument("--force", action="store_true", help="retrain even when a cached model matches")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt in the benchmark")
     p.add_argument("--repeats", type=int, default=3, help="benchmark repeats (median)")
+
+    p = command(("recipes",), sub, _recipes, help="the shipped training recipes, each with its purpose")
+    p.add_argument("--path", default=None, metavar="NAME",
+                   help="print this recipe's file (e.g. accelerate/ddp)")
+
+    p = command(("pretrain",), sub, training.pretrain,
+                help="pretrain a base model (the embedded default); reused when trained with the same config")
+    _recipe_flags(p, "embedded_base")
+
+    p = command(("train",), sub, training.finetune,
+                help="self-speculative fine-tune: layer dropout and early-exit losses "
+                     "(also under `accelerate launch -m selfspec train`)")
+    _recipe_flags(p, "demo_finetune")
 
     p = command(("import-gguf",), sub, commands.import_gguf,
                 help="dequantise a .gguf file (or a package shipping one) into a model dir")

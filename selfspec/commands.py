@@ -17,13 +17,15 @@ from .files import write_json_atomic
 
 
 def eval_blocks(model_dir: str, source: str = "stdlib", split: str = "test", block_size: int = 256,
-                max_blocks: int | None = 64, cache_dir: str = "data/generated",
+                max_blocks: int | None = 64, cache_dir: str | None = None,
                 tokenizer_dir: str | None = None):
     """Held-out blocks of `split`, tokenized with the model's tokenizer: (input_ids (n, block_size),
     target_mask (n, block_size) for chat data, where only the assistant tokens count, else None)."""
     from . import data
+    from .cache import cache_dir as user_cache_dir
     from .model.loading import load_tokenizer
 
+    cache_dir = cache_dir or user_cache_dir()
     tokenizer = load_tokenizer(tokenizer_dir or model_dir)
     corpus = data.load_corpus(source, cache_dir=cache_dir)
     if split not in corpus:

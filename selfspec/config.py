@@ -6,7 +6,7 @@ so a section built in Python is checked too. Every error is a one-line `ConfigEr
 field (dotted from the top of the file), the bad value and what is allowed (an unknown key also
 names the closest valid one).
 
-    cfg = load_config("configs/demo_finetune.yaml", ["optim.max_steps=100", "early_exit.layers=2:8:2"])
+    cfg = load_config("demo_finetune", ["optim.max_steps=100", "early_exit.layers=2:8:2"])
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from typing import Any, Literal
 
 import yaml
 
+from . import recipes
+from .cache import cache_dir
 from .errors import UserError
 
 
@@ -155,8 +157,9 @@ class DataConfig:
     directory, or a datasets hub name (where a network exists)."""
     text_field: str = "text"
     """Column that holds the text."""
-    cache_dir: str = "data/generated"
-    """Where built corpora and the embedded tokenizer are stored and reused."""
+    cache_dir: str | None = None
+    """Where built corpora, the embedded tokenizer, packed blocks and exit features are stored and
+    reused (default: the user cache directory, `selfspec.cache`)."""
     tokenizer_vocab_size: int = 4096
     """Vocabulary size when the embedded tokenizer has to be trained."""
     block_size: int = 256
@@ -175,6 +178,11 @@ class DataConfig:
         _check(self.block_size >= 2, "block_size", self.block_size, "it must be >= 2")
         _check(self.tokenizer_vocab_size >= 260, "tokenizer_vocab_size", self.tokenizer_vocab_size,
                "it must be >= 260 (256 bytes plus merges and the end-of-text token)")
+
+    @property
+    def cache_path(self) -> Path:
+        """`cache_dir`, or the user cache directory when it is unset."""
+        return Path(self.cache_dir) if self.cache_dir else cache_dir()
 
 
 @dataclass
@@ -434,13 +442,25 @@ def _yaml(text: str):
 def load_config(path: str | Path | None, overrides: list[str] = (), schema: type[T] = RunConfig) -> T:
     """Read a YAML file (or start from defaults when None), apply `a.b=value` overrides, validate.
 
-    A file may start from another: `base: other.yaml` (a path relative to the file) loads that one
-    first, and this file's fields replace its fields, section by section.
+    `path` is a file, or the name of a shipped recipe (`selfspec.recipes`: `demo_finetune`). A file
+    may start from another: `base: other.yaml` (a path relative to the file) loads that one first,
+    and this file's fields replace its fields, section by section.
     """
-    data = _read_yaml(Path(path)) if path is not None else {}
+    data = _read_yaml(_recipe_file(path)) if path is not None else {}
     for item in overrides:
         _apply_override(data, item)
     return from_dict(schema, data)
+
+
+def _recipe_file(path: str | Path) -> Path:
+    """The YAML file `--config` names: a path, or a shipped recipe's name."""
+    found = recipes.find(path)
+    if found is None:
+        near = recipes.closest(str(path))
+        hint = f" (did you mean {' or '.join(near)}?)" if near else ""
+        raise ConfigError(f"config {str(path)!r} is neither a file nor a shipped recipe{hint}; pass a YAML "
+                          f"file, or a name that `selfspec recipes` lists")
+    return found
 
 
 def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict:

@@ -16,9 +16,9 @@ from .decoding import DRAFTERS
 from .evaluation.benchmark import speedup
 from .evaluation.sweep import sweep
 
-DEFAULT_BASE_CONFIG = "configs/embedded_base.yaml"
-DEFAULT_FINETUNE_CONFIG = "configs/demo_finetune.yaml"
-SMOLLM2_FINETUNE_CONFIG = "configs/smollm2-135m_cpu.yaml"
+DEFAULT_BASE_CONFIG = "embedded_base"
+DEFAULT_FINETUNE_CONFIG = "demo_finetune"
+SMOLLM2_FINETUNE_CONFIG = "smollm2-135m_cpu"
 
 
 def run(smollm2: bool = False, base_config: str = DEFAULT_BASE_CONFIG, finetune_config: str | None = None,

@@ -16,7 +16,6 @@ from selfspec.cli import main
 from selfspec.config import ConfigError
 from selfspec.decoding import DecodeSettings, SelfSpecGenerator
 from selfspec.training.loop import train
-from selfspec.training.recipe import parse_recipe_args
 
 
 @pytest.fixture
@@ -104,35 +103,35 @@ def test_missing_tokenizer(tiny_run, tmp_path, capsys):
 
 
 # --------------------------------------------------------------------------------------------------
-# Recipes: `python train/finetune.py --config ... a.b=value` and the loop they run
+# Recipes: `selfspec train --config ... a.b=value` and the loop it runs
 # --------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("argv, message", [
-    (["--config", "configs/missing.yaml"], "config file 'configs/missing.yaml' does not exist"),
-    (["--config", "configs/demo_finetune.yaml", "optim.lrr=1"], "did you mean 'optim.lr'"),
-    (["--config", "configs/demo_finetune.yaml", "optim.lr=-1"],
+    (["--config", "my/missing.yaml"], "config 'my/missing.yaml' is neither a file nor a shipped recipe"),
+    (["--config", "demo_finetun"], "did you mean demo_finetune?"),
+    (["--config", "demo_finetune", "optim.lrr=1"], "did you mean 'optim.lr'"),
+    (["--config", "demo_finetune", "optim.lr=-1"],
      "optim.lr = -1.0 is not allowed; it must be > 0"),
-    (["--config", "configs/demo_finetune.yaml", "exit_layer=0"], "exit_layer = 0 is not allowed"),
-    (["--config", "configs/demo_finetune.yaml", "trainable=some"], "choose one of 'all', 'draft', 'adapter'"),
-    (["--config", "configs/demo_finetune.yaml", "early_exit.layers=null", "choose_exit=true"],
+    (["--config", "demo_finetune", "exit_layer=0"], "exit_layer = 0 is not allowed"),
+    (["--config", "demo_finetune", "trainable=some"], "choose one of 'all', 'draft', 'adapter'"),
+    (["--config", "demo_finetune", "early_exit.layers=null", "choose_exit=true"],
      "it picks among the candidate exits: set early_exit.layers"),
-    (["--config", "configs/smollm2-135m_adapter.yaml", "layer_dropout.p_max=0.2"],
+    (["--config", "smollm2-135m_adapter", "layer_dropout.p_max=0.2"],
      "layer dropout would change"),
-    (["--config", "configs/smollm2-135m_adapter.yaml", "lora.enabled=true"], "a LoRA on them cannot train"),
-    (["--config", "configs/smollm2-135m_adapter.yaml", "early_exit.kind=ce"],
+    (["--config", "smollm2-135m_adapter", "lora.enabled=true"], "a LoRA on them cannot train"),
+    (["--config", "smollm2-135m_adapter", "early_exit.kind=ce"],
      "cached features hold the teacher, not the data's labels"),
-    (["--config", "configs/smollm2-135m_adapter.yaml", "adapter_kind=attention"],
+    (["--config", "smollm2-135m_adapter", "adapter_kind=attention"],
      "choose one of 'mlp', 'block'"),
-    (["--config", "configs/smollm2-135m_adapter.yaml", "adapter_blocks=0"],
+    (["--config", "smollm2-135m_adapter", "adapter_blocks=0"],
      "adapter_blocks = 0 is not allowed"),
-    (["--config", "configs/demo_finetune.yaml", "early_exit.draft_vocab_size=0"], "draft_vocab_size = 0"),
+    (["--config", "demo_finetune", "early_exit.draft_vocab_size=0"], "draft_vocab_size = 0"),
 ])
-def test_recipe_config_mistakes_exit_with_one_line(monkeypatch, capsys, argv, message):
-    monkeypatch.chdir(__import__("pathlib").Path(__file__).resolve().parents[1])
-    with pytest.raises(SystemExit) as info:
-        parse_recipe_args("test", "configs/demo_finetune.yaml", argv)
-    assert str(info.value).startswith("error: ") and message in str(info.value)
-    assert "\n" not in str(info.value)
+def test_recipe_config_mistakes_exit_with_one_line(monkeypatch, tmp_path, capsys, argv, message):
+    monkeypatch.chdir(tmp_path)  # shipped recipes are found by name from any directory
+    assert main(["train", *argv]) == 2
+    assert message in one_error_line(capsys)
+    assert not any(tmp_path.iterdir())  # nothing written
 
 
 def run_config(tiny_run, out, *extra):

@@ -1,9 +1,9 @@
 """The config schema: YAML loading, a.b=value overrides, and one-line errors that say how to fix them."""
 
-from pathlib import Path
 
 import pytest
 
+from selfspec import recipes
 from selfspec.config import (
     ArchConfig,
     ConfigError,
@@ -17,7 +17,7 @@ from selfspec.config import (
     to_dict,
 )
 
-CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+CONFIGS = sorted(recipes.RECIPE_DIR.glob("*.yaml"))  # the shipped training recipes
 
 
 def write(tmp_path, text, name="c.yaml"):
@@ -113,7 +113,7 @@ def test_a_valid_section_built_in_python_is_accepted():
 
 
 def test_missing_and_malformed_files(tmp_path):
-    with pytest.raises(ConfigError, match="does not exist"):
+    with pytest.raises(ConfigError, match="is neither a file nor a shipped recipe"):
         load_config(tmp_path / "nope.yaml")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(write(tmp_path, "optim: [unclosed\n"))
@@ -151,14 +151,11 @@ def test_base_errors_name_the_file(tmp_path):
 
 
 def test_the_real_model_recipes_apply_layer_dropout_and_candidate_exits():
-    from pathlib import Path
-
     from selfspec.config import parse_layers
 
-    configs = Path(__file__).resolve().parents[1] / "configs"
     for name, layers in (("llama3.2-1b_full", 16), ("tinyllama-1.1b_full", 22), ("qwen2.5-0.5b_lora", 24),
                          ("qwen2.5-1.5b_lora", 28), ("smollm2-135m_chat", 30), ("smollm2-135m_cpu", 30)):
-        cfg = load_config(configs / f"{name}.yaml")
+        cfg = load_config(name)
         candidates = parse_layers(cfg.early_exit.layers, layers)
         assert len(candidates) >= 4 and layers // 3 in candidates and cfg.choose_exit, name
         assert 0.15 <= cfg.layer_dropout.p_max <= 0.25 and cfg.layer_dropout.depth_curve == "exp", name
@@ -171,11 +168,8 @@ def test_the_real_model_recipes_apply_layer_dropout_and_candidate_exits():
 def test_the_adapter_recipes_train_an_exit_block_on_cached_features():
     """The CPU adapter recipe and its GPU counterpart keep the shape measured best on SmolLM2: a copy of
     the last block, the frozen model's next token as the target, features computed once."""
-    from pathlib import Path
-
-    configs = Path(__file__).resolve().parents[1] / "configs"
     for name, layers in (("smollm2-135m_adapter", 30), ("qwen2.5-1.5b-instruct_adapter", 28)):
-        cfg = load_config(configs / f"{name}.yaml")
+        cfg = load_config(name)
         assert (cfg.trainable, cfg.adapter_kind, cfg.cache_features) == ("adapter", "block", True), name
         assert cfg.adapter_init_layer == layers - 1 and cfg.layer_dropout.p_max == 0.0, name
         ee = cfg.early_exit

@@ -4,8 +4,6 @@ No timing is asserted: only that the figures are there and consistent.
 """
 
 import json
-import runpy
-import sys
 from pathlib import Path
 
 import pytest
@@ -102,20 +100,16 @@ def test_batched_benchmark_decodes_rows_together():
         run_benchmark(model, prompts, DecodeSettings(exit_layer=3), batch_size=2, methods=METHODS)
 
 
-def test_benchmark_script_end_to_end(tiny_run, tmp_path, monkeypatch):
-    """eval/benchmark_speedup.py is `selfspec eval speedup`: the same flags, the same function."""
-    script = ROOT / "eval" / "benchmark_speedup.py"
-    assert "python eval/benchmark_speedup.py" in script.read_text()
+def test_eval_speedup_end_to_end(tiny_run, tmp_path):
+    """`selfspec eval speedup`: the flags reach the benchmark, the report is written."""
+    from selfspec.cli import main
+
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps(["def f(x):", [5, 6, 7]]))
-    monkeypatch.setattr(sys, "argv", [str(script), "--model", str(tiny_run["model"]), "--exit-layer", "2",
-                                      "--num-speculations", "auto", "--prompts", str(prompts),
-                                      "--max-new-tokens", "6", "--repeats", "1", "--warmup", "0",
-                                      "--methods", "plain,early_exit,hf_greedy",
-                                      "--out", str(tmp_path / "out")])
-    with pytest.raises(SystemExit) as exit_:
-        runpy.run_path(str(script), run_name="__main__")
-    assert exit_.value.code == 0
+    assert main(["eval", "speedup", "--model", str(tiny_run["model"]), "--exit-layer", "2",
+                 "--num-speculations", "auto", "--prompts", str(prompts), "--max-new-tokens", "6",
+                 "--repeats", "1", "--warmup", "0", "--methods", "plain,early_exit,hf_greedy",
+                 "--out", str(tmp_path / "out")]) == 0
     report = json.loads((tmp_path / "out" / "benchmark.json").read_text())
     assert (report["greedy_outputs_identical"]
             and report["settings"]["early_exit"]["num_speculations"] == "auto")

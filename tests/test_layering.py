@@ -1,11 +1,11 @@
 """Who may import whom inside `selfspec/` (docs/ARCHITECTURE.md): a module imports only its own floor or
 lower ones. Every import counts, the ones inside functions too.
 
-    4  cli, commands, demo, the package's __init__
+    4  cli, commands, demo, the package's __init__ and __main__
     3  evaluation/        (may use training/: train_cost times a training step)
     2  training/          (never evaluation/: what both need lives below)
     1  agreement, data, checkpoint, decoding/
-    0  config, model/, metrics, cpu, files, errors
+    0  config, model/, metrics, cpu, files, errors, cache, recipes/
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "selfspec"
-FLOORS = {"config": 0, "model": 0, "metrics": 0, "cpu": 0, "files": 0, "errors": 0,
+FLOORS = {"config": 0, "model": 0, "metrics": 0, "cpu": 0, "files": 0, "errors": 0, "cache": 0, "recipes": 0,
           "agreement": 1, "data": 1, "checkpoint": 1, "decoding": 1,
-          "training": 2, "evaluation": 3, "cli": 4, "commands": 4, "demo": 4, "__init__": 4}
+          "training": 2, "evaluation": 3, "cli": 4, "commands": 4, "demo": 4, "__init__": 4,
+          "__main__": 4}
 
 
 def unit_of(path: Path, root: Path = PACKAGE) -> str:

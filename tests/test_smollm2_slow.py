@@ -84,11 +84,11 @@ def test_the_chat_recipes_train_on_sharegpt_and_the_adapter_keeps_every_token(sm
     common = [f"model.name_or_path={out}", "optim.max_steps=2", "optim.batch_size=1", "data.block_size=128",
               "data.max_train_blocks=8", "data.max_eval_blocks=2", "eval_every=0", "save_every=0",
               f"data.cache_dir={tmp_path}/cache"]
-    chat = train(load_config("configs/smollm2-135m_chat.yaml", [*common, f"output_dir={tmp_path}/chat"]),
+    chat = train(load_config("smollm2-135m_chat", [*common, f"output_dir={tmp_path}/chat"]),
                  progress=False)
     meta = __import__("json").loads((chat.model_dir / "selfspec.json").read_text())
     assert meta["exit_layer"] in (6, 8, 10, 12) and meta["draft_vocab_size"] == 8192
-    adapter = train(load_config("configs/smollm2-135m_adapter.yaml",
+    adapter = train(load_config("smollm2-135m_adapter",
                                 [*common, f"output_dir={tmp_path}/adapter"]),
                     progress=False)
     tuned = load_tuned(adapter.model_dir)

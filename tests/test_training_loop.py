@@ -251,8 +251,7 @@ def test_two_step_run_through_accelerate_launch(tiny_run, tmp_path):
     # --multi_gpu on a machine without GPUs: torchrun starts 2 processes, the loop picks gloo on CPU.
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--main_process_port", str(free_port()),
-           str(REPO / "train" / "finetune.py"), "--config", str(REPO / "configs" / "demo_finetune.yaml"),
-           *cfg_overrides]
+           "-m", "selfspec", "train", "--config", "demo_finetune", *cfg_overrides]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert read_meta(tmp_path / "model")["metrics"]["processes"] == 2
@@ -307,7 +306,7 @@ def test_two_process_ddp_matches_one_process_at_the_same_global_batch_and_resume
               "early_exit.layers=2:4",
               "early_exit.token_fraction=1.0", "layer_dropout.p_max=0.3", "layer_dropout.per_sample=false",
               "exit_layer=2", "eval_every=1", "save_every=2", "log_with=[jsonl]"]
-    recipe = REPO / "configs" / "demo_finetune.yaml"  # both runs: this recipe with the overrides above
+    recipe = "demo_finetune"  # both runs: this shipped recipe with the overrides above
     common.append(f"data.cache_dir={tmp_path}/cache")
     single = tmp_path / "single"
     train(load_config(recipe, [*common, "optim.batch_size=4", f"output_dir={single}"]), progress=False)
@@ -366,7 +365,7 @@ def test_a_run_killed_anywhere_resumes_to_the_same_weights_bit_for_bit(tiny_run,
         if fault:
             env[FAULT_ENV] = fault
         cmd = [sys.executable, str(REPO / "train" / "finetune.py"),
-               "--config", str(REPO / "configs" / "demo_finetune.yaml"),
+               "--config", "demo_finetune",
                f"model.name_or_path={tiny_run['model']}", f"data.source={tiny_run['corpus']}",
                "data.block_size=32", f"data.cache_dir={tmp_path}/cache", "data.max_eval_blocks=4",
                "optim.batch_size=4", "optim.max_steps=6", "optim.warmup_steps=1", "early_exit.layers=2:4",

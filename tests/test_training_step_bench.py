@@ -1,4 +1,4 @@
-"""eval/benchmark_training_step.py on the tiny model: both variants, LoRA included, in a few seconds."""
+"""tools/benchmark_training_step.py on the tiny model: both variants, LoRA included, in a few seconds."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def script():
     spec = importlib.util.spec_from_file_location("benchmark_training_step",
-                                                  REPO / "eval" / "benchmark_training_step.py")
+                                                  REPO / "tools" / "benchmark_training_step.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -31,7 +31,7 @@ def overrides(tiny_run, out, *extra):
 def test_lora_config_times_both_variants_and_writes_the_report(script, tiny_run, tmp_path, monkeypatch):
     # The memory figures come from fresh processes; here a stand-in, so that the test stays in-process.
     monkeypatch.setattr(script, "peak_memory_subprocess", lambda path, args, variant: 1 << 20)
-    argv = ["--config", str(REPO / "configs" / "demo_finetune.yaml"), "--repeats", "1", "--warmup", "1",
+    argv = ["--config", "demo_finetune", "--repeats", "1", "--warmup", "1",
             *overrides(tiny_run, tmp_path, "lora.enabled=true", "lora.r=4")]
     result = script.main(argv)
     assert result["time_ratio"] > 0 and result["memory_ratio"] == 1.0 and result["lora"]["r"] == 4
@@ -49,6 +49,6 @@ def test_the_lora_model_trains_only_its_adapters(script, tiny_run, tmp_path, cap
     timing = time_variants(model, cfg, batch, repeats=1, warmup=0)  # the trimmed exit loss too
     assert timing["plain_s"] > 0 and timing["selfspec_s"] > 0
     # the probe each memory process runs (its figure means something only in a fresh process)
-    script.main(["--config", str(REPO / "configs" / "demo_finetune.yaml"), "--measure-memory", "selfspec",
+    script.main(["--config", "demo_finetune", "--measure-memory", "selfspec",
                  *overrides(tiny_run, tmp_path, "lora.enabled=true")])
     assert isinstance(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["peak_bytes"], int)

@@ -21,7 +21,7 @@ silently reuse.
 
 from .blocks import block_tensors, load_corpus, pack_split
 from .chat import ChatDataError, is_chat_source, load_chat_corpus, pack_chat_dataset
-from .constants import DEFAULT_CACHE_DIR, EOS_TOKEN, SPLITS
+from .constants import EOS_TOKEN, SPLITS
 from .packing import count_tokens, pack_dataset
 from .sources import load_text_corpus, prepare_stdlib
 from .stdlib import (
@@ -36,7 +36,7 @@ from .stdlib import (
 from .tokenizer import load_or_train_tokenizer, stdlib_tokenizer_dir, train_tokenizer
 
 __all__ = ["ChatDataError", "block_tensors", "is_chat_source", "load_chat_corpus", "load_corpus",
-           "pack_chat_dataset", "pack_split", "DEFAULT_CACHE_DIR", "EOS_TOKEN", "SPLITS",
+           "pack_chat_dataset", "pack_split", "EOS_TOKEN", "SPLITS",
            "STDLIB_CORPUS_FORMAT", "build_stdlib_corpus",
            "content_exclusion_reason", "count_tokens", "iter_stdlib_files", "load_or_train_tokenizer",
            "load_text_corpus", "pack_dataset", "path_exclusion_reason", "prepare_stdlib", "split_for_path",

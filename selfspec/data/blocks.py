@@ -12,12 +12,11 @@ import datasets
 import torch
 
 from .chat import is_chat_source, load_chat_corpus, pack_chat_dataset
-from .constants import DEFAULT_CACHE_DIR
 from .packing import pack_dataset
 from .sources import load_text_corpus
 
 
-def load_corpus(source: str, text_field: str = "text", cache_dir: str | Path = DEFAULT_CACHE_DIR,
+def load_corpus(source: str, text_field: str = "text", cache_dir: str | Path | None = None,
                 seed: int = 0) -> datasets.DatasetDict:
     """{train, validation, test} of `source`: conversations (rows id, messages) for chat data,
     else text rows (`load_text_corpus`)."""

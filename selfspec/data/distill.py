@@ -2,7 +2,7 @@
 and resumable.
 
     selfspec distill-data runs/smollm2/base --prompts sharegpt --out runs/smollm2/distill --limit 256
-    accelerate launch train/finetune.py --config configs/smollm2-135m_chat.yaml \
+    selfspec train --config smollm2-135m_chat \
         data.source=runs/smollm2/distill/responses.jsonl
 
 An early exit must agree with the model on the text the model *writes*. Teacher-forced chat text

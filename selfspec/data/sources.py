@@ -12,20 +12,23 @@ from pathlib import Path
 import datasets
 from transformers import PreTrainedTokenizerFast
 
+from ..cache import cache_dir as user_cache_dir
 from ..errors import UserError
-from .constants import DEFAULT_CACHE_DIR, SPLITS
+from .constants import SPLITS
 from .stdlib import build_stdlib_corpus
 from .tokenizer import load_or_train_tokenizer, stdlib_tokenizer_dir
 
 
 def prepare_stdlib(
-    cache_dir: str | Path = DEFAULT_CACHE_DIR, vocab_size: int = 4096, seed: int = 0, rebuild: bool = False
+    cache_dir: str | Path | None = None, vocab_size: int = 4096, seed: int = 0, rebuild: bool = False
 ) -> tuple[datasets.DatasetDict, PreTrainedTokenizerFast]:
     """The embedded default: the stdlib corpus (``cache_dir/"stdlib"``) and its tokenizer.
 
-    Both are built on first use and reused afterwards; ``rebuild`` rebuilds both.
+    Both are built on first use and reused afterwards; ``rebuild`` rebuilds both. ``cache_dir``
+    defaults to the user cache directory (`selfspec.cache`).
     """
-    corpus = build_stdlib_corpus(Path(cache_dir) / "stdlib", seed=seed, rebuild=rebuild)
+    cache_dir = Path(cache_dir) if cache_dir is not None else user_cache_dir()
+    corpus = build_stdlib_corpus(cache_dir / "stdlib", seed=seed, rebuild=rebuild)
     tokenizer_dir = stdlib_tokenizer_dir(cache_dir, vocab_size, seed)
     tokenizer = load_or_train_tokenizer(corpus, tokenizer_dir, vocab_size, rebuild=rebuild)
     return corpus, tokenizer
@@ -44,7 +47,7 @@ _GLOB_CHARS = re.compile(r"[*?\[]")
 def load_text_corpus(
     source: str,
     text_field: str = "text",
-    cache_dir: str | Path = DEFAULT_CACHE_DIR,
+    cache_dir: str | Path | None = None,
     validation_fraction: float = 0.05,
     seed: int = 0,
 ) -> datasets.DatasetDict:
@@ -65,7 +68,7 @@ def load_text_corpus(
     file, an unsupported file type, or a ``text_field`` the data does not have.
     """
     if source == "stdlib":
-        corpus = build_stdlib_corpus(Path(cache_dir) / "stdlib", seed=seed)
+        corpus = build_stdlib_corpus(Path(cache_dir or user_cache_dir()) / "stdlib", seed=seed)
     else:
         corpus = _load_source(source)
     corpus = datasets.DatasetDict({_SPLIT_ALIASES.get(name, name): split for name, split in corpus.items()})

@@ -45,7 +45,7 @@ def diagnose(figures: dict) -> list[str]:
         shown = "not measured (no early-exit draft was tested)" if alpha != alpha else f"{alpha:.2f}"
         lines.append(f"1. acceptance: the early exit's α {shown} at E = {exit_layer} is below the {need:.2f} "
                      f"it needs at c = {c:.2f}, v = {v:.2f}, k = {k}: train the exit on your data "
-                     f"(`train/finetune.py`, a recipe in configs/) or move E (`selfspec layers MODEL`).")
+                     f"(`selfspec train`, `selfspec recipes`) or move E (`selfspec layers MODEL`).")
     else:
         lines.append(f"1. acceptance: α {alpha:.2f} at E = {exit_layer} clears the {need:.2f} that "
                      f"c = {c:.2f}, v = {v:.2f}, k = {k} need.")

@@ -564,7 +564,7 @@ class FastLlamaBlocks:
 
     def _compiled(self):
         """`(the blocks as the kernels' Block objects, blocks_pass)`, the objects built once per extension
-        (`eval/kernel_ab.py` swaps it); None where the kernels are not available or off, or a block's
+        (`tools/kernel_ab.py` swaps it); None where the kernels are not available or off, or a block's
         activation is not SiLU."""
         made = kernels.blocks_pass() if _KERNEL and _BLOCK_KERNEL and _PASS_KERNEL and self._silu else None
         if made is None:

@@ -62,7 +62,7 @@ def load_causal_lm(name_or_path: str, dtype: str = "auto", attn_implementation: 
     if _looks_local(name_or_path) and not (path / "config.json").is_file():
         raise ModelLoadError(f"no model at {name_or_path!r} (no config.json there); "
                              f"build the embedded base with "
-                             f"`accelerate launch train/pretrain.py` or pass a model directory or hub id")
+                             f"`selfspec pretrain` or pass a model directory or hub id")
     try:
         model = AutoModelForCausalLM.from_pretrained(
             str(path) if path.exists() else name_or_path, dtype=resolve_dtype(dtype, device),

@@ -130,7 +130,7 @@ def build_model_and_tokenizer(cfg: RunConfig, corpus):
     """The model to train (loaded, or created from `cfg.model.arch`) and its tokenizer."""
     if cfg.model.from_scratch:
         tokenizer_dir = cfg.model.tokenizer or (
-            data_lib.stdlib_tokenizer_dir(cfg.data.cache_dir, cfg.data.tokenizer_vocab_size, cfg.seed)
+            data_lib.stdlib_tokenizer_dir(cfg.data.cache_path, cfg.data.tokenizer_vocab_size, cfg.seed)
             if cfg.data.source == "stdlib" else Path(cfg.output_dir) / "tokenizer")
         tokenizer = data_lib.load_or_train_tokenizer(corpus, tokenizer_dir, cfg.data.tokenizer_vocab_size)
         arch = cfg.model.arch
@@ -332,16 +332,16 @@ def _setup(cfg: RunConfig, output_dir: Path) -> _Run:
                               "many times slower than fp32; set mixed_precision=no on this machine")
 
     with accelerator.main_process_first():
-        corpus = data_lib.load_corpus(cfg.data.source, cfg.data.text_field, cache_dir=cfg.data.cache_dir,
+        corpus = data_lib.load_corpus(cfg.data.source, cfg.data.text_field, cache_dir=cfg.data.cache_path,
                                       seed=cfg.seed)
         model, tokenizer = build_model_and_tokenizer(cfg, corpus)
         data = cfg.data
         train_blocks = data_lib.pack_split(corpus["train"], tokenizer, data.block_size, data.text_field,
-                                           max_blocks=data.max_train_blocks, cache_dir=data.cache_dir)
+                                           max_blocks=data.max_train_blocks, cache_dir=data.cache_path)
         held_out = corpus if data.eval_source is None else data_lib.load_corpus(
-            data.eval_source, data.text_field, cache_dir=data.cache_dir, seed=cfg.seed)
+            data.eval_source, data.text_field, cache_dir=data.cache_path, seed=cfg.seed)
         val_blocks = data_lib.pack_split(held_out["validation"], tokenizer, data.block_size, data.text_field,
-                                         max_blocks=data.max_eval_blocks, cache_dir=data.cache_dir)
+                                         max_blocks=data.max_eval_blocks, cache_dir=data.cache_path)
     view = DecoderView(model)
     num_layers, limit = view.num_layers, view.max_positions
     if limit is not None and cfg.data.block_size > limit:
@@ -365,7 +365,7 @@ def _setup(cfg: RunConfig, output_dir: Path) -> _Run:
         # The model is frozen: its exit states and its teacher are the same every epoch.
         ee = cfg.early_exit
         with accelerator.main_process_first():
-            cache_dir = None if cfg.model.from_scratch else cfg.data.cache_dir
+            cache_dir = None if cfg.model.from_scratch else cfg.data.cache_path
             train_blocks = exit_features(model.to(accelerator.device), train_blocks, cfg.model.name_or_path,
                                          exit_layer, 1 if ee.kind == "argmax" else ee.teacher_top_k,
                                          ee.temperature, cache_dir, batch_size=cfg.optim.batch_size,
@@ -512,12 +512,19 @@ def train_or_reuse(cfg: RunConfig, kind: str = "tuned", force: bool = False, res
             meta = read_meta(model_dir)
             # A run cut short by optim.max_minutes has the config but not the model it describes.
             complete = meta.get("metrics", {}).get("steps") == cfg.optim.max_steps
-            if meta.get("training") == to_dict(cfg) and complete:
+            if _trains_alike(meta.get("training") or {}, to_dict(cfg)) and complete:
                 return model_dir, True
         except CheckpointError:
             pass
     # this function owns output_dir by its config: a different config (or force) retrains over it
     return train(cfg, resume=resume, progress=progress, kind=kind, overwrite=True).model_dir, False
+
+
+def _trains_alike(a: dict, b: dict) -> bool:
+    """Two runs' configs equal in what they train: where the caches live does not count."""
+    def result_fields(training: dict) -> dict:
+        return {**training, "data": {k: v for k, v in training.get("data", {}).items() if k != "cache_dir"}}
+    return result_fields(a) == result_fields(b)
 
 
 def objective_inner(objective) -> SelfSpecObjective:

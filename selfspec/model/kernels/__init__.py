@@ -111,7 +111,7 @@ def verify_greedy() -> Callable | None:
 
 def build(source: Path, name: str):
     """Compile `source` as the extension `name` with the kernels' flags (torch caches the build under
-    `name`); raises what the build raises. `eval/kernel_ab.py --against` builds a second version with it."""
+    `name`); raises what the build raises. `tools/kernel_ab.py --against` builds a second version with it."""
     from torch.utils import cpp_extension
 
     return cpp_extension.load(name=name, sources=[str(source)],

@@ -1,7 +1,7 @@
 """A/B of the compiled greedy round against the round run from Python, side by side.
 
-    python eval/round_ab.py --model runs/demo/model --exit-layer 6 --ks 2,3,4 --repeats 5
-    python eval/round_ab.py --model runs/smollm2/base --exit-layer 10 --ks 3 --prompts json-extract
+    python tools/round_ab.py --model runs/demo/model --exit-layer 6 --ks 2,3,4 --repeats 5
+    python tools/round_ab.py --model runs/smollm2/base --exit-layer 10 --ks 3 --prompts json-extract
 
 Decodes the same prompts (batch 1, greedy) with plain decoding and the early exit at each k, each in
 two arms: `python` (`selfspec.model.fast.kernels_up_to("passes")`: the draft steps and the verification

@@ -2,10 +2,10 @@
 operations, the few-row kernel for the products, the block kernels (each block two compiled calls), and
 a pass's blocks in one compiled call.
 
-    python eval/kernel_ab.py --model runs/smollm2/base --exit-layer 10 --repeats 30
-    python eval/kernel_ab.py --model runs/smollm2/base --exit-layer 10 --dtype bfloat16
+    python tools/kernel_ab.py --model runs/smollm2/base --exit-layer 10 --repeats 30
+    python tools/kernel_ab.py --model runs/smollm2/base --exit-layer 10 --dtype bfloat16
     git show HEAD~1:selfspec/model/kernels/few_rows.cpp > /tmp/before.cpp
-    python eval/kernel_ab.py --model runs/smollm2/base --exit-layer 10 --against /tmp/before.cpp
+    python tools/kernel_ab.py --model runs/smollm2/base --exit-layer 10 --against /tmp/before.cpp
 
 Builds the roofline's cache of 256 positions, then times each pass (plain step, draft step,
 verification of 2, 4 and 5 positions through blocks [E, N) and the head, the whole model on 5

@@ -1,28 +1,24 @@
 """Build the embedded default corpus (the Python standard library) and its tokenizer.
 
-Run from the repository root:
+    python tools/build_corpus.py                      # build into the user cache, or reuse what is there
+    python tools/build_corpus.py --rebuild            # build from scratch
+    python tools/build_corpus.py --vocab-size 512     # a smaller tokenizer
 
-    python data/build_corpus.py --out data/generated                  # build, or reuse what is there
-    python data/build_corpus.py --out data/generated --rebuild        # build from scratch
-    python data/build_corpus.py --out data/generated --vocab-size 512 # a smaller tokenizer
-
-It writes data/generated/stdlib/ (a save_to_disk DatasetDict plus meta.json) and
-data/generated/tokenizer-stdlib-v<vocab>-s<seed>/, then prints files, characters and tokens per
-split. Both are what `data.source: stdlib` in the configs loads. Nothing is downloaded.
+Training and evaluation build both on first use; this prints what they hold. It writes
+<cache>/stdlib/ (a save_to_disk DatasetDict plus meta.json) and
+<cache>/tokenizer-stdlib-v<vocab>-s<seed>/ (<cache>: `selfspec.cache`, or --out), then prints files,
+characters and tokens per split. Both are what `data.source: stdlib` in the recipes loads. Nothing is
+downloaded.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
-try:
-    from selfspec import data
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from selfspec import data
+from selfspec import data
+from selfspec.cache import cache_dir
 
 
 def count_tokens(texts: list[str], tokenizer) -> int:
@@ -33,7 +29,7 @@ def count_tokens(texts: list[str], tokenizer) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=str(data.DEFAULT_CACHE_DIR), help="cache dir (default: %(default)s)")
+    parser.add_argument("--out", default=str(cache_dir()), help="cache dir (default: %(default)s)")
     parser.add_argument(
         "--vocab-size", type=int, default=4096, help="tokenizer vocabulary (default: %(default)s)"
     )

@@ -1,7 +1,7 @@
 """Training cost of selfspec: a layer-dropout + early-exit step vs a plain fine-tune step, same batch.
 
-    python eval/benchmark_training_step.py --config configs/demo_finetune.yaml
-    python eval/benchmark_training_step.py --config configs/demo_finetune.yaml early_exit.curriculum=none
+    python tools/benchmark_training_step.py --config demo_finetune
+    python tools/benchmark_training_step.py --config demo_finetune early_exit.curriculum=none
 
 Prints the median step times (interleaved repeats after warm-up) and the peak-memory ratio (each
 variant in its own process), and writes them to <output_dir>/train_cost.json. Targets: time ratio
@@ -43,7 +43,7 @@ def random_batch(model, cfg: RunConfig, device: str) -> torch.Tensor:
 
 def main(argv: list[str] | None = None) -> dict | None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", default="configs/demo_finetune.yaml")
+    parser.add_argument("--config", default="demo_finetune")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps of each variant first")
     parser.add_argument("--measure-memory", choices=["plain", "selfspec"], help=argparse.SUPPRESS)

@@ -1,6 +1,6 @@
 """How often speculative decoding in bf16 differs from plain bf16 decoding, with and without fixed width.
 
-    python eval/bf16_equality.py --model runs/smollm2/base --prompts runs/prompts/mtbench.jsonl \
+    python tools/bf16_equality.py --model runs/smollm2/base --prompts runs/prompts/mtbench.jsonl \
         --num-prompts 4 --max-new-tokens 64 --exit-layer 10
 
 Loads the model in bf16 and decodes each prompt (chat template applied) greedily: plain decoding,

@@ -1,6 +1,6 @@
 """Plain decoding in fp32 and bf16, with selfspec's kernel and without, against Hugging Face's bf16 greedy.
 
-    python eval/bf16_speed.py --model runs/smollm2/base --prompts runs/prompts/mtbench_chat_ids.json \
+    python tools/bf16_speed.py --model runs/smollm2/base --prompts runs/prompts/mtbench_chat_ids.json \
         --num-prompts 4 --max-new-tokens 48 --repeats 2
 
 Prompts as `selfspec eval speedup` reads them (a JSON list of token lists or strings, or a text file;

@@ -1,0 +1,50 @@
+"""`selfspec train` and `selfspec pretrain`: a recipe (shipped name or YAML path) plus `a.b=value`
+overrides, run by the shared loop; one process, or many under `accelerate launch -m selfspec train`.
+
+    selfspec pretrain --config embedded_base
+    selfspec train --config demo_finetune optim.max_steps=100 --output-dir runs/try
+    accelerate launch --config_file "$(selfspec recipes --path accelerate/ddp)" -m selfspec train \\
+        --config qwen2.5-0.5b_lora
+"""
+
+from __future__ import annotations
+
+from ..checkpoint import read_meta
+from ..config import load_config
+from .loop import train, train_or_reuse
+
+
+def _config(config: str, overrides: list[str], output_dir: str | None):
+    """The run config: the recipe, its overrides, then --output-dir (which wins over both)."""
+    return load_config(config, [*overrides, *([f"output_dir={output_dir}"] if output_dir else [])])
+
+
+def _say(line: str) -> None:
+    """Print on the main process only (every rank returns the same result)."""
+    from accelerate import PartialState
+
+    if PartialState().is_main_process:
+        print(line)
+
+
+def finetune(config: str, overrides: list[str], resume: bool, force: bool, output_dir: str | None) -> None:
+    """Self-speculative fine-tune: layer dropout and early-exit losses, all weights, LoRA or the exit
+    block; the tuned model lands in `<output_dir>/model` with its selfspec.json."""
+    cfg = _config(config, overrides, output_dir)
+    result = train(cfg, resume=resume, kind="tuned", overwrite=force)
+    metrics, exit_layer = result.final_metrics, read_meta(result.model_dir)["exit_layer"]
+    agreement = metrics.get(f"val/top1_agreement@{exit_layer}")
+    tail = f", top-1 agreement at exit layer {exit_layer}: {agreement:.3f}" if agreement is not None else ""
+    _say(f"saved {result.model_dir}: {result.steps} steps in {result.seconds / 60:.1f} min, "
+         f"validation loss {metrics['val/loss']:.4f}{tail}")
+
+
+def pretrain(config: str, overrides: list[str], resume: bool, force: bool, output_dir: str | None) -> None:
+    """Pretrain a base model from scratch (the embedded default); a second run with the same config
+    reuses the saved model unless `force`."""
+    cfg = _config(config, overrides, output_dir)
+    model_dir, reused = train_or_reuse(cfg, kind="base", force=force, resume=resume)
+    m = read_meta(model_dir)["metrics"]
+    _say(f"{'reused' if reused else 'saved'} {model_dir}: {m['parameters']:,} parameters, "
+         f"{m['steps']} steps, {m['tokens_seen']:,} tokens, {m['train_seconds'] / 60:.1f} min, "
+         f"validation loss {m['val/loss']:.4f}")

@@ -1,0 +1,57 @@
+"""The installed wheel, as a newcomer gets it: `pip install .` (not editable) into a fresh virtual
+environment, then a tiny pretrain, fine-tune and generate from an empty directory.
+
+Slow (minutes): run with `python -m pytest -m slow`. The environment sees the system's packages
+(torch, transformers, ...) so nothing is downloaded; selfspec itself comes only from the wheel.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+TINY = ["model.arch.num_layers=4", "optim.batch_size=4", "data.max_eval_blocks=4", "eval_every=0",
+        "save_every=0", "log_with=[jsonl]"]
+
+
+def test_the_wheel_trains_and_generates_from_an_empty_directory(tmp_path):
+    venv, work = tmp_path / "venv", tmp_path / "work"
+    # without a pip of its own: the system's pip and setuptools (which builds wheels) install into it
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
+                   check=True)
+    python, selfspec = venv / "bin" / "python", venv / "bin" / "selfspec"
+    # A copy of the source: pip builds in the tree, and a stale build/ there could leak into the wheel.
+    source = tmp_path / "source"
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(".git", "runs", "data", "build", "*.egg-info",
+                                                                "__pycache__", "wandb"))
+    install = subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                              str(source)], capture_output=True, text=True, timeout=600)
+    assert install.returncode == 0, install.stderr[-2000:]
+    work.mkdir()
+
+    def run(*argv):
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        proc = subprocess.run([str(a) for a in argv], cwd=work, capture_output=True, text=True, timeout=900,
+                              env=env)
+        assert proc.returncode == 0, (argv, proc.stderr[-3000:])
+        return proc.stdout
+
+    where = run(python, "-c", "import selfspec; print(selfspec.__file__)")
+    assert Path(where.strip()).is_relative_to(venv)  # the wheel's copy, not the checkout
+    assert "demo_finetune" in run(selfspec, "recipes")
+    run(selfspec, "pretrain", "--config", "embedded_base", *TINY, "optim.max_steps=4", "--output-dir",
+        "runs/base")
+    run(selfspec, "train", "--config", "demo_finetune", "model.name_or_path=runs/base/model",
+        "early_exit.layers=1:4", "exit_layer=2", *TINY, "optim.max_steps=3", "--output-dir", "runs/tuned")
+    text = run(selfspec, "generate", "runs/tuned/model", "def f(x):", "--max-new-tokens", "8", "--no-stream")
+    assert text.strip()
+    assert sorted(p.name for p in work.iterdir()) == ["runs"]  # nothing else lands in the directory
+    assert sorted(p.name for p in (work / "runs").iterdir()) == ["base", "tuned"]

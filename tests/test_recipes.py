@@ -1,0 +1,82 @@
+"""The shipped recipes and the user cache: `--config` takes a name from any directory or a file, and
+`selfspec recipes` lists what ships."""
+
+from __future__ import annotations
+
+import pytest
+
+from selfspec import recipes
+from selfspec.cache import cache_dir
+from selfspec.cli import main
+from selfspec.config import load_config, to_dict
+from selfspec.training.loop import _trains_alike
+
+
+def test_every_shipped_recipe_has_a_one_line_purpose_and_is_listed(capsys):
+    shipped = recipes.shipped()
+    names = {r.name for r in shipped}
+    assert {"demo_finetune", "embedded_base", "smollm2-135m_chat", "accelerate/ddp"} <= names
+    assert all(r.purpose and len(r.purpose) < 100 and "\n" not in r.purpose for r in shipped)
+    assert main(["recipes"]) == 0
+    listed = capsys.readouterr().out
+    assert all(r.name in listed and r.purpose in listed for r in shipped)
+
+
+def test_a_name_finds_the_shipped_file_from_any_directory(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert recipes.find("demo_finetune") == recipes.find("demo_finetune.yaml") == \
+        recipes.RECIPE_DIR / "demo_finetune.yaml"
+    assert load_config("demo_finetune").output_dir == "runs/demo"  # outputs under ./runs
+    assert main(["recipes", "--path", "accelerate/fsdp"]) == 0
+    assert capsys.readouterr().out.strip() == str(recipes.RECIPE_DIR / "accelerate" / "fsdp.yaml")
+    assert main(["recipes", "--path", "demo_finetun"]) == 2
+    assert "did you mean demo_finetune?" in capsys.readouterr().err
+
+
+def test_a_file_of_the_users_own_wins_and_keeps_its_base_beside_it(tmp_path, monkeypatch):
+    """A copy of a shipped recipe (`selfspec recipes --path NAME`) edited in the user's directory."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "demo_finetune.yaml").write_text("base: common.yaml\noptim:\n  lr: 5.0e-4\n")
+    (tmp_path / "common.yaml").write_text("optim:\n  max_steps: 7\n")
+    cfg = load_config("demo_finetune.yaml")
+    assert (cfg.optim.lr, cfg.optim.max_steps) == (5e-4, 7)
+
+
+def test_the_cache_is_the_users_and_an_environment_variable_moves_it(tmp_path, monkeypatch):
+    monkeypatch.delenv("SELFSPEC_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "selfspec"
+    monkeypatch.setenv("SELFSPEC_CACHE_DIR", str(tmp_path / "mine"))
+    assert load_config(None).data.cache_path == tmp_path / "mine"
+    assert load_config(None, [f"data.cache_dir={tmp_path}/run"]).data.cache_path == tmp_path / "run"
+    assert to_dict(load_config(None))["data"]["cache_dir"] is None  # selfspec.json holds no machine path
+
+
+def test_a_trained_run_is_reused_wherever_the_cache_lives():
+    a = to_dict(load_config("demo_finetune"))
+    moved = to_dict(load_config("demo_finetune", ["data.cache_dir=/elsewhere"]))
+    assert _trains_alike(a, moved)
+    assert not _trains_alike(a, to_dict(load_config("demo_finetune", ["optim.max_steps=3"])))
+
+
+@pytest.mark.parametrize("command", ["train", "pretrain"])
+def test_the_training_commands_take_a_recipe_overrides_and_an_output_dir(command, tmp_path, monkeypatch):
+    """What the commands hand the loop: the recipe, then the overrides, then --output-dir."""
+    from selfspec.training import commands
+
+    class Handed(Exception):
+        pass
+
+    seen = {}
+
+    def loop(cfg, **kwargs):
+        seen["cfg"] = cfg
+        raise Handed
+
+    monkeypatch.setattr(commands, "train", loop)
+    monkeypatch.setattr(commands, "train_or_reuse", loop)
+    with pytest.raises(Handed):
+        main([command, "--config", "embedded_base", "optim.max_steps=3", "--output-dir", str(tmp_path / "o"),
+              "seed=4"])
+    cfg = seen["cfg"]
+    assert (cfg.optim.max_steps, cfg.seed, cfg.output_dir) == (3, 4, str(tmp_path / "o"))
