@@ -34,8 +34,8 @@ def keep_freed_memory() -> bool:
 def has_bf16_units() -> bool | None:
     """Whether this CPU computes bf16 natively (x86 AVX512-BF16 or AMX, Arm BF16); None off Linux.
 
-    Without them torch emulates bf16 matrix products: on AVX2-only cores a SmolLM2 training step
-    (batch 2 x 256) took 140 s under bf16 autocast against 9.0 s in fp32.
+    Without them torch emulates bf16 matrix products, and a bf16 autocast training step runs many
+    times slower than fp32 (docs/results.md).
     """
     try:
         with open("/proc/cpuinfo") as handle:

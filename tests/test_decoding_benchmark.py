@@ -52,21 +52,29 @@ def test_benchmark_report(tmp_path):
     assert "hybrid, E = 3, k = 3, V' = 48, min_ngram = 2" in text
 
 
-def test_a_losing_early_exit_is_explained_in_one_line():
-    from selfspec.evaluation.benchmark import early_exit_verdict
+def test_a_losing_early_exit_is_explained_in_one_paragraph():
+    """The benchmark ends with the doctor's checklist, from its own figures, in the doctor's words."""
+    from selfspec.evaluation.benchmark import diagnosis
+    from selfspec.evaluation.doctor import DRAFT_COST_MARGIN
+    from selfspec.metrics import break_even_acceptance
 
-    cost = {"acceptance_rate": 0.76, "mean_k": 2.0, "draft_cost": 0.55, "verify_cost": 1.47,
-            "break_even_acceptance": 0.81}
-    losing = {"methods": {"early_exit": {"over_plain": {"speedup": 0.96, "low": 0.94, "high": 0.98,
-                                                        "coverage": 0.94}}}, "cost_model": cost}
-    assert early_exit_verdict(losing) == (
-        "The early exit runs at 0.96× plain: α 0.76 at mean k 2.0, a draft step costs c = 0.55 plain steps "
-        "and a verification v = 1.47; it needs α ≥ 0.81 to break even at these costs.")
-    noisy = {**losing, "methods": {"early_exit": {"over_plain": {"speedup": 0.99, "low": 0.95, "high": 1.03,
-                                                                 "coverage": 0.94}}}}
-    assert early_exit_verdict(noisy) is None  # within the noise of plain: no verdict
-    hopeless = {**losing, "cost_model": {**cost, "break_even_acceptance": float("nan")}}
-    assert "even α = 1 cannot pay for these costs at k = 2.0" in early_exit_verdict(hopeless)
+    cost = {"acceptance_rate": 0.76, "mean_k": 2.0, "k_rounds": {2: 10}, "draft_cost": 0.55,
+            "verify_cost": 1.47, "weight_cost": 0.55 / (DRAFT_COST_MARGIN + 0.1)}
+    losing = {"settings": {"early_exit": {"exit_layer": 4}},
+              "methods": {"plain": {}, "early_exit": {"over_plain": {"speedup": 0.96}},
+                          "ngram": {"over_plain": {"speedup": 1.20}}},
+              "cost_model": cost,
+              "round_profile": {"methods": {"early_exit": {"plain_steps": {"outside_passes": 0.3}}}}}
+    text = diagnosis(losing)
+    need = break_even_acceptance({2: 10}, 0.55, 1.47)  # 1 + α + α² = 2c + v: 0.85
+    assert text.startswith("Why it is (not) faster: Acceptance: the early exit's α 0.76 at E = 4 is below "
+                           f"the {need:.2f} it needs at c = 0.55, v = 1.47, k = 2")
+    assert "Draft cost: a draft step costs c = 0.55 plain steps" in text  # beyond the weights' share
+    assert "Overhead: the work between a round's passes costs 0.30 plain steps" in text
+    assert "Verdict: ngram is fastest at 1.20× plain (early_exit 0.96×)" in text and "\n" not in text
+    hopeless = {**losing, "cost_model": {**cost, "k_rounds": {1: 10}, "draft_cost": 0.9, "verify_cost": 1.2}}
+    assert "no α pays for k = 2" in diagnosis(hopeless)
+    assert diagnosis({"settings": {}, "methods": {"hf_greedy": {}}}) is None  # nothing to check
 
 
 def test_each_engine_method_may_decode_at_its_own_setting():

@@ -236,7 +236,9 @@ def test_cli_sweep_measures_the_grid_plots_and_writes_back_the_best(tiny_run, tm
                for c in confirmed)  # 5 repeats: the min and max, 94%
     assert all(r["speedup_spread"][0] <= r["speedup"] <= r["speedup_spread"][1] for r in report["grid"])
     assert "| setting | grid | re-timed | interval |" in markdown
-    assert "The early exit's fastest cell (E = " in markdown and "against plain decoding" in markdown
+    # the doctor's checklist in one paragraph: the table's fastest early-exit cell, each drafter's fastest
+    assert report["diagnosis"].startswith("Why it is (not) faster: Acceptance: ") and "Verdict: " in markdown
+    assert report["diagnosis"] in markdown and "\n" not in report["diagnosis"]
     # The checkpoint holds what the write-back rule (tested on fixed reports below) says for this report:
     # the fastest setting when it beats plain decoding by more than the noise, else the checkpoint's own.
     stored = [c for c in confirmed if c["low"] > 1.0]

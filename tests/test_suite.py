@@ -71,6 +71,12 @@ def test_the_suite_times_every_turn_and_reports_every_category(chat_ckpt):
     # a category's rate comes from its own prompts only
     writing, math = report["results"]["writing"]["plain"], report["results"]["math"]["plain"]
     assert writing["tokens"] == 3 * 12 and math["tokens"] == 2 * 12
+    # it ends with the doctor's checklist from its own overall figures
+    cost = report["cost_model"]
+    assert cost["acceptance_rate"] == pytest.approx(overall["early_exit"]["acceptance_rate"])
+    assert report["diagnosis"].startswith("Why it is (not) faster: Acceptance: ")
+    text = report["diagnosis"]
+    assert f"α {cost['acceptance_rate']:.2f} at E = 2" in text and "Verdict: " in text
 
 
 def test_categories_and_the_first_per_category_are_chosen(chat_ckpt):

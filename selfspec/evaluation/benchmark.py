@@ -55,6 +55,7 @@ from ..metrics import (
     speedup_measured_costs,
 )
 from ..model.loading import load_causal_lm, load_tokenizer
+from .doctor import cost_figures, summary, weight_cost
 from .paired import median_interval, paired_speedups
 from .report import write_report as write_files
 from .rounds import round_profile
@@ -342,10 +343,13 @@ def run_benchmark(model, prompts: list[list[int]], settings: DecodeSettings, *, 
     if any(isinstance(p, Structured) for p in prompts) and "plain" in methods:
         report["grammar"] = grammar_costs(stats["plain"])
     if "plain" in methods and "early_exit" in methods:
-        report["cost_model"] = _cost_model(stats["plain"], stats["early_exit"],
-                                           report["speedups"].get("early_exit_over_plain"))
+        early = settings["early_exit"]
+        report["cost_model"] = cost_model(stats["plain"], stats["early_exit"],
+                                          report["speedups"].get("early_exit_over_plain"),
+                                          weight_cost(view, early.exit_layer, early.draft_vocab_size or 0))
     if profile:
         report["round_profile"] = round_profile({m: stats[m] for m in methods if m in ENGINE_METHODS})
+    report["diagnosis"] = diagnosis(report)
     return report
 
 
@@ -394,8 +398,9 @@ def pooled_costs(plain_runs, spec_runs) -> dict:
             "draft_cost": draft_step / plain_step if plain_step else float("nan")}
 
 
-def _cost_model(plain_runs, spec_runs, measured: float | None) -> dict:
-    """α, mean accepted length, c and the predictions, pooled over the timed early_exit runs."""
+def cost_model(plain_runs, spec_runs, measured: float | None, weights: float | None = None) -> dict:
+    """α, mean accepted length, c and the predictions, pooled over the timed early_exit runs;
+    `weights`: the c its weights predict (`doctor.weight_cost`), kept beside the measured one."""
     costs = pooled_costs(plain_runs, spec_runs)
     pooled, plain_step, draft_steps = costs["stats"], costs["plain_step"], costs["draft_steps"]
     alpha = pooled.acceptance_rate
@@ -405,6 +410,8 @@ def _cost_model(plain_runs, spec_runs, measured: float | None) -> dict:
            "accepted_histogram": pooled.accepted_histogram,
            "k_rounds": {int(k): n for k, n in sorted(pooled.k_rounds.items())},
            "plain_step_seconds": plain_step}
+    if weights is not None:
+        out["weight_cost"] = weights
     if not draft_steps or alpha != alpha:  # no speculative round (auto may turn it off): nothing to predict
         return out
     draft_step, c, verify = costs["draft_step"], costs["draft_cost"], costs["verify_per_round"]
@@ -428,23 +435,15 @@ def _cost_model(plain_runs, spec_runs, measured: float | None) -> dict:
     return out
 
 
-def early_exit_verdict(report: dict) -> str | None:
-    """One line on why the early exit loses to plain decoding, when it does (its interval's high end
-    below 1, or its median under 1 without one): its α, its draft step c and verification v in plain
-    steps, and the α it would need at those costs. None when it does not lose, or was not measured."""
-    paired = report["methods"].get("early_exit", {}).get("over_plain")
-    cost = report.get("cost_model", {})
-    if not paired or "draft_cost" not in cost:
-        return None
-    loses = paired["high"] < 1.0 if paired["coverage"] else paired["speedup"] < 1.0
-    if not loses:
-        return None
-    need = cost["break_even_acceptance"]
-    needed = (f"it needs α ≥ {need:.2f} to break even at these costs" if need == need else
-              f"even α = 1 cannot pay for these costs at k = {cost['mean_k']:.1f}")
-    return (f"The early exit runs at {paired['speedup']:.2f}× plain: α {cost['acceptance_rate']:.2f} at "
-            f"mean k {cost['mean_k']:.1f}, a draft step costs c = {cost['draft_cost']:.2f} plain steps and a "
-            f"verification v = {cost['verify_cost']:.2f}; {needed}.")
+def diagnosis(report: dict) -> str | None:
+    """`selfspec doctor`'s checklist in one paragraph, from what the benchmark measured (its cost
+    model, speedups over plain and round profile); None when it measured nothing to check."""
+    speedups = {m: row["over_plain"]["speedup"] for m, row in report["methods"].items()
+                if m != "plain" and row.get("over_plain")}
+    profile = report.get("round_profile", {}).get("methods", {}).get("early_exit", {})
+    overhead = profile.get("plain_steps", {}).get("outside_passes")
+    exit_layer = report["settings"].get("early_exit", {}).get("exit_layer")
+    return summary(cost_figures(report.get("cost_model", {}), speedups, exit_layer, overhead))
 
 
 def write_report(report: dict, out_dir: str | Path) -> tuple[Path, Path]:
@@ -480,9 +479,6 @@ def to_markdown(report: dict) -> str:
     if coverages:
         lines += ["", f"× plain: the median of paired speedups (method ÷ plain in the same repeat) and a "
                       f"{coverages[0]:.0%} interval for it (`evaluation.paired`)."]
-    verdict = early_exit_verdict(report)
-    if verdict:
-        lines += ["", verdict]
     lines += ["", "| speedup | × |", "|---|---:|"]
     lines += [f"| {name.replace('_over_', ' / ')} | {value:.3f} |"
               for name, value in report["speedups"].items()]
@@ -515,6 +511,8 @@ def to_markdown(report: dict) -> str:
     lines += ["", "Greedy outputs identical (every method but hf_early_exit, which is reported apart): "
               f"**{report['greedy_outputs_identical']}**; identical to plain per method: "
               + ", ".join(f"{m} {same}" for m, same in report.get("identical_to_plain", {}).items())]
+    if report.get("diagnosis"):
+        lines += ["", report["diagnosis"]]
     return "\n".join(lines) + "\n"
 
 

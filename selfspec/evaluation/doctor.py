@@ -29,64 +29,112 @@ CONTEXT_GROWTH = 1.15  # c or v at the long context over the short
 
 
 def diagnose(figures: dict) -> list[str]:
-    """The checklist's lines from the probe's figures: `alpha`, `k`, `exit_layer`, `num_layers`,
-    `draft_cost` (c), `verify_cost` (v), `weight_cost` (the weights' c), `overhead` (plain steps per
-    round outside the passes), `context`, `long_context`, `draft_cost_long`, `verify_cost_long` (the
-    last two None when the long context was not measured), `speedups` (method -> × plain)."""
+    """The checklist's lines from the probe's figures: `alpha`, `k`, `exit_layer`, `draft_cost` (c),
+    `verify_cost` (v), `weight_cost` (the weights' c), `overhead` (plain steps per round outside the
+    passes), `context`, `long_context`, `draft_cost_long`, `verify_cost_long` (the last two None when
+    the long context was not measured), `speedups` (method -> × plain); optionally `k_rounds` (k ->
+    rounds, for a run whose k varied). A check whose figures are absent is left out, so a benchmark,
+    a sweep or a suite gives the checks it measured (`summary`)."""
     lines = []
-    alpha, k, c, v = figures["alpha"], figures["k"], figures["draft_cost"], figures["verify_cost"]
-    exit_layer = figures["exit_layer"]
-    need = break_even_acceptance({k: 1}, c, v)
-    if need != need:
-        lines.append(f"1. acceptance: at c = {c:.2f} and v = {v:.2f} no α pays for k = {k} (k + 1 "
-                     f"tokens cost more than k + 1 plain steps): draft fewer tokens a round or from a "
-                     f"shallower exit.")
-    elif alpha != alpha or alpha < need:
-        shown = "not measured (no early-exit draft was tested)" if alpha != alpha else f"{alpha:.2f}"
-        lines.append(f"1. acceptance: the early exit's α {shown} at E = {exit_layer} is below the {need:.2f} "
-                     f"it needs at c = {c:.2f}, v = {v:.2f}, k = {k}: train the exit on your data "
-                     f"(`selfspec train`, `selfspec recipes`) or move E (`selfspec layers MODEL`).")
-    else:
-        lines.append(f"1. acceptance: α {alpha:.2f} at E = {exit_layer} clears the {need:.2f} that "
-                     f"c = {c:.2f}, v = {v:.2f}, k = {k} need.")
-    weight = figures["weight_cost"]
-    if c > DRAFT_COST_MARGIN * weight:
-        lines.append(f"2. draft cost: a draft step costs c = {c:.2f} plain steps, {c / weight:.2f}× the "
-                     f"{weight:.2f} its weights predict: per-step work beyond reading the weights; a "
-                     f"trimmed draft head (--draft-vocab-size) or a GPU's captured step cuts it.")
-    else:
-        lines.append(f"2. draft cost: c = {c:.2f} plain steps, near the {weight:.2f} its weights predict "
-                     f"(E/N plus the head); a trimmed head (--draft-vocab-size) lowers the head's share.")
-    overhead = figures["overhead"]
-    if overhead > OVERHEAD_LIMIT:
+    if figures.get("draft_cost") is not None:
+        lines.append(_acceptance(figures))
+        weight, c = figures.get("weight_cost"), figures["draft_cost"]
+        if weight is None:
+            pass
+        elif c > DRAFT_COST_MARGIN * weight:
+            lines.append(f"2. draft cost: a draft step costs c = {c:.2f} plain steps, {c / weight:.2f}× the "
+                         f"{weight:.2f} its weights predict: per-step work beyond reading the weights; a "
+                         f"trimmed draft head (--draft-vocab-size) or a GPU's captured step cuts it.")
+        else:
+            lines.append(f"2. draft cost: c = {c:.2f} plain steps, near the {weight:.2f} its weights predict "
+                         f"(E/N plus the head); a trimmed head (--draft-vocab-size) lowers the head's share.")
+    overhead = figures.get("overhead")
+    if overhead is not None and overhead > OVERHEAD_LIMIT:
         lines.append(f"3. overhead: the work between a round's passes costs {overhead:.2f} plain steps "
                      f"a round (above {OVERHEAD_LIMIT:.2f}): a small model's step is short; longer rounds "
                      f"(higher k, copies) spread it.")
-    else:
+    elif overhead is not None:
         lines.append(f"3. overhead: {overhead:.2f} plain steps a round between the passes.")
+    if "long_context" in figures:
+        lines.append(_context(figures))
+    if figures.get("speedups"):
+        lines.append(_verdict(figures["speedups"]))
+    return lines
+
+
+def _acceptance(figures: dict) -> str:
+    """Check 1: the early exit's α against the α its measured c and v need."""
+    alpha, k, c, v = figures["alpha"], figures["k"], figures["draft_cost"], figures["verify_cost"]
+    exit_layer = figures["exit_layer"]
+    need = break_even_acceptance(figures.get("k_rounds") or {k: 1}, c, v)
+    if need != need:
+        return (f"1. acceptance: at c = {c:.2f} and v = {v:.2f} no α pays for k = {k} (k + 1 tokens cost "
+                f"more than k + 1 plain steps): draft fewer tokens a round or from a shallower exit.")
+    if alpha != alpha or alpha < need:
+        shown = "not measured (no early-exit draft was tested)" if alpha != alpha else f"{alpha:.2f}"
+        return (f"1. acceptance: the early exit's α {shown} at E = {exit_layer} is below the {need:.2f} "
+                f"it needs at c = {c:.2f}, v = {v:.2f}, k = {k}: train the exit on your data "
+                f"(`selfspec train`, `selfspec recipes`) or move E (`selfspec layers MODEL`).")
+    return (f"1. acceptance: α {alpha:.2f} at E = {exit_layer} clears the {need:.2f} that "
+            f"c = {c:.2f}, v = {v:.2f}, k = {k} need.")
+
+
+def _context(figures: dict) -> str:
+    """Check 4: how c and v grow from the short context to the long one."""
+    c, v = figures["draft_cost"], figures["verify_cost"]
     c_long, v_long = figures.get("draft_cost_long"), figures.get("verify_cost_long")
     if c_long is None:
-        lines.append(f"4. context: not measured at {figures['long_context']} tokens (beyond the model's "
-                     f"positions with a round's k + 1): pass a shorter --long-context.")
-    elif c_long > CONTEXT_GROWTH * c or v_long > CONTEXT_GROWTH * v:
-        lines.append(f"4. context: at {figures['long_context']} tokens c = {c_long:.2f} and "
-                     f"v = {v_long:.2f} (at {figures['context']}: {c:.2f}, {v:.2f}); long contexts erode "
-                     f"the gain: a smaller k or plain decoding there (--ks auto decides per round).")
-    else:
-        lines.append(f"4. context: c and v hold from {figures['context']} to {figures['long_context']} "
-                     f"tokens ({c:.2f} -> {c_long:.2f}, {v:.2f} -> {v_long:.2f}).")
-    speedups = figures["speedups"]
+        return (f"4. context: not measured at {figures['long_context']} tokens (beyond the model's "
+                f"positions with a round's k + 1): pass a shorter --long-context.")
+    if c_long > CONTEXT_GROWTH * c or v_long > CONTEXT_GROWTH * v:
+        return (f"4. context: at {figures['long_context']} tokens c = {c_long:.2f} and "
+                f"v = {v_long:.2f} (at {figures['context']}: {c:.2f}, {v:.2f}); long contexts erode "
+                f"the gain: a smaller k or plain decoding there (--ks auto decides per round).")
+    return (f"4. context: c and v hold from {figures['context']} to {figures['long_context']} "
+            f"tokens ({c:.2f} -> {c_long:.2f}, {v:.2f} -> {v_long:.2f}).")
+
+
+def _verdict(speedups: dict) -> str:
+    """Check 5: the fastest method measured, and what would change the verdict."""
     best = max(speedups, key=speedups.get)
     if speedups[best] <= 1.0:
-        lines.append(f"5. verdict: nothing beats plain decoding here (best {best} {speedups[best]:.2f}×); "
-                     f"train the exit, or decode under a grammar (--json-schema), where forced tokens and "
-                     f"copies pay.")
-    else:
-        others = ", ".join(f"{m} {s:.2f}×" for m, s in speedups.items() if m != best)
-        change = ("the early exit would need the α above" if best != "early_exit"
-                  else "copies or the hybrid may add more where the text repeats")
-        lines.append(f"5. verdict: {best} is fastest at {speedups[best]:.2f}× plain ({others}); {change}.")
-    return lines
+        return (f"5. verdict: nothing beats plain decoding here (best {best} {speedups[best]:.2f}×); "
+                f"train the exit, or decode under a grammar (--json-schema), where forced tokens and "
+                f"copies pay.")
+    others = ", ".join(f"{m} {s:.2f}×" for m, s in speedups.items() if m != best)
+    change = ("the early exit would need the α above" if best != "early_exit"
+              else "copies or the hybrid may add more where the text repeats")
+    return f"5. verdict: {best} is fastest at {speedups[best]:.2f}× plain ({others}); {change}."
+
+
+def cost_figures(cost: dict, speedups: dict, exit_layer: int | None, overhead: float | None = None) -> dict:
+    """The checklist's figures from a report's cost model (`benchmark.cost_model`: α, mean k, the
+    rounds per k, c, v and the weights' c) and its speedups over plain (method -> ×)."""
+    figures = {"exit_layer": exit_layer, "speedups": speedups, "overhead": overhead,
+               "weight_cost": cost.get("weight_cost")}
+    if "draft_cost" in cost:
+        figures.update(alpha=cost["acceptance_rate"], k=max(1, round(cost["mean_k"])),
+                       k_rounds=cost.get("k_rounds"), draft_cost=cost["draft_cost"],
+                       verify_cost=cost["verify_cost"])
+    return figures
+
+
+def summary(figures: dict) -> str | None:
+    """The checklist as one paragraph, as `eval speedup`, `sweep` and `suite` end (None: nothing
+    measured to check)."""
+    lines = diagnose(figures)
+    if not lines:
+        return None
+    checks = [line.split(". ", 1)[1] for line in lines]
+    return "Why it is (not) faster: " + " ".join(c[0].upper() + c[1:] for c in checks)
+
+
+def weight_cost(view, exit_layer: int, draft_vocab_size: int = 0) -> float:
+    """c as the weights predict it for E = `exit_layer` and a draft head of V' rows (0: the whole head)."""
+    blocks = [sum(p.numel() for p in layer.parameters()) for layer in view.layers]
+    head = view.lm_head.weight
+    draft_head = draft_vocab_size * head.shape[1] if draft_vocab_size else None
+    return weight_draft_cost(exit_layer, blocks, head.numel(), draft_head)
 
 
 def doctor(model: str, *, exit_layer: int | None = None, num_speculations: int | None = None,
@@ -131,10 +179,6 @@ def doctor(model: str, *, exit_layer: int | None = None, num_speculations: int |
     def ratio(length, name):
         return passes[length][name]["seconds"] / passes[length]["plain"]["seconds"]
 
-    blocks = [sum(p.numel() for p in layer.parameters()) for layer in view.layers]
-    head = view.lm_head.weight.numel()
-    vocab = settings.draft_vocab_size
-    draft_head = vocab * view.lm_head.weight.shape[1] if vocab else None
     both = long_context in passes and context in passes
     growth = {name: ratio(long_context, key) / ratio(context, key) if both else None
               for name, key in (("draft", "draft"), ("verify", f"verify_{k + 1}"))}
@@ -142,7 +186,7 @@ def doctor(model: str, *, exit_layer: int | None = None, num_speculations: int |
         "exit_layer": settings.exit_layer, "num_layers": view.num_layers, "k": k,
         "alpha": cost["acceptance_rate"], "draft_cost": cost["draft_cost"],
         "verify_cost": cost["verify_cost"],
-        "weight_cost": weight_draft_cost(settings.exit_layer, blocks, head, draft_head),
+        "weight_cost": weight_cost(view, settings.exit_layer, settings.draft_vocab_size or 0),
         "overhead": report["round_profile"]["methods"]["early_exit"]["plain_steps"]["outside_passes"],
         "context": context, "long_context": long_context,
         # the engine's c and v at the short context, scaled by how the bare passes grow with context
@@ -163,4 +207,4 @@ def doctor(model: str, *, exit_layer: int | None = None, num_speculations: int |
     return result
 
 
-__all__ = ["diagnose", "doctor"]
+__all__ = ["cost_figures", "diagnose", "doctor", "summary", "weight_cost"]

@@ -31,6 +31,7 @@ from ..errors import UserError
 from ..model.loading import load_tokenizer
 from . import benchmark
 from .benchmark import METHODS, Timings, check_methods, interleaved_rates, load_model, make_runner
+from .doctor import cost_figures, summary, weight_cost
 from .report import publish, save_figure
 
 # suite -> whether its prompts go through the chat template
@@ -175,6 +176,18 @@ def run_suite(model, tokenizer, questions: list[Question], settings: DecodeSetti
               for c in dict.fromkeys(batch_categories)}
     groups[OVERALL] = list(range(len(batch_categories)))
     report["results"] = {c: _category_results(timings, methods, batches) for c, batches in groups.items()}
+    overall = report["results"][OVERALL]
+    exit_layer = None
+    if "plain" in methods and "early_exit" in methods:
+        early = run.settings["early_exit"]
+        exit_layer = early.exit_layer
+        report["cost_model"] = benchmark.cost_model(
+            timings.run_stats("plain"), timings.run_stats("early_exit"),
+            overall["early_exit"]["speedup_over_plain"],
+            weight_cost(view, early.exit_layer, early.draft_vocab_size or 0))
+    speedups = {m: row["speedup_over_plain"] for m, row in overall.items()
+                if m != "plain" and "speedup_over_plain" in row}
+    report["diagnosis"] = summary(cost_figures(report.get("cost_model", {}), speedups, exit_layer))
     report["seconds"] = time.perf_counter() - start
     return report
 
@@ -241,6 +254,8 @@ def to_markdown(report: dict) -> str:
               f"Greedy outputs identical to plain (hf_early_exit reported apart): "
               f"**{report['greedy_outputs_identical']}**; per method: "
               + ", ".join(f"{m} {same}" for m, same in identical.items())]
+    if report.get("diagnosis"):
+        lines += ["", report["diagnosis"]]
     return "\n".join(lines) + "\n"
 
 

@@ -42,7 +42,7 @@ from ..config import parse_layers
 from ..decoding import ADAPTIVE_K, DRAFTERS, DecodeSettings, SelfSpecGenerator
 from ..decoding.settings import FIELDS
 from ..errors import UserError
-from ..metrics import break_even_acceptance, predicted_speedup
+from ..metrics import predicted_speedup
 from ..model import DecoderView
 from ..model import num_layers as count_layers
 from .benchmark import (
@@ -55,6 +55,7 @@ from .benchmark import (
     read_prompts,
     source_summary,
 )
+from .doctor import summary, weight_cost
 from .paired import beats_plain, median_interval, paired_speedups
 from .report import publish, save_figure
 
@@ -231,26 +232,25 @@ def run_sweep(model, prompts: list[list[int]], exit_layers: list[int], ks: list,
             "confirm_repeats": confirm_repeats if confirm else repeats,
             "confirmed": sorted(confirmed, key=lambda row: -row["speedup"]),
             "fastest_per_drafter": fastest, "best": best,
-            "all_identical_to_plain": len(lossless) == len(grid)}
+            "all_identical_to_plain": len(lossless) == len(grid),
+            "diagnosis": diagnosis(grid, per_exit, fastest, generator.view)}
 
 
-def break_even_line(early: list[dict], per_exit: dict) -> str | None:
-    """One line on the fastest early-exit cell of the table (a fixed k): its α against the α it needs
-    at its exit's c and its own measured v (`metrics.break_even_acceptance`), as `selfspec doctor`
-    reads them. None when no such cell has costs."""
-    cells = [row for row in early if isinstance(row["num_speculations"], int)
-             and row["verify_cost"] == row["verify_cost"]]
-    if not cells:
-        return None
-    row = max(cells, key=lambda r: r["speedup"])
-    k = row["num_speculations"]
-    c = per_exit[str(row["exit_layer"])][str(row["draft_vocab_size"])]["draft_cost"]
-    need = break_even_acceptance({k: 1}, c, row["verify_cost"])
-    needs = f"break even at α ≥ {need:.2f}" if need == need else "cannot pay at any α"
-    return (f"The early exit's fastest cell (E = {row['exit_layer']}, k = {k}, {row['speedup']:.2f}×): α "
-            f"{row['acceptance_rate']:.2f}; at c = {c:.2f} and v = {row['verify_cost']:.2f} its drafts alone "
-            f"{needs} against plain decoding (free drafts, a grammar's forced tokens, come on top; "
-            f"`selfspec doctor` goes through the rest of the checklist).")
+def diagnosis(grid: list[dict], per_exit: dict, fastest: dict, view) -> str | None:
+    """`selfspec doctor`'s checklist in one paragraph: the fastest early-exit cell of the table (a
+    fixed k) read as the doctor reads its probe (α against the α its exit's c and its own measured v
+    need, c against the weights' share), then the fastest of each drafter."""
+    cells = [row for row in grid if row["drafter"] == "early_exit" and "verify_cost" in row
+             and isinstance(row["num_speculations"], int) and row["verify_cost"] == row["verify_cost"]]
+    speedups = {drafter: row["speedup"] for drafter, row in fastest.items()}
+    figures = {"speedups": speedups}
+    if cells:
+        row = max(cells, key=lambda r: r["speedup"])
+        e, v = row["exit_layer"], row["draft_vocab_size"]
+        figures.update(alpha=row["acceptance_rate"], k=row["num_speculations"], exit_layer=e,
+                       draft_cost=per_exit[str(e)][str(v)]["draft_cost"], verify_cost=row["verify_cost"],
+                       weight_cost=weight_cost(view, e, v or 0))
+    return summary(figures)
 
 
 def _in_table(row: dict, stop_below: float) -> bool:
@@ -333,15 +333,14 @@ def to_markdown(report: dict) -> str:
         lines += ["", f"Measured ÷ predicted, median over the cells: {ratio:.2f}; "
                       f"a verification costs {min(costs, default=float('nan')):.2f}-"
                       f"{max(costs, default=float('nan')):.2f} plain steps."]
-        verdict = break_even_line(early, report["per_exit_layer"])
-        if verdict:
-            lines += ["", verdict]
     best = report["best"]
     fastest = "none (no output matched plain decoding)" if best is None else (
         f"{_describe(best)}: **{best['speedup']:.2f}×** plain decoding "
         f"({best['low']:.2f}-{best['high']:.2f}, {best['coverage']:.0%})")
     lines += ["", f"Fastest: {fastest}. Outputs identical to plain decoding: "
                   f"**{report['all_identical_to_plain']}**"]
+    if report.get("diagnosis"):
+        lines += ["", report["diagnosis"]]
     return "\n".join(lines) + "\n"
 
 

@@ -162,7 +162,8 @@ def _fixed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 @functools.cache
 def _emulated_bf16() -> bool:
     """True where this CPU has no bf16 arithmetic for oneDNN (AVX2 and older): there torch's bf16
-    products of many rows (a prefill) are emulated, measured 4.5x slower than fp32's on SmolLM2."""
+    products of many rows (a prefill) are emulated, several times slower than fp32's
+    (docs/performance.md)."""
     try:
         return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
     except (AttributeError, RuntimeError):  # a torch without the query: assume the common case
