@@ -14,6 +14,7 @@ called with keywords (the table in `_parser`). The functions live where their wo
     selfspec generate runs/demo/model "def parse_args("
     selfspec draft-vocab runs/demo/model           # token frequencies for a trimmed draft head
     selfspec doctor runs/demo/model                # why it is (not) faster: probe and checklist
+    selfspec serve runs/demo/model --port 8000     # an OpenAI-compatible server
 
 A `UserError` (a bad flag, file, config or checkpoint) prints one line and exits 2; any other
 exception is a bug and shows its traceback.
@@ -39,6 +40,15 @@ def _generate(prompt: str | None, prompts: str | None, no_eos: bool, eos, no_str
         raise UserError("pass one prompt or --prompts FILE (not both, not neither)")
     batch = [prompt] if prompts is None else commands.read_prompt_file(prompts)
     return commands.generate(model, batch, eos=[] if no_eos else eos, stream=not no_stream, **rest)
+
+
+def _serve(**kwargs) -> None:
+    """`selfspec serve`: the OpenAI-compatible server (the optional extra selfspec[serve])."""
+    try:
+        from .serving.app import serve
+    except ImportError as exc:
+        raise UserError(f"the server needs {exc.name}: pip install 'selfspec[serve]'") from None
+    serve(**kwargs)
 
 
 def _recipes(path: str | None) -> None:
@@ -257,6 +267,22 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], argparse.A
     p.add_argument("--no-stream", action="store_true",
                    help="print the text at the end instead of as it is accepted")
     _constraint_flags(p)
+
+    p = command(("serve",), sub, _serve,
+                help="an OpenAI-compatible server (chat and text completions) that decodes "
+                     "self-speculatively")
+    p.add_argument("model", help="a checkpoint, or any Hugging Face causal LM directory or hub id")
+    p.add_argument("--host", default="127.0.0.1", help="the address to bind (default: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (or $SELFSPEC_API_KEY)")
+    p.add_argument("--served-model-name", default=None, help="the model's name in requests (default: MODEL)")
+    p.add_argument("--max-batch", type=int, default=8, help="requests decoded together in one wave")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting at most (beyond: 429)")
+    p.add_argument("--max-tokens-cap", type=int, default=2048, help="the most tokens one request may ask for")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    _settings_flags(p)
+    p.add_argument("--min-ngram", type=int, default=None, help="shortest context match that copies")
 
     ev = sub.add_parser("eval", help="evaluations: gate, speedup, suite, sweep, roofline, curve")
     ev = ev.add_subparsers(dest="eval_command", required=True)

@@ -102,6 +102,15 @@ def test_missing_tokenizer(tiny_run, tmp_path, capsys):
     assert "has no tokenizer" in one_error_line(capsys)
 
 
+def test_serve_without_its_extra_names_the_pip_command(ckpt, monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "fastapi", None)  # as if not installed: importing it fails
+    monkeypatch.delitem(sys.modules, "selfspec.serving.app", raising=False)
+    assert main(["serve", str(ckpt)]) == 2
+    assert "pip install 'selfspec[serve]'" in one_error_line(capsys)
+
+
 # --------------------------------------------------------------------------------------------------
 # Recipes: `selfspec train --config ... a.b=value` and the loop it runs
 # --------------------------------------------------------------------------------------------------

@@ -634,7 +634,7 @@ class SelfSpecGenerator:
                  top_k: int = 0, top_p: float = 1.0, num_speculations=None, drafter=None,
                  eos_token_id=None, stop_strings=None, seed=None, streamer=None,
                  settings: DecodeSettings | None = None, json_schema=None, regex=None,
-                 grammar=None, profile: bool = False) -> GenerationOutput:
+                 grammar=None, profile: bool = False, on_tokens=None) -> GenerationOutput:
         """Generate up to `max_new_tokens` tokens per prompt; the result is exactly the full model's.
 
         input_ids: a list of token lists (any lengths), one token list, a (B, T) tensor with an
@@ -665,6 +665,12 @@ class SelfSpecGenerator:
             (see `grammar.py`). A row ends when its grammar is complete; `GenerationOutput.complete`
             says which rows' outputs are (False: max_new_tokens cut it first).
         profile: time each part of every round (`profile.PARTS`) into `GenerationStats.profile`.
+        on_tokens: called after every round with `(rows, tokens, emit, finished)`: the caller's row
+            index of each running row (B,), the round's tokens (B, k + 1) of which each row keeps its
+            first `emit` (B,), and which rows end with this round (B,) bool. It may return a (B,)
+            bool array of rows to end now (a server's cancelled request, a limit the caller keeps
+            per row); their tokens so far stay in the output. Every row streams live, unlike
+            `streamer`.
         """
         wall = time.perf_counter()
         prompts = self._prompts(input_ids, attention_mask)
@@ -745,6 +751,10 @@ class SelfSpecGenerator:
                 b.lap("other")
                 policy.observe(rows, tokens, emit)
                 b.lap("policy")
+                if on_tokens is not None:
+                    cancel = on_tokens(rows, tokens, emit, finished)
+                    if cancel is not None:
+                        finished = finished | np.asarray(cancel, dtype=bool)
                 if stream:
                     stream.feed(rows, tokens, emit, finished)
                     b.lap("other")
@@ -771,19 +781,21 @@ class SelfSpecGenerator:
         """Reply to a conversation, a list of {"role", "content"} messages (or to a list of
         conversations, one row each), through the tokenizer's chat template with the generation
         prompt; keywords as `generate`'s. The texts leave out special tokens (the end of the turn)."""
-        template = getattr(self.tokenizer, "chat_template", None)
-        if template is None:
-            raise UserError("chat needs a tokenizer with a chat template (an instruct model's); "
-                            "use generate for a plain continuation")
         if not messages:
             raise UserError("chat needs a conversation: a list of {'role', 'content'} messages")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        texts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
-                 for c in conversations]
-        ids = [self.tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
-        out = self.generate(ids, **kwargs)
+        out = self.generate([self.chat_prompt(c) for c in conversations], **kwargs)
         out.texts = [self.tokenizer.decode(s, skip_special_tokens=True) for s in out.sequences]
         return out
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        """The token ids of one conversation through the chat template, ending with the generation
+        prompt (the assistant's turn opened)."""
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise UserError("chat needs a tokenizer with a chat template (an instruct model's); "
+                            "use generate for a plain continuation")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def _resolve(self, settings, drafter, num_speculations) -> tuple[DecodeSettings, DraftPolicy]:
         """This call's settings (the generator's, then `settings`, then the two overrides) and policy."""

@@ -1,0 +1,231 @@
+"""One decode loop for every request: jobs wait in a bounded queue and decode together in waves.
+
+A wave is a batch of waiting jobs with the same sampling parameters (temperature, top-k, top-p: the
+engine samples a batch with one setting), as many as `max_batch`, whose prompts and token limits fit
+the model's positions together. The engine decodes a wave as one batch: rows accept different
+numbers of drafts each round, and a row's tokens do not depend on the other rows (greedy; sampled
+rows each draw from their own seed). After every round (`generate(on_tokens=...)`) each job takes
+its row's new tokens, streams the text it can already show, and ends its row when it is done: its
+own `max_tokens`, a stop string, or a client that went away. Jobs that arrive during a wave wait for
+the next one.
+
+Jobs are created and awaited on the server's event loop; the loop runs on its own thread and hands
+each job its events through `loop.call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFull(Exception):
+    """The queue holds `max_queue` jobs: the caller answers 429."""
+
+
+@dataclass
+class Job:
+    """One request's decode: its inputs, and the state the decode thread writes (`take`, `end`)."""
+
+    prompt: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stops: list[str] = field(default_factory=list)
+    schema: dict | None = None  # the JSON schema the output follows, or None
+    loop: asyncio.AbstractEventLoop | None = None
+    events: asyncio.Queue | None = None  # ("text", str), then ("done", reason) or ("error", message)
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""  # the output's text, cut at a stop string
+    sent: int = 0  # characters of `text` already sent as events
+    finish_reason: str | None = None  # "stop" or "length" once done
+    cancelled: bool = False  # set by the server when the client goes away
+    passes: int = 0  # full-model passes (rounds) this row took part in
+    drafted: int = 0  # drafts verified for this row, and how many were accepted
+    accepted: int = 0
+    submitted: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+    finished: float | None = None
+
+    @property
+    def sampling(self) -> tuple:
+        """The wave key: jobs decode together only with the same sampling parameters."""
+        return (0.0, 0, 1.0) if self.temperature == 0 else (self.temperature, self.top_k, self.top_p)
+
+    def _send(self, *event) -> None:
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+    def take(self, tokens: list[int], drafted: int, engine_done: bool, eos: set, decode) -> bool:
+        """A round's tokens for this row (decode thread); True when the row is done. `engine_done`:
+        the engine ended the row (eos, a complete grammar, the wave's token limit)."""
+        if self.finish_reason is not None:
+            return True
+        if self.cancelled:
+            return self._end("cancelled")
+        if self.first_token is None and tokens:
+            self.first_token = time.perf_counter()
+        self.passes += 1
+        self.drafted += drafted
+        self.accepted += len(tokens) - 1
+        self.tokens += tokens[:self.max_tokens - len(self.tokens)]
+        text = decode(self.tokens)
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.text = text[:min(hits)]
+            return self._end("stop")
+        self.text = text
+        hit_eos = bool(self.tokens) and self.tokens[-1] in eos
+        if hit_eos or (engine_done and len(self.tokens) < self.max_tokens):
+            return self._end("stop")  # eos, or the grammar is complete
+        if len(self.tokens) >= self.max_tokens or engine_done:
+            return self._end("length")
+        # hold back what a stop string may still claim, and a character cut in half
+        hold = max((len(s) - 1 for s in self.stops), default=0)
+        shown = len(text) - hold
+        while shown > self.sent and text[shown - 1] == "\ufffd":
+            shown -= 1
+        if shown > self.sent:
+            self._send("text", text[self.sent:shown])
+            self.sent = shown
+        return False
+
+    def _end(self, reason: str) -> bool:
+        self.finish_reason, self.finished = reason, time.perf_counter()
+        if reason != "cancelled":
+            if len(self.text) > self.sent:
+                self._send("text", self.text[self.sent:])
+                self.sent = len(self.text)
+            self._send("done", reason)
+        return True
+
+    def fail(self, message: str) -> None:
+        self.finish_reason = "error"
+        self._send("error", message)
+
+    def stats(self, drafter: str) -> dict:
+        """The `selfspec` field of a response: this row's acceptance and tokens per full pass."""
+        return {"drafter": drafter, "tokens_per_pass": len(self.tokens) / max(1, self.passes),
+                "alpha": self.accepted / self.drafted if self.drafted else None}
+
+
+class Scheduler:
+    """The decode loop (a daemon thread) over a `SelfSpecGenerator`; `submit` queues a job.
+
+    max_batch: rows per wave; max_queue: jobs waiting at most (beyond: `QueueFull`); on_wave: called
+    with each finished wave's jobs and `GenerationStats` (the server's metrics)."""
+
+    def __init__(self, generator, max_batch: int = 8, max_queue: int = 64, on_wave=None):
+        self.generator, self.on_wave = generator, on_wave
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self.queue: deque[Job] = deque()
+        self.ready = threading.Condition()
+        self.closing = False
+        self.thread: threading.Thread | None = None
+        tokenizer = generator.tokenizer
+        self.decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+        self.eos = set(generator._eos_ids(None).tolist())
+        self.limit = generator.view.max_positions
+        self.largest_wave = 0
+        self.active: list[Job] = []  # the wave being decoded
+        self.cancelled_rows = 0  # rows whose client went away (or shutdown ended them)
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._loop, name="selfspec-decode", daemon=True)
+        self.thread.start()
+
+    def stop(self, grace: float = 30.0) -> None:
+        """Take no more jobs, let the wave in flight finish for up to `grace` seconds, then end its
+        rows at the next round; waiting jobs end at once (their clients get an error)."""
+        with self.ready:
+            self.closing = True
+            waiting, self.queue = list(self.queue), deque()
+            self.ready.notify()
+        for job in waiting:
+            job.fail("the server is shutting down")
+        if self.thread is None:
+            return
+        self.thread.join(timeout=grace)
+        for job in list(self.active):
+            job.cancelled = True
+        self.thread.join(timeout=60)
+
+    def submit(self, job: Job) -> None:
+        with self.ready:
+            if self.closing or len(self.queue) >= self.max_queue:
+                raise QueueFull
+            self.queue.append(job)
+            self.ready.notify()
+
+    @property
+    def waiting(self) -> int:
+        return len(self.queue)
+
+    def _next_wave(self) -> list[Job] | None:
+        """The oldest job and the waiting jobs that can decode with it (None when closing)."""
+        with self.ready:
+            while not self.queue and not self.closing:
+                self.ready.wait()
+            if self.closing:
+                return None
+            first = self.queue[0]
+            wave = []
+            for job in list(self.queue):
+                fits = self.limit is None or (max(len(j.prompt) for j in [*wave, job])
+                                              + max(j.max_tokens for j in [*wave, job]) <= self.limit)
+                joins = len(wave) < self.max_batch and job.sampling == first.sampling and fits
+                if joins and not job.cancelled:
+                    wave.append(job)
+                    self.queue.remove(job)
+                elif job.cancelled:
+                    self.queue.remove(job)
+            return wave
+
+    def _loop(self) -> None:
+        while (wave := self._next_wave()) is not None:
+            if wave:
+                self._decode(wave)
+
+    def _decode(self, wave: list[Job]) -> None:
+        self.largest_wave = max(self.largest_wave, len(wave))
+        self.active = wave
+        temperature, top_k, top_p = wave[0].sampling
+        schemas = [job.schema for job in wave]
+
+        def on_tokens(rows, tokens, emit, finished):
+            drafted = tokens.shape[1] - 1
+            return np.array([wave[row].take(tokens[slot, :emit[slot]].tolist(), drafted, bool(finished[slot]),
+                                            self.eos, self.decode)
+                             for slot, row in enumerate(rows)])
+
+        try:
+            out = self.generator.generate(
+                [job.prompt for job in wave], max_new_tokens=max(job.max_tokens for job in wave),
+                temperature=temperature, top_k=top_k, top_p=top_p,
+                seed=[job.seed if job.seed is not None else secrets.randbits(31) for job in wave],
+                json_schema=schemas if any(s is not None for s in schemas) else None, on_tokens=on_tokens)
+        except Exception as exc:  # noqa: BLE001 - the wave's clients get a 500, the loop goes on
+            logger.exception("a wave of %d requests failed", len(wave))
+            for job in wave:
+                if job.finish_reason is None:
+                    job.fail(f"decoding failed: {type(exc).__name__}: {exc}")
+            return
+        finally:
+            self.active = []
+        self.cancelled_rows += sum(job.finish_reason == "cancelled" for job in wave)
+        for job in wave:  # a row the engine never reported (cancelled before its first round)
+            if job.finish_reason is None:
+                job._end("length" if len(job.tokens) >= job.max_tokens else "stop")
+        if self.on_wave is not None:
+            self.on_wave(wave, out.stats)

@@ -1,0 +1,341 @@
+"""`selfspec serve`: OpenAI's chat and text completions over the engine, tested in-process (FastAPI's
+TestClient) and once through the `openai` client against a real uvicorn server."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import jsonschema
+import pytest
+from fastapi.testclient import TestClient
+from helpers import CHATML
+from transformers import AutoModelForCausalLM
+
+from selfspec import SelfSpecGenerator
+from selfspec.serving.app import create_app
+from selfspec.serving.scheduler import Job, QueueFull, Scheduler
+
+NAME = "tiny"
+
+
+@pytest.fixture(scope="module")
+def generator(tiny_run):
+    tokenizer = type(tiny_run["tokenizer"]).from_pretrained(tiny_run["model"])
+    tokenizer.chat_template = CHATML
+    model = AutoModelForCausalLM.from_pretrained(tiny_run["model"]).eval()
+    return SelfSpecGenerator(model, tokenizer, exit_layer=2, num_speculations=3, drafter="hybrid")
+
+
+@pytest.fixture
+def client(generator):
+    with TestClient(create_app(generator, NAME, max_batch=4)) as client:
+        yield client
+
+
+def chat(content: str, **fields) -> dict:
+    return {"model": NAME, "messages": [{"role": "user", "content": content}], "temperature": 0,
+            "max_tokens": 12, **fields}
+
+
+def alone(generator, content: str, max_tokens: int = 12, **kwargs) -> list[int]:
+    """The tokens the engine gives the same conversation alone (greedy unless told)."""
+    ids = generator.chat_prompt([{"role": "user", "content": content}])
+    return generator.generate([ids], max_new_tokens=max_tokens, **kwargs).sequences[0]
+
+
+def test_a_chat_completion_is_the_models_own_reply_with_usage_and_statistics(client, generator):
+    body = client.post("/v1/chat/completions", json=chat("def add(a, b):")).json()
+    tokens = alone(generator, "def add(a, b):")
+    assert body["object"] == "chat.completion" and body["model"] == NAME
+    (choice,) = body["choices"]
+    assert choice["message"] == {"role": "assistant",
+                                 "content": generator.tokenizer.decode(tokens, skip_special_tokens=True)}
+    eos = generator.tokenizer.eos_token_id
+    assert choice["finish_reason"] == ("stop" if tokens[-1] == eos else "length")
+    prompt = len(generator.chat_prompt([{"role": "user", "content": "def add(a, b):"}]))
+    assert body["usage"] == {"prompt_tokens": prompt, "completion_tokens": len(tokens),
+                             "total_tokens": prompt + len(tokens)}
+    stats = body["selfspec"]
+    assert stats["drafter"] == "hybrid" and stats["tokens_per_pass"] >= 1.0
+
+
+def test_text_completions_stop_at_a_stop_string(client, generator):
+    ids = generator.tokenizer("import os\n")["input_ids"]
+    full = generator.tokenizer.decode(generator.generate([ids], max_new_tokens=16).sequences[0],
+                                      skip_special_tokens=True)
+    stop = full[5:8]
+    body = client.post("/v1/completions", json={"model": NAME, "prompt": "import os\n", "max_tokens": 16,
+                                                 "temperature": 0, "stop": stop}).json()
+    (choice,) = body["choices"]
+    assert choice["text"] == full[:full.find(stop)] and choice["finish_reason"] == "stop"
+
+
+def read_events(response) -> list:
+    lines = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_a_stream_sends_the_same_text_in_chunks_then_the_usage(client):
+    whole = client.post("/v1/chat/completions", json=chat("class Stack:")).json()
+    with client.stream("POST", "/v1/chat/completions",
+                       json=chat("class Stack:", stream=True, stream_options={"include_usage": True})) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        chunks = read_events(r)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == whole["choices"][0]["message"]["content"]
+    assert chunks[-2]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
+
+
+def test_a_seeded_sampled_request_gives_the_same_tokens_alone_or_among_others(generator):
+    scheduler = Scheduler(generator, max_batch=4)
+    ids = [generator.chat_prompt([{"role": "user", "content": p}]) for p in ("a", "bb", "ccc")]
+
+    def run(prompts, seeds):
+        jobs = [Job(prompt=p, max_tokens=10, temperature=1.0, seed=s) for p, s in zip(prompts, seeds)]
+        scheduler._decode(jobs)
+        return [job.tokens for job in jobs]
+
+    (single,) = run([ids[1]], [7])
+    together = run(ids, [3, 7, 11])
+    assert together[1] == single
+
+
+def test_a_cancelled_row_ends_at_the_next_round_and_the_others_go_on(generator):
+    scheduler = Scheduler(generator, max_batch=2)
+    ids = generator.chat_prompt([{"role": "user", "content": "while True:"}])
+    stay, leave = Job(prompt=ids, max_tokens=24), Job(prompt=ids, max_tokens=24)
+    take = leave.take
+
+    def cancel_after_first_round(*args):
+        leave.cancelled = bool(leave.passes)
+        return take(*args)
+
+    leave.take = cancel_after_first_round
+    scheduler._decode([stay, leave])
+    assert leave.finish_reason == "cancelled" and 0 < len(leave.tokens) < 24
+    assert stay.tokens == alone(generator, "while True:", max_tokens=24, eos_token_id=[])[:len(stay.tokens)]
+    assert stay.finish_reason in ("stop", "length") and len(stay.tokens) > len(leave.tokens)
+
+
+def test_a_json_schema_reply_parses_and_validates(client):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["name", "age"], "additionalProperties": False}
+    body = client.post("/v1/chat/completions", json=chat(
+        "Maria, 34", max_tokens=60,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})).json()
+    reply = body["choices"][0]
+    assert reply["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(reply["message"]["content"]), schema)
+    broken = {"type": "object", "minProperties": "x"}
+    bad = client.post("/v1/chat/completions", json=chat("x", response_format={
+        "type": "json_schema", "json_schema": {"name": "n", "schema": broken}}))
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format"
+
+
+@pytest.mark.parametrize("fields, status, param", [
+    ({"max_tokens": 5000}, 400, "max_tokens"),
+    ({"n": 2}, 400, "n"),
+    ({"model": "gpt-4o"}, 400, "model"),
+    ({"temperature": 5}, 400, "temperature"),
+    ({"presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "user", "content": "word " * 400}]}, 400, "messages"),
+])
+def test_bad_requests_get_an_openai_error_that_names_the_field(client, fields, status, param):
+    r = client.post("/v1/chat/completions", json=chat("hi", **fields))
+    assert r.status_code == status
+    error = r.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error" and error["message"]
+
+
+def test_a_body_that_is_too_large_or_not_json_is_refused(generator):
+    with TestClient(create_app(generator, NAME, max_body_bytes=200)) as client:
+        r = client.post("/v1/chat/completions", json=chat("x" * 300))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "body"
+        r = client.post("/v1/chat/completions", content=b"{not json",
+                        headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+
+
+def test_an_api_key_is_required_when_set(generator):
+    with TestClient(create_app(generator, NAME, api_key="s3cret")) as client:
+        assert client.get("/v1/models").status_code == 401
+        wrong = client.get("/v1/models", headers={"Authorization": "Bearer s3cres"})
+        assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+        ok = client.get("/v1/models", headers={"Authorization": "Bearer s3cret"})
+        assert ok.status_code == 200 and ok.json()["data"][0]["id"] == NAME
+        assert client.get("/health").status_code == 200  # health and metrics need no key
+
+
+def test_a_full_queue_answers_429_with_retry_after(generator):
+    app = create_app(generator, NAME, max_queue=1)
+    scheduler = app.state.scheduler  # not started: nothing leaves the queue
+    scheduler.submit(Job(prompt=[1, 2], max_tokens=2))
+    with pytest.raises(QueueFull):
+        scheduler.submit(Job(prompt=[1, 2], max_tokens=2))
+    r = TestClient(app).post("/v1/chat/completions", json=chat("hi"))
+    assert r.status_code == 429 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_metrics_count_requests_tokens_and_acceptance(client):
+    usage = client.post("/v1/chat/completions", json=chat("def f(x):")).json()["usage"]
+    client.post("/v1/chat/completions", json=chat("hi", n=3))
+    text = client.get("/metrics").text
+    assert 'selfspec_requests_total{endpoint="/v1/chat/completions",status="200"} 1.0' in text
+    assert 'selfspec_requests_total{endpoint="/v1/chat/completions",status="400"} 1.0' in text
+    assert f"selfspec_completion_tokens_total {usage['completion_tokens']:.1f}" in text
+    assert f"selfspec_prompt_tokens_total {usage['prompt_tokens']:.1f}" in text
+    for name in ("selfspec_time_to_first_token_seconds_count 1.0",
+                 "selfspec_request_latency_seconds_count 1.0",
+                 'selfspec_acceptance_rate{source="early_exit"}', "selfspec_tokens_per_pass",
+                 "selfspec_wave_size_count 1.0"):
+        assert name in text, name
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def live(generator):
+    """A real uvicorn server on 127.0.0.1 with a key: {"url", "app"}."""
+    import uvicorn
+
+    port, app = free_port(), create_app(generator, NAME, api_key="k", max_batch=8)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    for _ in range(400):
+        if server.started:
+            break
+        time.sleep(0.05)
+    yield {"url": f"http://127.0.0.1:{port}/v1", "app": app}
+    server.should_exit = True
+    thread.join(timeout=30)
+
+
+def openai_client(live, key: str = "k"):
+    import openai
+
+    return openai.OpenAI(base_url=live["url"], api_key=key, max_retries=0, timeout=120)
+
+
+def test_the_openai_client_gets_the_engines_reply_whole_and_streamed(live, generator):
+    import openai
+
+    client = openai_client(live)
+    messages = [{"role": "user", "content": "def f():"}]
+    reply = client.chat.completions.create(model=NAME, messages=messages, temperature=0, max_tokens=10)
+    expected = generator.tokenizer.decode(alone(generator, "def f():", max_tokens=10),
+                                          skip_special_tokens=True)
+    assert reply.choices[0].message.content == expected and reply.usage.completion_tokens > 0
+    stream = client.chat.completions.create(model=NAME, messages=messages, temperature=0, max_tokens=10,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    assert chunks[-1].usage.total_tokens == reply.usage.total_tokens
+    text = client.completions.create(model=NAME, prompt="import os\n", temperature=0, max_tokens=8)
+    ids = generator.tokenizer("import os\n")["input_ids"]
+    assert text.choices[0].text == generator.tokenizer.decode(
+        generator.generate([ids], max_new_tokens=8).sequences[0], skip_special_tokens=True)
+    with pytest.raises(openai.AuthenticationError):
+        openai_client(live, key="no").models.list()
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=NAME, messages=messages, max_tokens=10, n=2)
+
+
+def test_sixteen_concurrent_clients_each_get_what_they_get_alone(live, generator):
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = openai_client(live)
+    prompts = [f"def task_{i}(x):" for i in range(16)]
+
+    def ask(prompt):
+        return client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": prompt}],
+                                              temperature=0, max_tokens=12).choices[0].message.content
+
+    with ThreadPoolExecutor(16) as pool:
+        replies = list(pool.map(ask, prompts))
+    for prompt, reply in zip(prompts, replies):
+        assert reply == generator.tokenizer.decode(alone(generator, prompt), skip_special_tokens=True)
+    assert live["app"].state.scheduler.largest_wave > 1
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_row(live):
+    scheduler = live["app"].state.scheduler
+    before = scheduler.cancelled_rows
+    body = chat("while True:", max_tokens=200, stream=True)
+    with httpx.stream("POST", f"{live['url']}/chat/completions", json=body,
+                      headers={"Authorization": "Bearer k"}, timeout=60) as response:
+        next(response.iter_lines())  # the first chunk, then hang up
+    for _ in range(600):
+        if scheduler.cancelled_rows > before:
+            break
+        time.sleep(0.05)
+    assert scheduler.cancelled_rows == before + 1
+
+
+def test_a_failing_request_gets_a_500_and_the_server_keeps_serving(generator, monkeypatch, caplog):
+    real, calls = generator.generate, []
+
+    def fail_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(generator, "generate", fail_once)
+    with TestClient(create_app(generator, NAME)) as client:
+        r = client.post("/v1/chat/completions", json=chat("hi"))
+        assert r.status_code == 500 and "boom" in r.json()["error"]["message"]
+        assert "a wave of 1 requests failed" in caplog.text and "RuntimeError: boom" in caplog.text
+        assert client.post("/v1/chat/completions", json=chat("hi")).status_code == 200
+
+
+def test_sigterm_lets_the_request_in_flight_finish_and_exits_0(tiny_run, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    port = free_port()
+    command = [sys.executable, "-m", "selfspec", "serve", str(tiny_run["model"]), "--port", str(port),
+               "--served-model-name", NAME]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=tmp_path, env={**os.environ, "SELFSPEC_API_KEY": ""})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(1200):
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        result = {}
+
+        def ask():
+            result["reply"] = httpx.post(f"{url}/v1/completions", timeout=120, json={
+                "model": NAME, "prompt": "def f(x):", "max_tokens": 64, "temperature": 0})
+
+        asker = threading.Thread(target=ask)
+        asker.start()
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        asker.join(timeout=120)
+        assert proc.wait(timeout=120) == 0, proc.stdout.read()[-3000:]
+        assert result["reply"].status_code == 200 and result["reply"].json()["usage"]["completion_tokens"] > 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
