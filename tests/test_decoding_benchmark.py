@@ -75,6 +75,10 @@ def test_a_losing_early_exit_is_explained_in_one_paragraph():
     hopeless = {**losing, "cost_model": {**cost, "k_rounds": {1: 10}, "draft_cost": 0.9, "verify_cost": 1.2}}
     assert "no α pays for k = 2" in diagnosis(hopeless)
     assert diagnosis({"settings": {}, "methods": {"hf_greedy": {}}}) is None  # nothing to check
+    # under a grammar forced tokens (α 1, no draft step) share the rounds: the exit is judged by its own α
+    forced = {**losing, "sources": {"early_exit": {"forced": {"drafted": 30, "acceptance_rate": 1.0},
+                                                   "early_exit": {"drafted": 20, "acceptance_rate": 0.34}}}}
+    assert "the early exit's α 0.34 at E = 4" in diagnosis(forced)
 
 
 def test_each_engine_method_may_decode_at_its_own_setting():

@@ -443,7 +443,11 @@ def diagnosis(report: dict) -> str | None:
     profile = report.get("round_profile", {}).get("methods", {}).get("early_exit", {})
     overhead = profile.get("plain_steps", {}).get("outside_passes")
     exit_layer = report["settings"].get("early_exit", {}).get("exit_layer")
-    return summary(cost_figures(report.get("cost_model", {}), speedups, exit_layer, overhead))
+    sources = report.get("sources", {}).get("early_exit", {})
+    # under a grammar the early exit's rounds verify forced tokens too: judge the exit by its own α
+    mixed = any(part["drafted"] for source, part in sources.items() if source != "early_exit")
+    exit_alpha = sources["early_exit"]["acceptance_rate"] if mixed else None
+    return summary(cost_figures(report.get("cost_model", {}), speedups, exit_layer, overhead, exit_alpha))
 
 
 def write_report(report: dict, out_dir: str | Path) -> tuple[Path, Path]:

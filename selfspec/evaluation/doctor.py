@@ -107,14 +107,19 @@ def _verdict(speedups: dict) -> str:
     return f"5. verdict: {best} is fastest at {speedups[best]:.2f}× plain ({others}); {change}."
 
 
-def cost_figures(cost: dict, speedups: dict, exit_layer: int | None, overhead: float | None = None) -> dict:
+def cost_figures(cost: dict, speedups: dict, exit_layer: int | None, overhead: float | None = None,
+                 exit_alpha: float | None = None) -> dict:
     """The checklist's figures from a report's cost model (`benchmark.cost_model`: α, mean k, the
-    rounds per k, c, v and the weights' c) and its speedups over plain (method -> ×)."""
+    rounds per k, c, v and the weights' c) and its speedups over plain (method -> ×). exit_alpha: the
+    α of the early exit's own drafts, where others were verified beside them (a grammar's forced
+    tokens, which cost no draft step); default the cost model's α of all drafts."""
     figures = {"exit_layer": exit_layer, "speedups": speedups, "overhead": overhead,
                "weight_cost": cost.get("weight_cost")}
     if "draft_cost" in cost:
-        figures.update(alpha=cost["acceptance_rate"], k=max(1, round(cost["mean_k"])),
-                       k_rounds=cost.get("k_rounds"), draft_cost=cost["draft_cost"],
+        # the rounds' k counts every draft; beside other drafts, the exit's own mean k stands alone
+        rounds = {int(k): n for k, n in (cost.get("k_rounds") or {}).items()} if exit_alpha is None else None
+        figures.update(alpha=cost["acceptance_rate"] if exit_alpha is None else exit_alpha,
+                       k=max(1, round(cost["mean_k"])), k_rounds=rounds, draft_cost=cost["draft_cost"],
                        verify_cost=cost["verify_cost"])
     return figures
 
