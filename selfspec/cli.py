@@ -51,6 +51,16 @@ def _serve(**kwargs) -> None:
     serve(**kwargs)
 
 
+def _serve_load(**kwargs) -> dict:
+    """`selfspec eval serve-load` (needs the server's extra, selfspec[serve])."""
+    try:
+        from .evaluation.serve_load import serve_load
+        from .serving import app  # noqa: F401 - fails here, with its name, when the extra is missing
+    except ImportError as exc:
+        raise UserError(f"the server needs {exc.name}: pip install 'selfspec[serve]'") from None
+    return serve_load(**kwargs)
+
+
 def _recipes(path: str | None) -> None:
     """`selfspec recipes`: each shipped recipe's name and purpose, or (--path NAME) one recipe's file."""
     if path is not None:
@@ -373,6 +383,21 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], argparse.A
     p.add_argument("--write-back", action="store_true", help="record the fastest setting in the checkpoint's "
                                                              "selfspec.json")
     _suite_flags(p, sweep_use=True)
+
+    p = command(("eval", "serve-load"), ev, _serve_load,
+                help="the server under load: throughput, time to the first token and inter-token latency at "
+                     "several concurrencies, against itself without drafting; --fault: hostile requests")
+    p.add_argument("--model", required=True, help="a checkpoint or model directory")
+    p.add_argument("--prompts", default=None, help="a prompt file (default: the corpus's test split)")
+    p.add_argument("--corpus", default="stdlib")
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--concurrency", default="1,2,4,8", help="comma list of concurrent clients")
+    p.add_argument("--requests", type=int, default=16, help="requests per level and arm")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--fault", type=int, default=0, help="then this many requests, a third of them bad")
+    _settings_flags(p)
+    _device_flags(p, "runs/serve-load")
 
     p = command(("eval", "curve"), ev, _curve,
                 help="acceptance at the exits and perplexity vs training tokens (curve.png); "

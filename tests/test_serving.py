@@ -16,7 +16,7 @@ from helpers import CHATML
 from transformers import AutoModelForCausalLM
 
 from selfspec import SelfSpecGenerator
-from selfspec.serving.app import create_app
+from selfspec.serving.app import create_app, run_in_thread
 from selfspec.serving.scheduler import Job, QueueFull, Scheduler
 
 NAME = "tiny"
@@ -211,19 +211,10 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def live(generator):
     """A real uvicorn server on 127.0.0.1 with a key: {"url", "app"}."""
-    import uvicorn
-
     port, app = free_port(), create_app(generator, NAME, api_key="k", max_batch=8)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    for _ in range(400):
-        if server.started:
-            break
-        time.sleep(0.05)
+    server = run_in_thread(app, port)
     yield {"url": f"http://127.0.0.1:{port}/v1", "app": app}
     server.should_exit = True
-    thread.join(timeout=30)
 
 
 def openai_client(live, key: str = "k"):
@@ -339,3 +330,17 @@ def test_sigterm_lets_the_request_in_flight_finish_and_exits_0(tiny_run, tmp_pat
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_the_load_benchmark_reports_every_level_and_the_fault_run(tiny_run, tmp_path):
+    from selfspec.evaluation.serve_load import serve_load
+
+    report = serve_load(str(tiny_run["model"]), corpus=str(tiny_run["corpus"]), num_prompts=3,
+                        concurrency="1,2", requests=3, max_tokens=6, fault=12, out=str(tmp_path))
+    for arm in ("selfspec", "plain"):
+        assert [row["concurrency"] for row in report["levels"][arm]] == [1, 2]
+        assert all(row["errors"] == 0 and row["mismatches"] == 0 and row["tokens_per_second"] > 0
+                   for row in report["levels"][arm])
+    fault = report["fault"]
+    assert fault["bad"] > 0 and fault["bad_refused_4xx"] == fault["bad"] and fault["good_ok"] == fault["good"]
+    assert {p.name for p in tmp_path.iterdir()} >= {"serve_load.json", "serve_load.md", "serve_load.png"}

@@ -216,6 +216,22 @@ def create_app(generator, model_name: str, *, api_key: str | None = None, max_ba
     return app
 
 
+def run_in_thread(app: FastAPI, port: int, host: str = "127.0.0.1"):
+    """Serve `app` with uvicorn on a daemon thread (benchmarks, tests); returns the uvicorn server,
+    started. `server.should_exit = True` stops it."""
+    import threading
+
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    threading.Thread(target=server.run, name="selfspec-serve", daemon=True).start()
+    for _ in range(1200):
+        if server.started:
+            return server
+        time.sleep(0.05)
+    raise RuntimeError(f"the server on {host}:{port} did not start")
+
+
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           served_model_name: str | None = None, max_batch: int = 8, max_queue: int = 64,
           max_tokens_cap: int = 2048, device: str = "auto", dtype: str = "auto", **overrides) -> None:

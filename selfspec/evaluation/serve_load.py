@@ -1,0 +1,249 @@
+"""`selfspec eval serve-load`: the server under load, against itself without drafting and against
+in-process `generate`.
+
+The server runs in this process (uvicorn on a thread, 127.0.0.1); clients are threads that stream
+text completions over HTTP. For each concurrency level (1, 2, 4, 8 by default) and each arm (the
+checkpoint's own settings; `--drafter none`: plain decoding) the clients send `--requests` greedy
+requests from the prompt set, the arms interleaved level by level. Per level and arm it reports
+throughput (generated tokens per second of wall time), time to the first token and inter-token
+latency (a request's time from its first to its last chunk over its tokens after the first; p50,
+p95), errors, and mismatches: replies that differ from the same prompt decoded alone in-process.
+At concurrency 1 it also times in-process `generate` on the same prompts (the server's own cost).
+
+`--fault N` then sends N requests, a third of them malformed or hostile (bad JSON, a wrong key,
+unknown fields' values, oversize bodies, huge max_tokens), mixed with good ones: every bad one
+must get a 4xx, every good one its reply, and the process's resident memory is compared before and
+after.
+
+    selfspec eval serve-load --model runs/demo/model --requests 16 --max-tokens 64
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+from ..decoding import SelfSpecGenerator
+from ..decoding.settings import PLAIN
+from ..errors import UserError
+from .benchmark import read_prompts
+from .report import publish, save_figure
+
+KEY = "serve-load"
+ARMS = ("selfspec", "plain")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def _stream(url: str, prompt: str, max_tokens: int) -> dict:
+    """One streamed greedy completion: its text, tokens, time to the first chunk and chunk times."""
+    body = {"model": "served", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    start, times, text, usage = time.perf_counter(), [], [], None
+    with httpx.stream("POST", f"{url}/completions", json=body, timeout=600,
+                      headers={"Authorization": f"Bearer {KEY}"}) as response:
+        if response.status_code != 200:
+            return {"error": f"HTTP {response.status_code}"}
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                return {"error": chunk["error"]["message"]}
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk.get("choices", []):
+                if choice.get("text"):
+                    times.append(time.perf_counter() - start)
+                    text.append(choice["text"])
+    tokens = usage["completion_tokens"] if usage else 0
+    return {"text": "".join(text), "tokens": tokens, "first": times[0] if times else float("nan"),
+            "inter_token": (times[-1] - times[0]) / (tokens - 1) if len(times) > 1 and tokens > 1 else None}
+
+
+def _level(url: str, prompts: list[str], concurrency: int, requests: int, max_tokens: int,
+           reference: list[str]) -> dict:
+    """`requests` requests from `concurrency` clients; the level's figures."""
+    order = [i % len(prompts) for i in range(requests)]
+    start = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(lambda i: _stream(url, prompts[i], max_tokens), order))
+    wall = time.perf_counter() - start
+    good = [r for r in results if "error" not in r]
+    mismatches = sum(r["text"] != reference[i] for i, r in zip(order, results) if "error" not in r)
+    gaps = [r["inter_token"] for r in good if r["inter_token"] is not None]
+    firsts = [r["first"] for r in good]
+    return {"concurrency": concurrency, "requests": requests, "seconds": wall,
+            "tokens_per_second": sum(r["tokens"] for r in good) / wall,
+            "errors": len(results) - len(good), "mismatches": mismatches,
+            "first_token_p50": _percentile(firsts, 0.5), "first_token_p95": _percentile(firsts, 0.95),
+            "inter_token_p50": _percentile(gaps, 0.5), "inter_token_p95": _percentile(gaps, 0.95)}
+
+
+def _resident_bytes() -> int:
+    """This process's resident memory (Linux /proc; 0 elsewhere)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+    import os
+
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def fault_run(url: str, prompts: list[str], reference: list[str], total: int, max_tokens: int,
+              seed: int = 0) -> dict:
+    """`total` requests, a third bad (each kind in turn), the rest good; which got what. A good one
+    counts as answered when its text is `reference`'s for its prompt (decoded alone)."""
+    rng = random.Random(seed)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    bad_kinds = {
+        "not json": dict(content=b"{\"model\": ", headers={**auth, "content-type": "application/json"}),
+        "wrong key": dict(json={"model": "served", "prompt": "x"}, headers={"Authorization": "Bearer nope"}),
+        "no key": dict(json={"model": "served", "prompt": "x"}, headers={}),
+        "n = 3": dict(json={"model": "served", "prompt": "x", "n": 3}, headers=auth),
+        "huge max_tokens": dict(json={"model": "served", "prompt": "x", "max_tokens": 10**9}, headers=auth),
+        "unknown model": dict(json={"model": "gpt-9", "prompt": "x"}, headers=auth),
+        "oversize body": dict(json={"model": "served", "prompt": "x" * (2 << 20)}, headers=auth),
+        "wrong types": dict(json={"model": "served", "prompt": {"a": 1}, "temperature": "hot"}, headers=auth),
+    }
+    plan = [("good", rng.randrange(len(prompts))) if rng.random() > 1 / 3 else
+            (list(bad_kinds)[i % len(bad_kinds)], None) for i in range(total)]
+    before = _resident_bytes()
+
+    def send(entry: tuple) -> tuple[str, int, bool]:
+        kind, i = entry
+        if kind == "good":
+            r = httpx.post(f"{url}/completions", headers=auth, timeout=600, json={
+                "model": "served", "prompt": prompts[i], "max_tokens": max_tokens, "temperature": 0})
+            right = r.status_code == 200 and r.json()["choices"][0]["text"] == reference[i]
+            return kind, r.status_code, right
+        r = httpx.post(f"{url}/completions", timeout=60, **bad_kinds[kind])
+        return kind, r.status_code, False
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(send, plan))
+    bad = [(k, code) for k, code, _ in results if k != "good"]
+    good = [right for k, _, right in results if k == "good"]
+    return {"requests": total, "bad": len(bad), "bad_refused_4xx": sum(400 <= c < 500 for _, c in bad),
+            "bad_codes": sorted({f"{k}: {c}" for k, c in bad}), "good": len(good),
+            "good_ok": sum(good),
+            "resident_before": before, "resident_after": _resident_bytes()}
+
+
+def to_markdown(report: dict) -> str:
+    lines = [f"# Server under load: {report['model']}", "",
+             f"{report['requests']} greedy streamed requests per level, up to {report['max_tokens']} tokens "
+             f"each, {report['num_prompts']} prompts, max batch {report['max_batch']}; in-process generate "
+             f"at concurrency 1: {report['in_process_tokens_per_second']:.1f} tokens/s "
+             f"({report['settings']}).", "",
+             "| arm | concurrency | tokens/s | × concurrency 1 | TTFT p50 / p95 (ms) | ITL p50 / p95 (ms) "
+             "| errors | mismatches |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for arm in ARMS:
+        rows = report["levels"][arm]
+        for row in rows:
+            lines.append(f"| {arm} | {row['concurrency']} | {row['tokens_per_second']:.1f} | "
+                         f"{row['tokens_per_second'] / rows[0]['tokens_per_second']:.2f} | "
+                         f"{row['first_token_p50'] * 1e3:.0f} / {row['first_token_p95'] * 1e3:.0f} | "
+                         f"{row['inter_token_p50'] * 1e3:.1f} / {row['inter_token_p95'] * 1e3:.1f} | "
+                         f"{row['errors']} | {row['mismatches']} |")
+    one = report["levels"]["selfspec"][0]["tokens_per_second"]
+    plain = report["levels"]["plain"][0]["tokens_per_second"]
+    lines += ["", f"Concurrency 1: the server runs at {one / report['in_process_tokens_per_second']:.2f}× "
+                  f"in-process generate; its speedup over the server without drafting is "
+                  f"{one / plain:.2f}× (in process: {report['in_process_speedup']:.2f}×)."]
+    fault = report.get("fault")
+    if fault:
+        lines += ["", f"Fault run: {fault['requests']} requests; {fault['bad_refused_4xx']} of "
+                      f"{fault['bad']} bad ones refused with a 4xx ({', '.join(fault['bad_codes'])}); "
+                      f"{fault['good_ok']} of "
+                      f"{fault['good']} good ones answered; resident memory "
+                      f"{fault['resident_before'] / 2**20:.0f} -> {fault['resident_after'] / 2**20:.0f} MiB."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for arm in ARMS:
+        rows = report["levels"][arm]
+        ax.plot([r["concurrency"] for r in rows], [r["tokens_per_second"] for r in rows], marker="o",
+                label=arm)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent clients")
+    ax.set_ylabel("generated tokens / s")
+    ax.set_title("selfspec serve under load")
+    ax.legend()
+    return save_figure(fig, path)
+
+
+def serve_load(model: str, *, prompts: str | None = None, corpus: str = "stdlib", num_prompts: int = 8,
+               concurrency: str = "1,2,4,8", requests: int = 16, max_tokens: int = 64, max_batch: int = 8,
+               fault: int = 0, device: str | None = None, dtype: str = "auto", out: str = "runs/serve-load",
+               **overrides) -> dict:
+    """Run the load benchmark on `model` (see the module docstring); returns the report."""
+    from ..checkpoint import load_tuned
+    from ..serving.app import create_app, run_in_thread
+
+    levels = [int(c) for c in concurrency.split(",")]
+    if requests < 1 or max_tokens < 1 or not levels or min(levels) < 1:
+        raise UserError(f"--requests ({requests}), --max-tokens ({max_tokens}) and every --concurrency "
+                        f"({concurrency}) must be >= 1")
+    gen = load_tuned(model, device=device or "auto", dtype=dtype,
+                     **{k: v for k, v in overrides.items() if v is not None})
+    plain = SelfSpecGenerator(gen.model, gen.tokenizer, settings=PLAIN)
+    texts = [gen.tokenizer.decode(ids) for ids in read_prompts(gen.tokenizer, prompts, corpus, num_prompts)]
+    ids = [list(gen.tokenizer(t)["input_ids"]) for t in texts]
+
+    def in_process(generator) -> tuple[float, list[str]]:
+        start, tokens, replies = time.perf_counter(), 0, []
+        for prompt in ids:
+            out = generator.generate([prompt], max_new_tokens=max_tokens)
+            tokens += len(out.sequences[0])
+            replies.append(gen.tokenizer.decode(out.sequences[0], skip_special_tokens=True))
+        return tokens / (time.perf_counter() - start), replies
+
+    in_process(gen)  # warm-up: kernels, caches
+    rate, reference = in_process(gen)
+    plain_rate, plain_reference = in_process(plain)
+    if plain_reference != reference:
+        raise UserError("plain and self-speculative decoding disagree in process; run the tests")
+    servers, urls = {}, {}
+    for arm, generator in zip(ARMS, (gen, plain)):
+        port = _free_port()
+        servers[arm] = run_in_thread(create_app(generator, "served", api_key=KEY, max_batch=max_batch), port)
+        urls[arm] = f"http://127.0.0.1:{port}/v1"
+        _level(urls[arm], texts[:1], 1, 1, max_tokens, reference[:1])  # warm-up
+    try:
+        results = {arm: [] for arm in ARMS}
+        for level in levels:  # the arms interleaved level by level
+            for arm in ARMS:
+                results[arm].append(_level(urls[arm], texts, level, requests, max_tokens, reference))
+        fault_report = fault_run(urls["selfspec"], texts, reference, fault, max_tokens) if fault else None
+    finally:
+        for server in servers.values():
+            server.should_exit = True
+    report = {"model": model, "settings": gen.settings.describe(), "requests": requests,
+              "max_tokens": max_tokens, "num_prompts": len(texts), "max_batch": max_batch,
+              "in_process_tokens_per_second": rate, "in_process_plain_tokens_per_second": plain_rate,
+              "in_process_speedup": rate / plain_rate, "levels": results, "fault": fault_report}
+    publish(out, "serve_load", report, to_markdown(report), plot)
+    return report
