@@ -121,3 +121,12 @@ def ranking_counts(token_ids, vocab_size: int) -> np.ndarray:
 # A ChatML template: tiny tokenizers trained here have none
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def assert_shape(report: dict, report_type) -> None:
+    """A report holds every key its TypedDict (`selfspec.evaluation.results`) requires and no other."""
+    from selfspec.evaluation.results import keys_of
+
+    required, optional = keys_of(report_type)
+    assert required <= set(report), f"missing {sorted(required - set(report))}"
+    assert set(report) <= required | optional, f"undeclared {sorted(set(report) - required - optional)}"

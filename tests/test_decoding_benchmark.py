@@ -7,10 +7,11 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import ranking_counts, tiny_model
+from helpers import assert_shape, ranking_counts, tiny_model
 
 from selfspec.decoding import DecodeSettings
 from selfspec.evaluation.benchmark import METHODS, run_benchmark, to_markdown, write_report
+from selfspec.evaluation.results import BenchmarkReport
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,12 +24,13 @@ def test_benchmark_report(tmp_path):
                                                                      draft_vocab_size=48),
                            token_counts=ranking_counts(range(48), 96), max_new_tokens=10, repeats=2, warmup=1)
     assert set(report["methods"]) == set(METHODS)
+    assert_shape(report, BenchmarkReport)
     assert (report["settings"]["hybrid"]["draft_vocab_size"] == 48
             and report["settings"]["ngram"]["ngram"]["min_ngram"] == 2)
     assert all(len(m["tokens_per_second_all"]) == 2 for m in report["methods"].values())
     assert report["greedy_outputs_identical"]
-    assert report["identical_to_plain"]["hf_early_exit"]  # Hugging Face's self-speculation is lossless too
-    assert report["identical_to_plain"]["hf_prompt_lookup"]  # and so is its prompt lookup
+    assert report["identical"]["hf_early_exit"]  # Hugging Face's self-speculation is lossless too
+    assert report["identical"]["hf_prompt_lookup"]  # and so is its prompt lookup
     assert (report["speedups"]["early_exit_over_plain"] > 0
             and report["speedups"]["hybrid_over_hf_prompt_lookup"] > 0)
     sources = report["sources"]
@@ -94,7 +96,7 @@ def test_each_engine_method_may_decode_at_its_own_setting():
     assert (settings["early_exit"]["exit_layer"], settings["early_exit"]["num_speculations"]) == (2, 2)
     assert settings["hybrid"]["draft_vocab_size"] == 40 and settings["hybrid"]["ngram"]["min_ngram"] == 1
     assert settings["ngram"]["exit_layer"] == 3  # the common setting
-    assert report["greedy_outputs_identical"] and report["identical_to_plain"]["hf_early_exit"]
+    assert report["greedy_outputs_identical"] and report["identical"]["hf_early_exit"]
     assert "| hf_early_exit | " in to_markdown(report) and "| early_exit |" in to_markdown(report)
 
 

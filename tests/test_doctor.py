@@ -4,9 +4,11 @@ figures; the command probes a tiny model end to end. (Times are measured, never 
 import json
 
 import pytest
+from helpers import assert_shape
 
 from selfspec.cli import main
 from selfspec.evaluation.doctor import diagnose
+from selfspec.evaluation.results import DoctorResult
 
 HEALTHY = {"alpha": 0.9, "k": 4, "exit_layer": 6, "num_layers": 12, "draft_cost": 0.4, "verify_cost": 1.0,
            "weight_cost": 0.45, "overhead": 0.05, "context": 256, "long_context": 2048,
@@ -49,6 +51,7 @@ def test_the_command_probes_and_writes_its_figures(tiny_run, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "selfspec doctor:" in printed and "5. verdict:" in printed
     result = json.loads((out / "doctor.json").read_text())
+    assert_shape(result, DoctorResult)
     assert result["figures"]["k"] == 3 and result["figures"]["exit_layer"] == 2
     assert set(result["figures"]["speedups"]) == {"early_exit", "ngram", "hybrid"}
     assert result["diagnosis"] == diagnose(result["figures"])

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import tiny_model
+from helpers import assert_shape, tiny_model
 
 from selfspec.agreement import exit_layer_metrics
 from selfspec.checkpoint import read_settings
@@ -14,6 +14,7 @@ from selfspec.cli import main
 from selfspec.decoding import DecodeSettings
 from selfspec.evaluation.exits import format_exit_table
 from selfspec.evaluation.perplexity import perplexity, perplexity_gate
+from selfspec.evaluation.results import SweepReport
 from selfspec.evaluation.sweep import settings_of
 
 
@@ -211,6 +212,7 @@ def test_cli_sweep_measures_the_grid_plots_and_writes_back_the_best(tiny_run, tm
                  "--draft-vocab-sizes", "0,64", "--max-new-tokens", "6", "--repeats", "1", "--warmup", "0",
                  "--out", str(out), "--write-back"]) == 0
     report = json.loads((out / "sweep.json").read_text())
+    assert_shape(report, SweepReport)
     cells = sorted((r["drafter"], r["exit_layer"], str(r["num_speculations"]), r["draft_vocab_size"],
                     r["ngram"]["min_ngram"]) for r in report["grid"])
     early = [(e, k, v) for e in (1, 2, 3) for v in (0, 64) for k in ("1", "auto")]

@@ -4,9 +4,10 @@ it, and the report files. (Times are measured, never asserted.)"""
 import json
 
 import pytest
-from helpers import tiny_model
+from helpers import assert_shape, tiny_model
 
 from selfspec.cli import main
+from selfspec.evaluation.results import RooflineReport
 from selfspec.evaluation.roofline import _Passes, kv_bytes_per_layer, measure_passes, pass_bytes
 from selfspec.model.view import DecoderView
 
@@ -43,6 +44,7 @@ def test_the_command_writes_its_table_and_plot(tiny_run, tmp_path, capsys):
                  "--num-speculations", "3", "--corpus", str(tiny_run["corpus"]), "--num-prompts", "2",
                  "--max-new-tokens", "12", "--profile-repeats", "1", "--out", str(out)]) == 0
     report = json.loads((out / "roofline.json").read_text())
+    assert_shape(report, RooflineReport)
     assert report["bandwidth"]["read_bytes_per_second"] > 0
     assert report["passes"]["plain"]["plain_steps"] == 1.0
     markdown = (out / "roofline.md").read_text()

@@ -12,10 +12,11 @@ import httpx
 import jsonschema
 import pytest
 from fastapi.testclient import TestClient
-from helpers import CHATML
+from helpers import CHATML, assert_shape
 from transformers import AutoModelForCausalLM
 
 from selfspec import SelfSpecGenerator
+from selfspec.evaluation.results import ServeLoadReport
 from selfspec.serving.app import create_app, run_in_thread
 from selfspec.serving.scheduler import Job, QueueFull, Scheduler
 
@@ -337,6 +338,7 @@ def test_the_load_benchmark_reports_every_level_and_the_fault_run(tiny_run, tmp_
 
     report = serve_load(str(tiny_run["model"]), corpus=str(tiny_run["corpus"]), num_prompts=3,
                         concurrency="1,2", requests=3, max_tokens=6, fault=12, out=str(tmp_path))
+    assert_shape(report, ServeLoadReport)
     for arm in ("selfspec", "plain"):
         assert [row["concurrency"] for row in report["levels"][arm]] == [1, 2]
         assert all(row["errors"] == 0 and row["mismatches"] == 0 and row["tokens_per_second"] > 0

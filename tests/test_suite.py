@@ -7,13 +7,14 @@ import json
 import sys
 
 import pytest
-from helpers import CHATML
+from helpers import CHATML, assert_shape
 from transformers import AutoModelForCausalLM
 
 from selfspec.checkpoint import read_meta, save_tuned
 from selfspec.cli import main
 from selfspec.decoding import DecodeSettings
 from selfspec.errors import UserError
+from selfspec.evaluation.results import SuiteReport
 from selfspec.evaluation.suite import (
     OVERALL,
     Question,
@@ -58,6 +59,7 @@ def test_the_suite_times_every_turn_and_reports_every_category(chat_ckpt):
     report = run_suite(chat_ckpt["model"], chat_ckpt["tokenizer"], questions, DecodeSettings(exit_layer=2,
                        num_speculations=3), methods=("plain", "early_exit", "ngram", "hf_greedy"),
                        max_new_tokens=12, stop_at_eos=False, progress=False)
+    assert_shape(report, SuiteReport)
     assert report["num_questions"] == 3 and report["num_prompts"] == 5  # two 2-turn questions, one 1-turn
     assert list(report["results"]) == ["writing", "math", OVERALL]
     assert report["greedy_outputs_identical"] is True

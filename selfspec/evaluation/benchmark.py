@@ -58,6 +58,7 @@ from ..model.loading import load_causal_lm, load_tokenizer
 from .doctor import cost_figures, summary, weight_cost
 from .paired import median_interval, paired_speedups
 from .report import write_report as write_files
+from .results import BenchmarkReport
 from .rounds import round_profile
 from .rounds import to_markdown as profile_markdown
 
@@ -296,7 +297,7 @@ def run_benchmark(model, prompts: list[list[int]], settings: DecodeSettings, *, 
                   exit_adapters: dict | None = None,
                   max_new_tokens: int = 128, repeats: int = 5, warmup: int = 1, ignore_eos: bool = True,
                   methods: tuple[str, ...] = METHODS, batch_size: int = 1, progress: bool = False,
-                  profile: bool = False) -> dict:
+                  profile: bool = False) -> BenchmarkReport:
     """Measure `methods` on `prompts` (token lists), `batch_size` prompts per call; returns the report
     as a dict (see module docstring). The engine methods decode at `settings`, each drafter at its
     own fastest when `fastest` names one (`method_settings`). token_counts: the ranking of a trimmed
@@ -336,8 +337,9 @@ def run_benchmark(model, prompts: list[list[int]], settings: DecodeSettings, *, 
         ("plain", "hf_greedy"), ("early_exit", "hf_greedy"), ("hf_early_exit", "hf_greedy"),
         ("hf_prompt_lookup", "hf_greedy")) if a in tps and b in tps}
     reference = "plain" if "plain" in methods else methods[0]
-    report["identical_to_" + reference] = {m: outputs[m] == outputs[reference] for m in methods}
-    report["greedy_outputs_identical"] = all(report["identical_to_" + reference][m]
+    report["reference"] = reference
+    report["identical"] = {m: outputs[m] == outputs[reference] for m in methods}
+    report["greedy_outputs_identical"] = all(report["identical"][m]
                                              for m in methods if m != "hf_early_exit")
     report["sources"] = {m: source_summary(stats[m]) for m in methods if m in ENGINE_METHODS and m != "plain"}
     if any(isinstance(p, Structured) for p in prompts) and "plain" in methods:
@@ -513,8 +515,8 @@ def to_markdown(report: dict) -> str:
     if report.get("round_profile"):
         lines += ["", profile_markdown(report["round_profile"]).rstrip()]
     lines += ["", "Greedy outputs identical (every method but hf_early_exit, which is reported apart): "
-              f"**{report['greedy_outputs_identical']}**; identical to plain per method: "
-              + ", ".join(f"{m} {same}" for m, same in report.get("identical_to_plain", {}).items())]
+              f"**{report['greedy_outputs_identical']}**; identical to {report['reference']} per method: "
+              + ", ".join(f"{m} {same}" for m, same in report["identical"].items())]
     if report.get("diagnosis"):
         lines += ["", report["diagnosis"]]
     return "\n".join(lines) + "\n"
@@ -582,7 +584,7 @@ def speedup(model: str, *, exit_layer: int | None = None, num_speculations=None,
             repeats: int = 5, warmup: int = 1, methods=METHODS, batch_size: int = 1, keep_eos: bool = False,
             device: str | None = None, dtype: str = "auto", out: str = "runs/benchmark",
             json_schema: str | None = None, regex: str | None = None, grammar: str | None = None,
-            profile: bool = False) -> dict:
+            profile: bool = False) -> BenchmarkReport:
     """`selfspec eval speedup`: benchmark the checkpoint `model`; print the report, write it into `out`.
 
     The engine decodes at the checkpoint's settings (`selfspec.json`), with the given fields

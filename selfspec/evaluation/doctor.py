@@ -21,6 +21,7 @@ from pathlib import Path
 from ..errors import UserError
 from ..files import write_json_atomic
 from ..metrics import break_even_acceptance, weight_draft_cost
+from .results import DoctorResult
 
 # A check flags its figure beyond these (the first two in plain steps' ratios)
 DRAFT_COST_MARGIN = 1.25  # measured c over the weights' share
@@ -145,7 +146,7 @@ def weight_cost(view, exit_layer: int, draft_vocab_size: int = 0) -> float:
 def doctor(model: str, *, exit_layer: int | None = None, num_speculations: int | None = None,
            prompts: str | None = None, corpus: str = "stdlib", num_prompts: int = 2, max_new_tokens: int = 32,
            context: int = 256, long_context: int = 2048, repeats: int = 1, device: str | None = None,
-           dtype: str = "auto", out: str | None = None) -> dict:
+           dtype: str = "auto", out: str | None = None) -> DoctorResult:
     """Probe the model `model` and print the diagnosis; returns {"figures", "diagnosis"} (also written
     as doctor.json into `out` when given). E and k default to the checkpoint's (k = 3 when it has
     none or an adaptive one)."""

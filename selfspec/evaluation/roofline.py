@@ -38,6 +38,7 @@ from ..decoding.cache import KVCache
 from ..errors import UserError
 from ..model.view import DecoderView
 from .report import publish, save_figure
+from .results import RooflineReport
 from .rounds import round_profile
 from .rounds import to_markdown as profile_markdown
 
@@ -151,7 +152,7 @@ def measure_passes(view: DecoderView, exit_layer: int, context: int = 256, posit
 
 
 def roofline(view: DecoderView, exit_layer: int, context: int = 256, positions=range(1, 9), repeats: int = 15,
-             warmup: int = 3, bandwidth_megabytes: int = 512) -> dict:
+             warmup: int = 3, bandwidth_megabytes: int = 512) -> RooflineReport:
     """The report (see the module docstring) as a dict."""
     n = view.num_layers
     if not 1 <= exit_layer < n:
@@ -248,7 +249,7 @@ def plot(report: dict, path: str | Path) -> Path:
 def run(model: str, *, exit_layer: int | None = None, num_speculations: int | None = None, context: int = 256,
         max_positions: int = 8, repeats: int = 15, warmup: int = 3, prompts: str | None = None,
         corpus: str = "stdlib", num_prompts: int = 4, max_new_tokens: int = 64, profile_repeats: int = 3,
-        device: str | None = None, dtype: str = "auto", out: str = "runs/roofline") -> dict:
+        device: str | None = None, dtype: str = "auto", out: str = "runs/roofline") -> RooflineReport:
     """`selfspec eval roofline`: measure the model `model`; print the table, write roofline.json,
     roofline.md and roofline.png into `out`. E and k default to the checkpoint's. The round profile
     decodes `num_prompts` prompts (`benchmark.read_prompts`: `prompts` or `corpus`) `profile_repeats`

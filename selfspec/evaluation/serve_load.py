@@ -35,6 +35,7 @@ from ..decoding.settings import PLAIN
 from ..errors import UserError
 from .benchmark import read_prompts
 from .report import publish, save_figure
+from .results import ServeLoadReport
 
 KEY = "serve-load"
 ARMS = ("selfspec", "plain")
@@ -209,7 +210,7 @@ def plot(report: dict, path: Path) -> Path:
 def serve_load(model: str, *, prompts: str | None = None, corpus: str = "stdlib", num_prompts: int = 8,
                concurrency: str = "1,2,4,8", requests: int = 16, max_tokens: int = 64, max_batch: int = 8,
                fault: int = 0, device: str | None = None, dtype: str = "auto", out: str = "runs/serve-load",
-               **overrides) -> dict:
+               **overrides) -> ServeLoadReport:
     """Run the load benchmark on `model` (see the module docstring); returns the report."""
     from ..checkpoint import load_tuned
     from ..serving.app import create_app, run_in_thread

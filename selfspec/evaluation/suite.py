@@ -33,6 +33,7 @@ from . import benchmark
 from .benchmark import METHODS, Timings, check_methods, interleaved_rates, load_model, make_runner
 from .doctor import cost_figures, summary, weight_cost
 from .report import publish, save_figure
+from .results import SuiteReport
 
 # suite -> whether its prompts go through the chat template
 SUITES = {"mt-bench": True, "sharegpt-heldout": True, "humaneval": False, "stdlib": False}
@@ -114,7 +115,7 @@ def prompt_ids(tokenizer, question: Question, turn: int, answers: list[str]) -> 
 def run_suite(model, tokenizer, questions: list[Question], settings: DecodeSettings, *, fastest=None,
               token_counts=None, exit_adapters=None, methods=METHODS, max_new_tokens: int = 128,
               repeats: int = 1, warmup: int = 1, batch_size: int = 1, stop_at_eos: bool = True,
-              progress: bool = True) -> dict:
+              progress: bool = True) -> SuiteReport:
     """Decode every question's turns with every method, interleaved; returns the report as a dict.
 
     Turn by turn: all questions' turn t are timed (batches of `batch_size` prompts of one category),
@@ -168,9 +169,10 @@ def run_suite(model, tokenizer, questions: list[Question], settings: DecodeSetti
               "settings": {m: run.settings[m].to_json() for m in methods if m in benchmark.ENGINE_METHODS},
               "questions_per_category": {c: sum(q.category == c for q in questions)
                                          for c in dict.fromkeys(q.category for q in questions)},
-              "identical_to_" + reference: {m: timings.outputs[m] == timings.outputs[reference]
+              "reference": reference,
+              "identical": {m: timings.outputs[m] == timings.outputs[reference]
                                             for m in methods}}
-    report["greedy_outputs_identical"] = all(same for m, same in report["identical_to_" + reference].items()
+    report["greedy_outputs_identical"] = all(same for m, same in report["identical"].items()
                                              if m != "hf_early_exit")
     groups = {c: [b for b, bc in enumerate(batch_categories) if bc == c]
               for c in dict.fromkeys(batch_categories)}
@@ -248,10 +250,10 @@ def to_markdown(report: dict) -> str:
     lines += table("Early exit α · share of tokens copied", lambda row: (
         f"{_fraction(row['acceptance_rate'])} · {row['copied_share']:.0%}" if "acceptance_rate" in row
         else "–"))
-    identical = report.get("identical_to_plain", {})
+    identical = report["identical"]
     lines += ["Settings: " + "; ".join(f"{m} {DecodeSettings.from_json(s).describe()}"
                                        for m, s in report["settings"].items()), "",
-              f"Greedy outputs identical to plain (hf_early_exit reported apart): "
+              f"Greedy outputs identical to {report['reference']} (hf_early_exit reported apart): "
               f"**{report['greedy_outputs_identical']}**; per method: "
               + ", ".join(f"{m} {same}" for m, same in identical.items())]
     if report.get("diagnosis"):
@@ -295,7 +297,7 @@ def suite(model: str, *, suites: str | None = None, questions: str | None = None
           methods=METHODS, repeats: int = 1, warmup: int = 1, batch_size: int = 1, no_eos: bool = False,
           exit_layer: int | None = None, num_speculations=None, draft_vocab_size: int | None = None,
           stop_below: float | None = None, min_ngram: int | None = None,
-          device: str | None = None, dtype: str = "auto", out: str = "runs/suite") -> dict:
+          device: str | None = None, dtype: str = "auto", out: str = "runs/suite") -> SuiteReport:
     """`selfspec eval suite`: run the suite on the checkpoint `model`; print the tables and write
     suite.json, suite.md and suite.png into `out`. The engine decodes at the checkpoint's settings
     (the given fields override them), each drafter at its stored fastest otherwise."""

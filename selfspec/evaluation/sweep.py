@@ -58,6 +58,7 @@ from .benchmark import (
 from .doctor import summary, weight_cost
 from .paired import beats_plain, median_interval, paired_speedups
 from .report import publish, save_figure
+from .results import SweepReport
 
 
 def grid_settings(base: DecodeSettings, exit_layers, ks, drafters, vocabs, min_ngrams,
@@ -118,7 +119,7 @@ def run_sweep(model, prompts: list[list[int]], exit_layers: list[int], ks: list,
               max_new_tokens: int = 64, repeats: int = 3, warmup: int = 1, progress: bool = True,
               drafters=("early_exit",), draft_vocab_sizes=(0,), min_ngrams=(2,), stop_belows=(0.0,),
               token_counts=None, confirm: int = 3, confirm_repeats: int = 5,
-              exit_adapters: dict | None = None, tokenizer=None) -> dict:
+              exit_adapters: dict | None = None, tokenizer=None) -> SweepReport:
     """Measure every setting of the grid against plain decoding; returns the report as a dict.
 
     base: the settings the grid varies (the checkpoint's; default `DecodeSettings()`).
@@ -423,7 +424,7 @@ def sweep(model: str, *, exit_layers: str | list[int] | None = None, ks="1,2,3,4
           num_prompts: int = 4, prompt_tokens: int = 64, max_new_tokens: int = 64, repeats: int = 3,
           warmup: int = 1, device: str | None = None, dtype: str = "auto", out: str = "runs/sweep",
           write_back: bool = False, suites: str | None = None, questions: str | None = None,
-          max_per_category: int | None = 1, confirm: int = 3, confirm_repeats: int = 5) -> dict:
+          max_per_category: int | None = 1, confirm: int = 3, confirm_repeats: int = 5) -> SweepReport:
     """`selfspec eval sweep`: measure the grid on the model `model`; print the report, write sweep.json,
     sweep.md and sweep.png into `out`, and with `write_back` the fastest setting into its selfspec.json.
 
