@@ -244,6 +244,9 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], argparse.A
     p.add_argument("--num-speculations", type=int, default=None, help="k (default: the checkpoint's, or 3)")
     p.add_argument("--prompts", default=None, help="a prompt file, or json-extract (default: the corpus)")
     p.add_argument("--corpus", default="stdlib")
+    p.add_argument("--suite", dest="suites", default=None,
+                   help="first turns of a suite's questions, e.g. mt-bench (chat: the chat template)")
+    p.add_argument("--questions", default=None, help="a .jsonl of question_id, category, turns")
     p.add_argument("--num-prompts", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--context", type=int, default=256, help="the short context the passes are timed at")

@@ -55,5 +55,10 @@ def test_the_command_probes_and_writes_its_figures(tiny_run, tmp_path, capsys):
     assert result["figures"]["k"] == 3 and result["figures"]["exit_layer"] == 2
     assert set(result["figures"]["speedups"]) == {"early_exit", "ngram", "hybrid"}
     assert result["diagnosis"] == diagnose(result["figures"])
+    # a suite's first turns instead of the corpus (a chat suite goes through the chat template)
+    assert main(["doctor", str(tiny_run["model"]), "--exit-layer", "2", "--suite", "stdlib",
+                 "--num-prompts", "2", "--max-new-tokens", "8", "--context", "16", "--long-context", "64",
+                 "--out", str(tmp_path / "suite")]) == 0
+    assert "5. verdict:" in capsys.readouterr().out
     assert main(["doctor", str(tiny_run["model"]), "--context", "64", "--long-context", "16"]) == 2
     assert "--context (64) < --long-context (16)" in capsys.readouterr().err

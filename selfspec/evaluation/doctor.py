@@ -144,7 +144,8 @@ def weight_cost(view, exit_layer: int, draft_vocab_size: int = 0) -> float:
 
 
 def doctor(model: str, *, exit_layer: int | None = None, num_speculations: int | None = None,
-           prompts: str | None = None, corpus: str = "stdlib", num_prompts: int = 2, max_new_tokens: int = 32,
+           prompts: str | None = None, corpus: str = "stdlib", suites: str | None = None,
+           questions: str | None = None, num_prompts: int = 2, max_new_tokens: int = 32,
            context: int = 256, long_context: int = 2048, repeats: int = 1, device: str | None = None,
            dtype: str = "auto", out: str | None = None) -> DoctorResult:
     """Probe the model `model` and print the diagnosis; returns {"figures", "diagnosis"} (also written
@@ -169,7 +170,12 @@ def doctor(model: str, *, exit_layer: int | None = None, num_speculations: int |
     view = DecoderView(lm)
     if not 1 <= settings.exit_layer < view.num_layers:
         raise UserError(f"--exit-layer {settings.exit_layer} is not in 1..{view.num_layers - 1}")
-    chosen = read_prompts(tokenizer, prompts, corpus, num_prompts)
+    if suites or questions:  # chat questions through the model's chat template, one per category first
+        from .suite import suite_prompts
+
+        chosen = suite_prompts(tokenizer, suites, questions, 1)[:num_prompts]
+    else:
+        chosen = read_prompts(tokenizer, prompts, corpus, num_prompts)
     report = run_benchmark(lm, chosen, settings, tokenizer=tokenizer, token_counts=counts,
                            exit_adapters=checkpoint_adapters(model, lm),
                            max_new_tokens=max_new_tokens, repeats=repeats, warmup=1,
