@@ -1,5 +1,6 @@
 """The installed wheel, as a newcomer gets it: `pip install .` (not editable) into a fresh virtual
-environment, then a tiny pretrain, fine-tune and generate from an empty directory.
+environment, then from an empty directory a tiny pretrain, fine-tune, gate, sweep and generate, and a
+plain Hugging Face directory decoded with copies.
 
 Slow (minutes): run with `python -m pytest -m slow`. The environment sees the system's packages
 (torch, transformers, ...) so nothing is downloaded; selfspec itself comes only from the wheel.
@@ -51,7 +52,17 @@ def test_the_wheel_trains_and_generates_from_an_empty_directory(tmp_path):
         "runs/base")
     run(selfspec, "train", "--config", "demo_finetune", "model.name_or_path=runs/base/model",
         "early_exit.layers=1:4", "exit_layer=2", *TINY, "optim.max_steps=3", "--output-dir", "runs/tuned")
+    run(selfspec, "eval", "gate", "--tuned", "runs/tuned/model", "--base", "runs/base/model",
+        "--max-increase", "10", "--max-blocks", "4")  # a 3-step tune moves far: the gate runs, loosely
+    run(selfspec, "eval", "sweep", "--model", "runs/tuned/model", "--exit-layers", "2", "--ks", "2",
+        "--num-prompts", "2", "--max-new-tokens", "8", "--repeats", "1", "--confirm", "0", "--write-back",
+        "--out", "runs/sweep")
     text = run(selfspec, "generate", "runs/tuned/model", "def f(x):", "--max-new-tokens", "8", "--no-stream")
     assert text.strip()
+    # a plain Hugging Face directory (no selfspec.json) decodes with copies
+    plain = work / "runs" / "plain"
+    shutil.copytree(work / "runs" / "base" / "model", plain)
+    (plain / "selfspec.json").unlink()
+    assert run(selfspec, "generate", str(plain), "def f(x):", "--max-new-tokens", "8", "--no-stream").strip()
     assert sorted(p.name for p in work.iterdir()) == ["runs"]  # nothing else lands in the directory
-    assert sorted(p.name for p in (work / "runs").iterdir()) == ["base", "tuned"]
+    assert sorted(p.name for p in (work / "runs").iterdir()) == ["base", "plain", "sweep", "tuned"]
