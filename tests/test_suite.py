@@ -81,6 +81,22 @@ def test_the_suite_times_every_turn_and_reports_every_category(chat_ckpt):
     assert f"α {cost['acceptance_rate']:.2f} at E = 2" in text and "Verdict: " in text
 
 
+def test_the_json_extract_suite_decodes_each_category_under_its_schemas(chat_ckpt):
+    """Structured output as a suite: people, products, events and tool calls, each prompt under its own
+    schema; every method's output equals constrained plain decoding's."""
+    questions = select_questions(chat_ckpt["tokenizer"], suites="json-extract", max_per_category=1)
+    assert [q.category for q in questions] == ["people", "products", "events", "tool_calls"]
+    assert all(q.schema["type"] == "object" for q in questions)
+    report = run_suite(chat_ckpt["model"], chat_ckpt["tokenizer"], questions,
+                       DecodeSettings(exit_layer=2, num_speculations=3),
+                       methods=("plain", "early_exit", "hybrid"),
+                       max_new_tokens=16, stop_at_eos=False, warmup=0, progress=False)
+    assert report["greedy_outputs_identical"] and list(report["results"]) == [
+        "people", "products", "events", "tool_calls", OVERALL]
+    # the grammar's forced tokens were drafted: more than one token per full pass for the hybrid
+    assert report["results"][OVERALL]["hybrid"]["tokens_per_pass"] > 1.0
+
+
 def test_categories_and_the_first_per_category_are_chosen(chat_ckpt):
     tokenizer = chat_ckpt["tokenizer"]
     chosen = select_questions(tokenizer, questions=str(chat_ckpt["questions"]), max_per_category=1)

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from ..checkpoint import checkpoint_adapters, resolve_settings
 from ..decoding import DecodeSettings
+from ..decoding.grammar import Constraint
 from ..errors import UserError
 from ..model.loading import load_tokenizer
 from . import benchmark
@@ -36,7 +37,9 @@ from .report import publish, save_figure
 from .results import SuiteReport
 
 # suite -> whether its prompts go through the chat template
-SUITES = {"mt-bench": True, "sharegpt-heldout": True, "humaneval": False, "stdlib": False}
+SUITES = {"mt-bench": True, "sharegpt-heldout": True, "humaneval": False, "stdlib": False,
+          "json-extract": True}  # json-extract: every reply under its prompt's JSON schema
+JSON_EXTRACT_PER_CATEGORY = 4  # held-out extraction prompts per category (`data.extraction`)
 OVERALL = "overall"
 
 
@@ -48,6 +51,7 @@ class Question:
     category: str
     turns: tuple[str, ...]
     chat: bool
+    schema: dict | None = None  # the JSON schema every reply follows (structured output), or None
 
 
 def suite_questions(name: str, tokenizer) -> list[Question]:
@@ -60,6 +64,11 @@ def suite_questions(name: str, tokenizer) -> list[Question]:
         rows = questions.heldout_questions()
     elif name == "humaneval":
         rows = questions.humaneval_questions()
+    elif name == "json-extract":  # extraction prompts of the test split, each under its own schema
+        from ..data.extraction import extraction_prompts
+
+        return [Question(f"json-extract/{p.category}/{i}", p.category, (p.message,), True, p.schema)
+                for i, p in enumerate(extraction_prompts("test", JSON_EXTRACT_PER_CATEGORY))]
     elif name == "stdlib":  # the benchmark's code prompts: 64 tokens from the middle of test files
         rows = [{"question_id": f"stdlib/{i}", "category": "stdlib", "turns": [tokenizer.decode(ids)]}
                 for i, ids in enumerate(benchmark.prompts_from_corpus(tokenizer, "stdlib", num_prompts=32))]
@@ -93,6 +102,13 @@ def select_questions(tokenizer, suites: str | None = None, questions: str | None
         chosen = [q for q in chosen if q.category in wanted]
     kept = first_turns([{"category": q.category, "index": i} for i, q in enumerate(chosen)], max_per_category)
     return [chosen[row["index"]] for row in kept]
+
+
+def _constrained(ids: list[int], question: Question):
+    """A prompt as the runner takes it: its ids, under its question's schema when it has one."""
+    if question.schema is None:
+        return ids
+    return benchmark.Structured(ids, Constraint.of(json_schema=question.schema))
 
 
 def prompt_ids(tokenizer, question: Question, turn: int, answers: list[str]) -> list[int]:
@@ -146,7 +162,7 @@ def run_suite(model, tokenizer, questions: list[Question], settings: DecodeSetti
         for category in dict.fromkeys(questions[i].category for i in asked):
             members = [i for i in asked if questions[i].category == category]
             groups += [(category, members[j:j + batch_size]) for j in range(0, len(members), batch_size)]
-        batches = [[ids[i] for i in members] for _, members in groups]
+        batches = [[_constrained(ids[i], questions[i]) for i in members] for _, members in groups]
         if turn == 0:
             for _ in range(warmup):
                 for method in methods:
