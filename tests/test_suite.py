@@ -95,6 +95,11 @@ def test_the_json_extract_suite_decodes_each_category_under_its_schemas(chat_ckp
         "people", "products", "events", "tool_calls", OVERALL]
     # the grammar's forced tokens were drafted: more than one token per full pass for the hybrid
     assert report["results"][OVERALL]["hybrid"]["tokens_per_pass"] > 1.0
+    # the closing checklist judges the exit by its own α, not one pooled with the forced tokens
+    own = report["results"][OVERALL]["early_exit"]["acceptance_rate"]
+    pooled = report["cost_model"]["acceptance_rate"]
+    assert own < pooled and f"α {pooled:.2f} at E = 2" not in report["diagnosis"]
+    assert f"α {own:.2f} at E = 2" in report["diagnosis"] or "no α pays" in report["diagnosis"]  # c, v timed
 
 
 def test_categories_and_the_first_per_category_are_chosen(chat_ckpt):

@@ -437,6 +437,14 @@ def cost_model(plain_runs, spec_runs, measured: float | None, weights: float | N
     return out
 
 
+def own_exit_alpha(sources: dict) -> float | None:
+    """The early exit's own α where other drafts shared its rounds (under a grammar its forced tokens,
+    which cost no draft step), so that the checklist judges the exit by it; None when it drafted alone
+    (`sources`: `source_summary` of the early-exit method's runs)."""
+    mixed = any(part["drafted"] for source, part in sources.items() if source != "early_exit")
+    return sources["early_exit"]["acceptance_rate"] if mixed else None
+
+
 def diagnosis(report: dict) -> str | None:
     """`selfspec doctor`'s checklist in one paragraph, from what the benchmark measured (its cost
     model, speedups over plain and round profile); None when it measured nothing to check."""
@@ -445,10 +453,8 @@ def diagnosis(report: dict) -> str | None:
     profile = report.get("round_profile", {}).get("methods", {}).get("early_exit", {})
     overhead = profile.get("plain_steps", {}).get("outside_passes")
     exit_layer = report["settings"].get("early_exit", {}).get("exit_layer")
-    sources = report.get("sources", {}).get("early_exit", {})
-    # under a grammar the early exit's rounds verify forced tokens too: judge the exit by its own α
-    mixed = any(part["drafted"] for source, part in sources.items() if source != "early_exit")
-    exit_alpha = sources["early_exit"]["acceptance_rate"] if mixed else None
+    sources = report.get("sources", {})
+    exit_alpha = own_exit_alpha(sources["early_exit"]) if "early_exit" in sources else None
     return summary(cost_figures(report.get("cost_model", {}), speedups, exit_layer, overhead, exit_alpha))
 
 

@@ -205,7 +205,10 @@ def run_suite(model, tokenizer, questions: list[Question], settings: DecodeSetti
             weight_cost(view, early.exit_layer, early.draft_vocab_size or 0))
     speedups = {m: row["speedup_over_plain"] for m, row in overall.items()
                 if m != "plain" and "speedup_over_plain" in row}
-    report["diagnosis"] = summary(cost_figures(report.get("cost_model", {}), speedups, exit_layer))
+    exit_alpha = (benchmark.own_exit_alpha(benchmark.source_summary(timings.run_stats("early_exit")))
+                  if "early_exit" in methods else None)
+    report["diagnosis"] = summary(cost_figures(report.get("cost_model", {}), speedups, exit_layer,
+                                               exit_alpha=exit_alpha))
     report["seconds"] = time.perf_counter() - start
     return report
 
