@@ -394,10 +394,10 @@ def test_a_run_killed_anywhere_resumes_to_the_same_weights_bit_for_bit(tiny_run,
         for name in weights:
             assert torch.equal(again[name], weights[name]), (fault, name)
 
-    # a finished run is not overwritten by a fresh one: one error line, exit status 1, nothing changed
+    # a finished run is not overwritten by a fresh one: one error line, exit status 2, nothing changed
     before = (reference / "model" / "model.safetensors").read_bytes()
     again = run(reference)
-    assert again.returncode == 1 and "holds a previous run" in again.stderr and "--resume" in again.stderr
+    assert again.returncode == 2 and "holds a previous run" in again.stderr and "--resume" in again.stderr
     assert (reference / "model" / "model.safetensors").read_bytes() == before
     assert run(reference, "--force").returncode == 0  # unless asked to
 
