@@ -336,6 +336,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], argparse.A
     p.add_argument("--no-eos", action="store_true", help="always max-new-tokens (default: stop at eos)")
     _settings_flags(p, drafter=False)
     p.add_argument("--min-ngram", type=int, default=None, help="shortest context match that copies")
+    _constraint_flags(p)
     _device_flags(p, "runs/suite")
 
     p = command(("eval", "roofline"), ev, roofline.run,

@@ -86,7 +86,7 @@ def test_the_json_extract_suite_decodes_each_category_under_its_schemas(chat_ckp
     schema; every method's output equals constrained plain decoding's."""
     questions = select_questions(chat_ckpt["tokenizer"], suites="json-extract", max_per_category=1)
     assert [q.category for q in questions] == ["people", "products", "events", "tool_calls"]
-    assert all(q.schema["type"] == "object" for q in questions)
+    assert all(q.constraint.kind == "json_schema" for q in questions)
     report = run_suite(chat_ckpt["model"], chat_ckpt["tokenizer"], questions,
                        DecodeSettings(exit_layer=2, num_speculations=3),
                        methods=("plain", "early_exit", "hybrid"),
@@ -100,6 +100,22 @@ def test_the_json_extract_suite_decodes_each_category_under_its_schemas(chat_ckp
     pooled = report["cost_model"]["acceptance_rate"]
     assert own < pooled and f"α {pooled:.2f} at E = 2" not in report["diagnosis"]
     assert f"α {own:.2f} at E = 2" in report["diagnosis"] or "no α pays" in report["diagnosis"]  # c, v timed
+
+
+def test_the_suite_command_constrains_every_reply_with_the_flags(chat_ckpt, tmp_path):
+    """`selfspec eval suite --regex R`: every question's replies follow R, the same for every method."""
+    from selfspec.cli import main
+
+    out = tmp_path / "suite"
+    assert main(["eval", "suite", "--model", str(chat_ckpt["dir"]), "--questions",
+                 str(chat_ckpt["questions"]), "--regex", "ok", "--methods", "plain,hybrid",
+                 "--max-new-tokens", "8", "--no-eos", "--warmup", "0", "--out", str(out)]) == 0
+    report = json.loads((out / "suite.json").read_text())
+    assert report["greedy_outputs_identical"]
+    # every reply is "ok" and ends there: 2 tokens at most a prompt (the byte-level tiny tokenizer)
+    prompts = report["num_prompts"]
+    for method in ("plain", "hybrid"):
+        assert prompts <= report["results"][OVERALL][method]["tokens"] <= 2 * prompts
 
 
 def test_categories_and_the_first_per_category_are_chosen(chat_ckpt):

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..checkpoint import checkpoint_adapters, resolve_settings
 from ..decoding import DecodeSettings
-from ..decoding.grammar import Constraint
+from ..decoding.grammar import Constraint, read_constraint
 from ..errors import UserError
 from ..model.loading import load_tokenizer
 from . import benchmark
@@ -51,7 +51,7 @@ class Question:
     category: str
     turns: tuple[str, ...]
     chat: bool
-    schema: dict | None = None  # the JSON schema every reply follows (structured output), or None
+    constraint: Constraint | None = None  # what every reply follows (structured output), or None
 
 
 def suite_questions(name: str, tokenizer) -> list[Question]:
@@ -67,7 +67,8 @@ def suite_questions(name: str, tokenizer) -> list[Question]:
     elif name == "json-extract":  # extraction prompts of the test split, each under its own schema
         from ..data.extraction import extraction_prompts
 
-        return [Question(f"json-extract/{p.category}/{i}", p.category, (p.message,), True, p.schema)
+        return [Question(f"json-extract/{p.category}/{i}", p.category, (p.message,), True,
+                         Constraint.of(json_schema=p.schema))
                 for i, p in enumerate(extraction_prompts("test", JSON_EXTRACT_PER_CATEGORY))]
     elif name == "stdlib":  # the benchmark's code prompts: 64 tokens from the middle of test files
         rows = [{"question_id": f"stdlib/{i}", "category": "stdlib", "turns": [tokenizer.decode(ids)]}
@@ -105,10 +106,8 @@ def select_questions(tokenizer, suites: str | None = None, questions: str | None
 
 
 def _constrained(ids: list[int], question: Question):
-    """A prompt as the runner takes it: its ids, under its question's schema when it has one."""
-    if question.schema is None:
-        return ids
-    return benchmark.Structured(ids, Constraint.of(json_schema=question.schema))
+    """A prompt as the runner takes it: its ids, under its question's constraint when it has one."""
+    return ids if question.constraint is None else benchmark.Structured(ids, question.constraint)
 
 
 def prompt_ids(tokenizer, question: Question, turn: int, answers: list[str]) -> list[int]:
@@ -315,11 +314,14 @@ def suite(model: str, *, suites: str | None = None, questions: str | None = None
           categories: str | None = None, max_per_category: int | None = None, max_new_tokens: int = 128,
           methods=METHODS, repeats: int = 1, warmup: int = 1, batch_size: int = 1, no_eos: bool = False,
           exit_layer: int | None = None, num_speculations=None, draft_vocab_size: int | None = None,
-          stop_below: float | None = None, min_ngram: int | None = None,
+          stop_below: float | None = None, min_ngram: int | None = None, json_schema: str | None = None,
+          regex: str | None = None, grammar: str | None = None,
           device: str | None = None, dtype: str = "auto", out: str = "runs/suite") -> SuiteReport:
     """`selfspec eval suite`: run the suite on the checkpoint `model`; print the tables and write
     suite.json, suite.md and suite.png into `out`. The engine decodes at the checkpoint's settings
-    (the given fields override them), each drafter at its stored fastest otherwise."""
+    (the given fields override them), each drafter at its stored fastest otherwise. json_schema /
+    regex / grammar (files, as `selfspec generate` takes them) constrain every reply of a question
+    that has no constraint of its own."""
     methods = tuple(m.strip() for m in methods.split(",")) if isinstance(methods, str) else tuple(methods)
     check_methods(methods, batch_size)
     settings, fastest, token_counts = resolve_settings(
@@ -329,6 +331,8 @@ def suite(model: str, *, suites: str | None = None, questions: str | None = None
         raise UserError(f"--exit-layer is required: {model} has no selfspec.json")
     # the questions first: a missing package or category fails before the model loads
     chosen = select_questions(load_tokenizer(model), suites, questions, categories, max_per_category)
+    constraint = read_constraint(json_schema=json_schema, regex=regex, grammar=grammar)
+    chosen = [replace(q, constraint=q.constraint or constraint) for q in chosen]
     lm, tokenizer = load_model(model, device, dtype)
     report = run_suite(lm, tokenizer, chosen, settings, fastest=fastest, token_counts=token_counts,
                        exit_adapters=checkpoint_adapters(model, lm), methods=methods,
