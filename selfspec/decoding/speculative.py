@@ -927,6 +927,12 @@ class SelfSpecGenerator:
             raise UserError(f"seed: got {len(seeds)} per-row seeds for {rows} prompts")
         return seeds
 
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """The ids that end a row by default: the generation config's, else the config's, else the
+        tokenizer's (what `generate(eos_token_id=None)` uses)."""
+        return self._eos_ids(None).tolist()
+
     def _eos_ids(self, eos_token_id) -> np.ndarray:
         if eos_token_id is None:
             generation_config = getattr(self.view.model, "generation_config", None)

@@ -135,7 +135,7 @@ class Scheduler:
         self.thread: threading.Thread | None = None
         tokenizer = generator.tokenizer
         self.decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
-        self.eos = set(generator._eos_ids(None).tolist())
+        self.eos = set(generator.eos_token_ids)
         self.limit = generator.view.max_positions
         self.largest_wave = 0
         self.active: list[Job] = []  # the wave being decoded
