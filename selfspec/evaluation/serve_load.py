@@ -176,11 +176,12 @@ def to_markdown(report: dict) -> str:
                          f"{row['first_token_p50'] * 1e3:.0f} / {row['first_token_p95'] * 1e3:.0f} | "
                          f"{row['inter_token_p50'] * 1e3:.1f} / {row['inter_token_p95'] * 1e3:.1f} | "
                          f"{row['errors']} | {row['mismatches']} |")
-    one = report["levels"]["selfspec"][0]["tokens_per_second"]
-    plain = report["levels"]["plain"][0]["tokens_per_second"]
-    lines += ["", f"Concurrency 1: the server runs at {one / report['in_process_tokens_per_second']:.2f}× "
-                  f"in-process generate; its speedup over the server without drafting is "
-                  f"{one / plain:.2f}× (in process: {report['in_process_speedup']:.2f}×)."]
+    first, plain = report["levels"]["selfspec"][0], report["levels"]["plain"][0]
+    if first["concurrency"] == 1:  # in-process generate decodes one prompt at a time: comparable here
+        one, alone = first["tokens_per_second"], report["in_process_tokens_per_second"]
+        lines += ["", f"Concurrency 1: the server runs at {one / alone:.2f}× in-process generate; its "
+                      f"speedup over the server without drafting is {one / plain['tokens_per_second']:.2f}× "
+                      f"(in process: {report['in_process_speedup']:.2f}×)."]
     fault = report.get("fault")
     if fault:
         lines += ["", f"Fault run: {fault['requests']} requests; {fault['bad_refused_4xx']} of "
