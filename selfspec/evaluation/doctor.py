@@ -39,16 +39,8 @@ def diagnose(figures: dict) -> list[str]:
     lines = []
     if figures.get("draft_cost") is not None:
         lines.append(_acceptance(figures))
-        weight, c = figures.get("weight_cost"), figures["draft_cost"]
-        if weight is None:
-            pass
-        elif c > DRAFT_COST_MARGIN * weight:
-            lines.append(f"2. draft cost: a draft step costs c = {c:.2f} plain steps, {c / weight:.2f}× the "
-                         f"{weight:.2f} its weights predict: per-step work beyond reading the weights; a "
-                         f"trimmed draft head (--draft-vocab-size) or a GPU's captured step cuts it.")
-        else:
-            lines.append(f"2. draft cost: c = {c:.2f} plain steps, near the {weight:.2f} its weights predict "
-                         f"(E/N plus the head); a trimmed head (--draft-vocab-size) lowers the head's share.")
+    if figures.get("draft_cost") is not None and figures.get("weight_cost") is not None:
+        lines.append(_draft_cost(figures["draft_cost"], figures["weight_cost"]))
     overhead = figures.get("overhead")
     if overhead is not None and overhead > OVERHEAD_LIMIT:
         lines.append(f"3. overhead: the work between a round's passes costs {overhead:.2f} plain steps "
@@ -78,6 +70,16 @@ def _acceptance(figures: dict) -> str:
                 f"(`selfspec train`, `selfspec recipes`) or move E (`selfspec layers MODEL`).")
     return (f"1. acceptance: α {alpha:.2f} at E = {exit_layer} clears the {need:.2f} that "
             f"c = {c:.2f}, v = {v:.2f}, k = {k} need.")
+
+
+def _draft_cost(c: float, weight: float) -> str:
+    """Check 2: the measured c against the share of the weights a draft step reads."""
+    if c > DRAFT_COST_MARGIN * weight:
+        return (f"2. draft cost: a draft step costs c = {c:.2f} plain steps, {c / weight:.2f}× the "
+                f"{weight:.2f} its weights predict: per-step work beyond reading the weights; a "
+                f"trimmed draft head (--draft-vocab-size) or a GPU's captured step cuts it.")
+    return (f"2. draft cost: c = {c:.2f} plain steps, near the {weight:.2f} its weights predict "
+            f"(E/N plus the head); a trimmed head (--draft-vocab-size) lowers the head's share.")
 
 
 def _context(figures: dict) -> str:

@@ -73,7 +73,7 @@ class Job:
         if self.finish_reason is not None:
             return True
         if self.cancelled:
-            return self._end("cancelled")
+            return self.end("cancelled")
         if self.first_token is None and tokens:
             self.first_token = time.perf_counter()
         self.passes += 1
@@ -84,13 +84,13 @@ class Job:
         hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
         if hits:
             self.text = text[:min(hits)]
-            return self._end("stop")
+            return self.end("stop")
         self.text = text
         hit_eos = bool(self.tokens) and self.tokens[-1] in eos
         if hit_eos or (engine_done and len(self.tokens) < self.max_tokens):
-            return self._end("stop")  # eos, or the grammar is complete
+            return self.end("stop")  # eos, or the grammar is complete
         if len(self.tokens) >= self.max_tokens or engine_done:
-            return self._end("length")
+            return self.end("length")
         # hold back what a stop string may still claim, and a character cut in half
         hold = max((len(s) - 1 for s in self.stops), default=0)
         shown = len(text) - hold
@@ -101,7 +101,9 @@ class Job:
             self.sent = shown
         return False
 
-    def _end(self, reason: str) -> bool:
+    def end(self, reason: str) -> bool:
+        """End the row for `reason` ("stop", "length", "cancelled"); the client gets the rest of the
+        text and the reason unless it left. Returns True (the row is done)."""
         self.finish_reason, self.finished = reason, time.perf_counter()
         if reason != "cancelled":
             if len(self.text) > self.sent:
@@ -226,6 +228,6 @@ class Scheduler:
         self.cancelled_rows += sum(job.finish_reason == "cancelled" for job in wave)
         for job in wave:  # a row the engine never reported (cancelled before its first round)
             if job.finish_reason is None:
-                job._end("length" if len(job.tokens) >= job.max_tokens else "stop")
+                job.end("length" if len(job.tokens) >= job.max_tokens else "stop")
         if self.on_wave is not None:
             self.on_wave(wave, out.stats)
