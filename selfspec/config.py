@@ -245,6 +245,11 @@ class EarlyExitConfig:
     """Weight of the final layer's CE loss. 0 trains on the exit losses alone: the blocks after the
     deepest active exit then run without autograd (with `trainable: draft` nothing behind them
     changes, so this is the cheap recipe; the perplexity gate says whether the full model kept)."""
+    skip_forced: bool = False
+    """Structured output: the exit losses leave out the reply tokens that the reply's grammar forced
+    (chat rows with a `json_schema`, as `selfspec distill-data --prompts json-extract` writes them).
+    The engine drafts those for free and never asks the exit for them; the final layer's loss keeps
+    every target."""
 
     def __post_init__(self):
         _check_choices(self)

@@ -73,10 +73,11 @@ def test_chat_jsonl_reads_messages_sharegpt_turns_and_prompt_response(tmp_path):
 
 def test_the_split_is_by_conversation_and_never_depends_on_order(tmp_path):
     assert split_of("abc_0") == split_of("abc_7") == split_of("abc")
-    ids = [f"c{i}" for i in range(4000)]
-    splits = [split_of(i) for i in ids]
-    assert 0.015 < splits.count("test") / len(ids) < 0.025
-    assert 0.015 < splits.count("validation") / len(ids) < 0.025
+    for ids in ([f"c{i}" for i in range(4000)],
+                [f"json-extract-tool_calls-{i}" for i in range(4000)]):  # an underscore inside the id
+        splits = [split_of(i) for i in ids]
+        assert 0.015 < splits.count("test") / len(ids) < 0.025
+        assert 0.015 < splits.count("validation") / len(ids) < 0.025
     path = tmp_path / "many.jsonl"
     rows = [{"id": f"c{i}_{part}", "prompt": f"q{i}", "response": f"a{i}"}
             for i in range(600) for part in (0, 1)]

@@ -3,6 +3,7 @@ directory was made by another model or tokenizer."""
 
 import json
 
+import datasets
 import pytest
 from helpers import CHATML
 from transformers import AutoModelForCausalLM
@@ -10,6 +11,7 @@ from transformers import AutoModelForCausalLM
 from selfspec.checkpoint import save_tuned
 from selfspec.cli import main
 from selfspec.data import ChatDataError, load_chat_corpus
+from selfspec.data.chat import pack_chat_dataset
 from selfspec.data.distill import RESPONSES, distill_prompts, distill_responses
 from selfspec.decoding import DecodeSettings, SelfSpecGenerator
 
@@ -119,3 +121,10 @@ def test_json_extract_replies_are_the_models_constrained_outputs(chat_ckpt, tmp_
         if alone.complete[0]:
             jsonschema.validate(json.loads(row["messages"][1]["content"]), schema)
     assert json.loads((tmp_path / "manifest.json").read_text())["constrained"] is True
+    # each reply keeps its schema, so that training can tell the tokens it forced (skip_forced)
+    assert [row["json_schema"] for row in rows] == [schema for *_, schema in triples]
+    corpus = load_chat_corpus(str(tmp_path / RESPONSES))
+    everything = datasets.concatenate_datasets([corpus[name] for name in corpus])
+    blocks = pack_chat_dataset(everything, tokenizer, 16, max_tokens_per_conversation=512, skip_forced=True)
+    target, drafted = blocks["target_mask"][:], blocks["draft_mask"][:]
+    assert not (drafted & ~target).any() and 0 < drafted.sum() < target.sum()

@@ -397,6 +397,30 @@ def test_the_benchmark_times_every_method_under_each_prompts_schema(tokenizer):
     assert "Grammar masks" in to_markdown(report)
 
 
+def test_forced_flags_mark_the_tokens_the_engine_drafts_for_free(tokenizer):
+    """A constrained reply replayed through its schema: the keys and the punctuation between them are
+    forced, the values are the model's to choose; what the engine drafts as forced, the flags mark."""
+    from selfspec.data.forced import forced_flags, grammar_tokenizer_for
+
+    reply = json.dumps({"name": "Ana", "age": 7, "city": "Lima"})
+    prompt = tokenizer("Q: who?")["input_ids"]
+    ids = prompt + tokenizer(reply)["input_ids"]
+    assistant = [False] * len(prompt) + [True] * (len(ids) - len(prompt))
+    flags = forced_flags(ids, assistant, json.dumps(PERSON), grammar_tokenizer_for(tokenizer))
+    assert not flags[:len(prompt)].any()
+    forced = "".join(tokenizer.decode([t]) for t, f in zip(ids, flags) if f)
+    free = "".join(tokenizer.decode([t]) for t, f in zip(ids, flags) if not f)
+    assert all(key in forced for key in ("name", "age", "city")), forced
+    assert "Ana" in free and "7" in free and "Lima" not in forced
+    # the engine's own forced drafts at the reply's start are the flagged tokens there
+    batch = GrammarBatch(GrammarTokenizer(tokenizer, len(tokenizer), [tokenizer.eos_token_id]),
+                         [Constraint.of(json_schema=PERSON)])
+    run = batch.forced(20)[0].tolist()
+    start = len(prompt)
+    assert run and run == ids[start:start + len(run)] and flags[start:start + len(run)].all()
+    assert not flags[start + len(run)]
+
+
 def test_extraction_prompts_are_seeded_and_splits_share_no_record():
     from selfspec.data.extraction import CATEGORIES, extraction_prompts
 
@@ -410,6 +434,22 @@ def test_extraction_prompts_are_seeded_and_splits_share_no_record():
     assert not keys["train"] & keys["test"]
     for p in test + train:  # every record is an answer its schema accepts
         jsonschema.validate(p.record, p.schema)
+
+
+def test_extraction_prompts_do_not_depend_on_the_date(monkeypatch):
+    """Faker's "this year" and "past/future" dates count from today: the prompts, and so the distilled
+    data and the benchmark's prompts, must not use them (they would change from one day to the next)."""
+    import faker.providers.date_time as faker_dates
+
+    from selfspec.data.extraction import extraction_prompts
+
+    def from_today(*args, **kwargs):
+        raise AssertionError("a date relative to today")
+
+    for name in dir(faker_dates.Provider):
+        if "_this_" in name or name.startswith(("past_", "future_")) or name.endswith("_today"):
+            monkeypatch.setattr(faker_dates.Provider, name, from_today)
+    assert len(extraction_prompts("test", per_category=4)) == 16
 
 
 def test_a_sweep_on_structured_prompts_stores_the_formats_own_setting(tokenizer, tmp_path):

@@ -467,6 +467,54 @@ def test_the_objective_limits_every_loss_to_the_target_tokens():
     assert objective.other_row.grad is not None and objective.other_row.grad.abs().sum() > 0
 
 
+def test_draft_mask_limits_the_exit_losses_and_leaves_the_final_loss_alone():
+    """`early_exit.skip_forced`: the exit losses count only the drafted targets (`draft_mask`); the
+    final layer's CE keeps every target."""
+    model = tiny_model("llama", num_layers=4)
+    objective = SelfSpecObjective(model, exit_layers=[2]).train()
+    ids = torch.randint(0, 96, (2, 12))
+    target = torch.ones(2, 12, dtype=torch.bool)
+    drafted = target.clone()
+    drafted[:, 3:8] = False  # tokens a grammar forced
+    full, skipped = objective(ids, target_mask=target), objective(ids, target_mask=target, draft_mask=drafted)
+    torch.testing.assert_close(skipped["final_ce"], full["final_ce"])
+    assert not torch.allclose(skipped["exit_loss"], full["exit_loss"])
+    # the same as a batch whose only targets are the drafted ones, for the exit
+    torch.testing.assert_close(skipped["exit_loss"], objective(ids, target_mask=drafted)["exit_loss"])
+
+
+@pytest.mark.parametrize("trainable", ["all", "adapter"])
+def test_a_run_on_constrained_replies_skips_the_forced_tokens(chat_run, tmp_path, trainable):
+    """Rows carrying their json_schema: `early_exit.skip_forced` packs a draft_mask (the forced tokens
+    left out), the loop passes it with the batches (also joined to cached exit features) and reports
+    the exits' agreement on the drafted tokens."""
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "count": {"type": "integer"}},
+              "required": ["name", "count"], "additionalProperties": False}
+    corpus = tmp_path / "constrained.jsonl"
+    rows = [{"id": f"c{i}", "json_schema": schema, "messages": [
+        {"role": "user", "content": f"name f{i}, count {i}"},
+        {"role": "assistant", "content": json.dumps({"name": f"f{i}", "count": i})}]} for i in range(120)]
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    extra = ["trainable=adapter", "adapter_kind=block", "layer_dropout.p_max=0.0"] if trainable == "adapter" else []
+    cfg = load_config(None, [
+        f"model.name_or_path={chat_run['model']}", f"data.source={corpus}",
+        f"data.cache_dir={tmp_path}/cache", "data.block_size=64", "data.max_eval_blocks=2",
+        "optim.batch_size=2", "optim.max_steps=2", "optim.warmup_steps=1", f"output_dir={tmp_path}/run",
+        "early_exit.layers=2", "early_exit.skip_forced=true", "eval_every=1", "save_every=0", "exit_layer=2",
+        *extra])
+    metrics = read_meta(train(cfg, progress=False).model_dir)["metrics"]
+    assert 0 <= metrics["val/drafted/top1_agreement@2"] <= 1
+    assert metrics["val/drafted/top1_agreement@2"] != metrics["val/top1_agreement@2"]
+    plain = tmp_path / "plain.jsonl"  # replies without their schema: nothing says which were forced
+    plain.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "json_schema"}) + "\n"
+                             for r in rows))
+    with pytest.raises(UserError, match="skip_forced needs replies with their json_schema"):
+        train(load_config(None, [f"model.name_or_path={chat_run['model']}", f"data.source={plain}",
+                                 "early_exit.skip_forced=true", f"output_dir={tmp_path}/refused"]),
+              progress=False)
+    assert not (tmp_path / "refused" / "model").exists()
+
+
 # --- the exit adapter --------------------------------------------------------------------------------
 
 def test_an_adapter_run_trains_only_the_adapter_and_decoding_stays_the_models_own(tiny_run, tmp_path):

@@ -19,7 +19,7 @@ so an interrupted build never leaves a half-written corpus or tokenizer that a l
 silently reuse.
 """
 
-from .blocks import block_tensors, load_corpus, pack_split
+from .blocks import block_tensors, draft_mask, load_corpus, pack_split
 from .chat import ChatDataError, is_chat_source, load_chat_corpus, pack_chat_dataset
 from .constants import EOS_TOKEN, SPLITS
 from .packing import count_tokens, pack_dataset
@@ -35,7 +35,7 @@ from .stdlib import (
 )
 from .tokenizer import load_or_train_tokenizer, stdlib_tokenizer_dir, train_tokenizer
 
-__all__ = ["ChatDataError", "block_tensors", "is_chat_source", "load_chat_corpus", "load_corpus",
+__all__ = ["ChatDataError", "block_tensors", "draft_mask", "is_chat_source", "load_chat_corpus", "load_corpus",
            "pack_chat_dataset", "pack_split", "EOS_TOKEN", "SPLITS",
            "STDLIB_CORPUS_FORMAT", "build_stdlib_corpus",
            "content_exclusion_reason", "count_tokens", "iter_stdlib_files", "load_or_train_tokenizer",

@@ -11,7 +11,7 @@ from pathlib import Path
 import datasets
 import torch
 
-from .chat import is_chat_source, load_chat_corpus, pack_chat_dataset
+from .chat import ChatDataError, is_chat_source, load_chat_corpus, pack_chat_dataset
 from .packing import pack_dataset
 from .sources import load_text_corpus
 
@@ -26,10 +26,16 @@ def load_corpus(source: str, text_field: str = "text", cache_dir: str | Path | N
 
 
 def pack_split(split: datasets.Dataset, tokenizer, block_size: int, text_field: str = "text",
-               max_blocks: int | None = None, cache_dir: str | Path | None = None) -> datasets.Dataset:
-    """Blocks of `block_size` tokens: ``input_ids``, plus ``target_mask`` for a split of conversations."""
+               max_blocks: int | None = None, cache_dir: str | Path | None = None,
+               skip_forced: bool = False) -> datasets.Dataset:
+    """Blocks of `block_size` tokens: ``input_ids``, plus ``target_mask`` for a split of conversations
+    (and ``draft_mask`` with `skip_forced`: the targets a grammar did not force, `pack_chat_dataset`)."""
     if "messages" in split.column_names:
-        return pack_chat_dataset(split, tokenizer, block_size, max_blocks=max_blocks, cache_dir=cache_dir)
+        return pack_chat_dataset(split, tokenizer, block_size, max_blocks=max_blocks, cache_dir=cache_dir,
+                                 skip_forced=skip_forced)
+    if skip_forced:
+        raise ChatDataError("early_exit.skip_forced needs chat data whose replies carry their json_schema "
+                            "(`selfspec distill-data --prompts json-extract`); set it to false for text")
     return pack_dataset(split, tokenizer, block_size, text_field, max_blocks=max_blocks, cache_dir=cache_dir)
 
 
@@ -37,3 +43,8 @@ def block_tensors(blocks: datasets.Dataset) -> tuple[torch.Tensor, torch.Tensor 
     """(input_ids (n, T), target_mask (n, T) or None) of packed blocks."""
     mask = blocks["target_mask"][:] if "target_mask" in blocks.column_names else None
     return blocks["input_ids"][:], mask
+
+
+def draft_mask(blocks: datasets.Dataset) -> torch.Tensor | None:
+    """(n, T) the targets the early exit drafts (`pack_split(skip_forced=True)`), else None."""
+    return blocks["draft_mask"][:] if "draft_mask" in blocks.column_names else None

@@ -130,7 +130,8 @@ def _conversation(conversation_id: str, turns: Iterable[dict]) -> dict | None:
 
 def read_chat_jsonl(path: str | Path) -> list[dict]:
     """Conversations from a .jsonl file of `messages`, ShareGPT `conversations` or `prompt`/`response`
-    rows."""
+    rows; a row's `json_schema` (an object or its JSON text: the schema its reply follows) is kept as
+    JSON text."""
     path = Path(path)
     conversations = []
     for number, row in jsonl_rows(path):
@@ -146,6 +147,9 @@ def read_chat_jsonl(path: str | Path) -> list[dict]:
             raise ChatDataError(f"{path}:{number} has none of messages, conversations or prompt/response; "
                                 f"its keys are {sorted(row)}")
         if conversation is not None:
+            if row.get("json_schema") is not None:  # the schema its reply was constrained by
+                schema = row["json_schema"]
+                conversation["json_schema"] = schema if isinstance(schema, str) else json.dumps(schema)
             conversations.append(conversation)
     return conversations
 
@@ -192,8 +196,12 @@ def is_chat_source(source: str) -> bool:
 
 
 def split_of(conversation_id: str) -> str:
-    """train, validation or test for a conversation, from a hash of its id without the part suffix."""
-    base = conversation_id.rsplit("_", 1)[0] if "_" in conversation_id else conversation_id
+    """train, validation or test for a conversation, from a hash of its id without the part suffix
+    (ShareGPT's `_0`, `_1`, ... of one conversation; an underscore elsewhere, as in `tool_calls-7`, is
+    part of the id)."""
+    base, _, part = conversation_id.rpartition("_")
+    if not (base and part.isdigit()):
+        base = conversation_id
     bucket = int.from_bytes(hashlib.sha256(base.encode()).digest()[:8], "big") / 2**64  # uniform in [0, 1)
     edge = 0.0
     for name in ("test", "validation"):
@@ -204,7 +212,8 @@ def split_of(conversation_id: str) -> str:
 
 
 def load_chat_corpus(source: str, verbose: bool = True) -> datasets.DatasetDict:
-    """Conversations of `source` split by id into train / validation / test (rows: id, messages)."""
+    """Conversations of `source` split by id into train / validation / test (rows: id, messages, and
+    json_schema when some reply was constrained by one)."""
     if source == SHAREGPT:
         conversations, records = read_sharegpt(sharegpt_file())
         if verbose:
@@ -219,13 +228,16 @@ def load_chat_corpus(source: str, verbose: bool = True) -> datasets.DatasetDict:
     if not conversations:
         raise ChatDataError(f"{source!r} holds no conversation with an assistant turn; "
                             f"chat data needs user and assistant messages")
+    empty = {"id": [], "messages": []}
+    if any("json_schema" in c for c in conversations):  # constrained replies: a column, None where absent
+        conversations = [{"json_schema": None, **c} for c in conversations]
+        empty["json_schema"] = []
     parts = {name: [] for name in SPLITS}
     for conversation in conversations:
         parts[split_of(conversation["id"])].append(conversation)
     if not parts["train"]:
         raise ChatDataError(f"{source!r} has too few conversations to train on ({len(conversations)}); "
                             f"add more")
-    empty = {"id": [], "messages": []}
     return datasets.DatasetDict({name: datasets.Dataset.from_list(rows) if rows
                                  else datasets.Dataset.from_dict(empty) for name, rows in parts.items()})
 
@@ -262,8 +274,8 @@ def chat_tokens(messages: list[dict], tokenizer,
 
 
 def pack_chat_dataset(split: datasets.Dataset, tokenizer, block_size: int, max_blocks: int | None = None,
-                      cache_dir: str | Path | None = None, max_tokens_per_conversation: int | None = None
-                      ) -> datasets.Dataset:
+                      cache_dir: str | Path | None = None, max_tokens_per_conversation: int | None = None,
+                      skip_forced: bool = False) -> datasets.Dataset:
     """Conversations rendered by the chat template, joined and cut into blocks of `block_size` tokens.
 
     Columns: ``input_ids`` (n, T) int64 and ``target_mask`` (n, T) bool, true where the token is
@@ -272,21 +284,37 @@ def pack_chat_dataset(split: datasets.Dataset, tokenizer, block_size: int, max_b
     so a few very long conversations do not crowd out the rest; one whose prompt fills them all is
     left out. Conversations are rendered in row order until `max_blocks` blocks are full. Cached
     under `cache_dir` like `pack_dataset`.
+
+    skip_forced: also a ``draft_mask`` (n, T) bool, the targets the early exit will be asked to
+    draft: assistant tokens that the reply's `json_schema` did not force (`forced.forced_flags`).
     """
     cap = max_tokens_per_conversation or block_size
+    if skip_forced and "json_schema" not in split.column_names:
+        raise ChatDataError("early_exit.skip_forced needs replies with their json_schema (rows as "
+                            "`selfspec distill-data --prompts json-extract` writes them); set it to false "
+                            "for this data")
     if cache_dir is not None:
         key = _fingerprint(split._fingerprint, tokenizer, str(getattr(tokenizer, "chat_template", "")),
-                           f"chat:{block_size}:{max_blocks}:{cap}")
+                           f"chat:{block_size}:{max_blocks}:{cap}" + (":forced" if skip_forced else ""))
         return cached_blocks(Path(cache_dir) / f"chat-{key}",
-                             lambda: pack_chat_dataset(split, tokenizer, block_size, max_blocks, None, cap))
+                             lambda: pack_chat_dataset(split, tokenizer, block_size, max_blocks, None, cap,
+                                                       skip_forced))
+    from .forced import forced_flags, grammar_tokenizer_for  # llguidance only for constrained replies
+
     needed = None if max_blocks is None else max_blocks * block_size
-    ids, mask = [], []
-    for messages in split["messages"]:
+    schemas = split["json_schema"] if skip_forced else [None] * len(split)
+    grammar_tokenizer = grammar_tokenizer_for(tokenizer) if skip_forced else None
+    ids, mask, draft = [], [], []
+    for messages, schema in zip(split["messages"], schemas):
         conversation_ids, assistant = chat_tokens(messages, tokenizer, cap)
         if not any(assistant):
             continue  # a prompt longer than the cap: nothing of it would be trained on
         ids.extend(conversation_ids)
         mask.extend(assistant)
+        if skip_forced:
+            forced = (forced_flags(conversation_ids, assistant, schema, grammar_tokenizer) if schema
+                      else np.zeros(len(assistant), dtype=bool))
+            draft.extend(np.asarray(assistant, dtype=bool) & ~forced)
         if needed is not None and len(ids) >= needed:
             break
     n_blocks = len(ids) // block_size if max_blocks is None else min(len(ids) // block_size, max_blocks)
@@ -300,4 +328,8 @@ def pack_chat_dataset(split: datasets.Dataset, tokenizer, block_size: int, max_b
         "target_mask": pa.FixedSizeListArray.from_arrays(pa.array(np.asarray(mask[:used], dtype=bool)),
                                                          block_size),
     })
+    if skip_forced:
+        table = table.append_column("draft_mask", pa.FixedSizeListArray.from_arrays(
+            pa.array(np.asarray(draft[:used], dtype=bool)), block_size))
     return datasets.Dataset(datasets.table.InMemoryTable(table)).with_format("torch")
+

@@ -153,11 +153,13 @@ def distill_responses(generator, prompts: list[tuple[str, str]], out_dir: str | 
                                  temperature=temperature, seed=seed + first,
                                  json_schema=schemas if any(schemas) else None)
         lines = []
-        for (prompt_id, prompt, _, _), sequence in zip(batch, out.sequences):
+        for (prompt_id, prompt, _, schema), sequence in zip(batch, out.sequences):
             reply = tokenizer.decode(sequence, skip_special_tokens=True).strip()
             tokens += len(sequence)
             messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply}]
-            lines.append(json.dumps({"id": prompt_id, "messages": messages}))
+            # the schema stays with its reply: training can tell which tokens it forced (skip_forced)
+            lines.append(json.dumps({"id": prompt_id, "messages": messages,
+                                     **({} if schema is None else {"json_schema": schema})}))
         # One append per batch, synced: a kill leaves whole batches (and at worst a torn last line).
         with responses.open("a", encoding="utf-8") as handle:
             handle.write("\n".join(lines) + "\n")

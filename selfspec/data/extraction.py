@@ -13,6 +13,7 @@ mostly copies spans of the prompt. A record belongs to the split its identifying
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import random
@@ -76,6 +77,12 @@ class ExtractionPrompt:
     record: dict
 
 
+# Fixed date ranges: Faker's date_this_year/decade count from today, so the prompts (and the split
+# of each record) would change from one day to the next.
+_DECADE = (datetime.date(2020, 1, 1), datetime.date(2029, 12, 31))
+_YEAR = (datetime.date(2026, 1, 1), datetime.date(2026, 12, 31))
+
+
 def _record(fake, rng: random.Random, category: str) -> tuple[dict, dict]:
     """(the JSON answer, the template's fields) of one fake record."""
     if category == "people":
@@ -92,13 +99,13 @@ def _record(fake, rng: random.Random, category: str) -> tuple[dict, dict]:
                   "tags_text": ", ".join(tags)}
         return answer, fields
     if category == "events":
-        answer = {"title": f"{fake.catch_phrase()} Summit", "date": fake.date_this_decade().isoformat(),
+        answer = {"title": f"{fake.catch_phrase()} Summit", "date": fake.date_between_dates(_DECADE[0], _DECADE[1]).isoformat(),
                   "location": {"venue": f"{fake.last_name()} Hall", "city": fake.city()},
                   "attendees": rng.randint(10, 2000)}
         return answer, {**answer, **answer["location"]}
     tool = rng.choice(["send_email", "create_event", "get_weather"])
     values = {"to": fake.email(), "subject": fake.sentence(nb_words=4).rstrip("."), "city": fake.city(),
-              "date": fake.date_this_year().isoformat()}
+              "date": fake.date_between_dates(_YEAR[0], _YEAR[1]).isoformat()}
     names = {"send_email": ("to", "subject"), "create_event": ("subject", "date"),
              "get_weather": ("city", "date")}[tool]
     answer = {"tool": tool, "arguments": {name: values[name] for name in names}}

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import datasets
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataParallelKwargs, PartialState
 from accelerate.tracking import GeneralTracker
@@ -336,12 +337,15 @@ def _setup(cfg: RunConfig, output_dir: Path) -> _Run:
                                       seed=cfg.seed)
         model, tokenizer = build_model_and_tokenizer(cfg, corpus)
         data = cfg.data
+        skip_forced = cfg.early_exit.skip_forced
         train_blocks = data_lib.pack_split(corpus["train"], tokenizer, data.block_size, data.text_field,
-                                           max_blocks=data.max_train_blocks, cache_dir=data.cache_path)
+                                           max_blocks=data.max_train_blocks, cache_dir=data.cache_path,
+                                           skip_forced=skip_forced)
         held_out = corpus if data.eval_source is None else data_lib.load_corpus(
             data.eval_source, data.text_field, cache_dir=data.cache_path, seed=cfg.seed)
         val_blocks = data_lib.pack_split(held_out["validation"], tokenizer, data.block_size, data.text_field,
-                                         max_blocks=data.max_eval_blocks, cache_dir=data.cache_path)
+                                         max_blocks=data.max_eval_blocks, cache_dir=data.cache_path,
+                                         skip_forced=skip_forced)
     view = DecoderView(model)
     num_layers, limit = view.num_layers, view.max_positions
     if limit is not None and cfg.data.block_size > limit:
@@ -366,10 +370,15 @@ def _setup(cfg: RunConfig, output_dir: Path) -> _Run:
         ee = cfg.early_exit
         with accelerator.main_process_first():
             cache_dir = None if cfg.model.from_scratch else cfg.data.cache_path
-            train_blocks = exit_features(model.to(accelerator.device), train_blocks, cfg.model.name_or_path,
-                                         exit_layer, 1 if ee.kind == "argmax" else ee.teacher_top_k,
-                                         ee.temperature, cache_dir, batch_size=cfg.optim.batch_size,
-                                         progress=accelerator.is_local_main_process)
+            features = exit_features(model.to(accelerator.device), train_blocks, cfg.model.name_or_path,
+                                     exit_layer, 1 if ee.kind == "argmax" else ee.teacher_top_k,
+                                     ee.temperature, cache_dir, batch_size=cfg.optim.batch_size,
+                                     progress=accelerator.is_local_main_process)
+        if "draft_mask" in train_blocks.column_names:  # the features do not depend on it: joined after
+            features = datasets.concatenate_datasets(
+                [features.with_format(None), train_blocks.select_columns(["draft_mask"]).with_format(None)],
+                axis=1).with_format("torch")
+        train_blocks = features
         feature_seconds = time.perf_counter() - feature_start
     if objective.frozen_model is not None:
         objective.frozen_model.to(accelerator.device)
@@ -604,11 +613,19 @@ def evaluate(accelerator, objective, val_blocks, exit_layers, exit_layer, cfg) -
                                 draft_vocab=None if vocab is None else vocab.token_ids)
     num_layers = max(report)
     out = {"val/loss": report[num_layers]["loss"], "val/perplexity": report[num_layers]["perplexity"]}
+    drafted = data_lib.draft_mask(val_blocks)
+    if drafted is not None:  # the exits on the tokens they will draft (a grammar forces the rest)
+        drafted_report = exit_layer_metrics(
+            model, ids[rows], layers, batch_size=cfg.optim.batch_size, reduce=accelerator.reduce,
+            target_mask=drafted[rows], exit_adapters=None if adapter is None else {exit_layer: adapter},
+            draft_vocab=None if vocab is None else vocab.token_ids)
     for layer in layers:
         if layer == num_layers:
             continue
         for key in ("loss", "top1_agreement", "expected_acceptance"):
             out[f"val/{key}@{layer}"] = report[layer][key]
+            if drafted is not None:
+                out[f"val/drafted/{key}@{layer}"] = drafted_report[layer][key]
     return out
 
 

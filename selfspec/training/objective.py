@@ -103,12 +103,16 @@ class SelfSpecObjective(nn.Module):
         return head
 
     def forward(self, input_ids: torch.Tensor | None = None, step: int = 0,
-                target_mask: torch.Tensor | None = None, **features) -> dict[str, torch.Tensor]:
+                target_mask: torch.Tensor | None = None, draft_mask: torch.Tensor | None = None,
+                **features) -> dict[str, torch.Tensor]:
         """The losses of one batch (B, T); `target_mask` (B, T) limits them to chat data's assistant
-        tokens. With `features` (`training.features`: exit_hidden, teacher_ids, teacher_probs) the
-        frozen model is not run: the exit adapter trains on the stored exit states and teacher."""
+        tokens, `draft_mask` (B, T) the exit losses to the tokens the exit drafts (`early_exit.
+        skip_forced`: not those a grammar forced). With `features` (`training.features`: exit_hidden,
+        teacher_ids, teacher_probs) the frozen model is not run: the exit adapter trains on the stored
+        exit states and teacher."""
+        exit_mask = target_mask if draft_mask is None else draft_mask
         if features:
-            return self._cached_exit_loss(target_mask=target_mask, **features)
+            return self._cached_exit_loss(target_mask=exit_mask, **features)
         view, ee = self.view, self.early_exit
         batch = input_ids.shape[0]
         drop = None
@@ -141,9 +145,9 @@ class SelfSpecObjective(nn.Module):
         loss = ee.final_weight * final_ce
         if exits:
             teacher_logits = self._teacher_logits(input_ids, logits) if ee.kind != "ce" else None
-            exit_labels = labels
+            exit_labels = labels if draft_mask is None else shifted_labels(input_ids, draft_mask)
             if ee.token_fraction < 1.0:
-                exits, teacher_logits, exit_labels = self._subsample(exits, teacher_logits, labels, step)
+                exits, teacher_logits, exit_labels = self._subsample(exits, teacher_logits, exit_labels, step)
             weights = layer_weights(ee.scale, active, view.num_layers).to(hidden.device)
             exit_loss = early_exit_loss(exits, self._exit_head(), weights, kind=ee.kind,
                                         teacher_logits=teacher_logits, labels=exit_labels,
