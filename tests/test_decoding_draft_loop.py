@@ -100,6 +100,27 @@ def test_the_compiled_verification_accepts_what_python_accepts_for_every_drafter
     assert any(verify_calls) == (family != "gpt2")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_at_different_slots_run_the_compiled_round(dtype, loop_calls, verify_calls, monkeypatch):
+    """Prompts of different lengths keep their rows at different slots all along (a server's batch):
+    the round's calls write each row at its own slots and mask each row's queries to its own
+    positions, computing what block-by-block calls with the engine's mask compute."""
+    model = low_alpha_model("llama").to(dtype)
+    generator = SelfSpecGenerator(model, exit_layer=2)
+    prompts = BATCHES["ragged"]
+    for kwargs in (dict(num_speculations=3), dict(drafter="hybrid", num_speculations=4),
+                   dict(num_speculations=0)):
+        compiled = generator.generate(prompts, max_new_tokens=NEW, eos_token_id=[], **kwargs)
+        with fast.kernels_up_to("blocks"):  # block by block, the cache's scatter, the engine's mask
+            blocks = generator.generate(prompts, max_new_tokens=NEW, eos_token_id=[], **kwargs)
+        assert compiled.sequences == blocks.sequences, kwargs
+        if kwargs.get("drafter") != "hybrid":  # step by step, the hybrid looks for copies after each draft
+            assert _stats(compiled) == _stats(blocks), kwargs
+        if dtype == torch.float32:
+            assert compiled.sequences == [reference_greedy(model, p, NEW) for p in prompts]
+    assert loop_calls and all(loop_calls) and verify_calls and all(verify_calls)
+
+
 def test_a_trimmed_head_and_a_bf16_model_draft_the_same_in_the_loop(loop_calls, monkeypatch):
     model = low_alpha_model("qwen3")  # q/k norms in the blocks
     counts = np.arange(model.config.vocab_size)[::-1].copy()

@@ -495,7 +495,8 @@ def test_a_run_on_constrained_replies_skips_the_forced_tokens(chat_run, tmp_path
         {"role": "user", "content": f"name f{i}, count {i}"},
         {"role": "assistant", "content": json.dumps({"name": f"f{i}", "count": i})}]} for i in range(120)]
     corpus.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    extra = ["trainable=adapter", "adapter_kind=block", "layer_dropout.p_max=0.0"] if trainable == "adapter" else []
+    extra = (["trainable=adapter", "adapter_kind=block", "layer_dropout.p_max=0.0"] if trainable == "adapter"
+             else [])
     cfg = load_config(None, [
         f"model.name_or_path={chat_run['model']}", f"data.source={corpus}",
         f"data.cache_dir={tmp_path}/cache", "data.block_size=64", "data.max_eval_blocks=2",

@@ -99,13 +99,14 @@ def _record(fake, rng: random.Random, category: str) -> tuple[dict, dict]:
                   "tags_text": ", ".join(tags)}
         return answer, fields
     if category == "events":
-        answer = {"title": f"{fake.catch_phrase()} Summit", "date": fake.date_between_dates(_DECADE[0], _DECADE[1]).isoformat(),
+        answer = {"title": f"{fake.catch_phrase()} Summit",
+                  "date": fake.date_between_dates(*_DECADE).isoformat(),
                   "location": {"venue": f"{fake.last_name()} Hall", "city": fake.city()},
                   "attendees": rng.randint(10, 2000)}
         return answer, {**answer, **answer["location"]}
     tool = rng.choice(["send_email", "create_event", "get_weather"])
     values = {"to": fake.email(), "subject": fake.sentence(nb_words=4).rstrip("."), "city": fake.city(),
-              "date": fake.date_between_dates(_YEAR[0], _YEAR[1]).isoformat()}
+              "date": fake.date_between_dates(*_YEAR).isoformat()}
     names = {"send_email": ("to", "subject"), "create_event": ("subject", "date"),
              "get_weather": ("city", "date")}[tool]
     answer = {"tool": tool, "arguments": {name: values[name] for name in names}}

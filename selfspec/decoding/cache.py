@@ -53,6 +53,7 @@ class KVCache:
         self.lengths = np.zeros((num_layers, batch_size), dtype=np.int64)
         self._positions: torch.Tensor | None = None  # (B, T) slots of the next writes
         self._start: int | None = None  # shared first slot when every row starts there, else None
+        self._starts = np.zeros(batch_size, dtype=np.int64)  # each row's first slot of the announced writes
         self._ends = np.zeros(batch_size, dtype=np.int64)  # per-row length after the next writes
         self._length = 0  # positions per row of the next writes
         self._kv_length = 0
@@ -67,6 +68,7 @@ class KVCache:
                              f"writing up to slot {kv_length - 1}")
         self._positions = positions
         self._start = int(starts[0]) if (starts == starts[0]).all() else None
+        self._starts = starts
         self._ends = starts + length
         self._length = length
         self._kv_length = kv_length
@@ -99,13 +101,16 @@ class KVCache:
 
     def slot_buffers(self, start: int, end: int):
         """For a caller that writes layers [start, end) itself (`fast.FastLlamaBlocks.run_range`): their
-        key and value buffers (B, H_kv, capacity, head_dim), the first slot of the announced writes and
-        kv_length; None when some layer has no buffer yet or the rows start at different slots. Call
+        key and value buffers (B, H_kv, capacity, head_dim), the first slot of the announced writes,
+        kv_length and, when the rows start at different slots, each row's first slot (B,) int64 on the
+        CPU (else None; the first slot is then 0); None when some layer has no buffer yet. Call
         `written(start, end)` once they are written."""
         keys, values = self.keys[start:end], self.values[start:end]
-        if self._start is None or any(k is None for k in keys):
+        if any(k is None for k in keys):
             return None
-        return keys, values, self._start, self._kv_length
+        if self._start is not None:
+            return keys, values, self._start, self._kv_length, None
+        return keys, values, 0, self._kv_length, torch.from_numpy(self._starts)
 
     def written(self, start: int, end: int, count: int | None = None) -> None:
         """Layers [start, end) hold the announced writes (what `update` records for one layer), or only
@@ -150,7 +155,7 @@ class KVCache:
                 index = torch.as_tensor(rows, device=keys.device)
             self.keys[layer], self.values[layer] = keys.index_select(0, index), values.index_select(0, index)
         self.lengths = self.lengths[:, rows]
-        self._ends = self._ends[rows]
+        self._ends, self._starts = self._ends[rows], self._starts[rows]
         self.batch_size = len(rows)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

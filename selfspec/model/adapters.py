@@ -169,7 +169,8 @@ class LlamaFamilyAdapter(Adapter):
         if place is None:
             return None
         embedding = self.model.model.embed_tokens
-        return self.fast.draft_loop(exit_layer, embedding, token, cache, *place, head, k, eta)
+        mask_value = torch.finfo(embedding.weight.dtype).min  # `DecoderView._mask`'s
+        return self.fast.draft_loop(exit_layer, embedding, token, cache, *place, mask_value, head, k, eta)
 
     def verify_greedy(self, start, end, hidden, tokens, cache, positions, drafts, allowed=None):
         place = self._round_place(start, end, cache, positions)
@@ -195,8 +196,8 @@ class LlamaFamilyAdapter(Adapter):
     def _round_place(self, start: int, end: int, cache, positions):
         """Where a compiled round call over blocks [start, end) at `positions` (B, T) writes and
         attends: (the cache's `slot_buffers`, the rotary cos, sin (B, T, hd)), or None where the call
-        does not apply: no fast blocks, rows at different slots or a layer without a buffer yet, or an
-        attention window that cuts a slot (the calls attend causally to every slot, with no window)."""
+        does not apply: no fast blocks, a layer without a buffer yet, or an attention window that cuts
+        a slot (the calls attend causally to every slot, with no window)."""
         slots = cache.slot_buffers(start, end) if hasattr(cache, "slot_buffers") else None
         if slots is None or not self._use_fast():
             return None
@@ -206,9 +207,10 @@ class LlamaFamilyAdapter(Adapter):
         weight = self.model.model.embed_tokens.weight
         if self._rope_per_call:
             return slots, *self.block_extras(weight[:1, None], positions, last)["position_embeddings"]
-        # every row at slots first .. last: rows of the table, sliced (the positions' own values)
-        batch, first = positions.shape[0], slots[2]
-        cos, sin = self._rope_rows(weight[:1, None], last)
+        cos, sin = self._rope_rows(weight[:1, None], last)  # rows of the table: the positions' own values
+        if slots[4] is not None:  # rows at their own slots
+            return slots, cos[positions], sin[positions]
+        batch, first = positions.shape[0], slots[2]  # every row at slots first .. last: a slice
         return slots, cos[first:last + 1].expand(batch, -1, -1), sin[first:last + 1].expand(batch, -1, -1)
 
     def call_layer(self, layer, hidden, mask, cache, extras):

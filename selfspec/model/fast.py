@@ -471,7 +471,7 @@ class FastLlamaBlocks:
         writing its keys into `cache`; None, nothing computed, where that does not apply: the caller
         then runs the blocks one by one. Applies to a decoding pass the block kernels take (see
         `_block_kernels_for`) with a cache that lends its buffers (`KVCache.slot_buffers`: every layer
-        written before, every row at the same slots). The same calls as block by block, so the same
+        written before; rows at different slots need the mask). The same calls as block by block, so the same
         bits, without the Python between blocks (argument checks, the cache's `update`, the calls'
         arguments), which is a visible share of a small model's step (docs/performance.md)."""
         compiled = self._compiled()
@@ -482,25 +482,26 @@ class FastLlamaBlocks:
         slots = slot_buffers(start, end)
         if slots is None:
             return None
-        keys, values, first, kv_length = slots
+        keys, values, first, kv_length, row_starts = slots
         batch, length = hidden.shape[:2]
         if mask is not None:  # (B, 1, T, S) -> (B, T, S)
             mask = mask.expand(batch, 1, length, kv_length)[:, 0]
         cos, sin = cos.expand(batch, -1, -1).contiguous(), sin.expand(batch, -1, -1).contiguous()
         blocks, run = compiled
-        out = run(blocks[start:end], hidden, keys, values, first, kv_length, mask, cos, sin)
+        out = run(blocks[start:end], hidden, keys, values, first, kv_length, mask, cos, sin, row_starts)
         if out is not None:
             cache.written(start, end)
         return out
 
     def draft_loop(self, exit_layer: int, embedding: nn.Module, token: torch.Tensor, cache, slots: tuple,
-                   cos: torch.Tensor, sin: torch.Tensor, head: tuple, k: int, eta: float):
+                   cos: torch.Tensor, sin: torch.Tensor, mask_value: float, head: tuple, k: int, eta: float):
         """Greedy early-exit drafts in one compiled call (`kernels.draft_loop`): from `token` (B,) at
-        the cache's announced first slot, k steps of blocks [0, E) (the cache written), the final norm,
+        the cache's announced first slots, k steps of blocks [0, E) (the cache written), the final norm,
         the draft head and the argmax, ending early below η (`eta`; 0: never). slots: the cache's
-        `slot_buffers(0, exit_layer)` (every row at the same slots); cos, sin (B, k + 1, hd):
-        the rotary of the k + 1 slots; head: (weight (V', D), bias or None, ids (V',) of a trimmed head
-        or None, V). Returns (drafts (B, s), exit states (B, s + 1, D)), the cache holding the s + 1
+        `slot_buffers(0, exit_layer)`; cos, sin (B, k + 1, hd): the rotary of each row's k + 1 slots;
+        mask_value: what the engine's mask holds where a query may not look (rows at different slots
+        attend through a mask); head: (weight (V', D), bias or None, ids (V',) of a trimmed head or
+        None, V). Returns (drafts (B, s), exit states (B, s + 1, D)), the cache holding the s + 1
         inputs at layers [0, E); or None, nothing computed, where it does not apply (see `_round_call`).
         `embedding`: the model's token embedding."""
         weight, bias, ids, vocab = head
@@ -508,9 +509,9 @@ class FastLlamaBlocks:
         if call is None:
             return None
         made, blocks, embed, cos, sin = call
-        keys, values, first, _ = slots
+        keys, values, first, _, row_starts = slots
         out = made(blocks, embed, token, keys, values, first, cos, sin, self.head[0], self.head[1], weight,
-                   bias, ids, vocab, k, eta)
+                   bias, ids, vocab, k, eta, row_starts, mask_value)
         if not out:
             return None
         drafts, hidden = out
@@ -521,7 +522,8 @@ class FastLlamaBlocks:
                       tokens: torch.Tensor | None, cache, slots: tuple, cos: torch.Tensor, sin: torch.Tensor,
                       mask_value: float, drafts: torch.Tensor, allowed: torch.Tensor | None = None):
         """Greedy verification in one compiled call (`kernels.verify_greedy`): blocks [start, end) on T
-        positions at the cache's announced slots (the cache written), with causal attention over them,
+        positions at the cache's announced slots, each row's own (the cache written), with causal
+        attention over them,
         the final norm and LM head, the argmax and the accepted prefix of `drafts` (B, T - 1). The input:
         `hidden` (B, T, D), or `tokens` (B, T) embedded (start = 0). slots: the cache's
         `slot_buffers(start, end)`; cos, sin (B, T, hd). mask_value: what the engine's mask
@@ -534,9 +536,9 @@ class FastLlamaBlocks:
         if call is None:
             return None
         made, blocks, embed, cos, sin = call
-        keys, values, first, _ = slots
+        keys, values, first, _, row_starts = slots
         out = made(blocks, hidden, tokens, embed, keys, values, first, cos, sin, mask_value, self.head[0],
-                   self.head[1], self.head[2], self.head[3], drafts, allowed)
+                   self.head[1], self.head[2], self.head[3], drafts, allowed, row_starts)
         if not out:
             return None
         cache.written(start, end)

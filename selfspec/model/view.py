@@ -184,9 +184,10 @@ class DecoderView:
     def draft_loop(self, exit_layer: int, token: torch.Tensor, cache, positions: torch.Tensor, head: tuple,
                    k: int, eta: float = 0.0):
         """Greedy early-exit drafts in one compiled call, where the family has one (the Llama family on
-        selfspec's CPU kernels): from `token` (B,) at `positions[:, 0]` (announced to `cache`, every row
-        at the same slots), k steps of blocks [0, exit_layer) + final norm + draft head + argmax, each
-        draft the next step's input, ending early when no row's draft puts `eta` on its top token.
+        selfspec's CPU kernels): from `token` (B,) at `positions[:, 0]` (announced to `cache`; rows
+        may sit at different slots), k steps of blocks [0, exit_layer) + final norm + draft head +
+        argmax, each draft the next step's input, ending early when no row's draft puts `eta` on its
+        top token.
         positions (B, k + 1); head: (weight (V', D), bias or None, ids (V',) of a trimmed head or None,
         V). Returns (drafts (B, s), exit states (B, s + 1, D): every input that ran, the last draft
         included unless η stopped first), the cache holding those s + 1 positions at blocks

@@ -24,6 +24,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <memory>
@@ -521,10 +522,36 @@ struct Block {
   }
 };
 
+// Each row's first slot: row_starts (B,) int64 where rows sit at different slots, else `start` for all.
+// An empty vector where a row's T writes would not fit below kv_length.
+std::vector<int64_t> first_slots(int64_t batch, int64_t length, int64_t start, int64_t kv_length,
+                                 const c10::optional<torch::Tensor>& row_starts) {
+  std::vector<int64_t> firsts(batch, start);
+  if (row_starts.has_value()) {
+    TORCH_CHECK(row_starts->dim() == 1 && row_starts->size(0) == batch && row_starts->scalar_type() == torch::kLong &&
+                row_starts->device().is_cpu(), "row_starts (B,) int64 on the CPU");
+    const auto held = row_starts->contiguous();
+    std::copy(held.data_ptr<int64_t>(), held.data_ptr<int64_t>() + batch, firsts.begin());
+  }
+  for (const int64_t first : firsts)
+    if (first < 0 || first + length > kv_length) return {};
+  return firsts;
+}
+
+// Additive mask (B, T, S) of rows whose T queries sit at slots first_b .. first_b + T - 1: query t of
+// row b sees slots 0 .. first_b + t, `mask_value` beyond (as the engine's mask: its dtype's lowest).
+torch::Tensor causal_mask(const std::vector<int64_t>& firsts, int64_t length, int64_t slots, double mask_value) {
+  const auto options = torch::TensorOptions().dtype(torch::kLong);
+  const auto lasts = torch::tensor(firsts, options).unsqueeze(1) + torch::arange(length, options).unsqueeze(0);
+  return torch::zeros({static_cast<int64_t>(firsts.size()), length, slots}, torch::kFloat32)
+      .masked_fill_(torch::arange(slots, options).view({1, 1, slots}) > lasts.unsqueeze(2), mask_value);
+}
+
 // Blocks [first, last) of a decoding pass in one call: for each, `block_front`, the cache write, then
 // `block_back`. hidden (B, T, D); keys[i], values[i] the cache's buffers of block i (B, Hkv, capacity,
-// hd), the T new positions written at slots start .. start + T - 1 and slots 0 .. kv_length - 1
-// attended (with `mask` (B, T, kv_length), additive; none: every slot); cos, sin (B, T, hd).
+// hd), the T new positions written at slots start .. start + T - 1 (row b at row_starts[b] .. when
+// rows sit at different slots: then a mask is needed) and slots 0 .. kv_length - 1 attended (with
+// `mask` (B, T, kv_length), additive; none: every slot); cos, sin (B, T, hd).
 // The same calls as block by block, so the same bits; it saves the Python between blocks (checks,
 // the cache's update, argument passing: ~90-140 µs a block on SmolLM2). None, computing nothing, where a
 // block's tensors or a buffer do not fit the kernels (the caller then runs block by block).
@@ -532,13 +559,15 @@ c10::optional<torch::Tensor> blocks_pass(const std::vector<const Block*>& blocks
                                          const std::vector<torch::Tensor>& keys,
                                          const std::vector<torch::Tensor>& values, int64_t start,
                                          int64_t kv_length, const c10::optional<torch::Tensor>& mask,
-                                         const torch::Tensor& cos, const torch::Tensor& sin) {
+                                         const torch::Tensor& cos, const torch::Tensor& sin,
+                                         const c10::optional<torch::Tensor>& row_starts) {
   TORCH_CHECK(keys.size() == blocks.size() && values.size() == blocks.size(), "a key and a value buffer a block");
   TORCH_CHECK(hidden.dim() == 3, "hidden (B, T, D)");
   const auto dtype = hidden.scalar_type();
   const int64_t batch = hidden.size(0), length = hidden.size(1);
   if (!hidden.device().is_cpu() || (dtype != torch::kFloat32 && dtype != torch::kBFloat16)) return c10::nullopt;
-  if (start < 0 || start + length > kv_length) return c10::nullopt;
+  const auto firsts = first_slots(batch, length, start, kv_length, row_starts);
+  if (firsts.empty() || (row_starts.has_value() && !mask.has_value())) return c10::nullopt;
   for (size_t i = 0; i < blocks.size(); ++i) {
     const Block& b = *blocks[i];
     const torch::Tensor &k = keys[i], &v = values[i];
@@ -557,8 +586,15 @@ c10::optional<torch::Tensor> blocks_pass(const std::vector<const Block*>& blocks
     const Block& b = *blocks[i];
     const auto qkv = block_front(hidden, b.norm1, b.eps1, b.wq, b.bq, b.wk, b.bk, b.wv, b.bv, b.q_norm, b.q_eps,
                                  b.k_norm, b.k_eps, cos, sin, b.head_dim);
-    keys[i].narrow(2, start, length).copy_(qkv[1]);
-    values[i].narrow(2, start, length).copy_(qkv[2]);
+    if (row_starts.has_value()) {  // each row at its own slots
+      for (int64_t row = 0; row < batch; ++row) {
+        keys[i].select(0, row).narrow(1, firsts[row], length).copy_(qkv[1].select(0, row));
+        values[i].select(0, row).narrow(1, firsts[row], length).copy_(qkv[2].select(0, row));
+      }
+    } else {
+      keys[i].narrow(2, start, length).copy_(qkv[1]);
+      values[i].narrow(2, start, length).copy_(qkv[2]);
+    }
     hidden = block_back(hidden, qkv[0], keys[i].narrow(2, 0, kv_length), values[i].narrow(2, 0, kv_length),
                         additive, b.scale, b.wo, b.bo, b.norm2, b.eps2, b.w_gate, b.b_gate, b.w_up, b.b_up,
                         b.w_down, b.b_down);
@@ -588,8 +624,9 @@ torch::Tensor draft_logits(const torch::Tensor& h, const torch::Tensor& norm, do
 // for i < k, the draft head on its exit state (`draft_logits`) and the argmax (bf16 logits widened
 // first, as `sampling.greedy_tokens` does) give draft i + 1. With eta > 0, a step where no row's draft
 // puts eta on its top token (softmax in fp32, as the engine's `_unsure`) drafts nothing and ends the
-// loop. Every row sits at the same slots and sees every slot up to its own (no mask, no window).
-// embed (V, D): the embedding table; cos, sin (B, k + 1, hd): the rotary of slots start .. start + k.
+// loop. Every row sees every slot up to its own (no window): rows at the same slots with no mask, rows
+// at their own (`row_starts` (B,): row b's input i at slot row_starts[b] + i) through `causal_mask`.
+// embed (V, D): the embedding table; cos, sin (B, k + 1, hd): the rotary of each row's k + 1 slots.
 // Returns {drafts (B, s) int64, hidden (B, s + 1, D)}: s <= k drafts and the exit states of the s + 1
 // inputs that ran (the last draft included, the verification's first position, unless eta stopped the
 // loop before drafting it); an empty vector, nothing computed, where `blocks_pass` declines.
@@ -599,16 +636,28 @@ std::vector<torch::Tensor> draft_loop(const std::vector<const Block*>& blocks, c
                                       const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& norm,
                                       double eps, const torch::Tensor& head, const c10::optional<torch::Tensor>& bias,
                                       const c10::optional<torch::Tensor>& ids, int64_t vocab, int64_t k,
-                                      double eta) {
+                                      double eta, const c10::optional<torch::Tensor>& row_starts,
+                                      double mask_value) {
   TORCH_CHECK(token.dim() == 1 && token.scalar_type() == torch::kLong, "token (B,) int64");
   TORCH_CHECK(cos.dim() == 3 && cos.size(0) == token.size(0) && cos.size(1) >= k + 1 && sin.sizes() == cos.sizes(),
               "cos and sin (B, k + 1, hd)");
+  const int64_t batch = token.size(0);
+  auto firsts = first_slots(batch, 1, start, std::numeric_limits<int64_t>::max() / 2, row_starts);
+  TORCH_CHECK(!firsts.empty(), "row_starts >= 0");
+  const int64_t last_first = *std::max_element(firsts.begin(), firsts.end());
   std::vector<torch::Tensor> drafts, states;
   torch::Tensor input = token;
   for (int64_t i = 0; i <= k; ++i) {
     const auto hidden = embed.index_select(0, input).unsqueeze(1);  // (B, 1, D)
-    const auto out = blocks_pass(blocks, hidden, keys, values, start + i, start + i + 1, c10::nullopt,
-                                 cos.narrow(1, i, 1).contiguous(), sin.narrow(1, i, 1).contiguous());
+    c10::optional<torch::Tensor> mask, step_starts;
+    if (row_starts.has_value()) {  // (B, 1, S): each row up to its own slot
+      mask = causal_mask(firsts, 1, last_first + i + 1, mask_value);
+      step_starts = *row_starts + i;
+    }
+    const auto out = blocks_pass(blocks, hidden, keys, values, start + i,
+                                 (row_starts.has_value() ? last_first : start) + i + 1, mask,
+                                 cos.narrow(1, i, 1).contiguous(), sin.narrow(1, i, 1).contiguous(), step_starts);
+    for (auto& first : firsts) ++first;
     if (!out.has_value()) {
       TORCH_CHECK(i == 0, "blocks_pass declined after its first step");
       return {};
@@ -626,9 +675,9 @@ std::vector<torch::Tensor> draft_loop(const std::vector<const Block*>& blocks, c
 }
 
 // Greedy verification in one call: the target's pass over blocks [first, last) on T positions at slots
-// start .. start + T - 1 (every row at the same slots; query t sees slots 0 .. start + t: the additive
-// mask holds `mask_value` beyond, as the engine's mask holds its dtype's lowest value; one position
-// sees every slot, with no mask), the final norm and LM head (`draft_logits`), a grammar's masks
+// start .. start + T - 1 (row b at row_starts[b] .. where rows sit at different slots; query t sees
+// slots up to its own: `causal_mask`, whose `mask_value` beyond is the engine's mask's, its dtype's
+// lowest value; one position of aligned rows sees every slot, with no mask), the final norm and LM head (`draft_logits`), a grammar's masks
 // `allowed` (B, T, V) bool where given (as `grammar.apply_mask`: refused tokens at -inf, a row left
 // with nothing finite uniform over the allowed ones), the argmax (bf16 widened first) and the accepted
 // prefix: the leading run of drafts equal to the target's argmax, as
@@ -645,21 +694,20 @@ std::vector<torch::Tensor> verify_greedy(const std::vector<const Block*>& blocks
                                          const torch::Tensor& cos, const torch::Tensor& sin, double mask_value,
                                          const torch::Tensor& norm, double eps, const torch::Tensor& head,
                                          const c10::optional<torch::Tensor>& bias, const torch::Tensor& drafts,
-                                         const c10::optional<torch::Tensor>& allowed) {
+                                         const c10::optional<torch::Tensor>& allowed,
+                                         const c10::optional<torch::Tensor>& row_starts) {
   TORCH_CHECK(hidden.has_value() != tokens.has_value(), "hidden or tokens, one of them");
   const torch::Tensor input = hidden.has_value() ? *hidden : embed.index_select(0, tokens->reshape(-1))
                                                                  .view({tokens->size(0), tokens->size(1), -1});
   const int64_t batch = input.size(0), length = input.size(1);
   TORCH_CHECK(drafts.dim() == 2 && drafts.size(0) == batch && drafts.size(1) == length - 1, "drafts (B, T - 1)");
+  const auto firsts = first_slots(batch, length, start, std::numeric_limits<int64_t>::max() / 2, row_starts);
+  TORCH_CHECK(!firsts.empty(), "row_starts >= 0");
+  const int64_t kv_length = *std::max_element(firsts.begin(), firsts.end()) + length;
   c10::optional<torch::Tensor> mask;
-  if (length > 1) {
-    const auto slots = torch::arange(start + length, drafts.options());  // (S,)
-    const auto last = torch::arange(start, start + length, drafts.options()).unsqueeze(1);  // (T, 1)
-    mask = torch::zeros({length, start + length}, input.options().dtype(torch::kFloat32))
-               .masked_fill_(slots.unsqueeze(0) > last, mask_value)
-               .expand({batch, length, start + length});
-  }
-  const auto out = blocks_pass(blocks, input, keys, values, start, start + length, mask, cos, sin);
+  if (length > 1 || row_starts.has_value())  // one position of aligned rows sees every slot: no mask
+    mask = causal_mask(firsts, length, kv_length, mask_value);
+  const auto out = blocks_pass(blocks, input, keys, values, start, kv_length, mask, cos, sin, row_starts);
   if (!out.has_value()) return {};
   auto logits = draft_logits(out->reshape({batch * length, -1}), norm, eps, head, bias, c10::nullopt, 0);
   if (allowed.has_value()) {
