@@ -265,6 +265,34 @@ def test_sixteen_concurrent_clients_each_get_what_they_get_alone(live, generator
     assert live["app"].state.scheduler.largest_wave > 1
 
 
+def test_a_request_that_arrives_mid_decode_joins_the_running_batch(generator):
+    """Continuous batching: a job submitted while another decodes joins it at a round boundary (no wait
+    for the wave to end) and both get what they get alone; a job of another kind (sampled) waits for
+    the next wave, and no job behind it overtakes it."""
+    scheduler = Scheduler(generator, max_batch=4)
+    scheduler.start()
+    try:
+        prompts = {name: generator.chat_prompt([{"role": "user", "content": name}])
+                   for name in ("def first(x):", "def second(y):", "def third(z):")}
+        first = Job(prompts["def first(x):"], max_tokens=40)
+        scheduler.submit(first)
+        while not first.tokens:  # decoding
+            time.sleep(0.01)
+        second, third = Job(prompts["def second(y):"], max_tokens=6), Job(prompts["def third(z):"], 6,
+                                                                           temperature=0.8, seed=3)
+        scheduler.submit(second)
+        scheduler.submit(third)
+        deadline = time.time() + 120
+        while any(job.finish_reason is None for job in (first, second, third)) and time.time() < deadline:
+            time.sleep(0.01)
+        assert scheduler.joined == 1
+        assert second.finished < first.finished < third.first_token  # beside the first; the third after
+        for job in (first, second):
+            assert job.tokens == generator.generate([job.prompt], max_new_tokens=job.max_tokens).sequences[0]
+    finally:
+        scheduler.stop()
+
+
 def test_a_client_that_leaves_mid_stream_frees_its_row(live):
     scheduler = live["app"].state.scheduler
     before = scheduler.cancelled_rows

@@ -99,6 +99,26 @@ class KVCache:
         self.lengths[layer_idx] = self._ends
         return keys[:, :, :self._kv_length], values[:, :, :self._kv_length]
 
+    def add_rows(self, other: KVCache) -> None:
+        """Append the rows of `other` (a cache of the same layers, filled apart: rows joining a running
+        batch) after this cache's; both keep every slot, in the larger capacity of the two."""
+        if other.num_layers != self.num_layers:
+            raise ValueError(f"a cache of {other.num_layers} layers cannot join one of {self.num_layers}")
+        capacity = max(self.capacity, other.capacity)
+        for layer in range(self.num_layers):
+            for buffers, theirs in ((self.keys, other.keys), (self.values, other.values)):
+                mine, theirs = buffers[layer], theirs[layer]
+                if mine is None and theirs is None:
+                    continue
+                template = mine if mine is not None else theirs
+                buffers[layer] = torch.cat([_widened(mine, template, self.batch_size, capacity),
+                                            _widened(theirs, template, other.batch_size, capacity)])
+        self.lengths = np.concatenate([self.lengths, other.lengths], 1)
+        self._ends = np.concatenate([self._ends, other._ends])
+        self._starts = np.concatenate([self._starts, other._starts])
+        self.batch_size += other.batch_size
+        self.capacity = capacity
+
     def slot_buffers(self, start: int, end: int):
         """For a caller that writes layers [start, end) itself (`fast.FastLlamaBlocks.run_range`): their
         key and value buffers (B, H_kv, capacity, head_dim), the first slot of the announced writes,
@@ -161,3 +181,15 @@ class KVCache:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Longest row of a layer (Hugging Face's `Cache` method, for code that asks)."""
         return int(self.lengths[layer_idx].max())
+
+
+def _widened(buffer: torch.Tensor | None, template: torch.Tensor, rows: int, capacity: int) -> torch.Tensor:
+    """`buffer` (B, H, S, hd) with its slots extended to `capacity` (the new ones zero), or zeros shaped
+    like `template` for `rows` rows when the layer was never written (its slots are all stale)."""
+    _, heads, _, head_dim = template.shape
+    if buffer is not None and buffer.shape[2] == capacity:
+        return buffer
+    out = template.new_zeros((rows, heads, capacity, head_dim))
+    if buffer is not None:
+        out[:, :, :buffer.shape[2]] = buffer
+    return out

@@ -161,19 +161,31 @@ class GrammarBatch:
     """
 
     def __init__(self, tokenizer: GrammarTokenizer, constraints: list[Constraint | None]):
+        self.tokenizer = tokenizer
         self.vocab_size, self.eos = tokenizer.vocab_size, tokenizer.eos
         self.words = (tokenizer.vocab_size + 31) // 32  # int32 words of one bitmask
-        compiled = {}  # one compiled matcher per distinct constraint; rows get copies (cheap)
-        for c in constraints:
-            if c is not None and c not in compiled:
-                compiled[c] = tokenizer.matcher(c)
-        self.matchers = [None if c is None else compiled[c].deep_copy() for c in constraints]
+        self.compiled = {}  # one compiled matcher per distinct constraint; rows get copies (cheap)
+        self.matchers: list = []
         self.drafting: list | None = None  # this round's drafting copies, made on first use
-        self.complete = [c is None for c in constraints]  # per caller row: the output is accepted
-        self.rows = np.arange(len(constraints))  # caller row of each slot
-        self.dead = np.zeros(len(constraints), dtype=bool)
+        self.complete: list[bool] = []  # per caller row: the output is accepted
+        self.rows = np.zeros(0, dtype=np.int64)  # caller row of each slot
+        self.dead = np.zeros(0, dtype=bool)
         self.executor = _llguidance().LLExecutor()
         self.seconds = 0.0
+        self.add(constraints)
+
+    def add(self, constraints: list[Constraint | None]) -> None:
+        """Rows joining the batch (`generate(admit=...)`), after the others: their caller rows follow the
+        last one's."""
+        for c in constraints:
+            if c is not None and c not in self.compiled:
+                self.compiled[c] = self.tokenizer.matcher(c)
+        first = len(self.complete)
+        self.matchers += [None if c is None else self.compiled[c].deep_copy() for c in constraints]
+        self.complete += [c is None for c in constraints]
+        self.rows = np.concatenate([self.rows, np.arange(first, first + len(constraints))])
+        self.dead = np.concatenate([self.dead, np.zeros(len(constraints), dtype=bool)])
+        self.drafting = None
 
     def _drafting(self) -> list:
         """The matchers the round's drafts go to: copies of the committed ones."""

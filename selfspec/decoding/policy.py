@@ -88,6 +88,9 @@ class DraftPolicy:
     def start(self, prompts: list[list[int]]) -> None:
         """A new `generate` call with these prompts (row i = prompts[i])."""
 
+    def add(self, prompts: list[list[int]]) -> None:
+        """More rows join the call (`generate(admit=...)`): their ids follow the rows so far, in order."""
+
     def plan(self, rows: np.ndarray) -> DraftPlan:
         """The draft of the next round for the running rows `rows` (caller row indices, batch order)."""
         raise NotImplementedError
@@ -141,6 +144,9 @@ class CopyPolicy(DraftPolicy):
 
     def start(self, prompts):
         self.indexes = [NGramIndex(p, self.ngram) for p in prompts]
+
+    def add(self, prompts):
+        self.indexes += [NGramIndex(p, self.ngram) for p in prompts]
 
     def observe(self, rows, tokens, emit):
         for slot, row in enumerate(rows):

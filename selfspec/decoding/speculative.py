@@ -44,7 +44,7 @@ from . import sampling
 from .cache import KVCache
 from .controller import Controller
 from .draft_head import DraftHead, frequent_tokens
-from .grammar import GrammarBatch, GrammarTokenizer, apply_mask, constraints_for_rows
+from .grammar import Constraint, GrammarBatch, GrammarTokenizer, apply_mask, constraints_for_rows
 from .ngram import NGramConfig
 from .policy import DraftPlan, DraftPolicy, Segment
 from .profile import RoundProfile, no_lap
@@ -160,6 +160,18 @@ class GenerationOutput:
     # per row under a grammar: whether the output is complete (it parses); False for a row that
     # max_new_tokens cut first, True for an unconstrained row. None when no row was constrained.
     complete: list | None = None
+
+
+@dataclass(frozen=True)
+class NewRow:
+    """A prompt that joins a running `generate` call at a round boundary (`generate(admit=...)`): its
+    token ids, its own token limit, its seed (None: 0 for greedy rows) and its output constraint (a
+    `grammar.Constraint`, only in a call that has a grammar)."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    seed: int | None = None
+    constraint: Constraint | None = None
 
 
 @dataclass
@@ -634,7 +646,7 @@ class SelfSpecGenerator:
                  top_k: int = 0, top_p: float = 1.0, num_speculations=None, drafter=None,
                  eos_token_id=None, stop_strings=None, seed=None, streamer=None,
                  settings: DecodeSettings | None = None, json_schema=None, regex=None,
-                 grammar=None, profile: bool = False, on_tokens=None) -> GenerationOutput:
+                 grammar=None, profile: bool = False, on_tokens=None, admit=None) -> GenerationOutput:
         """Generate up to `max_new_tokens` tokens per prompt; the result is exactly the full model's.
 
         input_ids: a list of token lists (any lengths), one token list, a (B, T) tensor with an
@@ -671,6 +683,12 @@ class SelfSpecGenerator:
             bool array of rows to end now (a server's cancelled request, a limit the caller keeps
             per row); their tokens so far stay in the output. Every row streams live, unlike
             `streamer`.
+        admit: continuous batching: called before every round with no argument, it returns the
+            `NewRow`s that join the batch now (an empty list: none). They are prefilled apart and
+            decode with the others from this round on, with their own `max_new_tokens`; their caller
+            rows follow the prompts' (and the rows joined before them). Their tokens reach
+            `on_tokens` and the output. A row's tokens do not depend on when it joined (greedy; a
+            sampled row draws from its own seed). The call ends when no row runs and none joins.
         """
         wall = time.perf_counter()
         prompts = self._prompts(input_ids, attention_mask)
@@ -699,10 +717,10 @@ class SelfSpecGenerator:
                                     None if constraints is None else [c is None for c in constraints])
         prompt_lengths = np.array([len(p) for p in prompts], dtype=np.int64)
         limit = self.view.max_positions
-        if limit is not None and prompt_lengths.max() + max_new_tokens > limit:
-            raise UserError(f"a prompt of {prompt_lengths.max()} tokens plus "
-                            f"max_new_tokens = {max_new_tokens} exceeds the model's {limit} positions; "
-                            f"shorten the prompt or lower max_new_tokens")
+        self._check_positions(int(prompt_lengths.max()), max_new_tokens)
+        if admit is not None and stream is not None:
+            raise UserError("admit and streamer do not go together: follow joined rows with on_tokens")
+        limits = np.full(len(prompts), max_new_tokens, dtype=np.int64)  # per caller row
         clock = _Clock(self.view.device)
 
         grammars = None if constraints is None else GrammarBatch(self.grammar_tokenizer(), constraints)
@@ -715,7 +733,18 @@ class SelfSpecGenerator:
         if laps is not None:
             b.lap = laps.lap
         with fixed_width(self.fixed_width):  # a low-precision model: every pass at one width
-            while b.rows.size:  # finished rows leave the batch
+            while True:  # finished rows leave the batch, admitted ones join it
+                if admit is not None and (joining := admit()):
+                    b.lap("other")
+                    joined = self._join(b, joining, len(counts), policy, settings, k_max)
+                    prompt_lengths = np.concatenate([prompt_lengths, [len(r.prompt) for r in joining]])
+                    limits = np.concatenate([limits, [r.max_new_tokens for r in joining]])
+                    counts = np.concatenate([counts, np.zeros(joined, dtype=np.int64)])
+                    width = max(generated.shape[1], int(limits.max()))
+                    generated = np.pad(generated, ((0, joined), (0, width - generated.shape[1])))
+                    b.lap("other")
+                if not b.rows.size:
+                    break
                 plan = policy.plan(b.rows)
                 cap = k_max
                 if limit is not None:  # no draft beyond the last position the model has (GPT-2's table)
@@ -738,7 +767,7 @@ class SelfSpecGenerator:
                 b.lap("policy")
 
                 rows = b.rows
-                emit, finished = self._emit_counts(tokens, accepted, counts[rows], max_new_tokens, eos)
+                emit, finished = self._emit_counts(tokens, accepted, counts[rows], limits[rows], eos)
                 if b.grammar is not None:  # the matchers take what their rows emitted
                     b.lap("other")
                     emit, finished = b.grammar.commit(tokens, emit, finished)
@@ -770,7 +799,7 @@ class SelfSpecGenerator:
         stats.generated_tokens = int(counts.sum())
         stats.total_time = time.perf_counter() - wall
         stats.profile = None if laps is None else laps.seconds
-        sequences = [generated[row, :counts[row]].tolist() for row in range(len(prompts))]
+        sequences = [generated[row, :counts[row]].tolist() for row in range(len(counts))]
         texts = [self.tokenizer.decode(s) for s in sequences] if self.tokenizer is not None else None
         if grammars is None:
             return GenerationOutput(sequences, stats, texts)
@@ -813,6 +842,45 @@ class SelfSpecGenerator:
             self._grammar_tokenizer = GrammarTokenizer(self.tokenizer, self.view.vocab_size,
                                                        self._eos_ids(None).tolist())
         return self._grammar_tokenizer
+
+    def _check_positions(self, prompt_length: int, max_new_tokens: int) -> None:
+        limit = self.view.max_positions
+        if limit is not None and prompt_length + max_new_tokens > limit:
+            raise UserError(f"a prompt of {prompt_length} tokens plus "
+                            f"max_new_tokens = {max_new_tokens} exceeds the model's {limit} positions; "
+                            f"shorten the prompt or lower max_new_tokens")
+
+    def _join(self, b: _Batch, joining: list[NewRow], first: int, policy: DraftPolicy,
+              settings: DecodeSettings, k_max: int) -> int:
+        """Rows joining the running batch `b` (continuous batching) as caller rows first, first + 1, ...:
+        prefilled in a cache of their own (`_start`), then appended to `b`'s rows, cache (grown to the
+        capacity they need) and grammars. Returns how many joined."""
+        for row in joining:
+            if not row.prompt or row.max_new_tokens < 1:
+                raise UserError("a joining row needs a prompt and max_new_tokens >= 1")
+            self._check_positions(len(row.prompt), row.max_new_tokens)
+        constraints = [row.constraint for row in joining]
+        if b.grammar is None and any(c is not None for c in constraints):
+            raise UserError("a row with an output constraint can only join a call that has a grammar")
+        prompts = [list(row.prompt) for row in joining]
+        greedy = b.sampling.greedy
+        seeds = [(0 if greedy else int(torch.randint(0, 2**31 - 1, ()))) if row.seed is None else row.seed
+                 for row in joining]
+        capacity = max(b.cache.capacity, max(len(p) + r.max_new_tokens for p, r in zip(prompts, joining))
+                       + k_max + 1)
+        new = self._start(prompts, b.sampling, seeds, settings, capacity)
+        policy.add(prompts)
+        if b.grammar is not None:
+            b.grammar.add(constraints)
+        b.cache.add_rows(new.cache)
+        b.rows = np.concatenate([b.rows, first + np.arange(len(joining))])
+        b.lengths = np.concatenate([b.lengths, new.lengths])
+        b.pending_host = np.concatenate([b.pending_host, new.pending_host])
+        b.seeds_host = np.concatenate([b.seeds_host, new.seeds_host])
+        if b.steps.numel() < b.cache.capacity:
+            b.steps = torch.arange(b.cache.capacity, device=b.steps.device)
+        b.upload(b.steps.device)
+        return len(joining)
 
     def _start(self, prompts, sampling, seed, settings: DecodeSettings, capacity: int,
                grammars: GrammarBatch | None = None, forced: bool = False) -> _Batch:

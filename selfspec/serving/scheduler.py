@@ -1,13 +1,16 @@
-"""One decode loop for every request: jobs wait in a bounded queue and decode together in waves.
+"""One decode loop for every request: jobs wait in a bounded queue and decode together, joining the
+batch at round boundaries (continuous batching).
 
-A wave is a batch of waiting jobs with the same sampling parameters (temperature, top-k, top-p: the
-engine samples a batch with one setting), as many as `max_batch`, whose prompts and token limits fit
-the model's positions together. The engine decodes a wave as one batch: rows accept different
-numbers of drafts each round, and a row's tokens do not depend on the other rows (greedy; sampled
-rows each draw from their own seed). After every round (`generate(on_tokens=...)`) each job takes
-its row's new tokens, streams the text it can already show, and ends its row when it is done: its
-own `max_tokens`, a stop string, or a client that went away. Jobs that arrive during a wave wait for
-the next one.
+A wave is one `generate` call: it starts with the waiting jobs that can decode together (the same
+sampling parameters, temperature, top-k, top-p, since the engine samples a batch with one setting; all
+under a JSON schema or none), as many as `max_batch`, whose prompts and token limits fit the model's
+positions together. Before every round (`generate(admit=...)`) jobs that arrived since and fit the
+wave join it, prefilled apart, up to `max_batch` running rows. Rows accept different numbers of drafts
+each round, and a row's tokens do not depend on the other rows nor on when it joined (greedy; sampled
+rows each draw from their own seed). After every round (`generate(on_tokens=...)`) each job takes its
+row's new tokens, streams the text it can already show, and ends its row when it is done: its own
+`max_tokens`, a stop string, or a client that went away. The wave ends when no row runs and no job
+can join; the next waiting job starts the next.
 
 Jobs are created and awaited on the server's event loop; the loop runs on its own thread and hands
 each job its events through `loop.call_soon_threadsafe`.
@@ -24,6 +27,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from ..decoding import Constraint, NewRow
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +65,20 @@ class Job:
 
     @property
     def sampling(self) -> tuple:
-        """The wave key: jobs decode together only with the same sampling parameters."""
+        """The sampling parameters as the engine takes them (greedy: one setting)."""
         return (0.0, 0, 1.0) if self.temperature == 0 else (self.temperature, self.top_k, self.top_p)
+
+    @property
+    def kind(self) -> tuple:
+        """The wave key: jobs decode together only with the same sampling parameters, and all under a
+        schema or none (a grammar changes how the whole batch drafts)."""
+        return self.sampling, self.schema is not None
+
+    def row(self) -> NewRow:
+        """This job as a row joining a running `generate` call."""
+        seed = self.seed if self.seed is not None else secrets.randbits(31)
+        return NewRow(self.prompt, self.max_tokens, seed,
+                      None if self.schema is None else Constraint.of(json_schema=self.schema))
 
     def _send(self, *event) -> None:
         if self.loop is not None:
@@ -142,6 +159,7 @@ class Scheduler:
         self.largest_wave = 0
         self.active: list[Job] = []  # the wave being decoded
         self.cancelled_rows = 0  # rows whose client went away (or shutdown ended them)
+        self.joined = 0  # jobs that joined a wave already decoding
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self._loop, name="selfspec-decode", daemon=True)
@@ -186,7 +204,7 @@ class Scheduler:
             for job in list(self.queue):
                 fits = self.limit is None or (max(len(j.prompt) for j in [*wave, job])
                                               + max(j.max_tokens for j in [*wave, job]) <= self.limit)
-                joins = len(wave) < self.max_batch and job.sampling == first.sampling and fits
+                joins = len(wave) < self.max_batch and job.kind == first.kind and fits
                 if joins and not job.cancelled:
                     wave.append(job)
                     self.queue.remove(job)
@@ -211,12 +229,33 @@ class Scheduler:
                                             self.eos, self.decode)
                              for slot, row in enumerate(rows)])
 
+        def admit() -> list[NewRow]:
+            """The waiting jobs that join the wave now, oldest first, while fewer than max_batch rows run:
+            up to the first of another kind (it starts the next wave: nothing overtakes it for long)."""
+            running = sum(job.finish_reason is None for job in wave)
+            joining = []
+            with self.ready:
+                for job in list(self.queue):
+                    if job.cancelled:
+                        self.queue.remove(job)
+                        continue
+                    if (running + len(joining) >= self.max_batch or self.closing or job.kind != wave[0].kind
+                            or (self.limit is not None and len(job.prompt) + job.max_tokens > self.limit)):
+                        break
+                    self.queue.remove(job)
+                    joining.append(job)
+            wave.extend(joining)  # caller rows follow the wave's: on_tokens finds them by index
+            self.joined += len(joining)
+            self.largest_wave = max(self.largest_wave, running + len(joining))
+            return [job.row() for job in joining]
+
         try:
             out = self.generator.generate(
                 [job.prompt for job in wave], max_new_tokens=max(job.max_tokens for job in wave),
                 temperature=temperature, top_k=top_k, top_p=top_p,
                 seed=[job.seed if job.seed is not None else secrets.randbits(31) for job in wave],
-                json_schema=schemas if any(s is not None for s in schemas) else None, on_tokens=on_tokens)
+                json_schema=schemas if any(s is not None for s in schemas) else None, on_tokens=on_tokens,
+                admit=admit)
         except Exception as exc:  # noqa: BLE001 - the wave's clients get a 500, the loop goes on
             logger.exception("a wave of %d requests failed", len(wave))
             for job in wave:

@@ -1,0 +1,149 @@
+"""Continuous batching (`generate(admit=...)`): rows that join a running call at a round boundary
+decode exactly what they decode alone, and the rows already running are not disturbed, for every
+drafter, rows at any positions, a cache that must grow, a batch that emptied before they came, and
+rows under a grammar."""
+
+import numpy as np
+import pytest
+import torch
+from helpers import FAMILIES, low_alpha_model, reference_greedy
+
+from selfspec.decoding import DecodeSettings, NewRow, SelfSpecGenerator
+from selfspec.errors import UserError
+
+NEW = 12
+FIRST = [[5, 17, 33, 2, 71, 8], [40, 3]]
+LATER = {2: [NewRow([11, 12, 13, 14, 15, 16, 17, 18, 19], NEW)],  # before round 2: a longer prompt
+         5: [NewRow([7, 7], 3), NewRow([60, 61, 62, 1, 2, 3, 4], 2 * NEW)]}  # its limit grows the cache
+SETTINGS = {"plain": DecodeSettings(num_speculations=0),
+            "early_exit": DecodeSettings(exit_layer=2, num_speculations=3),
+            "ngram": DecodeSettings(drafter="ngram"),
+            "hybrid": DecodeSettings(drafter="hybrid", exit_layer=1, num_speculations=2)}
+
+
+def _admit(schedule: dict):
+    """An `admit` that hands over schedule[r] before round r (0-based), and counts its calls."""
+    calls = []
+
+    def admit():
+        calls.append(len(calls))
+        return schedule.get(len(calls) - 1, [])
+    return admit, calls
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rows_joining_at_round_boundaries_decode_what_they_decode_alone(family):
+    model = low_alpha_model(family)
+    generator = SelfSpecGenerator(model, exit_layer=2)  # checks every row's cache after every round
+    later = [row for rows in LATER.values() for row in rows]
+    expected = ([reference_greedy(model, p, NEW) for p in FIRST]
+                + [reference_greedy(model, r.prompt, r.max_new_tokens) for r in later])
+    for name, settings in SETTINGS.items():
+        admit, calls = _admit(LATER)
+        seen = {}
+
+        def on_tokens(rows, tokens, emit, finished, seen=seen):
+            for slot, row in enumerate(rows):
+                seen.setdefault(int(row), []).extend(tokens[slot, :emit[slot]].tolist())
+
+        out = generator.generate(FIRST, max_new_tokens=NEW, eos_token_id=[], settings=settings, admit=admit,
+                                 on_tokens=on_tokens)
+        assert out.sequences == expected, (family, name)
+        assert [seen[row] for row in range(len(expected))] == expected  # streamed under their own rows
+        assert len(calls) > max(LATER)
+
+
+def test_a_row_may_join_after_every_other_row_finished():
+    """admit is asked once more after the last row ends: a row given then decodes; the call ends when
+    none comes."""
+    model = low_alpha_model("llama")
+    generator = SelfSpecGenerator(model, exit_layer=2)
+    late = NewRow([9, 8, 7, 6], NEW)
+    first = reference_greedy(model, FIRST[0], 2)  # 2 rounds at k = 0: admit asked before rounds 0, 1, 2
+    admit, calls = _admit({2: [late]})
+    out = generator.generate([FIRST[0]], max_new_tokens=2, eos_token_id=[], num_speculations=0, admit=admit)
+    assert out.sequences == [first, reference_greedy(model, late.prompt, NEW)]
+    admit, calls = _admit({3: [late]})
+    out = generator.generate([FIRST[0]], max_new_tokens=2, eos_token_id=[], num_speculations=0, admit=admit)
+    assert out.sequences == [first] and len(calls) == 3
+
+
+def test_a_seeded_sampled_row_draws_the_same_tokens_whenever_it_joins():
+    model = low_alpha_model("qwen2")
+    generator = SelfSpecGenerator(model, exit_layer=2)
+    row = NewRow([3, 1, 4, 1, 5], NEW, seed=1234)
+    alone = generator.generate([row.prompt], max_new_tokens=NEW, temperature=0.9, seed=[1234],
+                               eos_token_id=[], num_speculations=2)
+    for start in (0, 1, 4):
+        admit, _ = _admit({start: [row]})
+        out = generator.generate(FIRST, max_new_tokens=NEW, temperature=0.9, seed=[7, 8], eos_token_id=[],
+                                 num_speculations=2, admit=admit)
+        assert out.sequences[2] == alone.sequences[0], start
+
+
+def test_rows_under_a_grammar_join_a_constrained_call_and_bad_rows_are_refused():
+    from test_decoding_grammar import PERSON, constrained_reference, make_model, prompt_ids
+
+    from selfspec.data import train_tokenizer
+    from selfspec.decoding.grammar import Constraint
+
+    pytest.importorskip("llguidance")
+    tokenizer = _json_tokenizer(train_tokenizer)
+    model = make_model("llama", tokenizer)
+    generator = SelfSpecGenerator(model, tokenizer, exit_layer=2)
+    prompt = prompt_ids(tokenizer)
+    constraint = Constraint.of(json_schema=PERSON)
+    expected, _ = constrained_reference(model, tokenizer, prompt, constraint, 40)
+    admit, _ = _admit({2: [NewRow(prompt, 40, constraint=constraint), NewRow(prompt[:5], 6)]})
+    out = generator.generate([prompt], max_new_tokens=40, json_schema=PERSON, num_speculations=3,
+                             eos_token_id=[], admit=admit)
+    assert out.sequences[0] == out.sequences[1] == expected
+    assert out.complete[:2] == [True, True] and out.complete[2] is True  # the free row: no grammar to finish
+    free = generator.generate([prompt[:5]], max_new_tokens=6, eos_token_id=[], num_speculations=3)
+    assert out.sequences[2] == free.sequences[0]
+
+    admit, _ = _admit({0: [NewRow(prompt, 5, constraint=constraint)]})
+    with pytest.raises(UserError, match="only join a call that has a grammar"):
+        generator.generate([prompt], max_new_tokens=5, admit=admit)
+    for bad in (NewRow([], 5), NewRow(prompt, 0)):
+        admit, _ = _admit({1: [bad]})
+        with pytest.raises(UserError, match="needs a prompt and max_new_tokens"):
+            generator.generate([prompt], max_new_tokens=5, admit=admit)
+    with pytest.raises(UserError, match="admit and streamer"):
+        generator.generate([prompt], max_new_tokens=5, admit=lambda: [], streamer=_NoStreamer())
+
+
+class _NoStreamer:
+    def put(self, value):
+        pass
+
+    def end(self):
+        pass
+
+
+def _json_tokenizer(train_tokenizer):
+    """The byte-level tokenizer the grammar tests train (stdlib code and JSON)."""
+    import sysconfig
+    import tempfile
+    from pathlib import Path
+
+    from test_decoding_grammar import _json_examples
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    texts = [(root / name).read_text()[:20000] for name in ("json/encoder.py", "textwrap.py")]
+    return train_tokenizer(texts + _json_examples(), Path(tempfile.mkdtemp()), vocab_size=400)
+
+
+def test_the_cache_grows_its_slots_for_rows_that_need_more():
+    from selfspec.decoding import KVCache
+
+    small, large = KVCache(2, 2, 8), KVCache(2, 1, 20)
+    for cache, rows, fill in ((small, 2, 1.0), (large, 1, 2.0)):
+        cache.set_positions(torch.arange(3).expand(rows, 3), [0] * rows)
+        cache.update(torch.full((rows, 1, 3, 4), fill), torch.full((rows, 1, 3, 4), -fill), 0)
+        cache.written(1, 2)  # layer 1 claims the positions without buffers: never written
+    small.add_rows(large)
+    assert small.capacity == 20 and small.batch_size == 3 and small.keys[0].shape == (3, 1, 20, 4)
+    assert small.keys[0][:2, :, :3].eq(1).all() and small.keys[0][2, :, :3].eq(2).all()
+    assert small.keys[0][:, :, 3:].eq(0).all() and small.keys[1] is None
+    assert np.array_equal(small.lengths[0], [3, 3, 3])
