@@ -395,8 +395,10 @@ def _setup(cfg: RunConfig, output_dir: Path) -> _Run:
         optimizer, num_warmup_steps=cfg.optim.warmup_steps * scale,
         num_training_steps=cfg.optim.max_steps * scale, min_lr_rate=cfg.optim.min_lr_ratio)
     objective, optimizer, loader, scheduler = accelerator.prepare(objective, optimizer, loader, scheduler)
-    if objective_inner(objective).layer_dropout is not None:
-        accelerator.register_for_checkpointing(objective_inner(objective).layer_dropout)
+    dropout = objective_inner(objective).layer_dropout
+    if dropout is not None:
+        dropout.synchronize()  # rank 0's draws on every rank, whatever seed a machine was given
+        accelerator.register_for_checkpointing(dropout)
     accelerator.init_trackers("selfspec", config=_flat(to_dict(cfg)))
     batches_per_epoch = len(loader)
     if batches_per_epoch == 0:
