@@ -144,7 +144,8 @@ def _save_model(objective, model, args, cfg, rank: int) -> None:
     if not args.plain:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        full = get_model_state_dict(objective, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        full = get_model_state_dict(objective, options=options)
         state_dict = {k.removeprefix("model."): v for k, v in full.items() if k.startswith("model.")}
     if rank == 0:
         save_tuned(args.out / "model", model, load_tokenizer(args.model), state_dict=state_dict,

@@ -32,8 +32,8 @@ def _run(cmd: list[str]) -> None:
 
 
 def _torchrun(*args) -> None:
-    _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-          "--master_port", str(free_port()), str(WORKER), *map(str, args)])
+    _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+          "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(WORKER), *map(str, args)])
 
 
 @pytest.mark.slow
@@ -60,7 +60,8 @@ def test_two_fsdp_processes_equal_one_plain_process_and_resume_bit_for_bit(tiny_
         assert json.loads((sharded / f"blocks-{rank}.json").read_text()) == ran, rank
     assert any(len(blocks) < 4 for blocks in ran.values()), ran
 
-    reference, start = load_file(plain / "model" / "model.safetensors"), load_file(model / "model.safetensors")
+    reference = load_file(plain / "model" / "model.safetensors")
+    start = load_file(model / "model.safetensors")
     assert max(float((reference[n] - start[n]).abs().max()) for n in reference) > 100 * 1e-5  # it trained
     full = load_file(sharded / "model" / "model.safetensors")  # gathered from the shards: every tensor
     assert set(full) == set(reference)
