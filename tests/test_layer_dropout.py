@@ -160,6 +160,41 @@ def test_state_dict_round_trip_reproduces_future_samples(per_sample):
         assert torch.equal(resumed.sample(t, 4), expected)
 
 
+
+def _draws_after_synchronize(rank: int, world: int, store: str, out: str) -> None:
+    """One gloo process: a rank-specific seed, `synchronize`, then 30 per-batch draws and 30 without."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        synced = LayerDropout(8, 0.5, depth="uniform", per_sample=False, seed=100 + rank)
+        alone = LayerDropout(8, 0.5, depth="uniform", per_sample=False, seed=100 + rank)
+        synced.synchronize()
+        torch.save({"synced": torch.stack([synced.sample(t, 2 + rank)[:, 0] for t in range(30)]),
+                    "alone": torch.stack([alone.sample(t, 2)[:, 0] for t in range(30)]),
+                    "seed": synced.seed}, f"{out}-{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_rank_given_another_seed_skips_rank_0s_blocks_after_synchronize(tmp_path):
+    """Two real gloo processes seeded 100 and 101 (other batch sizes too): after `synchronize` both
+    skip the same blocks at every step, rank 0's; without it they would not (so the test can fail)."""
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "draws")
+    mp.spawn(_draws_after_synchronize, args=(2, str(tmp_path / "store"), out), nprocs=2, join=True)
+    zero, one = torch.load(f"{out}-0.pt"), torch.load(f"{out}-1.pt")
+    assert zero["seed"] == one["seed"] == 100
+    assert torch.equal(zero["synced"], one["synced"]) and torch.equal(zero["synced"], zero["alone"])
+    assert not torch.equal(zero["alone"], one["alone"])
+
+
+def test_synchronize_without_a_process_group_keeps_the_draws():
+    ld, ref = LayerDropout(6, 0.5, seed=5), LayerDropout(6, 0.5, seed=5)
+    ld.synchronize()
+    assert all(torch.equal(ld.sample(t, 3), ref.sample(t, 3)) for t in range(10))
+
 def test_eval_drops_nothing_and_does_not_advance_generator():
     ld = LayerDropout(5, 0.9, depth="uniform", seed=4)
     ref = LayerDropout(5, 0.9, depth="uniform", seed=4)

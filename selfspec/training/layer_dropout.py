@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..config import DepthCurve, StepSchedule, check_choice
 from ..errors import UserError
@@ -143,7 +144,8 @@ class LayerDropout:
 
     Multi-process training: the per-batch decisions depend only on ``seed`` and on how many times
     :meth:`sample` has been called with ``training=True``, never on the rank, so every rank skips
-    the same blocks and FSDP/DDP collectives stay matched. Every rank must therefore call
+    the same blocks and FSDP/DDP collectives stay matched; :meth:`synchronize` makes every rank start
+    from rank 0's seed and generator state, so even a rank given another seed agrees. Every rank must call
     :meth:`sample` the same number of times (once per micro-batch). A per-batch draw consumes N
     numbers whatever the batch size, so an uneven last batch cannot desynchronise the ranks. In
     per-sample mode rows on different ranks share the same stream; pass ``seed + rank`` there if
@@ -202,6 +204,21 @@ class LayerDropout:
             return uniform < probs[:, None]
         uniform = torch.rand(self.num_layers, generator=self.generator)  # (N,)
         return (uniform < probs)[:, None].expand(self.num_layers, batch_size).clone()  # (N, B)
+
+    def synchronize(self) -> None:
+        """Adopt rank 0's seed and generator state (one broadcast; nothing without torch.distributed).
+
+        After this the per-batch draws are equal on every rank by construction, whatever seed each
+        process was given: a machine launched with other overrides (a multi-node run starts one
+        command per machine) cannot make FSDP wait for a block that another rank skipped. The
+        training loop calls it once, after `prepare` (and a resume, whose state comes from rank 0's
+        file anyway).
+        """
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return
+        payload = [self.state_dict()]
+        dist.broadcast_object_list(payload, src=0)
+        self.load_state_dict(payload[0])
 
     def state_dict(self) -> dict[str, Any]:
         """Return the generator state (and seed), so that a resumed run draws the same future samples."""

@@ -42,6 +42,7 @@ from ..model.exit_adapter import new_exit_adapter
 from ..model.loading import build_llama, load_causal_lm, load_tokenizer
 from .early_exit import TrimmedVocab
 from .features import exit_features
+from .launch import check_launch, check_wrap_classes
 from .layer_dropout import LayerDropout
 from .objective import SelfSpecObjective
 
@@ -314,6 +315,7 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True, kind: str
 
 def _setup(cfg: RunConfig, output_dir: Path) -> _Run:
     """Accelerator, data, model, objective, optimizer and schedule, prepared for this run."""
+    check_launch(has_accelerator(), torch.cuda.device_count())
     plugin_kwargs = []
     if cfg.layer_dropout.p_max > 0 and not cfg.layer_dropout.per_sample:
         # A block skipped for the whole batch leaves its parameters without gradient on that step;
@@ -326,6 +328,9 @@ def _setup(cfg: RunConfig, output_dir: Path) -> _Run:
         log_with=_trackers(cfg, output_dir), project_dir=str(output_dir), kwargs_handlers=plugin_kwargs,
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed))
     set_seed(cfg.seed)
+    deepspeed = accelerator.state.deepspeed_plugin
+    if deepspeed is not None:  # the recipe's clipping, not accelerate's fixed 1.0 for a config's "auto"
+        deepspeed.deepspeed_config["gradient_clipping"] = cfg.optim.grad_clip
     if accelerator.device.type == "cpu":
         _set_cpu_threads(cfg.cpu_threads, int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes)))
         if accelerator.mixed_precision == "bf16" and has_bf16_units() is False:
@@ -363,6 +368,7 @@ def _setup(cfg: RunConfig, output_dir: Path) -> _Run:
     # Token frequencies of the training data: the ranking of a trimmed exit loss and draft head.
     token_counts = data_lib.count_tokens(train_blocks, view.lm_head.weight.shape[0])
     objective = build_objective(model, cfg, num_layers, exit_layer, token_counts)
+    check_wrap_classes(model)
     feature_seconds = 0.0
     if cfg.trainable == "adapter" and cfg.cache_features:
         feature_start = time.perf_counter()
@@ -395,8 +401,10 @@ def _setup(cfg: RunConfig, output_dir: Path) -> _Run:
         optimizer, num_warmup_steps=cfg.optim.warmup_steps * scale,
         num_training_steps=cfg.optim.max_steps * scale, min_lr_rate=cfg.optim.min_lr_ratio)
     objective, optimizer, loader, scheduler = accelerator.prepare(objective, optimizer, loader, scheduler)
-    if objective_inner(objective).layer_dropout is not None:
-        accelerator.register_for_checkpointing(objective_inner(objective).layer_dropout)
+    dropout = objective_inner(objective).layer_dropout
+    if dropout is not None:
+        dropout.synchronize()  # rank 0's draws on every rank, whatever seed a machine was given
+        accelerator.register_for_checkpointing(dropout)
     accelerator.init_trackers("selfspec", config=_flat(to_dict(cfg)))
     batches_per_epoch = len(loader)
     if batches_per_epoch == 0:
@@ -429,7 +437,11 @@ def _train_step(run: _Run, stream) -> dict:
             accelerator.backward(out["loss"])
             _fault(f"mid_step:{run.step + 1}")
             if accelerator.sync_gradients and cfg.optim.grad_clip > 0:
-                sums["grad_norm"] = accelerator.clip_grad_norm_(run.trainable, cfg.optim.grad_clip).detach()
+                # DeepSpeed clips inside its step (gradient_clipping) and reports the norm as a float, or
+                # None before its first step
+                norm = accelerator.clip_grad_norm_(run.trainable, cfg.optim.grad_clip)
+                if norm is not None:
+                    sums["grad_norm"] = torch.as_tensor(norm).detach()
             run.optimizer.step()
             run.scheduler.step()
             run.optimizer.zero_grad(set_to_none=True)
@@ -464,8 +476,9 @@ def _finish(run: _Run, kind: str, seconds: float) -> TrainResult:
     accelerator.wait_for_everyone()
     state_dict = None
     if not cfg.lora.enabled:
-        # Full weights on the main process: under FSDP each rank holds only a shard, and
-        # get_state_dict gathers them (it must run on every rank). LoRA models are merged from
+        # Full weights on the main process: under FSDP and ZeRO-3 each rank holds only a shard, and
+        # get_state_dict gathers them (it must run on every rank; ZeRO-3 through DeepSpeed's own
+        # consolidation, which zero3.yaml's zero3_save_16bit_model turns on). LoRA models are merged from
         # their modules instead (sharded LoRA saving is not supported yet).
         prefix = "model."
         state_dict = {k[len(prefix):]: v for k, v in accelerator.get_state_dict(objective).items()
@@ -491,7 +504,9 @@ def _finish(run: _Run, kind: str, seconds: float) -> TrainResult:
                             "train_seconds": round(seconds, 1),
                             "feature_seconds": round(run.feature_seconds, 1),
                             "processes": accelerator.num_processes,
-                            "parameters": sum(p.numel() for p in inner.parameters())},
+                            # ZeRO-3 leaves each rank's parameters empty: count the gathered weights
+                            "parameters": (sum(v.numel() for v in state_dict.values()) if state_dict
+                                           else sum(p.numel() for p in inner.parameters()))},
                    kind=kind)
     accelerator.wait_for_everyone()  # every rank may read the saved model after this (finetune.py does)
     accelerator.end_training()

@@ -80,6 +80,12 @@ class SelfSpecObjective(nn.Module):
                 self.other_row = nn.Parameter(head[outside].mean(0).clone())  # (D,)
                 self.other_bias = nn.Parameter(torch.tensor(math.log(int(outside.sum())), dtype=head.dtype))
 
+    @property
+    def _no_split_modules(self) -> list[str]:
+        """The model's block classes: what accelerate's FSDP wraps as units when the launch config
+        names none (it reads this attribute of the module it prepares, which is this one)."""
+        return list(getattr(self.model, "_no_split_modules", None) or [])
+
     def _exit_head(self):
         """norm + head for the exit losses: (n, D) -> (n, V) logits, or (n, V' [+1]) over the trimmed
         vocabulary."""

@@ -1,0 +1,157 @@
+"""A few training steps of selfspec's objective under torch's FSDP2 (`fully_shard`), for the slow FSDP test.
+
+accelerate 1.15 cannot shard on CPU (docs/scaling.md, "What runs on a CPU"), so this script does what
+`accelerate launch --config_file fsdp.yaml` would do, with torch directly: the same objective
+(`training.loop.build_objective` from a shipped recipe), every decoder block its own FSDP unit and the
+objective the root, gloo collectives.
+
+    torchrun --nproc_per_node 2 tests/fsdp_train.py MODEL_DIR OUT [--steps 4] [--resume-at 2] [overrides...]
+    python tests/fsdp_train.py MODEL_DIR OUT --plain     # the reference: one process, no FSDP
+
+Every process takes its share of the same global batch (rows rank::world of GLOBAL_BATCH rows); OUT gets
+`losses.json` (the step losses, the mean over processes), `blocks-<rank>.json` (the blocks each step ran
+on that process), `model/` (a full checkpoint through
+`save_tuned`) and, with --save-at N, the sharded state at step N in `state-N/` (torch.distributed.checkpoint),
+which --resume-at N loads before step N + 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from selfspec.config import load_config
+from selfspec.decoding import DecodeSettings
+from selfspec.model import DecoderView
+from selfspec.model.loading import load_causal_lm, load_tokenizer
+from selfspec.training.loop import build_objective
+
+GLOBAL_BATCH = 4  # rows per optimizer step, over all processes
+BLOCK = 32  # tokens per row
+RECIPE = "demo_finetune"
+COMMON = ["early_exit.layers=2:4", "early_exit.token_fraction=1.0", "layer_dropout.p_max=0.3",
+          "layer_dropout.per_sample=false", "exit_layer=2", "optim.warmup_steps=0"]
+
+
+def batches(vocab: int, steps: int) -> torch.Tensor:
+    """(steps, GLOBAL_BATCH, BLOCK) token ids, the same on every process."""
+    return torch.randint(0, vocab, (steps, GLOBAL_BATCH, BLOCK), generator=torch.Generator().manual_seed(7))
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--plain", action="store_true", help="one process without FSDP (the reference)")
+    parser.add_argument("--save-at", type=int, default=0)
+    parser.add_argument("--resume-at", type=int, default=0)
+    parser.add_argument("--seed-per-rank", action="store_true",
+                        help="rank r is given seed 1000 r (synchronize must make its draws rank 0's)")
+    args, overrides = parser.parse_known_args(argv)
+    world, rank = 1, 0
+    if not args.plain:
+        dist.init_process_group("gloo")
+        world, rank = dist.get_world_size(), dist.get_rank()
+    if args.seed_per_rank:
+        overrides.append(f"seed={1000 * rank}")
+    cfg = load_config(RECIPE, [f"model.name_or_path={args.model}", f"optim.max_steps={args.steps}",
+                               *COMMON, *overrides])
+    torch.manual_seed(cfg.seed)
+    model = load_causal_lm(args.model, "float32", "sdpa")
+    view = DecoderView(model)
+    objective = build_objective(model, cfg, view.num_layers, cfg.exit_layer)
+    if not args.plain:
+        from torch.distributed.fsdp import fully_shard
+
+        objective.layer_dropout.synchronize()  # every rank draws rank 0's blocks
+        for block in view.layers:  # the units fsdp.yaml names (fsdp_transformer_layer_cls_to_wrap)
+            fully_shard(block)
+        fully_shard(objective)
+    ran = {}  # step -> the blocks this process ran (layer dropout skips the others)
+    current = {"step": 0}
+    for index, block in enumerate(view.layers):
+        block.register_forward_pre_hook(
+            lambda *_, i=index: ran.setdefault(current["step"], []).append(i))
+    params = [p for p in objective.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+                                  weight_decay=cfg.optim.weight_decay)
+    start = 0
+    if args.resume_at:
+        _load_state(objective, optimizer, args.out / f"state-{args.resume_at}")
+        start = args.resume_at
+    data = batches(view.lm_head.weight.shape[0], args.steps)
+    losses = {}
+    objective.train()
+    for step in range(start, args.steps):
+        current["step"] = step + 1
+        rows = data[step, rank::world]  # this process's share of the global batch
+        loss = objective(rows, step=step)["loss"]
+        loss.backward()  # FSDP2 averages the gradients over the processes in its reduce-scatter
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        mean = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(mean)
+            mean /= world
+        losses[step + 1] = mean.item()
+        if args.save_at == step + 1:
+            _save_state(objective, optimizer, args.out / f"state-{step + 1}")
+    _save_model(objective, model, args, cfg, rank)
+    (args.out / f"blocks-{rank}.json").write_text(json.dumps(ran))
+    if rank == 0:
+        (args.out / "losses.json").write_text(json.dumps(losses))
+    if not args.plain:
+        dist.destroy_process_group()
+
+
+def _save_state(objective, optimizer, path: Path) -> None:
+    """The sharded state: each process writes its own shards (torch.distributed.checkpoint), plus the
+    layer dropout's generator (the same on every rank after `synchronize`)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(objective, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(path))
+    if dist.get_rank() == 0:
+        torch.save(objective.layer_dropout.state_dict(), path / "layer_dropout.pt")
+    dist.barrier()
+
+
+def _load_state(objective, optimizer, path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optim_state = get_state_dict(objective, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(objective, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    objective.layer_dropout.load_state_dict(torch.load(path / "layer_dropout.pt", weights_only=False))
+
+
+def _save_model(objective, model, args, cfg, rank: int) -> None:
+    """A full checkpoint (`save_tuned`) from the gathered weights: every process takes part in the
+    gather, the first one writes."""
+    from selfspec.checkpoint import save_tuned
+
+    state_dict = None
+    if not args.plain:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        full = get_model_state_dict(objective, options=options)
+        state_dict = {k.removeprefix("model."): v for k, v in full.items() if k.startswith("model.")}
+    if rank == 0:
+        save_tuned(args.out / "model", model, load_tokenizer(args.model), state_dict=state_dict,
+                   settings=DecodeSettings(exit_layer=cfg.exit_layer, num_speculations=2),
+                   metrics={"processes": int(os.environ.get("WORLD_SIZE", 1))})
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
