@@ -2,6 +2,7 @@
 
     python tools/round_ab.py --model runs/demo/model --exit-layer 6 --ks 2,3,4 --repeats 5
     python tools/round_ab.py --model runs/smollm2/base --exit-layer 10 --ks 3 --prompts json-extract
+    python tools/round_ab.py --model runs/demo/model --ks 4 --batch-size 4 --ragged --python-level blocks
 
 Decodes the same prompts (batch 1, greedy) with plain decoding and the early exit at each k, each in
 two arms: `python` (`selfspec.model.fast.kernels_up_to("passes")`: the draft steps and the verification
@@ -10,6 +11,9 @@ kernel call each), interleaved over repeats after a warm-up. Prints each decode'
 its speedup over plain decoding in the same arm (the median of paired ratios and its interval), the
 compiled arm over the Python arm, and the round profile of every decode (`evaluation.rounds`).
 Outputs must be identical across arms and methods (checked). Run it with the machine to itself.
+`--batch-size` decodes the prompts in batches; `--ragged` cuts the i-th prompt of a batch by 7·i
+tokens, so the rows sit at different slots; `--python-level blocks` makes the Python arm run block by
+block (what rows at different slots ran before the compiled calls took them).
 """
 
 from __future__ import annotations
@@ -41,6 +45,10 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--ragged", action="store_true", help="rows of a batch at different slots")
+    parser.add_argument("--python-level", default="passes", choices=["passes", "blocks"],
+                        help="the compiled paths the Python arm keeps (fast.kernels_up_to)")
     args = parser.parse_args()
 
     settings, _, counts = resolve_settings(args.model, exit_layer=args.exit_layer)
@@ -56,14 +64,16 @@ def main() -> None:
     def run(name, batch):
         arm, cell = name
         constraints = [p.constraint if isinstance(p, Structured) else None for p in batch]
-        with fast.kernels_up_to("rounds" if arm == "compiled" else "passes"):
+        with fast.kernels_up_to("rounds" if arm == "compiled" else args.python_level):
             out = generator.generate([p.ids if isinstance(p, Structured) else p for p in batch],
                                      max_new_tokens=args.max_new_tokens, eos_token_id=[],
                                      settings=cells[cell], profile=True, **constraint_keywords(constraints))
         return out.sequences, out.stats
 
-    timings = interleaved_rates(names, run, [[p] for p in prompts], args.repeats, 1, generator.view.device,
-                                "round A/B")
+    batches = [prompts[i:i + args.batch_size] for i in range(0, len(prompts), args.batch_size)]
+    if args.ragged:  # row i of a batch 7·i tokens shorter: every row at its own slots
+        batches = [[p[:max(1, len(p) - 7 * i)] for i, p in enumerate(batch)] for batch in batches]
+    timings = interleaved_rates(names, run, batches, args.repeats, 1, generator.view.device, "round A/B")
     reference = timings.outputs[("python", "plain")]
     print(f"{args.model}: E = {settings.exit_layer}, {len(prompts)} prompts x {args.max_new_tokens} tokens, "
           f"median of {args.repeats} interleaved repeats; outputs identical across arms and methods: "
