@@ -844,6 +844,7 @@ class SelfSpecGenerator:
         return self._grammar_tokenizer
 
     def _check_positions(self, prompt_length: int, max_new_tokens: int) -> None:
+        """A UserError when a prompt and its token limit pass the model's positions."""
         limit = self.view.max_positions
         if limit is not None and prompt_length + max_new_tokens > limit:
             raise UserError(f"a prompt of {prompt_length} tokens plus "
