@@ -292,6 +292,51 @@ def test_cpu_threads_under_accelerate_launch_use_the_cores_and_an_explicit_count
 
 
 @pytest.mark.slow
+def test_two_machines_on_localhost_match_one_process(tiny_run, tmp_path):
+    """The shipped multinode.yaml as two `accelerate launch` commands, machine ranks 0 and 1 on
+    127.0.0.1 with one process each (static rendezvous; gloo on CPUs, fp32): each machine with its own
+    cache and output directory, as on two disks. Machine 0's run equals one process at the same global
+    batch (losses within rel 1e-5, weights within atol 1e-5)."""
+    from selfspec.recipes import find
+
+    common = [f"model.name_or_path={tiny_run['model']}", f"data.source={tiny_run['corpus']}",
+              "data.block_size=32", "data.max_eval_blocks=4", "optim.max_steps=3", "optim.warmup_steps=1",
+              "early_exit.layers=2:4", "early_exit.token_fraction=1.0", "layer_dropout.p_max=0.3",
+              "layer_dropout.per_sample=false",
+              "exit_layer=2", "eval_every=1", "save_every=0", "log_with=[jsonl]"]
+    single = tmp_path / "single"
+    train(load_config("demo_finetune", [*common, "optim.batch_size=4", f"data.cache_dir={tmp_path}/cache",
+                                        f"output_dir={single}"]), progress=False)
+    port = str(free_port())
+    machines = []
+    for rank in (0, 1):
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(find("accelerate/multinode")), "--num_machines", "2", "--num_processes", "2",
+               "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port", port,
+               "--mixed_precision", "no", "-m", "selfspec", "train", "--config", "demo_finetune", *common,
+               "optim.batch_size=2", f"data.cache_dir={tmp_path}/cache{rank}",
+               f"--output-dir={tmp_path}/machine{rank}"]
+        machines.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                         cwd=tmp_path))
+    for proc in machines:
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+
+    def curve(run):
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        return {(r["step"], key): r[key] for r in rows for key in ("loss", "val/loss") if key in r}
+
+    one, two = curve(single), curve(tmp_path / "machine0")
+    assert set(one) == set(two) and {(s, "loss") for s in (1, 2, 3)} <= set(one)
+    for key in one:
+        assert two[key] == pytest.approx(one[key], rel=1e-5), key
+    reference = AutoModelForCausalLM.from_pretrained(single / "model").state_dict()
+    machine0 = AutoModelForCausalLM.from_pretrained(tmp_path / "machine0" / "model").state_dict()
+    for name, value in machine0.items():
+        torch.testing.assert_close(value, reference[name], rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
 def test_two_process_ddp_matches_one_process_at_the_same_global_batch_and_resumes_on_one(tiny_run, tmp_path):
     """2 gloo processes × 2 blocks == 1 process × 4 blocks, with per-batch layer dropout and exit losses.
 

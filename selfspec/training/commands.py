@@ -19,12 +19,12 @@ def _config(config: str, overrides: list[str], output_dir: str | None):
     return load_config(config, [*overrides, *([f"output_dir={output_dir}"] if output_dir else [])])
 
 
-def _say(line: str) -> None:
-    """Print on the main process only (every rank returns the same result)."""
+def _main_process() -> bool:
+    """Whether this is the run's main process: the one that reports. Only it reads the saved model back:
+    on several machines the others may not hold it (each has its own disk)."""
     from accelerate import PartialState
 
-    if PartialState().is_main_process:
-        print(line)
+    return PartialState().is_main_process
 
 
 def finetune(config: str, overrides: list[str], resume: bool, force: bool, output_dir: str | None) -> None:
@@ -32,11 +32,13 @@ def finetune(config: str, overrides: list[str], resume: bool, force: bool, outpu
     block; the tuned model lands in `<output_dir>/model` with its selfspec.json."""
     cfg = _config(config, overrides, output_dir)
     result = train(cfg, resume=resume, kind="tuned", overwrite=force)
+    if not _main_process():
+        return
     metrics, exit_layer = result.final_metrics, read_meta(result.model_dir)["exit_layer"]
     agreement = metrics.get(f"val/top1_agreement@{exit_layer}")
     tail = f", top-1 agreement at exit layer {exit_layer}: {agreement:.3f}" if agreement is not None else ""
-    _say(f"saved {result.model_dir}: {result.steps} steps in {result.seconds / 60:.1f} min, "
-         f"validation loss {metrics['val/loss']:.4f}{tail}")
+    print(f"saved {result.model_dir}: {result.steps} steps in {result.seconds / 60:.1f} min, "
+          f"validation loss {metrics['val/loss']:.4f}{tail}")
 
 
 def pretrain(config: str, overrides: list[str], resume: bool, force: bool, output_dir: str | None) -> None:
@@ -44,7 +46,9 @@ def pretrain(config: str, overrides: list[str], resume: bool, force: bool, outpu
     reuses the saved model unless `force`."""
     cfg = _config(config, overrides, output_dir)
     model_dir, reused = train_or_reuse(cfg, kind="base", force=force, resume=resume)
+    if not _main_process():
+        return
     m = read_meta(model_dir)["metrics"]
-    _say(f"{'reused' if reused else 'saved'} {model_dir}: {m['parameters']:,} parameters, "
-         f"{m['steps']} steps, {m['tokens_seen']:,} tokens, {m['train_seconds'] / 60:.1f} min, "
-         f"validation loss {m['val/loss']:.4f}")
+    print(f"{'reused' if reused else 'saved'} {model_dir}: {m['parameters']:,} parameters, "
+          f"{m['steps']} steps, {m['tokens_seen']:,} tokens, {m['train_seconds'] / 60:.1f} min, "
+          f"validation loss {m['val/loss']:.4f}")
