@@ -735,7 +735,6 @@ class SelfSpecGenerator:
         with fixed_width(self.fixed_width):  # a low-precision model: every pass at one width
             while True:  # finished rows leave the batch, admitted ones join it
                 if admit is not None and (joining := admit()):
-                    b.lap("other")
                     joined = self._join(b, joining, len(counts), policy, settings, k_max)
                     prompt_lengths = np.concatenate([prompt_lengths, [len(r.prompt) for r in joining]])
                     limits = np.concatenate([limits, [r.max_new_tokens for r in joining]])

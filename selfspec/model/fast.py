@@ -523,9 +523,8 @@ class FastLlamaBlocks:
                       mask_value: float, drafts: torch.Tensor, allowed: torch.Tensor | None = None):
         """Greedy verification in one compiled call (`kernels.verify_greedy`): blocks [start, end) on T
         positions at the cache's announced slots, each row's own (the cache written), with causal
-        attention over them,
-        the final norm and LM head, the argmax and the accepted prefix of `drafts` (B, T - 1). The input:
-        `hidden` (B, T, D), or `tokens` (B, T) embedded (start = 0). slots: the cache's
+        attention over them, the final norm and LM head, the argmax and the accepted prefix of `drafts`
+        (B, T - 1). The input: `hidden` (B, T, D), or `tokens` (B, T) embedded (start = 0). slots: the cache's
         `slot_buffers(start, end)`; cos, sin (B, T, hd). mask_value: what the engine's mask
         holds where a query may not look (its dtype's lowest). allowed: a grammar's masks (B, T, V)
         bool, applied to the target's logits as `grammar.apply_mask` does. Returns decided (B, T + 1):

@@ -221,6 +221,7 @@ class Scheduler:
         self.largest_wave = max(self.largest_wave, len(wave))
         self.active = wave
         temperature, top_k, top_p = wave[0].sampling
+        rows = [job.row() for job in wave]  # the wave's first rows, as later ones join
         schemas = [job.schema for job in wave]
 
         def on_tokens(rows, tokens, emit, finished):
@@ -251,9 +252,8 @@ class Scheduler:
 
         try:
             out = self.generator.generate(
-                [job.prompt for job in wave], max_new_tokens=max(job.max_tokens for job in wave),
-                temperature=temperature, top_k=top_k, top_p=top_p,
-                seed=[job.seed if job.seed is not None else secrets.randbits(31) for job in wave],
+                [row.prompt for row in rows], max_new_tokens=max(row.max_new_tokens for row in rows),
+                temperature=temperature, top_k=top_k, top_p=top_p, seed=[row.seed for row in rows],
                 json_schema=schemas if any(s is not None for s in schemas) else None, on_tokens=on_tokens,
                 admit=admit)
         except Exception as exc:  # noqa: BLE001 - the wave's clients get a 500, the loop goes on
