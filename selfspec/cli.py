@@ -90,6 +90,13 @@ def _recipe_flags(p, default: str) -> None:
     p.add_argument("--force", action="store_true", help="replace a previous run in the output directory")
 
 
+def _static_flag(p) -> None:
+    """The engine's decoding passes at fixed shapes (`SelfSpecGenerator(static_passes=...)`)."""
+    p.add_argument("--static-passes", choices=("eager", "compile"), default=None,
+                   help="run every decoding pass at fixed shapes: compile = torch.compile, CUDA graphs "
+                        "on a GPU (Llama family; first calls compile)")
+
+
 def _constraint_flags(p) -> None:
     """Structured output: the flags that constrain every reply (one of them)."""
     group = p.add_mutually_exclusive_group()
@@ -280,6 +287,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], argparse.A
     p.add_argument("--no-stream", action="store_true",
                    help="print the text at the end instead of as it is accepted")
     _constraint_flags(p)
+    _static_flag(p)
 
     p = command(("serve",), sub, _serve,
                 help="an OpenAI-compatible server (chat and text completions) that decodes "
@@ -319,6 +327,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], argparse.A
     p.add_argument("--profile", action="store_true",
                    help="add the round profile: where each engine method's rounds spend their time")
     _constraint_flags(p)
+    _static_flag(p)
 
     p = command(("eval", "suite"), ev, suite.suite,
                 help="every method on a multi-task suite, per category: speedups over Hugging Face "

@@ -61,6 +61,14 @@ def test_a_flag_between_the_model_and_the_prompt_parses(tiny_ckpt, capsys):
     assert capsys.readouterr().out.startswith("def f(x):")
 
 
+def test_generate_on_static_passes_prints_what_the_default_passes_print(tiny_ckpt, capsys):
+    argv = ["generate", str(tiny_ckpt), "--max-new-tokens", "12", "--no-eos", "--no-stream", "def f(x):"]
+    assert cli.main(argv) == 0
+    default = capsys.readouterr().out.split("\n[")[0]
+    assert cli.main([*argv, "--static-passes", "eager"]) == 0
+    assert capsys.readouterr().out.split("\n[")[0] == default
+
+
 def test_a_benchmark_of_no_prompts_is_a_one_line_error_that_writes_nothing(tiny_ckpt, tmp_path, capsys):
     out = tmp_path / "benchmark"
     assert cli.main(["eval", "speedup", "--model", str(tiny_ckpt), "--num-prompts", "0",

@@ -124,6 +124,18 @@ def test_greedy_under_a_json_schema_equals_constrained_plain_decoding(family, to
             assert out.stats.forced.drafted == 0
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_static_passes_under_a_json_schema_equal_constrained_plain_decoding(family, tokenizer):
+    """Static passes (`model.static_passes`) apply the grammar's masks inside the verification."""
+    model = make_model(family, tokenizer)
+    gen = SelfSpecGenerator(model, tokenizer, drafter="ngram", static_passes="eager")
+    prompt = prompt_ids(tokenizer)
+    expected, complete = constrained_reference(model, tokenizer, prompt, Constraint.of(PERSON), 60)
+    for name, settings in DRAFTERS.items():
+        out = gen.generate([prompt], max_new_tokens=60, json_schema=PERSON, settings=settings)
+        assert out.sequences[0] == expected and out.complete == [complete], (family, name)
+
+
 def test_the_compiled_verification_applies_the_grammars_masks(tokenizer, monkeypatch):
     import selfspec.model.kernels as kernels
     from selfspec.model import fast
@@ -281,7 +293,9 @@ RUNS = 6000
 REGEX = r"[a-e][a-z]{0,6}"  # a few dozen allowed first tokens, many second ones
 
 
-def test_sampling_under_a_grammar_matches_the_masked_target_distribution(tokenizer):
+@pytest.mark.parametrize("static_passes", [None, "eager"])
+def test_sampling_under_a_grammar_matches_the_masked_target_distribution(tokenizer, static_passes):
+    """Also on static passes (`model.static_passes`: every pass at fixed shapes), whose rounding differs."""
     model = make_model("llama", tokenizer, seed=5)
     with torch.no_grad():
         model.lm_head.weight.mul_(8)  # distributions far from uniform
@@ -304,7 +318,7 @@ def test_sampling_under_a_grammar_matches_the_masked_target_distribution(tokeniz
         nexts = model(torch.tensor([prompt + [x] for x in allowed])).logits[:, -1]
         for row, x in enumerate(allowed):
             second += first[x] * params.probs(nexts[row].masked_fill(~mask_after([x]), float("-inf")))
-    gen = SelfSpecGenerator(model, tokenizer, exit_layer=1, num_speculations=2)
+    gen = SelfSpecGenerator(model, tokenizer, exit_layer=1, num_speculations=2, static_passes=static_passes)
     out = gen.generate([prompt] * RUNS, max_new_tokens=2, temperature=1.0, seed=0, regex=REGEX,
                        eos_token_id=[])
     rows = [s for s in out.sequences if len(s) == 2]  # a one-token word that ends the grammar stops early

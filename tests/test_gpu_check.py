@@ -28,13 +28,16 @@ def test_bash_reads_the_script():
 
 def test_every_selfspec_command_in_the_script_parses():
     commands = script_commands()
-    assert [argv[:2] for argv in commands] == [["train", "--config"], ["eval", "gate"], ["eval", "speedup"]]
+    assert [argv[:2] for argv in commands] == [["train", "--config"], ["eval", "gate"], ["eval", "speedup"],
+                                               ["eval", "speedup"]]
     _, table = cli._parser()
     for argv in commands:
         words = tuple(argv[:2]) if argv[0] == "eval" else tuple(argv[:1])
         args = table[words].parse_intermixed_args(argv[len(words):])  # SystemExit on a flag not there
         assert callable(args.func), argv
-    methods = cli._parser()[1][("eval", "speedup")].parse_intermixed_args(commands[2][2:]).methods.split(",")
+    speedup = cli._parser()[1][("eval", "speedup")]
+    methods = speedup.parse_intermixed_args(commands[2][2:]).methods.split(",")
+    assert speedup.parse_intermixed_args(commands[3][2:]).static_passes == "compile"
     assert {"plain", "early_exit", "ngram", "hybrid", "hf_greedy", "hf_early_exit"} <= set(methods)
 
 

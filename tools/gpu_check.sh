@@ -3,7 +3,8 @@
 #   1. 50 steps of a GPU recipe (gpu_common.yaml: bf16, layer dropout p_max 0.2, KL exits);
 #   2. the gate (perplexity of the tuned model vs its base);
 #   3. greedy equality of every drafter with plain decoding in bf16 (`eval speedup`'s `identical`);
-#   4. the speedup table against Hugging Face greedy and assistant_early_exit.
+#   4. the speedup table against Hugging Face greedy and assistant_early_exit;
+#   5. the same on static passes compiled with CUDA graphs (`--static-passes compile`): equality and speed.
 #     bash tools/gpu_check.sh [OUT]          (default OUT: runs/gpu_check)
 # The machine may have no network: MODEL is a local directory or a name already in the Hugging Face
 # cache (default Qwen/Qwen2.5-0.5B, the qwen2.5-0.5b_lora recipe's), DATA a local corpus or stdlib.
@@ -51,4 +52,17 @@ print(f"{'identical':<10} {'yes' if all(drafters.values()) else 'NO'}: " + ", ".
 PY
 line speedup "table in $OUT/speedup (Markdown beside the JSON):"
 cat "$(ls "$OUT"/speedup/*.md | head -n 1)" | sed -n '/^|/p'
+
+# 5. every decoding pass at fixed shapes through torch.compile (CUDA graphs): the round at its passes' cost
+selfspec eval speedup --model "$OUT/train/model" --corpus "$DATA" --dtype bfloat16 --num-prompts 4 \
+  --max-new-tokens 128 --repeats 3 --methods plain,early_exit,hybrid,hf_greedy --static-passes compile \
+  --out "$OUT/static" > "$OUT/static.log" 2>&1 || fail static "see $OUT/static.log"
+python - "$OUT/static" <<'PY'
+import json, sys
+from pathlib import Path
+report = json.loads(next(Path(sys.argv[1]).glob("*.json")).read_text())
+same = {m: ok for m, ok in report["identical"].items() if m in ("early_exit", "hybrid")}
+print(f"{'static':<10} identical {'yes' if all(same.values()) else 'NO'}: " + ", ".join(f"{m} {ok}" for m, ok in same.items()))
+PY
+cat "$(ls "$OUT"/static/*.md | head -n 1)" | sed -n '/^|/p'
 line total "$((SECONDS - start)) s"

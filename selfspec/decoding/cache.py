@@ -44,12 +44,14 @@ class KVCache:
     `lengths[layer, row]` is the number of positions the layer holds for the row.
     """
 
-    def __init__(self, num_layers: int, batch_size: int, capacity: int):
+    def __init__(self, num_layers: int, batch_size: int, capacity: int, buffers: tuple | None = None):
+        """buffers: (keys, values), a buffer (or None) per layer of an earlier cache of the same shape to
+        write into again (static passes reuse their addresses); their old slots are stale."""
         self.num_layers = num_layers
         self.batch_size = batch_size
         self.capacity = capacity
-        self.keys: list[torch.Tensor | None] = [None] * num_layers
-        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.keys: list[torch.Tensor | None] = [None] * num_layers if buffers is None else list(buffers[0])
+        self.values: list[torch.Tensor | None] = [None] * num_layers if buffers is None else list(buffers[1])
         self.lengths = np.zeros((num_layers, batch_size), dtype=np.int64)
         self._positions: torch.Tensor | None = None  # (B, T) slots of the next writes
         self._start: int | None = None  # shared first slot when every row starts there, else None
@@ -75,6 +77,11 @@ class KVCache:
         return kv_length
 
     @property
+    def positions(self) -> torch.Tensor:
+        """(B, T) on the device: the slots of the announced writes (`set_positions`)."""
+        return self._positions
+
+    @property
     def aligned(self) -> bool:
         """Whether every row's announced writes start at the same slot (always so at batch 1)."""
         return self._start is not None
@@ -98,6 +105,14 @@ class KVCache:
             values.scatter_(2, index.expand_as(value_states), value_states)
         self.lengths[layer_idx] = self._ends
         return keys[:, :, :self._kv_length], values[:, :, :self._kv_length]
+
+    def allocate(self, layer: int, heads: int, head_dim: int, dtype: torch.dtype, device) -> None:
+        """Give `layer` its buffers now if it has none (zeros; `update` allocates them at the first write
+        otherwise): static passes write into them in place from the first pass on."""
+        if self.keys[layer] is None:
+            shape = (self.batch_size, heads, self.capacity, head_dim)
+            self.keys[layer] = torch.zeros(shape, dtype=dtype, device=device)
+            self.values[layer] = torch.zeros(shape, dtype=dtype, device=device)
 
     def add_rows(self, other: KVCache) -> None:
         """Append the rows of `other` (a cache of the same layers, filled apart: rows joining a running

@@ -40,6 +40,8 @@ from ..errors import UserError
 from ..metrics import AcceptanceStats
 from ..model import DecoderView
 from ..model.fast import fixed_width
+from ..model.static_passes import MODES as STATIC_MODES
+from ..model.static_passes import WIDTH as STATIC_WIDTH
 from . import sampling
 from .cache import KVCache
 from .controller import Controller
@@ -342,6 +344,11 @@ class SelfSpecGenerator:
         GPT-2's are Hugging Face's own and are not covered); format_settings: {constraint kind:
         settings}, the default of a `generate` call whose constrained rows all have that kind
         ("json_schema", "regex", "lark"), as a sweep on such prompts stored it.
+    static_passes: None, or run every decoding pass of up to `static_passes.WIDTH` positions (plain
+        steps, drafts, verifications; rounds are capped to that many) at fixed shapes, the path for
+        CUDA graphs (`model.static_passes`): "eager" as written, "compile" through `torch.compile`
+        (CUDA graphs on a GPU). The cache is then kept per batch size and length bucket and reused.
+        Llama-family models only; greedy output equals plain decoding's with the same setting.
     """
 
     def __init__(self, model, tokenizer=None, settings: DecodeSettings | None = None, *,
@@ -349,8 +356,17 @@ class SelfSpecGenerator:
                  draft_vocab_size: int | None = None, stop_below: float | None = None,
                  ngram: NGramConfig | None = None, token_counts=None,
                  exit_adapters: dict | None = None, check_cache: bool = True,
-                 fixed_width: bool | None = None, format_settings: dict | None = None):
+                 fixed_width: bool | None = None, format_settings: dict | None = None,
+                 static_passes: str | None = None):
         self.view = DecoderView(model)
+        if static_passes is not None and static_passes not in STATIC_MODES:
+            raise UserError(f"static_passes must be one of {', '.join(STATIC_MODES)} or None, "
+                            f"got {static_passes!r}")
+        if not self.view.static_passes(static_passes):
+            raise UserError(f"static passes need a Llama-family model with plain blocks, SDPA attention and "
+                            f"a rotary table ({self.view.config.model_type} here): leave static_passes unset")
+        self.static_passes = static_passes
+        self._static_buffers: dict[tuple, tuple] = {}  # (layers, rows, capacity) -> a cache's buffers
         # bf16/fp16: every decoding pass at one width (`model.fast.fixed_width`), so that a position
         # gets the same rounding alone (plain) as among k + 1 (verification); fp32 needs no help.
         self.fixed_width = (self.view.dtype in (torch.bfloat16, torch.float16) if fixed_width is None
@@ -745,7 +761,7 @@ class SelfSpecGenerator:
                 if not b.rows.size:
                     break
                 plan = policy.plan(b.rows)
-                cap = k_max
+                cap = k_max if self.static_passes is None else min(k_max, STATIC_WIDTH - 1)
                 if limit is not None:  # no draft beyond the last position the model has (GPT-2's table)
                     cap = min(cap, limit - 1 - int(b.lengths.max()))
                     plan = plan.truncate(cap)
@@ -868,7 +884,8 @@ class SelfSpecGenerator:
                  for row in joining]
         capacity = max(b.cache.capacity, max(len(p) + r.max_new_tokens for p, r in zip(prompts, joining))
                        + k_max + 1)
-        new = self._start(prompts, b.sampling, seeds, settings, capacity)
+        # a cache of their own: b's may be the pool's (`_cache`)
+        new = self._start(prompts, b.sampling, seeds, settings, capacity, pooled=False)
         policy.add(prompts)
         if b.grammar is not None:
             b.grammar.add(constraints)
@@ -883,13 +900,13 @@ class SelfSpecGenerator:
         return len(joining)
 
     def _start(self, prompts, sampling, seed, settings: DecodeSettings, capacity: int,
-               grammars: GrammarBatch | None = None, forced: bool = False) -> _Batch:
+               grammars: GrammarBatch | None = None, forced: bool = False, pooled: bool = True) -> _Batch:
         """Allocate the cache and prefill every prompt token but the last (the first pending token)."""
         device, rows = self.view.device, len(prompts)
         exit_block = self.exit_block(settings)
         head = self.draft_head(settings)
         extra_layers = 0 if exit_block is None else exit_block.cache_layers
-        b = _Batch(cache=KVCache(self.view.num_layers + extra_layers, rows, capacity),
+        b = _Batch(cache=self._cache(self.view.num_layers + extra_layers, rows, capacity, pooled),
                    sampling=sampling, exit_layer=settings.exit_layer, head=head, exit_block=exit_block,
                    loop_head=(head.tensors() if sampling.greedy and grammars is None and exit_block is None
                               and not settings.is_plain else None),
@@ -907,6 +924,23 @@ class SelfSpecGenerator:
         b.cache.rollback(b.lengths)
         b.upload(device)
         return b
+
+    def _cache(self, layers: int, rows: int, capacity: int, pooled: bool = True) -> KVCache:
+        """An empty cache of at least `capacity` slots per row. With static passes, its buffers made at
+        once, at a power-of-two capacity, and (`pooled`: a call's own batch, not rows joining it) one
+        set per batch size and capacity kept and written again by the next call: captured passes are
+        specific to the shapes and, under CUDA graphs, to the addresses of the buffers they write (the
+        old slots are stale, hidden). So a generator with static passes decodes one call at a time."""
+        if self.static_passes is None:
+            return KVCache(layers, rows, capacity)
+        capacity = 1 << max(capacity - 1, 255).bit_length()
+        key = (layers, rows, capacity)
+        cache = KVCache(layers, rows, capacity, buffers=self._static_buffers.get(key) if pooled else None)
+        if not pooled or key not in self._static_buffers:
+            self.view.allocate_static(cache)
+        if pooled:
+            self._static_buffers.setdefault(key, (tuple(cache.keys), tuple(cache.values)))
+        return cache
 
     def _advance(self, b: _Batch, tokens: np.ndarray, emit: np.ndarray, keep: np.ndarray) -> None:
         """Keep each row's emitted tokens (the last becomes pending, the cache rolls back to the rest),

@@ -198,12 +198,12 @@ def check_methods(methods, batch_size: int) -> None:
 
 def make_runner(model, settings: DecodeSettings, *, tokenizer=None, fastest=None, token_counts=None,
                 exit_adapters=None, max_new_tokens: int = 128, ignore_eos: bool = True,
-                profile: bool = False) -> _Runner:
+                profile: bool = False, static_passes: str | None = None) -> _Runner:
     """The engine over `model` and a runner of every method: the engine methods at `method_settings`,
-    profiling their rounds with `profile` (`decoding.profile`)."""
+    profiling their rounds with `profile` (`decoding.profile`), on static passes with `static_passes`."""
     # check_cache=False as in the sweep: a timed run does no per-round bookkeeping
     generator = SelfSpecGenerator(model, tokenizer, settings, token_counts=token_counts,
-                                  exit_adapters=exit_adapters, check_cache=False)
+                                  exit_adapters=exit_adapters, check_cache=False, static_passes=static_passes)
     settings = {m: generator.settings_for(s) for m, s in method_settings(generator.settings, fastest).items()}
     return _Runner(generator, settings, max_new_tokens, ignore_eos, profile)
 
@@ -297,19 +297,20 @@ def run_benchmark(model, prompts: list[list[int]], settings: DecodeSettings, *, 
                   exit_adapters: dict | None = None,
                   max_new_tokens: int = 128, repeats: int = 5, warmup: int = 1, ignore_eos: bool = True,
                   methods: tuple[str, ...] = METHODS, batch_size: int = 1, progress: bool = False,
-                  profile: bool = False) -> BenchmarkReport:
+                  profile: bool = False, static_passes: str | None = None) -> BenchmarkReport:
     """Measure `methods` on `prompts` (token lists), `batch_size` prompts per call; returns the report
     as a dict (see module docstring). The engine methods decode at `settings`, each drafter at its
     own fastest when `fastest` names one (`method_settings`). token_counts: the ranking of a trimmed
     draft head's ids (V' > 0); exit_adapters: {E: ExitAdapter} of the checkpoint; profile: add the
-    engine methods' round profile (`rounds.round_profile`)."""
+    engine methods' round profile (`rounds.round_profile`); static_passes: the engine's passes at fixed
+    shapes (`SelfSpecGenerator`)."""
     check_methods(methods, batch_size)
     if max_new_tokens < 1 or not prompts:
         raise UserError(f"the benchmark needs max_new_tokens >= 1 ({max_new_tokens}) and a prompt "
                         f"({len(prompts)})")
     run = make_runner(model, settings, tokenizer=tokenizer, fastest=fastest, token_counts=token_counts,
                       exit_adapters=exit_adapters, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos,
-                      profile=profile)
+                      profile=profile, static_passes=static_passes)
     generator, settings = run.generator, run.settings
     device, view = run.device, generator.view
     batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
@@ -590,7 +591,7 @@ def speedup(model: str, *, exit_layer: int | None = None, num_speculations=None,
             repeats: int = 5, warmup: int = 1, methods=METHODS, batch_size: int = 1, keep_eos: bool = False,
             device: str | None = None, dtype: str = "auto", out: str = "runs/benchmark",
             json_schema: str | None = None, regex: str | None = None, grammar: str | None = None,
-            profile: bool = False) -> BenchmarkReport:
+            profile: bool = False, static_passes: str | None = None) -> BenchmarkReport:
     """`selfspec eval speedup`: benchmark the checkpoint `model`; print the report, write it into `out`.
 
     The engine decodes at the checkpoint's settings (`selfspec.json`), with the given fields
@@ -598,6 +599,7 @@ def speedup(model: str, *, exit_layer: int | None = None, num_speculations=None,
     Structured output: `json_schema`/`grammar` (files) or `regex` constrain every reply, and
     `prompts="json-extract"` takes the extraction prompts, each under its own schema.
     profile: add the round profile of every engine method (where its rounds' time goes).
+    static_passes: "compile" (or "eager") runs the engine's passes at fixed shapes, CUDA graphs on a GPU.
     """
     if num_prompts < 1 or repeats < 1 or max_new_tokens < 1:
         raise UserError(f"--num-prompts ({num_prompts}), --repeats ({repeats}) and --max-new-tokens "
@@ -618,7 +620,7 @@ def speedup(model: str, *, exit_layer: int | None = None, num_speculations=None,
                            repeats=repeats, warmup=warmup, ignore_eos=not keep_eos,
                             methods=(tuple(m.strip() for m in methods.split(",")) if isinstance(methods, str)
                                      else tuple(methods)),
-                           batch_size=batch_size, progress=True, profile=profile)
+                           batch_size=batch_size, progress=True, profile=profile, static_passes=static_passes)
     report["model"] = model
     json_path, md_path = write_report(report, out)
     print(to_markdown(report))

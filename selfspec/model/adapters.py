@@ -15,6 +15,7 @@ from torch import nn
 
 from ..errors import UserError
 from .fast import FastLlamaBlocks, run_block
+from .static_passes import StaticPasses
 
 
 class UnsupportedArchitectureError(UserError):
@@ -65,6 +66,15 @@ class Adapter:
         """Blocks [start, end) on hidden (B, T, D) with one mask, all at once where this family has a
         faster way than block by block; None (nothing run) otherwise."""
         return None
+
+    def static_passes(self, mode: str | None) -> bool:
+        """Run the decoding passes as `StaticPasses` in `mode` ("eager", "compile"), or as before
+        (None). Whether this family and model have them (the Llama family's plain blocks with a
+        rotary table)."""
+        return mode is None
+
+    def allocate_static(self, cache) -> None:
+        """With static passes on, give `cache` the buffers of every block now (see `StaticPasses`)."""
 
     def draft_loop(self, exit_layer: int, token, cache, positions, head: tuple, k: int, eta: float):
         """Greedy early-exit drafts of a round in one call where this family has one (see
@@ -124,6 +134,7 @@ class LlamaFamilyAdapter(Adapter):
         rope_type = str(getattr(self.model.model.rotary_emb, "rope_type", ""))
         self._rope_per_call = any(kind in rope_type for kind in self._LENGTH_DEPENDENT_ROPE)
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin: (L, head_dim)
+        self._static: StaticPasses | None = None  # the decoding passes for CUDA graphs, when asked for
 
     @property
     def fast(self) -> FastLlamaBlocks | None:
@@ -159,12 +170,36 @@ class LlamaFamilyAdapter(Adapter):
             return self.fast(index, hidden, mask, cache, *extras["position_embeddings"])
         return self.call_layer(self.layers[index], hidden, mask, cache, extras)
 
+    def static_passes(self, mode):
+        if mode is None:
+            self._static = None
+            return True
+        if self.fast is None or self.fast.head is None or self._rope_per_call or not self.sdpa:
+            return False
+        embedding = self.model.model.embed_tokens
+        if type(embedding) is not nn.Embedding:
+            return False
+        weight = embedding.weight
+        self._static = StaticPasses(self.fast, weight, self.windows,
+                                    lambda capacity: self._rope_rows(weight[:1, None], capacity - 1), mode)
+        return True
+
+    def allocate_static(self, cache):
+        if self._static is not None:
+            self._static.allocate(cache)
+
     def run_blocks(self, start, end, hidden, mask, cache, extras):
         if self._use_fast():
+            if self._static is not None:  # a decoding pass (up to `WIDTH` rows) at fixed shapes
+                return self._static.run(start, end, hidden, cache)
             return self.fast.run_range(start, end, hidden, mask, cache, *extras["position_embeddings"])
         return None
 
     def draft_loop(self, exit_layer, token, cache, positions, head, k, eta):
+        if self._static is not None:
+            if not self._use_fast():
+                return None
+            return self._static.draft_loop(exit_layer, token, cache, head, k, eta)
         place = self._round_place(0, exit_layer, cache, positions)
         if place is None:
             return None
@@ -173,6 +208,10 @@ class LlamaFamilyAdapter(Adapter):
         return self.fast.draft_loop(exit_layer, embedding, token, cache, *place, mask_value, head, k, eta)
 
     def verify_greedy(self, start, end, hidden, tokens, cache, positions, drafts, allowed=None):
+        if self._static is not None:
+            if not self._use_fast():
+                return None
+            return self._static.verify_greedy(start, end, hidden, tokens, cache, drafts, allowed)
         place = self._round_place(start, end, cache, positions)
         if place is None:
             return None

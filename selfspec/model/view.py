@@ -181,6 +181,18 @@ class DecoderView:
             hidden = self.run_block(index, hidden, context, cache)
         return hidden
 
+    def static_passes(self, mode: str | None) -> bool:
+        """From now on run the decoding passes (every pass of up to `static_passes.WIDTH` positions with
+        the engine's cache: plain steps, drafts, verifications) at fixed shapes, ready for CUDA graphs:
+        mode "eager" runs them as written, "compile" through `torch.compile` (CUDA graphs on a GPU);
+        None goes back. Whether the family has them (the Llama family's plain blocks)."""
+        return self.adapter.static_passes(mode)
+
+    def allocate_static(self, cache) -> None:
+        """With static passes on, give a new `decoding.KVCache` the buffers of every block now, before
+        its first pass (a no-op otherwise)."""
+        self.adapter.allocate_static(cache)
+
     def draft_loop(self, exit_layer: int, token: torch.Tensor, cache, positions: torch.Tensor, head: tuple,
                    k: int, eta: float = 0.0):
         """Greedy early-exit drafts in one compiled call, where the family has one (the Llama family on

@@ -1,0 +1,258 @@
+"""Static-shaped decoding passes for CUDA graphs and `torch.compile`: `StaticPasses`.
+
+On a GPU a small model's decoding step is a few hundred kernel launches, each a few µs of CPU time
+whatever the arithmetic, so a round of k draft steps and a verification costs its launches, not its
+passes (the practitioners' notes name the cure: capture the round). Capture needs every pass to
+have one shape and no host reads inside, which the engine's passes lack: their width is the round's
+k + 1, their keys the cache's first kv_length slots, their drafts a host loop. Here each pass is a
+function of fixed shapes:
+
+- every pass runs on exactly `WIDTH` query rows (fewer are padded with copies of the last row, which
+  write the same keys to the same slot), so a position rounds the same alone (a plain step) as among
+  k + 1 (a verification): the output of speculative decoding equals plain decoding's by
+  construction, as under `fast.fixed_width` (every matrix product on the same number of rows, each
+  row's result independent of the others);
+- it attends to every slot of the cache (B, H_kv, capacity, hd) under a mask built from the
+  positions (B, W) on the device (slot j visible to position p when j <= p, inside the block's
+  window), and writes its keys with a scatter at those positions, so nothing depends on host ints;
+- the draft loop is k calls of one draft step, each feeding its argmax to the next on the device; η
+  is read once after the loop (the steps past it ran for nothing, their keys stale and hidden).
+
+Three functions per block range, made once each (`_made`): `run` (blocks [start, end) on hidden
+states: a pass the engine runs from Python), `verify` (+ final norm, LM head, a grammar's masks,
+argmax and the accepted prefix), `draft_step` (embedding, blocks [0, E), final norm, draft head,
+argmax, top probability). In "eager" mode they run as written (any device: the tests' reference);
+in "compile" mode through `torch.compile(fullgraph=True, dynamic=False)`, with CUDA graphs
+(`mode="reduce-overhead"`) on a GPU, the cache's buffers and the weights marked as static addresses
+so that graph replays write the cache in place. The engine keeps one cache per batch size and
+capacity bucket while static passes are on (`SelfSpecGenerator(static_passes=...)`), so a second
+`generate` reuses the captured graphs.
+
+Only the Llama family's plain blocks (`fast.FastLlamaBlocks`) with a table-driven rotary; products
+are `F.linear`, attention is written out in float32 (as `fast._fixed_attention`), so these passes
+round differently from the CPU kernels' (a decode is all static or all not).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .fast import FIXED_WIDTH, FastLlamaBlocks, _Block, apply_rotary, rms_norm
+
+WIDTH = FIXED_WIDTH  # query rows of every static pass
+MODES = ("eager", "compile")
+
+
+class StaticPasses:
+    """The static-shaped passes of one model (see the module docstring).
+
+    fast: the model's `FastLlamaBlocks` (blocks and the plain final norm + LM head); embedding: the
+    token embedding table (V, D); windows: each block's attention window (None: full); rope: maps a
+    capacity to the rotary table (cos, sin), (L >= capacity, hd) each; mode: "eager" or "compile".
+    """
+
+    def __init__(self, fast: FastLlamaBlocks, embedding: torch.Tensor, windows: tuple,
+                 rope: Callable[[int], tuple], mode: str):
+        if mode not in MODES:
+            raise ValueError(f"static passes mode must be one of {MODES}, got {mode!r}")
+        self.fast, self.embedding, self.windows, self.rope, self.mode = fast, embedding, windows, rope, mode
+        self._functions: dict = {}  # (kind, start, end, head id) -> the function, compiled once
+        self._static: set[int] = set()  # data_ptrs already marked as static addresses
+
+    # -- what the engine calls ---------------------------------------------------------------------
+    def run(self, start: int, end: int, hidden: torch.Tensor, cache) -> torch.Tensor | None:
+        """Blocks [start, end) on hidden (B, T, D) at the cache's announced positions, T <= WIDTH;
+        returns (B, T, D), the cache written; None, nothing run, where it does not apply."""
+        length = hidden.shape[1]
+        slots = self._slots(cache, start, end, slice(0, length))
+        if slots is None:
+            return None
+        out = self._made("run", start, end)(_pad(hidden), *slots)
+        cache.written(start, end)
+        return out[:, :length]
+
+    def verify_greedy(self, start: int, end: int, hidden: torch.Tensor | None, tokens: torch.Tensor | None,
+                      cache, drafts: torch.Tensor, allowed: torch.Tensor | None):
+        """`DecoderView.verify_greedy` on static passes: decided (B, T + 1), the tokens (B, T) then each
+        row's accepted count; None, nothing run, where it does not apply."""
+        length = drafts.shape[1] + 1
+        slots = self._slots(cache, start, end, slice(0, length))
+        if slots is None:
+            return None
+        source = _pad(tokens) if hidden is None else _pad(hidden)
+        padded = torch.full((drafts.shape[0], WIDTH - 1), -1, dtype=drafts.dtype, device=drafts.device)
+        padded[:, :length - 1] = drafts  # -1 past the drafts: never accepted
+        if allowed is not None:
+            allowed = _pad(allowed.to(source.device))
+        targets, accepted = self._made("verify", start, end, masked=allowed is not None)(
+            source, *slots, padded, allowed)
+        cache.written(start, end)
+        return torch.cat([targets[:, :length], accepted[:, None].to(targets.dtype)], 1)
+
+    def draft_loop(self, exit_layer: int, token: torch.Tensor, cache, head: tuple, k: int, eta: float):
+        """`DecoderView.draft_loop` on static passes: k draft steps from `token` (B,) at the cache's
+        announced positions (B, k + 1), each step's argmax the next one's input, then the last draft's
+        pass through [0, E); η read once after them (only when η > 0). Returns (drafts (B, s), exit
+        states (B, s + 1, D)), the cache holding the s + 1 inputs at blocks [0, E); None, nothing run,
+        where it does not apply."""
+        if self._slots(cache, 0, exit_layer, slice(0, 1)) is None:
+            return None
+        step = self._made("draft", 0, exit_layer, head=head)
+        drafts, tops, hiddens = [], [], []
+        for i in range(k + 1):
+            token, top, hidden = step(token, *self._slots(cache, 0, exit_layer, slice(i, i + 1)))
+            hiddens.append(hidden)
+            if i < k:
+                drafts.append(token)
+                tops.append(top)
+        count = k
+        if eta and k:  # the first step where no row's draft reaches η ends the drafts
+            sure = (torch.stack(tops) >= eta).any(1).cpu()  # (k,)
+            count = int(sure.int().cumprod(0).sum())
+        cache.written(0, exit_layer, count + 1)
+        hidden = torch.stack(hiddens[:count + 1], 1)  # (B, s + 1, D)
+        return (torch.stack(drafts[:count], 1) if count else token[:, None][:, :0]), hidden
+
+    def allocate(self, cache) -> None:
+        """Give the cache's layers of the model's blocks their buffers now: the passes write them in
+        place, so the same addresses serve every pass (and every replay of a captured one)."""
+        dtype, device = self.embedding.dtype, self.embedding.device
+        for layer, b in enumerate(self.fast.blocks):
+            cache.allocate(layer, b.wk.shape[0] // b.head_dim, b.head_dim, dtype, device)
+
+    # -- the pieces --------------------------------------------------------------------------------
+    def _slots(self, cache, start: int, end: int, columns: slice):
+        """(keys, values of blocks [start, end) (B, H_kv, S, hd) each, positions (B, WIDTH), the rotary
+        table cos, sin (L, hd)) for a pass over the `columns` of the cache's announced positions; None
+        where static passes do not apply: more rows than WIDTH, or a layer of the range without a
+        buffer yet."""
+        if columns.stop - columns.start > WIDTH or not hasattr(cache, "slot_buffers"):
+            return None
+        slots = cache.slot_buffers(start, end)
+        if slots is None:
+            return None
+        keys, values = slots[0], slots[1]
+        if self.mode == "compile" and keys[0].is_cuda:
+            self._mark_static([*keys, *values])
+        return (keys, values, _pad(cache.positions[:, columns]), *self.rope(cache.capacity))
+
+    def _mark_static(self, tensors) -> None:
+        """CUDA graphs replay fixed addresses: tell dynamo these buffers are written in place there."""
+        for t in tensors:
+            if t.data_ptr() not in self._static:
+                torch._dynamo.mark_static_address(t)
+                self._static.add(t.data_ptr())
+
+    def _made(self, kind: str, start: int, end: int, head: tuple | None = None, masked: bool = False):
+        key = (kind, start, end, masked, None if head is None else id(head[0]))
+        if key not in self._functions:
+            blocks = self.fast.blocks[start:end]
+            windows = self.windows[start:end]
+            norm, eps, head_weight, head_bias = self.fast.head
+            if kind == "run":
+                def function(hidden, keys, values, positions, cos, sin):
+                    return _blocks(blocks, windows, hidden, keys, values, positions, cos, sin)
+            elif kind == "verify":
+                embedding = self.embedding
+
+                def function(source, keys, values, positions, cos, sin, drafts, allowed):
+                    hidden = embedding[source] if source.dim() == 2 else source
+                    hidden = _blocks(blocks, windows, hidden, keys, values, positions, cos, sin)
+                    logits = F.linear(rms_norm(hidden, norm, eps), head_weight, head_bias)  # (B, W, V)
+                    if allowed is not None:
+                        logits = _apply_mask(logits, allowed)
+                    targets = logits.float().argmax(-1)  # (B, W)
+                    accepted = (drafts == targets[:, :-1]).int().cumprod(1).sum(1)  # (B,)
+                    return targets, accepted
+            else:
+                embedding = self.embedding
+                weight, bias, ids, _ = head
+
+                def function(token, keys, values, positions, cos, sin):
+                    hidden = embedding[token][:, None].expand(-1, WIDTH, -1)  # (B, W, D)
+                    hidden = _blocks(blocks, windows, hidden, keys, values, positions, cos, sin)[:, 0]
+                    logits = F.linear(rms_norm(hidden, norm, eps), weight, bias).float()  # (B, V')
+                    top, pick = torch.softmax(logits, -1).max(-1)
+                    return (pick if ids is None else ids[pick]), top, hidden
+            if self.mode == "compile":
+                if self.embedding.is_cuda:
+                    self._mark_static(self._weights())
+                function = torch.compile(function, fullgraph=True, dynamic=False,
+                                         mode="reduce-overhead" if self.embedding.is_cuda else None)
+            self._functions[key] = function
+        return self._functions[key]
+
+    def _weights(self) -> list[torch.Tensor]:
+        norm, _, head_weight, head_bias = self.fast.head
+        blocks = [t for b in self.fast.blocks for t in b.tensors() if t is not None]
+        return [t for t in (*blocks, norm, head_weight, head_bias, self.embedding) if t is not None]
+
+
+def _pad(x: torch.Tensor) -> torch.Tensor:
+    """x (B, T, ...) with T < WIDTH padded to WIDTH rows by copies of its last row."""
+    extra = WIDTH - x.shape[1]
+    if not extra:
+        return x
+    return torch.cat([x, x[:, -1:].expand(-1, extra, *x.shape[2:])], 1)
+
+
+def _apply_mask(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """`grammar.apply_mask` (the target's logits at -inf where the grammar refuses; a row without an
+    allowed finite value uniform over the mask), inside the pass."""
+    masked = logits.masked_fill(~allowed, float("-inf"))
+    empty = ~torch.isfinite(masked).any(-1, keepdim=True)
+    return torch.where(empty & allowed, torch.zeros((), dtype=logits.dtype, device=logits.device), masked)
+
+
+def _blocks(blocks: list[_Block], windows: tuple, hidden: torch.Tensor, keys: list, values: list,
+            positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Blocks on hidden (B, W, D) at positions (B, W), block i writing keys[i], values[i]
+    (B, H_kv, S, hd) at those slots and attending to every slot the mask shows it; cos, sin: the
+    rotary table (L, hd), L > every position."""
+    if not blocks:  # a verification at E = N: only the head
+        return hidden
+    slots = torch.arange(keys[0].shape[2], device=positions.device)  # (S,)
+    behind = positions[:, :, None] - slots[None, None, :]  # (B, W, S): how far back each slot is
+    masks = {}
+    for window in set(windows):
+        visible = behind >= 0 if window is None else (behind >= 0) & (behind < window)
+        masks[window] = torch.zeros(visible.shape, device=positions.device).masked_fill(
+            ~visible, torch.finfo(torch.float32).min)[:, None]  # (B, 1, W, S)
+    cos, sin = cos[positions][:, None], sin[positions][:, None]  # (B, 1, W, hd)
+    for b, window, k_cache, v_cache in zip(blocks, windows, keys, values):
+        hidden = _block(b, hidden, k_cache, v_cache, positions, masks[window], cos, sin)
+    return hidden
+
+
+def _block(b: _Block, hidden: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+           positions: torch.Tensor, mask: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """One Llama-family block (as `fast.run_block`'s tensor path) on hidden (B, W, D); its keys and
+    values scattered into the cache at `positions` (B, W); attention in float32 over every slot under
+    `mask` (B, 1, W, S)."""
+    batch, width, _ = hidden.shape
+    x = rms_norm(hidden, b.norm1, b.eps1)
+    q = F.linear(x, b.wq, b.bq).view(batch, width, -1, b.head_dim)
+    k = F.linear(x, b.wk, b.bk).view(batch, width, -1, b.head_dim)
+    v = F.linear(x, b.wv, b.bv).view(batch, width, -1, b.head_dim).transpose(1, 2)
+    if b.q_norm is not None:
+        q, k = rms_norm(q, *b.q_norm), rms_norm(k, *b.k_norm)
+    q = apply_rotary(q.transpose(1, 2), cos, sin)  # (B, Hq, W, hd)
+    k = apply_rotary(k.transpose(1, 2), cos, sin)  # (B, Hkv, W, hd)
+    index = positions[:, None, :, None].expand(-1, k.shape[1], -1, b.head_dim)
+    keys.scatter_(2, index, k.to(keys.dtype))
+    values.scatter_(2, index, v.to(values.dtype))
+    # grouped-query heads: each key/value head's g query heads as g·W rows of one product, the cache
+    # read in place rather than repeated
+    kv_heads, groups = keys.shape[1], q.shape[1] // keys.shape[1]
+    q = q.reshape(batch, kv_heads, groups * width, b.head_dim).float()
+    mask = mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(batch, 1, groups * width, -1)
+    scores = torch.matmul(q, keys.float().transpose(-1, -2)) * b.scaling + mask  # (B, Hkv, g·W, S)
+    attn = torch.matmul(torch.softmax(scores, -1), values.float()).to(hidden.dtype)  # (B, Hkv, g·W, hd)
+    attn = attn.reshape(batch, kv_heads * groups, width, b.head_dim).transpose(1, 2)  # (B, W, Hq, hd)
+    hidden = hidden + F.linear(attn.reshape(batch, width, -1), b.wo, b.bo)
+    x = rms_norm(hidden, b.norm2, b.eps2)
+    return hidden + F.linear(b.act(F.linear(x, b.w_gate, b.b_gate)) * F.linear(x, b.w_up, b.b_up),
+                             b.w_down, b.b_down)

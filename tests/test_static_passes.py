@@ -1,0 +1,139 @@
+"""Static passes (`model.static_passes`, `SelfSpecGenerator(static_passes=...)`): the path for CUDA
+graphs, proven on CPU. Every decoding pass runs at fixed shapes (WIDTH rows, every cache slot under a
+mask from the positions, keys scattered in place), so greedy output equals plain decoding's for every
+Llama family, batch, k, η and drafter; the passes really run (counted); the cache is reused between
+calls; a model without them is a one-line error; and, marked slow, `torch.compile(fullgraph=True)`
+traces them whole (what CUDA-graph capture needs) and computes what the eager passes compute."""
+
+import numpy as np
+import pytest
+import torch
+from helpers import low_alpha_model, reference_greedy, tiny_model
+
+from selfspec.decoding import DecodeSettings, NewRow, SelfSpecGenerator
+from selfspec.errors import UserError
+from selfspec.model import static_passes
+
+NEW = 14
+LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # mistral's window of 8 is shorter than the rows
+BATCHES = {
+    "one": [[5, 17, 33, 2, 71, 8]],
+    "ragged": [[5, 17, 33, 2, 71, 8], [40, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19]],
+}
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """{method: how many calls ran (returned something)} for StaticPasses' three entry points."""
+    counts = {}
+    for name in ("run", "verify_greedy", "draft_loop"):
+        method = getattr(static_passes.StaticPasses, name)
+
+        def counted(self, *args, _method=method, _name=name, **kwargs):
+            out = _method(self, *args, **kwargs)
+            counts[_name] = counts.get(_name, 0) + (out is not None)
+            return out
+
+        monkeypatch.setattr(static_passes.StaticPasses, name, counted)
+    return counts
+
+
+@pytest.mark.parametrize("family", LLAMA_FAMILIES)
+def test_static_greedy_equals_plain_greedy_for_every_family_batch_k_and_eta(family, calls):
+    model = low_alpha_model(family)
+    generator = SelfSpecGenerator(model, exit_layer=2, static_passes="eager")
+    accepted = 0
+    for name, prompts in BATCHES.items():
+        expected = [reference_greedy(model, p, NEW) for p in prompts]
+        for k in (0, 1, 3, 7):
+            for eta in (0.0, 0.02):
+                settings = DecodeSettings(exit_layer=2, num_speculations=k, stop_below=eta)
+                out = generator.generate(prompts, max_new_tokens=NEW, eos_token_id=[], settings=settings)
+                assert out.sequences == expected, (family, name, k, eta)
+                accepted += out.stats.early_exit.accepted
+    assert accepted > 0  # the drafts were real
+    assert calls["draft_loop"] > 0 and calls["verify_greedy"] > 0
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_copies_the_hybrid_and_an_exit_adapter_run_static_passes_too(family, calls):
+    """Copies verify in a whole-model static call; the hybrid's copy after the loop runs its tail through
+    blocks [0, E) as a static `run`; sampling's passes are `run`s."""
+    model = low_alpha_model(family)
+    generator = SelfSpecGenerator(model, exit_layer=2, static_passes="eager")
+    prompts = [[5, 17, 33, 5, 17, 33, 5, 17], [9, 9, 4, 9, 9, 4]]  # repeats: copies to find
+    expected = [reference_greedy(model, p, NEW) for p in prompts]
+    for kwargs in (dict(drafter="ngram", num_speculations=3), dict(drafter="hybrid", num_speculations=4)):
+        out = generator.generate(prompts, max_new_tokens=NEW, eos_token_id=[], **kwargs)
+        assert out.sequences == expected, kwargs
+        assert out.stats.copy.drafted > 0
+    sampled = generator.generate(prompts, max_new_tokens=NEW, eos_token_id=[], num_speculations=3,
+                                 temperature=0.8, seed=0)
+    assert all(len(s) == NEW for s in sampled.sequences)
+    assert calls["run"] > 0
+
+
+def test_rounds_are_capped_to_the_static_width():
+    """k beyond WIDTH - 1 drafts would need a wider pass: the round stops at WIDTH - 1."""
+    model = tiny_model("llama", num_layers=2)
+    generator = SelfSpecGenerator(model, exit_layer=2, static_passes="eager")  # E = N: every draft right
+    out = generator.generate([[5, 17, 33]], max_new_tokens=40, eos_token_id=[], num_speculations=24)
+    assert out.sequences == [reference_greedy(model, [5, 17, 33], 40)]
+    assert len(out.stats.accepted_histogram) == static_passes.WIDTH  # 0 .. WIDTH - 1 accepted
+
+
+def test_bf16_static_speculative_output_equals_static_plain_output():
+    """Every pass at WIDTH rows: a position rounds alike in a plain step and in a verification."""
+    model = low_alpha_model("llama").to(torch.bfloat16)
+    generator = SelfSpecGenerator(model, exit_layer=2, static_passes="eager", fixed_width=False)
+    prompts = BATCHES["ragged"]
+    plain = generator.generate(prompts, max_new_tokens=24, eos_token_id=[], num_speculations=0)
+    for k in (2, 5):
+        out = generator.generate(prompts, max_new_tokens=24, eos_token_id=[], num_speculations=k)
+        assert out.sequences == plain.sequences, k
+        assert out.stats.early_exit.accepted > 0
+
+
+def test_the_cache_buffers_are_kept_per_batch_size_and_length_bucket(monkeypatch):
+    """Captured passes write fixed addresses: a second call writes the first call's buffers; rows
+    joining a running batch get their own."""
+    model = low_alpha_model("llama")
+    generator = SelfSpecGenerator(model, exit_layer=2, static_passes="eager")
+    made = []
+    cache = generator._cache
+    monkeypatch.setattr(generator, "_cache", lambda *args: made.append(cache(*args)) or made[-1])
+    prompts = BATCHES["one"]
+    first = generator.generate(prompts, max_new_tokens=NEW, eos_token_id=[], num_speculations=3)
+    again = generator.generate(prompts, max_new_tokens=NEW - 3, eos_token_id=[], num_speculations=3)
+    assert again.sequences[0] == first.sequences[0][:NEW - 3]
+    assert made[0] is not made[1] and made[0].capacity == made[1].capacity == 256
+    assert [k.data_ptr() for k in made[0].keys] == [k.data_ptr() for k in made[1].keys]
+    joined = iter([[NewRow(prompts[0], NEW)]])
+    both = generator.generate(prompts, max_new_tokens=NEW, eos_token_id=[], num_speculations=3,
+                              admit=lambda: next(joined, []))
+    assert both.sequences == [first.sequences[0]] * 2
+    assert made[3].keys[0].data_ptr() != made[2].keys[0].data_ptr()  # the joining row's cache is its own
+
+
+def test_families_without_static_passes_and_bad_modes_are_user_errors():
+    with pytest.raises(UserError, match="Llama-family"):
+        SelfSpecGenerator(tiny_model("gpt2"), exit_layer=2, static_passes="eager")
+    with pytest.raises(UserError, match="static_passes must be one of eager, compile"):
+        SelfSpecGenerator(tiny_model("llama"), exit_layer=2, static_passes="graphs")
+    plain = SelfSpecGenerator(tiny_model("gpt2"), exit_layer=2)  # unset: every family as before
+    assert plain.static_passes is None
+
+
+@pytest.mark.slow
+def test_compiled_static_passes_trace_whole_and_equal_the_eager_ones():
+    """`torch.compile(fullgraph=True)`: no graph break in a draft step, a verification or a run, so a
+    GPU captures each as one CUDA graph; on CPU (inductor) the output equals the eager passes'."""
+    model = low_alpha_model("llama")
+    prompts = BATCHES["ragged"]
+    eager = SelfSpecGenerator(model, exit_layer=2, static_passes="eager")
+    compiled = SelfSpecGenerator(model, exit_layer=2, static_passes="compile")
+    for k in (3, 0):
+        want = eager.generate(prompts, max_new_tokens=NEW, eos_token_id=[], num_speculations=k)
+        got = compiled.generate(prompts, max_new_tokens=NEW, eos_token_id=[], num_speculations=k)
+        assert got.sequences == want.sequences == [reference_greedy(model, p, NEW) for p in prompts]
+        assert np.array_equal(got.stats.accepted_histogram, want.stats.accepted_histogram), k
