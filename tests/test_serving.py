@@ -373,6 +373,7 @@ def test_the_load_benchmark_reports_every_level_and_the_fault_run(tiny_run, tmp_
         assert [row["concurrency"] for row in report["levels"][arm]] == [1, 2]
         assert all(row["errors"] == 0 and row["mismatches"] == 0 and row["tokens_per_second"] > 0
                    for row in report["levels"][arm])
+    assert 0 < report["served_vs_in_process"]["low"] <= report["served_vs_in_process"]["speedup"]
     fault = report["fault"]
     assert fault["bad"] > 0 and fault["bad_refused_4xx"] == fault["bad"] and fault["good_ok"] == fault["good"]
     assert {p.name for p in tmp_path.iterdir()} >= {"serve_load.json", "serve_load.md", "serve_load.png"}

@@ -157,6 +157,7 @@ class ServeLoadReport(TypedDict):
     in_process_tokens_per_second: float
     in_process_plain_tokens_per_second: float
     in_process_speedup: float
+    served_vs_in_process: dict  # paired: speedup (served ÷ in-process speed), low, high, coverage, spread
     levels: dict[str, list[ServeLevel]]  # arm -> one row per concurrency
     fault: dict | None
 

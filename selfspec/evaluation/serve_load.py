@@ -8,7 +8,10 @@ requests from the prompt set, the arms interleaved level by level. Per level and
 throughput (generated tokens per second of wall time), time to the first token and inter-token
 latency (a request's time from its first to its last chunk over its tokens after the first; p50,
 p95), errors, and mismatches: replies that differ from the same prompt decoded alone in-process.
-At concurrency 1 it also times in-process `generate` on the same prompts (the server's own cost).
+The server's own cost is measured apart, paired: each prompt decoded by in-process `generate`, then
+requested from the server by one client, alternately, twice over the prompts; the median of the
+paired speed ratios and its interval (`paired.median_interval`) survive the machine's drifts, which
+two rates timed a minute apart do not.
 
 `--fault N` then sends N requests, a third of them malformed or hostile (bad JSON, a wrong key,
 unknown fields' values, oversize bodies, huge max_tokens), mixed with good ones: every bad one
@@ -34,6 +37,7 @@ from ..decoding import SelfSpecGenerator
 from ..decoding.settings import PLAIN
 from ..errors import UserError
 from .benchmark import read_prompts
+from .paired import median_interval
 from .report import publish, save_figure
 from .results import ServeLoadReport
 
@@ -109,6 +113,23 @@ def _level(url: str, prompts: list[str], concurrency: int, requests: int, max_to
             "inter_token_p50": _percentile(gaps, 0.5), "inter_token_p95": _percentile(gaps, 0.95)}
 
 
+def _served_vs_in_process(url: str, texts: list[str], ids: list[list[int]], generator, max_tokens: int,
+                           passes: int = 2) -> dict:
+    """Each prompt decoded in process and then served to one client, alternately, `passes` times over
+    the prompts: the median of (in-process seconds ÷ served seconds), the server's speed as a fraction
+    of in-process generate's, with its interval."""
+    ratios = []
+    for _ in range(passes):
+        for text, prompt in zip(texts, ids):
+            start = time.perf_counter()
+            generator.generate([prompt], max_new_tokens=max_tokens)
+            alone = time.perf_counter() - start
+            start = time.perf_counter()
+            _stream(url, text, max_tokens)
+            ratios.append(alone / (time.perf_counter() - start))
+    return median_interval(ratios)
+
+
 def _resident_bytes() -> int:
     """This process's resident memory (Linux /proc; 0 elsewhere)."""
     try:
@@ -176,12 +197,15 @@ def to_markdown(report: dict) -> str:
                          f"{row['first_token_p50'] * 1e3:.0f} / {row['first_token_p95'] * 1e3:.0f} | "
                          f"{row['inter_token_p50'] * 1e3:.1f} / {row['inter_token_p95'] * 1e3:.1f} | "
                          f"{row['errors']} | {row['mismatches']} |")
+    served = report["served_vs_in_process"]
+    lines += ["", f"One client, each prompt in process then served, alternately: the server runs at "
+                  f"{served['speedup']:.2f}× in-process generate ({served['low']:.2f}-{served['high']:.2f}, "
+                  f"{served['coverage']:.0%})."]
     first, plain = report["levels"]["selfspec"][0], report["levels"]["plain"][0]
-    if first["concurrency"] == 1:  # in-process generate decodes one prompt at a time: comparable here
-        one, alone = first["tokens_per_second"], report["in_process_tokens_per_second"]
-        lines += ["", f"Concurrency 1: the server runs at {one / alone:.2f}× in-process generate; its "
-                      f"speedup over the server without drafting is {one / plain['tokens_per_second']:.2f}× "
-                      f"(in process: {report['in_process_speedup']:.2f}×)."]
+    if first["concurrency"] == 1:
+        lines += [f"At concurrency 1 the server's speedup over the server without drafting is "
+                  f"{first['tokens_per_second'] / plain['tokens_per_second']:.2f}× "
+                  f"(in process: {report['in_process_speedup']:.2f}×)."]
     fault = report.get("fault")
     if fault:
         lines += ["", f"Fault run: {fault['requests']} requests; {fault['bad_refused_4xx']} of "
@@ -246,6 +270,7 @@ def serve_load(model: str, *, prompts: str | None = None, corpus: str = "stdlib"
         urls[arm] = f"http://127.0.0.1:{port}/v1"
         _level(urls[arm], texts[:1], 1, 1, max_tokens, reference[:1])  # warm-up
     try:
+        served = _served_vs_in_process(urls["selfspec"], texts, ids, gen, max_tokens)
         results = {arm: [] for arm in ARMS}
         for level in levels:  # the arms interleaved level by level
             for arm in ARMS:
@@ -257,6 +282,7 @@ def serve_load(model: str, *, prompts: str | None = None, corpus: str = "stdlib"
     report = {"model": model, "settings": gen.settings.describe(), "requests": requests,
               "max_tokens": max_tokens, "num_prompts": len(texts), "max_batch": max_batch,
               "in_process_tokens_per_second": rate, "in_process_plain_tokens_per_second": plain_rate,
-              "in_process_speedup": rate / plain_rate, "levels": results, "fault": fault_report}
+              "in_process_speedup": rate / plain_rate, "served_vs_in_process": served, "levels": results,
+              "fault": fault_report}
     publish(out, "serve_load", report, to_markdown(report), plot)
     return report
