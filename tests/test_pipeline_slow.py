@@ -37,3 +37,45 @@ def test_embedded_pipeline_pretrain_finetune_generate(tmp_path):
     plain = gen.generate([prompt], max_new_tokens=24, num_speculations=0, eos_token_id=[])
     assert fast.sequences == plain.sequences and len(fast.sequences[0]) == 24
     assert fast.stats.rounds < 24  # drafts were accepted, not only corrections
+
+
+@pytest.fixture
+def chat_base(tiny_run, tmp_path):
+    """The tiny model with a chat template, as an imported base: a directory of model and tokenizer."""
+    from helpers import CHATML
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = type(tiny_run["tokenizer"]).from_pretrained(tiny_run["model"])
+    tokenizer.chat_template = CHATML
+    AutoModelForCausalLM.from_pretrained(tiny_run["model"]).save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    return tmp_path / "base"
+
+
+def test_the_json_demo_distills_trains_gates_sweeps_and_measures(chat_base, tmp_path, capsys):
+    """`selfspec demo --json` shrunk onto the tiny chat model: the model's own constrained replies, the
+    recipe's exit block on them (the model frozen: the gate moves 0.0), a sweep that stores the JSON
+    format's fastest drafter, and both benchmarks, every output identical to constrained plain."""
+    import json
+
+    from selfspec import demo, recipes
+
+    recipe = tmp_path / "json.yaml"
+    recipe.write_text(f"base: {recipes.find('smollm2-135m_json')}\n" + "\n".join([
+        f"model: {{name_or_path: {chat_base}}}",
+        f"data: {{source: {tmp_path}/distill/responses.jsonl, cache_dir: {tmp_path}/cache, block_size: 64, "
+        "max_train_blocks: null, max_eval_blocks: 2}",
+        "early_exit: {layers: 2, draft_vocab_size: 64}",
+        "optim: {max_steps: 3, warmup_steps: 1, batch_size: 2}",
+        "adapter_init_layer: 3", "exit_layer: 2", "eval_every: 0", "save_every: 0",
+        f"output_dir: {tmp_path}/json"]) + "\n")
+    passed = demo.demo_json(finetune_config=str(recipe), limit=24, reply_tokens=48, num_prompts=2,
+                            max_new_tokens=24, repeats=1)
+    out = tmp_path / "json"
+    assert passed and json.loads((out / "gate.json").read_text())["relative_change"] == 0.0
+    assert read_meta(out / "model")["metrics"]["steps"] == 3
+    assert "json_schema" in read_meta(out / "model")["formats"]  # the sweep stored the format's pick
+    for bench in ("benchmark_untuned", "benchmark"):
+        report = json.loads(next((out / bench).glob("*.json")).read_text())
+        assert all(report["identical"].values()), bench
+    assert "== 6/6" in capsys.readouterr().out

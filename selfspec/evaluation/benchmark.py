@@ -595,7 +595,8 @@ def speedup(model: str, *, exit_layer: int | None = None, num_speculations=None,
     """`selfspec eval speedup`: benchmark the checkpoint `model`; print the report, write it into `out`.
 
     The engine decodes at the checkpoint's settings (`selfspec.json`), with the given fields
-    overriding them; without any override each drafter runs at its fastest a sweep stored.
+    overriding them; without any override each drafter runs at its fastest a sweep stored (for
+    constrained prompts, a sweep under that kind of constraint: `formats`).
     Structured output: `json_schema`/`grammar` (files) or `regex` constrain every reply, and
     `prompts="json-extract"` takes the extraction prompts, each under its own schema.
     profile: add the round profile of every engine method (where its rounds' time goes).
@@ -604,12 +605,14 @@ def speedup(model: str, *, exit_layer: int | None = None, num_speculations=None,
     if num_prompts < 1 or repeats < 1 or max_new_tokens < 1:
         raise UserError(f"--num-prompts ({num_prompts}), --repeats ({repeats}) and --max-new-tokens "
                         f"({max_new_tokens}) must be >= 1")
+    constraint = read_constraint(json_schema=json_schema, regex=regex, grammar=grammar)
+    # constrained prompts decode at what a sweep under that kind stored (`formats`), when there is one
+    kind = constraint.kind if constraint is not None else "json_schema" if prompts == JSON_EXTRACT else None
     settings, fastest, token_counts = resolve_settings(
-        model, exit_layer=exit_layer, num_speculations=num_speculations, draft_vocab_size=draft_vocab_size,
-        stop_below=stop_below, min_ngram=min_ngram)
+        model, constraint_kind=kind, exit_layer=exit_layer, num_speculations=num_speculations,
+        draft_vocab_size=draft_vocab_size, stop_below=stop_below, min_ngram=min_ngram)
     if settings.exit_layer is None:
         raise UserError(f"--exit-layer is required: {model} has no selfspec.json")
-    constraint = read_constraint(json_schema=json_schema, regex=regex, grammar=grammar)
     lm, tokenizer = load_model(model, device, dtype)
     prompt_ids = read_prompts(tokenizer, prompts, corpus, num_prompts, prompt_tokens)
     if constraint is not None:
