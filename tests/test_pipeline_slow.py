@@ -47,7 +47,9 @@ def chat_base(tiny_run, tmp_path):
 
     tokenizer = type(tiny_run["tokenizer"]).from_pretrained(tiny_run["model"])
     tokenizer.chat_template = CHATML
-    AutoModelForCausalLM.from_pretrained(tiny_run["model"]).save_pretrained(tmp_path / "base")
+    model = AutoModelForCausalLM.from_pretrained(tiny_run["model"])
+    model.config.max_position_embeddings = 1024  # the extraction prompts run to ~250 of its tokens
+    model.save_pretrained(tmp_path / "base")
     tokenizer.save_pretrained(tmp_path / "base")
     return tmp_path / "base"
 
@@ -60,16 +62,18 @@ def test_the_json_demo_distills_trains_gates_sweeps_and_measures(chat_base, tmp_
 
     from selfspec import demo, recipes
 
+    # 200 replies: the held-out splits (2% each, by id) get two conversations each, a block of 256
+
     recipe = tmp_path / "json.yaml"
     recipe.write_text(f"base: {recipes.find('smollm2-135m_json')}\n" + "\n".join([
         f"model: {{name_or_path: {chat_base}}}",
-        f"data: {{source: {tmp_path}/distill/responses.jsonl, cache_dir: {tmp_path}/cache, block_size: 64, "
+        f"data: {{source: {tmp_path}/distill/responses.jsonl, cache_dir: {tmp_path}/cache, block_size: 256, "
         "max_train_blocks: null, max_eval_blocks: 2}",
         "early_exit: {layers: 2, draft_vocab_size: 64}",
         "optim: {max_steps: 3, warmup_steps: 1, batch_size: 2}",
         "adapter_init_layer: 3", "exit_layer: 2", "eval_every: 0", "save_every: 0",
         f"output_dir: {tmp_path}/json"]) + "\n")
-    passed = demo.demo_json(finetune_config=str(recipe), limit=24, reply_tokens=48, num_prompts=2,
+    passed = demo.demo_json(finetune_config=str(recipe), limit=200, reply_tokens=48, num_prompts=2,
                             max_new_tokens=24, repeats=1)
     out = tmp_path / "json"
     assert passed and json.loads((out / "gate.json").read_text())["relative_change"] == 0.0
