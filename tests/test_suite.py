@@ -78,7 +78,11 @@ def test_the_suite_times_every_turn_and_reports_every_category(chat_ckpt):
     assert cost["acceptance_rate"] == pytest.approx(overall["early_exit"]["acceptance_rate"])
     assert report["diagnosis"].startswith("Why it is (not) faster: Acceptance: ")
     text = report["diagnosis"]
-    assert f"α {cost['acceptance_rate']:.2f} at E = 2" in text and "Verdict: " in text
+    # the measured c and v decide the branch: the α against its break-even, or no α pays at all (a
+    # loaded machine's draft step can cost more than a plain step); both read this run's figures
+    assert (f"α {cost['acceptance_rate']:.2f} at E = 2" in text
+            or f"at c = {cost['draft_cost']:.2f} and v = " in text), text
+    assert "Verdict: " in text
 
 
 def test_the_json_extract_suite_decodes_each_category_under_its_schemas(chat_ckpt):
