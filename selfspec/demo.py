@@ -23,12 +23,12 @@ SMOLLM2_FINETUNE_CONFIG = "smollm2-135m_cpu"
 JSON_FINETUNE_CONFIG = "smollm2-135m_json"
 
 
-def run(smollm2: bool = False, json: bool = False, base_config: str = DEFAULT_BASE_CONFIG,
+def run(smollm2: bool = False, structured: bool = False, base_config: str = DEFAULT_BASE_CONFIG,
         finetune_config: str | None = None, force: bool = False, max_new_tokens: int = 128,
         repeats: int = 3) -> bool:
     """`selfspec demo [--smollm2 | --json]`: the pipeline on the embedded default, on SmolLM2-135M, or
-    SmolLM2-135M's exit on its own JSON replies; whether the gate passed."""
-    if json:
+    (`structured`, --json) SmolLM2-135M's exit on its own JSON replies; whether the gate passed."""
+    if structured:
         return demo_json(finetune_config=finetune_config or JSON_FINETUNE_CONFIG, force=force,
                          max_new_tokens=max_new_tokens, repeats=repeats)
     if smollm2:

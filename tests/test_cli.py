@@ -52,6 +52,15 @@ def test_every_command_is_called_with_keywords_named_after_its_flags(monkeypatch
                     "block_size": 256, "max_blocks": 4, "json_out": None}
 
 
+def test_demo_json_runs_the_structured_demo(monkeypatch):
+    from selfspec import demo
+
+    seen = {}
+    monkeypatch.setattr(demo, "run", lambda **kwargs: seen.update(kwargs) or True)
+    assert cli.main(["demo", "--json"]) == 0
+    assert seen["structured"] is True and seen["smollm2"] is False
+
+
 def test_a_flag_between_the_model_and_the_prompt_parses(tiny_ckpt, capsys):
     """The README's `selfspec generate MODEL --chat "..."`: argparse's plain parsing took the prompt for an
     unrecognized argument; the tiny tokenizer has no chat template, which is the error it must reach."""
