@@ -56,7 +56,7 @@ def test_static_greedy_equals_plain_greedy_for_every_family_batch_k_and_eta(fami
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_copies_the_hybrid_and_an_exit_adapter_run_static_passes_too(family, calls):
+def test_copies_the_hybrid_and_sampling_run_static_passes_too(family, calls):
     """Copies verify in a whole-model static call; the hybrid's copy after the loop runs its tail through
     blocks [0, E) as a static `run`; sampling's passes are `run`s."""
     model = low_alpha_model(family)

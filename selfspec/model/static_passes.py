@@ -98,12 +98,15 @@ class StaticPasses:
         pass through [0, E); η read once after them (only when η > 0). Returns (drafts (B, s), exit
         states (B, s + 1, D)), the cache holding the s + 1 inputs at blocks [0, E); None, nothing run,
         where it does not apply."""
-        if self._slots(cache, 0, exit_layer, slice(0, 1)) is None:
+        slots = self._slots(cache, 0, exit_layer, slice(0, k + 1))
+        if slots is None:
             return None
+        keys, values, _, cos, sin = slots
         step = self._made("draft", 0, exit_layer, head=head)
         drafts, tops, hiddens = [], [], []
-        for i in range(k + 1):
-            token, top, hidden = step(token, *self._slots(cache, 0, exit_layer, slice(i, i + 1)))
+        for i in range(k + 1):  # step i writes and reads the slot of announced position i
+            positions = _pad(cache.positions[:, i:i + 1])  # (B, W), one position per row
+            token, top, hidden = step(token, keys, values, positions, cos, sin)
             hiddens.append(hidden)
             if i < k:
                 drafts.append(token)
@@ -152,12 +155,11 @@ class StaticPasses:
             blocks = self.fast.blocks[start:end]
             windows = self.windows[start:end]
             norm, eps, head_weight, head_bias = self.fast.head
+            embedding = self.embedding
             if kind == "run":
                 def function(hidden, keys, values, positions, cos, sin):
                     return _blocks(blocks, windows, hidden, keys, values, positions, cos, sin)
             elif kind == "verify":
-                embedding = self.embedding
-
                 def function(source, keys, values, positions, cos, sin, drafts, allowed):
                     hidden = embedding[source] if source.dim() == 2 else source
                     hidden = _blocks(blocks, windows, hidden, keys, values, positions, cos, sin)
@@ -168,7 +170,6 @@ class StaticPasses:
                     accepted = (drafts == targets[:, :-1]).int().cumprod(1).sum(1)  # (B,)
                     return targets, accepted
             else:
-                embedding = self.embedding
                 weight, bias, ids, _ = head
 
                 def function(token, keys, values, positions, cos, sin):
