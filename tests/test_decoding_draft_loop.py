@@ -43,6 +43,11 @@ def loop_calls(monkeypatch):
 
 
 @pytest.fixture
+def step_calls(monkeypatch):
+    return _count(monkeypatch, "draft_step")
+
+
+@pytest.fixture
 def verify_calls(monkeypatch):
     return _count(monkeypatch, "verify_greedy")
 
@@ -81,6 +86,38 @@ def test_the_compiled_loop_drafts_what_the_python_loop_drafts(family, loop_calls
         assert not loop_calls
     else:  # Mistral's window of 8 cuts slots past 8: the compiled loop only before that
         assert any(loop_calls)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_compiled_step_behind_an_exit_block_drafts_what_the_python_step_drafts(family, step_calls,
+                                                                                   monkeypatch):
+    """Rounds whose drafts cannot run as one loop (an exit block; a grammar, tests/test_decoding_grammar)
+    run each step as one call (`draft_step`: blocks [0, E), the exit block with its own cache layer, the
+    head, the argmax, η): the same drafts, stops and cache as the step from Python."""
+    from selfspec.model.exit_adapter import ExitBlock
+
+    model = low_alpha_model(family)
+    torch.manual_seed(3)
+    noisy = ExitBlock.from_model(model, 0).eval()
+    for parameter in noisy.parameters():  # drafts that differ from the target's now and then
+        parameter.data.add_(torch.randn_like(parameter) * 0.3)
+    expected = {name: [reference_greedy(model, p, NEW) for p in prompts] for name, prompts in BATCHES.items()}
+    stopped = 0
+    for exit_layer in (1, 3):
+        generator = SelfSpecGenerator(model, exit_layer=exit_layer, exit_adapters={exit_layer: noisy})
+        for k in (1, 4):
+            for eta in (0.0, 0.15):
+                for drafter in ("early_exit", "hybrid"):
+                    for name, prompts in BATCHES.items():
+                        settings = DecodeSettings(drafter=drafter, exit_layer=exit_layer, num_speculations=k,
+                                                  stop_below=eta)
+                        compiled, python = _both(generator, prompts, monkeypatch, settings=settings)
+                        case = (family, exit_layer, k, eta, drafter, name)
+                        assert compiled.sequences == python.sequences == expected[name], case
+                        assert _stats(compiled) == _stats(python), case
+                        stopped += compiled.stats.stopped_below_eta
+    assert stopped > 0
+    assert any(step_calls) == (family != "gpt2")
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])

@@ -157,6 +157,39 @@ def test_the_compiled_verification_applies_the_grammars_masks(tokenizer, monkeyp
     assert calls
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_the_compiled_draft_step_applies_the_grammars_masks(family, tokenizer, monkeypatch):
+    """Under a grammar each early-exit draft step is one call (`kernels.draft_step`), with the mask
+    llguidance gave before it, behind an exit block or not, with η or not: the drafts, the statistics
+    and the output of the step from Python, and constrained plain decoding's output."""
+    import selfspec.model.kernels as kernels
+    from selfspec.model import fast
+    from selfspec.model.exit_adapter import ExitBlock
+
+    made = kernels.draft_step()
+    if made is None:
+        pytest.skip("selfspec's CPU kernels are not available here")
+    calls = []
+    monkeypatch.setattr(kernels, "draft_step", lambda: lambda *args: calls.append(1) or made(*args))
+    model = make_model(family, tokenizer)
+    block = ExitBlock.from_model(model, model.config.num_hidden_layers - 1).eval()
+    prompt = prompt_ids(tokenizer)
+    expected, complete = constrained_reference(model, tokenizer, prompt, Constraint.of(PERSON), 60)
+    for adapters in ({}, {2: block}):
+        gen = SelfSpecGenerator(model, tokenizer, exit_layer=2, exit_adapters=adapters)
+        for settings in (DRAFTERS["early_exit"], DRAFTERS["hybrid"].override(exit_layer=2),
+                         DecodeSettings(exit_layer=2, num_speculations=4, stop_below=0.3)):
+            compiled = gen.generate([prompt], max_new_tokens=60, json_schema=PERSON, settings=settings)
+            with fast.kernels_up_to("passes"):
+                python = gen.generate([prompt], max_new_tokens=60, json_schema=PERSON, settings=settings)
+            case = (family, bool(adapters), settings)
+            assert compiled.sequences[0] == python.sequences[0] == expected, case
+            assert compiled.complete == python.complete == [complete], case
+            for name in ("accepted_histogram", "k_rounds", "draft_steps", "stopped_below_eta"):
+                assert getattr(compiled.stats, name) == getattr(python.stats, name), (case, name)
+    assert calls
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_greedy_under_a_regex_and_a_lark_grammar(family, tokenizer):
     model = make_model(family, tokenizer, seed=1)

@@ -189,6 +189,7 @@ class _Batch:
     head: DraftHead  # its draft head (trimmed to V', behind an MLP exit adapter, or the model's own)
     exit_block: object  # the attending exit adapter the drafts read (`ExitBlock`, KV at layers N..), or None
     loop_head: tuple | None  # the head as the compiled draft loop reads it (`DraftHead.tensors`), or None
+    step_head: tuple | None  # the same for the compiled draft step (greedy early-exit drafts), or None
     stop_below: float  # η: stop a round's early-exit drafts when no row's top draft probability reaches it
     grammar: GrammarBatch | None  # the rows' grammars (structured output), or None
     forced: bool  # draft the grammar's forced tokens (every drafter but plain decoding)
@@ -509,22 +510,34 @@ class SelfSpecGenerator:
         for _ in range(extend):
             if draft.k >= cap:
                 break
-            if unrun:  # this step's input: the tokens since the last pass through blocks [0, E)
-                hidden, features = self._forward(b, _joined(unrun), draft.k + 1 - _width(unrun),
-                                                 b.exit_layer)  # (B, r, D) each
-                draft.hiddens.append(hidden)
-                unrun = []
-            logits = b.head.logits(features[:, -1])  # (B, V)
-            b.lap("draft passes")
+            allowed = None
             if b.grammar is not None:  # the draft picks among what the grammar allows: q is masked too
-                logits = apply_mask(logits, b.grammar.mask())
+                allowed = b.grammar.mask()  # (B, V)
                 b.lap("grammar")
-            if b.stop_below and self._unsure(b, logits):  # η: no row trusts this draft; verify what we have
-                draft.stopped = True
-                b.lap("draft choice")
-                break
-            token = self._pick(b, logits, b.lengths_dev[:, None] + (draft.k + 1))  # the token at n + k + 1
-            draft.q.append(("early_exit", logits))
+            step = self._draft_step(b, draft, unrun, allowed) if unrun and b.step_head is not None else None
+            if step is not None:  # one compiled call: pass, exit block, head, mask, argmax, η
+                token, sure = step
+                unrun = []
+                if not sure:
+                    draft.stopped = True
+                    break
+            else:
+                if unrun:  # this step's input: the tokens since the last pass through blocks [0, E)
+                    hidden, features = self._forward(b, _joined(unrun), draft.k + 1 - _width(unrun),
+                                                     b.exit_layer)  # (B, r, D) each
+                    draft.hiddens.append(hidden)
+                    unrun = []
+                logits = b.head.logits(features[:, -1])  # (B, V)
+                b.lap("draft passes")
+                if allowed is not None:
+                    logits = apply_mask(logits, allowed)
+                    b.lap("grammar")
+                if b.stop_below and self._unsure(b, logits):  # η: no row trusts this draft; verify the rest
+                    draft.stopped = True
+                    b.lap("draft choice")
+                    break
+                token = self._pick(b, logits, b.lengths_dev[:, None] + (draft.k + 1))  # the token at n+k+1
+                draft.q.append(("early_exit", logits))
             draft.add("early_exit", token[:, None])
             unrun.append(token[:, None])
             b.lap("draft choice")
@@ -558,6 +571,22 @@ class SelfSpecGenerator:
         draft.tail = drafts[:, :0]
         b.lap("draft passes")
         return True
+
+    def _draft_step(self, b: _Batch, draft: _Draft, unrun: list, allowed: torch.Tensor | None):
+        """One greedy early-exit step of `_draft` in one compiled call (`DecoderView.draft_step`): the
+        tokens `unrun` through blocks [0, E) and the exit block, the draft head, the grammar's mask
+        `allowed` (B, V) and the argmax, as the step from Python does them. (draft (B,), sure: some row's
+        draft reaches η), the exit states appended to `draft`; or None, nothing run."""
+        tokens = _joined(unrun)  # (B, r)
+        place = self._place(b, draft.k + 1 - tokens.shape[1], tokens.shape[1])
+        out = self.view.draft_step(b.exit_layer, tokens, b.cache, place["positions"], b.step_head,
+                                   b.exit_block, allowed, b.stop_below)
+        if out is None:
+            return None
+        token, hidden, sure = out
+        draft.hiddens.append(hidden)
+        b.lap("draft passes")
+        return token, sure
 
     def _free_drafts(self, b: _Batch, draft: _Draft, unrun: list, policy: DraftPolicy, cap: int,
                      copy: np.ndarray | None = None) -> bool:
@@ -910,6 +939,7 @@ class SelfSpecGenerator:
                    sampling=sampling, exit_layer=settings.exit_layer, head=head, exit_block=exit_block,
                    loop_head=(head.tensors() if sampling.greedy and grammars is None and exit_block is None
                               and not settings.is_plain else None),
+                   step_head=head.tensors() if sampling.greedy and not settings.is_plain else None,
                    stop_below=settings.stop_below, grammar=grammars, forced=forced,
                    steps=torch.arange(capacity, device=device), rows=np.arange(rows),
                    lengths=np.zeros(rows, dtype=np.int64),

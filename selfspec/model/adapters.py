@@ -81,6 +81,12 @@ class Adapter:
         `DecoderView.draft_loop`); None (nothing run) otherwise."""
         return None
 
+    def draft_step(self, exit_layer: int, tokens, cache, positions, head: tuple, exit_block, allowed,
+                   eta: float):
+        """One greedy early-exit draft step in one call where this family has one (see
+        `DecoderView.draft_step`); None (nothing run) otherwise."""
+        return None
+
     def verify_greedy(self, start: int, end: int, hidden, tokens, cache, positions, drafts, allowed=None):
         """Greedy verification in one call where this family has one (see `DecoderView.verify_greedy`);
         None (nothing run) otherwise."""
@@ -206,6 +212,35 @@ class LlamaFamilyAdapter(Adapter):
         embedding = self.model.model.embed_tokens
         mask_value = torch.finfo(embedding.weight.dtype).min  # `DecoderView._mask`'s
         return self.fast.draft_loop(exit_layer, embedding, token, cache, *place, mask_value, head, k, eta)
+
+    def draft_step(self, exit_layer, tokens, cache, positions, head, exit_block, allowed, eta):
+        if self._static is not None:  # static passes run the step from Python, at their fixed shapes
+            return None
+        place = self._round_place(0, exit_layer, cache, positions)
+        if place is None:
+            return None
+        slots, cos, sin = place
+        layers, first, extra_slots = [], 0, None
+        if exit_block is not None:
+            last = slots[3] - 1  # the calls attend to every slot: no window may cut one
+            windows = [self.windows[like] for like in exit_block.init_layers]
+            if any(w is not None and w <= last for w in windows):
+                return None
+            layers = list(exit_block.layers)
+            first = layers[0].self_attn.layer_idx  # the exit blocks' cache layers: N, N + 1, ..
+            extra_slots = cache.slot_buffers(first, first + len(layers))
+            if extra_slots is None:
+                return None
+        embedding = self.model.model.embed_tokens
+        mask_value = torch.finfo(embedding.weight.dtype).min  # `DecoderView._mask`'s
+        out = self.fast.draft_step(exit_layer, layers, self.config, embedding, tokens, slots, extra_slots,
+                                   cos, sin, mask_value, head, allowed, eta)
+        if out is None:
+            return None
+        cache.written(0, exit_layer)
+        if layers:
+            cache.written(first, first + len(layers))
+        return out
 
     def verify_greedy(self, start, end, hidden, tokens, cache, positions, drafts, allowed=None):
         if self._static is not None:

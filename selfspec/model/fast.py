@@ -432,6 +432,7 @@ class FastLlamaBlocks:
         self.blocks = blocks
         self._extra: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # exit block -> tensors
         self._lookup: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # embedding -> plain lookup?
+        self._extra_kernel: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # exit block -> Block
         self.head = head  # (final norm weight, eps, LM head weight, bias), or None: use the modules
         self._kernel_blocks = None  # (the extension's Block class, the blocks as its objects): `_compiled`
         self._silu = all(b.act is F.silu for b in blocks)  # the compiled blocks' MLP activation
@@ -543,6 +544,42 @@ class FastLlamaBlocks:
         cache.written(start, end)
         return out[0]
 
+    def draft_step(self, exit_layer: int, extra: list, config, embedding: nn.Module, tokens: torch.Tensor,
+                   slots: tuple, extra_slots: tuple | None, cos: torch.Tensor, sin: torch.Tensor,
+                   mask_value: float, head: tuple, allowed: torch.Tensor | None, eta: float):
+        """One greedy early-exit draft step in one compiled call (`kernels.draft_step`): `tokens` (B, T) at
+        the cache's announced slots through blocks [0, E) (the cache written), then through the exit
+        blocks `extra` (block modules outside the model's list, each at its own cache layer, of the
+        model `config`'s family; [] for none), the final norm and draft head on the last position, a
+        grammar's mask `allowed` (B, V) bool or None, and the argmax. slots: the cache's
+        `slot_buffers(0, exit_layer)`, extra_slots the exit blocks' (None without them); cos, sin (B, T,
+        hd); head as `draft_loop`'s. Returns (draft (B,), hidden (B, T, D) after block E, sure: some
+        row's draft puts `eta` on its top token), or None, nothing computed, where it does not apply
+        (see `_round_call`; an exit block that is not a plain block of the family)."""
+        weight, bias, ids, vocab = head
+        call = self._round_call(kernels.draft_step, 0, exit_layer, embedding, cos, sin, (weight, bias))
+        if call is None:
+            return None
+        made, blocks, embed, cos, sin = call
+        gathered = [self.extra(layer, config) for layer in extra]
+        if any(b is None or b.act is not F.silu for b in gathered):
+            return None
+        block_class = kernels.blocks_pass()[0]
+        extra_blocks = []
+        for layer, b in zip(extra, gathered):
+            if layer not in self._extra_kernel or self._extra_kernel[layer][0] is not block_class:
+                self._extra_kernel[layer] = (block_class, _kernel_block(block_class, b))
+            extra_blocks.append(self._extra_kernel[layer][1])
+        keys, values, first, _, row_starts = slots
+        if extra:
+            keys, values = [*keys, *extra_slots[0]], [*values, *extra_slots[1]]
+        out = made(blocks, extra_blocks, embed, tokens, keys, values, first, cos, sin, mask_value,
+                   self.head[0], self.head[1], weight, bias, ids, vocab, allowed, eta, row_starts)
+        if not out:
+            return None
+        draft, hidden, sure = out
+        return draft, hidden, bool(sure)
+
     def _round_call(self, accessor, start: int, end: int, embedding: nn.Module, cos: torch.Tensor,
                     sin: torch.Tensor, head: tuple):
         """What a compiled round call (`draft_loop`, `verify_greedy`) over blocks [start, end) needs
@@ -573,11 +610,7 @@ class FastLlamaBlocks:
             return None
         block, run = made
         if self._kernel_blocks is None or self._kernel_blocks[0] is not block:
-            self._kernel_blocks = (block, [block(b.norm1, b.eps1, b.wq, b.bq, b.wk, b.bk, b.wv, b.bv,
-                                                 *(b.q_norm or (None, 0.0)), *(b.k_norm or (None, 0.0)),
-                                                 b.head_dim, b.scaling, b.wo, b.bo, b.norm2, b.eps2, b.w_gate,
-                                                 b.b_gate, b.w_up, b.b_up, b.w_down, b.b_down)
-                                           for b in self.blocks])
+            self._kernel_blocks = (block, [_kernel_block(block, b) for b in self.blocks])
         return self._kernel_blocks[1], run
 
     def extra(self, layer: nn.Module, config) -> _Block | None:
@@ -586,6 +619,13 @@ class FastLlamaBlocks:
         if layer not in self._extra:
             self._extra[layer] = None if _hooked(layer) else _gather(layer, config)
         return self._extra[layer]
+
+
+def _kernel_block(block_class, b: _Block):
+    """The gathered block `b` as the kernels' `Block` object (its tensors shared, not copied)."""
+    return block_class(b.norm1, b.eps1, b.wq, b.bq, b.wk, b.bk, b.wv, b.bv, *(b.q_norm or (None, 0.0)),
+                       *(b.k_norm or (None, 0.0)), b.head_dim, b.scaling, b.wo, b.bo, b.norm2, b.eps2,
+                       b.w_gate, b.b_gate, b.w_up, b.b_up, b.w_down, b.b_down)
 
 
 def _pass_fits_kernels(hidden: torch.Tensor, mask: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,

@@ -193,6 +193,18 @@ class DecoderView:
         its first pass (a no-op otherwise)."""
         self.adapter.allocate_static(cache)
 
+    def draft_step(self, exit_layer: int, tokens: torch.Tensor, cache, positions: torch.Tensor, head: tuple,
+                   exit_block=None, allowed: torch.Tensor | None = None, eta: float = 0.0):
+        """One greedy early-exit draft step in one compiled call, where the family has one (the Llama
+        family on selfspec's CPU kernels): `tokens` (B, T) at `positions` (B, T) (announced to `cache`)
+        through blocks [0, exit_layer), then `exit_block`'s blocks (an `ExitBlock`, each writing its own
+        cache layer) when given, the final norm and draft head on the last position, a grammar's
+        mask `allowed` (B, V) bool where given, and the argmax: the engine's Python step, op for op.
+        head as `draft_loop`'s. Returns (draft (B,), hidden (B, T, D) after block E, sure: whether some
+        row's draft puts `eta` on its top token), the cache holding the T positions; or None, nothing
+        run, where it does not apply (the kernels off, static passes, a window that cuts a slot)."""
+        return self.adapter.draft_step(exit_layer, tokens, cache, positions, head, exit_block, allowed, eta)
+
     def draft_loop(self, exit_layer: int, token: torch.Tensor, cache, positions: torch.Tensor, head: tuple,
                    k: int, eta: float = 0.0):
         """Greedy early-exit drafts in one compiled call, where the family has one (the Llama family on

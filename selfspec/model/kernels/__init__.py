@@ -100,6 +100,16 @@ def draft_loop() -> Callable | None:
     return None if module is None else module.draft_loop
 
 
+def draft_step() -> Callable | None:
+    """The compiled `draft_step(blocks, extra, embed, tokens, keys, values, start, cos, sin, mask_value, norm,
+    eps, head, bias, ids, vocab, allowed, eta, row_starts) -> [draft (B,), hidden (B, T, D), sure (1,)]`
+    (one greedy early-exit step: `blocks_pass` over blocks [0, E), then the exit blocks `extra`, the
+    draft head, a grammar's mask and the argmax; [] where `blocks_pass` declines), or None where the
+    kernels are not available."""
+    module = _module()
+    return None if module is None else module.draft_step
+
+
 def verify_greedy() -> Callable | None:
     """The compiled `verify_greedy(blocks, hidden, tokens, embed, keys, values, start, cos, sin, mask_value,
     norm, eps, head, bias, drafts, allowed) -> [decided (B, T + 1)]` (the target's pass, head,
@@ -144,5 +154,5 @@ def _module():
     return module
 
 
-__all__ = ["block_halves", "blocks_pass", "draft_loop", "few_queries_attention", "few_rows_linear",
-           "verify_greedy"]
+__all__ = ["block_halves", "blocks_pass", "draft_loop", "draft_step", "few_queries_attention",
+           "few_rows_linear", "verify_greedy"]

@@ -547,6 +547,22 @@ torch::Tensor causal_mask(const std::vector<int64_t>& firsts, int64_t length, in
       .masked_fill_(torch::arange(slots, options).view({1, 1, slots}) > lasts.unsqueeze(2), mask_value);
 }
 
+// Whether every block's tensors and its key and value buffers (B, Hkv, >= kv_length, hd) suit the kernels
+// in `dtype` for a batch of `batch` rows.
+bool blocks_fit(const std::vector<const Block*>& blocks, const std::vector<torch::Tensor>& keys,
+                const std::vector<torch::Tensor>& values, int64_t batch, int64_t kv_length, at::ScalarType dtype) {
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const Block& b = *blocks[i];
+    const torch::Tensor &k = keys[i], &v = values[i];
+    if (!b.usable(dtype) || k.dim() != 4 || !k.device().is_cpu() || k.scalar_type() != dtype ||
+        k.size(0) != batch || k.size(1) * b.head_dim != b.wk.size(0) || k.size(2) < kv_length ||
+        k.size(3) != b.head_dim || k.stride(3) != 1 || k.stride(2) != b.head_dim || v.sizes() != k.sizes() ||
+        v.strides() != k.strides() || v.scalar_type() != dtype || !v.device().is_cpu())
+      return false;
+  }
+  return true;
+}
+
 // Blocks [first, last) of a decoding pass in one call: for each, `block_front`, the cache write, then
 // `block_back`. hidden (B, T, D); keys[i], values[i] the cache's buffers of block i (B, Hkv, capacity,
 // hd), the T new positions written at slots start .. start + T - 1 (row b at row_starts[b] .. when
@@ -568,15 +584,7 @@ c10::optional<torch::Tensor> blocks_pass(const std::vector<const Block*>& blocks
   if (!hidden.device().is_cpu() || (dtype != torch::kFloat32 && dtype != torch::kBFloat16)) return c10::nullopt;
   const auto firsts = first_slots(batch, length, start, kv_length, row_starts);
   if (firsts.empty() || (row_starts.has_value() && !mask.has_value())) return c10::nullopt;
-  for (size_t i = 0; i < blocks.size(); ++i) {
-    const Block& b = *blocks[i];
-    const torch::Tensor &k = keys[i], &v = values[i];
-    if (!b.usable(dtype) || k.dim() != 4 || !k.device().is_cpu() || k.scalar_type() != dtype ||
-        k.size(0) != batch || k.size(1) * b.head_dim != b.wk.size(0) || k.size(2) < kv_length ||
-        k.size(3) != b.head_dim || k.stride(3) != 1 || k.stride(2) != b.head_dim || v.sizes() != k.sizes() ||
-        v.strides() != k.strides() || v.scalar_type() != dtype || !v.device().is_cpu())
-      return c10::nullopt;
-  }
+  if (!blocks_fit(blocks, keys, values, batch, kv_length, dtype)) return c10::nullopt;
   // the additive mask in fp32 once for all blocks (each block's half would convert it again)
   const torch::Tensor additive = mask.has_value() ? mask->to(torch::kFloat32).contiguous()
                                                   : torch::zeros({batch, length, kv_length},
@@ -674,6 +682,64 @@ std::vector<torch::Tensor> draft_loop(const std::vector<const Block*>& blocks, c
   return {made, torch::cat(states, 1)};
 }
 
+// One greedy early-exit draft step in one call, for the rounds whose drafts need the host between
+// steps (a grammar's mask, its forced tokens, copies) or an exit block: the T inputs `tokens` (B, T) at
+// slots start .. start + T - 1 (row b at row_starts[b] .. where rows sit at different slots) through
+// blocks [0, E) (`blocks`, the cache written; query t sees slots up to its own), then through the exit
+// blocks `extra` on block E's output (each writing its own cache layer: `keys`/`values` hold the E
+// blocks' buffers, then the extra blocks'), the draft head on the last input's state (`draft_logits`),
+// a grammar's mask `allowed` (B, V) bool where given (as `grammar.apply_mask`), and the argmax (bf16
+// widened first). The same calls in the same order as the engine's Python step, so the same bits.
+// Returns {draft (B,) int64, hidden (B, T, D) after block E (the verification's input there), sure
+// (1,) bool: some row's draft puts `eta` on its top token (softmax in fp32, as the engine's `_unsure`;
+// always true for eta <= 0)}, or an empty vector, nothing computed, where `blocks_pass` declines.
+std::vector<torch::Tensor> draft_step(const std::vector<const Block*>& blocks, const std::vector<const Block*>& extra,
+                                      const torch::Tensor& embed, const torch::Tensor& tokens,
+                                      const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
+                                      int64_t start, const torch::Tensor& cos, const torch::Tensor& sin,
+                                      double mask_value, const torch::Tensor& norm, double eps,
+                                      const torch::Tensor& head, const c10::optional<torch::Tensor>& bias,
+                                      const c10::optional<torch::Tensor>& ids, int64_t vocab,
+                                      const c10::optional<torch::Tensor>& allowed, double eta,
+                                      const c10::optional<torch::Tensor>& row_starts) {
+  TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == torch::kLong, "tokens (B, T) int64");
+  const size_t depth = blocks.size();
+  TORCH_CHECK(keys.size() == depth + extra.size() && values.size() == keys.size(),
+              "a key and a value buffer per block, the exit blocks' last");
+  const int64_t batch = tokens.size(0), length = tokens.size(1);
+  const auto firsts = first_slots(batch, length, start, std::numeric_limits<int64_t>::max() / 2, row_starts);
+  TORCH_CHECK(!firsts.empty(), "row_starts >= 0");
+  const int64_t kv_length = *std::max_element(firsts.begin(), firsts.end()) + length;
+  c10::optional<torch::Tensor> mask;
+  if (length > 1 || row_starts.has_value())  // one position of aligned rows sees every slot: no mask
+    mask = causal_mask(firsts, length, kv_length, mask_value);
+  const std::vector<torch::Tensor> block_keys(keys.begin(), keys.begin() + depth),
+      block_values(values.begin(), values.begin() + depth), extra_keys(keys.begin() + depth, keys.end()),
+      extra_values(values.begin() + depth, values.end());
+  if (!blocks_fit(extra, extra_keys, extra_values, batch, kv_length, embed.scalar_type())) return {};
+  const auto input = embed.index_select(0, tokens.reshape(-1)).view({batch, length, -1});
+  const auto hidden = blocks_pass(blocks, input, block_keys, block_values, start, kv_length, mask, cos, sin,
+                                  row_starts);
+  if (!hidden.has_value()) return {};
+  auto features = *hidden;
+  if (!extra.empty()) {
+    const auto out = blocks_pass(extra, features, extra_keys, extra_values, start, kv_length, mask, cos, sin,
+                                 row_starts);
+    TORCH_CHECK(out.has_value(), "the exit blocks declined after blocks [0, E) ran");  // checked above
+    features = *out;
+  }
+  auto logits = draft_logits(features.select(1, length - 1), norm, eps, head, bias, ids, vocab);  // (B, V)
+  if (allowed.has_value()) {
+    const auto masked = logits.masked_fill(allowed->logical_not(), -std::numeric_limits<float>::infinity());
+    const auto empty = torch::isfinite(masked).any(-1, true).logical_not();
+    logits = torch::where(empty.logical_and(*allowed), torch::zeros({}, logits.options()), masked);
+  }
+  if (logits.scalar_type() != torch::kFloat32) logits = logits.to(torch::kFloat32);
+  const auto sure = eta > 0 ? (std::get<0>(torch::softmax(logits, -1).max(-1)) >= eta).any().reshape({1})
+                            : torch::ones({1}, torch::kBool);
+  return {logits.argmax(-1), *hidden, sure};
+}
+
 // Greedy verification in one call: the target's pass over blocks [first, last) on T positions at slots
 // start .. start + T - 1 (row b at row_starts[b] .. where rows sit at different slots; query t sees
 // slots up to its own: `causal_mask`, whose `mask_value` beyond is the engine's mask's, its dtype's
@@ -743,6 +809,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("blocks_pass", &blocks_pass, "blocks of a decoding pass, the cache written, in one call",
              pybind11::call_guard<pybind11::gil_scoped_release>());
   module.def("draft_loop", &draft_loop, "greedy early-exit drafts: k steps of blocks [0, E), head, argmax",
+             pybind11::call_guard<pybind11::gil_scoped_release>());
+  module.def("draft_step", &draft_step, "one greedy draft step: blocks [0, E), exit blocks, head, mask, argmax",
              pybind11::call_guard<pybind11::gil_scoped_release>());
   module.def("verify_greedy", &verify_greedy, "greedy verification: the pass, the head, the accepted prefix",
              pybind11::call_guard<pybind11::gil_scoped_release>());
