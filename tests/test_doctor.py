@@ -32,6 +32,7 @@ def test_a_healthy_model_passes_every_check():
     ({"alpha": float("nan")}, 1, "not measured"),
     ({"draft_cost": 1.5, "verify_cost": 1.5, "k": 1}, 1, "no α pays for k = 1"),
     ({"draft_cost": 0.7}, 2, "1.56× the 0.45 its weights predict"),  # c far above the weights' share
+    ({"draft_cost": 0.7, "free_drafts": True}, 2, "c overstates a step"),  # forced tokens' passes in it
     ({"overhead": 0.2}, 3, "costs 0.20 plain steps a round (above 0.10)"),
     ({"verify_cost_long": 1.4}, 4, "long contexts erode the gain"),
     ({"draft_cost_long": None, "verify_cost_long": None}, 4, "not measured at 2048"),

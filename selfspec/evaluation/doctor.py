@@ -40,7 +40,7 @@ def diagnose(figures: dict) -> list[str]:
     if figures.get("draft_cost") is not None:
         lines.append(_acceptance(figures))
     if figures.get("draft_cost") is not None and figures.get("weight_cost") is not None:
-        lines.append(_draft_cost(figures["draft_cost"], figures["weight_cost"]))
+        lines.append(_draft_cost(figures["draft_cost"], figures["weight_cost"], figures.get("free_drafts")))
     overhead = figures.get("overhead")
     if overhead is not None and overhead > OVERHEAD_LIMIT:
         lines.append(f"3. overhead: the work between a round's passes costs {overhead:.2f} plain steps "
@@ -72,8 +72,15 @@ def _acceptance(figures: dict) -> str:
             f"c = {c:.2f}, v = {v:.2f}, k = {k} need.")
 
 
-def _draft_cost(c: float, weight: float) -> str:
-    """Check 2: the measured c against the share of the weights a draft step reads."""
+def _draft_cost(c: float, weight: float, free_drafts: bool = False) -> str:
+    """Check 2: the measured c against the share of the weights a draft step reads. free_drafts: the
+    rounds drafted tokens without a model call beside the exit's (a grammar's forced tokens, copies),
+    whose pass through blocks [0, E) the draft time holds."""
+    if c > DRAFT_COST_MARGIN * weight and free_drafts:
+        return (f"2. draft cost: c = {c:.2f} plain steps per early-exit draft, {c / weight:.2f}× the "
+                f"{weight:.2f} its weights predict; the draft passes also run the free drafts (forced "
+                f"tokens, copies) through blocks [0, E), work the verification does otherwise, so c "
+                f"overstates a step.")
     if c > DRAFT_COST_MARGIN * weight:
         return (f"2. draft cost: a draft step costs c = {c:.2f} plain steps, {c / weight:.2f}× the "
                 f"{weight:.2f} its weights predict: per-step work beyond reading the weights; a "
@@ -117,7 +124,7 @@ def cost_figures(cost: dict, speedups: dict, exit_layer: int | None, overhead: f
     α of the early exit's own drafts, where others were verified beside them (a grammar's forced
     tokens, which cost no draft step); default the cost model's α of all drafts."""
     figures = {"exit_layer": exit_layer, "speedups": speedups, "overhead": overhead,
-               "weight_cost": cost.get("weight_cost")}
+               "weight_cost": cost.get("weight_cost"), "free_drafts": exit_alpha is not None}
     if "draft_cost" in cost:
         # the rounds' k counts every draft; beside other drafts, the exit's own mean k stands alone
         rounds = {int(k): n for k, n in (cost.get("k_rounds") or {}).items()} if exit_alpha is None else None

@@ -121,8 +121,9 @@ def create_app(generator, model_name: str, *, api_key: str | None = None, max_ba
                 return {"index": 0, ("delta" if delta else "message"): content, "finish_reason": reason}
             return {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
 
-        async def next_event():
-            event = await job.events.get()
+        async def next_event(queued=None):
+            """The job's next event (`queued`, one already taken, first); an error event raises."""
+            event = queued if queued is not None else await job.events.get()
             if event[0] == "error":
                 raise APIError(500, event[1], kind="server_error")
             return event
@@ -151,14 +152,21 @@ def create_app(generator, model_name: str, *, api_key: str | None = None, max_ba
                     yield sse({**head, "object": chunk_object,
                                "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                             "finish_reason": None}]})
+                queued = None  # an event taken while merging text, not yet sent
                 while True:
                     try:
-                        event = await next_event()
+                        event, queued = await next_event(queued), None
                     except APIError as exc:
                         yield sse(exc.body())
                         return
                     if event[0] == "text":
-                        yield sse({**head, "object": chunk_object, "choices": [choice(event[1], None, True)]})
+                        text = event[1]
+                        while not job.events.empty():  # the client fell behind: its queued text in one chunk
+                            queued = job.events.get_nowait()
+                            if queued[0] != "text":
+                                break
+                            text, queued = text + queued[1], None
+                        yield sse({**head, "object": chunk_object, "choices": [choice(text, None, True)]})
                         continue
                     yield sse({**head, "object": chunk_object, "selfspec": job.stats(drafter),
                                "choices": [choice(None, job.finish_reason, True)]})
