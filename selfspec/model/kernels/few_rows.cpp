@@ -682,6 +682,28 @@ std::vector<torch::Tensor> draft_loop(const std::vector<const Block*>& blocks, c
   return {made, torch::cat(states, 1)};
 }
 
+// Where a pass of T = `length` positions writes and what it sees: kv_length (the slots attended: past
+// the last row's last position) and the additive mask (B, T, kv_length) of rows at slots start .. (row b
+// at row_starts[b] ..; query t sees slots up to its own, `causal_mask`), none for one position of
+// aligned rows, which sees every slot.
+std::pair<int64_t, c10::optional<torch::Tensor>> pass_mask(int64_t batch, int64_t length, int64_t start,
+                                                          const c10::optional<torch::Tensor>& row_starts,
+                                                          double mask_value) {
+  const auto firsts = first_slots(batch, length, start, std::numeric_limits<int64_t>::max() / 2, row_starts);
+  TORCH_CHECK(!firsts.empty(), "row_starts >= 0");
+  const int64_t kv_length = *std::max_element(firsts.begin(), firsts.end()) + length;
+  if (length == 1 && !row_starts.has_value()) return {kv_length, c10::nullopt};
+  return {kv_length, causal_mask(firsts, length, kv_length, mask_value)};
+}
+
+// Logits (n, V) with every token a grammar's mask `allowed` (n, V) bool refuses at -inf, as
+// `grammar.apply_mask`: a row left with nothing finite becomes uniform (0) over the allowed tokens.
+torch::Tensor apply_allowed(const torch::Tensor& logits, const torch::Tensor& allowed) {
+  const auto masked = logits.masked_fill(allowed.logical_not(), -std::numeric_limits<float>::infinity());
+  const auto empty = torch::isfinite(masked).any(-1, true).logical_not();
+  return torch::where(empty.logical_and(allowed), torch::zeros({}, logits.options()), masked);
+}
+
 // One greedy early-exit draft step in one call, for the rounds whose drafts need the host between
 // steps (a grammar's mask, its forced tokens, copies) or an exit block: the T inputs `tokens` (B, T) at
 // slots start .. start + T - 1 (row b at row_starts[b] .. where rows sit at different slots) through
@@ -707,12 +729,7 @@ std::vector<torch::Tensor> draft_step(const std::vector<const Block*>& blocks, c
   TORCH_CHECK(keys.size() == depth + extra.size() && values.size() == keys.size(),
               "a key and a value buffer per block, the exit blocks' last");
   const int64_t batch = tokens.size(0), length = tokens.size(1);
-  const auto firsts = first_slots(batch, length, start, std::numeric_limits<int64_t>::max() / 2, row_starts);
-  TORCH_CHECK(!firsts.empty(), "row_starts >= 0");
-  const int64_t kv_length = *std::max_element(firsts.begin(), firsts.end()) + length;
-  c10::optional<torch::Tensor> mask;
-  if (length > 1 || row_starts.has_value())  // one position of aligned rows sees every slot: no mask
-    mask = causal_mask(firsts, length, kv_length, mask_value);
+  const auto [kv_length, mask] = pass_mask(batch, length, start, row_starts, mask_value);
   const std::vector<torch::Tensor> block_keys(keys.begin(), keys.begin() + depth),
       block_values(values.begin(), values.begin() + depth), extra_keys(keys.begin() + depth, keys.end()),
       extra_values(values.begin() + depth, values.end());
@@ -729,11 +746,7 @@ std::vector<torch::Tensor> draft_step(const std::vector<const Block*>& blocks, c
     features = *out;
   }
   auto logits = draft_logits(features.select(1, length - 1), norm, eps, head, bias, ids, vocab);  // (B, V)
-  if (allowed.has_value()) {
-    const auto masked = logits.masked_fill(allowed->logical_not(), -std::numeric_limits<float>::infinity());
-    const auto empty = torch::isfinite(masked).any(-1, true).logical_not();
-    logits = torch::where(empty.logical_and(*allowed), torch::zeros({}, logits.options()), masked);
-  }
+  if (allowed.has_value()) logits = apply_allowed(logits, *allowed);
   if (logits.scalar_type() != torch::kFloat32) logits = logits.to(torch::kFloat32);
   const auto sure = eta > 0 ? (std::get<0>(torch::softmax(logits, -1).max(-1)) >= eta).any().reshape({1})
                             : torch::ones({1}, torch::kBool);
@@ -767,21 +780,11 @@ std::vector<torch::Tensor> verify_greedy(const std::vector<const Block*>& blocks
                                                                  .view({tokens->size(0), tokens->size(1), -1});
   const int64_t batch = input.size(0), length = input.size(1);
   TORCH_CHECK(drafts.dim() == 2 && drafts.size(0) == batch && drafts.size(1) == length - 1, "drafts (B, T - 1)");
-  const auto firsts = first_slots(batch, length, start, std::numeric_limits<int64_t>::max() / 2, row_starts);
-  TORCH_CHECK(!firsts.empty(), "row_starts >= 0");
-  const int64_t kv_length = *std::max_element(firsts.begin(), firsts.end()) + length;
-  c10::optional<torch::Tensor> mask;
-  if (length > 1 || row_starts.has_value())  // one position of aligned rows sees every slot: no mask
-    mask = causal_mask(firsts, length, kv_length, mask_value);
+  const auto [kv_length, mask] = pass_mask(batch, length, start, row_starts, mask_value);
   const auto out = blocks_pass(blocks, input, keys, values, start, kv_length, mask, cos, sin, row_starts);
   if (!out.has_value()) return {};
   auto logits = draft_logits(out->reshape({batch * length, -1}), norm, eps, head, bias, c10::nullopt, 0);
-  if (allowed.has_value()) {
-    const auto mask = allowed->reshape({batch * length, -1});
-    const auto masked = logits.masked_fill(mask.logical_not(), -std::numeric_limits<float>::infinity());
-    const auto empty = torch::isfinite(masked).any(-1, true).logical_not();
-    logits = torch::where(empty.logical_and(mask), torch::zeros({}, logits.options()), masked);
-  }
+  if (allowed.has_value()) logits = apply_allowed(logits, allowed->reshape({batch * length, -1}));
   if (logits.scalar_type() != torch::kFloat32) logits = logits.to(torch::kFloat32);
   const auto target = logits.argmax(-1).view({batch, length});
   const auto accepted = drafts.eq(target.narrow(1, 0, length - 1)).to(torch::kInt).cumprod(1).sum(1);
