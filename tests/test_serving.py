@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from selfspec import SelfSpecGenerator
 from selfspec.evaluation.results import ServeLoadReport
-from selfspec.serving.app import create_app, run_in_thread
+from selfspec.serving.app import create_app, merged_text, run_in_thread
 from selfspec.serving.scheduler import Job, QueueFull, Scheduler
 
 NAME = "tiny"
@@ -93,6 +93,19 @@ def test_a_stream_sends_the_same_text_in_chunks_then_the_usage(client):
     assert chunks[-2]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
     assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
+
+
+def test_text_queued_behind_a_slow_client_leaves_as_one_chunk():
+    """The stream joins the text events already waiting (a client that fell behind) and keeps the first
+    other event for after them; an empty queue leaves the text as it is."""
+    import asyncio
+
+    events = asyncio.Queue()
+    for event in (("text", "b"), ("text", "c"), ("done", "stop"), ("text", "never")):
+        events.put_nowait(event)
+    assert merged_text("a", events) == ("abc", ("done", "stop"))
+    assert merged_text("x", events) == ("xnever", None)
+    assert merged_text("y", events) == ("y", None)
 
 
 def test_a_seeded_sampled_request_gives_the_same_tokens_alone_or_among_others(generator):

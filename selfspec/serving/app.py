@@ -160,12 +160,7 @@ def create_app(generator, model_name: str, *, api_key: str | None = None, max_ba
                         yield sse(exc.body())
                         return
                     if event[0] == "text":
-                        text = event[1]
-                        while not job.events.empty():  # the client fell behind: its queued text in one chunk
-                            queued = job.events.get_nowait()
-                            if queued[0] != "text":
-                                break
-                            text, queued = text + queued[1], None
+                        text, queued = merged_text(event[1], job.events)
                         yield sse({**head, "object": chunk_object, "choices": [choice(text, None, True)]})
                         continue
                     yield sse({**head, "object": chunk_object, "selfspec": job.stats(drafter),
@@ -222,6 +217,17 @@ def create_app(generator, model_name: str, *, api_key: str | None = None, max_ba
         return PlainTextResponse(metrics.exposition(), media_type="text/plain; version=0.0.4")
 
     return app
+
+
+def merged_text(text: str, events: asyncio.Queue) -> tuple[str, tuple | None]:
+    """`text` and the text events already queued behind it, joined: a client that fell behind gets them
+    as one chunk. Returns (the text, the first other event taken from the queue, or None)."""
+    while not events.empty():
+        event = events.get_nowait()
+        if event[0] != "text":
+            return text, event
+        text += event[1]
+    return text, None
 
 
 def run_in_thread(app: FastAPI, port: int, host: str = "127.0.0.1"):
