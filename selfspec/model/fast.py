@@ -432,7 +432,7 @@ class FastLlamaBlocks:
         self.blocks = blocks
         self._extra: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # exit block -> tensors
         self._lookup: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # embedding -> plain lookup?
-        self._extra_kernel: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # exit block -> Block
+        self._extra_kernel: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # exit block -> Block?
         self.head = head  # (final norm weight, eps, LM head weight, bias), or None: use the modules
         self._kernel_blocks = None  # (the extension's Block class, the blocks as its objects): `_compiled`
         self._silu = all(b.act is F.silu for b in blocks)  # the compiled blocks' MLP activation
@@ -561,15 +561,15 @@ class FastLlamaBlocks:
         if call is None:
             return None
         made, blocks, embed, cos, sin = call
-        gathered = [self.extra(layer, config) for layer in extra]
-        if any(b is None or b.act is not F.silu for b in gathered):
-            return None
-        block_class = kernels.blocks_pass()[0]
         extra_blocks = []
-        for layer, b in zip(extra, gathered):
-            if layer not in self._extra_kernel or self._extra_kernel[layer][0] is not block_class:
-                self._extra_kernel[layer] = (block_class, _kernel_block(block_class, b))
-            extra_blocks.append(self._extra_kernel[layer][1])
+        for layer in extra:  # each exit block as the kernels' object, made once (None: not a plain block)
+            if layer not in self._extra_kernel:
+                b = self.extra(layer, config)
+                self._extra_kernel[layer] = (None if b is None or b.act is not F.silu
+                                             else _kernel_block(self._kernel_blocks[0], b))
+            extra_blocks.append(self._extra_kernel[layer])
+        if None in extra_blocks:
+            return None
         keys, values, first, _, row_starts = slots
         if extra:
             keys, values = [*keys, *extra_slots[0]], [*values, *extra_slots[1]]
@@ -611,6 +611,7 @@ class FastLlamaBlocks:
         block, run = made
         if self._kernel_blocks is None or self._kernel_blocks[0] is not block:
             self._kernel_blocks = (block, [_kernel_block(block, b) for b in self.blocks])
+            self._extra_kernel.clear()  # exit blocks made by another build of the extension
         return self._kernel_blocks[1], run
 
     def extra(self, layer: nn.Module, config) -> _Block | None:
