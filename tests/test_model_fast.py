@@ -252,6 +252,47 @@ def test_a_row_computes_bit_for_bit_the_same_alone_or_among_others_in_the_kernel
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_greedy_target_under_masks_reads_only_the_allowed_rows_of_narrow_masks(few_rows, dtype, bias):
+    """`masked_target` (the compiled verification's head under a grammar) gives the argmax of the
+    masked logits of the whole head, for masks that allow one token (forced), a few, exactly V / 8 (the
+    widest computed alone), one more (the whole head), all, tokens that tie (the first wins) and
+    tokens whose logits are all -inf (the first allowed, as `apply_mask` makes the row uniform)."""
+    from selfspec.decoding.grammar import apply_mask
+    from selfspec.model import kernels
+
+    torch.manual_seed(0)
+    vocab, width = 512, 37
+    head = torch.randn(vocab, width)
+    head[7] = head[300]  # tokens 7 and 300 tie wherever both are allowed
+    head[400:410] = float("-inf")
+    head, norm = head.to(dtype), torch.randn(width).to(dtype)
+    b = torch.randn(vocab) if bias else None
+    if b is not None:
+        b[300] = b[7]
+        b = b.to(dtype)
+    h = torch.randn(8, width).to(dtype)
+    allowed = torch.zeros(8, vocab, dtype=torch.bool)
+    allowed[0, 5] = True
+    allowed[1, [3, 90, 200]] = True
+    allowed[2, torch.randperm(vocab)[:vocab // 8]] = True
+    allowed[3, torch.randperm(vocab)[:vocab // 8 + 1]] = True
+    allowed[4] = True
+    allowed[5, [7, 300]] = True
+    allowed[6, 400:410] = True
+    allowed[7, [7, 300, 1, 2]] = True
+    x = h.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+    logits = few_rows((norm * x.to(dtype)).contiguous(), head)
+    if b is not None:
+        logits = logits + b
+    expected = apply_mask(logits, allowed).float().argmax(-1)
+    got = kernels._module().masked_target(h, norm, 1e-5, head, b, allowed)
+    assert torch.equal(got, expected)
+    assert got[5] == 7 and got[6] == 400
+
+
 @pytest.mark.parametrize("in_features", [576, 37])
 def test_the_kernel_in_bf16_is_the_fp32_product_of_the_bf16_values_rounded_once(few_rows, in_features):
     """bf16 weights widen exactly to fp32 and accumulate in fp32: the result is the fp32 product of

@@ -37,6 +37,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--wide", type=int, nargs="*", default=[], metavar="M",
+                        help="also time the whole model on M positions (a wide verification, a batch)")
     parser.add_argument("--against", metavar="FILE",
                         help="another few_rows.cpp: its block kernels as a fourth arm")
     args = parser.parse_args()
@@ -53,8 +55,9 @@ def main() -> None:
     view = DecoderView(lm)
     n, e = view.num_layers, args.exit_layer
     passes = {"plain": (0, n, 1), "draft": (0, e, 1), "verify_2": (e, n, 2), "verify_4": (e, n, 4),
-              "verify_5": (e, n, 5), "full_5": (0, n, 5)}
-    runner = _Passes(view, args.context, 5)
+              "verify_5": (e, n, 5), "full_5": (0, n, 5),
+              **{f"full_{m}": (0, n, m) for m in args.wide}}
+    runner = _Passes(view, args.context, max([5, *args.wide]))
     arms = {"mkl": None, "rows": "products", "block": "blocks", "pass": "passes"}  # `fast.kernels_up_to`
     if modules:
         arms["against"] = "passes"

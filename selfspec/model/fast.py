@@ -68,9 +68,9 @@ _KERNEL = True
 # Rows per call of the few-row kernel (few_rows.cpp's kMaxRows); more run in chunks of this many
 _KERNEL_ROWS = 8
 # Up to this many rows an fp32 product, and an fp32 block (see `_pass_fits_kernels`), take the kernels,
-# W read once per chunk of `_KERNEL_ROWS`: MKL's product of more than 8 rows repacks all of W at every
-# call, which costs more than the kernel's re-reads up to 48 rows and less from 64 on
-# (docs/performance.md, "Kernel thresholds").
+# the chunks of `_KERNEL_ROWS` passing over each tile of W while it sits in L2: MKL's product of more
+# than 8 rows repacks all of W at every call, which costs more than the kernel up to 48 rows and less
+# from 64 on (docs/performance.md, "Kernel thresholds").
 _KERNEL_MAX_ROWS = 48
 # From this many rows a bf16 product on a CPU that emulates bf16 (`_emulated_bf16`: a prefill) runs as
 # fp32 MKL on the weight widened for the call, rounded to bf16 once: at that many rows the kernel is

@@ -96,33 +96,55 @@ struct Product {
 };
 
 template <int M, typename T>
-void rows_many(const float* x, const std::vector<Product<T>>& products, int64_t k) {
-  int64_t total = 0;
-  for (const auto& p : products) total += p.n;
-  // Threads split the rows in chunks of at least ~32 KiB of weights: below that, waking a thread costs more
-  const int64_t grain = std::max<int64_t>(1, (32 << 10) / (k * static_cast<int64_t>(sizeof(T))));
-  at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
-    int64_t first = 0;  // the first row of the current product in the joint range
-    for (const auto& p : products) {
-      const int64_t lo = std::max(begin, first), hi = std::min(end, first + p.n);
-      if (lo < hi) rows_block<M, T>(x, p.w, p.out, p.n, k, lo - first, hi - first);
-      first += p.n;
-    }
-  });
+void block_of(const float* x, const Product<T>& p, int64_t k, int64_t lo, int64_t hi) {
+  rows_block<M, T>(x, p.w, p.out, p.n, k, lo, hi);
 }
 
+// rows_block for 1..kMaxRows rows of x.
 template <typename T>
-void dispatch_many(int64_t m, const float* x, const std::vector<Product<T>>& products, int64_t k) {
+void block_rows(int64_t m, const float* x, const Product<T>& p, int64_t k, int64_t lo, int64_t hi) {
   switch (m) {
-    case 1: return rows_many<1>(x, products, k);
-    case 2: return rows_many<2>(x, products, k);
-    case 3: return rows_many<3>(x, products, k);
-    case 4: return rows_many<4>(x, products, k);
-    case 5: return rows_many<5>(x, products, k);
-    case 6: return rows_many<6>(x, products, k);
-    case 7: return rows_many<7>(x, products, k);
-    default: return rows_many<8>(x, products, k);
+    case 1: return block_of<1>(x, p, k, lo, hi);
+    case 2: return block_of<2>(x, p, k, lo, hi);
+    case 3: return block_of<3>(x, p, k, lo, hi);
+    case 4: return block_of<4>(x, p, k, lo, hi);
+    case 5: return block_of<5>(x, p, k, lo, hi);
+    case 6: return block_of<6>(x, p, k, lo, hi);
+    case 7: return block_of<7>(x, p, k, lo, hi);
+    default: return block_of<8>(x, p, k, lo, hi);
   }
+}
+
+// Products of the same x (m, k), x @ W_iᵀ -> out_i (m, n_i), as one range of W rows split between the
+// threads: one parallel region for several weights (a block's q/k/v, its gate/up) instead of one per
+// weight, the threads' shares balanced over all of them. More than kMaxRows rows of x (a wide
+// verification, a server's batch of rounds) meet each tile of a thread's W rows chunk after chunk
+// while the tile sits in L2, so W streams from memory once whatever m: a pass of 16 or 24 positions
+// costs about one of 8, where a parallel region per chunk read all of W again for every 8 rows.
+template <typename T>
+void products(int64_t m, const float* x, const std::vector<Product<T>>& products, int64_t k) {
+  int64_t total = 0;
+  for (const auto& p : products) total += p.n;
+  const int64_t row_bytes = k * static_cast<int64_t>(sizeof(T));
+  // Threads split the rows in chunks of at least ~32 KiB of weights: below that, waking a thread costs more
+  const int64_t grain = std::max<int64_t>(1, (32 << 10) / row_bytes);
+  // W rows per tile: 64 KiB, a small part of a core's L2, beside the chunks of x that pass over it
+  const int64_t tile = m > kMaxRows ? std::max<int64_t>(1, (64 << 10) / row_bytes) : total;
+  at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t0 = begin; t0 < end; t0 += tile) {
+      const int64_t t1 = std::min(end, t0 + tile);
+      for (int64_t first = 0; first < m; first += kMaxRows) {
+        int64_t offset = 0;  // the first row of the current product in the joint range
+        for (const auto& p : products) {
+          const int64_t lo = std::max(t0, offset), hi = std::min(t1, offset + p.n);
+          if (lo < hi)
+            block_rows<T>(std::min(kMaxRows, m - first), x + first * k, {p.w, p.out + first * p.n, p.n}, k,
+                          lo - offset, hi - offset);
+          offset += p.n;
+        }
+      }
+    }
+  });
 }
 
 // out[j] = a · b_j for the `count` rows b_j = b + j·n: 8-lane FMAs, then the lanes, then the tail, the
@@ -252,7 +274,7 @@ torch::Tensor few_queries_attention(const torch::Tensor& q, const torch::Tensor&
 }
 
 // x (m, K) and weight (N, K): both contiguous, on CPU, float32 or bfloat16 (the same) -> (m, N) in that
-// dtype, with fp32 accumulation. More than 8 rows (a prefill) run in chunks of 8, W read once a chunk;
+// dtype, with fp32 accumulation. More than 8 rows run in chunks of 8 over each tile of W (`products`);
 // each row is computed alone either way.
 torch::Tensor few_rows_linear(const torch::Tensor& x, const torch::Tensor& weight) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "shapes (m, K) and (N, K)");
@@ -262,12 +284,11 @@ torch::Tensor few_rows_linear(const torch::Tensor& x, const torch::Tensor& weigh
   TORCH_CHECK(weight.size(1) > 0, "K >= 1");
   const int64_t m = x.size(0), n = weight.size(0), k = weight.size(1);
   auto out = torch::empty({m, n}, weight.options());
-  // x in fp32, once (m·K floats): every W row meets a chunk's 8 rows in L1
+  // x in fp32, once (m·K floats): every W row meets a chunk's 8 rows in L1 or L2
   const auto xf = x.to(torch::kFloat32).contiguous();
   auto run = [&](const auto* w, auto* o) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(w)>>;
-    for (int64_t first = 0; first < m; first += kMaxRows)
-      dispatch_many<T>(std::min(kMaxRows, m - first), xf.data_ptr<float>() + first * k, {{w, o + first * n, n}}, k);
+    products<T>(m, xf.data_ptr<float>(), {{w, o, n}}, k);
   };
   if (weight.scalar_type() == torch::kFloat32) {
     run(weight.data_ptr<float>(), out.data_ptr<float>());
@@ -296,31 +317,27 @@ void rms_norm_row(const float* x, const T* weight, float eps, float* out, int64_
 
 // x (m, K) fp32 holding values of T -> outs[i] (m, N_i) fp32 holding values of T: x @ W_iᵀ (+ bias_i,
 // added in T after the product is rounded, as `fast.linear` adds it) for every weight W_i (all K wide),
-// in chunks of kMaxRows rows, each chunk one parallel region over all the weights.
+// in one parallel region (`products`).
 template <typename T>
 void linear_rows(const float* x, const std::vector<const torch::Tensor*>& weights,
                  const std::vector<const c10::optional<torch::Tensor>*>& biases, const std::vector<float*>& outs,
                  int64_t m) {
   const int64_t k = weights[0]->size(1);
-  const int64_t chunk = std::min(kMaxRows, m);
-  std::vector<std::unique_ptr<T[]>> products;  // (chunk, N_i) each, written before read: not zeroed
+  std::vector<std::unique_ptr<T[]>> results;  // (m, N_i) each, written before read: not zeroed
   std::vector<Product<T>> jobs;
   for (const auto* weight : weights) {
-    products.emplace_back(new T[chunk * weight->size(0)]);
-    jobs.push_back({weight->data_ptr<T>(), products.back().get(), weight->size(0)});
+    results.emplace_back(new T[m * weight->size(0)]);
+    jobs.push_back({weight->data_ptr<T>(), results.back().get(), weight->size(0)});
   }
-  for (int64_t first = 0; first < m; first += kMaxRows) {
-    const int64_t rows = std::min(kMaxRows, m - first);
-    dispatch_many<T>(rows, x + first * k, jobs, k);
-    for (size_t i = 0; i < weights.size(); ++i) {
-      const int64_t n = weights[i]->size(0);
-      const T* b = biases[i]->has_value() ? (*biases[i])->data_ptr<T>() : nullptr;
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t j = 0; j < n; ++j) {
-          const float value = static_cast<float>(products[i][r * n + j]);
-          outs[i][(first + r) * n + j] = b ? held<T>(value + static_cast<float>(b[j])) : value;
-        }
-    }
+  products<T>(m, x, jobs, k);
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const int64_t n = weights[i]->size(0);
+    const T* b = biases[i]->has_value() ? (*biases[i])->data_ptr<T>() : nullptr;
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t j = 0; j < n; ++j) {
+        const float value = static_cast<float>(results[i][r * n + j]);
+        outs[i][r * n + j] = b ? held<T>(value + static_cast<float>(b[j])) : value;
+      }
   }
 }
 
@@ -753,6 +770,83 @@ std::vector<torch::Tensor> draft_step(const std::vector<const Block*>& blocks, c
   return {logits.argmax(-1), *hidden, sure};
 }
 
+// The greedy target of each row of h (n, D) under a grammar's masks `allowed` (n, V) bool: the argmax
+// of `draft_logits` (no trimmed ids) after `apply_allowed`, bf16 widened first. A row whose mask allows
+// at most V / 8 tokens (a forced token, a digit, the end of a value: about half of a JSON reply's
+// positions) computes only the logits of its allowed tokens, each the dot product `rows_block` computes
+// (the same order, rounded to the dtype, the bias added as torch adds it), and takes the first maximum
+// among them as argmax does; the others run the whole head together. So the same tokens, without
+// reading or multiplying the head's refused rows: a plain step under a grammar whose next token is
+// forced skips the head's read.
+torch::Tensor masked_target(const torch::Tensor& h, const torch::Tensor& norm, double eps, const torch::Tensor& head,
+                            const c10::optional<torch::Tensor>& bias, const torch::Tensor& allowed) {
+  const int64_t rows = h.size(0), vocab = head.size(0), k = head.size(1);
+  TORCH_CHECK(allowed.dim() == 2 && allowed.size(0) == rows && allowed.size(1) == vocab, "allowed (n, V)");
+  const auto mask = allowed.to(torch::kBool).contiguous();
+  const auto counts = mask.sum(-1).to(torch::kLong);
+  const int64_t* count = counts.data_ptr<int64_t>();
+  std::vector<int64_t> wide, narrow;
+  for (int64_t r = 0; r < rows; ++r) (count[r] > 0 && count[r] * 8 <= vocab ? narrow : wide).push_back(r);
+  auto target = torch::empty({rows}, torch::kLong);
+  int64_t* out = target.data_ptr<int64_t>();
+  if (!wide.empty()) {
+    const auto index = torch::tensor(wide, torch::kLong);
+    auto logits = apply_allowed(draft_logits(h.index_select(0, index), norm, eps, head, bias, c10::nullopt, 0),
+                                mask.index_select(0, index));
+    if (logits.scalar_type() != torch::kFloat32) logits = logits.to(torch::kFloat32);
+    const auto best = logits.argmax(-1);
+    for (size_t i = 0; i < wide.size(); ++i) out[wide[i]] = best[i].item<int64_t>();
+  }
+  if (narrow.empty()) return target;
+  // the normalised rows as `draft_logits` computes them, in fp32 as `few_rows_linear` reads them
+  auto x = h.to(torch::kFloat32);
+  x = x * torch::rsqrt(x.pow(2).mean(-1, true) + eps);
+  const auto normed = (norm * x.to(h.scalar_type())).to(torch::kFloat32).contiguous();
+  const bool* allow = mask.data_ptr<bool>();
+  auto run = [&](const auto* w) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(w)>>;
+    const T* b = bias.has_value() ? bias->data_ptr<T>() : nullptr;
+    for (const int64_t r : narrow) {
+      float best = 0.f;
+      int64_t choice = -1;
+      bool finite = false, nan = false;
+      for (int64_t j = 0; j < vocab; ++j) {
+        if (!allow[r * vocab + j]) continue;
+        T logit;
+        rows_block<1, T>(normed.data_ptr<float>() + r * k, w + j * k, &logit, 1, k, 0, 1);
+        float value = static_cast<float>(logit);
+        if (b) value = static_cast<float>(static_cast<T>(value + static_cast<float>(b[j])));
+        if (std::isnan(value)) {  // argmax takes the first NaN
+          choice = j;
+          nan = true;
+          break;
+        }
+        finite = finite || std::isfinite(value);
+        if (choice < 0 || value > best) {
+          best = value;
+          choice = j;
+        }
+      }
+      // nothing finite: `apply_allowed` makes the row uniform (0) over the allowed tokens, the first wins
+      if (!finite && !nan) {
+        for (int64_t j = 0; j < vocab; ++j)
+          if (allow[r * vocab + j]) {
+            choice = j;
+            break;
+          }
+      }
+      out[r] = choice;
+    }
+  };
+  if (head.scalar_type() == torch::kFloat32) {
+    run(head.data_ptr<float>());
+  } else {
+    TORCH_CHECK(head.scalar_type() == torch::kBFloat16, "head float32 or bfloat16");
+    run(head.data_ptr<at::BFloat16>());
+  }
+  return target;
+}
+
 // Greedy verification in one call: the target's pass over blocks [first, last) on T positions at slots
 // start .. start + T - 1 (row b at row_starts[b] .. where rows sit at different slots; query t sees
 // slots up to its own: `causal_mask`, whose `mask_value` beyond is the engine's mask's, its dtype's
@@ -783,10 +877,15 @@ std::vector<torch::Tensor> verify_greedy(const std::vector<const Block*>& blocks
   const auto [kv_length, mask] = pass_mask(batch, length, start, row_starts, mask_value);
   const auto out = blocks_pass(blocks, input, keys, values, start, kv_length, mask, cos, sin, row_starts);
   if (!out.has_value()) return {};
-  auto logits = draft_logits(out->reshape({batch * length, -1}), norm, eps, head, bias, c10::nullopt, 0);
-  if (allowed.has_value()) logits = apply_allowed(logits, allowed->reshape({batch * length, -1}));
-  if (logits.scalar_type() != torch::kFloat32) logits = logits.to(torch::kFloat32);
-  const auto target = logits.argmax(-1).view({batch, length});
+  torch::Tensor target;
+  if (allowed.has_value()) {
+    target = masked_target(out->reshape({batch * length, -1}), norm, eps, head, bias,
+                           allowed->reshape({batch * length, -1})).view({batch, length});
+  } else {
+    auto logits = draft_logits(out->reshape({batch * length, -1}), norm, eps, head, bias, c10::nullopt, 0);
+    if (logits.scalar_type() != torch::kFloat32) logits = logits.to(torch::kFloat32);
+    target = logits.argmax(-1).view({batch, length});
+  }
   const auto accepted = drafts.eq(target.narrow(1, 0, length - 1)).to(torch::kInt).cumprod(1).sum(1);
   return {torch::cat({target, accepted.to(torch::kLong).unsqueeze(1)}, 1)};
 }
@@ -814,6 +913,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("draft_loop", &draft_loop, "greedy early-exit drafts: k steps of blocks [0, E), head, argmax",
              pybind11::call_guard<pybind11::gil_scoped_release>());
   module.def("draft_step", &draft_step, "one greedy draft step: blocks [0, E), exit blocks, head, mask, argmax",
+             pybind11::call_guard<pybind11::gil_scoped_release>());
+  module.def("masked_target", &masked_target, "the greedy target under a grammar's masks, narrow rows alone",
              pybind11::call_guard<pybind11::gil_scoped_release>());
   module.def("verify_greedy", &verify_greedy, "greedy verification: the pass, the head, the accepted prefix",
              pybind11::call_guard<pybind11::gil_scoped_release>());
