@@ -95,23 +95,18 @@ struct Product {
   int64_t n;
 };
 
-template <int M, typename T>
-void block_of(const float* x, const Product<T>& p, int64_t k, int64_t lo, int64_t hi) {
-  rows_block<M, T>(x, p.w, p.out, p.n, k, lo, hi);
-}
-
-// rows_block for 1..kMaxRows rows of x.
+// rows_block for 1..kMaxRows rows of x on product p's W rows [lo, hi).
 template <typename T>
 void block_rows(int64_t m, const float* x, const Product<T>& p, int64_t k, int64_t lo, int64_t hi) {
   switch (m) {
-    case 1: return block_of<1>(x, p, k, lo, hi);
-    case 2: return block_of<2>(x, p, k, lo, hi);
-    case 3: return block_of<3>(x, p, k, lo, hi);
-    case 4: return block_of<4>(x, p, k, lo, hi);
-    case 5: return block_of<5>(x, p, k, lo, hi);
-    case 6: return block_of<6>(x, p, k, lo, hi);
-    case 7: return block_of<7>(x, p, k, lo, hi);
-    default: return block_of<8>(x, p, k, lo, hi);
+    case 1: return rows_block<1, T>(x, p.w, p.out, p.n, k, lo, hi);
+    case 2: return rows_block<2, T>(x, p.w, p.out, p.n, k, lo, hi);
+    case 3: return rows_block<3, T>(x, p.w, p.out, p.n, k, lo, hi);
+    case 4: return rows_block<4, T>(x, p.w, p.out, p.n, k, lo, hi);
+    case 5: return rows_block<5, T>(x, p.w, p.out, p.n, k, lo, hi);
+    case 6: return rows_block<6, T>(x, p.w, p.out, p.n, k, lo, hi);
+    case 7: return rows_block<7, T>(x, p.w, p.out, p.n, k, lo, hi);
+    default: return rows_block<8, T>(x, p.w, p.out, p.n, k, lo, hi);
   }
 }
 
@@ -119,8 +114,8 @@ void block_rows(int64_t m, const float* x, const Product<T>& p, int64_t k, int64
 // threads: one parallel region for several weights (a block's q/k/v, its gate/up) instead of one per
 // weight, the threads' shares balanced over all of them. More than kMaxRows rows of x (a wide
 // verification, a server's batch of rounds) meet each tile of a thread's W rows chunk after chunk
-// while the tile sits in L2, so W streams from memory once whatever m: a pass of 16 or 24 positions
-// costs about one of 8, where a parallel region per chunk read all of W again for every 8 rows.
+// while the tile sits in L2, so W streams from memory once whatever m (a parallel region per chunk
+// read all of W again for every 8 rows). Each output is still the dot product `rows_block` computes.
 template <typename T>
 void products(int64_t m, const float* x, const std::vector<Product<T>>& products, int64_t k) {
   int64_t total = 0;
