@@ -4,16 +4,17 @@ a pass's blocks in one compiled call.
 
     python tools/kernel_ab.py --model runs/smollm2/base --exit-layer 10 --repeats 30
     python tools/kernel_ab.py --model runs/smollm2/base --exit-layer 10 --dtype bfloat16
+    python tools/kernel_ab.py --model runs/smollm2/base --exit-layer 8 --wide 9 16 24 32 48
     git show HEAD~1:selfspec/model/kernels/few_rows.cpp > /tmp/before.cpp
     python tools/kernel_ab.py --model runs/smollm2/base --exit-layer 10 --against /tmp/before.cpp
 
-Builds the roofline's cache of 256 positions, then times each pass (plain step, draft step,
-verification of 2, 4 and 5 positions through blocks [E, N) and the head, the whole model on 5
-positions) in each arm (`selfspec.model.fast.kernels_up_to` None, products, blocks, passes), rotating which
-goes first, after 3 untimed rounds. Prints the medians, each as a share of the read bandwidth (a
-512 MiB sum timed once a round) and in plain steps of its own arm, and the speedups. `--against FILE`
-builds another version of `few_rows.cpp` beside the package's and adds its one-call pass as a fifth
-arm (a kernel change measured side by side). Run it with the machine to itself.
+Builds the roofline's cache of 256 positions, then times each pass (plain step, draft step, verification
+of 2, 4 and 5 positions through blocks [E, N) and the head, the whole model on 5 positions, and on each
+`--wide` count of positions) in each arm (`selfspec.model.fast.kernels_up_to` None, products, blocks,
+passes), rotating which goes first, after 3 untimed rounds. Prints the medians, each as a share of the
+read bandwidth (a 512 MiB sum timed once a round) and in plain steps of its own arm, and the speedups.
+`--against FILE` builds another version of `few_rows.cpp` beside the package's and adds its one-call pass
+as a fifth arm (a kernel change measured side by side). Run it with the machine to itself.
 """
 
 from __future__ import annotations
