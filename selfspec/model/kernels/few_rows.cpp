@@ -789,8 +789,9 @@ torch::Tensor masked_target(const torch::Tensor& h, const torch::Tensor& norm, d
     auto logits = apply_allowed(draft_logits(h.index_select(0, index), norm, eps, head, bias, c10::nullopt, 0),
                                 mask.index_select(0, index));
     if (logits.scalar_type() != torch::kFloat32) logits = logits.to(torch::kFloat32);
-    const auto best = logits.argmax(-1);
-    for (size_t i = 0; i < wide.size(); ++i) out[wide[i]] = best[i].item<int64_t>();
+    const auto best = logits.argmax(-1).contiguous();
+    const int64_t* chosen = best.data_ptr<int64_t>();
+    for (size_t i = 0; i < wide.size(); ++i) out[wide[i]] = chosen[i];
   }
   if (narrow.empty()) return target;
   // the normalised rows as `draft_logits` computes them, in fp32 as `few_rows_linear` reads them
