@@ -1006,7 +1006,8 @@ class SelfSpecGenerator:
         emit = np.minimum(accepted + 1, max_new_tokens - counts)
         hit_eos = np.zeros(len(emit), dtype=bool)
         if eos.size:
-            hits = np.isin(tokens, eos) & (np.arange(tokens.shape[1]) < emit[:, None])
+            # (B, k+1, n_eos) compared at once: np.isin sorts, several times slower on a round's few tokens
+            hits = (tokens[..., None] == eos).any(-1) & (np.arange(tokens.shape[1]) < emit[:, None])
             hit_eos = hits.any(1)
             emit = np.where(hit_eos, hits.argmax(1) + 1, emit)
         return emit, hit_eos | (counts + emit >= max_new_tokens)
