@@ -622,16 +622,22 @@ c10::optional<torch::Tensor> blocks_pass(const std::vector<const Block*>& blocks
   return hidden;
 }
 
-// The draft's head on exit states h (B, D): the final norm op for op as `fast.rms_norm` (statistics in
-// fp32, scaled in the dtype), the head's product (`few_rows_linear`, + bias) and, for a trimmed head
-// (FR-Spec: `ids` the V' token ids of its rows), the logits over the whole vocabulary, -inf elsewhere,
-// as `DraftHead.logits` returns them. The same operations as the Python path, so the same bits.
+// The final norm of states h (n, D) op for op as `fast.rms_norm` (statistics in fp32, scaled in h's
+// dtype): what the head multiplies.
+torch::Tensor final_norm(const torch::Tensor& h, const torch::Tensor& norm, double eps) {
+  auto x = h.to(torch::kFloat32);
+  x = x * torch::rsqrt(x.pow(2).mean(-1, true) + eps);
+  return (norm * x.to(h.scalar_type())).contiguous();
+}
+
+// The draft's head on exit states h (B, D): the final norm (`final_norm`), the head's product
+// (`few_rows_linear`, + bias) and, for a trimmed head (FR-Spec: `ids` the V' token ids of its rows), the
+// logits over the whole vocabulary, -inf elsewhere, as `DraftHead.logits` returns them. The same
+// operations as the Python path, so the same bits.
 torch::Tensor draft_logits(const torch::Tensor& h, const torch::Tensor& norm, double eps, const torch::Tensor& head,
                            const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& ids,
                            int64_t vocab) {
-  auto x = h.to(torch::kFloat32);
-  x = x * torch::rsqrt(x.pow(2).mean(-1, true) + eps);
-  auto logits = few_rows_linear((norm * x.to(h.scalar_type())).contiguous(), head);
+  auto logits = few_rows_linear(final_norm(h, norm, eps), head);
   if (bias.has_value()) logits = logits + *bias;
   if (!ids.has_value()) return logits;
   auto full = torch::full({logits.size(0), vocab}, -std::numeric_limits<float>::infinity(), logits.options());
@@ -795,9 +801,7 @@ torch::Tensor masked_target(const torch::Tensor& h, const torch::Tensor& norm, d
   }
   if (narrow.empty()) return target;
   // the normalised rows as `draft_logits` computes them, in fp32 as `few_rows_linear` reads them
-  auto x = h.to(torch::kFloat32);
-  x = x * torch::rsqrt(x.pow(2).mean(-1, true) + eps);
-  const auto normed = (norm * x.to(h.scalar_type())).to(torch::kFloat32).contiguous();
+  const auto normed = final_norm(h, norm, eps).to(torch::kFloat32).contiguous();
   const bool* allow = mask.data_ptr<bool>();
   auto run = [&](const auto* w) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(w)>>;
