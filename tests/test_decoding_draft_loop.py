@@ -2,7 +2,8 @@
 `verify_greedy`): a round's greedy early-exit drafts in one call draft exactly what the step-by-step
 Python loop drafts, leave the same cache, stop below η at the same step; the verification in one call
 accepts what the Python path accepts; the output stays plain greedy's, for every family, batch, k and
-drafter (GPT-2 and windows that cut a slot fall back to Python, which the same assertions cover)."""
+drafter (GPT-2 and windows that cut a slot fall back to Python, which the same assertions cover). And
+one row's rounds in one call (`DecoderView.greedy_rounds`) decode and count what those calls do."""
 
 import numpy as np
 import pytest
@@ -52,6 +53,11 @@ def verify_calls(monkeypatch):
     return _count(monkeypatch, "verify_greedy")
 
 
+@pytest.fixture
+def rounds_calls(monkeypatch):
+    return _count(monkeypatch, "greedy_rounds")
+
+
 def _stats(out) -> tuple:
     s = out.stats
     return (s.accepted_histogram, s.k_rounds, s.draft_steps, s.plain_steps, s.stopped_below_eta,
@@ -59,7 +65,8 @@ def _stats(out) -> tuple:
 
 
 def _both(generator, prompts, monkeypatch, **kwargs):
-    compiled = generator.generate(prompts, max_new_tokens=NEW, eos_token_id=[], **kwargs)
+    with fast.kernels_up_to("rounds"):  # each round's calls (`test_one_call_*` covers a call's rounds in one)
+        compiled = generator.generate(prompts, max_new_tokens=NEW, eos_token_id=[], **kwargs)
     with fast.kernels_up_to("passes"):
         python = generator.generate(prompts, max_new_tokens=NEW, eos_token_id=[], **kwargs)
     return compiled, python
@@ -191,3 +198,68 @@ def test_the_loop_never_runs_where_a_round_needs_python_between_drafts(loop_call
     compiled, python = _both(generator, prompts, monkeypatch, num_speculations=3, drafter="hybrid")
     assert compiled.sequences == python.sequences == [reference_greedy(model, prompts[0], NEW)]
     assert loop_calls and compiled.stats.copy.drafted > 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_one_call_runs_a_rows_rounds_and_decodes_and_counts_what_each_rounds_calls_do(family, rounds_calls):
+    """One row, greedy, a fixed k (0: plain steps): every round in one compiled call, cut at an eos and
+    at max_new_tokens inside it, η stopping drafts there, the cache left at the row's length (checked
+    after the call), the statistics as round by round. GPT-2 and Mistral's window of 8 (the call would
+    pass slot 8) decode round by round."""
+    model = low_alpha_model(family)
+    prompt = BATCHES["one"][0]
+    expected = reference_greedy(model, prompt, NEW)
+    eos = expected[5]  # a token the reply reaches: the call stops after its first occurrence
+    cut = expected[:expected.index(eos) + 1]
+    for exit_layer in (1, 3):
+        generator = SelfSpecGenerator(model, exit_layer=exit_layer)  # checks the cache after every call
+        for k in (0, 1, 3, 7):
+            for eta in (0.0, 0.15):
+                settings = DecodeSettings(exit_layer=exit_layer, num_speculations=k, stop_below=eta)
+                for eos_ids, new, want in (([], NEW, expected), ([eos], NEW, cut), ([], 4, expected[:4])):
+                    one = generator.generate([prompt], max_new_tokens=new, eos_token_id=eos_ids,
+                                             settings=settings)
+                    with fast.kernels_up_to("rounds"):
+                        each = generator.generate([prompt], max_new_tokens=new, eos_token_id=eos_ids,
+                                                  settings=settings)
+                    case = (family, exit_layer, k, eta, eos_ids, new)
+                    assert one.sequences == each.sequences == [want], case
+                    assert _stats(one) == _stats(each), case
+    assert any(rounds_calls) == (family in ("llama", "qwen2", "qwen3"))
+
+
+def test_a_caller_that_watches_rounds_gets_one_round_per_call(rounds_calls):
+    """A callback (the server's), a streamer or stop strings see every round: one round per call, the
+    same output; a batch of several rows runs round by round (its last row alone in one call)."""
+    model = low_alpha_model("llama")
+    generator = SelfSpecGenerator(model, exit_layer=2)
+    prompt = BATCHES["one"][0]
+    seen = []
+    out = generator.generate([prompt], max_new_tokens=NEW, eos_token_id=[], num_speculations=3,
+                             on_tokens=lambda rows, tokens, emit, finished: seen.append(int(emit[0])))
+    assert out.sequences == [reference_greedy(model, prompt, NEW)]
+    assert len(seen) == len(rounds_calls) == out.stats.rounds and sum(seen) == NEW
+    rounds_calls.clear()
+    generator.generate([prompt], max_new_tokens=NEW, eos_token_id=[], num_speculations=3)
+    assert rounds_calls == [True]  # the whole call in one
+    rounds_calls.clear()
+    prompts = BATCHES["aligned"]
+    batch = generator.generate(prompts, max_new_tokens=NEW, eos_token_id=[], num_speculations=3)
+    assert batch.sequences == [reference_greedy(model, p, NEW) for p in prompts]
+    assert len(rounds_calls) <= 1  # round by round while rows share the batch; the last one left, in one call
+
+
+def test_one_call_of_a_bf16_model_with_a_trimmed_head_decodes_what_its_rounds_decode(rounds_calls):
+    counts = np.arange(96)[::-1].copy()
+    for model in (low_alpha_model("qwen3"), tiny_model("llama", seed=5).to(torch.bfloat16)):
+        generator = SelfSpecGenerator(model, exit_layer=2, token_counts=counts)
+        prompt = BATCHES["one"][0]
+        plain = generator.generate([prompt], max_new_tokens=NEW, eos_token_id=[], num_speculations=0)
+        for v in (0, 40):
+            settings = DecodeSettings(exit_layer=2, num_speculations=4, draft_vocab_size=v)
+            one = generator.generate([prompt], max_new_tokens=NEW, eos_token_id=[], settings=settings)
+            with fast.kernels_up_to("rounds"):
+                each = generator.generate([prompt], max_new_tokens=NEW, eos_token_id=[], settings=settings)
+            assert one.sequences == each.sequences == plain.sequences
+            assert _stats(one) == _stats(each)
+    assert rounds_calls and all(rounds_calls)

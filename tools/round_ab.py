@@ -1,15 +1,17 @@
-"""A/B of the compiled greedy round against the round run from Python, side by side.
+"""A/B of the compiled greedy rounds against the round run from Python, side by side.
 
     python tools/round_ab.py --model runs/demo/model --exit-layer 6 --ks 2,3,4 --repeats 5
     python tools/round_ab.py --model runs/smollm2/base --exit-layer 10 --ks 3 --prompts json-extract
     python tools/round_ab.py --model runs/demo/model --ks 4 --batch-size 4 --ragged --python-level blocks
 
 Decodes the same prompts (batch 1, greedy) with plain decoding and the early exit at each k, each in
-two arms: `python` (`selfspec.model.fast.kernels_up_to("passes")`: the draft steps and the verification
-from Python, the operations one by one) and `compiled` (the draft loop and the verification in one
-kernel call each), interleaved over repeats after a warm-up. Prints each decode's tokens/s (median),
-its speedup over plain decoding in the same arm (the median of paired ratios and its interval), the
-compiled arm over the Python arm, and the round profile of every decode (`evaluation.rounds`).
+three arms: `python` (`selfspec.model.fast.kernels_up_to("passes")`: the draft steps and the
+verification from Python, the operations one by one), `rounds` (the draft loop and the verification in
+one kernel call each) and `decode` (a call's rounds of one row in one kernel call, `greedy_rounds`;
+batches of several rows run as `rounds`), interleaved over repeats after a warm-up. Prints each
+decode's tokens/s (median), its speedup over plain decoding in the same arm (the median of paired
+ratios and its interval), the one-call arm over the per-round arm, and the round profile of every
+decode (`evaluation.rounds`).
 Outputs must be identical across arms and methods (checked). Run it with the machine to itself.
 `--batch-size` decodes the prompts in batches; `--ragged` cuts the i-th prompt of a batch by 7·i
 tokens, so the rows sit at different slots; `--python-level blocks` makes the Python arm run block by
@@ -33,6 +35,9 @@ from selfspec.evaluation.benchmark import (
 from selfspec.evaluation.paired import median_interval, paired_speedups
 from selfspec.evaluation.rounds import round_profile, to_markdown
 from selfspec.model import fast
+
+# the arms: the round from Python (`--python-level`), each round as compiled calls, a call's rounds in one
+ARMS = ("python", "rounds", "decode")
 
 
 def main() -> None:
@@ -59,12 +64,12 @@ def main() -> None:
     cells = {"plain": settings.override(drafter="early_exit", num_speculations=0)}
     cells.update({f"k={k}": settings.override(drafter="early_exit", num_speculations=int(k))
                   for k in args.ks.split(",")})
-    names = [(arm, cell) for cell in cells for arm in ("python", "compiled")]
+    names = [(arm, cell) for cell in cells for arm in ARMS]
 
     def run(name, batch):
         arm, cell = name
         constraints = [p.constraint if isinstance(p, Structured) else None for p in batch]
-        with fast.kernels_up_to("rounds" if arm == "compiled" else args.python_level):
+        with fast.kernels_up_to(args.python_level if arm == "python" else arm):
             out = generator.generate([p.ids if isinstance(p, Structured) else p for p in batch],
                                      max_new_tokens=args.max_new_tokens, eos_token_id=[],
                                      settings=cells[cell], profile=True, **constraint_keywords(constraints))
@@ -78,24 +83,22 @@ def main() -> None:
     print(f"{args.model}: E = {settings.exit_layer}, {len(prompts)} prompts x {args.max_new_tokens} tokens, "
           f"median of {args.repeats} interleaved repeats; outputs identical across arms and methods: "
           f"{all(out == reference for out in timings.outputs.values())}\n")
-    print("| decode | python tok/s | compiled tok/s | compiled / python | python × plain | "
-          "compiled × plain |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| decode | " + " | ".join(f"{arm} tok/s" for arm in ARMS) + " | one call / per round | "
+          + " | ".join(f"{arm} × plain" for arm in ARMS) + " |")
+    print("|---|" + "---:|" * (2 * len(ARMS) + 1))
     for cell in cells:
-        rates = {arm: timings.rates((arm, cell)) for arm in ("python", "compiled")}
-        over = median_interval(paired_speedups(rates["compiled"], rates["python"]))
+        rates = {arm: timings.rates((arm, cell)) for arm in ARMS}
+        over = median_interval(paired_speedups(rates["decode"], rates["rounds"]))
         plain = {arm: median_interval(paired_speedups(rates[arm], timings.rates((arm, "plain"))))
                  for arm in rates}
-        print(f"| {cell} | {statistics.median(rates['python']):.1f} | "
-              f"{statistics.median(rates['compiled']):.1f} | "
+        print(f"| {cell} | " + " | ".join(f"{statistics.median(rates[arm]):.1f}" for arm in ARMS) + " | "
               f"{over['speedup']:.3f} ({over['low']:.3f}-{over['high']:.3f}) | "
               + " | ".join(f"{plain[arm]['speedup']:.3f} ({plain[arm]['low']:.3f}-{plain[arm]['high']:.3f})"
                            for arm in rates) + " |")
-    for arm in ("python", "compiled"):
+    for arm in ARMS:
         profile = round_profile({("plain" if cell == "plain" else cell): timings.run_stats((arm, cell))
                                  for cell in cells})
         print(f"\n{arm}: " + to_markdown(profile))
-
 
 if __name__ == "__main__":
     main()

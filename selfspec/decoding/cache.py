@@ -152,6 +152,11 @@ class KVCache:
         their first `count` positions (a draft loop that stopped early)."""
         self.lengths[start:end] = self._ends if count is None else self._ends - self._length + count
 
+    def hold(self, lengths) -> None:
+        """Every layer holds `lengths` (B,) positions per row: what a call that writes the cache and rolls
+        it back itself leaves (`DecoderView.greedy_rounds`); the slots past them are stale."""
+        self.lengths[:] = np.asarray(lengths, dtype=np.int64)[None, :]
+
     def rollback(self, lengths) -> None:
         """Set every layer's length per row to `lengths` (B,), dropping the rejected positions.
 

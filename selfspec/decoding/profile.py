@@ -50,6 +50,15 @@ class RoundProfile:
         self.seconds[part] += now - self._last
         self._last = now
 
+    def split(self, seconds: dict, rest: str) -> None:
+        """Charge the time since the previous lap to several parts: `seconds` {part: s} as a compiled
+        call's own clock measured them inside it, the remainder to `rest`."""
+        now = time.perf_counter()
+        for part, value in seconds.items():
+            self.seconds[part] += value
+        self.seconds[rest] += now - self._last - sum(seconds.values())
+        self._last = now
+
 
 def no_lap(part: str) -> None:
     """The lap of a call that is not profiled: nothing."""

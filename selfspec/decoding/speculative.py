@@ -23,6 +23,12 @@ cache length (`cache.KVCache`), and a finished row leaves the batch at the end o
 host reads the device once per round (the round's tokens and accepted counts), plus once per draft
 step for η (`stop_below`) and for drafters that copy; everything else the loop needs (positions,
 kv_length, cache lengths) is known on the host already.
+
+One row decoding greedily at a fixed k (the early exit's stored setting, or plain decoding, k = 0),
+unconstrained, runs its rounds in one compiled call where the kernels apply
+(`DecoderView.greedy_rounds`): the same passes, so the same tokens, without the host's Python between
+them; the statistics and the policy then take the rounds' counts. A call that streams, stops at
+strings or admits rows runs one round per call, so it sees every round.
 """
 
 from __future__ import annotations
@@ -44,11 +50,11 @@ from ..model.static_passes import MODES as STATIC_MODES
 from ..model.static_passes import WIDTH as STATIC_WIDTH
 from . import sampling
 from .cache import KVCache
-from .controller import Controller
+from .controller import Controller, FixedK
 from .draft_head import DraftHead, frequent_tokens
 from .grammar import Constraint, GrammarBatch, GrammarTokenizer, apply_mask, constraints_for_rows
 from .ngram import NGramConfig
-from .policy import DraftPlan, DraftPolicy, Segment
+from .policy import DraftPlan, DraftPolicy, EarlyExitPolicy, Segment
 from .profile import RoundProfile, no_lap
 from .sampling import (
     ACCEPT,
@@ -777,6 +783,11 @@ class SelfSpecGenerator:
         laps = RoundProfile() if profile else None
         if laps is not None:
             b.lap = laps.lap
+        rounds_k = self._rounds_k(b, policy)
+        # a caller that watches each round (a streamer, stop strings, callbacks, joining rows) gets one
+        # round per compiled call; otherwise one call runs to the row's end
+        watched = stream or stops or on_tokens is not None or admit is not None
+        rounds_per_call = 1 if watched else max_new_tokens
         with fixed_width(self.fixed_width):  # a low-precision model: every pass at one width
             while True:  # finished rows leave the batch, admitted ones join it
                 if admit is not None and (joining := admit()):
@@ -789,34 +800,44 @@ class SelfSpecGenerator:
                     b.lap("other")
                 if not b.rows.size:
                     break
-                plan = policy.plan(b.rows)
-                cap = k_max if self.static_passes is None else min(k_max, STATIC_WIDTH - 1)
-                if limit is not None:  # no draft beyond the last position the model has (GPT-2's table)
-                    cap = min(cap, limit - 1 - int(b.lengths.max()))
-                    plan = plan.truncate(cap)
-                b.lap("policy")
-                decided, (start, drafted, verified), draft = self._round(b, plan, policy, clock, cap)
-                segments = draft.segments
-                stats.stopped_below_eta += draft.stopped
-                host = decided.cpu().numpy()  # the round's one host sync
-                tokens, accepted = host[:, :-1], host[:, -1]
-                k = tokens.shape[1] - 1
-                b.lap("acceptance")
-                draft_time, verify_time = clock.seconds(start, drafted), clock.seconds(drafted, verified)
-                if not segments:  # a plain step, also one whose first E blocks ran before η stopped the draft
-                    draft_time, verify_time = 0.0, draft_time + verify_time
-                self._record(stats, segments, accepted, draft_time, verify_time)
-                b.lap("statistics")
-                policy.update(segments, accepted, draft_time, verify_time)
-                b.lap("policy")
-
                 rows = b.rows
-                emit, finished = self._emit_counts(tokens, accepted, counts[rows], limits[rows], eos)
-                if b.grammar is not None:  # the matchers take what their rows emitted
-                    b.lap("other")
-                    emit, finished = b.grammar.commit(tokens, emit, finished)
-                    b.lap("grammar")
-                slots, cols = np.nonzero(np.arange(k + 1) < emit[:, None])
+                fused = None
+                remaining = int(limits[rows[0]] - counts[rows[0]])
+                if rounds_k is not None and len(rows) == 1 and (
+                        limit is None or int(b.lengths[0]) + remaining + rounds_k < limit):
+                    fused = self._greedy_rounds(b, rounds_k, eos, remaining, rounds_per_call, stats, policy,
+                                                laps)
+                    if fused is None:  # the kernels declined: rounds from Python from now on
+                        rounds_k = None
+                if fused is not None:
+                    tokens, emit, finished = fused
+                else:
+                    plan = policy.plan(b.rows)
+                    cap = k_max if self.static_passes is None else min(k_max, STATIC_WIDTH - 1)
+                    if limit is not None:  # no draft beyond the last position the model has (GPT-2's table)
+                        cap = min(cap, limit - 1 - int(b.lengths.max()))
+                        plan = plan.truncate(cap)
+                    b.lap("policy")
+                    decided, (start, drafted, verified), draft = self._round(b, plan, policy, clock, cap)
+                    segments = draft.segments
+                    stats.stopped_below_eta += draft.stopped
+                    host = decided.cpu().numpy()  # the round's one host sync
+                    tokens, accepted = host[:, :-1], host[:, -1]
+                    b.lap("acceptance")
+                    draft_time, verify_time = clock.seconds(start, drafted), clock.seconds(drafted, verified)
+                    if not segments:  # a plain step, also one whose E blocks ran before η stopped the draft
+                        draft_time, verify_time = 0.0, draft_time + verify_time
+                    self._record(stats, segments, accepted, draft_time, verify_time)
+                    b.lap("statistics")
+                    policy.update(segments, accepted, draft_time, verify_time)
+                    b.lap("policy")
+
+                    emit, finished = self._emit_counts(tokens, accepted, counts[rows], limits[rows], eos)
+                    if b.grammar is not None:  # the matchers take what their rows emitted
+                        b.lap("other")
+                        emit, finished = b.grammar.commit(tokens, emit, finished)
+                        b.lap("grammar")
+                slots, cols = np.nonzero(np.arange(tokens.shape[1]) < emit[:, None])
                 generated[rows[slots], counts[rows[slots]] + cols] = tokens[slots, cols]
                 if stops:
                     finished |= self._cut_at_stop_strings(stops, generated, rows, counts[rows], emit)
@@ -985,6 +1006,45 @@ class SelfSpecGenerator:
             if b.grammar is not None:
                 b.grammar.select_rows(np.nonzero(keep)[0])
         b.upload(b.steps.device)
+
+    def _rounds_k(self, b: _Batch, policy: DraftPolicy) -> int | None:
+        """The k of a call whose rounds of one row may run in one compiled call (`_greedy_rounds`):
+        greedy, unconstrained, no exit block, no static passes, the early exit at one fixed k (0: plain
+        steps) with a head the compiled draft loop reads; else None."""
+        if (not b.sampling.greedy or b.grammar is not None or b.exit_block is not None
+                or self.static_passes is not None or type(policy) is not EarlyExitPolicy
+                or type(policy.controller) is not FixedK):
+            return None
+        k = policy.controller.k
+        return k if not k or b.loop_head is not None else None
+
+    def _greedy_rounds(self, b: _Batch, k: int, eos: np.ndarray, max_tokens: int, max_rounds: int,
+                       stats: GenerationStats, policy: DraftPolicy, laps: RoundProfile | None):
+        """Up to `max_rounds` rounds of the batch's one row in one compiled call
+        (`DecoderView.greedy_rounds`), each recorded in `stats` and shown to `policy` as the rounds from
+        Python record them: (tokens (1, t) the row kept, emit (1,) = t, finished (1,): an eos or
+        `max_tokens` reached), or None, nothing run, where the kernels decline."""
+        head = b.loop_head if k else b.head.tensors()
+        if head is None:
+            return None
+        out = self.view.greedy_rounds(b.exit_layer, int(b.pending_host[0]), b.cache, int(b.lengths[0]), head,
+                                      k, b.stop_below, torch.from_numpy(eos), max_tokens, max_rounds)
+        if out is None:
+            return None
+        tokens, rounds, seconds = out
+        if laps is not None:  # the call's own clock splits its time; the rest of it is acceptance
+            laps.split({"draft passes": float(seconds[:, 0].sum()),
+                        "verification pass": float(seconds[:, 1].sum())}, rest="acceptance")
+        for (drafted, accepted, _), (draft_time, verify_time) in zip(rounds.tolist(), seconds.tolist()):
+            segments = [Segment("early_exit", 0, drafted)] if drafted else []
+            if not segments:  # a plain step, also one whose first E blocks ran before η stopped the draft
+                draft_time, verify_time = 0.0, draft_time + verify_time
+            stats.stopped_below_eta += drafted < k
+            self._record(stats, segments, np.array([accepted]), draft_time, verify_time)
+            policy.update(segments, np.array([accepted]), draft_time, verify_time)
+        b.lap("statistics")
+        finished = len(tokens) >= max_tokens or bool(len(tokens) and np.isin(tokens[-1], eos))
+        return tokens[None], np.array([len(tokens)]), np.array([finished])
 
     @staticmethod
     def _record(stats: GenerationStats, segments: list[Segment], accepted: np.ndarray, draft_time: float,

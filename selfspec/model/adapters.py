@@ -92,6 +92,12 @@ class Adapter:
         None (nothing run) otherwise."""
         return None
 
+    def greedy_rounds(self, exit_layer: int, token: int, cache, start: int, head: tuple, k: int, eta: float,
+                      eos, max_tokens: int, max_rounds: int):
+        """One row's greedy rounds at a fixed k in one call where this family has one (see
+        `DecoderView.greedy_rounds`); None (nothing run) otherwise."""
+        return None
+
     def call_layer(self, layer: nn.Module, hidden, mask, cache, extras: dict) -> torch.Tensor:
         """Call a block module of this family (one of `layers`, or an exit block outside them, which
         writes its keys at its own `layer_idx`) on hidden (B, T, D)."""
@@ -254,6 +260,23 @@ class LlamaFamilyAdapter(Adapter):
         mask_value = torch.finfo(embedding.weight.dtype).min  # `DecoderView._mask`'s
         return self.fast.verify_greedy(start, end, embedding, hidden, tokens, cache, *place, mask_value,
                                        drafts, allowed)
+
+    def greedy_rounds(self, exit_layer, token, cache, start, head, k, eta, eos, max_tokens, max_rounds):
+        if self._static is not None or not self._use_fast() or self._rope_per_call:
+            return None
+        num_layers = len(self.layers)
+        keys, values = cache.keys[:num_layers], cache.values[:num_layers]
+        last = start + max_tokens + k  # past the last slot a round may write
+        if any(b is None for b in keys) or any(w is not None and w <= last for w in self.windows):
+            return None
+        embedding = self.model.model.embed_tokens
+        cos, sin = self._rope_rows(embedding.weight[:1, None], last)
+        out = self.fast.greedy_rounds(exit_layer, embedding, token, keys, values, start, cos, sin,
+                                      torch.finfo(embedding.weight.dtype).min, head, k, eta, eos, max_tokens,
+                                      max_rounds)
+        if out is not None:  # every layer holds the slots up to the pending token: the rest is stale
+            cache.hold([start + len(out[0])])
+        return out
 
     def _rope_rows(self, hidden, max_position: int) -> tuple:
         """The rotary table (cos, sin), (L, head_dim) each in hidden's dtype and device, L > max_position."""

@@ -87,8 +87,13 @@ _PASS_KERNEL = True
 # (`FastLlamaBlocks.draft_loop`), the verification in another (`verify_greedy`); False runs them from
 # Python, step by step
 _DRAFT_LOOP = True
+# With `_DRAFT_LOOP`, a call's greedy rounds of one row at a fixed k run in one compiled call
+# (`FastLlamaBlocks.greedy_rounds`): the host does not return to Python between rounds; False runs
+# each round as the compiled calls above
+_ROUNDS_LOOP = True
 
-KERNEL_LEVELS = ("products", "blocks", "passes", "rounds")  # each adds a compiled path to the one before
+# each adds a compiled path to the one before
+KERNEL_LEVELS = ("products", "blocks", "passes", "rounds", "decode")
 
 
 @contextlib.contextmanager
@@ -97,19 +102,20 @@ def kernels_up_to(level: str | None):
     default is all of them): None, MKL's products and torch's operations; "products", the few-row
     kernel for the products (`linear`); "blocks", + each block of a decoding pass as two calls
     (`run_block`); "passes", + a pass's blocks in one call (`FastLlamaBlocks.run_range`); "rounds", +
-    a greedy round's drafts and its verification in one call each (`draft_loop`, `verify_greedy`).
+    a greedy round's drafts and its verification in one call each (`draft_loop`, `verify_greedy`);
+    "decode", + one row's greedy rounds at a fixed k in one call (`greedy_rounds`).
     Outputs are the same at every level (greedy, fp32: token for token). It sets module state: not
     for threads that decode at other levels meanwhile."""
-    global _KERNEL, _BLOCK_KERNEL, _PASS_KERNEL, _DRAFT_LOOP
+    global _KERNEL, _BLOCK_KERNEL, _PASS_KERNEL, _DRAFT_LOOP, _ROUNDS_LOOP
     if level is not None and level not in KERNEL_LEVELS:
         raise ValueError(f"kernel level {level!r} is not None or one of {', '.join(KERNEL_LEVELS)}")
-    before = _KERNEL, _BLOCK_KERNEL, _PASS_KERNEL, _DRAFT_LOOP
+    before = _KERNEL, _BLOCK_KERNEL, _PASS_KERNEL, _DRAFT_LOOP, _ROUNDS_LOOP
     upto = -1 if level is None else KERNEL_LEVELS.index(level)
-    _KERNEL, _BLOCK_KERNEL, _PASS_KERNEL, _DRAFT_LOOP = (upto >= i for i in range(4))
+    _KERNEL, _BLOCK_KERNEL, _PASS_KERNEL, _DRAFT_LOOP, _ROUNDS_LOOP = (upto >= i for i in range(5))
     try:
         yield
     finally:
-        _KERNEL, _BLOCK_KERNEL, _PASS_KERNEL, _DRAFT_LOOP = before
+        _KERNEL, _BLOCK_KERNEL, _PASS_KERNEL, _DRAFT_LOOP, _ROUNDS_LOOP = before
 
 
 # Rows per product under `fixed_width` (see there): at least a verification's k + 1 positions.
@@ -579,6 +585,30 @@ class FastLlamaBlocks:
             return None
         draft, hidden, sure = out
         return draft, hidden, bool(sure)
+
+    def greedy_rounds(self, exit_layer: int, embedding: nn.Module, token: int, keys: list, values: list,
+                      start: int, cos: torch.Tensor, sin: torch.Tensor, mask_value: float, head: tuple,
+                      k: int, eta: float, eos: torch.Tensor, max_tokens: int, max_rounds: int):
+        """One row's greedy rounds at a fixed k in one compiled call (`kernels.greedy_rounds`): from the
+        pending `token` at slot `start`, each round `draft_loop` over blocks [0, E) and `verify_greedy`
+        over [E, N) (k = 0: a plain step over [0, N)), keeping the accepted drafts and the target's next
+        token, cut after an eos (`eos` (n,) int64) and at `max_tokens`, for up to `max_rounds` rounds.
+        keys, values: the cache's buffers of all N blocks (1, Hkv, capacity, hd); cos, sin (L, hd): the
+        rotary table by slot, past the last slot a round may write; head as `draft_loop`'s. Returns
+        numpy (tokens (t,), rounds (R, 3): drafts, accepted, kept; seconds (R, 2): draft, verification),
+        the cache's slots written up to the last kept token; or None, nothing computed, where it does
+        not apply (`_round_call`)."""
+        weight, bias, ids, vocab = head
+        if not _ROUNDS_LOOP:
+            return None
+        call = self._round_call(kernels.greedy_rounds, 0, len(self.blocks), embedding, cos, sin,
+                                (weight, bias))
+        if call is None:
+            return None
+        made, blocks, embed, cos, sin = call
+        out = made(blocks, exit_layer, embed, keys, values, start, token, cos, sin, mask_value, *self.head,
+                   weight, bias, ids, vocab, k, eta, eos, max_tokens, max_rounds)
+        return tuple(t.numpy() for t in out) if out else None
 
     def _round_call(self, accessor, start: int, end: int, embedding: nn.Module, cos: torch.Tensor,
                     sin: torch.Tensor, head: tuple):

@@ -119,6 +119,16 @@ def verify_greedy() -> Callable | None:
     return None if module is None else module.verify_greedy
 
 
+def greedy_rounds() -> Callable | None:
+    """The compiled `greedy_rounds(blocks, exit_layer, embed, keys, values, start, token, cos, sin,
+    mask_value, norm, eps, head, bias, draft_head, draft_bias, ids, vocab, k, eta, eos, max_tokens,
+    max_rounds) -> [tokens (t,), rounds (R, 3), seconds (R, 2)]` (one row's greedy rounds at a fixed
+    k: `draft_loop` and `verify_greedy` each round, the kept tokens cut at an eos and max_tokens; []
+    where `blocks_pass` declines), or None where the kernels are not available."""
+    module = _module()
+    return None if module is None else module.greedy_rounds
+
+
 def build(source: Path, name: str):
     """Compile `source` as the extension `name` with the kernels' flags (torch caches the build under
     `name`); raises what the build raises. `tools/kernel_ab.py --against` builds a second version with it."""
@@ -155,4 +165,4 @@ def _module():
 
 
 __all__ = ["block_halves", "blocks_pass", "draft_loop", "draft_step", "few_queries_attention",
-           "few_rows_linear", "verify_greedy"]
+           "few_rows_linear", "greedy_rounds", "verify_greedy"]

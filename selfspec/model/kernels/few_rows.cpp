@@ -25,6 +25,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <limits>
 #include <memory>
@@ -890,6 +891,106 @@ std::vector<torch::Tensor> verify_greedy(const std::vector<const Block*>& blocks
   return {torch::cat({target, accepted.to(torch::kLong).unsqueeze(1)}, 1)};
 }
 
+// Greedy decoding rounds of one row in one call: the engine's loop of rounds (`SelfSpecGenerator.generate`
+// at a fixed k) without returning to Python between them. Between two passes the host has only this loop
+// to run, not the Python of a round (some 200 calls, each slowed by caches that the pass before flushed
+// with the weights). A round from pending token `token` at slot n (`start` in the first): for k > 0,
+// `draft_loop` over blocks [0, E) (E = `exit_layer`, drafts with the draft head `draft_head`, `draft_bias`,
+// `ids`, `vocab`, stopping below eta), then `verify_greedy` over blocks [E, N) on the exit states of its
+// s + 1 inputs; for k = 0 a plain step, `verify_greedy` over blocks [0, N) on the token. The same calls as
+// the engine's compiled rounds, so the same bits. The row keeps the accepted drafts and the target's
+// next token, cut after an eos (`eos` (n_eos,) int64) and at `max_tokens` tokens in all; the last kept
+// token is the next round's pending token at slot n + kept: the rollback is only that, the rejected
+// slots are overwritten later. Ends after an eos, at max_tokens or after `max_rounds` rounds.
+// blocks, keys, values: all N blocks and their buffers (1, Hkv, capacity, hd); cos, sin (L, hd): the
+// rotary table, rows by slot (L > the last slot written). Returns {tokens (t,) int64: every kept token,
+// rounds (R, 3) int64: per round its drafts s, accepted count and kept tokens, seconds (R, 2) float64:
+// per round its draft and verification seconds}; an empty vector, nothing computed, where `blocks_pass`
+// declines.
+std::vector<torch::Tensor> greedy_rounds(const std::vector<const Block*>& blocks, int64_t exit_layer,
+                                         const torch::Tensor& embed, const std::vector<torch::Tensor>& keys,
+                                         const std::vector<torch::Tensor>& values, int64_t start, int64_t token,
+                                         const torch::Tensor& cos, const torch::Tensor& sin, double mask_value,
+                                         const torch::Tensor& norm, double eps, const torch::Tensor& head,
+                                         const c10::optional<torch::Tensor>& bias, const torch::Tensor& draft_head,
+                                         const c10::optional<torch::Tensor>& draft_bias,
+                                         const c10::optional<torch::Tensor>& ids, int64_t vocab, int64_t k,
+                                         double eta, const torch::Tensor& eos, int64_t max_tokens,
+                                         int64_t max_rounds) {
+  using Clock = std::chrono::steady_clock;
+  const int64_t num_blocks = static_cast<int64_t>(blocks.size());
+  TORCH_CHECK(keys.size() == blocks.size() && values.size() == blocks.size(), "a key and a value buffer a block");
+  TORCH_CHECK(0 < exit_layer && exit_layer <= num_blocks && k >= 0, "0 < exit_layer <= N and k >= 0");
+  TORCH_CHECK(cos.dim() == 2 && sin.sizes() == cos.sizes() && cos.size(0) > start + max_tokens + k,
+              "cos and sin (L, hd), L past the last slot a round writes");
+  const std::vector<const Block*> low(blocks.begin(), blocks.begin() + exit_layer),
+      high(blocks.begin() + exit_layer, blocks.end());
+  const std::vector<torch::Tensor> low_keys(keys.begin(), keys.begin() + exit_layer),
+      low_values(values.begin(), values.begin() + exit_layer), high_keys(keys.begin() + exit_layer, keys.end()),
+      high_values(values.begin() + exit_layer, values.end());
+  const auto eos_held = eos.to(torch::kLong).contiguous();
+  const int64_t* eos_ids = eos_held.data_ptr<int64_t>();
+  const int64_t num_eos = eos_held.numel();
+  const auto longs = torch::TensorOptions().dtype(torch::kLong);
+  // the rotary rows of `count` slots from `first`, (1, count, hd) as the engine's calls get them
+  const auto rows = [](const torch::Tensor& table, int64_t first, int64_t count) {
+    return table.narrow(0, first, count).unsqueeze(0).contiguous();
+  };
+  const auto since = [](Clock::time_point then) { return std::chrono::duration<double>(Clock::now() - then).count(); };
+  std::vector<int64_t> kept, record;
+  std::vector<double> seconds;
+  int64_t slot = start;
+  for (int64_t round = 0; round < max_rounds && static_cast<int64_t>(kept.size()) < max_tokens; ++round) {
+    const auto began = Clock::now();
+    const auto pending = torch::full({1}, token, longs);
+    std::vector<torch::Tensor> verified;
+    int64_t drafted = 0;
+    double draft_seconds = 0.0;
+    if (k > 0) {
+      const auto drafts = draft_loop(low, embed, pending, low_keys, low_values, slot, rows(cos, slot, k + 1),
+                                     rows(sin, slot, k + 1), norm, eps, draft_head, draft_bias, ids, vocab, k, eta,
+                                     c10::nullopt, mask_value);
+      if (drafts.empty()) {
+        TORCH_CHECK(round == 0, "blocks_pass declined after the first round");
+        return {};
+      }
+      drafted = drafts[0].size(1);
+      draft_seconds = since(began);
+      verified = verify_greedy(high, drafts[1], c10::nullopt, embed, high_keys, high_values, slot,
+                               rows(cos, slot, drafted + 1), rows(sin, slot, drafted + 1), mask_value, norm, eps,
+                               head, bias, drafts[0], c10::nullopt, c10::nullopt);
+    } else {
+      verified = verify_greedy(blocks, c10::nullopt, pending.view({1, 1}), embed, keys, values, slot,
+                               rows(cos, slot, 1), rows(sin, slot, 1), mask_value, norm, eps, head, bias,
+                               torch::empty({1, 0}, longs), c10::nullopt, c10::nullopt);
+    }
+    if (verified.empty()) {
+      TORCH_CHECK(round == 0 && k == 0, "blocks_pass declined after the first pass");
+      return {};
+    }
+    const auto decided = verified[0].contiguous();  // (1, s + 2): the target's s + 1 tokens, the accepted count
+    const int64_t* tokens = decided.data_ptr<int64_t>();
+    const int64_t accepted = tokens[drafted + 1];
+    int64_t keep = std::min(accepted + 1, max_tokens - static_cast<int64_t>(kept.size()));
+    bool ended = false;
+    for (int64_t i = 0; i < keep && !ended; ++i) {
+      if (std::find(eos_ids, eos_ids + num_eos, tokens[i]) != eos_ids + num_eos) {
+        keep = i + 1;
+        ended = true;
+      }
+    }
+    kept.insert(kept.end(), tokens, tokens + keep);
+    token = tokens[keep - 1];
+    slot += keep;
+    record.insert(record.end(), {drafted, accepted, keep});
+    seconds.insert(seconds.end(), {draft_seconds, since(began) - draft_seconds});
+    if (ended) break;
+  }
+  const auto count = static_cast<int64_t>(record.size()) / 3;
+  return {torch::tensor(kept, longs), torch::tensor(record, longs).view({count, 3}),
+          torch::tensor(seconds, torch::TensorOptions().dtype(torch::kDouble)).view({count, 2})};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   // Tensors only, no Python objects: other Python threads may run meanwhile
   module.def("few_rows_linear", &few_rows_linear, "x (m <= 8, K) @ weight (N, K)^T, streaming weight once",
@@ -917,5 +1018,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("masked_target", &masked_target, "the greedy target under a grammar's masks, narrow rows alone",
              pybind11::call_guard<pybind11::gil_scoped_release>());
   module.def("verify_greedy", &verify_greedy, "greedy verification: the pass, the head, the accepted prefix",
+             pybind11::call_guard<pybind11::gil_scoped_release>());
+  module.def("greedy_rounds", &greedy_rounds, "greedy rounds of one row: drafts, verification, what it keeps",
              pybind11::call_guard<pybind11::gil_scoped_release>());
 }
