@@ -235,10 +235,15 @@ def test_a_caller_that_watches_rounds_gets_one_round_per_call(rounds_calls):
     generator = SelfSpecGenerator(model, exit_layer=2)
     prompt = BATCHES["one"][0]
     seen = []
+
+    def on_tokens(rows, tokens, emit, finished):
+        seen.append((tokens.shape, int(emit[0])))
+
     out = generator.generate([prompt], max_new_tokens=NEW, eos_token_id=[], num_speculations=3,
-                             on_tokens=lambda rows, tokens, emit, finished: seen.append(int(emit[0])))
+                             on_tokens=on_tokens)
     assert out.sequences == [reference_greedy(model, prompt, NEW)]
-    assert len(seen) == len(rounds_calls) == out.stats.rounds and sum(seen) == NEW
+    assert len(seen) == len(rounds_calls) == out.stats.rounds and sum(emit for _, emit in seen) == NEW
+    assert {shape for shape, _ in seen} == {(1, 4)}  # a round's k + 1 tokens, as from Python (the server)
     rounds_calls.clear()
     generator.generate([prompt], max_new_tokens=NEW, eos_token_id=[], num_speculations=3)
     assert rounds_calls == [True]  # the whole call in one

@@ -1022,8 +1022,8 @@ class SelfSpecGenerator:
                        stats: GenerationStats, policy: DraftPolicy, laps: RoundProfile | None):
         """Up to `max_rounds` rounds of the batch's one row in one compiled call
         (`DecoderView.greedy_rounds`), each recorded in `stats` and shown to `policy` as the rounds from
-        Python record them: (tokens (1, t) the row kept, emit (1,) = t, finished (1,): an eos or
-        `max_tokens` reached), or None, nothing run, where the kernels decline."""
+        Python record them: (tokens (1, w) whose first t the row kept, emit (1,) = t, finished (1,): an
+        eos or `max_tokens` reached), or None, nothing run, where the kernels decline."""
         head = b.loop_head if k else b.head.tensors()
         if head is None:
             return None
@@ -1044,7 +1044,11 @@ class SelfSpecGenerator:
             policy.update(segments, np.array([accepted]), draft_time, verify_time)
         b.lap("statistics")
         finished = len(tokens) >= max_tokens or bool(len(tokens) and np.isin(tokens[-1], eos))
-        return tokens[None], np.array([len(tokens)]), np.array([finished])
+        # (1, w): the kept tokens, then zeros up to the last round's s + 1 positions, so that one round
+        # shows its callback the (B, k + 1) tokens a round from Python shows (the server counts drafts so)
+        kept = np.zeros((1, max(len(tokens), int(rounds[-1, 0]) + 1 if len(rounds) else 0)), dtype=np.int64)
+        kept[0, :len(tokens)] = tokens
+        return kept, np.array([len(tokens)]), np.array([finished])
 
     @staticmethod
     def _record(stats: GenerationStats, segments: list[Segment], accepted: np.ndarray, draft_time: float,
