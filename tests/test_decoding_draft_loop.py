@@ -268,3 +268,32 @@ def test_one_call_of_a_bf16_model_with_a_trimmed_head_decodes_what_its_rounds_de
             assert one.sequences == each.sequences == plain.sequences
             assert _stats(one) == _stats(each)
     assert rounds_calls and all(rounds_calls)
+
+
+def test_an_adaptive_k_changes_between_calls_and_sees_every_round(rounds_calls):
+    """An adaptive controller runs `ADAPT_ROUNDS` rounds a call at its current k, then takes each
+    round's counts: here a rule that cycles k through 1, 2, 3 at every call."""
+    from selfspec.decoding.controller import Controller
+    from selfspec.decoding.speculative import ADAPT_ROUNDS
+
+    class Cycling(Controller):
+        k_max = 3
+
+        def __init__(self):
+            self.calls, self.updates = 0, 0
+
+        def next_k(self):
+            self.calls += 1
+            return 1 + self.calls % 3
+
+        def update(self, k, accepted, draft_time, verify_time):
+            self.updates += 1
+
+    model = low_alpha_model("llama")
+    generator = SelfSpecGenerator(model, exit_layer=2)
+    prompt = BATCHES["one"][0]
+    controller = Cycling()
+    out = generator.generate([prompt], max_new_tokens=60, eos_token_id=[], num_speculations=controller)
+    assert out.sequences == [reference_greedy(model, prompt, 60)]
+    assert controller.updates == out.stats.rounds and len(rounds_calls) == controller.calls
+    assert len(rounds_calls) == -(-out.stats.rounds // ADAPT_ROUNDS) and len(out.stats.k_rounds) == 3

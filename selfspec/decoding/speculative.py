@@ -24,11 +24,11 @@ host reads the device once per round (the round's tokens and accepted counts), p
 step for η (`stop_below`) and for drafters that copy; everything else the loop needs (positions,
 kv_length, cache lengths) is known on the host already.
 
-One row decoding greedily at a fixed k (the early exit's stored setting, or plain decoding, k = 0),
-unconstrained, runs its rounds in one compiled call where the kernels apply
-(`DecoderView.greedy_rounds`): the same passes, so the same tokens, without the host's Python between
-them; the statistics and the policy then take the rounds' counts. A call that streams, stops at
-strings or admits rows runs one round per call, so it sees every round.
+One row decoding greedily with early-exit drafts (or plain steps), unconstrained, runs its rounds in
+compiled calls of many rounds where the kernels apply (`DecoderView.greedy_rounds`): the same passes,
+so the same tokens, without the host's Python between them; the statistics and the policy then take
+the rounds' counts. A fixed k runs to the row's end in one call; an adaptive k changes between calls of
+`ADAPT_ROUNDS` rounds; a call that streams, stops at strings or admits rows runs one round per call.
 """
 
 from __future__ import annotations
@@ -72,6 +72,9 @@ from .settings import DecodeSettings
 # A grammar's forced tokens a round may draft beyond the policy's k: they cost no model call, and a
 # pass of up to 16 + k positions stays in the compiled kernels' range of rows.
 FORCED_PER_ROUND = 16
+# Rounds per compiled call under an adaptive k (`controller.WindowRule`, `CostModelRule`): the controller
+# sees every round's counts after the call and sets the k of the next call
+ADAPT_ROUNDS = 8
 SOURCES = ("copy", "forced", "early_exit")  # where a draft comes from (`GenerationStats.by_source`)
 
 
@@ -783,11 +786,13 @@ class SelfSpecGenerator:
         laps = RoundProfile() if profile else None
         if laps is not None:
             b.lap = laps.lap
-        rounds_k = self._rounds_k(b, policy)
+        one_call = self._rounds_in_one_call(b, policy)
         # a caller that watches each round (a streamer, stop strings, callbacks, joining rows) gets one
-        # round per compiled call; otherwise one call runs to the row's end
+        # round per compiled call; an adaptive k changes between calls of ADAPT_ROUNDS rounds; a fixed k
+        # runs to the row's end in one
         watched = stream or stops or on_tokens is not None or admit is not None
-        rounds_per_call = 1 if watched else max_new_tokens
+        fixed = one_call and type(policy.controller) is FixedK
+        rounds_per_call = 1 if watched else max_new_tokens if fixed else ADAPT_ROUNDS
         with fixed_width(self.fixed_width):  # a low-precision model: every pass at one width
             while True:  # finished rows leave the batch, admitted ones join it
                 if admit is not None and (joining := admit()):
@@ -803,12 +808,12 @@ class SelfSpecGenerator:
                 rows = b.rows
                 fused = None
                 remaining = int(limits[rows[0]] - counts[rows[0]])
-                if rounds_k is not None and len(rows) == 1 and (
-                        limit is None or int(b.lengths[0]) + remaining + rounds_k < limit):
-                    fused = self._greedy_rounds(b, rounds_k, eos, remaining, rounds_per_call, stats, policy,
-                                                laps)
+                k = policy.controller.next_k() if one_call else 0
+                fits = limit is None or int(b.lengths[0]) + remaining + k < limit
+                if one_call and len(rows) == 1 and fits:
+                    fused = self._greedy_rounds(b, k, eos, remaining, rounds_per_call, stats, policy, laps)
                     if fused is None:  # the kernels declined: rounds from Python from now on
-                        rounds_k = None
+                        one_call = False
                 if fused is not None:
                     tokens, emit, finished = fused
                 else:
@@ -1007,16 +1012,13 @@ class SelfSpecGenerator:
                 b.grammar.select_rows(np.nonzero(keep)[0])
         b.upload(b.steps.device)
 
-    def _rounds_k(self, b: _Batch, policy: DraftPolicy) -> int | None:
-        """The k of a call whose rounds of one row may run in one compiled call (`_greedy_rounds`):
-        greedy, unconstrained, no exit block, no static passes, the early exit at one fixed k (0: plain
-        steps) with a head the compiled draft loop reads; else None."""
-        if (not b.sampling.greedy or b.grammar is not None or b.exit_block is not None
-                or self.static_passes is not None or type(policy) is not EarlyExitPolicy
-                or type(policy.controller) is not FixedK):
-            return None
-        k = policy.controller.k
-        return k if not k or b.loop_head is not None else None
+    def _rounds_in_one_call(self, b: _Batch, policy: DraftPolicy) -> bool:
+        """Whether a row's rounds may run several in one compiled call (`_greedy_rounds`): greedy,
+        unconstrained, no exit block, no static passes, early-exit drafts only (its controller's k for
+        each call; plain steps at k = 0) with a head the compiled draft loop reads."""
+        return (b.sampling.greedy and b.grammar is None and b.exit_block is None
+                and self.static_passes is None and type(policy) is EarlyExitPolicy
+                and (policy.controller.k_max == 0 or b.loop_head is not None))
 
     def _greedy_rounds(self, b: _Batch, k: int, eos: np.ndarray, max_tokens: int, max_rounds: int,
                        stats: GenerationStats, policy: DraftPolicy, laps: RoundProfile | None):
