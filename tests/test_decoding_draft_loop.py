@@ -297,3 +297,39 @@ def test_an_adaptive_k_changes_between_calls_and_sees_every_round(rounds_calls):
     assert out.sequences == [reference_greedy(model, prompt, 60)]
     assert controller.updates == out.stats.rounds and len(rounds_calls) == controller.calls
     assert len(rounds_calls) == -(-out.stats.rounds // ADAPT_ROUNDS) and len(out.stats.k_rounds) == 3
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2"])
+def test_the_copy_drafters_rounds_in_one_call_copy_and_accept_what_its_rounds_do(family, rounds_calls):
+    """The `ngram` drafter's rounds in one call: the same n-gram tables and proposals as `NGramIndex`
+    (longest suffix first, around the period), a plain step where nothing matches, cut at an eos and
+    at the limit. At a fixed copy length the rounds are the per-round path's one for one; with the
+    default window rule the copy length changes between calls of `ADAPT_ROUNDS` rounds."""
+    from selfspec.decoding.controller import FixedK
+    from selfspec.decoding.ngram import NGramConfig
+    from selfspec.decoding.policy import CopyPolicy
+
+    model = low_alpha_model(family)
+    generator = SelfSpecGenerator(model, exit_layer=2)
+    prompt = [5, 17, 33, 5, 17, 33, 8, 5, 17, 60, 2, 5, 17]  # repeats: copies to find
+    expected = reference_greedy(model, prompt, 40)
+    eos = expected[20]
+
+    def run(config, copy_length, eos_ids):
+        policy = CopyPolicy(config, FixedK(0), copy_controller=FixedK(copy_length))
+        return generator.generate([prompt], max_new_tokens=40, eos_token_id=eos_ids, drafter=policy)
+
+    for config in (NGramConfig(), NGramConfig(max_ngram=1, min_ngram=1, max_copy=6)):
+        for copy_length in (1, 3, 7):
+            for eos_ids, want in (([], expected), ([eos], expected[:expected.index(eos) + 1])):
+                one = run(config, copy_length, eos_ids)
+                with fast.kernels_up_to("rounds"):
+                    each = run(config, copy_length, eos_ids)
+                case = (family, config, copy_length, eos_ids)
+                assert one.sequences == each.sequences == [want], case
+                assert _stats(one) == _stats(each) and one.stats.copy.drafted == each.stats.copy.drafted, case
+    assert one.stats.copy.drafted > 0
+    calls = len(rounds_calls)
+    out = generator.generate([prompt], max_new_tokens=40, eos_token_id=[], drafter="ngram")
+    assert out.sequences == [expected]
+    assert (len(rounds_calls) - calls == -(-out.stats.rounds // 8)) == (family != "gpt2")

@@ -24,11 +24,11 @@ host reads the device once per round (the round's tokens and accepted counts), p
 step for η (`stop_below`) and for drafters that copy; everything else the loop needs (positions,
 kv_length, cache lengths) is known on the host already.
 
-One row decoding greedily with early-exit drafts (or plain steps), unconstrained, runs its rounds in
-compiled calls of many rounds where the kernels apply (`DecoderView.greedy_rounds`): the same passes,
+One row decoding greedily with early-exit drafts (or plain steps) or with copies only, unconstrained,
+runs its rounds in compiled calls of many rounds where the kernels apply (`DecoderView.greedy_rounds`): the same passes,
 so the same tokens, without the host's Python between them; the statistics and the policy then take
-the rounds' counts. A fixed k runs to the row's end in one call; an adaptive k changes between calls of
-`ADAPT_ROUNDS` rounds; a call that streams, stops at strings or admits rows runs one round per call.
+the rounds' counts. A fixed k runs to the row's end in one call; an adaptive k (or copy length)
+changes between calls of `ADAPT_ROUNDS` rounds; a call that streams, stops at strings or admits rows runs one round per call.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from .controller import Controller, FixedK
 from .draft_head import DraftHead, frequent_tokens
 from .grammar import Constraint, GrammarBatch, GrammarTokenizer, apply_mask, constraints_for_rows
 from .ngram import NGramConfig
-from .policy import DraftPlan, DraftPolicy, EarlyExitPolicy, Segment
+from .policy import CopyPolicy, DraftPlan, DraftPolicy, EarlyExitPolicy, Segment
 from .profile import RoundProfile, no_lap
 from .sampling import (
     ACCEPT,
@@ -791,7 +791,7 @@ class SelfSpecGenerator:
         # round per compiled call; an adaptive k changes between calls of ADAPT_ROUNDS rounds; a fixed k
         # runs to the row's end in one
         watched = stream or stops or on_tokens is not None or admit is not None
-        fixed = one_call and type(policy.controller) is FixedK
+        fixed = one_call and type(policy) is EarlyExitPolicy and type(policy.controller) is FixedK
         rounds_per_call = 1 if watched else max_new_tokens if fixed else ADAPT_ROUNDS
         with fixed_width(self.fixed_width):  # a low-precision model: every pass at one width
             while True:  # finished rows leave the batch, admitted ones join it
@@ -808,10 +808,12 @@ class SelfSpecGenerator:
                 rows = b.rows
                 fused = None
                 remaining = int(limits[rows[0]] - counts[rows[0]])
-                k = policy.controller.next_k() if one_call else 0
-                fits = limit is None or int(b.lengths[0]) + remaining + k < limit
+                k = policy.controller.next_k() if one_call and type(policy) is EarlyExitPolicy else 0
+                copies = self._copies(policy, rows[0]) if one_call and type(policy) is CopyPolicy else None
+                fits = limit is None or int(b.lengths[0]) + remaining + (copies or (k,))[-1] < limit
                 if one_call and len(rows) == 1 and fits:
-                    fused = self._greedy_rounds(b, k, eos, remaining, rounds_per_call, stats, policy, laps)
+                    fused = self._greedy_rounds(b, k, eos, remaining, rounds_per_call, stats, policy, laps,
+                                                copies)
                     if fused is None:  # the kernels declined: rounds from Python from now on
                         one_call = False
                 if fused is not None:
@@ -1014,23 +1016,36 @@ class SelfSpecGenerator:
 
     def _rounds_in_one_call(self, b: _Batch, policy: DraftPolicy) -> bool:
         """Whether a row's rounds may run several in one compiled call (`_greedy_rounds`): greedy,
-        unconstrained, no exit block, no static passes, early-exit drafts only (its controller's k for
-        each call; plain steps at k = 0) with a head the compiled draft loop reads."""
-        return (b.sampling.greedy and b.grammar is None and b.exit_block is None
-                and self.static_passes is None and type(policy) is EarlyExitPolicy
-                and (policy.controller.k_max == 0 or b.loop_head is not None))
+        unconstrained, no exit block, no static passes, and either early-exit drafts only (its
+        controller's k for each call; plain steps at k = 0) with a head the compiled draft loop reads,
+        or copies only (the `ngram` drafter: a copy or a plain step each round)."""
+        if not b.sampling.greedy or b.grammar is not None or b.exit_block is not None or self.static_passes:
+            return False
+        if type(policy) is EarlyExitPolicy:
+            return policy.controller.k_max == 0 or b.loop_head is not None
+        return type(policy) is CopyPolicy and policy.early_exit.k_max == 0
+
+    @staticmethod
+    def _copies(policy: CopyPolicy, row: int) -> tuple:
+        """The copy drafter's state for `_greedy_rounds`: (the row's tokens so far, min_ngram, max_ngram,
+        the copy length its controller sets for the next call)."""
+        config = policy.ngram
+        history = torch.tensor(policy.indexes[row].tokens, dtype=torch.long)
+        return history, config.min_ngram, config.max_ngram, policy.copy_controller.next_k()
 
     def _greedy_rounds(self, b: _Batch, k: int, eos: np.ndarray, max_tokens: int, max_rounds: int,
-                       stats: GenerationStats, policy: DraftPolicy, laps: RoundProfile | None):
+                       stats: GenerationStats, policy: DraftPolicy, laps: RoundProfile | None,
+                       copies: tuple | None = None):
         """Up to `max_rounds` rounds of the batch's one row in one compiled call
         (`DecoderView.greedy_rounds`), each recorded in `stats` and shown to `policy` as the rounds from
         Python record them: (tokens (1, w) whose first t the row kept, emit (1,) = t, finished (1,): an
-        eos or `max_tokens` reached), or None, nothing run, where the kernels decline."""
+        eos or `max_tokens` reached), or None, nothing run, where the kernels decline. copies: the copy
+        drafter's rounds instead (`_copies`)."""
         head = b.loop_head if k else b.head.tensors()
         if head is None:
             return None
         out = self.view.greedy_rounds(b.exit_layer, int(b.pending_host[0]), b.cache, int(b.lengths[0]), head,
-                                      k, b.stop_below, torch.from_numpy(eos), max_tokens, max_rounds)
+                                      k, b.stop_below, torch.from_numpy(eos), max_tokens, max_rounds, copies)
         if out is None:
             return None
         tokens, rounds, seconds = out
@@ -1038,7 +1053,7 @@ class SelfSpecGenerator:
             laps.split({"draft passes": float(seconds[:, 0].sum()),
                         "verification pass": float(seconds[:, 1].sum())}, rest="acceptance")
         for (drafted, accepted, _), (draft_time, verify_time) in zip(rounds.tolist(), seconds.tolist()):
-            segments = [Segment("early_exit", 0, drafted)] if drafted else []
+            segments = [Segment("early_exit" if copies is None else "copy", 0, drafted)] if drafted else []
             if not segments:  # a plain step, also one whose first E blocks ran before η stopped the draft
                 draft_time, verify_time = 0.0, draft_time + verify_time
             stats.stopped_below_eta += drafted < k

@@ -93,7 +93,7 @@ class Adapter:
         return None
 
     def greedy_rounds(self, exit_layer: int, token: int, cache, start: int, head: tuple, k: int, eta: float,
-                      eos, max_tokens: int, max_rounds: int):
+                      eos, max_tokens: int, max_rounds: int, copies: tuple | None = None):
         """One row's greedy rounds at a fixed k in one call where this family has one (see
         `DecoderView.greedy_rounds`); None (nothing run) otherwise."""
         return None
@@ -261,19 +261,20 @@ class LlamaFamilyAdapter(Adapter):
         return self.fast.verify_greedy(start, end, embedding, hidden, tokens, cache, *place, mask_value,
                                        drafts, allowed)
 
-    def greedy_rounds(self, exit_layer, token, cache, start, head, k, eta, eos, max_tokens, max_rounds):
+    def greedy_rounds(self, exit_layer, token, cache, start, head, k, eta, eos, max_tokens, max_rounds,
+                      copies=None):
         if self._static is not None or not self._use_fast() or self._rope_per_call:
             return None
         num_layers = len(self.layers)
         keys, values = cache.keys[:num_layers], cache.values[:num_layers]
-        last = start + max_tokens + k  # past the last slot a round may write
+        last = start + max_tokens + (k if copies is None else copies[3])  # past the last slot a round writes
         if any(b is None for b in keys) or any(w is not None and w <= last for w in self.windows):
             return None
         embedding = self.model.model.embed_tokens
         cos, sin = self._rope_rows(embedding.weight[:1, None], last)
         out = self.fast.greedy_rounds(exit_layer, embedding, token, keys, values, start, cos, sin,
                                       torch.finfo(embedding.weight.dtype).min, head, k, eta, eos, max_tokens,
-                                      max_rounds)
+                                      max_rounds, copies)
         if out is not None:  # every layer holds the slots up to the pending token: the rest is stale
             cache.hold([start + len(out[0])])
         return out

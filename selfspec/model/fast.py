@@ -588,11 +588,14 @@ class FastLlamaBlocks:
 
     def greedy_rounds(self, exit_layer: int, embedding: nn.Module, token: int, keys: list, values: list,
                       start: int, cos: torch.Tensor, sin: torch.Tensor, mask_value: float, head: tuple,
-                      k: int, eta: float, eos: torch.Tensor, max_tokens: int, max_rounds: int):
+                      k: int, eta: float, eos: torch.Tensor, max_tokens: int, max_rounds: int,
+                      copies: tuple | None = None):
         """One row's greedy rounds at a fixed k in one compiled call (`kernels.greedy_rounds`): from the
         pending `token` at slot `start`, each round `draft_loop` over blocks [0, E) and `verify_greedy`
         over [E, N) (k = 0: a plain step over [0, N)), keeping the accepted drafts and the target's next
         token, cut after an eos (`eos` (n,) int64) and at `max_tokens`, for up to `max_rounds` rounds.
+        copies: (the row's tokens so far (t,) int64, min_ngram, max_ngram, copy length) for rounds that
+        draft copies instead (the `ngram` drafter; no match: a plain step).
         keys, values: the cache's buffers of all N blocks (1, Hkv, capacity, hd); cos, sin (L, hd): the
         rotary table by slot, past the last slot a round may write; head as `draft_loop`'s. Returns
         numpy (tokens (t,), rounds (R, 3): drafts, accepted, kept; seconds (R, 2): draft, verification),
@@ -606,8 +609,9 @@ class FastLlamaBlocks:
         if call is None:
             return None
         made, blocks, embed, cos, sin = call
+        copies = copies or (None, 0, 0, 0)  # (history, min_ngram, max_ngram, copy length)
         out = made(blocks, exit_layer, embed, keys, values, start, token, cos, sin, mask_value, *self.head,
-                   weight, bias, ids, vocab, k, eta, eos, max_tokens, max_rounds)
+                   weight, bias, ids, vocab, k, eta, eos, max_tokens, max_rounds, *copies)
         return tuple(t.numpy() for t in out) if out else None
 
     def _round_call(self, accessor, start: int, end: int, embedding: nn.Module, cos: torch.Tensor,

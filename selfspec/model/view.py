@@ -219,19 +219,22 @@ class DecoderView:
         return self.adapter.draft_loop(exit_layer, token, cache, positions, head, k, eta)
 
     def greedy_rounds(self, exit_layer: int, token: int, cache, start: int, head: tuple, k: int, eta: float,
-                      eos: torch.Tensor, max_tokens: int, max_rounds: int):
+                      eos: torch.Tensor, max_tokens: int, max_rounds: int, copies: tuple | None = None):
         """Greedy decoding rounds of one row in one compiled call, where the family has one (as
         `draft_loop`): from the pending `token` at slot `start` of `cache` (one row, every layer holding
         `start` positions), each round k early-exit drafts through blocks [0, exit_layer) with `head`
         (as `draft_loop`'s: stopping below `eta`) and their verification (as `verify_greedy`), or for
         k = 0 a plain step; the row keeps the accepted drafts and the target's next token, cut after
-        an eos (`eos` (n,) int64) and at `max_tokens` in all, for up to `max_rounds` rounds. The same
+        an eos (`eos` (n,) int64) and at `max_tokens` in all, for up to `max_rounds` rounds. With
+        `copies` (the row's tokens so far (t,) int64, the pending one last; min_ngram, max_ngram; the
+        copy length), each round drafts a copy from the context instead (`ngram.NGramIndex.propose`,
+        from blocks [0, N); no match: a plain step). The same
         passes as the engine's rounds one by one, so the same tokens, without the host's work between
         them. Returns numpy (tokens (t,), rounds (R, 3): drafts, accepted count and kept tokens per
         round; seconds (R, 2): each round's draft and verification seconds), the cache holding
         start + t positions; or None, nothing run, where it does not apply."""
         return self.adapter.greedy_rounds(exit_layer, token, cache, start, head, k, eta, eos, max_tokens,
-                                          max_rounds)
+                                          max_rounds, copies)
 
     def verify_greedy(self, start: int, end: int, cache, positions: torch.Tensor, drafts: torch.Tensor,
                       hidden: torch.Tensor | None = None, tokens: torch.Tensor | None = None,

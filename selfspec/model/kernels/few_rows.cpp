@@ -28,6 +28,7 @@
 #include <chrono>
 #include <cmath>
 #include <limits>
+#include <map>
 #include <memory>
 #include <type_traits>
 #include <vector>
@@ -892,16 +893,19 @@ std::vector<torch::Tensor> verify_greedy(const std::vector<const Block*>& blocks
 }
 
 // Greedy decoding rounds of one row in one call: the engine's loop of rounds (`SelfSpecGenerator.generate`
-// at a fixed k) without returning to Python between them. Between two passes the host has only this loop
+// at a fixed k, or copies at a fixed copy length) without returning to Python between them. Between two passes the host has only this loop
 // to run, not the Python of a round (some 200 calls, each slowed by caches that the pass before flushed
 // with the weights). A round from pending token `token` at slot n (`start` in the first): for k > 0,
 // `draft_loop` over blocks [0, E) (E = `exit_layer`, drafts with the draft head `draft_head`, `draft_bias`,
 // `ids`, `vocab`, stopping below eta), then `verify_greedy` over blocks [E, N) on the exit states of its
 // s + 1 inputs; for k = 0 a plain step, `verify_greedy` over blocks [0, N) on the token. The same calls as
-// the engine's compiled rounds, so the same bits. The row keeps the accepted drafts and the target's
-// next token, cut after an eos (`eos` (n_eos,) int64) and at `max_tokens` tokens in all; the last kept
-// token is the next round's pending token at slot n + kept: the rollback is only that, the rejected
-// slots are overwritten later. Ends after an eos, at max_tokens or after `max_rounds` rounds.
+// the engine's compiled rounds, so the same bits. With `history` (the row's tokens so far, the pending
+// one last: the `ngram` drafter), a round drafts instead a copy of up to `copy_limit` tokens that followed
+// the longest suffix of min_ngram..max_ngram tokens seen before (`ngram.NGramIndex.propose`, its tables
+// built here and extended with every kept token), verified from the embedding over [0, N); no match, a
+// plain step. The row keeps the accepted drafts and the target's next token, cut after an eos (`eos`
+// (n_eos,) int64) and at `max_tokens` tokens in all; the last kept token is the next round's pending
+// token at slot n + kept: the rollback is only that, the rejected slots are overwritten later. Ends after an eos, at max_tokens or after `max_rounds` rounds.
 // blocks, keys, values: all N blocks and their buffers (1, Hkv, capacity, hd); cos, sin (L, hd): the
 // rotary table, rows by slot (L > the last slot written). Returns {tokens (t,) int64: every kept token,
 // rounds (R, 3) int64: per round its drafts s, accepted count and kept tokens, seconds (R, 2) float64:
@@ -916,12 +920,16 @@ std::vector<torch::Tensor> greedy_rounds(const std::vector<const Block*>& blocks
                                          const c10::optional<torch::Tensor>& draft_bias,
                                          const c10::optional<torch::Tensor>& ids, int64_t vocab, int64_t k,
                                          double eta, const torch::Tensor& eos, int64_t max_tokens,
-                                         int64_t max_rounds) {
+                                         int64_t max_rounds, const c10::optional<torch::Tensor>& history,
+                                         int64_t min_ngram, int64_t max_ngram, int64_t copy_limit) {
   using Clock = std::chrono::steady_clock;
+  const bool copying = history.has_value();
+  const int64_t reach = copying ? copy_limit : k;  // the most drafts a round verifies
   const int64_t num_blocks = static_cast<int64_t>(blocks.size());
   TORCH_CHECK(keys.size() == blocks.size() && values.size() == blocks.size(), "a key and a value buffer a block");
   TORCH_CHECK(0 < exit_layer && exit_layer <= num_blocks && k >= 0, "0 < exit_layer <= N and k >= 0");
-  TORCH_CHECK(cos.dim() == 2 && sin.sizes() == cos.sizes() && cos.size(0) > start + max_tokens + k,
+  TORCH_CHECK(!copying || (1 <= min_ngram && min_ngram <= max_ngram && copy_limit >= 1), "n-gram settings");
+  TORCH_CHECK(cos.dim() == 2 && sin.sizes() == cos.sizes() && cos.size(0) > start + max_tokens + reach,
               "cos and sin (L, hd), L past the last slot a round writes");
   const std::vector<const Block*> low(blocks.begin(), blocks.begin() + exit_layer),
       high(blocks.begin() + exit_layer, blocks.end());
@@ -937,6 +945,35 @@ std::vector<torch::Tensor> greedy_rounds(const std::vector<const Block*>& blocks
     return table.narrow(0, first, count).unsqueeze(0).contiguous();
   };
   const auto since = [](Clock::time_point then) { return std::chrono::duration<double>(Clock::now() - then).count(); };
+  // the copy drafter's sequence and, per n, each n-gram's latest following position (`NGramIndex`)
+  std::vector<int64_t> seq;
+  std::vector<std::map<std::vector<int64_t>, int64_t>> tables(copying ? max_ngram - min_ngram + 1 : 0);
+  const auto index_from = [&](size_t first) {  // the n-grams that end just before each new position
+    for (size_t follow = std::max<size_t>(first, 1); follow < seq.size(); ++follow)
+      for (int64_t n = min_ngram; n <= max_ngram && n <= static_cast<int64_t>(follow); ++n)
+        tables[n - min_ngram][std::vector<int64_t>(seq.begin() + follow - n, seq.begin() + follow)] =
+            static_cast<int64_t>(follow);
+  };
+  const auto propose = [&]() {  // `NGramIndex.propose`: the longest suffix first, around the period
+    std::vector<int64_t> copy;
+    const auto length = static_cast<int64_t>(seq.size());
+    for (int64_t n = std::min(max_ngram, length - 1); n >= min_ngram; --n) {
+      const auto& table = tables[n - min_ngram];
+      const auto found = table.find(std::vector<int64_t>(seq.end() - n, seq.end()));
+      if (found != table.end()) {
+        const int64_t follow = found->second, period = length - follow;
+        for (int64_t i = 0; i < copy_limit; ++i) copy.push_back(seq[follow + i % period]);
+        break;
+      }
+    }
+    return copy;
+  };
+  if (copying) {
+    const auto held = history->to(torch::kLong).contiguous();
+    seq.assign(held.data_ptr<int64_t>(), held.data_ptr<int64_t>() + held.numel());
+    TORCH_CHECK(!seq.empty() && seq.back() == token, "history ends with the pending token");
+    index_from(0);
+  }
   std::vector<int64_t> kept, record;
   std::vector<double> seconds;
   int64_t slot = start;
@@ -946,7 +983,16 @@ std::vector<torch::Tensor> greedy_rounds(const std::vector<const Block*>& blocks
     std::vector<torch::Tensor> verified;
     int64_t drafted = 0;
     double draft_seconds = 0.0;
-    if (k > 0) {
+    if (copying) {  // a copy (or a plain step), verified from the embedding over [0, N)
+      auto copy = propose();
+      drafted = static_cast<int64_t>(copy.size());
+      draft_seconds = since(began);
+      copy.insert(copy.begin(), token);
+      const auto input = torch::tensor(copy, longs).view({1, drafted + 1});
+      verified = verify_greedy(blocks, c10::nullopt, input, embed, keys, values, slot, rows(cos, slot, drafted + 1),
+                               rows(sin, slot, drafted + 1), mask_value, norm, eps, head, bias,
+                               input.narrow(1, 1, drafted), c10::nullopt, c10::nullopt);
+    } else if (k > 0) {
       const auto drafts = draft_loop(low, embed, pending, low_keys, low_values, slot, rows(cos, slot, k + 1),
                                      rows(sin, slot, k + 1), norm, eps, draft_head, draft_bias, ids, vocab, k, eta,
                                      c10::nullopt, mask_value);
@@ -965,7 +1011,7 @@ std::vector<torch::Tensor> greedy_rounds(const std::vector<const Block*>& blocks
                                torch::empty({1, 0}, longs), c10::nullopt, c10::nullopt);
     }
     if (verified.empty()) {
-      TORCH_CHECK(round == 0 && k == 0, "blocks_pass declined after the first pass");
+      TORCH_CHECK(round == 0 && (k == 0 || copying), "blocks_pass declined after the first pass");
       return {};
     }
     const auto decided = verified[0].contiguous();  // (1, s + 2): the target's s + 1 tokens, the accepted count
@@ -980,6 +1026,10 @@ std::vector<torch::Tensor> greedy_rounds(const std::vector<const Block*>& blocks
       }
     }
     kept.insert(kept.end(), tokens, tokens + keep);
+    if (copying) {
+      seq.insert(seq.end(), tokens, tokens + keep);
+      index_from(seq.size() - keep);
+    }
     token = tokens[keep - 1];
     slot += keep;
     record.insert(record.end(), {drafted, accepted, keep});
