@@ -25,10 +25,11 @@ step for η (`stop_below`) and for drafters that copy; everything else the loop 
 kv_length, cache lengths) is known on the host already.
 
 One row decoding greedily with early-exit drafts (or plain steps) or with copies only, unconstrained,
-runs its rounds in compiled calls of many rounds where the kernels apply (`DecoderView.greedy_rounds`): the same passes,
-so the same tokens, without the host's Python between them; the statistics and the policy then take
-the rounds' counts. A fixed k runs to the row's end in one call; an adaptive k (or copy length)
-changes between calls of `ADAPT_ROUNDS` rounds; a call that streams, stops at strings or admits rows runs one round per call.
+runs its rounds in compiled calls of many rounds where the kernels apply (`DecoderView.greedy_rounds`):
+the same passes, so the same tokens, without the host's Python between them; the statistics and the
+policy then take the rounds' counts. A fixed k runs to the row's end in one call; an adaptive k (or
+copy length) changes between calls of `ADAPT_ROUNDS` rounds; a call that streams, stops at strings or
+admits rows runs one round per call.
 """
 
 from __future__ import annotations
