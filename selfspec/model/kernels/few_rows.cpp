@@ -893,24 +893,25 @@ std::vector<torch::Tensor> verify_greedy(const std::vector<const Block*>& blocks
 }
 
 // Greedy decoding rounds of one row in one call: the engine's loop of rounds (`SelfSpecGenerator.generate`
-// at a fixed k, or copies at a fixed copy length) without returning to Python between them. Between two passes the host has only this loop
-// to run, not the Python of a round (some 200 calls, each slowed by caches that the pass before flushed
-// with the weights). A round from pending token `token` at slot n (`start` in the first): for k > 0,
-// `draft_loop` over blocks [0, E) (E = `exit_layer`, drafts with the draft head `draft_head`, `draft_bias`,
-// `ids`, `vocab`, stopping below eta), then `verify_greedy` over blocks [E, N) on the exit states of its
-// s + 1 inputs; for k = 0 a plain step, `verify_greedy` over blocks [0, N) on the token. The same calls as
-// the engine's compiled rounds, so the same bits. With `history` (the row's tokens so far, the pending
-// one last: the `ngram` drafter), a round drafts instead a copy of up to `copy_limit` tokens that followed
-// the longest suffix of min_ngram..max_ngram tokens seen before (`ngram.NGramIndex.propose`, its tables
-// built here and extended with every kept token), verified from the embedding over [0, N); no match, a
-// plain step. The row keeps the accepted drafts and the target's next token, cut after an eos (`eos`
-// (n_eos,) int64) and at `max_tokens` tokens in all; the last kept token is the next round's pending
-// token at slot n + kept: the rollback is only that, the rejected slots are overwritten later. Ends after an eos, at max_tokens or after `max_rounds` rounds.
-// blocks, keys, values: all N blocks and their buffers (1, Hkv, capacity, hd); cos, sin (L, hd): the
-// rotary table, rows by slot (L > the last slot written). Returns {tokens (t,) int64: every kept token,
-// rounds (R, 3) int64: per round its drafts s, accepted count and kept tokens, seconds (R, 2) float64:
-// per round its draft and verification seconds}; an empty vector, nothing computed, where `blocks_pass`
-// declines.
+// at a fixed k, or copies at a fixed copy length) without returning to Python between them. Between two
+// passes the host has only this loop to run, not the Python of a round (some 200 calls, each slowed by
+// caches that the pass before flushed with the weights). A round from pending token `token` at slot n
+// (`start` in the first): for k > 0, `draft_loop` over blocks [0, E) (E = `exit_layer`, drafts with the
+// draft head `draft_head`, `draft_bias`, `ids`, `vocab`, stopping below eta), then `verify_greedy` over
+// blocks [E, N) on the exit states of its s + 1 inputs; for k = 0 a plain step, `verify_greedy` over
+// blocks [0, N) on the token. The same calls as the engine's compiled rounds, so the same bits. With
+// `history` (the row's tokens so far, the pending one last: the `ngram` drafter), a round drafts instead
+// a copy of up to `copy_limit` tokens that followed the longest suffix of min_ngram..max_ngram tokens
+// seen before (`ngram.NGramIndex.propose`, its tables built here and extended with every kept token),
+// verified from the embedding over [0, N); no match, a plain step. The row keeps the accepted drafts and
+// the target's next token, cut after an eos (`eos` (n_eos,) int64) and at `max_tokens` tokens in all;
+// the last kept token is the next round's pending token at slot n + kept: the rollback is only that,
+// the rejected slots are overwritten later. Ends after an eos, at max_tokens or after `max_rounds`
+// rounds. blocks, keys, values: all N blocks and their buffers (1, Hkv, capacity, hd); cos, sin (L, hd):
+// the rotary table, rows by slot (L > the last slot written). Returns {tokens (t,) int64: every kept
+// token, rounds (R, 3) int64: per round its drafts s, accepted count and kept tokens, seconds (R, 2)
+// float64: per round its draft and verification seconds}; an empty vector, nothing computed, where
+// `blocks_pass` declines.
 std::vector<torch::Tensor> greedy_rounds(const std::vector<const Block*>& blocks, int64_t exit_layer,
                                          const torch::Tensor& embed, const std::vector<torch::Tensor>& keys,
                                          const std::vector<torch::Tensor>& values, int64_t start, int64_t token,
