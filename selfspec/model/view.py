@@ -229,9 +229,10 @@ class DecoderView:
         `copies` (the row's tokens so far (t,) int64, the pending one last; min_ngram, max_ngram; the
         copy length), each round drafts a copy from the context instead (`ngram.NGramIndex.propose`,
         verified over blocks [0, N); no match: a plain step). The same passes as the engine's rounds
-        one by one, so the same tokens, without the host's work between them. Returns numpy (tokens (t,), rounds (R, 3): drafts, accepted count and kept tokens per
-        round; seconds (R, 2): each round's draft and verification seconds), the cache holding
-        start + t positions; or None, nothing run, where it does not apply."""
+        one by one, so the same tokens, without the host's work between them. Returns numpy (tokens
+        (t,), rounds (R, 3): drafts, accepted count and kept tokens per round; seconds (R, 2): each
+        round's draft and verification seconds), the cache holding start + t positions; or None,
+        nothing run, where it does not apply."""
         return self.adapter.greedy_rounds(exit_layer, token, cache, start, head, k, eta, eos, max_tokens,
                                           max_rounds, copies)
 
