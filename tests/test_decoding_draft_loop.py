@@ -304,10 +304,12 @@ def test_the_copy_drafters_rounds_in_one_call_copy_and_accept_what_its_rounds_do
     """The `ngram` drafter's rounds in one call: the same n-gram tables and proposals as `NGramIndex`
     (longest suffix first, around the period), a plain step where nothing matches, cut at an eos and
     at the limit. At a fixed copy length the rounds are the per-round path's one for one; with the
-    default window rule the copy length changes between calls of `ADAPT_ROUNDS` rounds."""
+    default window rule the copy length changes between calls of `ADAPT_ROUNDS` rounds; a caller that
+    watches rounds keeps the copies in Python (the call would rebuild its tables every round)."""
     from selfspec.decoding.controller import FixedK
     from selfspec.decoding.ngram import NGramConfig
     from selfspec.decoding.policy import CopyPolicy
+    from selfspec.decoding.speculative import ADAPT_ROUNDS
 
     model = low_alpha_model(family)
     generator = SelfSpecGenerator(model, exit_layer=2)
@@ -332,4 +334,9 @@ def test_the_copy_drafters_rounds_in_one_call_copy_and_accept_what_its_rounds_do
     calls = len(rounds_calls)
     out = generator.generate([prompt], max_new_tokens=40, eos_token_id=[], drafter="ngram")
     assert out.sequences == [expected]
-    assert (len(rounds_calls) - calls == -(-out.stats.rounds // 8)) == (family != "gpt2")
+    assert (len(rounds_calls) - calls == -(-out.stats.rounds // ADAPT_ROUNDS)) == (family != "gpt2")
+    calls = len(rounds_calls)  # a caller that watches each round: the copies run from Python
+    watched = generator.generate([prompt], max_new_tokens=40, eos_token_id=[], drafter="ngram",
+                                 on_tokens=lambda *_: None)
+    assert watched.sequences == [expected]
+    assert len(rounds_calls) == calls

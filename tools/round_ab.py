@@ -8,7 +8,7 @@ Decodes the same prompts (batch 1, greedy) with plain decoding and the early exi
 three arms: `python` (`selfspec.model.fast.kernels_up_to("passes")`: the draft steps and the
 verification from Python, the operations one by one), `rounds` (the draft loop and the verification in
 one kernel call each) and `decode` (a call's rounds of one row in one kernel call, `greedy_rounds`;
-batches of several rows run as `rounds`), interleaved over repeats after a warm-up. Prints each
+a batch runs as `rounds` until one row is left), interleaved over repeats after a warm-up. Prints each
 decode's tokens/s (median), its speedup over plain decoding in the same arm (the median of paired
 ratios and its interval), the one-call arm over the per-round arm, and the round profile of every
 decode (`evaluation.rounds`).

@@ -787,11 +787,11 @@ class SelfSpecGenerator:
         laps = RoundProfile() if profile else None
         if laps is not None:
             b.lap = laps.lap
-        one_call = self._rounds_in_one_call(b, policy)
         # a caller that watches each round (a streamer, stop strings, callbacks, joining rows) gets one
         # round per compiled call; an adaptive k changes between calls of ADAPT_ROUNDS rounds; a fixed k
         # runs to the row's end in one
-        watched = stream or stops or on_tokens is not None or admit is not None
+        watched = bool(stream or stops or on_tokens is not None or admit is not None)
+        one_call = self._rounds_in_one_call(b, policy, watched)
         fixed = one_call and type(policy) is EarlyExitPolicy and type(policy.controller) is FixedK
         rounds_per_call = 1 if watched else max_new_tokens if fixed else ADAPT_ROUNDS
         with fixed_width(self.fixed_width):  # a low-precision model: every pass at one width
@@ -808,15 +808,16 @@ class SelfSpecGenerator:
                     break
                 rows = b.rows
                 fused = None
-                remaining = int(limits[rows[0]] - counts[rows[0]])
-                k = policy.controller.next_k() if one_call and type(policy) is EarlyExitPolicy else 0
-                copies = self._copies(policy, rows[0]) if one_call and type(policy) is CopyPolicy else None
-                fits = limit is None or int(b.lengths[0]) + remaining + (copies or (k,))[-1] < limit
-                if one_call and len(rows) == 1 and fits:
-                    fused = self._greedy_rounds(b, k, eos, remaining, rounds_per_call, stats, policy, laps,
-                                                copies)
-                    if fused is None:  # the kernels declined: rounds from Python from now on
-                        one_call = False
+                if one_call and len(rows) == 1:
+                    k = policy.controller.next_k() if type(policy) is EarlyExitPolicy else 0
+                    copies = self._copies(policy, rows[0]) if type(policy) is CopyPolicy else None
+                    remaining = int(limits[rows[0]] - counts[rows[0]])
+                    reach = k if copies is None else copies[3]  # the most drafts a round verifies
+                    if limit is None or int(b.lengths[0]) + remaining + reach < limit:
+                        fused = self._greedy_rounds(b, k, eos, remaining, rounds_per_call, stats, policy,
+                                                    laps, copies)
+                        if fused is None:  # the kernels declined: rounds from Python from now on
+                            one_call = False
                 if fused is not None:
                     tokens, emit, finished = fused
                 else:
@@ -1015,16 +1016,18 @@ class SelfSpecGenerator:
                 b.grammar.select_rows(np.nonzero(keep)[0])
         b.upload(b.steps.device)
 
-    def _rounds_in_one_call(self, b: _Batch, policy: DraftPolicy) -> bool:
+    def _rounds_in_one_call(self, b: _Batch, policy: DraftPolicy, watched: bool) -> bool:
         """Whether a row's rounds may run several in one compiled call (`_greedy_rounds`): greedy,
         unconstrained, no exit block, no static passes, and either early-exit drafts only (its
         controller's k for each call; plain steps at k = 0) with a head the compiled draft loop reads,
-        or copies only (the `ngram` drafter: a copy or a plain step each round)."""
+        or copies only (the `ngram` drafter: a copy or a plain step each round) when no caller watches
+        each round: the call builds its n-gram tables from the whole row, too much to redo every round
+        of a long context (the policy's own index grows by each round's tokens)."""
         if not b.sampling.greedy or b.grammar is not None or b.exit_block is not None or self.static_passes:
             return False
         if type(policy) is EarlyExitPolicy:
             return policy.controller.k_max == 0 or b.loop_head is not None
-        return type(policy) is CopyPolicy and policy.early_exit.k_max == 0
+        return type(policy) is CopyPolicy and policy.early_exit.k_max == 0 and not watched
 
     @staticmethod
     def _copies(policy: CopyPolicy, row: int) -> tuple:

@@ -94,7 +94,7 @@ class Adapter:
 
     def greedy_rounds(self, exit_layer: int, token: int, cache, start: int, head: tuple, k: int, eta: float,
                       eos, max_tokens: int, max_rounds: int, copies: tuple | None = None):
-        """One row's greedy rounds at a fixed k in one call where this family has one (see
+        """One row's greedy rounds (early-exit drafts or copies) in one call where this family has one (see
         `DecoderView.greedy_rounds`); None (nothing run) otherwise."""
         return None
 
