@@ -42,7 +42,7 @@ def test_rows_joining_at_round_boundaries_decode_what_they_decode_alone(family):
         admit, calls = _admit(LATER)
         seen = {}
 
-        def on_tokens(rows, tokens, emit, finished, seen=seen):
+        def on_tokens(rows, tokens, emit, finished, counts, seen=seen):
             for slot, row in enumerate(rows):
                 seen.setdefault(int(row), []).extend(tokens[slot, :emit[slot]].tolist())
 
@@ -51,6 +51,29 @@ def test_rows_joining_at_round_boundaries_decode_what_they_decode_alone(family):
         assert out.sequences == expected, (family, name)
         assert [seen[row] for row in range(len(expected))] == expected  # streamed under their own rows
         assert len(calls) > max(LATER)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2"])
+def test_a_row_joins_a_lone_row_that_runs_several_rounds_a_call(family):
+    """With `callback_rounds` a lone row runs several rounds in one compiled call between two asks of
+    `admit`; a row given at the next ask joins, and both decode what they decode alone."""
+    model = low_alpha_model(family)
+    generator = SelfSpecGenerator(model, exit_layer=2)
+    prompt, later = [5, 17, 33, 5, 17, 33, 8, 5, 17], NewRow([40, 3, 9], NEW)
+    expected = [reference_greedy(model, prompt, 3 * NEW), reference_greedy(model, later.prompt, NEW)]
+    for name in ("early_exit", "ngram"):
+        admit, calls = _admit({3: [later]})
+        seen = {}
+
+        def on_tokens(rows, tokens, emit, finished, counts, seen=seen):
+            for slot, row in enumerate(rows):
+                seen.setdefault(int(row), []).append(int(counts.passes[slot]))
+
+        out = generator.generate([prompt], max_new_tokens=3 * NEW, eos_token_id=[], settings=SETTINGS[name],
+                                 admit=admit, on_tokens=on_tokens, callback_rounds=8)
+        assert out.sequences == expected, (family, name)
+        assert seen[0][0] == seen[1][0] == 1  # a row's first round alone
+        assert (max(seen[0]) > 1) == (family != "gpt2"), (family, name)  # GPT-2: no compiled rounds
 
 
 def test_a_row_may_join_after_every_other_row_finished():

@@ -230,20 +230,29 @@ def test_one_call_runs_a_rows_rounds_and_decodes_and_counts_what_each_rounds_cal
 
 def test_a_caller_that_watches_rounds_gets_one_round_per_call(rounds_calls):
     """A callback (the server's), a streamer or stop strings see every round: one round per call, the
-    same output; a batch of several rows runs round by round (its last row alone in one call)."""
+    same output, each callback told the round's counts; with `callback_rounds` a lone row's first round
+    runs alone and the rest in calls of that many rounds, the counts summing to the call's statistics;
+    a batch of several rows runs round by round (its last row alone in one call)."""
     model = low_alpha_model("llama")
     generator = SelfSpecGenerator(model, exit_layer=2)
     prompt = BATCHES["one"][0]
-    seen = []
+    want = reference_greedy(model, prompt, 3 * NEW)
+    for callback_rounds in (1, 4):
+        seen = []
 
-    def on_tokens(rows, tokens, emit, finished):
-        seen.append((tokens.shape, int(emit[0])))
+        def on_tokens(rows, tokens, emit, finished, counts, seen=seen):
+            assert tokens.shape == (1, int(emit[0]))
+            seen.append(counts)
 
-    out = generator.generate([prompt], max_new_tokens=NEW, eos_token_id=[], num_speculations=3,
-                             on_tokens=on_tokens)
-    assert out.sequences == [reference_greedy(model, prompt, NEW)]
-    assert len(seen) == len(rounds_calls) == out.stats.rounds and sum(emit for _, emit in seen) == NEW
-    assert {shape for shape, _ in seen} == {(1, 4)}  # a round's k + 1 tokens, as from Python (the server)
+        rounds_calls.clear()
+        out = generator.generate([prompt], max_new_tokens=3 * NEW, eos_token_id=[], num_speculations=3,
+                                 on_tokens=on_tokens, callback_rounds=callback_rounds)
+        assert out.sequences == [want]
+        passes = [int(c.passes[0]) for c in seen]
+        assert len(seen) == len(rounds_calls) and sum(passes) == out.stats.rounds
+        assert passes[0] == 1 and max(passes) == callback_rounds and len(seen) > 2
+        assert sum(int(c.drafted[0]) for c in seen) == out.stats.early_exit.drafted
+        assert sum(int(c.accepted[0]) for c in seen) == out.stats.early_exit.accepted
     rounds_calls.clear()
     generator.generate([prompt], max_new_tokens=NEW, eos_token_id=[], num_speculations=3)
     assert rounds_calls == [True]  # the whole call in one
@@ -340,3 +349,10 @@ def test_the_copy_drafters_rounds_in_one_call_copy_and_accept_what_its_rounds_do
                                  on_tokens=lambda *_: None)
     assert watched.sequences == [expected]
     assert len(rounds_calls) == calls
+    # one that takes several rounds a callback: the first round alone, then calls of several
+    seen = []
+    batched = generator.generate([prompt], max_new_tokens=40, eos_token_id=[], drafter="ngram",
+                                 on_tokens=lambda *args: seen.append(args[4]), callback_rounds=ADAPT_ROUNDS)
+    assert batched.sequences == [expected]
+    assert (len(rounds_calls) - calls == len(seen)) == (family != "gpt2")
+    assert sum(int(c.drafted[0]) for c in seen) == batched.stats.copy.drafted

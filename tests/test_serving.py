@@ -204,7 +204,10 @@ def test_a_full_queue_answers_429_with_retry_after(generator):
 def test_metrics_count_requests_tokens_and_acceptance(client):
     usage = client.post("/v1/chat/completions", json=chat("def f(x):")).json()["usage"]
     client.post("/v1/chat/completions", json=chat("hi", n=3))
-    text = client.get("/metrics").text
+    deadline = time.time() + 60  # a request's tokens count once its wave has ended, maybe after its reply
+    while "selfspec_wave_size_count 1.0" not in (text := client.get("/metrics").text):
+        assert time.time() < deadline
+        time.sleep(0.02)
     assert 'selfspec_requests_total{endpoint="/v1/chat/completions",status="200"} 1.0' in text
     assert 'selfspec_requests_total{endpoint="/v1/chat/completions",status="400"} 1.0' in text
     assert f"selfspec_completion_tokens_total {usage['completion_tokens']:.1f}" in text
@@ -281,20 +284,26 @@ def test_sixteen_concurrent_clients_each_get_what_they_get_alone(live, generator
 def test_a_request_that_arrives_mid_decode_joins_the_running_batch(generator):
     """Continuous batching: a job submitted while another decodes joins it at a round boundary (no wait
     for the wave to end) and both get what they get alone; a job of another kind (sampled) waits for
-    the next wave, and no job behind it overtakes it."""
+    the next wave, and no job behind it overtakes it. The two arrive right after the first's first
+    round (which runs alone), while it decodes."""
     scheduler = Scheduler(generator, max_batch=4)
     scheduler.start()
     try:
         prompts = {name: generator.chat_prompt([{"role": "user", "content": name}])
                    for name in ("def first(x):", "def second(y):", "def third(z):")}
         first = Job(prompts["def first(x):"], max_tokens=40)
-        scheduler.submit(first)
-        while not first.tokens:  # decoding
-            time.sleep(0.01)
         second, third = Job(prompts["def second(y):"], max_tokens=6), Job(prompts["def third(z):"], 6,
                                                                            temperature=0.8, seed=3)
-        scheduler.submit(second)
-        scheduler.submit(third)
+        take = first.take
+
+        def arrive_while_first_decodes(tokens, *args):  # after its first round, on the decode thread
+            if not first.tokens:
+                scheduler.submit(second)
+                scheduler.submit(third)
+            return take(tokens, *args)
+
+        first.take = arrive_while_first_decodes
+        scheduler.submit(first)
         deadline = time.time() + 120
         while any(job.finish_reason is None for job in (first, second, third)) and time.time() < deadline:
             time.sleep(0.01)
@@ -308,9 +317,18 @@ def test_a_request_that_arrives_mid_decode_joins_the_running_batch(generator):
         scheduler.stop()
 
 
-def test_a_client_that_leaves_mid_stream_frees_its_row(live):
+def test_a_client_that_leaves_mid_stream_frees_its_row(live, monkeypatch):
     scheduler = live["app"].state.scheduler
     before = scheduler.cancelled_rows
+    take = Job.take
+
+    def slow_take(job, tokens, *args):  # after its first round the row waits until the hang-up is seen,
+        deadline = time.time() + 30     # so that it cannot end first on a loaded machine
+        while job.tokens and not job.cancelled and time.time() < deadline:
+            time.sleep(0.01)
+        return take(job, tokens, *args)
+
+    monkeypatch.setattr(Job, "take", slow_take)
     body = chat("while True:", max_tokens=200, stream=True)
     with httpx.stream("POST", f"{live['url']}/chat/completions", json=body,
                       headers={"Authorization": "Bearer k"}, timeout=60) as response:
@@ -320,6 +338,16 @@ def test_a_client_that_leaves_mid_stream_frees_its_row(live):
             break
         time.sleep(0.05)
     assert scheduler.cancelled_rows == before + 1
+
+
+def test_a_request_cancelled_while_it_waits_leaves_the_queue_counted(generator):
+    scheduler = Scheduler(generator, max_batch=4)  # not started: the test takes the waves itself
+    waiting, gone = Job(prompt=[1, 2], max_tokens=2), Job(prompt=[3, 4], max_tokens=2)
+    scheduler.submit(gone)
+    scheduler.submit(waiting)
+    gone.cancelled = True
+    assert scheduler._next_wave() == [waiting]
+    assert gone.finish_reason == "cancelled" and scheduler.cancelled_rows == 1 and not scheduler.waiting
 
 
 def test_a_failing_request_gets_a_500_and_the_server_keeps_serving(generator, monkeypatch, caplog):

@@ -9,10 +9,10 @@ from .ngram import NGramConfig
 from .policy import DRAFTERS, DraftPlan, DraftPolicy, make_policy
 from .sampling import SamplingParams, accept_greedy, accept_sampled, residual_probs
 from .settings import ADAPTIVE_K, PLAIN, DecodeSettings, parse_num_speculations
-from .speculative import GenerationOutput, GenerationStats, NewRow, SelfSpecGenerator
+from .speculative import GenerationOutput, GenerationStats, NewRow, RoundCounts, SelfSpecGenerator
 
 __all__ = ["ADAPTIVE_K", "DRAFTERS", "PLAIN", "DecodeSettings", "parse_num_speculations", "CacheLengthError",
            "Constraint", "Controller", "CostModelRule", "DraftHead", "DraftPlan", "DraftPolicy",
            "FixedK", "GenerationOutput", "GenerationStats", "KVCache", "NGramConfig", "NewRow",
-           "SamplingParams", "SelfSpecGenerator", "WindowRule", "accept_greedy", "accept_sampled",
-           "make_controller", "make_policy", "residual_probs"]
+           "RoundCounts", "SamplingParams", "SelfSpecGenerator", "WindowRule", "accept_greedy",
+           "accept_sampled", "make_controller", "make_policy", "residual_probs"]

@@ -28,8 +28,8 @@ One row decoding greedily with early-exit drafts (or plain steps) or with copies
 runs its rounds in compiled calls of many rounds where the kernels apply (`DecoderView.greedy_rounds`):
 the same passes, so the same tokens, without the host's Python between them; the statistics and the
 policy then take the rounds' counts. A fixed k runs to the row's end in one call; an adaptive k (or
-copy length) changes between calls of `ADAPT_ROUNDS` rounds; a call that streams, stops at strings or
-admits rows runs one round per call.
+copy length) changes between calls of `ADAPT_ROUNDS` rounds; a call that streams or stops at strings
+runs one round per call, and one with callbacks (`on_tokens`, `admit`: the server) `callback_rounds`.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -172,6 +173,15 @@ class GenerationOutput:
     # per row under a grammar: whether the output is complete (it parses); False for a row that
     # max_new_tokens cut first, True for an unconstrained row. None when no row was constrained.
     complete: list | None = None
+
+
+class RoundCounts(NamedTuple):
+    """What the rounds behind one `on_tokens` call did, per running row (B,) each: the rounds (one full
+    pass each), the drafts they verified, and how many of those were accepted."""
+
+    passes: np.ndarray
+    drafted: np.ndarray
+    accepted: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -701,7 +711,8 @@ class SelfSpecGenerator:
                  top_k: int = 0, top_p: float = 1.0, num_speculations=None, drafter=None,
                  eos_token_id=None, stop_strings=None, seed=None, streamer=None,
                  settings: DecodeSettings | None = None, json_schema=None, regex=None,
-                 grammar=None, profile: bool = False, on_tokens=None, admit=None) -> GenerationOutput:
+                 grammar=None, profile: bool = False, on_tokens=None, admit=None,
+                 callback_rounds: int = 1) -> GenerationOutput:
         """Generate up to `max_new_tokens` tokens per prompt; the result is exactly the full model's.
 
         input_ids: a list of token lists (any lengths), one token list, a (B, T) tensor with an
@@ -732,18 +743,21 @@ class SelfSpecGenerator:
             (see `grammar.py`). A row ends when its grammar is complete; `GenerationOutput.complete`
             says which rows' outputs are (False: max_new_tokens cut it first).
         profile: time each part of every round (`profile.PARTS`) into `GenerationStats.profile`.
-        on_tokens: called after every round with `(rows, tokens, emit, finished)`: the caller's row
-            index of each running row (B,), the round's tokens (B, k + 1) of which each row keeps its
-            first `emit` (B,), and which rows end with this round (B,) bool. It may return a (B,)
-            bool array of rows to end now (a server's cancelled request, a limit the caller keeps
-            per row); their tokens so far stay in the output. Every row streams live, unlike
-            `streamer`.
+        on_tokens: called after every round with `(rows, tokens, emit, finished, counts)`: the
+            caller's row index of each running row (B,), the round's tokens (B, w) of which each row
+            keeps its first `emit` (B,), which rows end with this round (B,) bool, and the
+            `RoundCounts` behind them. It may return a (B,) bool array of rows to end now (a server's
+            cancelled request, a limit the caller keeps per row); their tokens so far stay in the
+            output. Every row streams live, unlike `streamer`.
         admit: continuous batching: called before every round with no argument, it returns the
             `NewRow`s that join the batch now (an empty list: none). They are prefilled apart and
             decode with the others from this round on, with their own `max_new_tokens`; their caller
             rows follow the prompts' (and the rows joined before them). Their tokens reach
             `on_tokens` and the output. A row's tokens do not depend on when it joined (greedy; a
             sampled row draws from its own seed). The call ends when no row runs and none joins.
+        callback_rounds: with `on_tokens` or `admit`, the rounds a lone row may run in one compiled call
+            between two callbacks (its first round always alone, so its first token comes at once): more
+            rounds cost less host time, but rows wait longer to join and tokens arrive in bursts.
         """
         wall = time.perf_counter()
         prompts = self._prompts(input_ids, attention_mask)
@@ -787,13 +801,16 @@ class SelfSpecGenerator:
         laps = RoundProfile() if profile else None
         if laps is not None:
             b.lap = laps.lap
-        # a caller that watches each round (a streamer, stop strings, callbacks, joining rows) gets one
-        # round per compiled call; an adaptive k changes between calls of ADAPT_ROUNDS rounds; a fixed k
-        # runs to the row's end in one
-        watched = bool(stream or stops or on_tokens is not None or admit is not None)
-        one_call = self._rounds_in_one_call(b, policy, watched)
-        fixed = one_call and type(policy) is EarlyExitPolicy and type(policy.controller) is FixedK
-        rounds_per_call = 1 if watched else max_new_tokens if fixed else ADAPT_ROUNDS
+        # a caller that watches each round (a streamer, stop strings) gets one round per compiled call,
+        # callbacks (the server) `callback_rounds`; an adaptive k changes between calls of ADAPT_ROUNDS
+        # rounds; a fixed k runs to the row's end in one
+        fixed = type(policy) is EarlyExitPolicy and type(policy.controller) is FixedK
+        callbacks = on_tokens is not None or admit is not None
+        rounds_per_call = (1 if stream or stops else max(1, callback_rounds) if callbacks
+                           else max_new_tokens if fixed else ADAPT_ROUNDS)
+        if not fixed:
+            rounds_per_call = min(rounds_per_call, ADAPT_ROUNDS)
+        one_call = self._rounds_in_one_call(b, policy, rounds_per_call)
         with fixed_width(self.fixed_width):  # a low-precision model: every pass at one width
             while True:  # finished rows leave the batch, admitted ones join it
                 if admit is not None and (joining := admit()):
@@ -813,13 +830,14 @@ class SelfSpecGenerator:
                     copies = self._copies(policy, rows[0]) if type(policy) is CopyPolicy else None
                     remaining = int(limits[rows[0]] - counts[rows[0]])
                     reach = k if copies is None else copies[3]  # the most drafts a round verifies
+                    # a row's first round alone: its first token reaches the callback without delay
+                    most = 1 if callbacks and not counts[rows[0]] else rounds_per_call
                     if limit is None or int(b.lengths[0]) + remaining + reach < limit:
-                        fused = self._greedy_rounds(b, k, eos, remaining, rounds_per_call, stats, policy,
-                                                    laps, copies)
+                        fused = self._greedy_rounds(b, k, eos, remaining, most, stats, policy, laps, copies)
                         if fused is None:  # the kernels declined: rounds from Python from now on
                             one_call = False
                 if fused is not None:
-                    tokens, emit, finished = fused
+                    tokens, emit, finished, done = fused
                 else:
                     plan = policy.plan(b.rows)
                     cap = k_max if self.static_passes is None else min(k_max, STATIC_WIDTH - 1)
@@ -842,6 +860,8 @@ class SelfSpecGenerator:
                     b.lap("policy")
 
                     emit, finished = self._emit_counts(tokens, accepted, counts[rows], limits[rows], eos)
+                    done = RoundCounts(np.ones(len(rows), dtype=np.int64),
+                                       np.full(len(rows), tokens.shape[1] - 1, dtype=np.int64), accepted)
                     if b.grammar is not None:  # the matchers take what their rows emitted
                         b.lap("other")
                         emit, finished = b.grammar.commit(tokens, emit, finished)
@@ -855,7 +875,7 @@ class SelfSpecGenerator:
                 policy.observe(rows, tokens, emit)
                 b.lap("policy")
                 if on_tokens is not None:
-                    cancel = on_tokens(rows, tokens, emit, finished)
+                    cancel = on_tokens(rows, tokens, emit, finished, done)
                     if cancel is not None:
                         finished = finished | np.asarray(cancel, dtype=bool)
                 if stream:
@@ -1016,18 +1036,18 @@ class SelfSpecGenerator:
                 b.grammar.select_rows(np.nonzero(keep)[0])
         b.upload(b.steps.device)
 
-    def _rounds_in_one_call(self, b: _Batch, policy: DraftPolicy, watched: bool) -> bool:
+    def _rounds_in_one_call(self, b: _Batch, policy: DraftPolicy, rounds_per_call: int) -> bool:
         """Whether a row's rounds may run several in one compiled call (`_greedy_rounds`): greedy,
         unconstrained, no exit block, no static passes, and either early-exit drafts only (its
         controller's k for each call; plain steps at k = 0) with a head the compiled draft loop reads,
-        or copies only (the `ngram` drafter: a copy or a plain step each round) when no caller watches
-        each round: the call builds its n-gram tables from the whole row, too much to redo every round
-        of a long context (the policy's own index grows by each round's tokens)."""
+        or copies only (the `ngram` drafter: a copy or a plain step each round) in calls of several
+        rounds: the call builds its n-gram tables from the whole row, too much to redo every round of a
+        long context (the policy's own index grows by each round's tokens)."""
         if not b.sampling.greedy or b.grammar is not None or b.exit_block is not None or self.static_passes:
             return False
         if type(policy) is EarlyExitPolicy:
             return policy.controller.k_max == 0 or b.loop_head is not None
-        return type(policy) is CopyPolicy and policy.early_exit.k_max == 0 and not watched
+        return type(policy) is CopyPolicy and policy.early_exit.k_max == 0 and rounds_per_call > 1
 
     @staticmethod
     def _copies(policy: CopyPolicy, row: int) -> tuple:
@@ -1042,9 +1062,9 @@ class SelfSpecGenerator:
                        copies: tuple | None = None):
         """Up to `max_rounds` rounds of the batch's one row in one compiled call
         (`DecoderView.greedy_rounds`), each recorded in `stats` and shown to `policy` as the rounds from
-        Python record them: (tokens (1, w) whose first t the row kept, emit (1,) = t, finished (1,): an
-        eos or `max_tokens` reached), or None, nothing run, where the kernels decline. copies: the copy
-        drafter's rounds instead (`_copies`)."""
+        Python record them: (tokens (1, t) the row kept, emit (1,) = t, finished (1,): an eos or
+        `max_tokens` reached, the call's `RoundCounts`), or None, nothing run, where the kernels
+        decline. copies: the copy drafter's rounds instead (`_copies`)."""
         head = b.loop_head if k else b.head.tensors()
         if head is None:
             return None
@@ -1065,11 +1085,9 @@ class SelfSpecGenerator:
             policy.update(segments, np.array([accepted]), draft_time, verify_time)
         b.lap("statistics")
         finished = len(tokens) >= max_tokens or bool(len(tokens) and np.isin(tokens[-1], eos))
-        # (1, w): the kept tokens, then zeros up to the last round's s + 1 positions, so that one round
-        # shows its callback the (B, k + 1) tokens a round from Python shows (the server counts drafts so)
-        kept = np.zeros((1, max(len(tokens), int(rounds[-1, 0]) + 1 if len(rounds) else 0)), dtype=np.int64)
-        kept[0, :len(tokens)] = tokens
-        return kept, np.array([len(tokens)]), np.array([finished])
+        drafted, accepted = np.asarray(rounds, dtype=np.int64).reshape(-1, 3)[:, :2].sum(0)
+        done = RoundCounts(np.array([len(rounds)]), np.array([drafted]), np.array([accepted]))
+        return np.asarray(tokens, dtype=np.int64)[None], np.array([len(tokens)]), np.array([finished]), done
 
     @staticmethod
     def _record(stats: GenerationStats, segments: list[Segment], accepted: np.ndarray, draft_time: float,

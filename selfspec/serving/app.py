@@ -19,6 +19,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from ..decoding.speculative import ADAPT_ROUNDS
 from ..errors import UserError
 from .metrics import Metrics
 from .protocol import APIError, ChatRequest, CompletionRequest, parse
@@ -29,15 +30,17 @@ GRACE_SECONDS = 30  # what a request in flight gets to finish when the server is
 
 
 def create_app(generator, model_name: str, *, api_key: str | None = None, max_batch: int = 8,
-               max_queue: int = 64, max_tokens_cap: int = 2048, max_body_bytes: int = 1 << 20,
-               default_max_tokens: int = 256, grace: float = 30.0) -> FastAPI:
+               max_queue: int = 64, rounds_per_call: int = ADAPT_ROUNDS, max_tokens_cap: int = 2048,
+               max_body_bytes: int = 1 << 20, default_max_tokens: int = 256, grace: float = 30.0) -> FastAPI:
     """The server of `generator` (a `SelfSpecGenerator` with a tokenizer) under the name `model_name`.
 
-    max_tokens_cap: the most tokens one request may ask for; default_max_tokens: a chat request's
-    when it names none. The scheduler's thread runs while the application's lifespan does; at
-    shutdown the requests in flight get `grace` seconds to finish, then end (`Scheduler.stop`)."""
+    rounds_per_call: see `Scheduler`. max_tokens_cap: the most tokens one request may ask for;
+    default_max_tokens: a chat request's when it names none. The scheduler's thread runs while the
+    application's lifespan does; at shutdown the requests in flight get `grace` seconds to finish,
+    then end (`Scheduler.stop`)."""
     metrics = Metrics()
-    scheduler = Scheduler(generator, max_batch=max_batch, max_queue=max_queue, on_wave=metrics.wave_done)
+    scheduler = Scheduler(generator, max_batch=max_batch, max_queue=max_queue,
+                          rounds_per_call=rounds_per_call, on_wave=metrics.wave_done)
     positions = generator.view.max_positions
     drafter = generator.settings.drafter
 
@@ -248,7 +251,8 @@ def run_in_thread(app: FastAPI, port: int, host: str = "127.0.0.1"):
 
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           served_model_name: str | None = None, max_batch: int = 8, max_queue: int = 64,
-          max_tokens_cap: int = 2048, device: str = "auto", dtype: str = "auto", **overrides) -> None:
+          rounds_per_call: int = ADAPT_ROUNDS, max_tokens_cap: int = 2048, device: str = "auto",
+          dtype: str = "auto", **overrides) -> None:
     """`selfspec serve MODEL`: load the checkpoint at its stored settings (flags override them) and
     serve it until interrupted. The key comes from --api-key or $SELFSPEC_API_KEY."""
     import logging
@@ -260,13 +264,15 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str
     from ..checkpoint import load_tuned
 
     api_key = api_key or os.environ.get("SELFSPEC_API_KEY") or None
+    if rounds_per_call < 1:
+        raise UserError(f"--rounds-per-call must be 1 or more, got {rounds_per_call}")
     generator = load_tuned(model, device=device, dtype=dtype,
                            **{k: v for k, v in overrides.items() if v is not None})
     if generator.tokenizer is None:
         raise UserError(f"{model} has no tokenizer; the server needs one to read and write text")
     name = served_model_name or model.rstrip("/")
     app = create_app(generator, name, api_key=api_key, max_batch=max_batch, max_queue=max_queue,
-                     max_tokens_cap=max_tokens_cap, grace=GRACE_SECONDS)
+                     rounds_per_call=rounds_per_call, max_tokens_cap=max_tokens_cap, grace=GRACE_SECONDS)
     logging.basicConfig(level=logging.INFO)  # a failed wave's traceback goes to the log
     where = "" if host in ("127.0.0.1", "localhost", "::1") else " (reachable from other machines)"
     print(f"selfspec serve: {name} on http://{host}:{port}/v1{where}, drafter "

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..decoding import Constraint, NewRow
+from ..decoding.speculative import ADAPT_ROUNDS
 
 logger = logging.getLogger(__name__)
 
@@ -84,18 +85,20 @@ class Job:
         if self.loop is not None:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
-    def take(self, tokens: list[int], drafted: int, engine_done: bool, eos: set, decode) -> bool:
-        """A round's tokens for this row (decode thread); True when the row is done. `engine_done`:
-        the engine ended the row (eos, a complete grammar, the wave's token limit)."""
+    def take(self, tokens: list[int], passes: int, drafted: int, accepted: int, engine_done: bool, eos: set,
+             decode) -> bool:
+        """The tokens of this row's latest rounds (decode thread): `passes` rounds that verified
+        `drafted` drafts and accepted `accepted`. True when the row is done. `engine_done`: the engine
+        ended the row (eos, a complete grammar, the wave's token limit)."""
         if self.finish_reason is not None:
             return True
         if self.cancelled:
             return self.end("cancelled")
         if self.first_token is None and tokens:
             self.first_token = time.perf_counter()
-        self.passes += 1
+        self.passes += passes
         self.drafted += drafted
-        self.accepted += len(tokens) - 1
+        self.accepted += accepted
         self.tokens += tokens[:self.max_tokens - len(self.tokens)]
         text = decode(self.tokens)
         hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
@@ -142,12 +145,15 @@ class Job:
 class Scheduler:
     """The decode loop (a daemon thread) over a `SelfSpecGenerator`; `submit` queues a job.
 
-    max_batch: rows per wave; max_queue: jobs waiting at most (beyond: `QueueFull`); on_wave: called
-    with each finished wave's jobs and `GenerationStats` (the server's metrics)."""
+    max_batch: rows per wave; max_queue: jobs waiting at most (beyond: `QueueFull`); rounds_per_call: the
+    rounds a lone row decodes in one compiled call between two looks at the queue (`generate`'s
+    `callback_rounds`); on_wave: called with each finished wave's jobs and `GenerationStats` (the
+    server's metrics)."""
 
-    def __init__(self, generator, max_batch: int = 8, max_queue: int = 64, on_wave=None):
+    def __init__(self, generator, max_batch: int = 8, max_queue: int = 64,
+                 rounds_per_call: int = ADAPT_ROUNDS, on_wave=None):
         self.generator, self.on_wave = generator, on_wave
-        self.max_batch, self.max_queue = max_batch, max_queue
+        self.max_batch, self.max_queue, self.rounds_per_call = max_batch, max_queue, rounds_per_call
         self.queue: deque[Job] = deque()
         self.ready = threading.Condition()
         self.closing = False
@@ -158,7 +164,7 @@ class Scheduler:
         self.limit = generator.view.max_positions
         self.largest_wave = 0
         self.active: list[Job] = []  # the wave being decoded
-        self.cancelled_rows = 0  # rows whose client went away (or shutdown ended them)
+        self.cancelled_rows = 0  # requests whose client went away (or shutdown ended them), queued or not
         self.joined = 0  # jobs that joined a wave already decoding
 
     def start(self) -> None:
@@ -205,12 +211,18 @@ class Scheduler:
                 fits = self.limit is None or (max(len(j.prompt) for j in [*wave, job])
                                               + max(j.max_tokens for j in [*wave, job]) <= self.limit)
                 joins = len(wave) < self.max_batch and job.kind == first.kind and fits
-                if joins and not job.cancelled:
+                if job.cancelled:
+                    self._drop(job)
+                elif joins:
                     wave.append(job)
                     self.queue.remove(job)
-                elif job.cancelled:
-                    self.queue.remove(job)
             return wave
+
+    def _drop(self, job: Job) -> None:
+        """A waiting job whose client went away leaves the queue (the lock held)."""
+        self.queue.remove(job)
+        job.end("cancelled")
+        self.cancelled_rows += 1
 
     def _loop(self) -> None:
         while (wave := self._next_wave()) is not None:
@@ -224,10 +236,10 @@ class Scheduler:
         rows = [job.row() for job in wave]  # the wave's first rows, as later ones join
         schemas = [job.schema for job in wave]
 
-        def on_tokens(rows, tokens, emit, finished):
-            drafted = tokens.shape[1] - 1
-            return np.array([wave[row].take(tokens[slot, :emit[slot]].tolist(), drafted, bool(finished[slot]),
-                                            self.eos, self.decode)
+        def on_tokens(rows, tokens, emit, finished, counts):
+            return np.array([wave[row].take(tokens[slot, :emit[slot]].tolist(), int(counts.passes[slot]),
+                                            int(counts.drafted[slot]), int(counts.accepted[slot]),
+                                            bool(finished[slot]), self.eos, self.decode)
                              for slot, row in enumerate(rows)])
 
         def admit() -> list[NewRow]:
@@ -238,7 +250,7 @@ class Scheduler:
             with self.ready:
                 for job in list(self.queue):
                     if job.cancelled:
-                        self.queue.remove(job)
+                        self._drop(job)
                         continue
                     if (running + len(joining) >= self.max_batch or self.closing or job.kind != wave[0].kind
                             or (self.limit is not None and len(job.prompt) + job.max_tokens > self.limit)):
@@ -255,7 +267,7 @@ class Scheduler:
                 [row.prompt for row in rows], max_new_tokens=max(row.max_new_tokens for row in rows),
                 temperature=temperature, top_k=top_k, top_p=top_p, seed=[row.seed for row in rows],
                 json_schema=schemas if any(s is not None for s in schemas) else None, on_tokens=on_tokens,
-                admit=admit)
+                admit=admit, callback_rounds=self.rounds_per_call)
         except Exception as exc:  # noqa: BLE001 - the wave's clients get a 500, the loop goes on
             logger.exception("a wave of %d requests failed", len(wave))
             for job in wave:
