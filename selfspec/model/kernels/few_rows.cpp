@@ -54,9 +54,8 @@ inline float hsum(__m256 v) {
 
 // out[r, j] for j in [begin, end): M rows of x (fp32, (M, k)) against W rows [begin, end). Each W row
 // is read once, end to end, against all M rows of x (M independent FMA chains). Reading rows one at
-// a time, not several side by side, keeps the read a single stream the prefetchers follow: measured
-// on one row of x, 4 W rows side by side streamed bf16 at 12-15 GB/s and one at a time at 16-18
-// (fp32 at 13 vs 14 GB/s; a plain read 22 GB/s on that hour).
+// a time, not several side by side, keeps the read a single stream the prefetchers follow (several
+// streams at once read slower; docs/performance.md, "Kernel choices").
 template <int M, typename T>
 void rows_block(const float* x, const T* w, T* out, int64_t n, int64_t k, int64_t begin, int64_t end) {
   const int64_t k8 = k - k % 8;
@@ -176,8 +175,8 @@ inline void dots(const float* a, const T* b, int64_t n, int64_t count, float* ou
 
 // e^x for 8 floats (Cephes' expf: x = n·ln 2 + r, a degree-5 polynomial in r, times 2^n), within
 // 2 ulp of expf; 0 exactly below -87.3 (where expf leaves the normal range), so a hidden key (mask
-// -inf or the dtype's min) weighs exactly 0. Scalar expf made the softmax most of the attention's
-// time: 136 µs a layer for 5 queries over 261 keys.
+// -inf or the dtype's min) weighs exactly 0. Vectorized because scalar expf made the softmax most of
+// the attention's time.
 inline __m256 exp8(__m256 x) {
   const __m256 hidden = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ);
   x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3f)), _mm256_set1_ps(-87.3f));
@@ -419,8 +418,8 @@ torch::Tensor back(const torch::Tensor& hidden, const torch::Tensor& q, const to
   for (int64_t i = 0; i < m * d; ++i) h[i] = held<T>(h[i] + o[i]);  // the residual, in T
   for (int64_t r = 0; r < m; ++r) rms_norm_row<T>(h.data() + r * d, norm.data_ptr<T>(), eps, x.data() + r * d, d);
   linear_rows<T>(x.data(), {&w_gate, &w_up}, {&b_gate, &b_up}, {gate.data(), up.data()}, m);
-  // SwiGLU: silu(gate) = gate / (1 + e^-gate) rounded, times up, rounded. The exp in 8 lanes (`exp8`):
-  // with scalar expf a SmolLM2 bf16 block's back half took 343 us against 310 (timed alone, in cache).
+  // SwiGLU: silu(gate) = gate / (1 + e^-gate) rounded, times up, rounded. The exp in 8 lanes (`exp8`),
+  // which a block's back half with scalar expf spent a tenth of its time on.
   const int64_t count = m * inner, count8 = count - count % 8;
   for (int64_t i = 0; i < count8; i += 8) {
     const __m256 g = _mm256_loadu_ps(gate.data() + i);
@@ -583,7 +582,7 @@ bool blocks_fit(const std::vector<const Block*>& blocks, const std::vector<torch
 // rows sit at different slots: then a mask is needed) and slots 0 .. kv_length - 1 attended (with
 // `mask` (B, T, kv_length), additive; none: every slot); cos, sin (B, T, hd).
 // The same calls as block by block, so the same bits; it saves the Python between blocks (checks,
-// the cache's update, argument passing: ~90-140 µs a block on SmolLM2). None, computing nothing, where a
+// the cache's update, argument passing), a sizeable share of a small model's step. None, computing nothing, where a
 // block's tensors or a buffer do not fit the kernels (the caller then runs block by block).
 c10::optional<torch::Tensor> blocks_pass(const std::vector<const Block*>& blocks, torch::Tensor hidden,
                                          const std::vector<torch::Tensor>& keys,
