@@ -16,6 +16,7 @@ from helpers import CHATML, assert_shape
 from transformers import AutoModelForCausalLM
 
 from selfspec import SelfSpecGenerator
+from selfspec.errors import UserError
 from selfspec.evaluation.results import ServeLoadReport
 from selfspec.serving.app import create_app, merged_text, run_in_thread
 from selfspec.serving.scheduler import Job, QueueFull, Scheduler
@@ -417,4 +418,16 @@ def test_the_load_benchmark_reports_every_level_and_the_fault_run(tiny_run, tmp_
     assert 0 < report["served_vs_in_process"]["low"] <= report["served_vs_in_process"]["speedup"]
     fault = report["fault"]
     assert fault["bad"] > 0 and fault["bad_refused_4xx"] == fault["bad"] and fault["good_ok"] == fault["good"]
-    assert {p.name for p in tmp_path.iterdir()} >= {"serve_load.json", "serve_load.md", "serve_load.png"}
+    assert fault["resident_before"] > 0  # the server's own process
+    assert {p.name for p in tmp_path.iterdir()} >= {"serve_load.json", "serve_load.md", "serve_load.png",
+                                                     "server.log", "server-plain.log"}
+
+
+def test_a_server_process_that_cannot_start_is_one_clear_error(tmp_path):
+    from selfspec.evaluation.serve_load import server_process
+
+    log = tmp_path / "server.log"
+    with pytest.raises(UserError, match="exited with 2 before it answered: see .*server.log"):
+        with server_process(str(tmp_path / "no-model"), log):
+            pass
+    assert "no-model" in log.read_text()

@@ -1,10 +1,11 @@
 """`selfspec eval serve-load`: the server under load, against itself without drafting and against
 in-process `generate`.
 
-The server runs in this process (uvicorn on a thread, 127.0.0.1); clients are threads that stream
-text completions over HTTP. For each concurrency level (1, 2, 4, 8 by default) and each arm (the
-checkpoint's own settings; `--drafter none`: plain decoding) the clients send `--requests` greedy
-requests from the prompt set, the arms interleaved level by level. Per level and arm it reports
+The server is `selfspec serve` in its own process, as a user runs it (127.0.0.1, `server_process`);
+clients are threads of this process that stream text completions over HTTP. For each concurrency
+level (1, 2, 4, 8 by default) and each arm (the checkpoint's own settings; a second server without
+drafting: plain decoding) the clients send `--requests` greedy requests from the prompt set, the arms
+interleaved level by level. Per level and arm it reports
 throughput (generated tokens per second of wall time), time to the first token and inter-token
 latency (a request's time from its first to its last chunk over its tokens after the first; p50,
 p95), errors, and mismatches: replies that differ from the same prompt decoded alone in-process.
@@ -15,8 +16,8 @@ two rates timed a minute apart do not.
 
 `--fault N` then sends N requests, a third of them malformed or hostile (bad JSON, a wrong key,
 unknown fields' values, oversize bodies, huge max_tokens), mixed with good ones: every bad one
-must get a 4xx, every good one its reply, and the process's resident memory is compared before and
-after.
+must get a 4xx, every good one its reply, and the server process's resident memory is compared
+before and after.
 
     selfspec eval serve-load --model runs/demo/model --requests 16 --max-tokens 64
 """
@@ -24,11 +25,17 @@ after.
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -43,12 +50,57 @@ from .results import ServeLoadReport
 
 KEY = "serve-load"
 ARMS = ("selfspec", "plain")
+PLAIN_FLAGS = {"drafter": "early_exit", "num_speculations": 0}  # `selfspec serve` without drafting
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextmanager
+def server_process(model: str, log: Path, *, max_batch: int = 8, device: str = "auto", dtype: str = "auto",
+                   **settings) -> Iterator[tuple[str, int]]:
+    """`selfspec serve MODEL` in a process of its own on a free port of 127.0.0.1, under the name
+    "served" with this module's key and `settings` as its flags (exit_layer=6 -> --exit-layer 6);
+    yields (its /v1 URL, its pid) once it answers, and stops it with SIGTERM at the end. Its output
+    goes to `log`.
+
+    Why a process: two threads of one process that both decode each run an OpenMP team, and libgomp
+    then has more threads than CPUs and lets every team's workers sleep between parallel regions (its
+    throttled spin); decoding in this process beside a server thread ran several times slower, both
+    of them. A process per server is also what its users run."""
+    port = _free_port()
+    command = [sys.executable, "-m", "selfspec", "serve", model, "--port", str(port), "--api-key", KEY,
+               "--served-model-name", "served", "--max-batch", str(max_batch), "--device", device,
+               "--dtype", dtype]
+    for name, value in settings.items():
+        if value is not None:
+            command += [f"--{name.replace('_', '-')}", str(value)]
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as output:
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "SELFSPEC_API_KEY": ""})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        while True:  # the import, the load and the first build of the kernels
+            if process.poll() is not None:
+                raise UserError(f"`selfspec serve {model}` exited with {process.returncode} before it "
+                                f"answered: see {log}")
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        yield f"{url}/v1", process.pid
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -130,21 +182,20 @@ def _served_vs_in_process(url: str, texts: list[str], ids: list[list[int]], gene
     return median_interval(ratios)
 
 
-def _resident_bytes() -> int:
-    """This process's resident memory (Linux /proc; 0 elsewhere)."""
+def _resident_bytes(pid: int) -> int:
+    """Process `pid`'s resident memory (Linux /proc; 0 elsewhere)."""
     try:
-        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
     except (OSError, ValueError, IndexError):
         return 0
-    import os
-
     return pages * os.sysconf("SC_PAGE_SIZE")
 
 
 def fault_run(url: str, prompts: list[str], reference: list[str], total: int, max_tokens: int,
-              seed: int = 0) -> dict:
-    """`total` requests, a third bad (each kind in turn), the rest good; which got what. A good one
-    counts as answered when its text is `reference`'s for its prompt (decoded alone)."""
+              pid: int = 0, seed: int = 0) -> dict:
+    """`total` requests, a third bad (each kind in turn), the rest good; which got what, and the
+    resident memory of the server's process `pid` before and after. A good one counts as answered when
+    its text is `reference`'s for its prompt (decoded alone)."""
     rng = random.Random(seed)
     auth = {"Authorization": f"Bearer {KEY}"}
     bad_kinds = {
@@ -159,7 +210,7 @@ def fault_run(url: str, prompts: list[str], reference: list[str], total: int, ma
     }
     plan = [("good", rng.randrange(len(prompts))) if rng.random() > 1 / 3 else
             (list(bad_kinds)[i % len(bad_kinds)], None) for i in range(total)]
-    before = _resident_bytes()
+    before = _resident_bytes(pid)
 
     def send(entry: tuple) -> tuple[str, int, bool]:
         kind, i = entry
@@ -178,7 +229,7 @@ def fault_run(url: str, prompts: list[str], reference: list[str], total: int, ma
     return {"requests": total, "bad": len(bad), "bad_refused_4xx": sum(400 <= c < 500 for _, c in bad),
             "bad_codes": sorted({f"{k}: {c}" for k, c in bad}), "good": len(good),
             "good_ok": sum(good),
-            "resident_before": before, "resident_after": _resident_bytes()}
+            "resident_before": before, "resident_after": _resident_bytes(pid)}
 
 
 def to_markdown(report: dict) -> str:
@@ -238,14 +289,13 @@ def serve_load(model: str, *, prompts: str | None = None, corpus: str = "stdlib"
                **overrides) -> ServeLoadReport:
     """Run the load benchmark on `model` (see the module docstring); returns the report."""
     from ..checkpoint import load_tuned
-    from ..serving.app import create_app, run_in_thread
 
     levels = [int(c) for c in concurrency.split(",")]
     if requests < 1 or max_tokens < 1 or not levels or min(levels) < 1:
         raise UserError(f"--requests ({requests}), --max-tokens ({max_tokens}) and every --concurrency "
                         f"({concurrency}) must be >= 1")
-    gen = load_tuned(model, device=device or "auto", dtype=dtype,
-                     **{k: v for k, v in overrides.items() if v is not None})
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    gen = load_tuned(model, device=device or "auto", dtype=dtype, **overrides)
     plain = SelfSpecGenerator(gen.model, gen.tokenizer, settings=PLAIN)
     texts = [gen.tokenizer.decode(ids) for ids in read_prompts(gen.tokenizer, prompts, corpus, num_prompts)]
     ids = [list(gen.tokenizer(t)["input_ids"]) for t in texts]
@@ -263,22 +313,20 @@ def serve_load(model: str, *, prompts: str | None = None, corpus: str = "stdlib"
     plain_rate, plain_reference = in_process(plain)
     if plain_reference != reference:
         raise UserError("plain and self-speculative decoding disagree in process; run the tests")
-    servers, urls = {}, {}
-    for arm, generator in zip(ARMS, (gen, plain)):
-        port = _free_port()
-        servers[arm] = run_in_thread(create_app(generator, "served", api_key=KEY, max_batch=max_batch), port)
-        urls[arm] = f"http://127.0.0.1:{port}/v1"
-        _level(urls[arm], texts[:1], 1, 1, max_tokens, reference[:1])  # warm-up
-    try:
-        served = _served_vs_in_process(urls["selfspec"], texts, ids, gen, max_tokens)
+    common = dict(max_batch=max_batch, device=device or "auto", dtype=dtype)
+    logs = Path(out)
+    plain_flags = {**overrides, **PLAIN_FLAGS}
+    with (server_process(model, logs / "server.log", **common, **overrides) as (url, pid),
+          server_process(model, logs / "server-plain.log", **common, **plain_flags) as (plain_url, _)):
+        urls = {"selfspec": url, "plain": plain_url}
+        for arm in ARMS:
+            _level(urls[arm], texts[:1], 1, 1, max_tokens, reference[:1])  # warm-up
+        served = _served_vs_in_process(url, texts, ids, gen, max_tokens)
         results = {arm: [] for arm in ARMS}
         for level in levels:  # the arms interleaved level by level
             for arm in ARMS:
                 results[arm].append(_level(urls[arm], texts, level, requests, max_tokens, reference))
-        fault_report = fault_run(urls["selfspec"], texts, reference, fault, max_tokens) if fault else None
-    finally:
-        for server in servers.values():
-            server.should_exit = True
+        fault_report = fault_run(url, texts, reference, fault, max_tokens, pid) if fault else None
     report = {"model": model, "settings": gen.settings.describe(), "requests": requests,
               "max_tokens": max_tokens, "num_prompts": len(texts), "max_batch": max_batch,
               "in_process_tokens_per_second": rate, "in_process_plain_tokens_per_second": plain_rate,
