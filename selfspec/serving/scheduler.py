@@ -23,6 +23,7 @@ import logging
 import secrets
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -36,6 +37,40 @@ logger = logging.getLogger(__name__)
 
 class QueueFull(Exception):
     """The queue holds `max_queue` jobs: the caller answers 429."""
+
+
+class _Outbox:
+    """Events from the decode thread to one event loop, delivered together: a round ends many jobs'
+    events at once, and each `call_soon_threadsafe` writes to the loop's self-pipe and wakes its thread,
+    which then contends with the decode thread for the interpreter. Only the first event sent while
+    the loop has not yet run the last delivery wakes it."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.lock, self.items = loop, threading.Lock(), []
+
+    def put(self, events: asyncio.Queue, event: tuple) -> None:
+        with self.lock:
+            wake = not self.items
+            self.items.append((events, event))
+        if wake:
+            self.loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        with self.lock:
+            items, self.items = self.items, []
+        for events, event in items:
+            events.put_nowait(event)
+
+
+_outboxes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its _Outbox
+_outboxes_lock = threading.Lock()
+
+
+def _outbox(loop: asyncio.AbstractEventLoop) -> _Outbox:
+    with _outboxes_lock:
+        if loop not in _outboxes:
+            _outboxes[loop] = _Outbox(loop)
+        return _outboxes[loop]
 
 
 @dataclass
@@ -83,7 +118,7 @@ class Job:
 
     def _send(self, *event) -> None:
         if self.loop is not None:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+            _outbox(self.loop).put(self.events, event)
 
     def take(self, tokens: list[int], passes: int, drafted: int, accepted: int, engine_done: bool, eos: set,
              decode) -> bool:
