@@ -356,3 +356,57 @@ def test_the_copy_drafters_rounds_in_one_call_copy_and_accept_what_its_rounds_do
     assert batched.sequences == [expected]
     assert (len(rounds_calls) - calls == len(seen)) == (family != "gpt2")
     assert sum(int(c.drafted[0]) for c in seen) == batched.stats.copy.drafted
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2"])
+def test_the_hybrids_rounds_in_one_call_draft_and_accept_what_its_rounds_do(family, rounds_calls,
+                                                                             monkeypatch):
+    """The `hybrid` in one call: a copy when the context has one, else the early exit's k drafts, and a
+    copy after them when their tokens make one and η did not stop them, that copy through blocks
+    [0, E) before the verification of all. At a fixed k and copy length the rounds are the per-round
+    path's one for one (each round's sources, the same drafts and acceptances), for any E, k, η and
+    eos, a trimmed draft head too; every output is plain greedy decoding's."""
+    from selfspec.decoding.controller import FixedK
+    from selfspec.decoding.ngram import NGramConfig
+    from selfspec.decoding.policy import CopyPolicy
+
+    sources = []  # per round the sources of its drafts, as the policy is told them
+    update = CopyPolicy.update
+
+    def recording(self, segments, *args):
+        sources.append(tuple(segment.source for segment in segments))
+        return update(self, segments, *args)
+
+    monkeypatch.setattr(CopyPolicy, "update", recording)
+
+    def run(generator, config, k, copy_length, eos_ids):
+        sources.clear()
+        policy = CopyPolicy(config, FixedK(k), copy_controller=FixedK(copy_length))
+        out = generator.generate([prompt], max_new_tokens=40, eos_token_id=eos_ids, drafter=policy)
+        return out, list(sources)
+
+    model = low_alpha_model(family)
+    prompt = [5, 17, 33, 5, 17, 33, 8, 5, 17, 60, 2, 5, 17]
+    expected = reference_greedy(model, prompt, 40)
+    eos = expected[25]
+    seen = set()
+    for exit_layer, counts, eta in ((1, None, 0.0), (2, None, 0.05), (3, np.arange(96)[::-1].copy(), 0.0)):
+        generator = SelfSpecGenerator(model, exit_layer=exit_layer, token_counts=counts, stop_below=eta,
+                                      draft_vocab_size=0 if counts is None else 24)
+        for config, k, copy_length in ((NGramConfig(max_ngram=1, min_ngram=1, max_copy=6), 2, 3),
+                                       (NGramConfig(), 3, 5), (NGramConfig(max_ngram=2, min_ngram=1), 1, 2)):
+            for eos_ids, want in (([], expected), ([eos], expected[:expected.index(eos) + 1])):
+                calls = len(rounds_calls)
+                one, one_sources = run(generator, config, k, copy_length, eos_ids)
+                ran = len(rounds_calls) > calls
+                with fast.kernels_up_to("rounds"):
+                    each, each_sources = run(generator, config, k, copy_length, eos_ids)
+                case = (family, exit_layer, eta, config, k, copy_length, eos_ids)
+                assert one.sequences == each.sequences == [want], case
+                assert one_sources == each_sources and _stats(one) == _stats(each), case
+                for source in ("copy", "early_exit"):
+                    assert getattr(one.stats, source).drafted == getattr(each.stats, source).drafted, case
+                    assert getattr(one.stats, source).accepted == getattr(each.stats, source).accepted, case
+                assert ran == (family != "gpt2"), case
+                seen.update(each_sources)
+    assert {("copy",), ("early_exit",), ("early_exit", "copy")} <= seen  # every kind of round ran

@@ -826,10 +826,10 @@ class SelfSpecGenerator:
                 rows = b.rows
                 fused = None
                 if one_call and len(rows) == 1:
-                    k = policy.controller.next_k() if type(policy) is EarlyExitPolicy else 0
                     copies = self._copies(policy, rows[0]) if type(policy) is CopyPolicy else None
+                    k = (policy.controller if copies is None else policy.early_exit).next_k()
                     remaining = int(limits[rows[0]] - counts[rows[0]])
-                    reach = k if copies is None else copies[3]  # the most drafts a round verifies
+                    reach = k + (0 if copies is None else copies[3])  # the most drafts a round verifies
                     # a row's first round alone: its first token reaches the callback without delay
                     most = 1 if callbacks and not counts[rows[0]] else rounds_per_call
                     if limit is None or int(b.lengths[0]) + remaining + reach < limit:
@@ -1038,16 +1038,18 @@ class SelfSpecGenerator:
 
     def _rounds_in_one_call(self, b: _Batch, policy: DraftPolicy, rounds_per_call: int) -> bool:
         """Whether a row's rounds may run several in one compiled call (`_greedy_rounds`): greedy,
-        unconstrained, no exit block, no static passes, and either early-exit drafts only (its
-        controller's k for each call; plain steps at k = 0) with a head the compiled draft loop reads,
-        or copies only (the `ngram` drafter: a copy or a plain step each round) in calls of several
-        rounds: the call builds its n-gram tables from the whole row, too much to redo every round of a
-        long context (the policy's own index grows by each round's tokens)."""
+        unconstrained, no exit block, no static passes, early-exit drafts (plain steps at k = 0) only
+        with a head the compiled draft loop reads, and either early-exit drafts only (its controller's
+        k for each call) or copies first (`ngram`: a copy or a plain step each round; `hybrid`: a copy
+        or early-exit drafts that a copy may follow) in calls of several rounds: the call builds its
+        n-gram tables from the whole row, too much to redo every round of a long context (the policy's
+        own index grows by each round's tokens)."""
         if not b.sampling.greedy or b.grammar is not None or b.exit_block is not None or self.static_passes:
             return False
         if type(policy) is EarlyExitPolicy:
             return policy.controller.k_max == 0 or b.loop_head is not None
-        return type(policy) is CopyPolicy and policy.early_exit.k_max == 0 and rounds_per_call > 1
+        return (type(policy) is CopyPolicy and rounds_per_call > 1
+                and (policy.early_exit.k_max == 0 or b.loop_head is not None))
 
     @staticmethod
     def _copies(policy: CopyPolicy, row: int) -> tuple:
@@ -1064,7 +1066,7 @@ class SelfSpecGenerator:
         (`DecoderView.greedy_rounds`), each recorded in `stats` and shown to `policy` as the rounds from
         Python record them: (tokens (1, t) the row kept, emit (1,) = t, finished (1,): an eos or
         `max_tokens` reached, the call's `RoundCounts`), or None, nothing run, where the kernels
-        decline. copies: the copy drafter's rounds instead (`_copies`)."""
+        decline. copies: the copying policy's state (`_copies`): each round looks for a copy first."""
         head = b.loop_head if k else b.head.tensors()
         if head is None:
             return None
@@ -1076,17 +1078,18 @@ class SelfSpecGenerator:
         if laps is not None:  # the call's own clock splits its time; the rest of it is acceptance
             laps.split({"draft passes": float(seconds[:, 0].sum()),
                         "verification pass": float(seconds[:, 1].sum())}, rest="acceptance")
-        for (drafted, accepted, _), (draft_time, verify_time) in zip(rounds.tolist(), seconds.tolist()):
-            segments = [Segment("early_exit" if copies is None else "copy", 0, drafted)] if drafted else []
+        for (early, copied, accepted, _), (draft_time, verify_time) in zip(rounds.tolist(), seconds.tolist()):
+            segments = [Segment(source, start, length) for source, start, length in
+                        (("early_exit", 0, early), ("copy", early, copied)) if length]
             if not segments:  # a plain step, also one whose first E blocks ran before η stopped the draft
                 draft_time, verify_time = 0.0, draft_time + verify_time
-            stats.stopped_below_eta += drafted < k
+            stats.stopped_below_eta += early < k and not (copied and not early)  # a copy round drafts no exit
             self._record(stats, segments, np.array([accepted]), draft_time, verify_time)
             policy.update(segments, np.array([accepted]), draft_time, verify_time)
         b.lap("statistics")
         finished = len(tokens) >= max_tokens or bool(len(tokens) and np.isin(tokens[-1], eos))
-        drafted, accepted = np.asarray(rounds, dtype=np.int64).reshape(-1, 3)[:, :2].sum(0)
-        done = RoundCounts(np.array([len(rounds)]), np.array([drafted]), np.array([accepted]))
+        early, copied, accepted = np.asarray(rounds, dtype=np.int64).reshape(-1, 4)[:, :3].sum(0)
+        done = RoundCounts(np.array([len(rounds)]), np.array([early + copied]), np.array([accepted]))
         return np.asarray(tokens, dtype=np.int64)[None], np.array([len(tokens)]), np.array([finished]), done
 
     @staticmethod

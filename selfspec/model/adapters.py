@@ -267,7 +267,7 @@ class LlamaFamilyAdapter(Adapter):
             return None
         num_layers = len(self.layers)
         keys, values = cache.keys[:num_layers], cache.values[:num_layers]
-        last = start + max_tokens + (k if copies is None else copies[3])  # past the last slot a round writes
+        last = start + max_tokens + k + (copies[3] if copies else 0)  # past the last slot a round writes
         if any(b is None for b in keys) or any(w is not None and w <= last for w in self.windows):
             return None
         embedding = self.model.model.embed_tokens

@@ -595,10 +595,12 @@ class FastLlamaBlocks:
         over [E, N) (k = 0: a plain step over [0, N)), keeping the accepted drafts and the target's next
         token, cut after an eos (`eos` (n,) int64) and at `max_tokens`, for up to `max_rounds` rounds.
         copies: (the row's tokens so far (t,) int64, min_ngram, max_ngram, copy length) for rounds that
-        draft copies instead (the `ngram` drafter; no match: a plain step).
+        draft a copy first (no match: k = 0, the `ngram` drafter, takes a plain step; k > 0, the
+        `hybrid`, drafts with the early exit, a copy following when the drafts make one possible).
         keys, values: the cache's buffers of all N blocks (1, Hkv, capacity, hd); cos, sin (L, hd): the
         rotary table by slot, past the last slot a round may write; head as `draft_loop`'s. Returns
-        numpy (tokens (t,), rounds (R, 3): drafts, accepted, kept; seconds (R, 2): draft, verification),
+        numpy (tokens (t,), rounds (R, 4): early-exit drafts, copied drafts, accepted, kept; seconds (R, 2):
+        draft, verification),
         the cache's slots written up to the last kept token; or None, nothing computed, where it does
         not apply (`_round_call`)."""
         weight, bias, ids, vocab = head

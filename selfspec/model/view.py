@@ -227,12 +227,13 @@ class DecoderView:
         k = 0 a plain step; the row keeps the accepted drafts and the target's next token, cut after
         an eos (`eos` (n,) int64) and at `max_tokens` in all, for up to `max_rounds` rounds. With
         `copies` (the row's tokens so far (t,) int64, the pending one last; min_ngram, max_ngram; the
-        copy length), each round drafts a copy from the context instead (`ngram.NGramIndex.propose`,
-        verified over blocks [0, N); no match: a plain step). The same passes as the engine's rounds
-        one by one, so the same tokens, without the host's work between them. Returns numpy (tokens
-        (t,), rounds (R, 3): drafts, accepted count and kept tokens per round; seconds (R, 2): each
-        round's draft and verification seconds), the cache holding start + t positions; or None,
-        nothing run, where it does not apply."""
+        copy length), each round first drafts a copy from the context (`ngram.NGramIndex.propose`,
+        verified over blocks [0, N)); without one, k = 0 takes a plain step and k > 0 drafts with the
+        early exit, followed by a copy when its drafts make one (the `hybrid`). The same passes as the
+        engine's rounds one by one, so the same tokens, without the host's work between them. Returns
+        numpy (tokens (t,), rounds (R, 4): early-exit drafts, copied drafts, accepted count and kept
+        tokens per round; seconds (R, 2): each round's draft and verification seconds), the cache
+        holding start + t positions; or None, nothing run, where it does not apply."""
         return self.adapter.greedy_rounds(exit_layer, token, cache, start, head, k, eta, eos, max_tokens,
                                           max_rounds, copies)
 

@@ -899,18 +899,21 @@ std::vector<torch::Tensor> verify_greedy(const std::vector<const Block*>& blocks
 // draft head `draft_head`, `draft_bias`, `ids`, `vocab`, stopping below eta), then `verify_greedy` over
 // blocks [E, N) on the exit states of its s + 1 inputs; for k = 0 a plain step, `verify_greedy` over
 // blocks [0, N) on the token. The same calls as the engine's compiled rounds, so the same bits. With
-// `history` (the row's tokens so far, the pending one last: the `ngram` drafter), a round drafts instead
-// a copy of up to `copy_limit` tokens that followed the longest suffix of min_ngram..max_ngram tokens
-// seen before (`ngram.NGramIndex.propose`, its tables built here and extended with every kept token),
-// verified from the embedding over [0, N); no match, a plain step. The row keeps the accepted drafts and
+// `history` (the row's tokens so far, the pending one last), a round first looks for a copy of up to
+// `copy_limit` tokens that followed the longest suffix of min_ngram..max_ngram tokens seen before
+// (`ngram.NGramIndex.propose`, its tables built here and extended with every kept token), verified from
+// the embedding over [0, N); without one, k = 0 (the `ngram` drafter) takes a plain step and k > 0 (the
+// `hybrid`) drafts with the early exit, and when η did not stop those drafts, a copy that their tokens
+// make possible follows them (the engine's `copy_after`), through blocks [0, E) before the verification
+// over [E, N) of them all. The row keeps the accepted drafts and
 // the target's next token, cut after an eos (`eos` (n_eos,) int64) and at `max_tokens` tokens in all;
 // the last kept token is the next round's pending token at slot n + kept: the rollback is only that,
 // the rejected slots are overwritten later. Ends after an eos, at max_tokens or after `max_rounds`
 // rounds. blocks, keys, values: all N blocks and their buffers (1, Hkv, capacity, hd); cos, sin (L, hd):
 // the rotary table, rows by slot (L > the last slot written). Returns {tokens (t,) int64: every kept
-// token, rounds (R, 3) int64: per round its drafts s, accepted count and kept tokens, seconds (R, 2)
-// float64: per round its draft and verification seconds}; an empty vector, nothing computed, where
-// `blocks_pass` declines.
+// token, rounds (R, 4) int64: per round its early-exit drafts, copied drafts (after them), accepted
+// count and kept tokens, seconds (R, 2) float64: per round its draft and verification seconds}; an
+// empty vector, nothing computed, where `blocks_pass` declines.
 std::vector<torch::Tensor> greedy_rounds(const std::vector<const Block*>& blocks, int64_t exit_layer,
                                          const torch::Tensor& embed, const std::vector<torch::Tensor>& keys,
                                          const std::vector<torch::Tensor>& values, int64_t start, int64_t token,
@@ -924,7 +927,7 @@ std::vector<torch::Tensor> greedy_rounds(const std::vector<const Block*>& blocks
                                          int64_t min_ngram, int64_t max_ngram, int64_t copy_limit) {
   using Clock = std::chrono::steady_clock;
   const bool copying = history.has_value();
-  const int64_t reach = copying ? copy_limit : k;  // the most drafts a round verifies
+  const int64_t reach = k + (copying ? copy_limit : 0);  // the most drafts a round verifies
   const int64_t num_blocks = static_cast<int64_t>(blocks.size());
   TORCH_CHECK(keys.size() == blocks.size() && values.size() == blocks.size(), "a key and a value buffer a block");
   TORCH_CHECK(0 < exit_layer && exit_layer <= num_blocks && k >= 0, "0 < exit_layer <= N and k >= 0");
@@ -954,15 +957,22 @@ std::vector<torch::Tensor> greedy_rounds(const std::vector<const Block*>& blocks
         tables[n - min_ngram][std::vector<int64_t>(seq.begin() + follow - n, seq.begin() + follow)] =
             static_cast<int64_t>(follow);
   };
-  const auto propose = [&]() {  // `NGramIndex.propose`: the longest suffix first, around the period
-    std::vector<int64_t> copy;
-    const auto length = static_cast<int64_t>(seq.size());
+  // `NGramIndex.propose`: the longest suffix of the sequence followed by `extra` (drafts not yet
+  // accepted) first, the copy from the sequence and `extra`, around the period
+  const auto propose = [&](const std::vector<int64_t>& extra) {
+    std::vector<int64_t> copy, joined;
+    if (!extra.empty()) {
+      joined = seq;
+      joined.insert(joined.end(), extra.begin(), extra.end());
+    }
+    const auto& text = extra.empty() ? seq : joined;
+    const auto length = static_cast<int64_t>(text.size());
     for (int64_t n = std::min(max_ngram, length - 1); n >= min_ngram; --n) {
       const auto& table = tables[n - min_ngram];
-      const auto found = table.find(std::vector<int64_t>(seq.end() - n, seq.end()));
+      const auto found = table.find(std::vector<int64_t>(text.end() - n, text.end()));
       if (found != table.end()) {
         const int64_t follow = found->second, period = length - follow;
-        for (int64_t i = 0; i < copy_limit; ++i) copy.push_back(seq[follow + i % period]);
+        for (int64_t i = 0; i < copy_limit; ++i) copy.push_back(text[follow + i % period]);
         break;
       }
     }
@@ -981,11 +991,11 @@ std::vector<torch::Tensor> greedy_rounds(const std::vector<const Block*>& blocks
     const auto began = Clock::now();
     const auto pending = torch::full({1}, token, longs);
     std::vector<torch::Tensor> verified;
-    int64_t drafted = 0;
+    int64_t early = 0, copied = 0, drafted = 0;  // early-exit drafts, then copied ones
     double draft_seconds = 0.0;
-    if (copying) {  // a copy (or a plain step), verified from the embedding over [0, N)
-      auto copy = propose();
-      drafted = static_cast<int64_t>(copy.size());
+    auto copy = copying ? propose({}) : std::vector<int64_t>{};
+    if (copying && (k == 0 || !copy.empty())) {  // a copy (or a plain step), verified from the embedding
+      copied = drafted = static_cast<int64_t>(copy.size());
       draft_seconds = since(began);
       copy.insert(copy.begin(), token);
       const auto input = torch::tensor(copy, longs).view({1, drafted + 1});
@@ -1000,11 +1010,29 @@ std::vector<torch::Tensor> greedy_rounds(const std::vector<const Block*>& blocks
         TORCH_CHECK(round == 0, "blocks_pass declined after the first round");
         return {};
       }
-      drafted = drafts[0].size(1);
+      early = drafted = drafts[0].size(1);
+      torch::Tensor states = drafts[1], tokens = drafts[0];  // (1, s + 1, D), (1, s)
+      if (copying && early == k) {  // η did not stop the drafts: a copy their tokens make possible
+        const auto held = tokens.contiguous();
+        const auto tail = propose(std::vector<int64_t>(held.data_ptr<int64_t>(), held.data_ptr<int64_t>() + early));
+        copied = static_cast<int64_t>(tail.size());
+        if (copied) {  // its tokens through blocks [0, E), where the drafts' exit states come from
+          const auto input = torch::tensor(tail, longs).view({1, copied});
+          const int64_t first = slot + early + 1;
+          const auto [kv_length, mask] = pass_mask(1, copied, first, c10::nullopt, mask_value);
+          const auto out = blocks_pass(low, embed.index_select(0, input.view({-1})).unsqueeze(0), low_keys,
+                                       low_values, first, kv_length, mask, rows(cos, first, copied),
+                                       rows(sin, first, copied), c10::nullopt);
+          TORCH_CHECK(out.has_value(), "blocks_pass declined a copy after the drafts");
+          states = torch::cat({states, *out}, 1);
+          tokens = torch::cat({tokens, input}, 1);
+          drafted += copied;
+        }
+      }
       draft_seconds = since(began);
-      verified = verify_greedy(high, drafts[1], c10::nullopt, embed, high_keys, high_values, slot,
+      verified = verify_greedy(high, states, c10::nullopt, embed, high_keys, high_values, slot,
                                rows(cos, slot, drafted + 1), rows(sin, slot, drafted + 1), mask_value, norm, eps,
-                               head, bias, drafts[0], c10::nullopt, c10::nullopt);
+                               head, bias, tokens, c10::nullopt, c10::nullopt);
     } else {
       verified = verify_greedy(blocks, c10::nullopt, pending.view({1, 1}), embed, keys, values, slot,
                                rows(cos, slot, 1), rows(sin, slot, 1), mask_value, norm, eps, head, bias,
@@ -1032,12 +1060,12 @@ std::vector<torch::Tensor> greedy_rounds(const std::vector<const Block*>& blocks
     }
     token = tokens[keep - 1];
     slot += keep;
-    record.insert(record.end(), {drafted, accepted, keep});
+    record.insert(record.end(), {early, copied, accepted, keep});
     seconds.insert(seconds.end(), {draft_seconds, since(began) - draft_seconds});
     if (ended) break;
   }
-  const auto count = static_cast<int64_t>(record.size()) / 3;
-  return {torch::tensor(kept, longs), torch::tensor(record, longs).view({count, 3}),
+  const auto count = static_cast<int64_t>(record.size()) / 4;
+  return {torch::tensor(kept, longs), torch::tensor(record, longs).view({count, 4}),
           torch::tensor(seconds, torch::TensorOptions().dtype(torch::kDouble)).view({count, 2})};
 }
 
