@@ -51,6 +51,7 @@ from .results import ServeLoadReport
 KEY = "serve-load"
 ARMS = ("selfspec", "plain")
 PLAIN_FLAGS = {"drafter": "early_exit", "num_speculations": 0}  # `selfspec serve` without drafting
+STARTUP_POLLS = 3000  # looks at /health, 0.1 s apart at least, before a server that never answers fails
 
 
 def _free_port() -> int:
@@ -84,7 +85,7 @@ def server_process(model: str, log: Path, *, max_batch: int = 8, device: str = "
                                    env={**os.environ, "SELFSPEC_API_KEY": ""})
     try:
         url = f"http://127.0.0.1:{port}"
-        while True:  # the import, the load and the first build of the kernels
+        for _ in range(STARTUP_POLLS):  # the import, the load and the first build of the kernels
             if process.poll() is not None:
                 raise UserError(f"`selfspec serve {model}` exited with {process.returncode} before it "
                                 f"answered: see {log}")
@@ -92,7 +93,10 @@ def server_process(model: str, log: Path, *, max_batch: int = 8, device: str = "
                 if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                     break
             except httpx.TransportError:
-                time.sleep(0.1)
+                pass
+            time.sleep(0.1)
+        else:
+            raise UserError(f"`selfspec serve {model}` did not answer on port {port}: see {log}")
         yield f"{url}/v1", process.pid
     finally:
         if process.poll() is None:

@@ -582,8 +582,9 @@ bool blocks_fit(const std::vector<const Block*>& blocks, const std::vector<torch
 // rows sit at different slots: then a mask is needed) and slots 0 .. kv_length - 1 attended (with
 // `mask` (B, T, kv_length), additive; none: every slot); cos, sin (B, T, hd).
 // The same calls as block by block, so the same bits; it saves the Python between blocks (checks,
-// the cache's update, argument passing), a sizeable share of a small model's step. None, computing nothing, where a
-// block's tensors or a buffer do not fit the kernels (the caller then runs block by block).
+// the cache's update, argument passing), a sizeable share of a small model's step (docs/performance.md).
+// None, computing nothing, where a block's tensors or a buffer do not fit the kernels (the caller then
+// runs block by block).
 c10::optional<torch::Tensor> blocks_pass(const std::vector<const Block*>& blocks, torch::Tensor hidden,
                                          const std::vector<torch::Tensor>& keys,
                                          const std::vector<torch::Tensor>& values, int64_t start,
