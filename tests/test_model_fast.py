@@ -293,6 +293,64 @@ def test_the_greedy_target_under_masks_reads_only_the_allowed_rows_of_narrow_mas
     assert got[5] == 7 and got[6] == 400
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("trimmed", [False, True])
+def test_the_draft_choice_is_the_argmax_of_the_draft_heads_masked_logits(few_rows, dtype, bias, trimmed):
+    """`draft_choice` (the compiled draft loop's and step's head: final norm, head, mask, argmax in one
+    pass) picks what `DraftHead.logits` + `apply_mask` + argmax pick, ties by the lower token id even
+    where a trimmed head lists the higher first; a mask whose tokens all lie outside the trimmed ids
+    gives the first allowed (`apply_mask`'s uniform row); `top` is the softmax's top probability (η's)."""
+    from selfspec.decoding.grammar import apply_mask
+    from selfspec.model import kernels
+
+    torch.manual_seed(0)
+    vocab, width, rows = 512, 37, 8
+    head = torch.randn(vocab, width) * 3
+    head[300] = head[7]  # tokens 7 and 300 tie wherever both are allowed
+    ids = torch.randperm(vocab)[:200] if trimmed else None
+    if trimmed:  # the tied pair inside, the higher id listed first; token 450 outside
+        ids = torch.cat([torch.tensor([300, 7]), ids[(ids != 300) & (ids != 7) & (ids != 450)]])
+    norm, h = torch.randn(width).to(dtype), torch.randn(rows, width).to(dtype)
+    full_bias = torch.randn(vocab) if bias else None
+    if full_bias is not None:
+        full_bias[300] = full_bias[7]
+        full_bias = full_bias.to(dtype)
+    weight = (head[ids] if trimmed else head).to(dtype).contiguous()
+    b = None if full_bias is None else (full_bias[ids] if trimmed else full_bias).contiguous()
+    allowed = torch.ones(rows, vocab, dtype=torch.bool)
+    allowed[1] = False
+    allowed[1, [7, 300]] = True  # a tie
+    allowed[2] = False
+    allowed[2, 450] = True  # outside a trimmed head: nothing finite
+    allowed[3, torch.randperm(vocab)[:vocab // 2]] = False
+    for mask in (None, allowed):
+        x = h.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+        sub = (norm * x.to(dtype)) @ weight.T
+        if b is not None:
+            sub = sub + b
+        logits = torch.full((rows, vocab), float("-inf"), dtype=dtype).index_copy_(-1, ids, sub) if trimmed else sub
+        if mask is not None:
+            logits = apply_mask(logits, mask)
+        logits = logits.float()
+        got, top = kernels.draft_choice()(h, norm, 1e-5, weight, b, ids, vocab, mask, 0.5)
+        expected = logits.argmax(-1)
+        # the norm's sum runs in another order than torch's: equal tokens up to rounding's near-ties
+        near = logits.gather(1, got[:, None])[:, 0] >= logits.max(-1).values - (1e-4 if dtype == torch.float32
+                                                                                 else 0.05)
+        assert near.all() and (got == expected).float().mean() >= 0.85, (got, expected)
+        torch.testing.assert_close(top, torch.softmax(logits, -1).max(-1).values, rtol=1e-3 if dtype == torch.float32
+                                   else 0.1, atol=1e-6)
+        if mask is not None:
+            assert got[1] == 7 and got[2] == 450
+            if trimmed:
+                assert top[2] == 1.0  # one allowed token
+    none, zeros = kernels.draft_choice()(h, norm, 1e-5, weight, b, ids, vocab, None, 0.0)
+    assert torch.equal(none, kernels.draft_choice()(h, norm, 1e-5, weight, b, ids, vocab, None, 0.5)[0])
+    assert not zeros.any()  # eta 0: no probabilities computed
+
+
 @pytest.mark.parametrize("in_features", [576, 37])
 def test_the_kernel_in_bf16_is_the_fp32_product_of_the_bf16_values_rounded_once(few_rows, in_features):
     """bf16 weights widen exactly to fp32 and accumulate in fp32: the result is the fp32 product of

@@ -547,17 +547,27 @@ class SelfSpecGenerator:
                                                      b.exit_layer)  # (B, r, D) each
                     draft.hiddens.append(hidden)
                     unrun = []
-                logits = b.head.logits(features[:, -1])  # (B, V)
-                b.lap("draft passes")
-                if allowed is not None:
-                    logits = apply_mask(logits, allowed)
-                    b.lap("grammar")
-                if b.stop_below and self._unsure(b, logits):  # η: no row trusts this draft; verify the rest
-                    draft.stopped = True
-                    b.lap("draft choice")
-                    break
-                token = self._pick(b, logits, b.lengths_dev[:, None] + (draft.k + 1))  # the token at n+k+1
-                draft.q.append(("early_exit", logits))
+                # greedy: the compiled steps' own choice where it runs, so both draft alike
+                chosen = (self.view.draft_choice(features[:, -1], b.step_head, allowed, b.stop_below)
+                          if b.step_head is not None else None)
+                if chosen is not None:
+                    token, sure = chosen
+                    b.lap("draft passes")
+                    if not sure:  # η: no row trusts this draft; verify the rest
+                        draft.stopped = True
+                        break
+                else:
+                    logits = b.head.logits(features[:, -1])  # (B, V)
+                    b.lap("draft passes")
+                    if allowed is not None:
+                        logits = apply_mask(logits, allowed)
+                        b.lap("grammar")
+                    if b.stop_below and self._unsure(b, logits):  # η: no row trusts this draft
+                        draft.stopped = True
+                        b.lap("draft choice")
+                        break
+                    token = self._pick(b, logits, b.lengths_dev[:, None] + (draft.k + 1))  # at n + k + 1
+                    draft.q.append(("early_exit", logits))
             draft.add("early_exit", token[:, None])
             unrun.append(token[:, None])
             b.lap("draft choice")

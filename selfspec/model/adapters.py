@@ -81,6 +81,11 @@ class Adapter:
         `DecoderView.draft_loop`); None (nothing run) otherwise."""
         return None
 
+    def draft_choice(self, hidden, head: tuple, allowed, eta: float):
+        """Greedy drafts from exit states in one call where this family has one (see
+        `DecoderView.draft_choice`); None (nothing run) otherwise."""
+        return None
+
     def draft_step(self, exit_layer: int, tokens, cache, positions, head: tuple, exit_block, allowed,
                    eta: float):
         """One greedy early-exit draft step in one call where this family has one (see
@@ -218,6 +223,11 @@ class LlamaFamilyAdapter(Adapter):
         embedding = self.model.model.embed_tokens
         mask_value = torch.finfo(embedding.weight.dtype).min  # `DecoderView._mask`'s
         return self.fast.draft_loop(exit_layer, embedding, token, cache, *place, mask_value, head, k, eta)
+
+    def draft_choice(self, hidden, head, allowed, eta):
+        if self._static is not None or not self._use_fast():  # static passes choose with torch's operations
+            return None
+        return self.fast.draft_choice(hidden, head, allowed, eta)
 
     def draft_step(self, exit_layer, tokens, cache, positions, head, exit_block, allowed, eta):
         if self._static is not None:  # static passes run the step from Python, at their fixed shapes

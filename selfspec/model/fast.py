@@ -550,6 +550,25 @@ class FastLlamaBlocks:
         cache.written(start, end)
         return out[0]
 
+    def draft_choice(self, hidden: torch.Tensor, head: tuple, allowed: torch.Tensor | None, eta: float):
+        """Greedy drafts from exit states `hidden` (B, D) in one compiled call (`kernels.draft_choice`,
+        the choice `draft_loop` and `draft_step` make): the final norm, the draft head `head` (as
+        `draft_loop`'s), a grammar's mask `allowed` (B, V) bool or None, the first maximum by token id.
+        Returns (drafts (B,), sure: some row's draft puts `eta` on its top token, as the engine's
+        `_unsure` negated), or None where it does not apply: the kernels off (`kernels_up_to(None)`)
+        or missing, autograd on, no plain final norm + LM head, tensors not in the states' dtype."""
+        made = kernels.draft_choice() if _KERNEL else None
+        weight, bias, ids, vocab = head
+        if made is None or self.head is None or torch.is_grad_enabled():
+            return None
+        if hidden.device.type != "cpu" or hidden.dtype not in (torch.float32, torch.bfloat16) or any(
+                t is not None and (t.dtype != hidden.dtype or not t.is_contiguous())
+                for t in (weight, bias, self.head[0])):
+            return None
+        norm, eps = self.head[:2]
+        drafts, top = made(hidden.contiguous(), norm, eps, weight, bias, ids, vocab, allowed, eta)
+        return drafts, eta <= 0 or not bool((top < eta).all())
+
     def draft_step(self, exit_layer: int, extra: list, config, embedding: nn.Module, tokens: torch.Tensor,
                    slots: tuple, extra_slots: tuple | None, cos: torch.Tensor, sin: torch.Tensor,
                    mask_value: float, head: tuple, allowed: torch.Tensor | None, eta: float):

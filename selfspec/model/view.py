@@ -193,6 +193,15 @@ class DecoderView:
         its first pass (a no-op otherwise)."""
         self.adapter.allocate_static(cache)
 
+    def draft_choice(self, hidden: torch.Tensor, head: tuple, allowed: torch.Tensor | None = None,
+                     eta: float = 0.0):
+        """Greedy drafts from exit states `hidden` (B, D) in one compiled call, where the family has one
+        (the Llama family on selfspec's CPU kernels): the final norm, the draft head `head` (as
+        `draft_loop`'s), a grammar's mask `allowed` (B, V) bool where given, and the argmax, as the
+        compiled draft loop and step choose. Returns (drafts (B,), sure: whether some row's draft puts
+        `eta` on its top token), or None where it does not apply."""
+        return self.adapter.draft_choice(hidden, head, allowed, eta)
+
     def draft_step(self, exit_layer: int, tokens: torch.Tensor, cache, positions: torch.Tensor, head: tuple,
                    exit_block=None, allowed: torch.Tensor | None = None, eta: float = 0.0):
         """One greedy early-exit draft step in one compiled call, where the family has one (the Llama

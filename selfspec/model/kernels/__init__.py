@@ -100,6 +100,15 @@ def draft_loop() -> Callable | None:
     return None if module is None else module.draft_loop
 
 
+def draft_choice() -> Callable | None:
+    """The compiled `draft_choice(h (B, D), norm, eps, head (V', D), bias, ids, vocab, allowed, eta) ->
+    [draft (B,), top (B,)]` (greedy drafts from exit states: the final norm, the draft head, a grammar's
+    mask (B, V) and the first maximum by token id in one pass, with each draft's probability for η
+    where eta > 0), or None where the kernels are not available."""
+    module = _module()
+    return None if module is None else module.draft_choice
+
+
 def draft_step() -> Callable | None:
     """The compiled `draft_step(blocks, extra, embed, tokens, keys, values, start, cos, sin, mask_value, norm,
     eps, head, bias, ids, vocab, allowed, eta, row_starts) -> [draft (B,), hidden (B, T, D), sure (1,)]`
@@ -166,5 +175,5 @@ def _module():
     return module
 
 
-__all__ = ["block_halves", "blocks_pass", "draft_loop", "draft_step", "few_queries_attention",
+__all__ = ["block_halves", "blocks_pass", "draft_choice", "draft_loop", "draft_step", "few_queries_attention",
            "few_rows_linear", "greedy_rounds", "verify_greedy"]

@@ -632,27 +632,142 @@ torch::Tensor final_norm(const torch::Tensor& h, const torch::Tensor& norm, doub
   return (norm * x.to(h.scalar_type())).contiguous();
 }
 
-// The draft's head on exit states h (B, D): the final norm (`final_norm`), the head's product
-// (`few_rows_linear`, + bias) and, for a trimmed head (FR-Spec: `ids` the V' token ids of its rows), the
-// logits over the whole vocabulary, -inf elsewhere, as `DraftHead.logits` returns them. The same
-// operations as the Python path, so the same bits.
-torch::Tensor draft_logits(const torch::Tensor& h, const torch::Tensor& norm, double eps, const torch::Tensor& head,
-                           const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& ids,
-                           int64_t vocab) {
+// The target's logits on states h (n, D): the final norm (`final_norm`) and the LM head's product
+// (`few_rows_linear`, + bias), the same operations as the engine's Python head (`fast.FastLlamaBlocks
+// .exit_logits`), so the same bits: plain decoding and every verification choose alike on either path.
+torch::Tensor head_logits(const torch::Tensor& h, const torch::Tensor& norm, double eps, const torch::Tensor& head,
+                          const c10::optional<torch::Tensor>& bias) {
   auto logits = few_rows_linear(final_norm(h, norm, eps), head);
-  if (bias.has_value()) logits = logits + *bias;
-  if (!ids.has_value()) return logits;
-  auto full = torch::full({logits.size(0), vocab}, -std::numeric_limits<float>::infinity(), logits.options());
-  return full.index_copy_(-1, *ids, logits);
+  return bias.has_value() ? logits + *bias : logits;
+}
+
+// The greedy draft of each row of exit states h (B, D), in one pass over the draft head and no tensor
+// operations: the final norm (`rms_norm_row`), the head's logits (`rows_block`'s dot products, rounded
+// to the dtype, + bias in the dtype), a grammar's mask `allowed` (B, V) bool where given (refused
+// tokens out; a row whose allowed tokens are all outside a trimmed head's ids falls back, as
+// `apply_allowed` makes it, to the uniform distribution over the allowed tokens), and the first maximum
+// by token id (argmax over the whole vocabulary, -inf outside the ids). A draft step of a small model
+// otherwise spends as long in the head's twenty-odd tensor operations (the norm's, the scatter into
+// the whole vocabulary, softmax, max, argmax) as in a block. `top` gets each row's probability of its
+// draft (the softmax of its allowed logits at the maximum, 1 / Σ exp(l - max), summed in fp32): what η
+// compares. The norm's and the sum's orders are not torch's, so the same bits as the engine only where
+// the engine chooses with this function too (`fast.greedy_draft`: the step-by-step loop, wherever the
+// kernels are on).
+template <typename T>
+void choose_drafts(const T* h, int64_t batch, int64_t d, const T* norm, float eps, const T* head, const T* bias,
+                   const int64_t* ids, int64_t rows, int64_t vocab, const bool* allowed, int64_t* token,
+                   float* top) {
+  std::vector<float> normed(batch * d), row(d);
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t i = 0; i < d; ++i) row[i] = static_cast<float>(h[b * d + i]);
+    rms_norm_row<T>(row.data(), norm, eps, normed.data() + b * d, d);
+  }
+  std::unique_ptr<T[]> logits(new T[batch * rows]);  // (B, V'), written before read
+  products<T>(batch, normed.data(), {{head, logits.get(), rows}}, d);
+  constexpr float kNone = -std::numeric_limits<float>::infinity();
+  std::vector<float> values((rows + 7) / 8 * 8, kNone);  // one row's logits, refused ones -inf, 8-lane padded
+  for (int64_t b = 0; b < batch; ++b) {
+    const bool* allow = allowed ? allowed + b * vocab : nullptr;
+    int64_t choice = -1;
+    float best = kNone;
+    for (int64_t j = 0; j < rows; ++j) {
+      const int64_t id = ids ? ids[j] : j;
+      if (allow && !allow[id]) {
+        values[j] = kNone;
+        continue;
+      }
+      float v = static_cast<float>(logits[b * rows + j]);
+      if (bias) v = held<T>(v + static_cast<float>(bias[j]));
+      values[j] = v;
+      // argmax's choice: the first NaN, else the first maximum, first by token id (a trimmed head's
+      // rows are in frequency order)
+      const bool better = std::isnan(best) ? std::isnan(v) && id < choice
+                                           : std::isnan(v) || v > best || (v == best && v > kNone && id < choice);
+      if (choice < 0 ? v > kNone || std::isnan(v) : better) {
+        best = v;
+        choice = id;
+      }
+    }
+    if (choice < 0) {  // nothing finite: uniform over the allowed tokens (every token without a mask)
+      int64_t count = 0;
+      for (int64_t id = vocab - 1; id >= 0; --id)
+        if (!allow || allow[id]) {
+          choice = id;
+          ++count;
+        }
+      token[b] = std::max<int64_t>(choice, 0);
+      if (top) top[b] = count ? 1.f / static_cast<float>(count) : 0.f;
+      continue;
+    }
+    token[b] = choice;
+    if (!top) continue;
+    if (std::isnan(best)) {
+      top[b] = best;
+      continue;
+    }
+    __m256 sum = _mm256_setzero_ps();  // Σ exp(l - max) in 8 lanes; refused and padded entries add 0
+    const __m256 shift = _mm256_set1_ps(best);
+    for (int64_t j = 0; j < rows; j += 8)
+      sum = _mm256_add_ps(sum, exp8(_mm256_sub_ps(_mm256_loadu_ps(values.data() + j), shift)));
+    top[b] = 1.f / hsum(sum);
+  }
+}
+
+// `choose_drafts` on exit states h (B, D) with the final norm `norm` and the draft head `head` (V', D)
+// (+ `bias`; `ids` (V',) the token ids of a trimmed head's rows, else V' = V), a grammar's masks
+// `allowed` (B, V) bool or none, all in h's dtype. Returns {draft (B,) int64, top (B,) fp32: each
+// draft's probability, zeros for eta <= 0 (not computed)}.
+std::vector<torch::Tensor> draft_choice(const torch::Tensor& h, const torch::Tensor& norm, double eps,
+                                        const torch::Tensor& head, const c10::optional<torch::Tensor>& bias,
+                                        const c10::optional<torch::Tensor>& ids, int64_t vocab,
+                                        const c10::optional<torch::Tensor>& allowed, double eta) {
+  TORCH_CHECK(h.dim() == 2 && head.dim() == 2 && head.size(1) == h.size(1), "h (B, D) and head (V', D)");
+  TORCH_CHECK(h.scalar_type() == head.scalar_type() && norm.scalar_type() == head.scalar_type() &&
+                  (!bias.has_value() || bias->scalar_type() == head.scalar_type()),
+              "h, norm, head and bias in one dtype");
+  TORCH_CHECK(h.is_contiguous() && head.is_contiguous() && norm.is_contiguous(), "contiguous h, norm and head");
+  const int64_t batch = h.size(0), rows = head.size(0), d = h.size(1);
+  const int64_t full = ids.has_value() ? vocab : rows;
+  TORCH_CHECK(!ids.has_value() || (ids->numel() == rows && ids->scalar_type() == torch::kLong), "ids (V',) int64");
+  TORCH_CHECK(!allowed.has_value() || (allowed->dim() == 2 && allowed->size(0) == batch && allowed->size(1) == full),
+              "allowed (B, V)");
+  auto token = torch::empty({batch}, torch::kLong);
+  auto top = torch::zeros({batch}, torch::kFloat32);
+  const auto held_ids = ids.has_value() ? ids->contiguous() : torch::Tensor();
+  const auto mask = allowed.has_value() ? allowed->to(torch::kBool).contiguous() : torch::Tensor();
+  auto run = [&](const auto* hp) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(hp)>>;
+    choose_drafts<T>(hp, batch, d, norm.data_ptr<T>(), static_cast<float>(eps), head.data_ptr<T>(),
+                     bias.has_value() ? bias->data_ptr<T>() : nullptr,
+                     ids.has_value() ? held_ids.data_ptr<int64_t>() : nullptr, rows, full,
+                     allowed.has_value() ? mask.data_ptr<bool>() : nullptr, token.data_ptr<int64_t>(),
+                     eta > 0 ? top.data_ptr<float>() : nullptr);
+  };
+  if (h.scalar_type() == torch::kFloat32) {
+    run(h.data_ptr<float>());
+  } else {
+    TORCH_CHECK(h.scalar_type() == torch::kBFloat16, "float32 or bfloat16");
+    run(h.data_ptr<at::BFloat16>());
+  }
+  return {token, top};
+}
+
+// Whether some row's draft puts eta on its top token (`top` (B,) from `draft_choice`): the engine's
+// `_unsure` negated (a NaN is not below eta); always for eta <= 0.
+bool sure(const torch::Tensor& top, double eta) {
+  if (eta <= 0) return true;
+  const float* p = top.data_ptr<float>();
+  for (int64_t b = 0; b < top.numel(); ++b)
+    if (!(p[b] < eta)) return true;
+  return false;
 }
 
 // Greedy early-exit drafting in one call: the engine's draft loop (`fast.FastLlamaBlocks.draft_loop`)
 // without the Python between its steps. Step i runs input i at slot start + i through blocks [0, E)
 // (`blocks_pass`, the cache written; input 0 is `token` (B,), input i > 0 the draft of step i - 1), then,
-// for i < k, the draft head on its exit state (`draft_logits`) and the argmax (bf16 logits widened
-// first, as `sampling.greedy_tokens` does) give draft i + 1. With eta > 0, a step where no row's draft
-// puts eta on its top token (softmax in fp32, as the engine's `_unsure`) drafts nothing and ends the
-// loop. Every row sees every slot up to its own (no window): rows at the same slots with no mask, rows
+// for i < k, the final norm, the draft head and the argmax on its exit state (`draft_choice`) give
+// draft i + 1. With eta > 0, a step where no row's draft puts eta on its top token (`sure`) drafts
+// nothing and ends the loop. Every row sees every slot up to its own (no window): rows at the same slots with no mask, rows
 // at their own (`row_starts` (B,): row b's input i at slot row_starts[b] + i) through `causal_mask`.
 // embed (V, D): the embedding table; cos, sin (B, k + 1, hd): the rotary of each row's k + 1 slots.
 // Returns {drafts (B, s) int64, hidden (B, s + 1, D)}: s <= k drafts and the exit states of the s + 1
@@ -692,10 +807,10 @@ std::vector<torch::Tensor> draft_loop(const std::vector<const Block*>& blocks, c
     }
     states.push_back(*out);
     if (i == k) break;
-    auto logits = draft_logits(out->select(1, 0), norm, eps, head, bias, ids, vocab);  // (B, V)
-    if (logits.scalar_type() != torch::kFloat32) logits = logits.to(torch::kFloat32);
-    if (eta > 0 && (std::get<0>(torch::softmax(logits, -1).max(-1)) < eta).all().item<bool>()) break;
-    input = logits.argmax(-1);
+    const auto chosen = draft_choice(out->select(1, 0).contiguous(), norm, eps, head, bias, ids, vocab,
+                                     c10::nullopt, eta);  // {draft (B,), top (B,)}
+    if (!sure(chosen[1], eta)) break;
+    input = chosen[0];
     drafts.push_back(input.unsqueeze(1));
   }
   auto made = drafts.empty() ? torch::empty({token.size(0), 0}, token.options()) : torch::cat(drafts, 1);
@@ -729,12 +844,11 @@ torch::Tensor apply_allowed(const torch::Tensor& logits, const torch::Tensor& al
 // slots start .. start + T - 1 (row b at row_starts[b] .. where rows sit at different slots) through
 // blocks [0, E) (`blocks`, the cache written; query t sees slots up to its own), then through the exit
 // blocks `extra` on block E's output (each writing its own cache layer: `keys`/`values` hold the E
-// blocks' buffers, then the extra blocks'), the draft head on the last input's state (`draft_logits`),
-// a grammar's mask `allowed` (B, V) bool where given (as `grammar.apply_mask`), and the argmax (bf16
-// widened first). The same calls in the same order as the engine's Python step, so the same bits.
+// blocks' buffers, then the extra blocks'), then the final norm, the draft head, a grammar's mask
+// `allowed` (B, V) bool where given and the argmax on the last input's state (`draft_choice`). The same
+// calls in the same order as the engine's Python step, so the same bits.
 // Returns {draft (B,) int64, hidden (B, T, D) after block E (the verification's input there), sure
-// (1,) bool: some row's draft puts `eta` on its top token (softmax in fp32, as the engine's `_unsure`;
-// always true for eta <= 0)}, or an empty vector, nothing computed, where `blocks_pass` declines.
+// (1,) bool: some row's draft puts `eta` on its top token (`sure`)}, or an empty vector, nothing computed, where `blocks_pass` declines.
 std::vector<torch::Tensor> draft_step(const std::vector<const Block*>& blocks, const std::vector<const Block*>& extra,
                                       const torch::Tensor& embed, const torch::Tensor& tokens,
                                       const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
@@ -765,16 +879,13 @@ std::vector<torch::Tensor> draft_step(const std::vector<const Block*>& blocks, c
     TORCH_CHECK(out.has_value(), "the exit blocks declined after blocks [0, E) ran");  // checked above
     features = *out;
   }
-  auto logits = draft_logits(features.select(1, length - 1), norm, eps, head, bias, ids, vocab);  // (B, V)
-  if (allowed.has_value()) logits = apply_allowed(logits, *allowed);
-  if (logits.scalar_type() != torch::kFloat32) logits = logits.to(torch::kFloat32);
-  const auto sure = eta > 0 ? (std::get<0>(torch::softmax(logits, -1).max(-1)) >= eta).any().reshape({1})
-                            : torch::ones({1}, torch::kBool);
-  return {logits.argmax(-1), *hidden, sure};
+  const auto chosen = draft_choice(features.select(1, length - 1).contiguous(), norm, eps, head, bias, ids, vocab,
+                                   allowed, eta);  // {draft (B,), top (B,)}
+  return {chosen[0], *hidden, torch::full({1}, sure(chosen[1], eta), torch::kBool)};
 }
 
 // The greedy target of each row of h (n, D) under a grammar's masks `allowed` (n, V) bool: the argmax
-// of `draft_logits` (no trimmed ids) after `apply_allowed`, bf16 widened first. A row whose mask allows
+// of `head_logits` after `apply_allowed`, bf16 widened first. A row whose mask allows
 // at most V / 8 tokens (a forced token, a digit, the end of a value: about half of a JSON reply's
 // positions) computes only the logits of its allowed tokens, each the dot product `rows_block` computes
 // (the same order, rounded to the dtype, the bias added as torch adds it), and takes the first maximum
@@ -794,7 +905,7 @@ torch::Tensor masked_target(const torch::Tensor& h, const torch::Tensor& norm, d
   int64_t* out = target.data_ptr<int64_t>();
   if (!wide.empty()) {
     const auto index = torch::tensor(wide, torch::kLong);
-    auto logits = apply_allowed(draft_logits(h.index_select(0, index), norm, eps, head, bias, c10::nullopt, 0),
+    auto logits = apply_allowed(head_logits(h.index_select(0, index), norm, eps, head, bias),
                                 mask.index_select(0, index));
     if (logits.scalar_type() != torch::kFloat32) logits = logits.to(torch::kFloat32);
     const auto best = logits.argmax(-1).contiguous();
@@ -802,7 +913,7 @@ torch::Tensor masked_target(const torch::Tensor& h, const torch::Tensor& norm, d
     for (size_t i = 0; i < wide.size(); ++i) out[wide[i]] = chosen[i];
   }
   if (narrow.empty()) return target;
-  // the normalised rows as `draft_logits` computes them, in fp32 as `few_rows_linear` reads them
+  // the normalised rows as `head_logits` computes them, in fp32 as `few_rows_linear` reads them
   const auto normed = final_norm(h, norm, eps).to(torch::kFloat32).contiguous();
   const bool* allow = mask.data_ptr<bool>();
   auto run = [&](const auto* w) {
@@ -852,7 +963,7 @@ torch::Tensor masked_target(const torch::Tensor& h, const torch::Tensor& norm, d
 // Greedy verification in one call: the target's pass over blocks [first, last) on T positions at slots
 // start .. start + T - 1 (row b at row_starts[b] .. where rows sit at different slots; query t sees
 // slots up to its own: `causal_mask`, whose `mask_value` beyond is the engine's mask's, its dtype's
-// lowest value; one position of aligned rows sees every slot, with no mask), the final norm and LM head (`draft_logits`), a grammar's masks
+// lowest value; one position of aligned rows sees every slot, with no mask), the final norm and LM head (`head_logits`), a grammar's masks
 // `allowed` (B, T, V) bool where given (as `grammar.apply_mask`: refused tokens at -inf, a row left
 // with nothing finite uniform over the allowed ones), the argmax (bf16 widened first) and the accepted
 // prefix: the leading run of drafts equal to the target's argmax, as
@@ -884,7 +995,7 @@ std::vector<torch::Tensor> verify_greedy(const std::vector<const Block*>& blocks
     target = masked_target(out->reshape({batch * length, -1}), norm, eps, head, bias,
                            allowed->reshape({batch * length, -1})).view({batch, length});
   } else {
-    auto logits = draft_logits(out->reshape({batch * length, -1}), norm, eps, head, bias, c10::nullopt, 0);
+    auto logits = head_logits(out->reshape({batch * length, -1}), norm, eps, head, bias);
     if (logits.scalar_type() != torch::kFloat32) logits = logits.to(torch::kFloat32);
     target = logits.argmax(-1).view({batch, length});
   }
@@ -1091,6 +1202,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("blocks_pass", &blocks_pass, "blocks of a decoding pass, the cache written, in one call",
              pybind11::call_guard<pybind11::gil_scoped_release>());
   module.def("draft_loop", &draft_loop, "greedy early-exit drafts: k steps of blocks [0, E), head, argmax",
+             pybind11::call_guard<pybind11::gil_scoped_release>());
+  module.def("draft_choice", &draft_choice, "greedy drafts from exit states: final norm, draft head, mask, argmax",
              pybind11::call_guard<pybind11::gil_scoped_release>());
   module.def("draft_step", &draft_step, "one greedy draft step: blocks [0, E), exit blocks, head, mask, argmax",
              pybind11::call_guard<pybind11::gil_scoped_release>());
