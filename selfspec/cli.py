@@ -383,7 +383,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], argparse.A
     p.add_argument("--ks", default="1,2,3,4,6,8",
                    help="early-exit draft lengths k, e.g. '1,2,4,8,auto' (auto: the cost model per round)")
     p.add_argument("--confirm", type=int, default=3,
-                   help="re-time the N fastest cells and each drafter's fastest against plain (0: no)")
+                   help="re-time each drafter's N fastest cells against plain (0: no)")
     p.add_argument("--confirm-repeats", type=int, default=5,
                    help="interleaved repeats of the re-timing; a cell is stored only when the interval "
                         "of its paired speedups is above 1")

@@ -330,18 +330,20 @@ def test_the_draft_choice_is_the_argmax_of_the_draft_heads_masked_logits(few_row
         sub = (norm * x.to(dtype)) @ weight.T
         if b is not None:
             sub = sub + b
-        logits = torch.full((rows, vocab), float("-inf"), dtype=dtype).index_copy_(-1, ids, sub) if trimmed else sub
+        logits = sub
+        if trimmed:
+            logits = torch.full((rows, vocab), float("-inf"), dtype=dtype).index_copy_(-1, ids, sub)
         if mask is not None:
             logits = apply_mask(logits, mask)
         logits = logits.float()
         got, top = kernels.draft_choice()(h, norm, 1e-5, weight, b, ids, vocab, mask, 0.5)
         expected = logits.argmax(-1)
         # the norm's sum runs in another order than torch's: equal tokens up to rounding's near-ties
-        near = logits.gather(1, got[:, None])[:, 0] >= logits.max(-1).values - (1e-4 if dtype == torch.float32
-                                                                                 else 0.05)
+        fp32 = dtype == torch.float32
+        near = logits.gather(1, got[:, None])[:, 0] >= logits.max(-1).values - (1e-4 if fp32 else 0.05)
         assert near.all() and (got == expected).float().mean() >= 0.85, (got, expected)
-        torch.testing.assert_close(top, torch.softmax(logits, -1).max(-1).values, rtol=1e-3 if dtype == torch.float32
-                                   else 0.1, atol=1e-6)
+        torch.testing.assert_close(top, torch.softmax(logits, -1).max(-1).values, rtol=1e-3 if fp32 else 0.1,
+                                   atol=1e-6)
         if mask is not None:
             assert got[1] == 7 and got[2] == 450
             if trimmed:
