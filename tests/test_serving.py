@@ -415,7 +415,8 @@ def test_the_load_benchmark_reports_every_level_and_the_fault_run(tiny_run, tmp_
         assert [row["concurrency"] for row in report["levels"][arm]] == [1, 2]
         assert all(row["errors"] == 0 and row["mismatches"] == 0 and row["tokens_per_second"] > 0
                    for row in report["levels"][arm])
-    assert 0 < report["served_vs_in_process"]["low"] <= report["served_vs_in_process"]["speedup"]
+    for way in ("served_vs_in_process", "whole_vs_in_process", "in_process_speedup", "served_speedup"):
+        assert 0 < report[way]["low"] <= report[way]["speedup"] <= report[way]["high"]
     fault = report["fault"]
     assert fault["bad"] > 0 and fault["bad_refused_4xx"] == fault["bad"] and fault["good_ok"] == fault["good"]
     assert fault["resident_before"] > 0  # the server's own process

@@ -156,8 +156,10 @@ class ServeLoadReport(TypedDict):
     max_batch: int
     in_process_tokens_per_second: float
     in_process_plain_tokens_per_second: float
-    in_process_speedup: float
-    served_vs_in_process: dict  # paired: speedup (served ÷ in-process speed), low, high, coverage, spread
+    in_process_speedup: dict  # paired (each prompt by both): speedup over plain decoding, low, high, ..
+    served_speedup: dict  # the same for the two servers, one client streaming
+    served_vs_in_process: dict  # streamed, paired: speedup (served ÷ in-process), low, high, coverage, spread
+    whole_vs_in_process: dict  # the same for replies in one response (no stream)
     levels: dict[str, list[ServeLevel]]  # arm -> one row per concurrency
     fault: dict | None
 

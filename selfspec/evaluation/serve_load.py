@@ -10,9 +10,9 @@ throughput (generated tokens per second of wall time), time to the first token a
 latency (a request's time from its first to its last chunk over its tokens after the first; p50,
 p95), errors, and mismatches: replies that differ from the same prompt decoded alone in-process.
 The server's own cost is measured apart, paired: each prompt decoded by in-process `generate`, then
-requested from the server by one client, alternately, twice over the prompts; the median of the
-paired speed ratios and its interval (`paired.median_interval`) survive the machine's drifts, which
-two rates timed a minute apart do not.
+requested from the server by one client, streamed and in one response, alternately, twice over the
+prompts; the median of the paired speed ratios and its interval (`paired.median_interval`) survive
+the machine's drifts, which two rates timed a minute apart do not.
 
 `--fault N` then sends N requests, a third of them malformed or hostile (bad JSON, a wrong key,
 unknown fields' values, oversize bodies, huge max_tokens), mixed with good ones: every bad one
@@ -169,20 +169,48 @@ def _level(url: str, prompts: list[str], concurrency: int, requests: int, max_to
             "inter_token_p50": _percentile(gaps, 0.5), "inter_token_p95": _percentile(gaps, 0.95)}
 
 
+def _complete(url: str, prompt: str, max_tokens: int) -> dict:
+    """One greedy completion in one response (no stream): its text, or the error."""
+    response = _client().post(f"{url}/completions", json={"model": "served", "prompt": prompt,
+                                                           "max_tokens": max_tokens, "temperature": 0})
+    if response.status_code != 200:
+        return {"error": f"HTTP {response.status_code}"}
+    return {"text": response.json()["choices"][0]["text"]}
+
+
 def _served_vs_in_process(url: str, texts: list[str], ids: list[list[int]], generator, max_tokens: int,
-                           passes: int = 2) -> dict:
-    """Each prompt decoded in process and then served to one client, alternately, `passes` times over
-    the prompts: the median of (in-process seconds ÷ served seconds), the server's speed as a fraction
-    of in-process generate's, with its interval."""
+                          passes: int = 2) -> dict:
+    """Each prompt decoded in process, then served to one client streamed and in one response (the
+    order of the two alternating), `passes` times over the prompts: per way, the median of (in-process
+    seconds ÷ served seconds), the server's speed as a fraction of in-process generate's, with its
+    interval. {"streamed": .., "whole": ..}: the two differ by what streaming costs on shared cores
+    (each chunk wakes the server's event loop and the client beside the decoding threads)."""
+    ratios = {"streamed": [], "whole": []}
+    ways = {"streamed": _stream, "whole": _complete}
+    for index in range(passes * len(texts)):
+        text, prompt = texts[index % len(texts)], ids[index % len(texts)]
+        start = time.perf_counter()
+        generator.generate([prompt], max_new_tokens=max_tokens)
+        alone = time.perf_counter() - start
+        for way in (list(ways) if index % 2 else list(ways)[::-1]):
+            start = time.perf_counter()
+            ways[way](url, text, max_tokens)
+            ratios[way].append(alone / (time.perf_counter() - start))
+    return {way: median_interval(values) for way, values in ratios.items()}
+
+
+def _paired_speedup(fast, slow, count: int, passes: int = 2) -> dict:
+    """Items 0 .. count - 1 each run by `slow` and by `fast` (callables of the item's index) one after
+    the other, the order alternating, `passes` times over: the median of (slow seconds ÷ fast seconds)
+    and its interval. Two rates timed a minute apart differ by the machine's drift (±20% here)."""
     ratios = []
-    for _ in range(passes):
-        for text, prompt in zip(texts, ids):
+    for index in range(passes * count):
+        seconds = {}
+        for name, run in [("fast", fast), ("slow", slow)][::1 if index % 2 else -1]:
             start = time.perf_counter()
-            generator.generate([prompt], max_new_tokens=max_tokens)
-            alone = time.perf_counter() - start
-            start = time.perf_counter()
-            _stream(url, text, max_tokens)
-            ratios.append(alone / (time.perf_counter() - start))
+            run(index % count)
+            seconds[name] = time.perf_counter() - start
+        ratios.append(seconds["slow"] / seconds["fast"])
     return median_interval(ratios)
 
 
@@ -252,15 +280,15 @@ def to_markdown(report: dict) -> str:
                          f"{row['first_token_p50'] * 1e3:.0f} / {row['first_token_p95'] * 1e3:.0f} | "
                          f"{row['inter_token_p50'] * 1e3:.1f} / {row['inter_token_p95'] * 1e3:.1f} | "
                          f"{row['errors']} | {row['mismatches']} |")
-    served = report["served_vs_in_process"]
+    served, whole = report["served_vs_in_process"], report["whole_vs_in_process"]
     lines += ["", f"One client, each prompt in process then served, alternately: the server runs at "
-                  f"{served['speedup']:.2f}× in-process generate ({served['low']:.2f}-{served['high']:.2f}, "
-                  f"{served['coverage']:.0%})."]
-    first, plain = report["levels"]["selfspec"][0], report["levels"]["plain"][0]
-    if first["concurrency"] == 1:
-        lines += [f"At concurrency 1 the server's speedup over the server without drafting is "
-                  f"{first['tokens_per_second'] / plain['tokens_per_second']:.2f}× "
-                  f"(in process: {report['in_process_speedup']:.2f}×)."]
+                  f"{served['speedup']:.2f}× in-process generate streamed ({served['low']:.2f}-"
+                  f"{served['high']:.2f}, {served['coverage']:.0%}) and {whole['speedup']:.2f}× in one "
+                  f"response ({whole['low']:.2f}-{whole['high']:.2f})."]
+    ours, theirs = report["served_speedup"], report["in_process_speedup"]
+    lines += [f"Paired the same way (each prompt by both, alternately): the server's speedup over the "
+              f"server without drafting is {ours['speedup']:.2f}× ({ours['low']:.2f}-{ours['high']:.2f}); "
+              f"in process {theirs['speedup']:.2f}× ({theirs['low']:.2f}-{theirs['high']:.2f})."]
     fault = report.get("fault")
     if fault:
         lines += ["", f"Fault run: {fault['requests']} requests; {fault['bad_refused_4xx']} of "
@@ -317,6 +345,8 @@ def serve_load(model: str, *, prompts: str | None = None, corpus: str = "stdlib"
     plain_rate, plain_reference = in_process(plain)
     if plain_reference != reference:
         raise UserError("plain and self-speculative decoding disagree in process; run the tests")
+    speedup = _paired_speedup(lambda i: gen.generate([ids[i]], max_new_tokens=max_tokens),
+                              lambda i: plain.generate([ids[i]], max_new_tokens=max_tokens), len(ids))
     common = dict(max_batch=max_batch, device=device or "auto", dtype=dtype)
     logs = Path(out)
     plain_flags = {**overrides, **PLAIN_FLAGS}
@@ -325,7 +355,9 @@ def serve_load(model: str, *, prompts: str | None = None, corpus: str = "stdlib"
         urls = {"selfspec": url, "plain": plain_url}
         for arm in ARMS:
             _level(urls[arm], texts[:1], 1, 1, max_tokens, reference[:1])  # warm-up
-        served = _served_vs_in_process(url, texts, ids, gen, max_tokens)
+        served = _served_vs_in_process(url, texts, ids, gen, max_tokens)  # {"streamed", "whole"}
+        served_speedup = _paired_speedup(lambda i: _stream(url, texts[i], max_tokens),
+                                         lambda i: _stream(plain_url, texts[i], max_tokens), len(texts))
         results = {arm: [] for arm in ARMS}
         for level in levels:  # the arms interleaved level by level
             for arm in ARMS:
@@ -334,7 +366,8 @@ def serve_load(model: str, *, prompts: str | None = None, corpus: str = "stdlib"
     report = {"model": model, "settings": gen.settings.describe(), "requests": requests,
               "max_tokens": max_tokens, "num_prompts": len(texts), "max_batch": max_batch,
               "in_process_tokens_per_second": rate, "in_process_plain_tokens_per_second": plain_rate,
-              "in_process_speedup": rate / plain_rate, "served_vs_in_process": served, "levels": results,
-              "fault": fault_report}
+              "in_process_speedup": speedup, "served_speedup": served_speedup,
+              "served_vs_in_process": served["streamed"], "whole_vs_in_process": served["whole"],
+              "levels": results, "fault": fault_report}
     publish(out, "serve_load", report, to_markdown(report), plot)
     return report
