@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import platform
+from pathlib import Path
 
 # mallopt parameters (glibc's malloc.h)
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_MAX = -1, -2, -4
@@ -43,6 +44,22 @@ def has_bf16_units() -> bool | None:
     except OSError:
         return None
     return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def last_level_cache_bytes() -> int | None:
+    """The size of CPU 0's last-level cache (Linux sysfs); None where it cannot be read."""
+    best = None  # (level, bytes)
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            level = int((index / "level").read_text())
+            size = (index / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:], 1)
+        digits = size.rstrip("KMG")
+        if digits.isdigit() and (best is None or level > best[0]):
+            best = (level, int(digits) * scale)
+    return None if best is None else best[1]
 
 
 def sync_device(device) -> None:

@@ -33,11 +33,16 @@ def test_a_healthy_model_passes_every_check():
     ({"draft_cost": 1.5, "verify_cost": 1.5, "k": 1}, 1, "no α pays for k = 1"),
     ({"draft_cost": 0.7}, 2, "1.56× the 0.45 its weights predict"),  # c far above the weights' share
     ({"draft_cost": 0.7, "free_drafts": True}, 2, "c overstates a step"),  # forced tokens' passes in it
+    # a model whose weights sit in the last-level cache: its passes are not bound by reading them
+    ({"draft_cost": 0.7, "weights_in_cache": [13 << 20, 32 << 20]}, 2,
+     "the weights (13 MiB) fit in the CPU's last-level cache (32 MiB)"),
+    ({"weights_in_cache": [13 << 20, 32 << 20]}, 2, "near the 0.45"),  # c as predicted: nothing to explain
     ({"overhead": 0.2}, 3, "costs 0.20 plain steps a round (above 0.10)"),
     ({"verify_cost_long": 1.4}, 4, "long contexts erode the gain"),
     ({"draft_cost_long": None, "verify_cost_long": None}, 4, "not measured at 2048"),
     ({"speedups": {"early_exit": 0.8, "ngram": 0.95}}, 5, "nothing beats plain decoding"),
     ({"speedups": {"early_exit": 0.8, "ngram": 1.3}}, 5, "ngram is fastest at 1.30×"),
+    ({"speedups": {"early_exit": 1.2}}, 5, "early_exit is fastest at 1.20× plain; copies"),  # alone
 ])
 def test_each_check_flags_its_case(change, number, expected):
     assert expected in _check({**HEALTHY, **change}, number)

@@ -55,7 +55,7 @@ from ..metrics import (
     speedup_measured_costs,
 )
 from ..model.loading import load_causal_lm, load_tokenizer
-from .doctor import cost_figures, summary, weight_cost
+from .doctor import cost_figures, summary, weight_cost, weights_in_cache
 from .paired import median_interval, paired_speedups
 from .report import write_report as write_files
 from .results import BenchmarkReport
@@ -349,7 +349,8 @@ def run_benchmark(model, prompts: list[list[int]], settings: DecodeSettings, *, 
         early = settings["early_exit"]
         report["cost_model"] = cost_model(stats["plain"], stats["early_exit"],
                                           report["speedups"].get("early_exit_over_plain"),
-                                          weight_cost(view, early.exit_layer, early.draft_vocab_size or 0))
+                                          weight_cost(view, early.exit_layer, early.draft_vocab_size or 0),
+                                          weights_in_cache(view))
     if profile:
         report["round_profile"] = round_profile({m: stats[m] for m in methods if m in ENGINE_METHODS})
     report["diagnosis"] = diagnosis(report)
@@ -401,9 +402,12 @@ def pooled_costs(plain_runs, spec_runs) -> dict:
             "draft_cost": draft_step / plain_step if plain_step else float("nan")}
 
 
-def cost_model(plain_runs, spec_runs, measured: float | None, weights: float | None = None) -> dict:
+def cost_model(plain_runs, spec_runs, measured: float | None, weights: float | None = None,
+               in_cache: list[int] | None = None) -> dict:
     """α, mean accepted length, c and the predictions, pooled over the timed early_exit runs;
-    `weights`: the c its weights predict (`doctor.weight_cost`), kept beside the measured one."""
+    `weights`: the c its weights predict (`doctor.weight_cost`), kept beside the measured one;
+    `in_cache`: [weight bytes, cache bytes] where the weights fit in the CPU's last-level cache
+    (`doctor.weights_in_cache`), which the diagnosis names."""
     costs = pooled_costs(plain_runs, spec_runs)
     pooled, plain_step, draft_steps = costs["stats"], costs["plain_step"], costs["draft_steps"]
     alpha = pooled.acceptance_rate
@@ -415,6 +419,8 @@ def cost_model(plain_runs, spec_runs, measured: float | None, weights: float | N
            "plain_step_seconds": plain_step}
     if weights is not None:
         out["weight_cost"] = weights
+    if in_cache is not None:
+        out["weights_in_cache"] = in_cache
     if not draft_steps or alpha != alpha:  # no speculative round (auto may turn it off): nothing to predict
         return out
     draft_step, c, verify = costs["draft_step"], costs["draft_cost"], costs["verify_per_round"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..cpu import last_level_cache_bytes
 from ..errors import UserError
 from ..files import write_json_atomic
 from ..metrics import break_even_acceptance, weight_draft_cost
@@ -40,7 +41,8 @@ def diagnose(figures: dict) -> list[str]:
     if figures.get("draft_cost") is not None:
         lines.append(_acceptance(figures))
     if figures.get("draft_cost") is not None and figures.get("weight_cost") is not None:
-        lines.append(_draft_cost(figures["draft_cost"], figures["weight_cost"], figures.get("free_drafts")))
+        lines.append(_draft_cost(figures["draft_cost"], figures["weight_cost"], figures.get("free_drafts"),
+                                 figures.get("weights_in_cache"), figures.get("verify_cost")))
     overhead = figures.get("overhead")
     if overhead is not None and overhead > OVERHEAD_LIMIT:
         lines.append(f"3. overhead: the work between a round's passes costs {overhead:.2f} plain steps "
@@ -72,10 +74,21 @@ def _acceptance(figures: dict) -> str:
             f"c = {c:.2f}, v = {v:.2f}, k = {k} need.")
 
 
-def _draft_cost(c: float, weight: float, free_drafts: bool = False) -> str:
+def _draft_cost(c: float, weight: float, free_drafts: bool = False, in_cache: list[int] | None = None,
+                v: float | None = None) -> str:
     """Check 2: the measured c against the share of the weights a draft step reads. free_drafts: the
     rounds drafted tokens without a model call beside the exit's (a grammar's forced tokens, copies),
-    whose pass through blocks [0, E) the draft time holds."""
+    whose pass through blocks [0, E) the draft time holds. in_cache: [weight bytes, cache bytes]
+    where the weights fit in the CPU's last-level cache (`weights_in_cache`); v: the verification's
+    cost in plain steps."""
+    if c > DRAFT_COST_MARGIN * weight and in_cache and not free_drafts:
+        verify = f"; a verification costs v = {v:.2f} plain steps" if v is not None else ""
+        return (f"2. draft cost: a draft step costs c = {c:.2f} plain steps, {c / weight:.2f}× the "
+                f"{weight:.2f} its weights predict: the weights ({in_cache[0] / 2**20:.0f} MiB) fit in "
+                f"the CPU's last-level cache ({in_cache[1] / 2**20:.0f} MiB), so a pass is bound by its "
+                f"compute and per-step work, not by reading them, and each position costs its own"
+                f"{verify}; the early exit gains most where the weights stream from memory (larger "
+                f"models).")
     if c > DRAFT_COST_MARGIN * weight and free_drafts:
         return (f"2. draft cost: c = {c:.2f} plain steps per early-exit draft, {c / weight:.2f}× the "
                 f"{weight:.2f} its weights predict; the draft passes also run the free drafts (forced "
@@ -114,7 +127,8 @@ def _verdict(speedups: dict) -> str:
     others = ", ".join(f"{m} {s:.2f}×" for m, s in speedups.items() if m != best)
     change = ("the early exit would need the α above" if best != "early_exit"
               else "copies or the hybrid may add more where the text repeats")
-    return f"5. verdict: {best} is fastest at {speedups[best]:.2f}× plain ({others}); {change}."
+    others = f" ({others})" if others else ""
+    return f"5. verdict: {best} is fastest at {speedups[best]:.2f}× plain{others}; {change}."
 
 
 def cost_figures(cost: dict, speedups: dict, exit_layer: int | None, overhead: float | None = None,
@@ -124,7 +138,8 @@ def cost_figures(cost: dict, speedups: dict, exit_layer: int | None, overhead: f
     α of the early exit's own drafts, where others were verified beside them (a grammar's forced
     tokens, which cost no draft step); default the cost model's α of all drafts."""
     figures = {"exit_layer": exit_layer, "speedups": speedups, "overhead": overhead,
-               "weight_cost": cost.get("weight_cost"), "free_drafts": exit_alpha is not None}
+               "weight_cost": cost.get("weight_cost"), "weights_in_cache": cost.get("weights_in_cache"),
+               "free_drafts": exit_alpha is not None}
     if "draft_cost" in cost:
         # the rounds' k counts every draft; beside other drafts, the exit's own mean k stands alone
         rounds = {int(k): n for k, n in (cost.get("k_rounds") or {}).items()} if exit_alpha is None else None
@@ -142,6 +157,17 @@ def summary(figures: dict) -> str | None:
         return None
     checks = [line.split(". ", 1)[1] for line in lines]
     return "Why it is (not) faster: " + " ".join(c[0].upper() + c[1:] for c in checks)
+
+
+def weights_in_cache(view) -> list[int] | None:
+    """[the model's weight bytes, the CPU's last-level cache bytes] where the weights fit in that cache
+    (a model decoding on CPU), else None. Such a model's passes do not stream their weights from
+    memory: they are bound by compute and per-step work, which the weights' c does not count."""
+    if view.device.type != "cpu":
+        return None
+    cache = last_level_cache_bytes()
+    weights = sum(p.numel() * p.element_size() for p in view.model.parameters())
+    return [weights, cache] if cache and weights <= cache else None
 
 
 def weight_cost(view, exit_layer: int, draft_vocab_size: int = 0) -> float:
@@ -208,6 +234,7 @@ def doctor(model: str, *, exit_layer: int | None = None, num_speculations: int |
         "alpha": cost["acceptance_rate"], "draft_cost": cost["draft_cost"],
         "verify_cost": cost["verify_cost"],
         "weight_cost": weight_cost(view, settings.exit_layer, settings.draft_vocab_size or 0),
+        "weights_in_cache": weights_in_cache(view),
         "overhead": report["round_profile"]["methods"]["early_exit"]["plain_steps"]["outside_passes"],
         "context": context, "long_context": long_context,
         # the engine's c and v at the short context, scaled by how the bare passes grow with context
@@ -228,4 +255,4 @@ def doctor(model: str, *, exit_layer: int | None = None, num_speculations: int |
     return result
 
 
-__all__ = ["cost_figures", "diagnose", "doctor", "summary", "weight_cost"]
+__all__ = ["cost_figures", "diagnose", "doctor", "summary", "weight_cost", "weights_in_cache"]

@@ -32,7 +32,7 @@ from ..errors import UserError
 from ..model.loading import load_tokenizer
 from . import benchmark
 from .benchmark import METHODS, Timings, check_methods, interleaved_rates, load_model, make_runner
-from .doctor import cost_figures, summary, weight_cost
+from .doctor import cost_figures, summary, weight_cost, weights_in_cache
 from .report import publish, save_figure
 from .results import SuiteReport
 
@@ -201,7 +201,7 @@ def run_suite(model, tokenizer, questions: list[Question], settings: DecodeSetti
         report["cost_model"] = benchmark.cost_model(
             timings.run_stats("plain"), timings.run_stats("early_exit"),
             overall["early_exit"]["speedup_over_plain"],
-            weight_cost(view, early.exit_layer, early.draft_vocab_size or 0))
+            weight_cost(view, early.exit_layer, early.draft_vocab_size or 0), weights_in_cache(view))
     speedups = {m: row["speedup_over_plain"] for m, row in overall.items()
                 if m != "plain" and "speedup_over_plain" in row}
     exit_alpha = (benchmark.own_exit_alpha(benchmark.source_summary(timings.run_stats("early_exit")))

@@ -55,7 +55,7 @@ from .benchmark import (
     read_prompts,
     source_summary,
 )
-from .doctor import summary, weight_cost
+from .doctor import summary, weight_cost, weights_in_cache
 from .paired import beats_plain, median_interval, paired_speedups
 from .report import publish, save_figure
 from .results import SweepReport
@@ -264,7 +264,7 @@ def diagnosis(grid: list[dict], per_exit: dict, fastest: dict, view) -> str | No
         e, v = row["exit_layer"], row["draft_vocab_size"]
         figures.update(alpha=row["acceptance_rate"], k=row["num_speculations"], exit_layer=e,
                        draft_cost=per_exit[str(e)][str(v)]["draft_cost"], verify_cost=row["verify_cost"],
-                       weight_cost=weight_cost(view, e, v or 0))
+                       weight_cost=weight_cost(view, e, v or 0), weights_in_cache=weights_in_cache(view))
     return summary(figures)
 
 
