@@ -202,7 +202,7 @@ def _served_vs_in_process(url: str, texts: list[str], ids: list[list[int]], gene
 def _paired_speedup(fast, slow, count: int, passes: int = 2) -> dict:
     """Items 0 .. count - 1 each run by `slow` and by `fast` (callables of the item's index) one after
     the other, the order alternating, `passes` times over: the median of (slow seconds ÷ fast seconds)
-    and its interval. Two rates timed a minute apart differ by the machine's drift (±20% here)."""
+    and its interval. Two rates timed a minute apart differ by the machine's drift."""
     ratios = []
     for index in range(passes * count):
         seconds = {}

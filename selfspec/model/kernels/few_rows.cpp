@@ -646,13 +646,12 @@ torch::Tensor head_logits(const torch::Tensor& h, const torch::Tensor& norm, dou
 // to the dtype, + bias in the dtype), a grammar's mask `allowed` (B, V) bool where given (refused
 // tokens out; a row whose allowed tokens are all outside a trimmed head's ids falls back, as
 // `apply_allowed` makes it, to the uniform distribution over the allowed tokens), and the first maximum
-// by token id (argmax over the whole vocabulary, -inf outside the ids). A draft step of a small model
-// otherwise spends as long in the head's twenty-odd tensor operations (the norm's, the scatter into
-// the whole vocabulary, softmax, max, argmax) as in a block. `top` gets each row's probability of its
-// draft (the softmax of its allowed logits at the maximum, 1 / Σ exp(l - max), summed in fp32): what η
-// compares. The norm's and the sum's orders are not torch's, so the same bits as the engine only where
-// the engine chooses with this function too (`fast.greedy_draft`: the step-by-step loop, wherever the
-// kernels are on).
+// by token id (argmax over the whole vocabulary, -inf outside the ids), instead of some twenty tensor
+// operations (the norm's, the scatter into the whole vocabulary, softmax, max, argmax), each
+// dispatched and allocated apart. `top` gets each row's probability of its draft (the softmax of its
+// allowed logits at the maximum, 1 / Σ exp(l - max), summed in fp32): what η compares. The norm's and
+// the sum's orders are not torch's, so every path that drafts greedily chooses with this function
+// (`FastLlamaBlocks.draft_choice` for the step from Python), and they all draft alike.
 template <typename T>
 void choose_drafts(const T* h, int64_t batch, int64_t d, const T* norm, float eps, const T* head, const T* bias,
                    const int64_t* ids, int64_t rows, int64_t vocab, const bool* allowed, int64_t* token,
@@ -767,8 +766,9 @@ bool sure(const torch::Tensor& top, double eta) {
 // (`blocks_pass`, the cache written; input 0 is `token` (B,), input i > 0 the draft of step i - 1), then,
 // for i < k, the final norm, the draft head and the argmax on its exit state (`draft_choice`) give
 // draft i + 1. With eta > 0, a step where no row's draft puts eta on its top token (`sure`) drafts
-// nothing and ends the loop. Every row sees every slot up to its own (no window): rows at the same slots with no mask, rows
-// at their own (`row_starts` (B,): row b's input i at slot row_starts[b] + i) through `causal_mask`.
+// nothing and ends the loop. Every row sees every slot up to its own (no window): rows at the same
+// slots with no mask, rows at their own (`row_starts` (B,): row b's input i at slot row_starts[b] + i)
+// through `causal_mask`.
 // embed (V, D): the embedding table; cos, sin (B, k + 1, hd): the rotary of each row's k + 1 slots.
 // Returns {drafts (B, s) int64, hidden (B, s + 1, D)}: s <= k drafts and the exit states of the s + 1
 // inputs that ran (the last draft included, the verification's first position, unless eta stopped the
@@ -848,7 +848,8 @@ torch::Tensor apply_allowed(const torch::Tensor& logits, const torch::Tensor& al
 // `allowed` (B, V) bool where given and the argmax on the last input's state (`draft_choice`). The same
 // calls in the same order as the engine's Python step, so the same bits.
 // Returns {draft (B,) int64, hidden (B, T, D) after block E (the verification's input there), sure
-// (1,) bool: some row's draft puts `eta` on its top token (`sure`)}, or an empty vector, nothing computed, where `blocks_pass` declines.
+// (1,) bool: some row's draft puts `eta` on its top token (`sure`)}, or an empty vector, nothing
+// computed, where `blocks_pass` declines.
 std::vector<torch::Tensor> draft_step(const std::vector<const Block*>& blocks, const std::vector<const Block*>& extra,
                                       const torch::Tensor& embed, const torch::Tensor& tokens,
                                       const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
@@ -884,14 +885,13 @@ std::vector<torch::Tensor> draft_step(const std::vector<const Block*>& blocks, c
   return {chosen[0], *hidden, torch::full({1}, sure(chosen[1], eta), torch::kBool)};
 }
 
-// The greedy target of each row of h (n, D) under a grammar's masks `allowed` (n, V) bool: the argmax
-// of `head_logits` after `apply_allowed`, bf16 widened first. A row whose mask allows
-// at most V / 8 tokens (a forced token, a digit, the end of a value: about half of a JSON reply's
-// positions) computes only the logits of its allowed tokens, each the dot product `rows_block` computes
-// (the same order, rounded to the dtype, the bias added as torch adds it), and takes the first maximum
-// among them as argmax does; the others run the whole head together. So the same tokens, without
-// reading or multiplying the head's refused rows: a plain step under a grammar whose next token is
-// forced skips the head's read.
+// The greedy target of each row of h (n, D) under a grammar's masks `allowed` (n, V) bool: the argmax of
+// `head_logits` after `apply_allowed`, bf16 widened first. A row whose mask allows at most V / 8 tokens (a
+// forced token, a digit, the end of a value: about half of a JSON reply's positions) computes only the logits
+// of its allowed tokens, each the dot product `rows_block` computes (the same order, rounded to the dtype,
+// the bias added as torch adds it), and takes the first maximum among them as argmax does; the others run the
+// whole head together. So the same tokens, without reading or multiplying the head's refused rows: a plain
+// step under a grammar whose next token is forced skips the head's read.
 torch::Tensor masked_target(const torch::Tensor& h, const torch::Tensor& norm, double eps, const torch::Tensor& head,
                             const c10::optional<torch::Tensor>& bias, const torch::Tensor& allowed) {
   const int64_t rows = h.size(0), vocab = head.size(0), k = head.size(1);
@@ -960,18 +960,17 @@ torch::Tensor masked_target(const torch::Tensor& h, const torch::Tensor& norm, d
   return target;
 }
 
-// Greedy verification in one call: the target's pass over blocks [first, last) on T positions at slots
-// start .. start + T - 1 (row b at row_starts[b] .. where rows sit at different slots; query t sees
-// slots up to its own: `causal_mask`, whose `mask_value` beyond is the engine's mask's, its dtype's
-// lowest value; one position of aligned rows sees every slot, with no mask), the final norm and LM head (`head_logits`), a grammar's masks
-// `allowed` (B, T, V) bool where given (as `grammar.apply_mask`: refused tokens at -inf, a row left
-// with nothing finite uniform over the allowed ones), the argmax (bf16 widened first) and the accepted
-// prefix: the leading run of drafts equal to the target's argmax, as
-// `sampling.accept_greedy` computes it. The pass's input: `hidden` (B, T, D), or the embedding rows of
-// `tokens` (B, T) (a plain step: blocks [0, N)). drafts (B, T - 1) int64; cos, sin (B, T, hd).
-// Returns {decided (B, T + 1) int64: the tokens (B, T), then each row's accepted count}, one tensor
-// for the engine's one host read a round, or an empty vector, nothing computed, where `blocks_pass`
-// declines.
+// Greedy verification in one call: the target's pass over blocks [first, last) on T positions at slots start
+// .. start + T - 1 (row b at row_starts[b] .. where rows sit at different slots; query t sees slots up to its
+// own: `causal_mask`, whose `mask_value` beyond is the engine's mask's, its dtype's lowest value; one
+// position of aligned rows sees every slot, with no mask), the final norm and LM head (`head_logits`), a
+// grammar's masks `allowed` (B, T, V) bool where given (as `grammar.apply_mask`: refused tokens at -inf, a
+// row left with nothing finite uniform over the allowed ones), the argmax (bf16 widened first) and the
+// accepted prefix: the leading run of drafts equal to the target's argmax, as `sampling.accept_greedy`
+// computes it. The pass's input: `hidden` (B, T, D), or the embedding rows of `tokens` (B, T) (a plain step:
+// blocks [0, N)). drafts (B, T - 1) int64; cos, sin (B, T, hd). Returns {decided (B, T + 1) int64: the tokens
+// (B, T), then each row's accepted count}, one tensor for the engine's one host read a round, or an empty
+// vector, nothing computed, where `blocks_pass` declines.
 std::vector<torch::Tensor> verify_greedy(const std::vector<const Block*>& blocks,
                                          const c10::optional<torch::Tensor>& hidden,
                                          const c10::optional<torch::Tensor>& tokens, const torch::Tensor& embed,
