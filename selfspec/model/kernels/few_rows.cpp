@@ -354,13 +354,22 @@ std::vector<float> widen(const torch::Tensor& t) {
   return std::vector<float>(p, p + t.numel());
 }
 
+// The cache's key and value buffers of one block (B, Hkv, capacity, hd), (S, hd) slices contiguous, and
+// each row's first slot: where `front` writes a pass's keys and values itself (`blocks_pass`).
+struct CacheSlots {
+  const torch::Tensor& keys;
+  const torch::Tensor& values;
+  const std::vector<int64_t>& firsts;
+};
+
 template <typename T>
 std::vector<torch::Tensor> front(const torch::Tensor& hidden, const torch::Tensor& norm, double eps,
                                  const torch::Tensor& wq, const c10::optional<torch::Tensor>& bq,
                                  const torch::Tensor& wk, const c10::optional<torch::Tensor>& bk,
                                  const torch::Tensor& wv, const c10::optional<torch::Tensor>& bv,
                                  const c10::optional<torch::Tensor>& q_norm, double q_eps,
-                                 const c10::optional<torch::Tensor>& k_norm, double k_eps, const torch::Tensor& cos, const torch::Tensor& sin, int64_t hd) {
+                                 const c10::optional<torch::Tensor>& k_norm, double k_eps, const torch::Tensor& cos,
+                                 const torch::Tensor& sin, int64_t hd, const CacheSlots* cache = nullptr) {
   const int64_t batch = hidden.size(0), length = hidden.size(1), d = hidden.size(2), m = batch * length;
   const int64_t heads = wq.size(0) / hd, kv_heads = wk.size(0) / hd;
   const std::vector<float> h = widen<T>(hidden);
@@ -368,11 +377,20 @@ std::vector<torch::Tensor> front(const torch::Tensor& hidden, const torch::Tenso
   for (int64_t r = 0; r < m; ++r) rms_norm_row<T>(h.data() + r * d, norm.data_ptr<T>(), eps, x.data() + r * d, d);
   linear_rows<T>(x.data(), {&wq, &wk, &wv}, {&bq, &bk, &bv}, {q.data(), k.data(), v.data()}, m);
   auto q_out = torch::empty({batch, heads, length, hd}, hidden.options().dtype(torch::kFloat32));
-  auto k_out = torch::empty({batch, kv_heads, length, hd}, hidden.options());
-  auto v_out = torch::empty({batch, kv_heads, length, hd}, hidden.options());
+  // keys and values straight into the cache's slots where given (the same values a copy would write,
+  // without two tensors and two copy operations a block), else into tensors (B, Hkv, T, hd) returned
+  torch::Tensor k_out, v_out;
+  if (!cache) {
+    k_out = torch::empty({batch, kv_heads, length, hd}, hidden.options());
+    v_out = torch::empty({batch, kv_heads, length, hd}, hidden.options());
+  }
+  const auto slot = [&](int64_t b, int64_t head, int64_t t) -> int64_t {  // a (row, head, position)'s offset
+    if (!cache) return ((b * kv_heads + head) * length + t) * hd;
+    return b * cache->keys.stride(0) + head * cache->keys.stride(1) + (cache->firsts[b] + t) * hd;
+  };
   float* qp = q_out.data_ptr<float>();
-  T* kp = k_out.data_ptr<T>();
-  T* vp = v_out.data_ptr<T>();
+  T* kp = cache ? cache->keys.data_ptr<T>() : k_out.data_ptr<T>();
+  T* vp = cache ? cache->values.data_ptr<T>() : v_out.data_ptr<T>();
   const T* cp = cos.data_ptr<T>();
   const T* sp = sin.data_ptr<T>();
   for (int64_t r = 0; r < m; ++r) {
@@ -386,7 +404,7 @@ std::vector<torch::Tensor> front(const torch::Tensor& hidden, const torch::Tenso
       float* k_head = k.data() + (r * kv_heads + head) * hd;
       if (k_norm.has_value()) rms_norm_row<T>(k_head, k_norm->data_ptr<T>(), k_eps, k_head, hd);
       rotate<T>(k_head, cp + r * hd, sp + r * hd, row.data(), hd);
-      const int64_t at = ((b * kv_heads + head) * length + t) * hd;
+      const int64_t at = slot(b, head, t);
       const float* v_head = v.data() + (r * kv_heads + head) * hd;
       for (int64_t i = 0; i < hd; ++i) {
         kp[at + i] = static_cast<T>(row[i]);
@@ -394,6 +412,7 @@ std::vector<torch::Tensor> front(const torch::Tensor& hidden, const torch::Tenso
       }
     }
   }
+  if (cache) return {q_out};
   return {q_out, k_out, v_out};
 }
 
@@ -442,13 +461,15 @@ torch::Tensor back(const torch::Tensor& hidden, const torch::Tensor& q, const to
 // embedding, in the dtype of `hidden` (fp32 or bf16), every row computed alone. hidden (B, T, D) and
 // cos, sin (B, T, hd) contiguous; returns q (B, H, T, hd) fp32 (holding values of the dtype, as the
 // attention takes them), k and v (B, Hkv, T, hd) in the dtype, for the cache.
-std::vector<torch::Tensor> block_front(const torch::Tensor& hidden, const torch::Tensor& norm, double eps,
-                                       const torch::Tensor& wq, const c10::optional<torch::Tensor>& bq,
-                                       const torch::Tensor& wk, const c10::optional<torch::Tensor>& bk,
-                                       const torch::Tensor& wv, const c10::optional<torch::Tensor>& bv,
-                                       const c10::optional<torch::Tensor>& q_norm, double q_eps,
-                                       const c10::optional<torch::Tensor>& k_norm, double k_eps,
-                                       const torch::Tensor& cos, const torch::Tensor& sin, int64_t head_dim) {
+// With `cache`, the keys and values go straight into its slots and only q is returned (`blocks_pass`).
+std::vector<torch::Tensor> checked_front(const torch::Tensor& hidden, const torch::Tensor& norm, double eps,
+                                         const torch::Tensor& wq, const c10::optional<torch::Tensor>& bq,
+                                         const torch::Tensor& wk, const c10::optional<torch::Tensor>& bk,
+                                         const torch::Tensor& wv, const c10::optional<torch::Tensor>& bv,
+                                         const c10::optional<torch::Tensor>& q_norm, double q_eps,
+                                         const c10::optional<torch::Tensor>& k_norm, double k_eps,
+                                         const torch::Tensor& cos, const torch::Tensor& sin, int64_t head_dim,
+                                         const CacheSlots* cache) {
   TORCH_CHECK(hidden.dim() == 3 && hidden.is_contiguous() && cos.is_contiguous() && sin.is_contiguous(),
               "hidden (B, T, D), cos and sin (B, T, hd), contiguous");
   const int64_t d = hidden.size(2);
@@ -464,9 +485,22 @@ std::vector<torch::Tensor> block_front(const torch::Tensor& hidden, const torch:
   for (const auto& [bias, weight] : {std::pair{&bq, &wq}, std::pair{&bk, &wk}, std::pair{&bv, &wv}})
     TORCH_CHECK(!bias->has_value() || (*bias)->numel() == weight->size(0), "a bias per output");
   if (hidden.scalar_type() == torch::kFloat32)
-    return front<float>(hidden, norm, eps, wq, bq, wk, bk, wv, bv, q_norm, q_eps, k_norm, k_eps, cos, sin, head_dim);
+    return front<float>(hidden, norm, eps, wq, bq, wk, bk, wv, bv, q_norm, q_eps, k_norm, k_eps, cos, sin, head_dim,
+                        cache);
   TORCH_CHECK(hidden.scalar_type() == torch::kBFloat16, "float32 or bfloat16");
-  return front<at::BFloat16>(hidden, norm, eps, wq, bq, wk, bk, wv, bv, q_norm, q_eps, k_norm, k_eps, cos, sin, head_dim);
+  return front<at::BFloat16>(hidden, norm, eps, wq, bq, wk, bk, wv, bv, q_norm, q_eps, k_norm, k_eps, cos, sin,
+                             head_dim, cache);
+}
+
+std::vector<torch::Tensor> block_front(const torch::Tensor& hidden, const torch::Tensor& norm, double eps,
+                                       const torch::Tensor& wq, const c10::optional<torch::Tensor>& bq,
+                                       const torch::Tensor& wk, const c10::optional<torch::Tensor>& bk,
+                                       const torch::Tensor& wv, const c10::optional<torch::Tensor>& bv,
+                                       const c10::optional<torch::Tensor>& q_norm, double q_eps,
+                                       const c10::optional<torch::Tensor>& k_norm, double k_eps,
+                                       const torch::Tensor& cos, const torch::Tensor& sin, int64_t head_dim) {
+  return checked_front(hidden, norm, eps, wq, bq, wk, bk, wv, bv, q_norm, q_eps, k_norm, k_eps, cos, sin, head_dim,
+                       nullptr);
 }
 
 // The rest of the block after the cache write: attention of q over keys/values (B, Hkv, S, hd) with an
@@ -576,15 +610,14 @@ bool blocks_fit(const std::vector<const Block*>& blocks, const std::vector<torch
   return true;
 }
 
-// Blocks [first, last) of a decoding pass in one call: for each, `block_front`, the cache write, then
-// `block_back`. hidden (B, T, D); keys[i], values[i] the cache's buffers of block i (B, Hkv, capacity,
-// hd), the T new positions written at slots start .. start + T - 1 (row b at row_starts[b] .. when
-// rows sit at different slots: then a mask is needed) and slots 0 .. kv_length - 1 attended (with
-// `mask` (B, T, kv_length), additive; none: every slot); cos, sin (B, T, hd).
-// The same calls as block by block, so the same bits; it saves the Python between blocks (checks,
-// the cache's update, argument passing), a sizeable share of a small model's step (docs/performance.md).
-// None, computing nothing, where a block's tensors or a buffer do not fit the kernels (the caller then
-// runs block by block).
+// Blocks [first, last) of a decoding pass in one call: for each, `block_front` writing its keys and values
+// straight into the cache's slots (`checked_front`), then `block_back`. hidden (B, T, D); keys[i], values[i]
+// the cache's buffers of block i (B, Hkv, capacity, hd), the T new positions written at slots start .. start
+// + T - 1 (row b at row_starts[b] .. when rows sit at different slots: then a mask is needed) and slots 0 ..
+// kv_length - 1 attended (with `mask` (B, T, kv_length), additive; none: every slot); cos, sin (B, T, hd).
+// The same calls as block by block, so the same bits; it saves the Python between blocks (checks, the cache's
+// update, argument passing), a sizeable share of a small model's step (docs/performance.md). None, computing
+// nothing, where a block's tensors or a buffer do not fit the kernels (the caller then runs block by block).
 c10::optional<torch::Tensor> blocks_pass(const std::vector<const Block*>& blocks, torch::Tensor hidden,
                                          const std::vector<torch::Tensor>& keys,
                                          const std::vector<torch::Tensor>& values, int64_t start,
@@ -606,17 +639,9 @@ c10::optional<torch::Tensor> blocks_pass(const std::vector<const Block*>& blocks
   hidden = hidden.contiguous();
   for (size_t i = 0; i < blocks.size(); ++i) {
     const Block& b = *blocks[i];
-    const auto qkv = block_front(hidden, b.norm1, b.eps1, b.wq, b.bq, b.wk, b.bk, b.wv, b.bv, b.q_norm, b.q_eps,
-                                 b.k_norm, b.k_eps, cos, sin, b.head_dim);
-    if (row_starts.has_value()) {  // each row at its own slots
-      for (int64_t row = 0; row < batch; ++row) {
-        keys[i].select(0, row).narrow(1, firsts[row], length).copy_(qkv[1].select(0, row));
-        values[i].select(0, row).narrow(1, firsts[row], length).copy_(qkv[2].select(0, row));
-      }
-    } else {
-      keys[i].narrow(2, start, length).copy_(qkv[1]);
-      values[i].narrow(2, start, length).copy_(qkv[2]);
-    }
+    const CacheSlots slots{keys[i], values[i], firsts};  // each row at its first slot (all at `start` aligned)
+    const auto qkv = checked_front(hidden, b.norm1, b.eps1, b.wq, b.bq, b.wk, b.bk, b.wv, b.bv, b.q_norm, b.q_eps,
+                                   b.k_norm, b.k_eps, cos, sin, b.head_dim, &slots);
     hidden = block_back(hidden, qkv[0], keys[i].narrow(2, 0, kv_length), values[i].narrow(2, 0, kv_length),
                         additive, b.scale, b.wo, b.bo, b.norm2, b.eps2, b.w_gate, b.b_gate, b.w_up, b.b_up,
                         b.w_down, b.b_down);
