@@ -492,6 +492,7 @@ std::vector<torch::Tensor> checked_front(const torch::Tensor& hidden, const torc
                              head_dim, cache);
 }
 
+// `checked_front` returning q, k and v for the caller's cache write (the block-by-block path from Python).
 std::vector<torch::Tensor> block_front(const torch::Tensor& hidden, const torch::Tensor& norm, double eps,
                                        const torch::Tensor& wq, const c10::optional<torch::Tensor>& bq,
                                        const torch::Tensor& wk, const c10::optional<torch::Tensor>& bk,
