@@ -9,10 +9,11 @@ interleaved level by level. Per level and arm it reports
 throughput (generated tokens per second of wall time), time to the first token and inter-token
 latency (a request's time from its first to its last chunk over its tokens after the first; p50,
 p95), errors, and mismatches: replies that differ from the same prompt decoded alone in-process.
-The server's own cost is measured apart, paired: each prompt decoded by in-process `generate`, then
-requested from the server by one client, streamed and in one response, alternately, twice over the
-prompts; the median of the paired speed ratios and its interval (`paired.median_interval`) survive
-the machine's drifts, which two rates timed a minute apart do not.
+The server's own cost is measured apart, paired (`_paired_speedup`): each prompt decoded by in-process
+`generate` and requested from the server by one client, in alternating order, twice over the prompts,
+once streamed and once in one response; the server's speedup over the server without drafting is
+paired the same way. The median of the paired speed ratios and its interval
+(`paired.median_interval`) survive the machine's drifts, which two rates timed a minute apart do not.
 
 `--fault N` then sends N requests, a third of them malformed or hostile (bad JSON, a wrong key,
 unknown fields' values, oversize bodies, huge max_tokens), mixed with good ones: every bad one
@@ -178,39 +179,19 @@ def _complete(url: str, prompt: str, max_tokens: int) -> dict:
     return {"text": response.json()["choices"][0]["text"]}
 
 
-def _served_vs_in_process(url: str, texts: list[str], ids: list[list[int]], generator, max_tokens: int,
-                          passes: int = 2) -> dict:
-    """Each prompt decoded in process, then served to one client streamed and in one response (the
-    order of the two alternating), `passes` times over the prompts: per way, the median of (in-process
-    seconds ÷ served seconds), the server's speed as a fraction of in-process generate's, with its
-    interval. {"streamed": .., "whole": ..}: the two differ by what streaming costs on shared cores
-    (each chunk wakes the server's event loop and the client beside the decoding threads)."""
-    ratios = {"streamed": [], "whole": []}
-    ways = {"streamed": _stream, "whole": _complete}
-    for index in range(passes * len(texts)):
-        text, prompt = texts[index % len(texts)], ids[index % len(texts)]
-        start = time.perf_counter()
-        generator.generate([prompt], max_new_tokens=max_tokens)
-        alone = time.perf_counter() - start
-        for way in (list(ways) if index % 2 else list(ways)[::-1]):
-            start = time.perf_counter()
-            ways[way](url, text, max_tokens)
-            ratios[way].append(alone / (time.perf_counter() - start))
-    return {way: median_interval(values) for way, values in ratios.items()}
-
-
-def _paired_speedup(fast, slow, count: int, passes: int = 2) -> dict:
-    """Items 0 .. count - 1 each run by `slow` and by `fast` (callables of the item's index) one after
-    the other, the order alternating, `passes` times over: the median of (slow seconds ÷ fast seconds)
-    and its interval. Two rates timed a minute apart differ by the machine's drift."""
+def _paired_speedup(run, baseline, count: int, passes: int = 2) -> dict:
+    """Items 0 .. count - 1 each run by `baseline` and by `run` (callables of the item's index) one
+    after the other, the order alternating, `passes` times over: the median of (baseline seconds ÷ run
+    seconds), `run`'s speed as a multiple of `baseline`'s, and its interval. Two rates timed a minute
+    apart differ by the machine's drift; paired ones do not."""
     ratios = []
     for index in range(passes * count):
         seconds = {}
-        for name, run in [("fast", fast), ("slow", slow)][::1 if index % 2 else -1]:
+        for name, timed in [("run", run), ("baseline", baseline)][::1 if index % 2 else -1]:
             start = time.perf_counter()
-            run(index % count)
+            timed(index % count)
             seconds[name] = time.perf_counter() - start
-        ratios.append(seconds["slow"] / seconds["fast"])
+        ratios.append(seconds["baseline"] / seconds["run"])
     return median_interval(ratios)
 
 
@@ -281,7 +262,7 @@ def to_markdown(report: dict) -> str:
                          f"{row['inter_token_p50'] * 1e3:.1f} / {row['inter_token_p95'] * 1e3:.1f} | "
                          f"{row['errors']} | {row['mismatches']} |")
     served, whole = report["served_vs_in_process"], report["whole_vs_in_process"]
-    lines += ["", f"One client, each prompt in process then served, alternately: the server runs at "
+    lines += ["", f"One client, each prompt in process and served, in alternating order: the server runs at "
                   f"{served['speedup']:.2f}× in-process generate streamed ({served['low']:.2f}-"
                   f"{served['high']:.2f}, {served['coverage']:.0%}) and {whole['speedup']:.2f}× in one "
                   f"response ({whole['low']:.2f}-{whole['high']:.2f})."]
@@ -345,8 +326,10 @@ def serve_load(model: str, *, prompts: str | None = None, corpus: str = "stdlib"
     plain_rate, plain_reference = in_process(plain)
     if plain_reference != reference:
         raise UserError("plain and self-speculative decoding disagree in process; run the tests")
-    speedup = _paired_speedup(lambda i: gen.generate([ids[i]], max_new_tokens=max_tokens),
-                              lambda i: plain.generate([ids[i]], max_new_tokens=max_tokens), len(ids))
+    def alone(generator):  # prompt i decoded in process by `generator`
+        return lambda i: generator.generate([ids[i]], max_new_tokens=max_tokens)
+
+    speedup = _paired_speedup(alone(gen), alone(plain), len(ids))
     common = dict(max_batch=max_batch, device=device or "auto", dtype=dtype)
     logs = Path(out)
     plain_flags = {**overrides, **PLAIN_FLAGS}
@@ -355,9 +338,13 @@ def serve_load(model: str, *, prompts: str | None = None, corpus: str = "stdlib"
         urls = {"selfspec": url, "plain": plain_url}
         for arm in ARMS:
             _level(urls[arm], texts[:1], 1, 1, max_tokens, reference[:1])  # warm-up
-        served = _served_vs_in_process(url, texts, ids, gen, max_tokens)  # {"streamed", "whole"}
-        served_speedup = _paired_speedup(lambda i: _stream(url, texts[i], max_tokens),
-                                         lambda i: _stream(plain_url, texts[i], max_tokens), len(texts))
+        def served(way, at):  # prompt i requested from the server at `at` by one client
+            return lambda i: way(at, texts[i], max_tokens)
+
+        # the server's own cost at one client (streamed, and in one response), and its speedup
+        streamed = _paired_speedup(served(_stream, url), alone(gen), len(texts))
+        whole = _paired_speedup(served(_complete, url), alone(gen), len(texts))
+        served_speedup = _paired_speedup(served(_stream, url), served(_stream, plain_url), len(texts))
         results = {arm: [] for arm in ARMS}
         for level in levels:  # the arms interleaved level by level
             for arm in ARMS:
@@ -367,7 +354,7 @@ def serve_load(model: str, *, prompts: str | None = None, corpus: str = "stdlib"
               "max_tokens": max_tokens, "num_prompts": len(texts), "max_batch": max_batch,
               "in_process_tokens_per_second": rate, "in_process_plain_tokens_per_second": plain_rate,
               "in_process_speedup": speedup, "served_speedup": served_speedup,
-              "served_vs_in_process": served["streamed"], "whole_vs_in_process": served["whole"],
+              "served_vs_in_process": streamed, "whole_vs_in_process": whole,
               "levels": results, "fault": fault_report}
     publish(out, "serve_load", report, to_markdown(report), plot)
     return report

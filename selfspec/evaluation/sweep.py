@@ -99,8 +99,7 @@ def confirm_candidates(rows: list[dict], confirm: int) -> list[dict]:
     """The cells to re-time: each drafter's `confirm` fastest grid rows (by the grid's median speedup),
     fastest first within each drafter. Not the grid's few fastest overall: where one drafter leads
     (copies on code), those would all be its cells, and another drafter's pick would rest on its one
-    luckiest grid cell (a demo's sweep stored E = 4, k = 2 on a grid 1.34× that re-timed at 1.06×,
-    where E = 6, k = 3 ran at 1.14×)."""
+    luckiest grid cell, which a grid of single short repeats often is (docs/results.md, session 24)."""
     picked: dict[str, list[dict]] = {}
     for row in sorted(rows, key=lambda row: -row["speedup"]):
         own = picked.setdefault(row["drafter"], [])
