@@ -263,6 +263,12 @@ class EarlyExitConfig:
                self.draft_vocab_size, "it must be >= 1, or null for the whole vocabulary")
         _check(self.teacher_top_k >= 1, "teacher_top_k", self.teacher_top_k, "it must be >= 1")
 
+    def layer_list(self, num_layers: int) -> list[int]:
+        """The candidate exits `layers` as a sorted list of ints in 1..N-1 (`parse_layers`); [] for None."""
+        if self.layers is None:
+            return []
+        return parse_layers([self.layers] if isinstance(self.layers, int) else self.layers, num_layers)
+
 
 @dataclass
 class LoraSettings:

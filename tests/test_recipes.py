@@ -80,3 +80,15 @@ def test_the_training_commands_take_a_recipe_overrides_and_an_output_dir(command
               "seed=4"])
     cfg = seen["cfg"]
     assert (cfg.optim.max_steps, cfg.seed, cfg.output_dir) == (3, 4, str(tmp_path / "o"))
+
+
+def test_the_demo_sweeps_the_exits_its_recipe_trains():
+    """The demo's fine-tune trains exits at candidate layers; its sweep then tries each of them (or,
+    with offsets, those around `exit_layer` only: the SmolLM2 demo's smaller grid)."""
+    from selfspec.demo import sweep_exit_layers
+
+    cfg = load_config("demo_finetune")
+    assert sweep_exit_layers(cfg, 12) == [3, 4, 6]
+    assert sweep_exit_layers(load_config("demo_finetune", ["early_exit.layers=2:5"]), 12) == [2, 3, 4, 6]
+    assert sweep_exit_layers(cfg, 12, offsets=(0,)) == [6]
+    assert sweep_exit_layers(cfg, 12, offsets=(-3, 0, 7)) == [3, 6]  # past the last block: left out

@@ -30,7 +30,7 @@ from transformers import get_cosine_with_min_lr_schedule_with_warmup
 from .. import data as data_lib
 from ..agreement import exit_layer_metrics
 from ..checkpoint import CheckpointError, read_meta, save_tuned
-from ..config import RunConfig, default_exit_layer, parse_layers, to_dict
+from ..config import RunConfig, default_exit_layer, to_dict
 from ..cpu import has_bf16_units
 from ..decoding import DecodeSettings
 from ..decoding.draft_head import frequent_tokens
@@ -188,8 +188,7 @@ def build_objective(model, cfg: RunConfig, num_layers: int, exit_layer: int,
                                total_steps=cfg.optim.max_steps, per_sample=ld.per_sample,
                                protected_layers=exit_layer if ld.protect_draft_layers else 0, seed=cfg.seed)
     ee = cfg.early_exit
-    spec = [ee.layers] if isinstance(ee.layers, int) else ee.layers
-    layers = parse_layers(spec, num_layers) if spec is not None else []
+    layers = ee.layer_list(num_layers)
     if cfg.trainable == "adapter":
         # The model is frozen and undropped: its own final layer is the frozen teacher.
         ee = dataclasses.replace(ee, teacher="self")

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..agreement import IGNORE_INDEX, shifted_labels
-from ..config import EarlyExitConfig, parse_layers
+from ..config import EarlyExitConfig
 from ..errors import UserError
 from ..model import DecoderView
 from .early_exit import ExitCurriculum, TrimmedVocab, early_exit_loss, layer_weights
@@ -58,8 +58,7 @@ class SelfSpecObjective(nn.Module):
         self.__dict__["view"] = DecoderView(model)
         ee = self.early_exit = early_exit if early_exit is not None else EarlyExitConfig()
         if exit_layers is None:
-            spec = [ee.layers] if isinstance(ee.layers, int) else ee.layers
-            exit_layers = parse_layers(spec, self.view.num_layers) if spec is not None else []
+            exit_layers = ee.layer_list(self.view.num_layers)
         self.layer_dropout = layer_dropout
         self.exit_layers = list(exit_layers)
         self.curriculum = (ExitCurriculum(ee.curriculum, self.exit_layers, total_steps, ee.rotation_period)
