@@ -90,5 +90,6 @@ def test_the_demo_sweeps_the_exits_its_recipe_trains():
     cfg = load_config("demo_finetune")
     assert sweep_exit_layers(cfg, 12) == [3, 4, 6]
     assert sweep_exit_layers(load_config("demo_finetune", ["early_exit.layers=2:5"]), 12) == [2, 3, 4, 6]
+    assert sweep_exit_layers(load_config("demo_finetune", ["early_exit.layers=4"]), 12) == [4, 6]  # one int
     assert sweep_exit_layers(cfg, 12, offsets=(0,)) == [6]
     assert sweep_exit_layers(cfg, 12, offsets=(-3, 0, 7)) == [3, 6]  # past the last block: left out
