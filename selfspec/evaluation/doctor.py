@@ -125,9 +125,9 @@ def _verdict(speedups: dict) -> str:
                 f"train the exit, or decode under a grammar (--json-schema), where forced tokens and "
                 f"copies pay.")
     others = ", ".join(f"{m} {s:.2f}×" for m, s in speedups.items() if m != best)
+    others = f" ({others})" if others else ""  # a lone method: no empty parentheses
     change = ("the early exit would need the α above" if best != "early_exit"
               else "copies or the hybrid may add more where the text repeats")
-    others = f" ({others})" if others else ""
     return f"5. verdict: {best} is fastest at {speedups[best]:.2f}× plain{others}; {change}."
 
 
