@@ -234,16 +234,17 @@ def test_the_few_rows_kernel_equals_f_linear_in_fp32(few_rows, in_features, out_
 def test_a_row_computes_bit_for_bit_the_same_alone_or_among_others_in_the_kernel(few_rows, dtype,
                                                                                  in_features):
     """What makes a verification compute what single steps compute: a row's result does not depend on
-    how many rows share the call (more than 8 in chunks), nor on how the threads split the weight's
-    rows."""
+    how many rows share the call (more than 8 in groups of 4 against pairs of W rows, an odd W row
+    alone), nor on how the threads split the weight's rows."""
     torch.manual_seed(0)
-    weight = torch.randn(1000, in_features).to(dtype)
+    weight = torch.randn(1001, in_features).to(dtype)
     x = torch.randn(8, in_features).to(dtype)
     alone = torch.cat([few_rows(x[i:i + 1], weight) for i in range(8)])
     for rows in range(2, 9):
         assert torch.equal(few_rows(x[:rows], weight), alone[:rows]), rows
-    many = torch.cat([x, x.flip(0), x[:3]])  # 19 rows: chunks of 8, 8 and 3 in one call
-    assert torch.equal(few_rows(many, weight), torch.cat([alone, alone.flip(0), alone[:3]]))
+    for extra in (1, 2, 3, 5):  # 17-21 rows: groups of 4 and what is left (1, 2, 3 or 4 + 1)
+        many = torch.cat([x, x.flip(0), x[:extra]])
+        assert torch.equal(few_rows(many, weight), torch.cat([alone, alone.flip(0), alone[:extra]])), extra
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -561,11 +562,18 @@ def block_calls(few_rows, monkeypatch):
 
 
 @pytest.mark.parametrize("family", [*LLAMA_FAMILIES, "llama_biased"])
-def test_a_decoding_pass_runs_each_block_as_the_two_compiled_halves_and_equals_the_model(family, block_calls):
+@pytest.mark.parametrize("large_blocks", [False, True])
+def test_a_decoding_pass_runs_each_block_as_the_two_compiled_halves_and_equals_the_model(
+        family, large_blocks, block_calls, monkeypatch):
     """One-token steps (no mask) and a masked 4-token verification of two rows (8 positions) behind a
-    prefix go through the block kernels, every block once per pass; a prefill of two 25-token rows
-    (50 positions, past `_KERNEL_MAX_ROWS`) keeps the tensor path. Qwen2 brings q/k/v biases, Qwen3
-    per-head q/k norms, Mistral and Qwen2 grouped-query heads and windows."""
+    prefix go through the block kernels, every block once per pass. A prefill of two 25-token rows (50
+    positions, past `_KERNEL_MAX_ROWS`) does too where the blocks are small (`_SMALL_BLOCK_BYTES`),
+    and keeps the tensor path where they are not. Qwen2 brings q/k/v biases, Qwen3 per-head q/k norms,
+    Mistral and Qwen2 grouped-query heads and windows."""
+    from selfspec.model import fast
+
+    if large_blocks:
+        monkeypatch.setattr(fast, "_SMALL_BLOCK_BYTES", 0)
     model = _family_model(family)
     view = DecoderView(model)
     ids = torch.randint(0, 96, (2, 31))
@@ -573,7 +581,8 @@ def test_a_decoding_pass_runs_each_block_as_the_two_compiled_halves_and_equals_t
         logits = _decode_through_cache(view, ids, [(0, 25), (25, 29), (29, 30), (30, 31)])
         torch.testing.assert_close(logits[:, 25:], model(ids).logits[:, 25:], rtol=1e-5, atol=1e-5)
     layers = view.num_layers
-    assert block_calls == [(half, t) for t in (4, 1, 1) for _ in range(layers) for half in ("front", "back")]
+    lengths = (4, 1, 1) if large_blocks else (25, 4, 1, 1)
+    assert block_calls == [(half, t) for t in lengths for _ in range(layers) for half in ("front", "back")]
 
 
 @pytest.mark.parametrize("family", ["qwen3", "mistral"])

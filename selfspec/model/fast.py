@@ -72,6 +72,13 @@ _KERNEL_ROWS = 8
 # than 8 rows repacks all of W at every call, which costs more than the kernel up to 48 rows and less
 # from 64 on (docs/performance.md, "Kernel thresholds").
 _KERNEL_MAX_ROWS = 48
+# An fp32 block whose weights take at most `_SMALL_BLOCK_BYTES` takes the block kernels for passes of up
+# to `_SMALL_BLOCK_MAX_ROWS` positions (a prefill): on small blocks the ~60 tensor operations of a block
+# cost more than MKL's faster products save (the kernels' wide products, `pairs_block`, come close to
+# MKL's there); on large ones MKL's products win from about 64 positions on (docs/performance.md,
+# "Register tiles for wide products").
+_SMALL_BLOCK_BYTES = 4 << 20
+_SMALL_BLOCK_MAX_ROWS = 128
 # From this many rows a bf16 product on a CPU that emulates bf16 (`_emulated_bf16`: a prefill) runs as
 # fp32 MKL on the weight widened for the call, rounded to bf16 once: at that many rows the kernel is
 # compute-bound and torch's emulated bf16 product slower still; below it the kernel wins
@@ -176,12 +183,14 @@ def _emulated_bf16() -> bool:
         return True
 
 
-def _max_kernel_rows(dtype: torch.dtype) -> int:
+def _max_kernel_rows(dtype: torch.dtype, weight_bytes: int | None = None) -> int:
     """The most rows the kernels take outside `fixed_width` (where they take any number):
-    `_KERNEL_MAX_ROWS` in fp32; in bf16 fewer than `_WIDEN_MIN_ROWS` on a CPU without bf16 arithmetic
+    `_KERNEL_MAX_ROWS` in fp32 (`_SMALL_BLOCK_MAX_ROWS` for a block of at most `_SMALL_BLOCK_BYTES`
+    of weights, `weight_bytes`); in bf16 fewer than `_WIDEN_MIN_ROWS` on a CPU without bf16 arithmetic
     (`_emulated_bf16`), `_KERNEL_ROWS` on one with it (torch's bf16 product is native there)."""
     if dtype == torch.float32:
-        return _KERNEL_MAX_ROWS
+        small = weight_bytes is not None and weight_bytes <= _SMALL_BLOCK_BYTES
+        return _SMALL_BLOCK_MAX_ROWS if small else _KERNEL_MAX_ROWS
     return _WIDEN_MIN_ROWS - 1 if _emulated_bf16() else _KERNEL_ROWS
 
 
@@ -289,6 +298,12 @@ class _Block:
     head_dim: int
     scaling: float
     gqa: bool  # fewer key/value heads than query heads
+
+    @functools.cached_property
+    def weight_bytes(self) -> int:
+        """The bytes of the block's seven weights (what a pass reads)."""
+        weights = (self.wq, self.wk, self.wv, self.wo, self.w_gate, self.w_up, self.w_down)
+        return sum(w.numel() * w.element_size() for w in weights)
 
     def tensors(self) -> list[torch.Tensor | None]:
         """Every tensor of the block (None for an absent bias or norm)."""
@@ -484,7 +499,7 @@ class FastLlamaBlocks:
         compiled = self._compiled()
         slot_buffers = getattr(cache, "slot_buffers", None)
         if (compiled is None or slot_buffers is None or torch.is_grad_enabled()
-                or not _pass_fits_kernels(hidden, mask, cos, sin, self.blocks[start].head_dim)):
+                or not _pass_fits_kernels(hidden, mask, cos, sin, self.blocks[start])):
             return None
         slots = slot_buffers(start, end)
         if slots is None:
@@ -685,22 +700,22 @@ def _kernel_block(block_class, b: _Block):
 
 
 def _pass_fits_kernels(hidden: torch.Tensor, mask: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                       head_dim: int) -> bool:
-    """Whether a pass on hidden (B, T, D) suits selfspec's block kernels, its blocks aside: on CPU, fp32
-    or bf16, a decoding pass (a mask, or one position that sees every cached slot) of 1 to
-    `_max_kernel_rows` positions (any number under `fixed_width`), an additive float mask, (B, T, hd)
-    angles in hidden's dtype (one row of them is broadcast to every row)."""
+                       b: _Block) -> bool:
+    """Whether a pass on hidden (B, T, D) suits selfspec's block kernels, the tensors of its blocks
+    (like `b`) aside: on CPU, fp32 or bf16, a decoding pass (a mask, or one position that sees every
+    cached slot) of 1 to `_max_kernel_rows` positions (any number under `fixed_width`), an additive
+    float mask, (B, T, hd) angles in hidden's dtype (one row of them is broadcast to every row)."""
     if not (_KERNEL and _BLOCK_KERNEL) or hidden.device.type != "cpu" or hidden.dtype not in (
             torch.float32, torch.bfloat16):
         return False
     batch, length = hidden.shape[:2]
     rows = batch * length
-    if rows < 1 or (rows > _max_kernel_rows(hidden.dtype) and not _fixed_width.get()) or (
+    if rows < 1 or (rows > _max_kernel_rows(hidden.dtype, b.weight_bytes) and not _fixed_width.get()) or (
             mask is None and length > 1):
         return False
     if cos.dtype != hidden.dtype or sin.dtype != cos.dtype or sin.shape != cos.shape:
         return False
-    if cos.dim() != 3 or cos.shape[0] not in (1, batch) or tuple(cos.shape[1:]) != (length, head_dim):
+    if cos.dim() != 3 or cos.shape[0] not in (1, batch) or tuple(cos.shape[1:]) != (length, b.head_dim):
         return False
     return mask is None or mask.is_floating_point()  # a boolean mask is not additive
 
@@ -710,7 +725,7 @@ def _block_kernels_for(b: _Block, hidden: torch.Tensor, mask: torch.Tensor | Non
     """selfspec's whole-block kernels (`kernels.block_halves`) where they apply, else None: a pass that
     suits them (`_pass_fits_kernels`), without autograd, every tensor of the block in hidden's dtype,
     SwiGLU with SiLU."""
-    if b.act is not F.silu or not _pass_fits_kernels(hidden, mask, cos, sin, b.head_dim):
+    if b.act is not F.silu or not _pass_fits_kernels(hidden, mask, cos, sin, b):
         return None
     if torch.is_grad_enabled() and (hidden.requires_grad or b.wq.requires_grad):
         return None

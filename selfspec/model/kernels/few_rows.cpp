@@ -111,12 +111,65 @@ void block_rows(int64_t m, const float* x, const Product<T>& p, int64_t k, int64
   }
 }
 
+// out[r, j] for j in [begin, end) in pairs of W rows against R rows of x (R <= 4): a tile of 2R
+// accumulators, so each 8-column step loads 2 + R vectors for 2R FMAs, where `rows_block` loads 1 + M
+// for M. That pays where the W rows come from L1 or L2 (a wide product's tile, see `products`); read
+// from L3 or memory the single stream of `rows_block` is faster (docs/performance.md, "Register
+// tiles for wide products"). Every output is still `rows_block`'s dot product (8-lane FMAs over K, then the lanes, then
+// K's tail), so the same bits.
+template <int R, typename T>
+void pairs_block(const float* x, const T* w, T* out, int64_t n, int64_t k, int64_t begin, int64_t end) {
+  const int64_t k8 = k - k % 8;
+  int64_t j = begin;
+  for (; j + 2 <= end; j += 2) {
+    const T* row0 = w + j * k;
+    const T* row1 = row0 + k;
+    __m256 acc[2 * R];
+#pragma GCC unroll 8
+    for (int i = 0; i < 2 * R; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < k8; c += 8) {
+      const __m256 w0 = load8(row0 + c), w1 = load8(row1 + c);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m256 xv = _mm256_loadu_ps(x + r * k + c);
+        acc[2 * r] = _mm256_fmadd_ps(w0, xv, acc[2 * r]);
+        acc[2 * r + 1] = _mm256_fmadd_ps(w1, xv, acc[2 * r + 1]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      float total0 = hsum(acc[2 * r]), total1 = hsum(acc[2 * r + 1]);
+      for (int64_t c = k8; c < k; ++c) {
+        total0 += static_cast<float>(row0[c]) * x[r * k + c];
+        total1 += static_cast<float>(row1[c]) * x[r * k + c];
+      }
+      out[r * n + j] = static_cast<T>(total0);
+      out[r * n + j + 1] = static_cast<T>(total1);
+    }
+  }
+  if (j < end) rows_block<R, T>(x, w, out, n, k, j, end);
+}
+
+// pairs_block for 1..4 rows of x on product p's W rows [lo, hi).
+template <typename T>
+void tile_rows(int64_t m, const float* x, const Product<T>& p, int64_t k, int64_t lo, int64_t hi) {
+  switch (m) {
+    case 1: return pairs_block<1, T>(x, p.w, p.out, p.n, k, lo, hi);
+    case 2: return pairs_block<2, T>(x, p.w, p.out, p.n, k, lo, hi);
+    case 3: return pairs_block<3, T>(x, p.w, p.out, p.n, k, lo, hi);
+    default: return pairs_block<4, T>(x, p.w, p.out, p.n, k, lo, hi);
+  }
+}
+
 // Products of the same x (m, k), x @ W_iᵀ -> out_i (m, n_i), as one range of W rows split between the
 // threads: one parallel region for several weights (a block's q/k/v, its gate/up) instead of one per
-// weight, the threads' shares balanced over all of them. More than kMaxRows rows of x (a wide
-// verification, a server's batch of rounds) meet each tile of a thread's W rows chunk after chunk
-// while the tile sits in L2, so W streams from memory once whatever m (a parallel region per chunk
-// read all of W again for every 8 rows). Each output is still the dot product `rows_block` computes.
+// weight, the threads' shares balanced over all of them. More than kMaxRows rows of x (a prefill, a
+// wide verification, a server's batch of rounds) meet each tile of a thread's W rows group after group
+// of kTileRows while the tile sits in L2 (`pairs_block`), so W streams from memory once whatever m (a
+// parallel region per chunk read all of W again for every 8 rows). Each output is still the dot
+// product `rows_block` computes.
+constexpr int64_t kTileRows = 4;
+
 template <typename T>
 void products(int64_t m, const float* x, const std::vector<Product<T>>& products, int64_t k) {
   int64_t total = 0;
@@ -124,18 +177,25 @@ void products(int64_t m, const float* x, const std::vector<Product<T>>& products
   const int64_t row_bytes = k * static_cast<int64_t>(sizeof(T));
   // Threads split the rows in chunks of at least ~32 KiB of weights: below that, waking a thread costs more
   const int64_t grain = std::max<int64_t>(1, (32 << 10) / row_bytes);
-  // W rows per tile: 64 KiB, a small part of a core's L2, beside the chunks of x that pass over it
-  const int64_t tile = m > kMaxRows ? std::max<int64_t>(1, (64 << 10) / row_bytes) : total;
+  const bool wide = m > kMaxRows;
+  // W rows per tile: 64 KiB, a small part of a core's L2, beside the groups of x that pass over it
+  const int64_t tile = wide ? std::max<int64_t>(2, (64 << 10) / row_bytes) : total;
+  const int64_t group = wide ? kTileRows : kMaxRows;
   at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t0 = begin; t0 < end; t0 += tile) {
       const int64_t t1 = std::min(end, t0 + tile);
-      for (int64_t first = 0; first < m; first += kMaxRows) {
+      for (int64_t first = 0; first < m; first += group) {
+        const int64_t rows = std::min(group, m - first);
         int64_t offset = 0;  // the first row of the current product in the joint range
         for (const auto& p : products) {
           const int64_t lo = std::max(t0, offset), hi = std::min(t1, offset + p.n);
-          if (lo < hi)
-            block_rows<T>(std::min(kMaxRows, m - first), x + first * k, {p.w, p.out + first * p.n, p.n}, k,
-                          lo - offset, hi - offset);
+          if (lo < hi) {
+            const Product<T> part{p.w, p.out + first * p.n, p.n};
+            if (wide)
+              tile_rows<T>(rows, x + first * k, part, k, lo - offset, hi - offset);
+            else
+              block_rows<T>(rows, x + first * k, part, k, lo - offset, hi - offset);
+          }
           offset += p.n;
         }
       }
@@ -195,23 +255,31 @@ inline __m256 exp8(__m256 x) {
   return _mm256_andnot_ps(hidden, _mm256_mul_ps(y, _mm256_castsi256_ps(two_n)));
 }
 
+// A mask value at or below this hides its key: -inf, or the dtype's lowest value (fp32's and bf16's
+// are -3.4e38), which the engine's masks use; a visible key's score is never near it.
+constexpr float kHiddenKey = -1e38f;
+
 // Attention of one (row, head): m queries, each alone, over S keys, in fp32 throughout. p holds S
 // rounded up to 8 floats: the softmax runs in 8 lanes, key j in lane j % 8, the keys past S weighing
 // 0, so a query's sums are the same whatever the number of keys hidden after its own.
 template <typename T>
 void attend_head(const float* q, const T* k, const T* v, const float* mask, T* out, int64_t m, int64_t s_len,
                  int64_t hd, int64_t out_stride, float scale, float* p, float* acc) {
-  const int64_t padded = (s_len + 7) / 8 * 8;
   for (int64_t i = 0; i < m; ++i) {
     const float* qi = q + i * hd;
     const float* mi = mask + i * s_len;
-    dots(qi, k, hd, s_len, p);
+    // The keys hidden after the query's last visible one (a causal prefill's later positions, a
+    // cache's free slots) weigh exactly 0 (`exp8`): they are not read, which changes no sum.
+    int64_t used = s_len;
+    while (used > 1 && mi[used - 1] <= kHiddenKey) --used;
+    const int64_t padded = (used + 7) / 8 * 8;
+    dots(qi, k, hd, used, p);
     float best = -INFINITY;
-    for (int64_t j = 0; j < s_len; ++j) {
+    for (int64_t j = 0; j < used; ++j) {
       p[j] = p[j] * scale + mi[j];
       best = std::max(best, p[j]);
     }
-    for (int64_t j = s_len; j < padded; ++j) p[j] = -INFINITY;
+    for (int64_t j = used; j < padded; ++j) p[j] = -INFINITY;
     __m256 lanes = _mm256_setzero_ps();
     for (int64_t j = 0; j < padded; j += 8) {
       const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + j), _mm256_set1_ps(best)));
@@ -220,7 +288,7 @@ void attend_head(const float* q, const T* k, const T* v, const float* mask, T* o
     }
     const float total = hsum(lanes);
     for (int64_t d = 0; d < hd; ++d) acc[d] = 0.f;
-    for (int64_t j = 0; j < s_len; ++j)
+    for (int64_t j = 0; j < used; ++j)
       for (int64_t d = 0; d < hd; ++d) acc[d] += p[j] * static_cast<float>(v[j * hd + d]);
     for (int64_t d = 0; d < hd; ++d) out[i * out_stride + d] = static_cast<T>(acc[d] / total);
   }
@@ -301,6 +369,17 @@ namespace {
 template <typename T>
 inline float held(float x) { return static_cast<float>(static_cast<T>(x)); }
 
+// fn(begin, end) over the rows [0, m) of a block's small steps (norms, rotary, residuals, SwiGLU): in
+// the calling thread up to kSerialRows rows (a decode step, a verification: waking the other thread
+// costs more than the loop), split between the threads beyond (a prefill, where one thread's loops left
+// the other waiting). Each row is computed alike either way.
+constexpr int64_t kSerialRows = 16;
+
+template <typename F>
+void over_rows(int64_t m, const F& fn) {
+  at::parallel_for(0, m, kSerialRows, fn);
+}
+
 // Hugging Face's RMSNorm of one row, op for op: statistics in fp32, the normalised row rounded to T,
 // then scaled by the weight in T. `x` holds values of T; `out` gets values of T.
 template <typename T>
@@ -326,15 +405,17 @@ void linear_rows(const float* x, const std::vector<const torch::Tensor*>& weight
     jobs.push_back({weight->data_ptr<T>(), results.back().get(), weight->size(0)});
   }
   products<T>(m, x, jobs, k);
-  for (size_t i = 0; i < weights.size(); ++i) {
-    const int64_t n = weights[i]->size(0);
-    const T* b = biases[i]->has_value() ? (*biases[i])->data_ptr<T>() : nullptr;
-    for (int64_t r = 0; r < m; ++r)
-      for (int64_t j = 0; j < n; ++j) {
-        const float value = static_cast<float>(results[i][r * n + j]);
-        outs[i][r * n + j] = b ? held<T>(value + static_cast<float>(b[j])) : value;
-      }
-  }
+  over_rows(m, [&](int64_t begin, int64_t end) {
+    for (size_t i = 0; i < weights.size(); ++i) {
+      const int64_t n = weights[i]->size(0);
+      const T* b = biases[i]->has_value() ? (*biases[i])->data_ptr<T>() : nullptr;
+      for (int64_t r = begin; r < end; ++r)
+        for (int64_t j = 0; j < n; ++j) {
+          const float value = static_cast<float>(results[i][r * n + j]);
+          outs[i][r * n + j] = b ? held<T>(value + static_cast<float>(b[j])) : value;
+        }
+    }
+  });
 }
 
 // Rotary embedding of one head's vector x (hd values of T), as `fast.apply_rotary` computes it in T:
@@ -373,8 +454,10 @@ std::vector<torch::Tensor> front(const torch::Tensor& hidden, const torch::Tenso
   const int64_t batch = hidden.size(0), length = hidden.size(1), d = hidden.size(2), m = batch * length;
   const int64_t heads = wq.size(0) / hd, kv_heads = wk.size(0) / hd;
   const std::vector<float> h = widen<T>(hidden);
-  std::vector<float> x(m * d), q(m * heads * hd), k(m * kv_heads * hd), v(m * kv_heads * hd), row(hd);
-  for (int64_t r = 0; r < m; ++r) rms_norm_row<T>(h.data() + r * d, norm.data_ptr<T>(), eps, x.data() + r * d, d);
+  std::vector<float> x(m * d), q(m * heads * hd), k(m * kv_heads * hd), v(m * kv_heads * hd);
+  over_rows(m, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) rms_norm_row<T>(h.data() + r * d, norm.data_ptr<T>(), eps, x.data() + r * d, d);
+  });
   linear_rows<T>(x.data(), {&wq, &wk, &wv}, {&bq, &bk, &bv}, {q.data(), k.data(), v.data()}, m);
   auto q_out = torch::empty({batch, heads, length, hd}, hidden.options().dtype(torch::kFloat32));
   // keys and values straight into the cache's slots where given (the same values a copy would write,
@@ -393,25 +476,28 @@ std::vector<torch::Tensor> front(const torch::Tensor& hidden, const torch::Tenso
   T* vp = cache ? cache->values.data_ptr<T>() : v_out.data_ptr<T>();
   const T* cp = cos.data_ptr<T>();
   const T* sp = sin.data_ptr<T>();
-  for (int64_t r = 0; r < m; ++r) {
-    const int64_t b = r / length, t = r % length;
-    for (int64_t head = 0; head < heads; ++head) {
-      float* x_head = q.data() + (r * heads + head) * hd;
-      if (q_norm.has_value()) rms_norm_row<T>(x_head, q_norm->data_ptr<T>(), q_eps, x_head, hd);
-      rotate<T>(x_head, cp + r * hd, sp + r * hd, qp + ((b * heads + head) * length + t) * hd, hd);
-    }
-    for (int64_t head = 0; head < kv_heads; ++head) {
-      float* k_head = k.data() + (r * kv_heads + head) * hd;
-      if (k_norm.has_value()) rms_norm_row<T>(k_head, k_norm->data_ptr<T>(), k_eps, k_head, hd);
-      rotate<T>(k_head, cp + r * hd, sp + r * hd, row.data(), hd);
-      const int64_t at = slot(b, head, t);
-      const float* v_head = v.data() + (r * kv_heads + head) * hd;
-      for (int64_t i = 0; i < hd; ++i) {
-        kp[at + i] = static_cast<T>(row[i]);
-        vp[at + i] = static_cast<T>(v_head[i]);
+  over_rows(m, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(hd);
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t b = r / length, t = r % length;
+      for (int64_t head = 0; head < heads; ++head) {
+        float* x_head = q.data() + (r * heads + head) * hd;
+        if (q_norm.has_value()) rms_norm_row<T>(x_head, q_norm->data_ptr<T>(), q_eps, x_head, hd);
+        rotate<T>(x_head, cp + r * hd, sp + r * hd, qp + ((b * heads + head) * length + t) * hd, hd);
+      }
+      for (int64_t head = 0; head < kv_heads; ++head) {
+        float* k_head = k.data() + (r * kv_heads + head) * hd;
+        if (k_norm.has_value()) rms_norm_row<T>(k_head, k_norm->data_ptr<T>(), k_eps, k_head, hd);
+        rotate<T>(k_head, cp + r * hd, sp + r * hd, row.data(), hd);
+        const int64_t at = slot(b, head, t);
+        const float* v_head = v.data() + (r * kv_heads + head) * hd;
+        for (int64_t i = 0; i < hd; ++i) {
+          kp[at + i] = static_cast<T>(row[i]);
+          vp[at + i] = static_cast<T>(v_head[i]);
+        }
       }
     }
-  }
+  });
   if (cache) return {q_out};
   return {q_out, k_out, v_out};
 }
@@ -434,23 +520,35 @@ torch::Tensor back(const torch::Tensor& hidden, const torch::Tensor& q, const to
   const int64_t inner = w_gate.size(0);
   std::vector<float> o(m * d), x(m * d), gate(m * inner), up(m * inner), down(m * d);
   linear_rows<T>(a.data(), {&wo}, {&bo}, {o.data()}, m);
-  for (int64_t i = 0; i < m * d; ++i) h[i] = held<T>(h[i] + o[i]);  // the residual, in T
-  for (int64_t r = 0; r < m; ++r) rms_norm_row<T>(h.data() + r * d, norm.data_ptr<T>(), eps, x.data() + r * d, d);
+  over_rows(m, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin * d; i < end * d; ++i) h[i] = held<T>(h[i] + o[i]);  // the residual, in T
+    for (int64_t r = begin; r < end; ++r)
+      rms_norm_row<T>(h.data() + r * d, norm.data_ptr<T>(), eps, x.data() + r * d, d);
+  });
   linear_rows<T>(x.data(), {&w_gate, &w_up}, {&b_gate, &b_up}, {gate.data(), up.data()}, m);
   // SwiGLU: silu(gate) = gate / (1 + e^-gate) rounded, times up, rounded. The exp in 8 lanes (`exp8`),
-  // which a block's back half with scalar expf spent a tenth of its time on.
-  const int64_t count = m * inner, count8 = count - count % 8;
-  for (int64_t i = 0; i < count8; i += 8) {
-    const __m256 g = _mm256_loadu_ps(gate.data() + i);
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
-    _mm256_storeu_ps(gate.data() + i, _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)));
-  }
-  for (int64_t i = count8; i < count; ++i) gate[i] = gate[i] / (1.f + std::exp(-gate[i]));
-  for (int64_t i = 0; i < count; ++i) gate[i] = held<T>(held<T>(gate[i]) * up[i]);
+  // which a block's back half with scalar expf spent a tenth of its time on; row by row, so that which
+  // values take the scalar tail depends on the row's width alone, not on how many rows share the call.
+  const int64_t inner8 = inner - inner % 8;
+  over_rows(m, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* g_row = gate.data() + r * inner;
+      const float* u_row = up.data() + r * inner;
+      for (int64_t i = 0; i < inner8; i += 8) {
+        const __m256 g = _mm256_loadu_ps(g_row + i);
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        _mm256_storeu_ps(g_row + i, _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)));
+      }
+      for (int64_t i = inner8; i < inner; ++i) g_row[i] = g_row[i] / (1.f + std::exp(-g_row[i]));
+      for (int64_t i = 0; i < inner; ++i) g_row[i] = held<T>(held<T>(g_row[i]) * u_row[i]);
+    }
+  });
   linear_rows<T>(gate.data(), {&w_down}, {&b_down}, {down.data()}, m);
   auto out = torch::empty_like(hidden);
   T* op = out.data_ptr<T>();
-  for (int64_t i = 0; i < m * d; ++i) op[i] = static_cast<T>(h[i] + down[i]);
+  over_rows(m, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin * d; i < end * d; ++i) op[i] = static_cast<T>(h[i] + down[i]);
+  });
   return out;
 }
 
