@@ -38,6 +38,10 @@ def test_benchmark_report(tmp_path):
     assert (sources["early_exit"]["copy"]["drafted"] == 0
             and sources["early_exit"]["early_exit"]["drafted"] > 0)
     assert sources["hybrid"]["copy"]["drafted"] > 0 and sources["hybrid"]["early_exit"]["drafted"] > 0
+    prefill = report["prefill"]  # the engine's methods, each split at its first round
+    assert prefill.keys() == {"plain", "early_exit", "ngram", "hybrid"}
+    assert prefill["plain"]["decode_over_plain"] == 1
+    assert all(0 < row["share"] < 1 and row["decode_tokens_per_second"] > 0 for row in prefill.values())
     cost = report["cost_model"]
     assert 0 < cost["acceptance_rate"] <= 1 and cost["mean_accepted_length"] >= 1
     assert cost["k_rounds"].keys() == {3} and cost["mean_k"] == 3
@@ -51,7 +55,26 @@ def test_benchmark_report(tmp_path):
     text = md_path.read_text()
     assert "early_exit / plain" in text and "acceptance_rate" in text and "Greedy outputs identical" in text
     assert "| hybrid | copy |" in text and "hybrid / hf_prompt_lookup" in text
+    assert "| plain | " in text and "decoding × plain" in text
     assert "hybrid, E = 3, k = 3, V' = 48, min_ngram = 2" in text
+
+
+def test_the_prefill_split_pools_each_methods_runs_and_compares_their_decoding_with_plains():
+    """Plain: 4 s of 10 in its prefills, 120 tokens in the other 6 s (20/s); the drafter: the same
+    prefills, 120 tokens in 3 s (40/s): 2× plain after the prefill, 10/7 = 1.43× end to end."""
+    from selfspec.decoding.speculative import GenerationStats
+    from selfspec.evaluation.benchmark import prefill_split
+
+    def run(prefill, total, tokens):
+        return GenerationStats(prefill_time=prefill, total_time=total, generated_tokens=tokens)
+
+    split = prefill_split({"plain": [run(1.0, 4.0, 60), run(3.0, 6.0, 60)],
+                           "hybrid": [run(1.0, 2.5, 60), run(3.0, 4.5, 60)]})
+    assert split["plain"] == pytest.approx({"share": 0.4, "decode_tokens_per_second": 20.0,
+                                            "decode_over_plain": 1.0})
+    assert split["hybrid"] == pytest.approx({"share": 4 / 7, "decode_tokens_per_second": 40.0,
+                                             "decode_over_plain": 2.0})
+    assert prefill_split({"hybrid": [run(0.0, 1.0, 5)]}) == {}  # no prefill timed: nothing to split
 
 
 def test_a_losing_early_exit_is_explained_in_one_paragraph():

@@ -343,6 +343,7 @@ def run_benchmark(model, prompts: list[list[int]], settings: DecodeSettings, *, 
     report["greedy_outputs_identical"] = all(report["identical"][m]
                                              for m in methods if m != "hf_early_exit")
     report["sources"] = {m: source_summary(stats[m]) for m in methods if m in ENGINE_METHODS and m != "plain"}
+    report["prefill"] = prefill_split({m: stats[m] for m in methods if m in ENGINE_METHODS})
     if any(isinstance(p, Structured) for p in prompts) and "plain" in methods:
         report["grammar"] = grammar_costs(stats["plain"])
     if "plain" in methods and "early_exit" in methods:
@@ -371,6 +372,26 @@ def source_summary(runs) -> dict:
                        "acceptance_rate": pooled.acceptance_rate,
                        "share_of_tokens": pooled.accepted / generated if generated else float("nan")}
     return out
+
+
+def prefill_split(runs_by_method: dict) -> dict:
+    """Each engine method's time split at its first round: the prefill (and the call's setup), the
+    same work for every method, and the decoding after it, where the drafters differ. Per method:
+    `share` (the prefill's share of its time), `decode_tokens_per_second` (tokens ÷ the time after the
+    prefill) and `decode_over_plain` (that rate ÷ plain's). A drafter's speedup end to end is its
+    decoding's diluted by the prefill: with a share p of plain's time, a decoding s× faster gives
+    1 / (p + (1 − p) / s)."""
+    split = {}
+    for method, runs in runs_by_method.items():
+        prefill, total = sum(s.prefill_time for s in runs), sum(s.total_time for s in runs)
+        tokens = sum(s.generated_tokens for s in runs)
+        if total > prefill > 0:
+            split[method] = {"share": prefill / total, "decode_tokens_per_second": tokens / (total - prefill)}
+    plain = split.get("plain")
+    for row in split.values():
+        row["decode_over_plain"] = (row["decode_tokens_per_second"] / plain["decode_tokens_per_second"]
+                                    if plain else float("nan"))
+    return split
 
 
 def grammar_costs(plain_runs) -> dict:
@@ -520,6 +541,14 @@ def to_markdown(report: dict) -> str:
             else:
                 shown = str(value)
             lines.append(f"| {name} | {shown} |")
+    prefill = report.get("prefill")
+    if prefill:
+        lines += ["", "| method | prefill's share of the time | decoding tokens/s after it | "
+                      "decoding × plain |", "|---|---:|---:|---:|"]
+        lines += [f"| {method} | {row['share']:.1%} | {row['decode_tokens_per_second']:.1f} | "
+                  f"{row['decode_over_plain']:.2f} |" for method, row in prefill.items()]
+        lines += ["", "The prefill (the prompt's pass, the same for every method) dilutes each drafter's "
+                  "decoding speedup end to end."]
     grammar = report.get("grammar")
     if grammar:
         lines += ["", f"Grammar masks (llguidance) in constrained plain decoding: "

@@ -49,6 +49,7 @@ class BenchmarkReport(TypedDict):
     identical: dict[str, bool]
     greedy_outputs_identical: bool
     sources: dict[str, dict]  # engine method -> draft source -> rounds, drafted, accepted, α, share
+    prefill: dict[str, dict]  # engine method -> the prefill's share, decoding tokens/s and × plain after it
     grammar: NotRequired[dict]  # the masks' cost, under a constraint
     cost_model: NotRequired[dict]  # α, mean k, c, v, predictions, break-even α (plain and early_exit)
     round_profile: NotRequired[dict]  # with profile=True
