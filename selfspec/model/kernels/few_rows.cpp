@@ -114,9 +114,9 @@ void block_rows(int64_t m, const float* x, const Product<T>& p, int64_t k, int64
 // out[r, j] for j in [begin, end) in pairs of W rows against R rows of x (R <= 4): a tile of 2R
 // accumulators, so each 8-column step loads 2 + R vectors for 2R FMAs, where `rows_block` loads 1 + M
 // for M. That pays where the W rows come from L1 or L2 (a wide product's tile, see `products`); read
-// from L3 or memory the single stream of `rows_block` is faster (docs/performance.md, "Register
-// tiles for wide products"). Every output is still `rows_block`'s dot product (8-lane FMAs over K, then the lanes, then
-// K's tail), so the same bits.
+// from L3 or memory the single stream of `rows_block` is faster (docs/performance.md, "Register tiles
+// for wide products"). Every output is still `rows_block`'s dot product (8-lane FMAs over K, then the
+// lanes, then K's tail), so the same bits.
 template <int R, typename T>
 void pairs_block(const float* x, const T* w, T* out, int64_t n, int64_t k, int64_t begin, int64_t end) {
   const int64_t k8 = k - k % 8;
@@ -456,7 +456,8 @@ std::vector<torch::Tensor> front(const torch::Tensor& hidden, const torch::Tenso
   const std::vector<float> h = widen<T>(hidden);
   std::vector<float> x(m * d), q(m * heads * hd), k(m * kv_heads * hd), v(m * kv_heads * hd);
   over_rows(m, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) rms_norm_row<T>(h.data() + r * d, norm.data_ptr<T>(), eps, x.data() + r * d, d);
+    for (int64_t r = begin; r < end; ++r)
+      rms_norm_row<T>(h.data() + r * d, norm.data_ptr<T>(), eps, x.data() + r * d, d);
   });
   linear_rows<T>(x.data(), {&wq, &wk, &wv}, {&bq, &bk, &bv}, {q.data(), k.data(), v.data()}, m);
   auto q_out = torch::empty({batch, heads, length, hd}, hidden.options().dtype(torch::kFloat32));
