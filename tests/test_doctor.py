@@ -17,12 +17,14 @@ HEALTHY = {"alpha": 0.9, "k": 4, "exit_layer": 6, "num_layers": 12, "draft_cost"
 
 
 def _check(figures: dict, number: int) -> str:
-    return diagnose(figures)[number - 1]
+    """Check `number`'s line (a check without its figures is left out, so lines are found by number)."""
+    return next(line for line in diagnose(figures) if line.startswith(f"{number}. "))
 
 
 def test_a_healthy_model_passes_every_check():
     lines = diagnose(HEALTHY)
-    assert len(lines) == 5 and [line[:2] for line in lines] == ["1.", "2.", "3.", "4.", "5."]
+    # no prefill figure (the doctor's own probe): check 5 is left out
+    assert len(lines) == 5 and [line[:2] for line in lines] == ["1.", "2.", "3.", "4.", "6."]
     assert "clears the" in lines[0] and "near the 0.45" in lines[1] and "0.05 plain steps a round" in lines[2]
     assert "hold from 256 to 2048" in lines[3] and "early_exit is fastest at 1.50×" in lines[4]
 
@@ -40,9 +42,9 @@ def test_a_healthy_model_passes_every_check():
     ({"overhead": 0.2}, 3, "costs 0.20 plain steps a round (above 0.10)"),
     ({"verify_cost_long": 1.4}, 4, "long contexts erode the gain"),
     ({"draft_cost_long": None, "verify_cost_long": None}, 4, "not measured at 2048"),
-    ({"speedups": {"early_exit": 0.8, "ngram": 0.95}}, 5, "nothing beats plain decoding"),
-    ({"speedups": {"early_exit": 0.8, "ngram": 1.3}}, 5, "ngram is fastest at 1.30×"),
-    ({"speedups": {"early_exit": 1.2}}, 5, "early_exit is fastest at 1.20× plain; copies"),  # alone
+    ({"speedups": {"early_exit": 0.8, "ngram": 0.95}}, 6, "nothing beats plain decoding"),
+    ({"speedups": {"early_exit": 0.8, "ngram": 1.3}}, 6, "ngram is fastest at 1.30×"),
+    ({"speedups": {"early_exit": 1.2}}, 6, "early_exit is fastest at 1.20× plain; copies"),  # alone
 ])
 def test_each_check_flags_its_case(change, number, expected):
     assert expected in _check({**HEALTHY, **change}, number)
@@ -55,7 +57,7 @@ def test_the_command_probes_and_writes_its_figures(tiny_run, tmp_path, capsys):
                  "--num-prompts", "1", "--max-new-tokens", "8", "--context", "16", "--long-context", "64",
                  "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "selfspec doctor:" in printed and "5. verdict:" in printed
+    assert "selfspec doctor:" in printed and "6. verdict:" in printed
     result = json.loads((out / "doctor.json").read_text())
     assert_shape(result, DoctorResult)
     assert result["figures"]["k"] == 3 and result["figures"]["exit_layer"] == 2
@@ -65,6 +67,21 @@ def test_the_command_probes_and_writes_its_figures(tiny_run, tmp_path, capsys):
     assert main(["doctor", str(tiny_run["model"]), "--exit-layer", "2", "--suite", "stdlib",
                  "--num-prompts", "2", "--max-new-tokens", "8", "--context", "16", "--long-context", "64",
                  "--out", str(tmp_path / "suite")]) == 0
-    assert "5. verdict:" in capsys.readouterr().out
+    assert "6. verdict:" in capsys.readouterr().out
     assert main(["doctor", str(tiny_run["model"]), "--context", "64", "--long-context", "16"]) == 2
     assert "--context (64) < --long-context (16)" in capsys.readouterr().err
+
+
+def test_the_prefill_check_shows_the_decoding_speedup_diluted_end_to_end():
+    """A prefill of 30% of plain's time turns a decoding 2× faster into 1 / (0.3 + 0.7 / 2) = 1.54×
+    end to end; below `PREFILL_SHARE` the check says nothing."""
+    from selfspec.evaluation.doctor import PREFILL_SHARE, cost_figures, diagnose
+
+    split = {"plain": {"share": 0.3, "decode_tokens_per_second": 10.0, "decode_over_plain": 1.0},
+             "ngram": {"share": 0.46, "decode_tokens_per_second": 20.0, "decode_over_plain": 2.0}}
+    lines = diagnose(cost_figures({}, {"ngram": 1.54}, None, prefill=split))
+    assert [line[:10] for line in lines] == ["5. prefill", "6. verdict"]
+    assert "takes 30% of plain" in lines[0] and "(2.00× plain after the prefill) shows as 1.54×" in lines[0]
+    split["plain"]["share"] = PREFILL_SHARE / 2
+    assert [line[:10] for line in diagnose(cost_figures({}, {"ngram": 1.54}, None, prefill=split))] == [
+        "6. verdict"]

@@ -483,7 +483,8 @@ def diagnosis(report: dict) -> str | None:
     exit_layer = report["settings"].get("early_exit", {}).get("exit_layer")
     sources = report.get("sources", {})
     exit_alpha = own_exit_alpha(sources["early_exit"]) if "early_exit" in sources else None
-    return summary(cost_figures(report.get("cost_model", {}), speedups, exit_layer, overhead, exit_alpha))
+    return summary(cost_figures(report.get("cost_model", {}), speedups, exit_layer, overhead, exit_alpha,
+                                report.get("prefill")))
 
 
 def write_report(report: dict, out_dir: str | Path) -> tuple[Path, Path]:

@@ -9,7 +9,9 @@ checklist in order, each check one line from the measured figures:
 2. draft cost: c measured against the share of the weights a draft step reads (E/N plus the head);
 3. per-round overhead: the work between a round's passes, in plain steps;
 4. context: how c and v grow from the short to the long context;
-5. verdict: the fastest drafter measured, and what would change it.
+5. prefill: the prompts' share of plain decoding's time, which every method pays alike (from a
+   benchmark's figures; the doctor's own short probe leaves it out);
+6. verdict: the fastest drafter measured, and what would change it.
 
     selfspec doctor runs/smollm2/base --exit-layer 10
 """
@@ -28,6 +30,7 @@ from .results import DoctorResult
 DRAFT_COST_MARGIN = 1.25  # measured c over the weights' share
 OVERHEAD_LIMIT = 0.10  # work between the passes, per round, in plain steps
 CONTEXT_GROWTH = 1.15  # c or v at the long context over the short
+PREFILL_SHARE = 0.20  # the prefill's share of plain decoding's time worth a line
 
 
 def diagnose(figures: dict) -> list[str]:
@@ -35,8 +38,9 @@ def diagnose(figures: dict) -> list[str]:
     `verify_cost` (v), `weight_cost` (the weights' c), `overhead` (plain steps per round outside the
     passes), `context`, `long_context`, `draft_cost_long`, `verify_cost_long` (the last two None when
     the long context was not measured), `speedups` (method -> × plain); optionally `k_rounds` (k ->
-    rounds, for a run whose k varied). A check whose figures are absent is left out, so a benchmark,
-    a sweep or a suite gives the checks it measured (`summary`)."""
+    rounds, for a run whose k varied) and `prefill` ({"share": the prefill's share of plain's time,
+    "decode": the fastest method's decoding × plain after it}). A check whose figures are absent is
+    left out, so a benchmark, a sweep or a suite gives the checks it measured (`summary`)."""
     lines = []
     if figures.get("draft_cost") is not None:
         lines.append(_acceptance(figures))
@@ -52,9 +56,20 @@ def diagnose(figures: dict) -> list[str]:
         lines.append(f"3. overhead: {overhead:.2f} plain steps a round between the passes.")
     if "long_context" in figures:
         lines.append(_context(figures))
+    prefill = figures.get("prefill")
+    if prefill and prefill["share"] >= PREFILL_SHARE:
+        lines.append(_prefill(prefill["share"], prefill["decode"]))
     if figures.get("speedups"):
         lines.append(_verdict(figures["speedups"]))
     return lines
+
+
+def _prefill(share: float, decode: float) -> str:
+    """Check 5: the prompts' pass, a share of plain decoding's time that no drafter speeds up."""
+    end_to_end = 1 / (share + (1 - share) / decode)
+    return (f"5. prefill: the prompts' pass takes {share:.0%} of plain decoding's time, the same for every "
+            f"method, so the fastest decoding ({decode:.2f}× plain after the prefill) shows as "
+            f"{end_to_end:.2f}× end to end; longer replies show more of it.")
 
 
 def _acceptance(figures: dict) -> str:
@@ -118,25 +133,26 @@ def _context(figures: dict) -> str:
 
 
 def _verdict(speedups: dict) -> str:
-    """Check 5: the fastest method measured, and what would change the verdict."""
+    """Check 6: the fastest method measured, and what would change the verdict."""
     best = max(speedups, key=speedups.get)
     if speedups[best] <= 1.0:
-        return (f"5. verdict: nothing beats plain decoding here (best {best} {speedups[best]:.2f}×); "
+        return (f"6. verdict: nothing beats plain decoding here (best {best} {speedups[best]:.2f}×); "
                 f"train the exit, or decode under a grammar (--json-schema), where forced tokens and "
                 f"copies pay.")
     others = ", ".join(f"{m} {s:.2f}×" for m, s in speedups.items() if m != best)
     others = f" ({others})" if others else ""  # a lone method: no empty parentheses
     change = ("the early exit would need the α above" if best != "early_exit"
               else "copies or the hybrid may add more where the text repeats")
-    return f"5. verdict: {best} is fastest at {speedups[best]:.2f}× plain{others}; {change}."
+    return f"6. verdict: {best} is fastest at {speedups[best]:.2f}× plain{others}; {change}."
 
 
 def cost_figures(cost: dict, speedups: dict, exit_layer: int | None, overhead: float | None = None,
-                 exit_alpha: float | None = None) -> dict:
+                 exit_alpha: float | None = None, prefill: dict | None = None) -> dict:
     """The checklist's figures from a report's cost model (`benchmark.cost_model`: α, mean k, the
     rounds per k, c, v and the weights' c) and its speedups over plain (method -> ×). exit_alpha: the
     α of the early exit's own drafts, where others were verified beside them (a grammar's forced
-    tokens, which cost no draft step); default the cost model's α of all drafts."""
+    tokens, which cost no draft step); default the cost model's α of all drafts. prefill: the
+    report's `benchmark.prefill_split`."""
     figures = {"exit_layer": exit_layer, "speedups": speedups, "overhead": overhead,
                "weight_cost": cost.get("weight_cost"), "weights_in_cache": cost.get("weights_in_cache"),
                "free_drafts": exit_alpha is not None}
@@ -146,6 +162,10 @@ def cost_figures(cost: dict, speedups: dict, exit_layer: int | None, overhead: f
         figures.update(alpha=cost["acceptance_rate"] if exit_alpha is None else exit_alpha,
                        k=max(1, round(cost["mean_k"])), k_rounds=rounds, draft_cost=cost["draft_cost"],
                        verify_cost=cost["verify_cost"])
+    plain = (prefill or {}).get("plain")
+    if plain and len(prefill) > 1:
+        fastest = max(row["decode_over_plain"] for method, row in prefill.items() if method != "plain")
+        figures["prefill"] = {"share": plain["share"], "decode": fastest}
     return figures
 
 
