@@ -252,6 +252,31 @@ def test_forced_runs_are_drafted_without_model_calls(tokenizer):
     assert forced.accepted >= len(expected) // 2
 
 
+def test_a_rounds_copies_stay_within_the_copy_length_between_forced_runs(tokenizer, monkeypatch):
+    """Under a grammar copies and forced runs alternate within a round; the copies add up to at most
+    the copy controller's length (each is verified at a cost, and a chain is rarely accepted to its
+    end), while forced runs, certain once reached, are not counted. Output: constrained decoding's."""
+    from selfspec.decoding.ngram import NGramConfig
+    from selfspec.decoding.speculative import GenerationStats
+
+    rounds = []
+    log_round = GenerationStats.log_round
+    monkeypatch.setattr(GenerationStats, "log_round", lambda self, segments, accepted, k: (
+        rounds.append(segments), log_round(self, segments, accepted, k))[-1])
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    model = make_model("llama", tokenizer, seed=4)
+    prompt = prompt_ids(tokenizer)
+    expected, _ = constrained_reference(model, tokenizer, prompt, Constraint.of(schema), 40)
+    settings = DecodeSettings(drafter="ngram", ngram=NGramConfig(min_ngram=1, max_copy=2))
+    out = SelfSpecGenerator(model, tokenizer, settings).generate([prompt], max_new_tokens=40,
+                                                                 json_schema=schema)
+    assert out.sequences[0] == expected
+    copied = [sum(s.length for s in segments if s.source == "copy") for segments in rounds]
+    assert max(copied) == 2 and all(c <= 2 for c in copied)  # the copy length's bound, reached
+    assert any(s.source == "forced" for segments in rounds for s in segments)
+
+
 def test_rollback_after_rejection_restores_the_matcher(tokenizer):
     """Drafts consumed and rolled back, then the emitted tokens consumed: the same state (masks) as a
     matcher that only ever saw the emitted tokens."""

@@ -230,12 +230,12 @@ def test_the_few_rows_kernel_equals_f_linear_in_fp32(few_rows, in_features, out_
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("in_features", [100, 576])
+@pytest.mark.parametrize("in_features", [100, 576, 1100])
 def test_a_row_computes_bit_for_bit_the_same_alone_or_among_others_in_the_kernel(few_rows, dtype,
                                                                                  in_features):
     """What makes a verification compute what single steps compute: a row's result does not depend on
-    how many rows share the call (more than 8 in groups of 4 against pairs of W rows, an odd W row
-    alone), nor on how the threads split the weight's rows."""
+    how many rows share the call (more than 8, or 5-8 on long W rows, in groups of up to 4 against
+    pairs of W rows, an odd W row alone), nor on how the threads split the weight's rows."""
     torch.manual_seed(0)
     weight = torch.randn(1001, in_features).to(dtype)
     x = torch.randn(8, in_features).to(dtype)

@@ -99,6 +99,11 @@ class DraftPolicy:
         """A copy (B, r) to follow the early-exit drafts `drafted` (B, j) of this round; r = 0: none."""
         return np.zeros((len(rows), 0), dtype=np.int64)
 
+    def copy_limit(self) -> int | None:
+        """The most tokens a round copies in all (under a grammar, copies and forced runs alternate);
+        None: no limit beyond the round's own."""
+        return None
+
     def observe(self, rows: np.ndarray, tokens: np.ndarray, emit: np.ndarray) -> None:
         """Row rows[s] emitted tokens[s, :emit[s]] this round."""
 
@@ -173,6 +178,9 @@ class CopyPolicy(DraftPolicy):
 
     def copy_after(self, rows, drafted):
         return self._copies(rows, drafted)
+
+    def copy_limit(self):
+        return self.copy_controller.next_k()
 
     def update(self, segments, accepted, draft_time, verify_time):
         if not segments:  # a plain step: the cost the early exit's drafts must beat

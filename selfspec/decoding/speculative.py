@@ -623,8 +623,12 @@ class SelfSpecGenerator:
         """Drafts that take no model call, appended to `draft` and `unrun`: a grammar's forced tokens,
         then a copy (`copy` (B, r), or the policy's `copy_after` the drafts so far), cut at the first
         token every row's grammar refuses; under a grammar, forced tokens and copies alternate while
-        either finds something. Whether a copy was added."""
+        either finds something, the round's copies `policy.copy_limit()` tokens in all: each copied
+        draft is verified at a cost, and a chain of copies is rarely accepted to its end (a forced
+        token is certain once the drafts before it are accepted). Whether a copy was added."""
         copied = False
+        limit = policy.copy_limit()
+        room = cap if limit is None else limit - sum(s.length for s in draft.segments if s.source == "copy")
         while draft.k < cap:
             forced = None
             if b.forced:
@@ -641,7 +645,7 @@ class SelfSpecGenerator:
                     break
                 copy = policy.copy_after(b.rows, draft.host_tokens())
                 b.lap("policy")
-            copy = copy[:, :cap - draft.k]
+            copy = copy[:, :min(cap - draft.k, room)]
             if copy.shape[1] and b.grammar is not None:
                 copy = copy[:, :b.grammar.admit(copy)]
                 b.lap("grammar")
@@ -650,7 +654,7 @@ class SelfSpecGenerator:
             draft.add("copy", torch.as_tensor(copy, device=b.steps.device))
             unrun.append(draft.parts[-1])
             b.lap("draft choice")
-            copied, copy = True, None
+            copied, copy, room = True, None, room - copy.shape[1]
             if b.grammar is None:  # unconstrained, one copy ends the free drafts
                 break
         return copied

@@ -169,6 +169,11 @@ void tile_rows(int64_t m, const float* x, const Product<T>& p, int64_t k, int64_
 // parallel region per chunk read all of W again for every 8 rows). Each output is still the dot
 // product `rows_block` computes.
 constexpr int64_t kTileRows = 4;
+// From 5 rows of x, a W row of at least this many bytes (an MLP's down projection, SmolLM2's 1536 floats)
+// is multiplied in tiles too: there 5-8 rows are bound by their FMAs, not by reading W, and
+// `rows_block`'s M loads of x per W load held them back; on shorter rows (576, 128 floats) the tiles'
+// second read of W and their sums cost more (docs/performance.md, "Register tiles for wide products").
+constexpr int64_t kLongRowBytes = 4096;
 
 template <typename T>
 void products(int64_t m, const float* x, const std::vector<Product<T>>& products, int64_t k) {
@@ -177,15 +182,17 @@ void products(int64_t m, const float* x, const std::vector<Product<T>>& products
   const int64_t row_bytes = k * static_cast<int64_t>(sizeof(T));
   // Threads split the rows in chunks of at least ~32 KiB of weights: below that, waking a thread costs more
   const int64_t grain = std::max<int64_t>(1, (32 << 10) / row_bytes);
-  const bool wide = m > kMaxRows;
+  const bool wide = m > kMaxRows || (m > kTileRows && row_bytes >= kLongRowBytes);
   // W rows per tile: 64 KiB, a small part of a core's L2, beside the groups of x that pass over it
   const int64_t tile = wide ? std::max<int64_t>(2, (64 << 10) / row_bytes) : total;
-  const int64_t group = wide ? kTileRows : kMaxRows;
+  // the rows of x in groups of at most kTileRows, as even as they go (5 = 3 + 2, 9 = 3 + 3 + 3): a
+  // group of one row would read the tile again for a single row's FMAs
+  const int64_t groups = wide ? (m + kTileRows - 1) / kTileRows : 1;
   at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t0 = begin; t0 < end; t0 += tile) {
       const int64_t t1 = std::min(end, t0 + tile);
-      for (int64_t first = 0; first < m; first += group) {
-        const int64_t rows = std::min(group, m - first);
+      for (int64_t g = 0, first = 0; g < groups; ++g) {
+        const int64_t rows = m / groups + (g < m % groups ? 1 : 0);
         int64_t offset = 0;  // the first row of the current product in the joint range
         for (const auto& p : products) {
           const int64_t lo = std::max(t0, offset), hi = std::min(t1, offset + p.n);
@@ -198,6 +205,7 @@ void products(int64_t m, const float* x, const std::vector<Product<T>>& products
           }
           offset += p.n;
         }
+        first += rows;
       }
     }
   });
