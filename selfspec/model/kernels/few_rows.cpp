@@ -36,6 +36,8 @@
 namespace {
 
 constexpr int64_t kMaxRows = 8;
+// Rows of x a wide product's tile (`pairs_block`) multiplies at a time, see `products`
+constexpr int64_t kTileRows = 4;
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 
@@ -96,21 +98,6 @@ struct Product {
   int64_t n;
 };
 
-// rows_block for 1..kMaxRows rows of x on product p's W rows [lo, hi).
-template <typename T>
-void block_rows(int64_t m, const float* x, const Product<T>& p, int64_t k, int64_t lo, int64_t hi) {
-  switch (m) {
-    case 1: return rows_block<1, T>(x, p.w, p.out, p.n, k, lo, hi);
-    case 2: return rows_block<2, T>(x, p.w, p.out, p.n, k, lo, hi);
-    case 3: return rows_block<3, T>(x, p.w, p.out, p.n, k, lo, hi);
-    case 4: return rows_block<4, T>(x, p.w, p.out, p.n, k, lo, hi);
-    case 5: return rows_block<5, T>(x, p.w, p.out, p.n, k, lo, hi);
-    case 6: return rows_block<6, T>(x, p.w, p.out, p.n, k, lo, hi);
-    case 7: return rows_block<7, T>(x, p.w, p.out, p.n, k, lo, hi);
-    default: return rows_block<8, T>(x, p.w, p.out, p.n, k, lo, hi);
-  }
-}
-
 // out[r, j] for j in [begin, end) in pairs of W rows against R rows of x (R <= 4): a tile of 2R
 // accumulators, so each 8-column step loads 2 + R vectors for 2R FMAs, where `rows_block` loads 1 + M
 // for M. That pays where the W rows come from L1 or L2 (a wide product's tile, see `products`); read
@@ -150,31 +137,42 @@ void pairs_block(const float* x, const T* w, T* out, int64_t n, int64_t k, int64
   if (j < end) rows_block<R, T>(x, w, out, n, k, j, end);
 }
 
-// pairs_block for 1..4 rows of x on product p's W rows [lo, hi).
+// rows_block for 1..kMaxRows rows of x on product p's W rows [lo, hi); with `tiles`, pairs_block for
+// 1..kTileRows rows.
 template <typename T>
-void tile_rows(int64_t m, const float* x, const Product<T>& p, int64_t k, int64_t lo, int64_t hi) {
+void block_rows(int64_t m, const float* x, const Product<T>& p, int64_t k, int64_t lo, int64_t hi, bool tiles) {
+  const auto run = [&](auto rows) {
+    constexpr int M = decltype(rows)::value;
+    if constexpr (M <= kTileRows) {
+      if (tiles) return pairs_block<M, T>(x, p.w, p.out, p.n, k, lo, hi);
+    }
+    return rows_block<M, T>(x, p.w, p.out, p.n, k, lo, hi);
+  };
   switch (m) {
-    case 1: return pairs_block<1, T>(x, p.w, p.out, p.n, k, lo, hi);
-    case 2: return pairs_block<2, T>(x, p.w, p.out, p.n, k, lo, hi);
-    case 3: return pairs_block<3, T>(x, p.w, p.out, p.n, k, lo, hi);
-    default: return pairs_block<4, T>(x, p.w, p.out, p.n, k, lo, hi);
+    case 1: return run(std::integral_constant<int, 1>{});
+    case 2: return run(std::integral_constant<int, 2>{});
+    case 3: return run(std::integral_constant<int, 3>{});
+    case 4: return run(std::integral_constant<int, 4>{});
+    case 5: return run(std::integral_constant<int, 5>{});
+    case 6: return run(std::integral_constant<int, 6>{});
+    case 7: return run(std::integral_constant<int, 7>{});
+    default: return run(std::integral_constant<int, 8>{});
   }
 }
 
-// Products of the same x (m, k), x @ W_iᵀ -> out_i (m, n_i), as one range of W rows split between the
-// threads: one parallel region for several weights (a block's q/k/v, its gate/up) instead of one per
-// weight, the threads' shares balanced over all of them. More than kMaxRows rows of x (a prefill, a
-// wide verification, a server's batch of rounds) meet each tile of a thread's W rows group after group
-// of kTileRows while the tile sits in L2 (`pairs_block`), so W streams from memory once whatever m (a
-// parallel region per chunk read all of W again for every 8 rows). Each output is still the dot
-// product `rows_block` computes.
-constexpr int64_t kTileRows = 4;
 // From 5 rows of x, a W row of at least this many bytes (an MLP's down projection, SmolLM2's 1536 floats)
 // is multiplied in tiles too: there 5-8 rows are bound by their FMAs, not by reading W, and
 // `rows_block`'s M loads of x per W load held them back; on shorter rows (576, 128 floats) the tiles'
 // second read of W and their sums cost more (docs/performance.md, "Register tiles for wide products").
 constexpr int64_t kLongRowBytes = 4096;
 
+// Products of the same x (m, k), x @ W_iᵀ -> out_i (m, n_i), as one range of W rows split between the
+// threads: one parallel region for several weights (a block's q/k/v, its gate/up) instead of one per
+// weight, the threads' shares balanced over all of them. More than kMaxRows rows of x (a prefill, a
+// wide verification, a server's batch of rounds) meet each tile of a thread's W rows group after group
+// of kTileRows while the tile sits in L2 (`pairs_block`), so W streams from memory once whatever m (a
+// parallel region per chunk read all of W again for every 8 rows); so do 5-8 rows on W rows of
+// kLongRowBytes or more. Each output is still the dot product `rows_block` computes.
 template <typename T>
 void products(int64_t m, const float* x, const std::vector<Product<T>>& products, int64_t k) {
   int64_t total = 0;
@@ -198,10 +196,7 @@ void products(int64_t m, const float* x, const std::vector<Product<T>>& products
           const int64_t lo = std::max(t0, offset), hi = std::min(t1, offset + p.n);
           if (lo < hi) {
             const Product<T> part{p.w, p.out + first * p.n, p.n};
-            if (wide)
-              tile_rows<T>(rows, x + first * k, part, k, lo - offset, hi - offset);
-            else
-              block_rows<T>(rows, x + first * k, part, k, lo - offset, hi - offset);
+            block_rows<T>(rows, x + first * k, part, k, lo - offset, hi - offset, wide);
           }
           offset += p.n;
         }
