@@ -12,7 +12,7 @@ cover.
 
 import pytest
 import torch
-from helpers import low_alpha_model, ranking_counts
+from helpers import kernels_unavailable, low_alpha_model, ranking_counts
 
 from selfspec.decoding import SelfSpecGenerator
 from selfspec.model.exit_adapter import ExitBlock
@@ -95,7 +95,7 @@ def test_under_fixed_width_every_product_and_attention_has_the_same_shape(kernel
     from selfspec.model import kernels
 
     if kernel and kernels.few_rows_linear() is None:
-        pytest.skip("selfspec's CPU kernels are not available here")
+        kernels_unavailable()
     # the round's compiled calls (draft loop, verification) run these kernels from C++, out of sight
     # here: up to the passes, every call shows (their equality: tests/test_decoding_draft_loop.py)
     kernel_level("passes" if kernel else None)

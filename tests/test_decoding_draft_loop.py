@@ -8,7 +8,7 @@ one row's rounds in one call (`DecoderView.greedy_rounds`) decode and count what
 import numpy as np
 import pytest
 import torch
-from helpers import FAMILIES, low_alpha_model, reference_greedy, tiny_model
+from helpers import FAMILIES, kernels_unavailable, low_alpha_model, reference_greedy, tiny_model
 
 import selfspec.model.kernels as kernels
 from selfspec.decoding import DecodeSettings, SelfSpecGenerator
@@ -26,7 +26,7 @@ def _count(monkeypatch, name: str) -> list:
     """Whether each call of the compiled function `name` ran (its accessor wrapped)."""
     made = getattr(kernels, name)()
     if made is None:
-        pytest.skip("selfspec's CPU kernels are not available here")
+        kernels_unavailable()
     calls = []
 
     def counted(*args):

@@ -18,7 +18,7 @@ import llguidance.hf
 import numpy as np
 import pytest
 import torch
-from helpers import FAMILIES, P_MIN, chi_square_p, tiny_model
+from helpers import FAMILIES, P_MIN, chi_square_p, kernels_unavailable, tiny_model
 
 from selfspec.data import train_tokenizer
 from selfspec.decoding import DecodeSettings, SamplingParams, SelfSpecGenerator
@@ -142,7 +142,7 @@ def test_the_compiled_verification_applies_the_grammars_masks(tokenizer, monkeyp
 
     made = kernels.verify_greedy()
     if made is None:
-        pytest.skip("selfspec's CPU kernels are not available here")
+        kernels_unavailable()
     calls = []
     monkeypatch.setattr(kernels, "verify_greedy", lambda: lambda *args: calls.append(1) or made(*args))
     model = make_model("llama", tokenizer)
@@ -168,7 +168,7 @@ def test_the_compiled_draft_step_applies_the_grammars_masks(family, tokenizer, m
 
     made = kernels.draft_step()
     if made is None:
-        pytest.skip("selfspec's CPU kernels are not available here")
+        kernels_unavailable()
     calls = []
     monkeypatch.setattr(kernels, "draft_step", lambda: lambda *args: calls.append(1) or made(*args))
     model = make_model(family, tokenizer)

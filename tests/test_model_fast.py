@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import tiny_model
+from helpers import kernels_unavailable, tiny_model
 
 from selfspec.decoding.cache import KVCache
 from selfspec.model import DecoderView
@@ -209,7 +209,7 @@ def few_rows():
 
     kernel = kernels.few_rows_linear()
     if kernel is None:
-        pytest.skip("selfspec's CPU kernel is not available here (needs a C++ compiler, ninja, AVX2)")
+        kernels_unavailable()
     return kernel
 
 
