@@ -261,8 +261,12 @@ def test_a_rounds_copies_stay_within_the_copy_length_between_forced_runs(tokeniz
 
     rounds = []
     log_round = GenerationStats.log_round
-    monkeypatch.setattr(GenerationStats, "log_round", lambda self, segments, accepted, k: (
-        rounds.append(segments), log_round(self, segments, accepted, k))[-1])
+
+    def logged(self, segments, accepted, k):  # each round's segments, then the engine's own logging
+        rounds.append(segments)
+        return log_round(self, segments, accepted, k)
+
+    monkeypatch.setattr(GenerationStats, "log_round", logged)
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
               "required": ["name", "age"], "additionalProperties": False}
     model = make_model("llama", tokenizer, seed=4)
