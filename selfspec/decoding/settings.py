@@ -22,7 +22,7 @@ from .policy import DRAFTERS, DraftPolicy, make_policy
 
 ADAPTIVE_K = ("auto", "window")  # draft lengths chosen per round by a controller (see controller.py)
 # as selfspec.json names them
-FIELDS = ("drafter", "exit_layer", "num_speculations", "draft_vocab_size", "stop_below", "ngram")
+FIELDS = ("drafter", "exit_layer", "num_speculations", "draft_vocab_size", "stop_below", "ngram", "overlap")
 
 
 def parse_num_speculations(value) -> int | str:
@@ -51,6 +51,11 @@ class DecodeSettings:
     stop_below: η, the early exit stops a round's drafts once its draft's top probability falls
         below η (Kangaroo: 0.6 at batch 1; in a batch, once no row's reaches it); 0: never stops.
     ngram: the copy settings of "ngram" and "hybrid".
+    overlap: verify a round on one thread while another drafts the next round from the exit's guess of
+        the target's next token (kept when the target accepts every draft and that guess): greedy,
+        one row, the CPU kernels' rounds in one call (`kernels.greedy_rounds`). Each pass then runs on
+        one thread, so it pays where one thread runs a pass nearly as fast as all of them (a small
+        model on a few cores); the same drafts, tokens and statistics either way.
     """
 
     drafter: str = "early_exit"
@@ -59,6 +64,7 @@ class DecodeSettings:
     draft_vocab_size: int = 0
     stop_below: float = 0.0
     ngram: NGramConfig = field(default_factory=NGramConfig)
+    overlap: bool = False
 
     def __post_init__(self):
         if self.drafter not in DRAFTERS:
@@ -82,6 +88,8 @@ class DecodeSettings:
         object.__setattr__(self, "stop_below", float(eta))
         if not isinstance(self.ngram, NGramConfig):
             raise UserError(f"ngram must be an NGramConfig, got {self.ngram!r}")
+        if not isinstance(self.overlap, bool):
+            raise UserError(f"overlap must be true or false, got {self.overlap!r}")
 
     @property
     def is_plain(self) -> bool:
@@ -90,13 +98,13 @@ class DecodeSettings:
 
     def override(self, *, drafter: str | None = None, exit_layer: int | None = None, num_speculations=None,
                  draft_vocab_size: int | None = None, stop_below: float | None = None,
-                 min_ngram: int | None = None) -> DecodeSettings:
+                 min_ngram: int | None = None, overlap: bool | None = None) -> DecodeSettings:
         """A copy with the given fields changed; None keeps a field. `min_ngram` moves the copy
         threshold (and raises `max_ngram` to it when needed; `max_copy` stays)."""
         changes = {name: value for name, value in (("drafter", drafter), ("exit_layer", exit_layer),
                                                    ("num_speculations", num_speculations),
                                                    ("draft_vocab_size", draft_vocab_size),
-                                                   ("stop_below", stop_below))
+                                                   ("stop_below", stop_below), ("overlap", overlap))
                    if value is not None}
         if min_ngram is not None:
             old = self.ngram
@@ -121,6 +129,7 @@ class DecodeSettings:
             parts += [f"E = {self.exit_layer}", f"k = {self.num_speculations}"]
             parts += [f"V' = {self.draft_vocab_size}"] if self.draft_vocab_size else []
             parts += [f"η = {self.stop_below:g}"] if self.stop_below else []
+            parts += ["overlapped"] if self.overlap else []
         if self.drafter != "early_exit":
             parts.append(f"min_ngram = {self.ngram.min_ngram}")
         return ", ".join(parts)
@@ -130,7 +139,7 @@ class DecodeSettings:
         return {"drafter": self.drafter, "exit_layer": self.exit_layer,
                 "num_speculations": self.num_speculations,
                 "draft_vocab_size": self.draft_vocab_size, "stop_below": self.stop_below,
-                "ngram": self.ngram.as_dict()}
+                "ngram": self.ngram.as_dict(), "overlap": self.overlap}
 
     @classmethod
     def from_json(cls, entry: dict, default: DecodeSettings | None = None) -> DecodeSettings:

@@ -94,6 +94,7 @@ class GenerationStats(AcceptanceStats):
     draft_steps: int = 0  # draft forward passes (Σ k over rounds; a step serves the whole batch)
     plain_steps: int = 0  # rounds with k = 0
     stopped_below_eta: int = 0  # rounds whose early-exit drafts stopped because no draft reached η
+    drafted_ahead: int = 0  # rounds whose drafts ran during the round before's verification (overlap)
     grammar_time: float = 0.0  # seconds in the grammar engine (masks, forced tokens), constrained calls
     draft_time: float = 0.0
     verify_time: float = 0.0
@@ -156,8 +157,8 @@ class GenerationStats(AcceptanceStats):
 
     def as_dict(self) -> dict:
         times = {name: getattr(self, name) for name in (
-            "exit_layer", "num_layers", "draft_steps", "plain_steps", "stopped_below_eta", "draft_time",
-            "verify_time", "grammar_time",
+            "exit_layer", "num_layers", "draft_steps", "plain_steps", "stopped_below_eta", "drafted_ahead",
+            "draft_time", "verify_time", "grammar_time",
             "plain_time", "prefill_time", "total_time", "generated_tokens")}
         return {**super().as_dict(), **times, "draft_cost": self.draft_cost,
                 "tokens_per_second": self.tokens_per_second,
@@ -211,6 +212,7 @@ class _Batch:
     loop_head: tuple | None  # the head as the compiled draft loop reads it (`DraftHead.tensors`), or None
     step_head: tuple | None  # the same for the compiled draft step (greedy early-exit drafts), or None
     stop_below: float  # η: stop a round's early-exit drafts when no row's top draft probability reaches it
+    overlap: bool  # a compiled call's rounds verify while the next round drafts (`DecodeSettings.overlap`)
     grammar: GrammarBatch | None  # the rows' grammars (structured output), or None
     forced: bool  # draft the grammar's forced tokens (every drafter but plain decoding)
     steps: torch.Tensor  # arange(capacity) on the device, to build positions
@@ -1004,7 +1006,7 @@ class SelfSpecGenerator:
                    loop_head=(head.tensors() if sampling.greedy and grammars is None and exit_block is None
                               and not settings.is_plain else None),
                    step_head=head.tensors() if sampling.greedy and not settings.is_plain else None,
-                   stop_below=settings.stop_below, grammar=grammars, forced=forced,
+                   stop_below=settings.stop_below, overlap=settings.overlap, grammar=grammars, forced=forced,
                    steps=torch.arange(capacity, device=device), rows=np.arange(rows),
                    lengths=np.zeros(rows, dtype=np.int64),
                    pending_host=np.array([p[-1] for p in prompts], dtype=np.int64),
@@ -1085,24 +1087,27 @@ class SelfSpecGenerator:
         if head is None:
             return None
         out = self.view.greedy_rounds(b.exit_layer, int(b.pending_host[0]), b.cache, int(b.lengths[0]), head,
-                                      k, b.stop_below, torch.from_numpy(eos), max_tokens, max_rounds, copies)
+                                      k, b.stop_below, torch.from_numpy(eos), max_tokens, max_rounds, copies,
+                                      b.overlap)
         if out is None:
             return None
         tokens, rounds, seconds = out
         if laps is not None:  # the call's own clock splits its time; the rest of it is acceptance
             laps.split({"draft passes": float(seconds[:, 0].sum()),
                         "verification pass": float(seconds[:, 1].sum())}, rest="acceptance")
-        for (early, copied, accepted, _), (draft_time, verify_time) in zip(rounds.tolist(), seconds.tolist()):
+        for (early, copied, accepted, _, ahead), (draft_time, verify_time) in zip(rounds.tolist(),
+                                                                                 seconds.tolist()):
             segments = [Segment(source, start, length) for source, start, length in
                         (("early_exit", 0, early), ("copy", early, copied)) if length]
             if not segments:  # a plain step, also one whose first E blocks ran before η stopped the draft
                 draft_time, verify_time = 0.0, draft_time + verify_time
             stats.stopped_below_eta += early < k and not (copied and not early)  # a copy round drafts no exit
+            stats.drafted_ahead += ahead
             self._record(stats, segments, np.array([accepted]), draft_time, verify_time)
             policy.update(segments, np.array([accepted]), draft_time, verify_time)
         b.lap("statistics")
         finished = len(tokens) >= max_tokens or bool(len(tokens) and np.isin(tokens[-1], eos))
-        early, copied, accepted = np.asarray(rounds, dtype=np.int64).reshape(-1, 4)[:, :3].sum(0)
+        early, copied, accepted = np.asarray(rounds, dtype=np.int64).reshape(-1, 5)[:, :3].sum(0)
         done = RoundCounts(np.array([len(rounds)]), np.array([early + copied]), np.array([accepted]))
         return np.asarray(tokens, dtype=np.int64)[None], np.array([len(tokens)]), np.array([finished]), done
 

@@ -12,7 +12,8 @@ Every output must equal plain decoding's (checked, reported).
 
 A grid of many cells measured a few times each has winners by noise: the best of thirty cells that
 all run at 1.00× shows 1.03×. So the sweep re-times its best cells (each drafter's `confirm` fastest)
-against plain decoding, interleaved, with `confirm_repeats` repeats, and judges each by its paired
+against plain decoding, interleaved, with `confirm_repeats` repeats (each early-exit and hybrid cell also
+with its rounds overlapped, `overlapped_twins`, where that can run), and judges each by its paired
 speedups (cell ÷ plain within one repeat): their median, and a distribution-free
 confidence interval for that median (`paired.median_interval`). "best" and "fastest_per_drafter" are the
 re-timed cells; the write-back stores a cell only when the interval's lower end beats plain.
@@ -108,9 +109,29 @@ def confirm_candidates(rows: list[dict], confirm: int) -> list[dict]:
     return [row for own in picked.values() for row in own]
 
 
+def overlapped_twins(rows: list[dict]) -> list[dict]:
+    """Each early-exit and hybrid row again with `overlap` on (`DecodeSettings.overlap`: the round's
+    verification beside the next round's drafts, each on one thread), to re-time beside the row: which
+    of the two is faster depends on how much a pass loses on one thread, a property of the model and
+    the machine that the grid does not measure."""
+    return [{**row, "overlap": True} for row in rows if row["drafter"] != "ngram" and not row.get("overlap")]
+
+
+def overlap_applies(device, structured: bool) -> bool:
+    """Whether overlapped rounds can run: on the CPU with its compiled rounds (`kernels.greedy_rounds`)
+    and two threads or more, without a grammar (constrained rounds run from Python)."""
+    import torch
+
+    from ..model import kernels
+
+    return (torch.device(device).type == "cpu" and not structured and torch.get_num_threads() >= 2
+            and kernels.greedy_rounds() is not None)
+
+
 def settings_of(row: dict) -> DecodeSettings:
     """The `DecodeSettings` of a grid row of the report (its `to_json` fields)."""
-    return DecodeSettings.from_json({key: row[key] for key in FIELDS})
+    # a report written before a field existed lacks it: its default
+    return DecodeSettings.from_json({key: row[key] for key in FIELDS if key in row})
 
 
 def check_drafters(drafters, draft_vocab_sizes, min_ngrams, token_counts) -> None:
@@ -220,6 +241,8 @@ def run_sweep(model, prompts: list[list[int]], exit_layers: list[int], ks: list,
     lossless = [row for row in grid if row["identical_to_plain"]]
     if confirm:
         candidates = confirm_candidates(lossless, confirm)
+        if overlap_applies(device, any(isinstance(p, Structured) for p in prompts)):
+            candidates += overlapped_twins(candidates)
         cells = [settings_of(row) for row in candidates]
         again = interleaved_rates([plain, *cells], run, [[p] for p in prompts], confirm_repeats, warmup,
                                   device, "confirm" if progress else None)

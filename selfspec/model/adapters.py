@@ -98,7 +98,8 @@ class Adapter:
         return None
 
     def greedy_rounds(self, exit_layer: int, token: int, cache, start: int, head: tuple, k: int, eta: float,
-                      eos, max_tokens: int, max_rounds: int, copies: tuple | None = None):
+                      eos, max_tokens: int, max_rounds: int, copies: tuple | None = None,
+                      overlap: bool = False):
         """One row's greedy rounds (early-exit drafts or copies) in one call where this family has one (see
         `DecoderView.greedy_rounds`); None (nothing run) otherwise."""
         return None
@@ -272,7 +273,7 @@ class LlamaFamilyAdapter(Adapter):
                                        drafts, allowed)
 
     def greedy_rounds(self, exit_layer, token, cache, start, head, k, eta, eos, max_tokens, max_rounds,
-                      copies=None):
+                      copies=None, overlap=False):
         if self._static is not None or not self._use_fast() or self._rope_per_call:
             return None
         num_layers = len(self.layers)
@@ -280,11 +281,14 @@ class LlamaFamilyAdapter(Adapter):
         last = start + max_tokens + k + (copies[3] if copies else 0)  # past the last slot a round writes
         if any(b is None for b in keys) or any(w is not None and w <= last for w in self.windows):
             return None
+        # the next round's drafts made ahead reach k + 1 slots further; not where a window would cut them
+        overlap = overlap and all(w is None or w > last + k + 1 for w in self.windows)
+        last += k + 1 if overlap else 0
         embedding = self.model.model.embed_tokens
         cos, sin = self._rope_rows(embedding.weight[:1, None], last)
         out = self.fast.greedy_rounds(exit_layer, embedding, token, keys, values, start, cos, sin,
                                       torch.finfo(embedding.weight.dtype).min, head, k, eta, eos, max_tokens,
-                                      max_rounds, copies)
+                                      max_rounds, copies, overlap)
         if out is not None:  # every layer holds the slots up to the pending token: the rest is stale
             cache.hold([start + len(out[0])])
         return out

@@ -623,7 +623,7 @@ class FastLlamaBlocks:
     def greedy_rounds(self, exit_layer: int, embedding: nn.Module, token: int, keys: list, values: list,
                       start: int, cos: torch.Tensor, sin: torch.Tensor, mask_value: float, head: tuple,
                       k: int, eta: float, eos: torch.Tensor, max_tokens: int, max_rounds: int,
-                      copies: tuple | None = None):
+                      copies: tuple | None = None, overlap: bool = False):
         """One row's greedy rounds at a fixed k in one compiled call (`kernels.greedy_rounds`): from the
         pending `token` at slot `start`, each round `draft_loop` over blocks [0, E) and `verify_greedy`
         over [E, N) (k = 0: a plain step over [0, N)), keeping the accepted drafts and the target's next
@@ -631,12 +631,13 @@ class FastLlamaBlocks:
         copies: (the row's tokens so far (t,) int64, min_ngram, max_ngram, copy length) for rounds that
         draft a copy first (no match: k = 0, the `ngram` drafter, takes a plain step; k > 0, the
         `hybrid`, drafts with the early exit, a copy following when the drafts make one possible).
+        overlap: verify each round whose k early-exit drafts ran on one thread while another drafts
+        the next round ahead (`DecodeSettings.overlap`); cos and sin then reach k + 1 slots further.
         keys, values: the cache's buffers of all N blocks (1, Hkv, capacity, hd); cos, sin (L, hd): the
         rotary table by slot, past the last slot a round may write; head as `draft_loop`'s. Returns
-        numpy (tokens (t,), rounds (R, 4): early-exit drafts, copied drafts, accepted, kept; seconds (R, 2):
-        draft, verification),
-        the cache's slots written up to the last kept token; or None, nothing computed, where it does
-        not apply (`_round_call`)."""
+        numpy (tokens (t,), rounds (R, 5): early-exit drafts, copied drafts, accepted, kept, drafted
+        ahead; seconds (R, 2): draft, verification), the cache's slots written up to the last kept
+        token; or None, nothing computed, where it does not apply (`_round_call`)."""
         weight, bias, ids, vocab = head
         if not _ROUNDS_LOOP:
             return None
@@ -647,7 +648,7 @@ class FastLlamaBlocks:
         made, blocks, embed, cos, sin = call
         copies = copies or (None, 0, 0, 0)  # (history, min_ngram, max_ngram, copy length)
         out = made(blocks, exit_layer, embed, keys, values, start, token, cos, sin, mask_value, *self.head,
-                   weight, bias, ids, vocab, k, eta, eos, max_tokens, max_rounds, *copies)
+                   weight, bias, ids, vocab, k, eta, eos, max_tokens, max_rounds, *copies, overlap)
         return tuple(t.numpy() for t in out) if out else None
 
     def _round_call(self, accessor, start: int, end: int, embedding: nn.Module, cos: torch.Tensor,

@@ -228,7 +228,8 @@ class DecoderView:
         return self.adapter.draft_loop(exit_layer, token, cache, positions, head, k, eta)
 
     def greedy_rounds(self, exit_layer: int, token: int, cache, start: int, head: tuple, k: int, eta: float,
-                      eos: torch.Tensor, max_tokens: int, max_rounds: int, copies: tuple | None = None):
+                      eos: torch.Tensor, max_tokens: int, max_rounds: int, copies: tuple | None = None,
+                      overlap: bool = False):
         """Greedy decoding rounds of one row in one compiled call, where the family has one (as
         `draft_loop`): from the pending `token` at slot `start` of `cache` (one row, every layer holding
         `start` positions), each round k early-exit drafts through blocks [0, exit_layer) with `head`
@@ -238,13 +239,16 @@ class DecoderView:
         `copies` (the row's tokens so far (t,) int64, the pending one last; min_ngram, max_ngram; the
         copy length), each round first drafts a copy from the context (`ngram.NGramIndex.propose`,
         verified over blocks [0, N)); without one, k = 0 takes a plain step and k > 0 drafts with the
-        early exit, followed by a copy when its drafts make one (the `hybrid`). The same passes as the
-        engine's rounds one by one, so the same tokens, without the host's work between them. Returns
-        numpy (tokens (t,), rounds (R, 4): early-exit drafts, copied drafts, accepted count and kept
-        tokens per round; seconds (R, 2): each round's draft and verification seconds), the cache
+        early exit, followed by a copy when its drafts make one (the `hybrid`). With `overlap`, a round
+        whose k early-exit drafts ran verifies on one thread while another drafts the next round from
+        the exit's guess of the target's next token (`DecodeSettings.overlap`): the same drafts are kept
+        as a fresh draft would make. The same passes as the engine's rounds one by one, so the same
+        tokens, without the host's work between them. Returns numpy (tokens (t,), rounds (R, 5):
+        early-exit drafts, copied drafts, accepted count, kept tokens and whether the drafts were made
+        ahead, per round; seconds (R, 2): each round's draft and verification seconds), the cache
         holding start + t positions; or None, nothing run, where it does not apply."""
         return self.adapter.greedy_rounds(exit_layer, token, cache, start, head, k, eta, eos, max_tokens,
-                                          max_rounds, copies)
+                                          max_rounds, copies, overlap)
 
     def verify_greedy(self, start: int, end: int, cache, positions: torch.Tensor, drafts: torch.Tensor,
                       hidden: torch.Tensor | None = None, tokens: torch.Tensor | None = None,

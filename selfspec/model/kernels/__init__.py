@@ -131,11 +131,12 @@ def verify_greedy() -> Callable | None:
 def greedy_rounds() -> Callable | None:
     """The compiled `greedy_rounds(blocks, exit_layer, embed, keys, values, start, token, cos, sin,
     mask_value, norm, eps, head, bias, draft_head, draft_bias, ids, vocab, k, eta, eos, max_tokens,
-    max_rounds, history, min_ngram, max_ngram, copy_limit) -> [tokens (t,), rounds (R, 4), seconds (R,
-    2)]` (one row's greedy rounds at a fixed k: `draft_loop` and `verify_greedy` each round; with
+    max_rounds, history, min_ngram, max_ngram, copy_limit, overlap) -> [tokens (t,), rounds (R, 5), seconds
+    (R, 2)]` (one row's greedy rounds at a fixed k: `draft_loop` and `verify_greedy` each round; with
     `history` a copy of up to copy_limit tokens first, else a plain step (k = 0) or the early exit's
-    drafts, a copy after them where they make one; the kept tokens cut at an eos and max_tokens; []
-    where `blocks_pass` declines), or None where the kernels are not available."""
+    drafts, a copy after them where they make one; with `overlap` a round's verification beside the
+    next round's drafts, on two threads; the kept tokens cut at an eos and max_tokens; [] where
+    `blocks_pass` declines), or None where the kernels are not available."""
     module = _module()
     return None if module is None else module.greedy_rounds
 

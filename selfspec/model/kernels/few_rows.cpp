@@ -25,8 +25,10 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <map>
 #include <memory>
@@ -901,14 +903,17 @@ bool sure(const torch::Tensor& top, double eta) {
 // Returns {drafts (B, s) int64, hidden (B, s + 1, D)}: s <= k drafts and the exit states of the s + 1
 // inputs that ran (the last draft included, the verification's first position, unless eta stopped the
 // loop before drafting it); an empty vector, nothing computed, where `blocks_pass` declines.
-std::vector<torch::Tensor> draft_loop(const std::vector<const Block*>& blocks, const torch::Tensor& embed,
-                                      const torch::Tensor& token, const std::vector<torch::Tensor>& keys,
-                                      const std::vector<torch::Tensor>& values, int64_t start,
-                                      const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& norm,
-                                      double eps, const torch::Tensor& head, const c10::optional<torch::Tensor>& bias,
-                                      const c10::optional<torch::Tensor>& ids, int64_t vocab, int64_t k,
-                                      double eta, const c10::optional<torch::Tensor>& row_starts,
-                                      double mask_value) {
+// `stop`, where given, is asked before each step after the first: true ends the loop at once and
+// returns an empty vector (the caller no longer wants the drafts; see `greedy_rounds`' overlap).
+std::vector<torch::Tensor> draft_loop_until(const std::vector<const Block*>& blocks, const torch::Tensor& embed,
+                                            const torch::Tensor& token, const std::vector<torch::Tensor>& keys,
+                                            const std::vector<torch::Tensor>& values, int64_t start,
+                                            const torch::Tensor& cos, const torch::Tensor& sin,
+                                            const torch::Tensor& norm, double eps, const torch::Tensor& head,
+                                            const c10::optional<torch::Tensor>& bias,
+                                            const c10::optional<torch::Tensor>& ids, int64_t vocab, int64_t k,
+                                            double eta, const c10::optional<torch::Tensor>& row_starts,
+                                            double mask_value, const std::function<bool()>& stop) {
   TORCH_CHECK(token.dim() == 1 && token.scalar_type() == torch::kLong, "token (B,) int64");
   TORCH_CHECK(cos.dim() == 3 && cos.size(0) == token.size(0) && cos.size(1) >= k + 1 && sin.sizes() == cos.sizes(),
               "cos and sin (B, k + 1, hd)");
@@ -919,6 +924,7 @@ std::vector<torch::Tensor> draft_loop(const std::vector<const Block*>& blocks, c
   std::vector<torch::Tensor> drafts, states;
   torch::Tensor input = token;
   for (int64_t i = 0; i <= k; ++i) {
+    if (i > 0 && stop && stop()) return {};
     const auto hidden = embed.index_select(0, input).unsqueeze(1);  // (B, 1, D)
     c10::optional<torch::Tensor> mask, step_starts;
     if (row_starts.has_value()) {  // (B, 1, S): each row up to its own slot
@@ -943,6 +949,18 @@ std::vector<torch::Tensor> draft_loop(const std::vector<const Block*>& blocks, c
   }
   auto made = drafts.empty() ? torch::empty({token.size(0), 0}, token.options()) : torch::cat(drafts, 1);
   return {made, torch::cat(states, 1)};
+}
+
+std::vector<torch::Tensor> draft_loop(const std::vector<const Block*>& blocks, const torch::Tensor& embed,
+                                      const torch::Tensor& token, const std::vector<torch::Tensor>& keys,
+                                      const std::vector<torch::Tensor>& values, int64_t start,
+                                      const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& norm,
+                                      double eps, const torch::Tensor& head, const c10::optional<torch::Tensor>& bias,
+                                      const c10::optional<torch::Tensor>& ids, int64_t vocab, int64_t k,
+                                      double eta, const c10::optional<torch::Tensor>& row_starts,
+                                      double mask_value) {
+  return draft_loop_until(blocks, embed, token, keys, values, start, cos, sin, norm, eps, head, bias, ids, vocab, k,
+                          eta, row_starts, mask_value, nullptr);  // every step: no one cancels the engine's drafts
 }
 
 // Where a pass of T = `length` positions writes and what it sees: kv_length (the slots attended: past
@@ -1147,11 +1165,14 @@ std::vector<torch::Tensor> verify_greedy(const std::vector<const Block*>& blocks
 // over [E, N) of them all. The row keeps the accepted drafts and
 // the target's next token, cut after an eos (`eos` (n_eos,) int64) and at `max_tokens` tokens in all;
 // the last kept token is the next round's pending token at slot n + kept: the rollback is only that,
-// the rejected slots are overwritten later. Ends after an eos, at max_tokens or after `max_rounds`
+// the rejected slots are overwritten later. With `overlap`, a round whose k early-exit drafts ran (no copy
+// after them) verifies on one thread while another drafts the next round ahead (see below): a fresh
+// draft_loop from the same token at the same slot, so the same drafts, on threads that run each pass
+// alone. Ends after an eos, at max_tokens or after `max_rounds`
 // rounds. blocks, keys, values: all N blocks and their buffers (1, Hkv, capacity, hd); cos, sin (L, hd):
 // the rotary table, rows by slot (L > the last slot written). Returns {tokens (t,) int64: every kept
-// token, rounds (R, 4) int64: per round its early-exit drafts, copied drafts (after them), accepted
-// count and kept tokens, seconds (R, 2) float64: per round its draft and verification seconds}; an
+// token, rounds (R, 5) int64: per round its early-exit drafts, copied drafts (after them), accepted
+// count, kept tokens and whether its drafts were made ahead (`overlap`), seconds (R, 2) float64: per round its draft and verification seconds}; an
 // empty vector, nothing computed, where `blocks_pass` declines.
 std::vector<torch::Tensor> greedy_rounds(const std::vector<const Block*>& blocks, int64_t exit_layer,
                                          const torch::Tensor& embed, const std::vector<torch::Tensor>& keys,
@@ -1163,7 +1184,7 @@ std::vector<torch::Tensor> greedy_rounds(const std::vector<const Block*>& blocks
                                          const c10::optional<torch::Tensor>& ids, int64_t vocab, int64_t k,
                                          double eta, const torch::Tensor& eos, int64_t max_tokens,
                                          int64_t max_rounds, const c10::optional<torch::Tensor>& history,
-                                         int64_t min_ngram, int64_t max_ngram, int64_t copy_limit) {
+                                         int64_t min_ngram, int64_t max_ngram, int64_t copy_limit, bool overlap) {
   using Clock = std::chrono::steady_clock;
   const bool copying = history.has_value();
   const int64_t reach = k + (copying ? copy_limit : 0);  // the most drafts a round verifies
@@ -1226,8 +1247,16 @@ std::vector<torch::Tensor> greedy_rounds(const std::vector<const Block*>& blocks
   std::vector<int64_t> kept, record;
   std::vector<double> seconds;
   int64_t slot = start;
+  const int64_t capacity = std::min(keys[0].size(2), cos.size(0));  // slots a pass may write below
+  // the next round's drafts, made during this round's verification (`overlap`): {drafts (1, k), exit
+  // states (1, k + 1, D)} from the exit's own guess of the target's next token, `guess`
+  std::vector<torch::Tensor> ahead;
+  int64_t guess = -1, ahead_slot = -1;
   for (int64_t round = 0; round < max_rounds && static_cast<int64_t>(kept.size()) < max_tokens; ++round) {
     const auto began = Clock::now();
+    const auto made_ahead = std::move(ahead);
+    ahead.clear();
+    bool reused = false;
     const auto pending = torch::full({1}, token, longs);
     std::vector<torch::Tensor> verified;
     int64_t early = 0, copied = 0, drafted = 0;  // early-exit drafts, then copied ones
@@ -1242,9 +1271,13 @@ std::vector<torch::Tensor> greedy_rounds(const std::vector<const Block*>& blocks
                                rows(sin, slot, drafted + 1), mask_value, norm, eps, head, bias,
                                input.narrow(1, 1, drafted), c10::nullopt, c10::nullopt);
     } else if (k > 0) {
-      const auto drafts = draft_loop(low, embed, pending, low_keys, low_values, slot, rows(cos, slot, k + 1),
-                                     rows(sin, slot, k + 1), norm, eps, draft_head, draft_bias, ids, vocab, k, eta,
-                                     c10::nullopt, mask_value);
+      // the drafts made ahead during the last round's verification, if it kept them all and its next token
+      // was their guess (this round's pending token at the slot they start from)
+      reused = !made_ahead.empty() && token == guess && slot == ahead_slot;
+      const auto drafts = reused ? made_ahead
+                                : draft_loop(low, embed, pending, low_keys, low_values, slot, rows(cos, slot, k + 1),
+                                             rows(sin, slot, k + 1), norm, eps, draft_head, draft_bias, ids, vocab,
+                                             k, eta, c10::nullopt, mask_value);
       if (drafts.empty()) {
         TORCH_CHECK(round == 0, "blocks_pass declined after the first round");
         return {};
@@ -1269,9 +1302,51 @@ std::vector<torch::Tensor> greedy_rounds(const std::vector<const Block*>& blocks
         }
       }
       draft_seconds = since(began);
-      verified = verify_greedy(high, states, c10::nullopt, embed, high_keys, high_values, slot,
-                               rows(cos, slot, drafted + 1), rows(sin, slot, drafted + 1), mask_value, norm, eps,
-                               head, bias, tokens, c10::nullopt, c10::nullopt);
+      const auto verify = [&] {
+        return verify_greedy(high, states, c10::nullopt, embed, high_keys, high_values, slot,
+                             rows(cos, slot, drafted + 1), rows(sin, slot, drafted + 1), mask_value, norm, eps,
+                             head, bias, tokens, c10::nullopt, c10::nullopt);
+      };
+      const int64_t next = slot + drafted + 1;  // the next round's slot if every draft is accepted
+      if (overlap && early == k && !copied && next + k < capacity) {
+        // The verification (blocks [E, N)) on one thread while the other drafts the next round (blocks
+        // [0, E), slots from `next`) from the exit's guess of the target's token after the last draft:
+        // the two write different blocks' caches, and every pass inside runs on its own thread. The
+        // drafts are kept when the target accepts every draft and its next token is the guess; the
+        // drafting stops as soon as the verification says they will not be.
+        std::atomic<int> verdict{-1};  // -1 while verifying; then whether every draft was accepted
+        std::atomic<int64_t> bonus{-1};  // the target's token after the last draft, once verified
+        guess = -1;
+        ahead_slot = next;
+        at::parallel_for(0, 2, 1, [&](int64_t first, int64_t last) {
+          for (int64_t task = first; task < last; ++task) {
+            if (task == 0) {
+              verified = verify();
+              if (verified.empty()) {
+                verdict = 0;
+                continue;
+              }
+              const int64_t* decided = verified[0].data_ptr<int64_t>();
+              bonus = decided[drafted];
+              verdict = decided[drafted + 1] == drafted ? 1 : 0;
+              continue;
+            }
+            const auto chosen = draft_choice(states.select(1, early).contiguous(), norm, eps, draft_head, draft_bias,
+                                             ids, vocab, c10::nullopt, eta);
+            if (!sure(chosen[1], eta)) continue;
+            guess = chosen[0].item<int64_t>();
+            const std::function<bool()> stop = [&] {
+              const int v = verdict.load();
+              return v == 0 || (v == 1 && bonus.load() != guess);
+            };
+            ahead = draft_loop_until(low, embed, chosen[0], low_keys, low_values, next, rows(cos, next, k + 1),
+                                     rows(sin, next, k + 1), norm, eps, draft_head, draft_bias, ids, vocab, k, eta,
+                                     c10::nullopt, mask_value, stop);
+          }
+        });
+      } else {
+        verified = verify();
+      }
     } else {
       verified = verify_greedy(blocks, c10::nullopt, pending.view({1, 1}), embed, keys, values, slot,
                                rows(cos, slot, 1), rows(sin, slot, 1), mask_value, norm, eps, head, bias,
@@ -1299,12 +1374,12 @@ std::vector<torch::Tensor> greedy_rounds(const std::vector<const Block*>& blocks
     }
     token = tokens[keep - 1];
     slot += keep;
-    record.insert(record.end(), {early, copied, accepted, keep});
+    record.insert(record.end(), {early, copied, accepted, keep, reused});
     seconds.insert(seconds.end(), {draft_seconds, since(began) - draft_seconds});
     if (ended) break;
   }
-  const auto count = static_cast<int64_t>(record.size()) / 4;
-  return {torch::tensor(kept, longs), torch::tensor(record, longs).view({count, 4}),
+  const auto count = static_cast<int64_t>(record.size()) / 5;
+  return {torch::tensor(kept, longs), torch::tensor(record, longs).view({count, 5}),
           torch::tensor(seconds, torch::TensorOptions().dtype(torch::kDouble)).view({count, 2})};
 }
 
