@@ -265,7 +265,7 @@ def load_tuned(path: str | Path, device: str = "auto", dtype: str = "auto",
                settings: DecodeSettings | None = None,
                *, exit_layer: int | None = None, num_speculations=None, drafter: str | None = None,
                draft_vocab_size: int | None = None, stop_below: float | None = None,
-               min_ngram: int | None = None, static_passes: str | None = None):
+               min_ngram: int | None = None, overlap: bool | None = None, static_passes: str | None = None):
     """Load a checkpoint as a `SelfSpecGenerator` ready for lossless fast generation.
 
     A tuned checkpoint decodes with `settings`, by default its own (what `selfspec eval sweep
@@ -291,7 +291,8 @@ def load_tuned(path: str | Path, device: str = "auto", dtype: str = "auto",
     meta = read_meta(path) if tuned else {}
     untold = not tuned and settings is None and exit_layer is None and drafter is None
     told = settings is not None or any(v is not None for v in (exit_layer, num_speculations, drafter,
-                                                                draft_vocab_size, stop_below, min_ngram))
+                                                                draft_vocab_size, stop_below, min_ngram,
+                                                                overlap))
     # a sweep's settings for constrained calls count only when the caller set nothing
     formats = format_settings(path, meta) if tuned and not told else {}
     if settings is None:  # the checkpoint's own; a plain model's: copies, or the early exit when told
@@ -299,7 +300,7 @@ def load_tuned(path: str | Path, device: str = "auto", dtype: str = "auto",
                     else DecodeSettings(drafter="ngram" if untold else "early_exit"))
     settings = settings.override(
         exit_layer=exit_layer, num_speculations=num_speculations, drafter=drafter,
-        draft_vocab_size=draft_vocab_size, stop_below=stop_below, min_ngram=min_ngram)
+        draft_vocab_size=draft_vocab_size, stop_below=stop_below, min_ngram=min_ngram, overlap=overlap)
     counts = token_counts_for(path, max([settings.draft_vocab_size,
                                          *(s.draft_vocab_size for s in formats.values())]))
     if device == "auto":

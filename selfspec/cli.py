@@ -140,6 +140,9 @@ def _settings_flags(p, drafter: bool = True) -> None:
     p.add_argument("--stop-below", type=float, default=None,
                    help="η: stop a round's early-exit drafts when the draft's top probability falls below it "
                         "(0: never)")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help="verify each round on one thread while another drafts the next (CPU, greedy, one "
+                        "row; pays where one thread runs a pass nearly as fast as all)")
 
 
 def _suite_flags(p, sweep_use: bool = False) -> None:

@@ -128,7 +128,7 @@ def generate(model_dir: str, prompts: list[str], *, max_new_tokens: int = 64, te
              eos: list[int] | None = None, stop: list[str] | None = None, stream: bool = True,
              exit_layer: int | None = None, num_speculations=None, drafter: str | None = None,
              draft_vocab_size: int | None = None, stop_below: float | None = None,
-             json_schema: str | None = None, regex: str | None = None,
+             overlap: bool | None = None, json_schema: str | None = None, regex: str | None = None,
              grammar: str | None = None, static_passes: str | None = None) -> list[str] | bool:
     """Generate continuations of `prompts` (one batch) with a tuned checkpoint; print them and the stats.
 
@@ -150,7 +150,8 @@ def generate(model_dir: str, prompts: list[str], *, max_new_tokens: int = 64, te
         raise UserError("a prompt is empty; pass some text to continue")
     constraint = read_constraint(json_schema=json_schema, regex=regex, grammar=grammar)
     gen = load_tuned(model_dir, exit_layer=exit_layer, num_speculations=num_speculations, drafter=drafter,
-                     draft_vocab_size=draft_vocab_size, stop_below=stop_below, static_passes=static_passes)
+                     draft_vocab_size=draft_vocab_size, stop_below=stop_below, overlap=overlap,
+                     static_passes=static_passes)
     tokenizer = gen.tokenizer
     if tokenizer is None:
         raise UserError(f"{model_dir} has no tokenizer; "

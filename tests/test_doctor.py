@@ -39,6 +39,10 @@ def test_a_healthy_model_passes_every_check():
     ({"draft_cost": 0.7, "weights_in_cache": [13 << 20, 32 << 20]}, 2,
      "the weights (13 MiB) fit in the CPU's last-level cache (32 MiB)"),
     ({"weights_in_cache": [13 << 20, 32 << 20]}, 2, "near the 0.45"),  # c as predicted: nothing to explain
+    # overlapped rounds: most drafts ran beside a verification, so c is what a round pays, not a pass
+    ({"draft_cost": 0.14, "verify_cost": 1.48, "drafted_ahead": 0.64}, 2,
+     "c = 0.14 and v = 1.48 plain steps as a round pays them (the weights predict c = 0.45 for a pass "
+     "alone): 64% of the rounds drafted beside the round before's verification"),
     ({"overhead": 0.2}, 3, "costs 0.20 plain steps a round (above 0.10)"),
     ({"verify_cost_long": 1.4}, 4, "long contexts erode the gain"),
     ({"draft_cost_long": None, "verify_cost_long": None}, 4, "not measured at 2048"),

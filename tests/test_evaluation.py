@@ -12,6 +12,7 @@ from selfspec.agreement import exit_layer_metrics
 from selfspec.checkpoint import read_settings
 from selfspec.cli import main
 from selfspec.decoding import DecodeSettings
+from selfspec.errors import UserError
 from selfspec.evaluation.exits import format_exit_table
 from selfspec.evaluation.perplexity import perplexity, perplexity_gate
 from selfspec.evaluation.results import SweepReport
@@ -306,6 +307,26 @@ def test_the_re_timing_takes_each_drafters_fastest_cells_not_the_leaders_only():
     assert [c for c in picked if c[0] == "e"] == ["e0", "e1", "e2"]  # fastest first within a drafter
     assert sorted(row["cell"] for row in confirm_candidates(grid, 1)) == ["e0", "h0", "n0"]
 
+
+
+def test_each_early_exit_and_hybrid_candidate_is_re_timed_with_its_rounds_overlapped_too():
+    """`DecodeSettings.overlap` (verification beside the next round's drafts) wins or loses by how much a
+    pass slows on one thread: the re-timing measures each early-exit and hybrid candidate both ways;
+    copies have no early-exit drafts to make ahead. The setting travels through selfspec.json."""
+    from selfspec.evaluation.sweep import overlapped_twins, settings_of
+
+    rows = [{**DecodeSettings(drafter=d, exit_layer=3, num_speculations=2).to_json(), "speedup": 1.2}
+            for d in ("early_exit", "hybrid", "ngram")]
+    twins = overlapped_twins(rows)
+    want = [settings_of(row).override(overlap=True) for row in rows[:2]]
+    assert [settings_of(row) for row in twins] == want
+    assert overlapped_twins(twins) == []  # overlapped already
+    assert "overlapped" in settings_of(twins[0]).describe()
+    assert settings_of(twins[0]).overlap and not settings_of(rows[0]).overlap
+    old = {key: value for key, value in rows[0].items() if key in ("drafter", "exit_layer")}
+    assert settings_of(old) == DecodeSettings(exit_layer=3)  # a report from before the field: off
+    with pytest.raises(UserError, match="overlap must be true or false"):
+        DecodeSettings(overlap="yes")
 
 def test_the_write_back_skips_a_median_win_inside_the_noise(tiny_run, tmp_path):
     from transformers import AutoModelForCausalLM

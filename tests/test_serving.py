@@ -428,7 +428,8 @@ def test_a_server_process_that_cannot_start_is_one_clear_error(tmp_path):
     from selfspec.evaluation.serve_load import server_process
 
     log = tmp_path / "server.log"
-    with pytest.raises(UserError, match="exited with 2 before it answered: see .*server.log"):
-        with server_process(str(tmp_path / "no-model"), log):
-            pass
-    assert "no-model" in log.read_text()
+    for flags in ({}, {"overlap": True, "exit_layer": 2}):  # a boolean setting as --overlap
+        with pytest.raises(UserError, match="exited with 2 before it answered: see .*server.log"):
+            with server_process(str(tmp_path / "no-model"), log, **flags):
+                pass
+        assert "no-model" in log.read_text() and "unrecognized" not in log.read_text()

@@ -409,17 +409,19 @@ def pooled_costs(plain_runs, spec_runs) -> dict:
     `plain_runs`), per draft step and per verification, and the draft cost c = draft ÷ plain step."""
     pooled = AcceptanceStats()
     draft_time = verify_time = 0.0
-    draft_steps = spec_rounds = 0
+    draft_steps = spec_rounds = ahead = 0
     for stats in spec_runs:
         pooled.merge(stats)
         draft_time += stats.draft_time
         verify_time += stats.verify_time
         draft_steps += stats.draft_steps
         spec_rounds += stats.rounds - stats.plain_steps
+        ahead += stats.drafted_ahead
     plain_step = sum(s.plain_time for s in plain_runs) / max(1, sum(s.plain_steps for s in plain_runs))
     draft_step = draft_time / draft_steps if draft_steps else float("nan")
     return {"stats": pooled, "plain_step": plain_step, "draft_step": draft_step, "draft_steps": draft_steps,
             "spec_rounds": spec_rounds, "verify_per_round": verify_time / max(1, spec_rounds),
+            "drafted_ahead_share": ahead / max(1, spec_rounds),
             "draft_cost": draft_step / plain_step if plain_step else float("nan")}
 
 
@@ -427,6 +429,8 @@ def cost_model(plain_runs, spec_runs, measured: float | None, weights: float | N
                in_cache: list[int] | None = None) -> dict:
     """α, mean accepted length, c and the predictions, pooled over the timed early_exit runs;
     `weights`: the c its weights predict (`doctor.weight_cost`), kept beside the measured one;
+    "drafted_ahead_share": the rounds whose drafts ran beside the round before's verification
+    (`DecodeSettings.overlap`), which c and v then measure as they cost a round, not a pass alone;
     `in_cache`: [weight bytes, cache bytes] where the weights fit in the CPU's last-level cache
     (`doctor.weights_in_cache`), which the diagnosis names."""
     costs = pooled_costs(plain_runs, spec_runs)
@@ -449,7 +453,7 @@ def cost_model(plain_runs, spec_runs, measured: float | None, weights: float | N
     k_rounds = pooled.k_rounds
     out.update({
         "draft_step_seconds": draft_step, "verify_seconds_per_round": verify,
-        "draft_cost": c, "mean_k": k_mean,
+        "draft_cost": c, "mean_k": k_mean, "drafted_ahead_share": costs["drafted_ahead_share"],
         "verify_cost": verify / plain_step,
         # E(k)/(k·c + v) per round with v the measured verification in plain steps, weighted by how
         # many rounds used each k (k = 0 rounds count 1/1)
@@ -621,7 +625,7 @@ def extraction_benchmark_prompts(tokenizer, num_prompts: int, split: str = "test
 
 def speedup(model: str, *, exit_layer: int | None = None, num_speculations=None,
             draft_vocab_size: int | None = None, stop_below: float | None = None,
-            min_ngram: int | None = None,
+            min_ngram: int | None = None, overlap: bool | None = None,
             prompts: str | None = None,
             corpus: str = "stdlib", num_prompts: int = 8, prompt_tokens: int = 64, max_new_tokens: int = 128,
             repeats: int = 5, warmup: int = 1, methods=METHODS, batch_size: int = 1, keep_eos: bool = False,
@@ -646,7 +650,7 @@ def speedup(model: str, *, exit_layer: int | None = None, num_speculations=None,
     kind = constraint.kind if constraint is not None else "json_schema" if prompts == JSON_EXTRACT else None
     settings, fastest, token_counts = resolve_settings(
         model, constraint_kind=kind, exit_layer=exit_layer, num_speculations=num_speculations,
-        draft_vocab_size=draft_vocab_size, stop_below=stop_below, min_ngram=min_ngram)
+        draft_vocab_size=draft_vocab_size, stop_below=stop_below, min_ngram=min_ngram, overlap=overlap)
     if settings.exit_layer is None:
         raise UserError(f"--exit-layer is required: {model} has no selfspec.json")
     lm, tokenizer = load_model(model, device, dtype)

@@ -46,7 +46,8 @@ def diagnose(figures: dict) -> list[str]:
         lines.append(_acceptance(figures))
     if figures.get("draft_cost") is not None and figures.get("weight_cost") is not None:
         lines.append(_draft_cost(figures["draft_cost"], figures["weight_cost"], figures.get("free_drafts"),
-                                 figures.get("weights_in_cache"), figures.get("verify_cost")))
+                                 figures.get("weights_in_cache"), figures.get("verify_cost"),
+                                 figures.get("drafted_ahead")))
     overhead = figures.get("overhead")
     if overhead is not None and overhead > OVERHEAD_LIMIT:
         lines.append(f"3. overhead: the work between a round's passes costs {overhead:.2f} plain steps "
@@ -90,12 +91,19 @@ def _acceptance(figures: dict) -> str:
 
 
 def _draft_cost(c: float, weight: float, free_drafts: bool = False, in_cache: list[int] | None = None,
-                v: float | None = None) -> str:
+                v: float | None = None, ahead: float | None = None) -> str:
     """Check 2: the measured c against the share of the weights a draft step reads. free_drafts: the
     rounds drafted tokens without a model call beside the exit's (a grammar's forced tokens, copies),
     whose pass through blocks [0, E) the draft time holds. in_cache: [weight bytes, cache bytes]
     where the weights fit in the CPU's last-level cache (`weights_in_cache`); v: the verification's
-    cost in plain steps."""
+    cost in plain steps; ahead: the share of rounds whose drafts ran beside the round before's
+    verification (overlapped rounds)."""
+    if ahead:
+        verify = f" and v = {v:.2f}" if v is not None else ""
+        return (f"2. draft cost: c = {c:.2f}{verify} plain steps as a round pays them (the weights predict "
+                f"c = {weight:.2f} for a pass alone): {ahead:.0%} of the rounds drafted beside the round "
+                f"before's verification (overlapped rounds), their drafts taking no time of their own, "
+                f"while each pass runs on one thread.")
     if c > DRAFT_COST_MARGIN * weight and in_cache and not free_drafts:
         verify = f"; a verification costs v = {v:.2f} plain steps" if v is not None else ""
         return (f"2. draft cost: a draft step costs c = {c:.2f} plain steps, {c / weight:.2f}× the "
@@ -155,7 +163,7 @@ def cost_figures(cost: dict, speedups: dict, exit_layer: int | None, overhead: f
     report's `benchmark.prefill_split`."""
     figures = {"exit_layer": exit_layer, "speedups": speedups, "overhead": overhead,
                "weight_cost": cost.get("weight_cost"), "weights_in_cache": cost.get("weights_in_cache"),
-               "free_drafts": exit_alpha is not None}
+               "free_drafts": exit_alpha is not None, "drafted_ahead": cost.get("drafted_ahead_share")}
     if "draft_cost" in cost:
         # the rounds' k counts every draft; beside other drafts, the exit's own mean k stands alone
         rounds = {int(k): n for k, n in (cost.get("k_rounds") or {}).items()} if exit_alpha is None else None

@@ -78,8 +78,11 @@ def server_process(model: str, log: Path, *, max_batch: int = 8, device: str = "
                "--served-model-name", "served", "--max-batch", str(max_batch), "--device", device,
                "--dtype", dtype]
     for name, value in settings.items():
-        if value is not None:
-            command += [f"--{name.replace('_', '-')}", str(value)]
+        flag = f"--{name.replace('_', '-')}"
+        if isinstance(value, bool):  # --overlap / --no-overlap
+            command.append(flag if value else f"--no-{flag[2:]}")
+        elif value is not None:
+            command += [flag, str(value)]
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as output:
         process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT,

@@ -314,7 +314,8 @@ def suite(model: str, *, suites: str | None = None, questions: str | None = None
           categories: str | None = None, max_per_category: int | None = None, max_new_tokens: int = 128,
           methods=METHODS, repeats: int = 1, warmup: int = 1, batch_size: int = 1, no_eos: bool = False,
           exit_layer: int | None = None, num_speculations=None, draft_vocab_size: int | None = None,
-          stop_below: float | None = None, min_ngram: int | None = None, json_schema: str | None = None,
+          stop_below: float | None = None, min_ngram: int | None = None, overlap: bool | None = None,
+          json_schema: str | None = None,
           regex: str | None = None, grammar: str | None = None,
           device: str | None = None, dtype: str = "auto", out: str = "runs/suite") -> SuiteReport:
     """`selfspec eval suite`: run the suite on the checkpoint `model`; print the tables and write
@@ -326,7 +327,7 @@ def suite(model: str, *, suites: str | None = None, questions: str | None = None
     check_methods(methods, batch_size)
     settings, fastest, token_counts = resolve_settings(
         model, exit_layer=exit_layer, num_speculations=num_speculations, draft_vocab_size=draft_vocab_size,
-        stop_below=stop_below, min_ngram=min_ngram)
+        stop_below=stop_below, min_ngram=min_ngram, overlap=overlap)
     if settings.exit_layer is None:
         raise UserError(f"--exit-layer is required: {model} has no selfspec.json")
     # the questions first: a missing package or category fails before the model loads
