@@ -951,6 +951,7 @@ std::vector<torch::Tensor> draft_loop_until(const std::vector<const Block*>& blo
   return {made, torch::cat(states, 1)};
 }
 
+// `draft_loop_until` without a stop: the engine's draft loop.
 std::vector<torch::Tensor> draft_loop(const std::vector<const Block*>& blocks, const torch::Tensor& embed,
                                       const torch::Tensor& token, const std::vector<torch::Tensor>& keys,
                                       const std::vector<torch::Tensor>& values, int64_t start,
@@ -960,7 +961,7 @@ std::vector<torch::Tensor> draft_loop(const std::vector<const Block*>& blocks, c
                                       double eta, const c10::optional<torch::Tensor>& row_starts,
                                       double mask_value) {
   return draft_loop_until(blocks, embed, token, keys, values, start, cos, sin, norm, eps, head, bias, ids, vocab, k,
-                          eta, row_starts, mask_value, nullptr);  // every step: no one cancels the engine's drafts
+                          eta, row_starts, mask_value, nullptr);
 }
 
 // Where a pass of T = `length` positions writes and what it sees: kv_length (the slots attended: past
@@ -1165,14 +1166,14 @@ std::vector<torch::Tensor> verify_greedy(const std::vector<const Block*>& blocks
 // over [E, N) of them all. The row keeps the accepted drafts and
 // the target's next token, cut after an eos (`eos` (n_eos,) int64) and at `max_tokens` tokens in all;
 // the last kept token is the next round's pending token at slot n + kept: the rollback is only that,
-// the rejected slots are overwritten later. With `overlap`, a round whose k early-exit drafts ran (no copy
-// after them) verifies on one thread while another drafts the next round ahead (see below): a fresh
-// draft_loop from the same token at the same slot, so the same drafts, on threads that run each pass
-// alone. Ends after an eos, at max_tokens or after `max_rounds`
-// rounds. blocks, keys, values: all N blocks and their buffers (1, Hkv, capacity, hd); cos, sin (L, hd):
-// the rotary table, rows by slot (L > the last slot written). Returns {tokens (t,) int64: every kept
-// token, rounds (R, 5) int64: per round its early-exit drafts, copied drafts (after them), accepted
-// count, kept tokens and whether its drafts were made ahead (`overlap`), seconds (R, 2) float64: per round its draft and verification seconds}; an
+// the rejected slots are overwritten later. With `overlap`, a round whose k early-exit drafts ran (no
+// copy after them) verifies on one thread while another drafts the next round ahead (see below): the
+// drafts a fresh draft_loop would make from the same token at the same slot, each pass on one thread.
+// Ends after an eos, at max_tokens or after `max_rounds` rounds. blocks, keys, values: all N blocks and
+// their buffers (1, Hkv, capacity, hd); cos, sin (L, hd): the rotary table, rows by slot (L > the last
+// slot written). Returns {tokens (t,) int64: every kept token, rounds (R, 5) int64: per round its
+// early-exit drafts, copied drafts (after them), accepted count, kept tokens and whether its drafts were
+// made ahead (`overlap`), seconds (R, 2) float64: per round its draft and verification seconds}; an
 // empty vector, nothing computed, where `blocks_pass` declines.
 std::vector<torch::Tensor> greedy_rounds(const std::vector<const Block*>& blocks, int64_t exit_layer,
                                          const torch::Tensor& embed, const std::vector<torch::Tensor>& keys,
@@ -1311,9 +1312,10 @@ std::vector<torch::Tensor> greedy_rounds(const std::vector<const Block*>& blocks
       if (overlap && early == k && !copied && next + k < capacity) {
         // The verification (blocks [E, N)) on one thread while the other drafts the next round (blocks
         // [0, E), slots from `next`) from the exit's guess of the target's token after the last draft:
-        // the two write different blocks' caches, and every pass inside runs on its own thread. The
-        // drafts are kept when the target accepts every draft and its next token is the guess; the
-        // drafting stops as soon as the verification says they will not be.
+        // the two write different blocks' caches, and ATen runs the `parallel_for`s nested in this pair
+        // serially, so each pass runs on its task's thread (no second OpenMP team). The drafts are kept
+        // when the target accepts every draft and its next token is the guess; the drafting stops as
+        // soon as the verification says they will not be.
         std::atomic<int> verdict{-1};  // -1 while verifying; then whether every draft was accepted
         std::atomic<int64_t> bonus{-1};  // the target's token after the last draft, once verified
         guess = -1;
