@@ -158,7 +158,7 @@ def test_the_readme_shows_commands():
 def test_the_sweep_searches_eta_and_writes_it_back(tiny_ckpt, tmp_path, capsys):
     from helpers import sharp_llama
 
-    from selfspec.evaluation.sweep import run_sweep, to_markdown
+    from selfspec.evaluation.sweep import overlap_applies, run_sweep, to_markdown
 
     report = run_sweep(sharp_llama(), [[5, 17, 33, 2, 11, 8]], [1], [2], drafters=("early_exit", "hybrid"),
                        stop_belows=(0.0, 0.5), max_new_tokens=8, repeats=1, warmup=0, progress=False)
@@ -167,6 +167,9 @@ def test_the_sweep_searches_eta_and_writes_it_back(tiny_ckpt, tmp_path, capsys):
     assert report["all_identical_to_plain"]
     assert sum(row["stopped_below_eta"] for row in report["grid"] if row["stop_below"]) > 0
     assert "early_exit, E = 1, k = 2, η = 0.5" in to_markdown(report)
+    # the re-timing measures each early-exit and hybrid candidate overlapped too, where that can run
+    overlapped = {row["drafter"] for row in report["confirmed"] if row["settings"]["overlap"]}
+    assert overlapped == ({"early_exit", "hybrid"} if overlap_applies("cpu", False) else set())
     out = tmp_path / "sweep"
     assert cli.main(["eval", "sweep", "--model", str(tiny_ckpt), "--exit-layers", "2", "--ks", "2",
                      "--stop-belows", "0,0.4", "--max-new-tokens", "4", "--repeats", "1", "--warmup", "0",
@@ -177,6 +180,22 @@ def test_the_sweep_searches_eta_and_writes_it_back(tiny_ckpt, tmp_path, capsys):
     assert cli.main(["eval", "sweep", "--model", str(tiny_ckpt), "--stop-belows", "high"]) == 2
     assert "comma list of numbers" in capsys.readouterr().err
 
+
+
+def test_overlap_reaches_the_decode_from_the_flags_and_load_tuned(tiny_ckpt, capsys):
+    """`--overlap` / `--no-overlap` and `load_tuned(overlap=)` set `DecodeSettings.overlap` (stdout the
+    same text either way, the settings on stderr say which); a checkpoint without the field is off."""
+    from selfspec import load_tuned
+
+    assert load_tuned(tiny_ckpt, overlap=True).settings.overlap and not load_tuned(tiny_ckpt).settings.overlap
+    texts = []
+    for flag, said in (("--overlap", True), ("--no-overlap", False)):
+        assert cli.main(["generate", str(tiny_ckpt), "def f(x):", "--max-new-tokens", "12", "--no-eos",
+                         flag]) == 0
+        out, err = capsys.readouterr()
+        texts.append(out)
+        assert ("overlapped" in err) == said
+    assert texts[0] == texts[1]
 
 def _prompt_file(tmp_path: Path) -> Path:
     path = tmp_path / "prompts.txt"
