@@ -38,6 +38,7 @@ def test_a_healthy_model_passes_every_check():
     # a model whose weights sit in the last-level cache: its passes are not bound by reading them
     ({"draft_cost": 0.7, "weights_in_cache": [13 << 20, 32 << 20]}, 2,
      "the weights (13 MiB) fit in the CPU's last-level cache (32 MiB)"),
+    ({"draft_cost": 0.7, "weights_in_cache": [13 << 20, 32 << 20]}, 2, "overlapped rounds (--overlap)"),
     ({"weights_in_cache": [13 << 20, 32 << 20]}, 2, "near the 0.45"),  # c as predicted: nothing to explain
     # overlapped rounds: most drafts ran beside a verification, so c is what a round pays, not a pass
     ({"draft_cost": 0.14, "verify_cost": 1.48, "drafted_ahead": 0.64}, 2,

@@ -111,7 +111,7 @@ def _draft_cost(c: float, weight: float, free_drafts: bool = False, in_cache: li
                 f"the CPU's last-level cache ({in_cache[1] / 2**20:.0f} MiB), so a pass is bound by its "
                 f"compute and per-step work, not by reading them, and each position costs its own"
                 f"{verify}; the early exit gains most where the weights stream from memory (larger "
-                f"models).")
+                f"models); here overlapped rounds (--overlap) give each core a pass of its own.")
     if c > DRAFT_COST_MARGIN * weight and free_drafts:
         return (f"2. draft cost: c = {c:.2f} plain steps per early-exit draft, {c / weight:.2f}× the "
                 f"{weight:.2f} its weights predict; the draft passes also run the free drafts (forced "
