@@ -38,9 +38,10 @@ def diagnose(figures: dict) -> list[str]:
     `verify_cost` (v), `weight_cost` (the weights' c), `overhead` (plain steps per round outside the
     passes), `context`, `long_context`, `draft_cost_long`, `verify_cost_long` (the last two None when
     the long context was not measured), `speedups` (method -> × plain); optionally `k_rounds` (k ->
-    rounds, for a run whose k varied) and `prefill` ({"share": the prefill's share of plain's time,
-    "decode": the fastest method's decoding × plain after it}). A check whose figures are absent is
-    left out, so a benchmark, a sweep or a suite gives the checks it measured (`summary`)."""
+    rounds, for a run whose k varied), `drafted_ahead` (the share of rounds whose drafts ran beside the
+    round before's verification: overlapped rounds) and `prefill` ({"share": the prefill's share of
+    plain's time, "decode": the fastest method's decoding × plain after it}). A check whose figures are
+    absent is left out, so a benchmark, a sweep or a suite gives the checks it measured (`summary`)."""
     lines = []
     if figures.get("draft_cost") is not None:
         lines.append(_acceptance(figures))
@@ -260,7 +261,7 @@ def doctor(model: str, *, exit_layer: int | None = None, num_speculations: int |
     figures = {
         "exit_layer": settings.exit_layer, "num_layers": view.num_layers, "k": k,
         "alpha": cost["acceptance_rate"], "draft_cost": cost["draft_cost"],
-        "verify_cost": cost["verify_cost"],
+        "verify_cost": cost["verify_cost"], "drafted_ahead": cost.get("drafted_ahead_share"),
         "weight_cost": weight_cost(view, settings.exit_layer, settings.draft_vocab_size or 0),
         "weights_in_cache": weights_in_cache(view),
         "overhead": report["round_profile"]["methods"]["early_exit"]["plain_steps"]["outside_passes"],
