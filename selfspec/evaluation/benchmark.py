@@ -429,10 +429,10 @@ def cost_model(plain_runs, spec_runs, measured: float | None, weights: float | N
                in_cache: list[int] | None = None) -> dict:
     """α, mean accepted length, c and the predictions, pooled over the timed early_exit runs;
     `weights`: the c its weights predict (`doctor.weight_cost`), kept beside the measured one;
-    "drafted_ahead_share": the rounds whose drafts ran beside the round before's verification
-    (`DecodeSettings.overlap`), which c and v then measure as they cost a round, not a pass alone;
     `in_cache`: [weight bytes, cache bytes] where the weights fit in the CPU's last-level cache
-    (`doctor.weights_in_cache`), which the diagnosis names."""
+    (`doctor.weights_in_cache`), which the diagnosis names. "drafted_ahead_share": the share of rounds
+    whose drafts ran beside the round before's verification (`DecodeSettings.overlap`); c and v then
+    measure what a round pays, not a pass alone."""
     costs = pooled_costs(plain_runs, spec_runs)
     pooled, plain_step, draft_steps = costs["stats"], costs["plain_step"], costs["draft_steps"]
     alpha = pooled.acceptance_rate
