@@ -167,8 +167,8 @@ def test_the_sweep_searches_eta_and_writes_it_back(tiny_ckpt, tmp_path, capsys):
     assert report["all_identical_to_plain"]
     assert sum(row["stopped_below_eta"] for row in report["grid"] if row["stop_below"]) > 0
     assert "early_exit, E = 1, k = 2, η = 0.5" in to_markdown(report)
-    # the re-timing measures each early-exit and hybrid candidate overlapped too, where that can run
-    overlapped = {row["drafter"] for row in report["confirmed"] if row["settings"]["overlap"]}
+    # the grid measures each early-exit and hybrid cell with its rounds overlapped too, where that runs
+    overlapped = {row["drafter"] for row in report["grid"] if row["overlap"]}
     assert overlapped == ({"early_exit", "hybrid"} if overlap_applies("cpu", False) else set())
     out = tmp_path / "sweep"
     assert cli.main(["eval", "sweep", "--model", str(tiny_ckpt), "--exit-layers", "2", "--ks", "2",

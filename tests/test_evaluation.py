@@ -309,22 +309,24 @@ def test_the_re_timing_takes_each_drafters_fastest_cells_not_the_leaders_only():
 
 
 
-def test_each_early_exit_and_hybrid_candidate_is_re_timed_with_its_rounds_overlapped_too():
+def test_the_grid_runs_each_early_exit_and_hybrid_cell_both_ways_where_overlap_applies():
     """`DecodeSettings.overlap` (verification beside the next round's drafts) wins or loses by how much a
-    pass slows on one thread: the re-timing measures each early-exit and hybrid candidate both ways;
-    copies have no early-exit drafts to make ahead. The setting travels through selfspec.json."""
-    from selfspec.evaluation.sweep import overlapped_twins, settings_of
+    pass slows on one thread: the grid measures each early-exit and hybrid cell with and without it;
+    copies have no early-exit drafts to make ahead. The setting travels through the report's rows."""
+    from selfspec.evaluation.sweep import grid_settings, settings_of
 
-    rows = [{**DecodeSettings(drafter=d, exit_layer=3, num_speculations=2).to_json(), "speedup": 1.2}
-            for d in ("early_exit", "hybrid", "ngram")]
-    twins = overlapped_twins(rows)
-    want = [settings_of(row).override(overlap=True) for row in rows[:2]]
-    assert [settings_of(row) for row in twins] == want
-    assert overlapped_twins(twins) == []  # overlapped already
-    assert "overlapped" in settings_of(twins[0]).describe()
-    assert settings_of(twins[0]).overlap and not settings_of(rows[0]).overlap
-    old = {key: value for key, value in rows[0].items() if key in ("drafter", "exit_layer")}
-    assert settings_of(old) == DecodeSettings(exit_layer=3)  # a report from before the field: off
+    base = DecodeSettings(exit_layer=3)
+    grid = grid_settings(base, [2, 3], [1, 2], ("early_exit", "hybrid", "ngram"), [0], [2],
+                         overlaps=(False, True))
+    cells = [(s.drafter, s.exit_layer, s.num_speculations, s.overlap) for s in grid[1:]]
+    assert len(cells) == len(set(cells)) == 2 * 4 + 2 * 4 + 1
+    assert {c[3] for c in cells if c[0] != "ngram"} == {False, True}
+    assert [c[3] for c in cells if c[0] == "ngram"] == [False]
+    assert len(grid_settings(base, [2], [1], ("early_exit",), [0], [2])) == 2  # one way: rounds in turn
+    row = grid[2].to_json()
+    assert settings_of(row) == grid[2] and settings_of(row).overlap and "overlapped" in grid[2].describe()
+    old = {key: value for key, value in row.items() if key in ("drafter", "exit_layer")}
+    assert settings_of(old) == DecodeSettings(exit_layer=2)  # a report from before the field: off
     with pytest.raises(UserError, match="overlap must be true or false"):
         DecodeSettings(overlap="yes")
 

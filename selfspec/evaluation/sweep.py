@@ -2,7 +2,9 @@
 
 The grid: plain decoding (k = 0) once; early-exit drafting at every exit layer E × draft length k ×
 draft-head size V'; the hybrid drafter (copies from the context, the early exit otherwise) at every
-E × k × V' × copy threshold (`min_ngram`); the n-gram drafter alone at every threshold. The engine
+E × k × V' × copy threshold (`min_ngram`); the n-gram drafter alone at every threshold; where
+overlapped rounds can run (`overlap_applies`), each early-exit and hybrid cell both with and without
+them (`DecodeSettings.overlap`: which is faster depends on how much a pass loses on one thread). The engine
 decodes the same prompts greedily at batch 1 with each setting. Every round visits all settings,
 the order rotating from round to round (interleaved, so drift hits all alike); each setting's
 tokens/s is the median over rounds. Per (E, V') it reports α and the draft cost c (draft step ÷
@@ -12,8 +14,7 @@ Every output must equal plain decoding's (checked, reported).
 
 A grid of many cells measured a few times each has winners by noise: the best of thirty cells that
 all run at 1.00× shows 1.03×. So the sweep re-times its best cells (each drafter's `confirm` fastest)
-against plain decoding, interleaved, with `confirm_repeats` repeats (each early-exit and hybrid cell also
-with its rounds overlapped, `overlapped_twins`, where that can run), and judges each by its paired
+against plain decoding, interleaved, with `confirm_repeats` repeats, and judges each by its paired
 speedups (cell ÷ plain within one repeat): their median, and a distribution-free
 confidence interval for that median (`paired.median_interval`). "best" and "fastest_per_drafter" are the
 re-timed cells; the write-back stores a cell only when the interval's lower end beats plain.
@@ -63,10 +64,10 @@ from .results import SweepReport
 
 
 def grid_settings(base: DecodeSettings, exit_layers, ks, drafters, vocabs, min_ngrams,
-                  stop_belows=(0.0,)) -> list[DecodeSettings]:
+                  stop_belows=(0.0,), overlaps=(False,)) -> list[DecodeSettings]:
     """Plain first (k = 0), then every combination each drafter uses, each derived from `base` (the
     checkpoint's settings: its copy settings other than the threshold carry over). The n-gram drafter
-    has no E, k, V' or η of its own: it keeps `base`'s."""
+    has no E, k, V', η or overlap of its own: it keeps `base`'s."""
     settings = [base.override(drafter="early_exit", num_speculations=0)]
     for drafter in dict.fromkeys(drafters):  # each once
         if drafter == "ngram":
@@ -78,10 +79,11 @@ def grid_settings(base: DecodeSettings, exit_layers, ks, drafters, vocabs, min_n
             for v in vocabs:
                 for k in ks:
                     for eta in stop_belows:
-                        cell = base.override(drafter=drafter, exit_layer=e, num_speculations=k,
-                                             draft_vocab_size=v, stop_below=eta)
-                        settings += ([cell.override(min_ngram=n) for n in min_ngrams] if drafter == "hybrid"
-                                     else [cell])
+                        for overlap in overlaps:
+                            cell = base.override(drafter=drafter, exit_layer=e, num_speculations=k,
+                                                 draft_vocab_size=v, stop_below=eta, overlap=overlap)
+                            settings += ([cell.override(min_ngram=n) for n in min_ngrams]
+                                         if drafter == "hybrid" else [cell])
     return settings
 
 
@@ -107,14 +109,6 @@ def confirm_candidates(rows: list[dict], confirm: int) -> list[dict]:
         if len(own) < confirm:
             own.append(row)
     return [row for own in picked.values() for row in own]
-
-
-def overlapped_twins(rows: list[dict]) -> list[dict]:
-    """Each early-exit and hybrid row again with `overlap` on (`DecodeSettings.overlap`: the round's
-    verification beside the next round's drafts, each on one thread), to re-time beside the row: which
-    of the two is faster depends on how much a pass loses on one thread, a property of the model and
-    the machine that the grid does not measure."""
-    return [{**row, "overlap": True} for row in rows if row["drafter"] != "ngram" and not row.get("overlap")]
 
 
 def overlap_applies(device, structured: bool) -> bool:
@@ -195,9 +189,12 @@ def run_sweep(model, prompts: list[list[int]], exit_layers: list[int], ks: list,
                                  max_new_tokens=max_new_tokens, eos_token_id=[], settings=setting, **keywords)
         return out.sequences, out.stats
 
-    settings = grid_settings(base, exit_layers, ks, drafters, draft_vocab_sizes, min_ngrams, stop_belows)
-    plain = settings[0]
     device = generator.view.device
+    overlaps = (False, True) if overlap_applies(device, any(isinstance(p, Structured) for p in prompts)) \
+        else (False,)
+    settings = grid_settings(base, exit_layers, ks, drafters, draft_vocab_sizes, min_ngrams, stop_belows,
+                             overlaps)
+    plain = settings[0]
     timings = interleaved_rates(settings, run, [[p] for p in prompts], repeats, warmup, device,
                                 "sweep" if progress else None)  # batch 1
     rates, outputs = {s: timings.rates(s) for s in settings}, timings.outputs
@@ -241,8 +238,6 @@ def run_sweep(model, prompts: list[list[int]], exit_layers: list[int], ks: list,
     lossless = [row for row in grid if row["identical_to_plain"]]
     if confirm:
         candidates = confirm_candidates(lossless, confirm)
-        if overlap_applies(device, any(isinstance(p, Structured) for p in prompts)):
-            candidates += overlapped_twins(candidates)
         cells = [settings_of(row) for row in candidates]
         again = interleaved_rates([plain, *cells], run, [[p] for p in prompts], confirm_repeats, warmup,
                                   device, "confirm" if progress else None)
@@ -291,8 +286,10 @@ def diagnosis(grid: list[dict], per_exit: dict, fastest: dict, view) -> str | No
 
 
 def _in_table(row: dict, stop_below: float) -> bool:
-    """An early-exit setting of the (E, V') x k table: the one η the table shows (others are listed)."""
-    return row["drafter"] == "early_exit" and row["num_speculations"] != 0 and row["stop_below"] == stop_below
+    """An early-exit setting of the (E, V') x k table: the one η the table shows, rounds one after
+    another (other η and overlapped rounds are listed; their c is not a draft step's)."""
+    return (row["drafter"] == "early_exit" and row["num_speculations"] != 0
+            and row["stop_below"] == stop_below and not row.get("overlap"))
 
 
 def _spread(row: dict) -> str:
@@ -339,9 +336,8 @@ def to_markdown(report: dict) -> str:
                                           for k in ks) + " |")
     others = [r for r in report["grid"] if not _in_table(r, report["table_stop_below"])]
     if others:
-        lines += ["", "Copying drafters and other η (α of copies / of early-exit drafts; share of tokens "
-                      "from "
-                      "copies):",
+        lines += ["", "Copying drafters, other η and overlapped rounds (α of copies / of early-exit drafts; "
+                      "share of tokens from copies):",
                   "",
                   "| setting | speedup | spread | tokens/s | α copy | α early exit | tokens copied |",
                   "|---|---:|---:|---:|---:|---:|---:|"]
@@ -395,7 +391,8 @@ def plot(report: dict, path: str | Path) -> Path:
         for drafter, style in (("early_exit", "o-"), ("hybrid", "s:")):
             best_per_k = {}
             for r in report["grid"]:
-                shown = drafter == "hybrid" or _in_table(r, report["table_stop_below"])  # cost model: one η
+                # the table's η for the early exit; either way of running the rounds, the faster per k
+                shown = drafter == "hybrid" or r["stop_below"] == report["table_stop_below"]
                 if r["drafter"] == drafter and str(r["exit_layer"]) == exit_layer and shown:
                     k = r["num_speculations"]
                     if k not in best_per_k or r["speedup"] > best_per_k[k]["speedup"]:
