@@ -330,6 +330,18 @@ def test_the_grid_runs_each_early_exit_and_hybrid_cell_both_ways_where_overlap_a
     with pytest.raises(UserError, match="overlap must be true or false"):
         DecodeSettings(overlap="yes")
 
+
+def test_the_sweep_plot_draws_the_cost_model_from_rounds_in_turn_when_overlapped_cells_are_faster(tmp_path):
+    """Overlapped cells have no cost-model prediction (their c is not a draft step's): the plot's
+    early-exit line and its prediction come from the table's cells even where an overlapped one wins."""
+    from selfspec.evaluation.sweep import plot
+
+    cell = DecodeSettings(exit_layer=3, num_speculations=2)
+    report = {"per_exit_layer": {"3": {}}, "table_stop_below": 0.0, "grid": [
+        {**cell.to_json(), "speedup": 1.2, "predicted_speedup": 1.3},
+        {**cell.override(overlap=True).to_json(), "speedup": 1.6}]}
+    assert plot(report, tmp_path / "sweep.png").is_file()
+
 def test_the_write_back_skips_a_median_win_inside_the_noise(tiny_run, tmp_path):
     from transformers import AutoModelForCausalLM
 

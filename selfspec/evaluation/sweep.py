@@ -391,8 +391,8 @@ def plot(report: dict, path: str | Path) -> Path:
         for drafter, style in (("early_exit", "o-"), ("hybrid", "s:")):
             best_per_k = {}
             for r in report["grid"]:
-                # the table's η for the early exit; either way of running the rounds, the faster per k
-                shown = drafter == "hybrid" or r["stop_below"] == report["table_stop_below"]
+                # the early exit's cells with the cost model's prediction: the table's (one η, rounds in turn)
+                shown = drafter == "hybrid" or _in_table(r, report["table_stop_below"])
                 if r["drafter"] == drafter and str(r["exit_layer"]) == exit_layer and shown:
                     k = r["num_speculations"]
                     if k not in best_per_k or r["speedup"] > best_per_k[k]["speedup"]:
