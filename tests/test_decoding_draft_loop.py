@@ -228,7 +228,6 @@ def test_one_call_runs_a_rows_rounds_and_decodes_and_counts_what_each_rounds_cal
     assert any(rounds_calls) == (family in ("llama", "qwen2", "qwen3"))
 
 
-
 @pytest.mark.parametrize("threads", [2, 1])
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
 def test_overlapped_rounds_keep_the_drafts_tokens_and_statistics_of_rounds_one_after_another(family, threads,
@@ -268,6 +267,7 @@ def test_overlapped_rounds_keep_the_drafts_tokens_and_statistics_of_rounds_one_a
         torch.set_num_threads(before)
     # Mistral's window of 8 would cut the drafts made ahead: its calls run without them
     assert all(rounds_calls) and (ahead > 0) == (family != "mistral")
+
 
 def test_a_caller_that_watches_rounds_gets_one_round_per_call(rounds_calls):
     """A callback (the server's), a streamer or stop strings see every round: one round per call, the
