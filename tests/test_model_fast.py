@@ -471,25 +471,26 @@ def test_fast_linear_keeps_f_linears_behaviour_where_the_kernel_does_not_apply(f
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [32, 64, 72])
 def test_the_few_queries_attention_kernel_equals_the_padded_attention_and_each_query_is_alone(few_rows,
-                                                                                             dtype):
+                                                                                             dtype, head_dim):
     """Grouped-query heads, keys hidden by -inf and by the dtype's min, keys and values sliced from a
-    longer cache: the padded float32 attention's values, and every query's result bit for bit the
-    same alone as among the others."""
+    longer cache, head dims below, at and past the kernel's 64 dims in registers: the padded float32
+    attention's values, and every query's result bit for bit the same alone as among the others."""
     from selfspec.model import kernels
     from selfspec.model.fast import _fixed_attention
 
     attend = kernels.few_queries_attention()
     block = type("Block", (), {"gqa": True, "scaling": 0.125})
     torch.manual_seed(0)
-    q = torch.randn(2, 6, 3, 64).to(dtype)
-    k, v = (torch.randn(2, 2, 40, 64).to(dtype)[:, :, :30] for _ in range(2))  # (B, Hkv, S, hd) views
+    q = torch.randn(2, 6, 3, head_dim).to(dtype)
+    k, v = (torch.randn(2, 2, 40, head_dim).to(dtype)[:, :, :30] for _ in range(2))  # (B, Hkv, S, hd) views
     mask = torch.zeros(2, 1, 3, 30)
     mask[0, :, :, 25:] = float("-inf")
     mask[1, :, 2, :5] = torch.finfo(torch.float32).min
     flat = mask.reshape(2, 3, 30)
     out = attend(q.float().contiguous(), k, v, flat, 0.125)  # (B, m, H·hd)
-    assert out.shape == (2, 3, 6 * 64) and out.dtype == dtype
+    assert out.shape == (2, 3, 6 * head_dim) and out.dtype == dtype
     torch.testing.assert_close(out.float(), _fixed_attention(q, k, v, mask, block, 16).float(),
                                rtol=1e-5, atol=1e-5)
     alone = torch.cat([attend(q[:, :, i:i + 1].float().contiguous(), k, v, flat[:, i:i + 1].contiguous(),

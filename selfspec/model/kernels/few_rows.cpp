@@ -56,6 +56,18 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// How far ahead of its reads a product asks for W (into L2): with several rows of x, a 64-byte line of
+// W takes longer to use than to fetch, and the hardware's prefetcher alone left the fetches waiting on
+// the FMAs instead of running beside them (docs/performance.md, "Prefetching W into L2"). Prefetches
+// never change a result.
+constexpr int64_t kPrefetchBytes = 4096;
+// Below this many rows of x the hardware's prefetcher keeps up, and the prefetches only cost
+constexpr int kPrefetchFromRows = 3;
+
+inline void prefetch_ahead(const float* p) {
+  _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T1);
+}
+
 // out[r, j] for j in [begin, end): M rows of x (fp32, (M, k)) against W rows [begin, end). Each W row
 // is read once, end to end, against all M rows of x (M independent FMA chains). Reading rows one at
 // a time, not several side by side, keeps the read a single stream the prefetchers follow (several
@@ -76,7 +88,19 @@ void rows_block(const float* x, const T* w, T* out, int64_t n, int64_t k, int64_
     __m256 acc[M];
 #pragma GCC unroll 8
     for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t c = 0; c < k8; c += 8) {
+    int64_t c = 0;
+    if constexpr (std::is_same_v<T, float> && M >= kPrefetchFromRows) {
+      // two 8-column steps a 64-byte line of W, the line kPrefetchBytes ahead asked for first
+      for (; c + 16 <= k8; c += 16) {
+        prefetch_ahead(row + c);
+        const __m256 w0 = load8(row + c), w1 = load8(row + c + 8);
+#pragma GCC unroll 8
+        for (int r = 0; r < M; ++r) acc[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * k + c), acc[r]);
+#pragma GCC unroll 8
+        for (int r = 0; r < M; ++r) acc[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * k + c + 8), acc[r]);
+      }
+    }
+    for (; c < k8; c += 8) {
       const __m256 wv = load8(row + c);
 #pragma GCC unroll 8
       for (int r = 0; r < M; ++r) acc[r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + r * k + c), acc[r]);
@@ -117,6 +141,12 @@ void pairs_block(const float* x, const T* w, T* out, int64_t n, int64_t k, int64
 #pragma GCC unroll 8
     for (int i = 0; i < 2 * R; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t c = 0; c < k8; c += 8) {
+      if constexpr (std::is_same_v<T, float>) {
+        if (c % 16 == 0) {  // a line of each W row
+          prefetch_ahead(row0 + c);
+          prefetch_ahead(row1 + c);
+        }
+      }
       const __m256 w0 = load8(row0 + c), w1 = load8(row1 + c);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
@@ -292,9 +322,26 @@ void attend_head(const float* q, const T* k, const T* v, const float* mask, T* o
       lanes = _mm256_add_ps(lanes, e);
     }
     const float total = hsum(lanes);
-    for (int64_t d = 0; d < hd; ++d) acc[d] = 0.f;
+    // acc[d] = Σ_j p[j]·v[j, d] in key order, a product and a sum each (as the scalar loop below
+    // rounds them), 64 dims at a time in 8 registers: kept in memory, acc took a load and a store
+    // per key and 8 dims
+    int64_t d0 = 0;
+    for (; d0 + 64 <= hd; d0 += 64) {
+      __m256 sums[8];
+#pragma GCC unroll 8
+      for (int r = 0; r < 8; ++r) sums[r] = _mm256_setzero_ps();
+      for (int64_t j = 0; j < used; ++j) {
+        const __m256 pj = _mm256_set1_ps(p[j]);
+        const T* vj = v + j * hd + d0;
+#pragma GCC unroll 8
+        for (int r = 0; r < 8; ++r) sums[r] = _mm256_add_ps(sums[r], _mm256_mul_ps(pj, load8(vj + 8 * r)));
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < 8; ++r) _mm256_storeu_ps(acc + d0 + 8 * r, sums[r]);
+    }
+    for (int64_t d = d0; d < hd; ++d) acc[d] = 0.f;
     for (int64_t j = 0; j < used; ++j)
-      for (int64_t d = 0; d < hd; ++d) acc[d] += p[j] * static_cast<float>(v[j * hd + d]);
+      for (int64_t d = d0; d < hd; ++d) acc[d] += p[j] * static_cast<float>(v[j * hd + d]);
     for (int64_t d = 0; d < hd; ++d) out[i * out_stride + d] = static_cast<T>(acc[d] / total);
   }
 }
