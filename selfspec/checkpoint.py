@@ -305,7 +305,7 @@ def load_tuned(path: str | Path, device: str = "auto", dtype: str = "auto",
                                          *(s.draft_vocab_size for s in formats.values())]))
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = load_causal_lm(str(path), dtype=dtype, device=device).eval()
+    model = load_causal_lm(str(path), dtype=dtype, device=device, huge_pages=True).eval()
     if untold:  # said once the model is there: a path that holds none gets only that error
         warnings.warn(f"{path} has no {META_FILE} (not tuned by selfspec): decoding with copies from the "
                       f"context; pass exit_layer=E to draft with the early exit", stacklevel=2)

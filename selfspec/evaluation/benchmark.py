@@ -98,7 +98,7 @@ def load_model(path: str, device: str | None = None, dtype: str = "auto"):
     dtype "auto": float32 on CPU, the checkpoint's own dtype on accelerators.
     """
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_causal_lm(path, dtype=dtype, device=device).eval()
+    model = load_causal_lm(path, dtype=dtype, device=device, huge_pages=True).eval()
     return model, load_tokenizer(path)
 
 

@@ -36,6 +36,7 @@ import torch
 from ..cpu import sync_device
 from ..decoding.cache import KVCache
 from ..errors import UserError
+from ..model.pages import empty_on_huge_pages
 from ..model.view import DecoderView
 from .report import publish, save_figure
 from .results import RooflineReport
@@ -58,8 +59,11 @@ def measure_bandwidth(megabytes: int = 512, repeats: int = 9, device="cpu") -> d
     """Bytes/s of a large read (sum of a float32 tensor) and a large copy (read + write), medians
     after one untimed pass each. `megabytes` should dwarf the last-level cache."""
     numel = megabytes * 2**20 // 4
-    source = torch.ones(numel, dtype=torch.float32, device=device)
-    target = torch.empty_like(source)
+    if torch.device(device).type == "cpu":  # on the pages the weights lie on (`pages.onto_huge_pages`)
+        source, target = empty_on_huge_pages(numel).fill_(1.0), empty_on_huge_pages(numel)
+    else:
+        source = torch.ones(numel, dtype=torch.float32, device=device)
+        target = torch.empty_like(source)
     nbytes = source.numel() * source.element_size()
     source.sum(), target.copy_(source)  # touch the pages before timing
     read = _median_seconds(lambda: source.sum(), repeats, device)

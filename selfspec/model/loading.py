@@ -9,6 +9,7 @@ from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from ..errors import UserError
+from .pages import onto_huge_pages
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -52,11 +53,14 @@ def _looks_local(name_or_path: str) -> bool:
 
 
 def load_causal_lm(name_or_path: str, dtype: str = "auto", attn_implementation: str = "sdpa",
-                   device: torch.device | str = "cpu", trust_remote_code: bool = False):
+                   device: torch.device | str = "cpu", trust_remote_code: bool = False,
+                   huge_pages: bool = False):
     """`AutoModelForCausalLM.from_pretrained` with a one-line error for paths that hold no model.
 
     Safe by default: weights load from safetensors only (a pickle can run code), and a checkpoint's
-    own modelling code runs only when the caller passes `trust_remote_code=True`.
+    own modelling code runs only when the caller passes `trust_remote_code=True`. `huge_pages`: on a
+    CPU, the weights moved onto 2 MiB pages where Linux offers them (`pages.onto_huge_pages`; for
+    decoding, which reads them all every step).
     """
     path = Path(name_or_path).expanduser()
     if _looks_local(name_or_path) and not (path / "config.json").is_file():
@@ -77,7 +81,10 @@ def load_causal_lm(name_or_path: str, dtype: str = "auto", attn_implementation: 
                                  f"weights: convert them with "
                                  f"save_pretrained(..., safe_serialization=True)") from None
         raise ModelLoadError(f"cannot load model {name_or_path!r}: {str(exc).splitlines()[0]}") from None
-    return model.to(device)
+    model = model.to(device)
+    if huge_pages and torch.device(device).type == "cpu":
+        onto_huge_pages(model)
+    return model
 
 
 def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
