@@ -230,7 +230,7 @@ def test_the_few_rows_kernel_equals_f_linear_in_fp32(few_rows, in_features, out_
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("in_features", [100, 576, 1100])
+@pytest.mark.parametrize("in_features", [12, 100, 576, 1100])
 def test_a_row_computes_bit_for_bit_the_same_alone_or_among_others_in_the_kernel(few_rows, dtype,
                                                                                  in_features):
     """What makes a verification compute what single steps compute: a row's result does not depend on
@@ -471,7 +471,7 @@ def test_fast_linear_keeps_f_linears_behaviour_where_the_kernel_does_not_apply(f
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [32, 64, 72])
+@pytest.mark.parametrize("head_dim", [32, 64, 72, 128])
 def test_the_few_queries_attention_kernel_equals_the_padded_attention_and_each_query_is_alone(few_rows,
                                                                                              dtype, head_dim):
     """Grouped-query heads, keys hidden by -inf and by the dtype's min, keys and values sliced from a

@@ -40,6 +40,33 @@ def test_the_weights_move_into_one_aligned_buffer_with_the_same_values_and_objec
     assert reference_greedy(model, prompt, 6) == before
     generator = SelfSpecGenerator(model, exit_layer=1)
     assert generator.generate([prompt], max_new_tokens=6, eos_token_id=[]).sequences[0] == before
+    assert "hg" in _vm_flags(starts[0])  # the buffer asked the kernel for huge pages
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping that holds `address` (/proc/self/smaps)."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            low, high = (int(part, 16) for part in head.split("-"))
+            inside = low <= address < high
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    return []
+
+
+def test_views_and_a_tie_of_two_objects_on_one_storage_stay_where_they_are():
+    if not pages.huge_pages_available():
+        pytest.skip("no transparent huge pages here")
+    model = _model(tied=False)
+    shared = model.model.embed_tokens.weight
+    model.lm_head.weight = torch.nn.Parameter(shared.data)  # another object, the same storage
+    model.register_parameter("strided", torch.nn.Parameter(torch.randn(64, 64)[:, ::2]))
+    strided = model.strided.data_ptr()
+    assert pages.onto_huge_pages(model) > 0
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # still one tensor
+    assert model.strided.data_ptr() == strided
 
 
 def test_nothing_moves_where_turned_off_or_not_linux(monkeypatch):

@@ -2,8 +2,8 @@
 
 Decoding at batch 1 reads every weight once a step, and on 4 KiB pages a 135M-parameter model spans
 130k of them: the address translation of that stream costs time of its own (docs/performance.md,
-"Weights on 2 MiB pages"). Linux backs a range with 2 MiB pages where the range asks for them
-(`madvise(MADV_HUGEPAGE)`, the kernel's default "madvise" mode) and is 2 MiB-aligned; torch's
+"Weights on 2 MiB pages"). Linux backs a range with 2 MiB pages where the range is 2 MiB-aligned and,
+in transparent huge pages' "madvise" mode, asks for them (`madvise(MADV_HUGEPAGE)`); torch's
 allocator aligns to 64 bytes, so the weights are copied into one buffer that is. The parameters stay
 the same `nn.Parameter` objects (their `.data` now views into the buffer), tied weights stay tied,
 and every value is the same: only where the bytes live changes.
@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -41,7 +42,12 @@ def huge_pages_available() -> bool:
 def _madvise_huge(address: int, length: int) -> bool:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc.madvise(address, length, _MADV_HUGEPAGE) == 0
+    libc.madvise.restype = ctypes.c_int
+    if libc.madvise(address, length, _MADV_HUGEPAGE) == 0:
+        return True
+    warnings.warn(f"selfspec: madvise(MADV_HUGEPAGE) failed ({os.strerror(ctypes.get_errno())}); the "
+                  f"weights stay on ordinary pages", stacklevel=3)
+    return False
 
 
 def _huge_page_buffer(nbytes: int) -> torch.Tensor | None:
@@ -49,9 +55,10 @@ def _huge_page_buffer(nbytes: int) -> torch.Tensor | None:
     pages (no page is backed until written), or None where that is not available."""
     if not huge_pages_available() or nbytes < HUGE_PAGE:
         return None
-    buffer = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    padded = -(-nbytes // HUGE_PAGE) * HUGE_PAGE  # whole huge pages: the range madvise covers
+    buffer = torch.empty(padded + HUGE_PAGE, dtype=torch.uint8)  # + the slack to reach a boundary
     start = -buffer.data_ptr() % HUGE_PAGE
-    if not _madvise_huge(buffer.data_ptr() + start, -(-nbytes // HUGE_PAGE) * HUGE_PAGE):
+    if not _madvise_huge(buffer.data_ptr() + start, padded):
         return None
     return buffer[start:start + nbytes]
 
@@ -68,21 +75,26 @@ def onto_huge_pages(model: nn.Module) -> int:
     that asks for 2 MiB pages; returns the bytes moved (0: nothing moved, where huge pages are not
     available or the weights are smaller than one such page). Each parameter is copied, then its old
     storage released before the next, so the peak is the model plus one weight."""
-    params = [p for p in model.parameters()
-              if p.device.type == "cpu" and p.is_contiguous() and p.storage_offset() == 0
-              and p.untyped_storage().nbytes() == p.numel() * p.element_size()]
+    # the parameters that own their whole storage, grouped by it: two objects on one storage (a tie
+    # made of two parameters) move together, onto one home, so they stay one tensor
+    groups: dict[int, list[nn.Parameter]] = {}
+    for p in model.parameters():
+        if (type(p.data) is torch.Tensor and p.device.type == "cpu" and p.is_contiguous()
+                and p.storage_offset() == 0 and p.untyped_storage().nbytes() == p.numel() * p.element_size()):
+            groups.setdefault(p.untyped_storage().data_ptr(), []).append(p)
     offsets, total = [], 0
-    for p in params:
+    for group in groups.values():
         offsets.append(total)
-        total += -(-p.numel() * p.element_size() // _ALIGN) * _ALIGN
+        total += -(-group[0].untyped_storage().nbytes() // _ALIGN) * _ALIGN
     buffer = _huge_page_buffer(total)
     if buffer is None:
         return 0
     with torch.no_grad():
-        for p, offset in zip(params, offsets):
-            home = buffer[offset:offset + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
-            home.copy_(p)
-            p.data = home
+        for group, offset in zip(groups.values(), offsets):
+            home = buffer[offset:offset + group[0].untyped_storage().nbytes()]
+            home.view(group[0].dtype).view(group[0].shape).copy_(group[0])
+            for p in group:
+                p.data = home.view(p.dtype).view(p.shape)
     return total
 
 

@@ -61,7 +61,7 @@ inline float hsum(__m256 v) {
 // the FMAs instead of running beside them (docs/performance.md, "Prefetching W into L2"). Prefetches
 // never change a result.
 constexpr int64_t kPrefetchBytes = 4096;
-// Below this many rows of x the hardware's prefetcher keeps up, and the prefetches only cost
+// Below this many rows of x the hardware's prefetcher keeps up, and the prefetches only cost.
 constexpr int kPrefetchFromRows = 3;
 
 inline void prefetch_ahead(const float* p) {
@@ -322,9 +322,9 @@ void attend_head(const float* q, const T* k, const T* v, const float* mask, T* o
       lanes = _mm256_add_ps(lanes, e);
     }
     const float total = hsum(lanes);
-    // acc[d] = Σ_j p[j]·v[j, d] in key order, a product and a sum each (as the scalar loop below
-    // rounds them), 64 dims at a time in 8 registers: kept in memory, acc took a load and a store
-    // per key and 8 dims
+    // acc[d] = Σ_j p[j]·v[j, d] in key order, one fused multiply-add per key (written out, so that
+    // no compiler's choice to contract a product and a sum changes the bits), 64 dims at a time in
+    // 8 registers: kept in memory, acc took a load and a store per key and 8 dims
     int64_t d0 = 0;
     for (; d0 + 64 <= hd; d0 += 64) {
       __m256 sums[8];
@@ -334,14 +334,14 @@ void attend_head(const float* q, const T* k, const T* v, const float* mask, T* o
         const __m256 pj = _mm256_set1_ps(p[j]);
         const T* vj = v + j * hd + d0;
 #pragma GCC unroll 8
-        for (int r = 0; r < 8; ++r) sums[r] = _mm256_add_ps(sums[r], _mm256_mul_ps(pj, load8(vj + 8 * r)));
+        for (int r = 0; r < 8; ++r) sums[r] = _mm256_fmadd_ps(pj, load8(vj + 8 * r), sums[r]);
       }
 #pragma GCC unroll 8
       for (int r = 0; r < 8; ++r) _mm256_storeu_ps(acc + d0 + 8 * r, sums[r]);
     }
     for (int64_t d = d0; d < hd; ++d) acc[d] = 0.f;
     for (int64_t j = 0; j < used; ++j)
-      for (int64_t d = d0; d < hd; ++d) acc[d] += p[j] * static_cast<float>(v[j * hd + d]);
+      for (int64_t d = d0; d < hd; ++d) acc[d] = std::fma(p[j], static_cast<float>(v[j * hd + d]), acc[d]);
     for (int64_t d = 0; d < hd; ++d) out[i * out_stride + d] = static_cast<T>(acc[d] / total);
   }
 }
