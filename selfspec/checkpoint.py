@@ -38,6 +38,7 @@ import time
 import warnings
 from pathlib import Path
 
+from .cpu import on_a_thread_that_ends
 from .decoding.settings import FIELDS as SETTINGS_FIELDS
 from .decoding.settings import DecodeSettings
 from .errors import UserError
@@ -305,16 +306,22 @@ def load_tuned(path: str | Path, device: str = "auto", dtype: str = "auto",
                                          *(s.draft_vocab_size for s in formats.values())]))
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = load_causal_lm(str(path), dtype=dtype, device=device, huge_pages=True).eval()
+
+    def model_and_adapters():
+        # on a thread that ends, so that the caller's thread holds no OpenMP team afterwards and may
+        # decode at full speed from any thread (`cpu.on_a_thread_that_ends`)
+        model = load_causal_lm(str(path), dtype=dtype, device=device, huge_pages=True).eval()
+        return model, checkpoint_adapters(path, model, meta)
+
+    model, adapters = on_a_thread_that_ends(model_and_adapters)
     if untold:  # said once the model is there: a path that holds none gets only that error
         warnings.warn(f"{path} has no {META_FILE} (not tuned by selfspec): decoding with copies from the "
                       f"context; pass exit_layer=E to draft with the early exit", stacklevel=2)
     local = Path(path).is_dir()
     tokenizer = (load_tokenizer(str(path)) if not local or (Path(path) / "tokenizer_config.json").is_file()
                  else None)
-    return SelfSpecGenerator(model, tokenizer, settings, token_counts=counts,
-                             exit_adapters=checkpoint_adapters(path, model, meta), format_settings=formats,
-                             static_passes=static_passes)
+    return SelfSpecGenerator(model, tokenizer, settings, token_counts=counts, exit_adapters=adapters,
+                             format_settings=formats, static_passes=static_passes)
 
 
 def checkpoint_adapters(path: str | Path, model, meta: dict | None = None) -> dict:

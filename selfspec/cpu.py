@@ -5,6 +5,8 @@ megabytes every step (49,152 × 2,048 fp32 values are 400 MB). glibc serves such
 returns them to the kernel on free, so the next step faults every page in again and the kernel
 zeroes it: on SmolLM2-135M that was half the CPU time in system calls and a quarter of the step
 time. `keep_freed_memory` makes glibc keep freed memory for reuse instead.
+
+`on_a_thread_that_ends` keeps a model's loading from slowing the thread that later decodes it.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import platform
+import threading
 from pathlib import Path
 
 # mallopt parameters (glibc's malloc.h)
@@ -60,6 +63,35 @@ def last_level_cache_bytes() -> int | None:
         if digits.isdigit() and (best is None or level > best[0]):
             best = (level, int(digits) * scale)
     return None if best is None else best[1]
+
+
+def on_a_thread_that_ends(fn, *args, **kwargs):
+    """`fn(*args, **kwargs)` run on a new thread, waited for; its result, or its exception re-raised.
+
+    Why: libgomp (PyTorch's OpenMP on Linux) gives every thread that starts a parallel region a team of
+    worker threads of its own, kept until that thread exits. Once the process holds more such threads
+    than CPUs, libgomp throttles every team: their workers stop spinning and sleep between parallel
+    regions, and a decoding pass holds a hundred regions per token. A model loaded on the main
+    thread (its copies run in parallel) and then decoded on another thread (a server's decode loop, a
+    web framework's worker) decoded the embedded default 2.4× slower than on one thread. The team of a
+    thread that ends goes with it, so loading here leaves the caller's thread without one, and
+    whichever thread decodes first owns the only team.
+    """
+    result: list = []
+
+    def run() -> None:
+        try:
+            result.append((True, fn(*args, **kwargs)))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller, raised there
+            result.append((False, exc))
+
+    thread = threading.Thread(target=run, name="selfspec-load", daemon=True)
+    thread.start()
+    thread.join()
+    ok, value = result[0]
+    if not ok:
+        raise value
+    return value
 
 
 def sync_device(device) -> None:

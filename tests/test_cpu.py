@@ -1,0 +1,64 @@
+"""CPU runtime helpers: loading on a thread that ends leaves the caller's thread without an OpenMP team."""
+
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+from helpers import tiny_model
+
+from selfspec.checkpoint import save_tuned
+from selfspec.cpu import on_a_thread_that_ends
+from selfspec.decoding import DecodeSettings
+from selfspec.errors import UserError
+
+
+def test_a_thread_that_ends_hands_back_the_result_and_the_exception():
+    assert on_a_thread_that_ends(lambda a, b=0: a + b, 2, b=3) == 5
+
+    def fails():
+        raise UserError("no such checkpoint")
+
+    with pytest.raises(UserError, match="no such checkpoint"):
+        on_a_thread_that_ends(fails)
+
+
+# In a fresh interpreter with two OpenMP threads: how many threads a parallel op on the main thread adds
+# after `setup`. A thread's first parallel region starts its team (one worker thread here); a thread
+# that already holds one adds none.
+_COUNT = """
+import os, sys, time, torch
+torch.set_num_threads(2)
+def threads():
+    return len(os.listdir("/proc/self/task"))
+def settled():  # the workers of a thread that ended leave a moment after it
+    counts = [threads()]
+    while len(counts) < 50 and (len(counts) < 5 or len(set(counts[-5:])) > 1):
+        time.sleep(0.05)
+        counts.append(threads())
+    return counts[-1]
+{setup}
+before = settled()
+torch.ones(1 << 22).add_(1)  # a parallel region on the main thread
+print(threads() - before)
+"""
+
+
+def _workers_added(setup: str) -> int:
+    out = subprocess.run([sys.executable, "-c", _COUNT.format(setup=setup)], capture_output=True, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "2"}, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return int(out.stdout.split()[-1])
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="counts threads in /proc/self/task")
+def test_loading_leaves_the_callers_thread_without_an_openmp_team(tmp_path):
+    # 8192 x 32 embedding values: loading copies them in parallel regions
+    path = save_tuned(tmp_path / "ckpt", tiny_model("llama", vocab_size=8192),
+                      settings=DecodeSettings(exit_layer=2))
+    # the control: a team started on the main thread stays, so a second parallel op adds no thread
+    assert _workers_added("torch.ones(1 << 22).add_(1)") == 0
+    assert _workers_added("from selfspec.cpu import on_a_thread_that_ends\n"
+                          "on_a_thread_that_ends(lambda: torch.ones(1 << 22).add_(1))") == 1
+    assert _workers_added(f"from selfspec.checkpoint import load_tuned\nload_tuned({str(path)!r})") == 1
