@@ -305,8 +305,9 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], argparse.A
     p.add_argument("--served-model-name", default=None, help="the model's name in requests (default: MODEL)")
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together in one wave")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting at most (beyond: 429)")
-    p.add_argument("--rounds-per-call", type=int, default=8,
-                   help="rounds a lone request decodes between two looks at the queue (1: every round)")
+    p.add_argument("--rounds-per-call", type=int, default=None,
+                   help="rounds a lone request decodes between two looks at the queue (1: every round; "
+                        "default: about 20 ms of them)")
     p.add_argument("--max-tokens-cap", type=int, default=2048, help="the most tokens one request may ask for")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")

@@ -16,10 +16,11 @@ from helpers import CHATML, assert_shape
 from transformers import AutoModelForCausalLM
 
 from selfspec import SelfSpecGenerator
+from selfspec.decoding.speculative import ADAPT_ROUNDS
 from selfspec.errors import UserError
 from selfspec.evaluation.results import ServeLoadReport
 from selfspec.serving.app import create_app, merged_text, run_in_thread
-from selfspec.serving.scheduler import Job, QueueFull, Scheduler
+from selfspec.serving.scheduler import CALL_SECONDS, MAX_CALL_ROUNDS, Job, QueueFull, Scheduler
 
 NAME = "tiny"
 
@@ -280,6 +281,38 @@ def test_sixteen_concurrent_clients_each_get_what_they_get_alone(live, generator
     for prompt, reply in zip(prompts, replies):
         assert reply == generator.tokenizer.decode(alone(generator, prompt), skip_special_tokens=True)
     assert live["app"].state.scheduler.largest_wave > 1
+
+
+def test_a_lone_rows_calls_last_about_call_seconds_of_its_measured_rounds(generator):
+    scheduler = Scheduler(generator)
+    assert scheduler.call_rounds() == ADAPT_ROUNDS  # nothing measured yet
+    scheduler._pace(40 * CALL_SECONDS / 2, 40)  # rounds of half the call: two a call
+    assert scheduler.call_rounds() == 2
+    for _ in range(30):  # rounds slower than a call: one a call
+        scheduler._pace(3 * CALL_SECONDS, 1)
+    assert scheduler.call_rounds() == 1
+    for _ in range(60):  # fast rounds: capped
+        scheduler._pace(CALL_SECONDS / 1000, 1)
+    assert scheduler.call_rounds() == MAX_CALL_ROUNDS
+    assert Scheduler(generator, rounds_per_call=5).call_rounds() == 5
+
+
+@pytest.mark.parametrize("rounds_per_call", [1, None, 64])
+def test_a_lone_request_gets_the_same_tokens_however_many_rounds_a_call(generator, rounds_per_call):
+    scheduler = Scheduler(generator, rounds_per_call=rounds_per_call)
+    scheduler.start()
+    try:
+        job = Job(generator.chat_prompt([{"role": "user", "content": "def lone(x):"}]), max_tokens=40)
+        scheduler.submit(job)
+        deadline = time.time() + 120
+        while job.finish_reason is None and time.time() < deadline:
+            time.sleep(0.01)
+        assert job.tokens == generator.generate([job.prompt], max_new_tokens=40).sequences[0]
+        if rounds_per_call is None:  # its calls after the first were timed
+            assert job.passes > 2
+            assert scheduler.round_seconds is not None and scheduler.round_seconds > 0
+    finally:
+        scheduler.stop()
 
 
 def test_a_request_that_arrives_mid_decode_joins_the_running_batch(generator):

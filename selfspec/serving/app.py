@@ -19,7 +19,6 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from ..decoding.speculative import ADAPT_ROUNDS
 from ..errors import UserError
 from .metrics import Metrics
 from .protocol import APIError, ChatRequest, CompletionRequest, parse
@@ -30,7 +29,7 @@ GRACE_SECONDS = 30  # what a request in flight gets to finish when the server is
 
 
 def create_app(generator, model_name: str, *, api_key: str | None = None, max_batch: int = 8,
-               max_queue: int = 64, rounds_per_call: int = ADAPT_ROUNDS, max_tokens_cap: int = 2048,
+               max_queue: int = 64, rounds_per_call: int | None = None, max_tokens_cap: int = 2048,
                max_body_bytes: int = 1 << 20, default_max_tokens: int = 256, grace: float = 30.0) -> FastAPI:
     """The server of `generator` (a `SelfSpecGenerator` with a tokenizer) under the name `model_name`.
 
@@ -251,7 +250,7 @@ def run_in_thread(app: FastAPI, port: int, host: str = "127.0.0.1"):
 
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           served_model_name: str | None = None, max_batch: int = 8, max_queue: int = 64,
-          rounds_per_call: int = ADAPT_ROUNDS, max_tokens_cap: int = 2048, device: str = "auto",
+          rounds_per_call: int | None = None, max_tokens_cap: int = 2048, device: str = "auto",
           dtype: str = "auto", **overrides) -> None:
     """`selfspec serve MODEL`: load the checkpoint at its stored settings (flags override them) and
     serve it until interrupted. The key comes from --api-key or $SELFSPEC_API_KEY."""
@@ -264,7 +263,7 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str
     from ..checkpoint import load_tuned
 
     api_key = api_key or os.environ.get("SELFSPEC_API_KEY") or None
-    if rounds_per_call < 1:
+    if rounds_per_call is not None and rounds_per_call < 1:
         raise UserError(f"--rounds-per-call must be 1 or more, got {rounds_per_call}")
     generator = load_tuned(model, device=device, dtype=dtype,
                            **{k: v for k, v in overrides.items() if v is not None})

@@ -177,18 +177,23 @@ class Job:
                 "alpha": self.accepted / self.drafted if self.drafted else None}
 
 
+CALL_SECONDS = 0.02  # a lone row's compiled call when the scheduler sizes it (`Scheduler.call_rounds`)
+MAX_CALL_ROUNDS = 256
+
+
 class Scheduler:
     """The decode loop (a daemon thread) over a `SelfSpecGenerator`; `submit` queues a job.
 
     max_batch: rows per wave; max_queue: jobs waiting at most (beyond: `QueueFull`); rounds_per_call: the
     rounds a lone row decodes in one compiled call between two looks at the queue (`generate`'s
-    `callback_rounds`); on_wave: called with each finished wave's jobs and `GenerationStats` (the
-    server's metrics)."""
+    `callback_rounds`), or None: about `CALL_SECONDS` of rounds (`call_rounds`); on_wave: called with
+    each finished wave's jobs and `GenerationStats` (the server's metrics)."""
 
     def __init__(self, generator, max_batch: int = 8, max_queue: int = 64,
-                 rounds_per_call: int = ADAPT_ROUNDS, on_wave=None):
+                 rounds_per_call: int | None = None, on_wave=None):
         self.generator, self.on_wave = generator, on_wave
         self.max_batch, self.max_queue, self.rounds_per_call = max_batch, max_queue, rounds_per_call
+        self.round_seconds: float | None = None  # a lone row's round, call to call, as measured
         self.queue: deque[Job] = deque()
         self.ready = threading.Condition()
         self.closing = False
@@ -233,6 +238,27 @@ class Scheduler:
     def waiting(self) -> int:
         return len(self.queue)
 
+    def call_rounds(self) -> int:
+        """The rounds a lone row decodes per compiled call: `rounds_per_call` when set, else about
+        `CALL_SECONDS` of them at the measured pace of a lone row's rounds (ADAPT_ROUNDS until one was
+        measured). Why: every call costs its own (the Python between calls, the first round's draft
+        that overlapped rounds could not make ahead); calls of a fixed 8 rounds cost a model whose round
+        takes half a millisecond a fifth of its speed, while a model whose round takes 30 ms loses
+        little by one round a call and would hold a request that arrives for a quarter of a second. A
+        call's length changes no token (greedy rows only decode several rounds a call)."""
+        if self.rounds_per_call is not None:
+            return self.rounds_per_call
+        if self.round_seconds is None:
+            return ADAPT_ROUNDS
+        return int(min(MAX_CALL_ROUNDS, max(1, CALL_SECONDS // self.round_seconds)))
+
+    def _pace(self, seconds: float, rounds: int) -> None:
+        """A lone row's `rounds` took `seconds` from the call before to this one's end: the running
+        estimate of a round's time."""
+        per_round = seconds / max(1, rounds)
+        old = self.round_seconds
+        self.round_seconds = per_round if old is None else 0.7 * old + 0.3 * per_round
+
     def _next_wave(self) -> list[Job] | None:
         """The oldest job and the waiting jobs that can decode with it (None when closing)."""
         with self.ready:
@@ -271,11 +297,17 @@ class Scheduler:
         rows = [job.row() for job in wave]  # the wave's first rows, as later ones join
         schemas = [job.schema for job in wave]
 
+        last_call = [None]  # when the previous callback returned, while one row decodes alone
+
         def on_tokens(rows, tokens, emit, finished, counts):
-            return np.array([wave[row].take(tokens[slot, :emit[slot]].tolist(), int(counts.passes[slot]),
+            if len(rows) == 1 and last_call[0] is not None:
+                self._pace(time.perf_counter() - last_call[0], int(counts.passes[0]))
+            done = np.array([wave[row].take(tokens[slot, :emit[slot]].tolist(), int(counts.passes[slot]),
                                             int(counts.drafted[slot]), int(counts.accepted[slot]),
                                             bool(finished[slot]), self.eos, self.decode)
                              for slot, row in enumerate(rows)])
+            last_call[0] = time.perf_counter() if len(rows) == 1 else None
+            return done
 
         def admit() -> list[NewRow]:
             """The waiting jobs that join the wave now, oldest first, while fewer than max_batch rows run:
@@ -302,7 +334,7 @@ class Scheduler:
                 [row.prompt for row in rows], max_new_tokens=max(row.max_new_tokens for row in rows),
                 temperature=temperature, top_k=top_k, top_p=top_p, seed=[row.seed for row in rows],
                 json_schema=schemas if any(s is not None for s in schemas) else None, on_tokens=on_tokens,
-                admit=admit, callback_rounds=self.rounds_per_call)
+                admit=admit, callback_rounds=self.call_rounds())
         except Exception as exc:  # noqa: BLE001 - the wave's clients get a 500, the loop goes on
             logger.exception("a wave of %d requests failed", len(wave))
             for job in wave:
