@@ -307,7 +307,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], argparse.A
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting at most (beyond: 429)")
     p.add_argument("--rounds-per-call", type=int, default=None,
                    help="rounds a lone request decodes between two looks at the queue (1: every round; "
-                        "default: about 20 ms of them)")
+                        "default: about 40 ms of them)")
     p.add_argument("--max-tokens-cap", type=int, default=2048, help="the most tokens one request may ask for")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")

@@ -177,7 +177,7 @@ class Job:
                 "alpha": self.accepted / self.drafted if self.drafted else None}
 
 
-CALL_SECONDS = 0.02  # a lone row's compiled call when the scheduler sizes it (`Scheduler.call_rounds`)
+CALL_SECONDS = 0.04  # a lone row's compiled call when the scheduler sizes it (`Scheduler.call_rounds`)
 MAX_CALL_ROUNDS = 256
 
 
@@ -243,9 +243,10 @@ class Scheduler:
         `CALL_SECONDS` of them at the measured pace of a lone row's rounds (ADAPT_ROUNDS until one was
         measured). Why: every call costs its own (the Python between calls, the first round's draft
         that overlapped rounds could not make ahead); calls of a fixed 8 rounds cost a model whose round
-        takes half a millisecond a fifth of its speed, while a model whose round takes 30 ms loses
-        little by one round a call and would hold a request that arrives for a quarter of a second. A
-        call's length changes no token (greedy rows only decode several rounds a call)."""
+        takes half a millisecond a sixth of its time, while a model whose round takes 30 ms loses little
+        by one round a call and would hold a request that arrives for a quarter of a second. A request
+        that arrives joins, and a stream gets its text, within about a call. A call's length changes no
+        token (greedy rows only decode several rounds a call)."""
         if self.rounds_per_call is not None:
             return self.rounds_per_call
         if self.round_seconds is None:
