@@ -152,6 +152,25 @@ def fastest_settings(path: str | Path, meta: dict | None = None,
                               f"`selfspec eval sweep --write-back`") from None
 
 
+def sweep_candidates(path: str | Path, meta: dict | None = None,
+                     constraint_kind: str | None = None) -> list[tuple[str, DecodeSettings, float]]:
+    """The cells the last `selfspec eval sweep --write-back` re-timed, as (drafter, settings, the
+    sweep's speedup), fastest first; with `constraint_kind`, those of a sweep under such constraints.
+    A CheckpointError when no sweep stored them."""
+    meta = read_meta(path) if meta is None else meta
+    record = (meta.get("sweep") if constraint_kind is None
+              else meta.get("formats", {}).get(constraint_kind)) or {}
+    if "candidates" not in record:
+        raise CheckpointError(f"{Path(path) / META_FILE} holds no re-timed sweep cells; run `selfspec eval "
+                              f"sweep --model {path} --write-back` first")
+    try:
+        return [(entry["drafter"], DecodeSettings.from_json(entry["settings"]), float(entry["speedup"]))
+                for entry in record["candidates"]]
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{Path(path) / META_FILE}: bad sweep candidates ({exc}); re-run "
+                              f"`selfspec eval sweep --write-back`") from None
+
+
 def format_settings(path: str | Path, meta: dict | None = None) -> dict[str, DecodeSettings]:
     """{constraint kind: settings}: what calls under a constraint of that kind ("json_schema",
     "regex", "lark") decode with, as a sweep on such prompts stored it (empty without one)."""

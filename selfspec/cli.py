@@ -335,6 +335,9 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], argparse.A
     p.add_argument("--keep-eos", action="store_true", help="stop at eos (default: always max-new-tokens)")
     p.add_argument("--profile", action="store_true",
                    help="add the round profile: where each engine method's rounds spend their time")
+    p.add_argument("--candidates", action="store_true",
+                   help="also time every cell the last sweep re-timed: is each drafter's stored cell still "
+                        "its fastest?")
     _constraint_flags(p)
     _static_flag(p)
 

@@ -363,6 +363,50 @@ def test_the_write_back_skips_a_median_win_inside_the_noise(tiny_run, tmp_path):
                                   tmp_path / "sweep.json")
 
 
+def test_the_benchmark_times_the_sweeps_cells_again_and_says_whether_the_stored_one_holds(tiny_run, tmp_path,
+                                                                                          capsys):
+    """The write-back keeps every re-timed cell; `eval speedup --candidates` times them beside the methods,
+    marks each drafter's stored cell and gives its speed ÷ the best cell's there."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from selfspec.checkpoint import save_tuned, sweep_candidates
+    from selfspec.cli import main
+    from selfspec.evaluation.sweep import write_back_fastest
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_run["model"])
+    ckpt = save_tuned(tmp_path / "tuned", model, tiny_run["tokenizer"],
+                      settings=DecodeSettings(exit_layer=2, num_speculations=3))
+    args = ["eval", "speedup", "--model", str(ckpt), "--num-prompts", "2", "--max-new-tokens", "6",
+            "--repeats", "3", "--warmup", "0", "--methods", "plain,early_exit", "--candidates",
+            "--out", str(tmp_path / "bench")]
+    assert main(args) == 2  # no sweep stored its cells yet: one line that says which command does
+    assert "run `selfspec eval sweep --model" in capsys.readouterr().err
+    first, second = (_entry(DecodeSettings(exit_layer=e, num_speculations=2), speedup, low=1.1)
+                     for e, speedup in ((3, 1.3), (1, 1.2)))
+    copies = _entry(DecodeSettings("ngram", 2, 3), 1.15, low=1.1)
+    assert write_back_fastest(str(ckpt), {"best": first, "fastest_per_drafter": {"early_exit": first,
+                                                                                  "ngram": copies},
+                                          "confirmed": [first, second, copies]}, tmp_path / "sweep.json")
+    assert [(d, s.exit_layer, x) for d, s, x in sweep_candidates(ckpt)] == [("early_exit", 3, 1.3),
+                                                                             ("early_exit", 1, 1.2),
+                                                                             ("ngram", 2, 1.15)]
+    assert main(args) == 0
+    report = json.loads((tmp_path / "bench" / "benchmark.json").read_text())
+    early = report["candidates"]["early_exit"]
+    assert [c["stored"] for c in early["cells"]] == [True, False]  # E = 3 is the drafter's stored cell
+    assert all(c["identical_to_plain"] for c in early["cells"])
+    here = [c["over_plain"]["speedup"] for c in early["cells"]]
+    assert early["stored_over_best"] == pytest.approx(here[0] / max(here))
+    # copies' one cell is their stored setting, whether or not they are among --methods
+    assert report["candidates"]["ngram"]["cells"][0]["stored"]
+    assert report["candidates"]["ngram"]["stored_over_best"] == 1.0
+    text = (tmp_path / "bench" / "benchmark.md").read_text()
+    assert "The sweep's re-timed cells, timed again here:" in text
+    assert f"early_exit: the stored cell runs at {early['stored_over_best']:.3f}× the best cell here." in text
+
+
 @pytest.mark.parametrize("speedup, written",
                          [(1.4, True), (0.9, False)])  # slower than plain: keep the checkpoint's
 def test_sweep_write_back_records_only_a_setting_that_beats_plain(tiny_run, tmp_path, speedup, written):

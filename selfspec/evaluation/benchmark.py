@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..checkpoint import checkpoint_adapters, resolve_settings
+from ..checkpoint import checkpoint_adapters, resolve_settings, sweep_candidates
 from ..cpu import sync_device
 from ..decoding import DRAFTERS, DecodeSettings, SelfSpecGenerator
 from ..decoding.grammar import Constraint, HFGrammarProcessor, read_constraint
@@ -156,7 +156,7 @@ class _Runner:
         engine stats or None)."""
         constraints = [p.constraint if isinstance(p, Structured) else None for p in batch]
         batch = [p.ids if isinstance(p, Structured) else p for p in batch]
-        if method in ENGINE_METHODS:
+        if method in self.settings:  # the engine: a drafter, plain, or a sweep's candidate cell
             out = self.generator.generate(batch, max_new_tokens=self.max_new_tokens, eos_token_id=self.eos,
                                           settings=self.settings[method], profile=self.profile,
                                           **constraint_keywords(constraints))
@@ -297,24 +297,31 @@ def run_benchmark(model, prompts: list[list[int]], settings: DecodeSettings, *, 
                   exit_adapters: dict | None = None,
                   max_new_tokens: int = 128, repeats: int = 5, warmup: int = 1, ignore_eos: bool = True,
                   methods: tuple[str, ...] = METHODS, batch_size: int = 1, progress: bool = False,
-                  profile: bool = False, static_passes: str | None = None) -> BenchmarkReport:
+                  profile: bool = False, static_passes: str | None = None,
+                  candidates: list[tuple[str, DecodeSettings, float]] | None = None) -> BenchmarkReport:
     """Measure `methods` on `prompts` (token lists), `batch_size` prompts per call; returns the report
     as a dict (see module docstring). The engine methods decode at `settings`, each drafter at its
     own fastest when `fastest` names one (`method_settings`). token_counts: the ranking of a trimmed
     draft head's ids (V' > 0); exit_adapters: {E: ExitAdapter} of the checkpoint; profile: add the
     engine methods' round profile (`rounds.round_profile`); static_passes: the engine's passes at fixed
-    shapes (`SelfSpecGenerator`)."""
+    shapes (`SelfSpecGenerator`). candidates: a sweep's re-timed cells (`checkpoint.sweep_candidates`),
+    timed here too, interleaved with the methods: `candidate_report`."""
     check_methods(methods, batch_size)
     if max_new_tokens < 1 or not prompts:
         raise UserError(f"the benchmark needs max_new_tokens >= 1 ({max_new_tokens}) and a prompt "
                         f"({len(prompts)})")
+    if candidates and "plain" not in methods:
+        raise UserError("--candidates are judged against plain decoding: keep plain in --methods")
     run = make_runner(model, settings, tokenizer=tokenizer, fastest=fastest, token_counts=token_counts,
                       exit_adapters=exit_adapters, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos,
                       profile=profile, static_passes=static_passes)
     generator, settings = run.generator, run.settings
     device, view = run.device, generator.view
+    cells = {f"{drafter} cell {i + 1}": (drafter, generator.settings_for(cell), sweep_speedup)
+             for i, (drafter, cell, sweep_speedup) in enumerate(candidates or [])}
+    run.settings.update({name: cell for name, (_, cell, _) in cells.items()})
     batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
-    timings = interleaved_rates(methods, run, batches, repeats, warmup, device,
+    timings = interleaved_rates([*methods, *cells], run, batches, repeats, warmup, device,
                                 "benchmark" if progress else None)
     rates, outputs = {m: timings.rates(m) for m in methods}, timings.outputs
     stats = {m: timings.run_stats(m) for m in methods}
@@ -354,8 +361,30 @@ def run_benchmark(model, prompts: list[list[int]], settings: DecodeSettings, *, 
                                           weights_in_cache(view))
     if profile:
         report["round_profile"] = round_profile({m: stats[m] for m in methods if m in ENGINE_METHODS})
+    if cells:
+        report["candidates"] = candidate_report(cells, timings, settings)
     report["diagnosis"] = diagnosis(report)
     return report
+
+
+def candidate_report(cells: dict, timings: Timings, settings: dict[str, DecodeSettings]) -> dict:
+    """A sweep's re-timed cells timed again by the benchmark, per drafter: each cell's paired speedup
+    over plain here beside the sweep's, whether it is the drafter's stored setting, and the stored
+    cell's speedup ÷ the best cell's here (`stored_over_best`: does the sweep's pick hold up?).
+    cells: {name: (drafter, settings, the sweep's speedup)}."""
+    plain = timings.rates("plain")
+    out: dict[str, dict] = {}
+    for name, (drafter, cell, sweep_speedup) in cells.items():
+        entry = out.setdefault(drafter, {"cells": []})
+        entry["cells"].append({"settings": cell.to_json(), "sweep_speedup": sweep_speedup,
+                               "over_plain": median_interval(paired_speedups(timings.rates(name), plain)),
+                               "stored": cell == settings.get(drafter),
+                               "identical_to_plain": timings.outputs[name] == timings.outputs["plain"]})
+    for entry in out.values():
+        best = max(c["over_plain"]["speedup"] for c in entry["cells"])
+        stored = [c["over_plain"]["speedup"] for c in entry["cells"] if c["stored"]]
+        entry["stored_over_best"] = stored[0] / best if stored else None
+    return out
 
 
 def source_summary(runs) -> dict:
@@ -561,6 +590,20 @@ def to_markdown(report: dict) -> str:
                   f"{grammar['share_of_plain_step']:.1%} of a plain step."]
     if report.get("round_profile"):
         lines += ["", profile_markdown(report["round_profile"]).rstrip()]
+    if report.get("candidates"):
+        lines += ["", "The sweep's re-timed cells, timed again here:", "",
+                  "| drafter | setting | sweep × plain | here × plain (interval) | stored |",
+                  "|---|---|---:|---:|---|"]
+        for drafter, entry in report["candidates"].items():
+            for cell in entry["cells"]:
+                here = cell["over_plain"]
+                lines.append(f"| {drafter} | {DecodeSettings.from_json(cell['settings']).describe()} | "
+                             f"{cell['sweep_speedup']:.2f} | {here['speedup']:.2f} ({here['low']:.2f}-"
+                             f"{here['high']:.2f}) | {'stored' if cell['stored'] else ''} |")
+        for drafter, entry in report["candidates"].items():
+            ratio = entry["stored_over_best"]
+            lines += ["", f"{drafter}: the stored cell runs at {ratio:.3f}× the best cell here." if ratio
+                      else f"{drafter}: the stored setting is not among the sweep's cells."]
     lines += ["", "Greedy outputs identical (every method but hf_early_exit, which is reported apart): "
               f"**{report['greedy_outputs_identical']}**; identical to {report['reference']} per method: "
               + ", ".join(f"{m} {same}" for m, same in report["identical"].items())]
@@ -631,7 +674,8 @@ def speedup(model: str, *, exit_layer: int | None = None, num_speculations=None,
             repeats: int = 5, warmup: int = 1, methods=METHODS, batch_size: int = 1, keep_eos: bool = False,
             device: str | None = None, dtype: str = "auto", out: str = "runs/benchmark",
             json_schema: str | None = None, regex: str | None = None, grammar: str | None = None,
-            profile: bool = False, static_passes: str | None = None) -> BenchmarkReport:
+            profile: bool = False, static_passes: str | None = None,
+            candidates: bool = False) -> BenchmarkReport:
     """`selfspec eval speedup`: benchmark the checkpoint `model`; print the report, write it into `out`.
 
     The engine decodes at the checkpoint's settings (`selfspec.json`), with the given fields
@@ -641,6 +685,8 @@ def speedup(model: str, *, exit_layer: int | None = None, num_speculations=None,
     `prompts="json-extract"` takes the extraction prompts, each under its own schema.
     profile: add the round profile of every engine method (where its rounds' time goes).
     static_passes: "compile" (or "eager") runs the engine's passes at fixed shapes, CUDA graphs on a GPU.
+    candidates: also time every cell the last sweep re-timed (`checkpoint.sweep_candidates`) and say
+    whether each drafter's stored cell is still its fastest.
     """
     if num_prompts < 1 or repeats < 1 or max_new_tokens < 1:
         raise UserError(f"--num-prompts ({num_prompts}), --repeats ({repeats}) and --max-new-tokens "
@@ -653,6 +699,7 @@ def speedup(model: str, *, exit_layer: int | None = None, num_speculations=None,
         draft_vocab_size=draft_vocab_size, stop_below=stop_below, min_ngram=min_ngram, overlap=overlap)
     if settings.exit_layer is None:
         raise UserError(f"--exit-layer is required: {model} has no selfspec.json")
+    cells = sweep_candidates(model, constraint_kind=kind) if candidates else None
     lm, tokenizer = load_model(model, device, dtype)
     prompt_ids = read_prompts(tokenizer, prompts, corpus, num_prompts, prompt_tokens)
     if constraint is not None:
@@ -663,7 +710,8 @@ def speedup(model: str, *, exit_layer: int | None = None, num_speculations=None,
                            repeats=repeats, warmup=warmup, ignore_eos=not keep_eos,
                             methods=(tuple(m.strip() for m in methods.split(",")) if isinstance(methods, str)
                                      else tuple(methods)),
-                           batch_size=batch_size, progress=True, profile=profile, static_passes=static_passes)
+                           batch_size=batch_size, progress=True, profile=profile, static_passes=static_passes,
+                           candidates=cells)
     report["model"] = model
     json_path, md_path = write_report(report, out)
     print(to_markdown(report))

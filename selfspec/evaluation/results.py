@@ -53,6 +53,8 @@ class BenchmarkReport(TypedDict):
     grammar: NotRequired[dict]  # the masks' cost, under a constraint
     cost_model: NotRequired[dict]  # α, mean k, c, v, predictions, break-even α (plain and early_exit)
     round_profile: NotRequired[dict]  # with profile=True
+    # with candidates: drafter -> its sweep cells timed again and the stored one ÷ the best
+    candidates: NotRequired[dict]
     diagnosis: str | None  # `doctor.summary`: the checklist in one paragraph
     model: NotRequired[str]  # the command's model argument
 

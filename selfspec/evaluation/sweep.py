@@ -527,7 +527,10 @@ def write_back_fastest(model_dir: str, report: dict, report_path: Path,
         return False
     record = {"speedup": best["speedup"], "interval": [best["low"], best["high"]],
               "coverage": best["coverage"], "report": str(report_path),
-              "prompts_from": report.get("prompts_from")}
+              "prompts_from": report.get("prompts_from"),
+              # every lossless re-timed cell: `selfspec eval speedup --candidates` times them again
+              "candidates": [{key: row[key] for key in ("drafter", "settings", "speedup")}
+                             for row in report.get("confirmed", [])]}
     if constraint_kind is not None:
         formats = {**read_meta(model_dir).get("formats", {}),
                    constraint_kind: {"settings": best["settings"], **record, "fastest": fastest}}
