@@ -172,8 +172,9 @@ def _tune_and_measure(base_dir: Path, base_out: Path, finetune_config: str, forc
           out=str(out / "sweep"), write_back=True)
     print("== 6/6 decoding benchmark, each drafter at its fastest: plain, early exit, copies, hybrid vs "
           "Hugging Face's greedy, early exit and prompt lookup (greedy, batch 1)")
+    # with the sweep's re-timed cells beside the methods: does its pick hold up here?
     speedup(str(tuned_dir), max_new_tokens=max_new_tokens, repeats=repeats, num_prompts=num_prompts,
-            out=str(out / "benchmark"))
+            out=str(out / "benchmark"), candidates="candidates" in read_meta(tuned_dir).get("sweep", {}))
     return passed
 
 
