@@ -88,14 +88,32 @@ def grid_settings(base: DecodeSettings, exit_layers, ks, drafters, vocabs, min_n
 
 
 def select_fastest(rows: list[dict]) -> tuple[dict | None, dict]:
-    """From re-timed rows (each with "drafter", "speedup" = its median paired speedup, "low"): the
-    fastest overall and each drafter's fastest, by the median. Whether one beats plain is
+    """From re-timed rows (each with "drafter", "speedup" = its median paired speedup, "low", and
+    "settings"): each drafter's pick and the fastest of those picks. A drafter's pick: of its cells
+    whose median lies inside the interval of its fastest median (cells the repeats cannot order), the
+    one with the shortest draft length k (an adaptive k last), then the fastest median.
+
+    Why the shortest k: cells of one drafter and exit often run within a few per cent of each other,
+    closer than a sweep's repeats on a busy machine can order them, and the benchmark minutes later
+    ordered them otherwise (docs/results.md, session 29); of such cells the shortest k verifies fewer
+    drafts a round, so it loses least where α falls on other text. Whether a pick beats plain is
     `beats_plain`'s question, asked at the write-back."""
     ordered = sorted(rows, key=lambda row: -row["speedup"])
     fastest = {}
-    for row in ordered:
-        fastest.setdefault(row["drafter"], row)
-    return (ordered[0] if ordered else None), fastest
+    for drafter in dict.fromkeys(row["drafter"] for row in ordered):
+        own = [row for row in ordered if row["drafter"] == drafter]
+        top = own[0]
+        tied = [row for row in own if row["speedup"] >= top.get("low", top["speedup"])]
+        fastest[drafter] = min(tied, key=lambda row: (_draft_length(row), -row["speedup"]))
+    best = max(fastest.values(), key=lambda row: row["speedup"], default=None)
+    return best, fastest
+
+
+def _draft_length(row: dict) -> float:
+    """A re-timed row's draft length k for `select_fastest` (an adaptive k counts as the longest; rows
+    without settings as 0, no preference)."""
+    k = row.get("settings", {}).get("num_speculations", 0)
+    return float("inf") if isinstance(k, str) else k
 
 
 def confirm_candidates(rows: list[dict], confirm: int) -> list[dict]:
