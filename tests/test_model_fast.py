@@ -213,7 +213,7 @@ def few_rows():
     return kernel
 
 
-@pytest.mark.parametrize("in_features", [576, 37, 8, 3])
+@pytest.mark.parametrize("in_features", [1100, 576, 37, 8, 3])
 @pytest.mark.parametrize("out_features", [48, 47, 1])
 def test_the_few_rows_kernel_equals_f_linear_in_fp32(few_rows, in_features, out_features):
     """Every row count 1-8 (the remainder rows and K's tail included) gives the product within the
@@ -234,8 +234,9 @@ def test_the_few_rows_kernel_equals_f_linear_in_fp32(few_rows, in_features, out_
 def test_a_row_computes_bit_for_bit_the_same_alone_or_among_others_in_the_kernel(few_rows, dtype,
                                                                                  in_features):
     """What makes a verification compute what single steps compute: a row's result does not depend on
-    how many rows share the call (more than 8, or 5-8 on long W rows, in groups of up to 4 against
-    pairs of W rows, an odd W row alone), nor on how the threads split the weight's rows."""
+    how many rows share the call (more than 8 in groups of up to 4 against pairs of W rows, an odd W
+    row alone; 2-8 on long fp32 W rows a chunk of K at a time, tiles of W rows cut by the threads'
+    split), nor on how the threads split the weight's rows."""
     torch.manual_seed(0)
     weight = torch.randn(1001, in_features).to(dtype)
     x = torch.randn(8, in_features).to(dtype)
