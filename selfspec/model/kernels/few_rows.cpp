@@ -169,22 +169,22 @@ void pairs_block(const float* x, const T* w, T* out, int64_t n, int64_t k, int64
   if (j < end) rows_block<R, T>(x, w, out, n, k, j, end);
 }
 
-// Long fp32 W rows (the down projection's 1536 floats) against 2-8 rows of x. There m rows of x no
-// longer sit in L1 beside the W rows streaming past them (5 rows of 1536 floats: 30 KiB of a 32 KiB
-// L1), and `rows_block`'s loads of x from L2, not the read of W, set the pace (a verification of 5
-// positions multiplied the down projection at half the rate of the other weights). So a tile of W rows
-// (contiguous, ~48 KiB) meets x a chunk of kChunk columns at a time: the chunk of x (at most 8 × 2 KiB)
-// stays in L1 while each W row's part of the chunk streams past it, the accumulators wait in `parked`
-// between chunks, and each 16-column step asks for one line of the next tile into L2. Each output is
-// still `rows_block`'s dot product (one 8-lane accumulator over K in order, then the lanes, then K's
-// tail): the same bits.
+// Long W rows (the down projection's K = 1536) against 2-8 rows of x. There m rows of x (fp32 whatever
+// W's dtype) no longer sit in L1 beside the W rows streaming past them (5 rows of 1536 floats: 30 KiB
+// of a 32 KiB L1), and `rows_block`'s loads of x from L2, not the read of W, set the pace (a
+// verification of 5 positions multiplied the down projection at half the rate of the other weights,
+// in bf16 at 0.4 of it). So a tile of W rows (contiguous, ~48 KiB) meets x a chunk of kChunk columns
+// at a time: the chunk of x (at most 8 × 2 KiB) stays in L1 while each W row's part of the chunk
+// streams past it, the accumulators wait in `parked` between chunks, and each 16-column step asks for
+// the next tile's next 16 columns' bytes into L2. Each output is still `rows_block`'s dot product (one
+// 8-lane accumulator over K in order, then the lanes, then K's tail): the same bits.
 constexpr int64_t kChunk = 512;
 constexpr int64_t kMaxChunkTile = 16;
 
-template <int M>
-void chunked_block(const float* x, const float* w, float* out, int64_t n, int64_t k, int64_t begin, int64_t end) {
+template <int M, typename T>
+void chunked_block(const float* x, const T* w, T* out, int64_t n, int64_t k, int64_t begin, int64_t end) {
   const int64_t k8 = k - k % 8;
-  const int64_t tile = std::clamp<int64_t>((48 << 10) / (k * static_cast<int64_t>(sizeof(float))), 1, kMaxChunkTile);
+  const int64_t tile = std::clamp<int64_t>((48 << 10) / (k * static_cast<int64_t>(sizeof(T))), 1, kMaxChunkTile);
   alignas(32) float parked[kMaxChunkTile][M][8];
   const char* const stop = reinterpret_cast<const char*>(w + end * k);
   for (int64_t j0 = begin; j0 < end; j0 += tile) {
@@ -197,7 +197,7 @@ void chunked_block(const float* x, const float* w, float* out, int64_t n, int64_
     for (int64_t c0 = 0; c0 < k8; c0 += kChunk) {
       const int64_t c1 = std::min(k8, c0 + kChunk);
       for (int64_t j = j0; j < j1; ++j) {
-        const float* row = w + j * k;
+        const T* row = w + j * k;
         __m256 acc[M];
 #pragma GCC unroll 8
         for (int r = 0; r < M; ++r) acc[r] = _mm256_load_ps(parked[j - j0][r]);
@@ -205,7 +205,7 @@ void chunked_block(const float* x, const float* w, float* out, int64_t n, int64_
         for (; c + 16 <= c1; c += 16) {
           if (next < stop) {
             _mm_prefetch(next, _MM_HINT_T1);
-            next += 64;
+            next += 16 * sizeof(T);
           }
           const __m256 w0 = load8(row + c), w1 = load8(row + c + 8);
 #pragma GCC unroll 8
@@ -223,27 +223,28 @@ void chunked_block(const float* x, const float* w, float* out, int64_t n, int64_
       }
     }
     for (int64_t j = j0; j < j1; ++j) {
-      const float* row = w + j * k;
+      const T* row = w + j * k;
 #pragma GCC unroll 8
       for (int r = 0; r < M; ++r) {
         float total = hsum(_mm256_load_ps(parked[j - j0][r]));
-        for (int64_t c = k8; c < k; ++c) total += row[c] * x[r * k + c];
-        out[r * n + j] = total;
+        for (int64_t c = k8; c < k; ++c) total += static_cast<float>(row[c]) * x[r * k + c];
+        out[r * n + j] = static_cast<T>(total);
       }
     }
   }
 }
 
 // chunked_block for 2..kMaxRows rows of x on product p's W rows [lo, hi).
-inline void chunked_rows(int64_t m, const float* x, const Product<float>& p, int64_t k, int64_t lo, int64_t hi) {
+template <typename T>
+void chunked_rows(int64_t m, const float* x, const Product<T>& p, int64_t k, int64_t lo, int64_t hi) {
   switch (m) {
-    case 2: return chunked_block<2>(x, p.w, p.out, p.n, k, lo, hi);
-    case 3: return chunked_block<3>(x, p.w, p.out, p.n, k, lo, hi);
-    case 4: return chunked_block<4>(x, p.w, p.out, p.n, k, lo, hi);
-    case 5: return chunked_block<5>(x, p.w, p.out, p.n, k, lo, hi);
-    case 6: return chunked_block<6>(x, p.w, p.out, p.n, k, lo, hi);
-    case 7: return chunked_block<7>(x, p.w, p.out, p.n, k, lo, hi);
-    default: return chunked_block<8>(x, p.w, p.out, p.n, k, lo, hi);
+    case 2: return chunked_block<2, T>(x, p.w, p.out, p.n, k, lo, hi);
+    case 3: return chunked_block<3, T>(x, p.w, p.out, p.n, k, lo, hi);
+    case 4: return chunked_block<4, T>(x, p.w, p.out, p.n, k, lo, hi);
+    case 5: return chunked_block<5, T>(x, p.w, p.out, p.n, k, lo, hi);
+    case 6: return chunked_block<6, T>(x, p.w, p.out, p.n, k, lo, hi);
+    case 7: return chunked_block<7, T>(x, p.w, p.out, p.n, k, lo, hi);
+    default: return chunked_block<8, T>(x, p.w, p.out, p.n, k, lo, hi);
   }
 }
 
@@ -290,8 +291,8 @@ void products(int64_t m, const float* x, const std::vector<Product<T>>& products
   const int64_t row_bytes = k * static_cast<int64_t>(sizeof(T));
   // Threads split the rows in chunks of at least ~32 KiB of weights: below that, waking a thread costs more
   const int64_t grain = std::max<int64_t>(1, (32 << 10) / row_bytes);
-  // fp32 W rows of kLongRowBytes or more against 2-8 rows of x: `chunked_block`
-  const bool chunked = std::is_same_v<T, float> && row_bytes >= kLongRowBytes && m >= 2 && m <= kMaxRows;
+  // 2-8 rows of x whose rows (fp32) take kLongRowBytes or more: `chunked_block`
+  const bool chunked = k * static_cast<int64_t>(sizeof(float)) >= kLongRowBytes && m >= 2 && m <= kMaxRows;
   const bool wide = m > kMaxRows || (!chunked && m > kTileRows && row_bytes >= kLongRowBytes);
   // W rows per tile: 64 KiB, a small part of a core's L2, beside the groups of x that pass over it
   const int64_t tile = wide ? std::max<int64_t>(2, (64 << 10) / row_bytes) : total;
@@ -308,14 +309,11 @@ void products(int64_t m, const float* x, const std::vector<Product<T>>& products
           const int64_t lo = std::max(t0, offset), hi = std::min(t1, offset + p.n);
           if (lo < hi) {
             const Product<T> part{p.w, p.out + first * p.n, p.n};
-            bool done = false;
-            if constexpr (std::is_same_v<T, float>) {
-              if (chunked) {
-                chunked_rows(rows, x + first * k, part, k, lo - offset, hi - offset);
-                done = true;
-              }
+            if (chunked) {
+              chunked_rows<T>(rows, x + first * k, part, k, lo - offset, hi - offset);
+            } else {
+              block_rows<T>(rows, x + first * k, part, k, lo - offset, hi - offset, wide);
             }
-            if (!done) block_rows<T>(rows, x + first * k, part, k, lo - offset, hi - offset, wide);
           }
           offset += p.n;
         }
