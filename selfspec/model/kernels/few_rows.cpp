@@ -198,6 +198,8 @@ void chunked_block(const float* x, const T* w, T* out, int64_t n, int64_t k, int
       const int64_t c1 = std::min(k8, c0 + kChunk);
       for (int64_t j = j0; j < j1; ++j) {
         const T* row = w + j * k;
+        // the loop over columns is `rows_block`'s, written out again: shared as an inlined helper taking
+        // acc by reference, it measured 0.64-0.82× on passes of 5-8 positions (acc left registers)
         __m256 acc[M];
 #pragma GCC unroll 8
         for (int r = 0; r < M; ++r) acc[r] = _mm256_load_ps(parked[j - j0][r]);
