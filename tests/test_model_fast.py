@@ -235,8 +235,8 @@ def test_a_row_computes_bit_for_bit_the_same_alone_or_among_others_in_the_kernel
                                                                                  in_features):
     """What makes a verification compute what single steps compute: a row's result does not depend on
     how many rows share the call (more than 8 in groups of up to 4 against pairs of W rows, an odd W
-    row alone; 2-8 on long fp32 W rows a chunk of K at a time, tiles of W rows cut by the threads'
-    split), nor on how the threads split the weight's rows."""
+    row alone; 2-8 with K >= 1024, fp32 or bf16, a chunk of K at a time, tiles of W rows cut by the
+    threads' split), nor on how the threads split the weight's rows."""
     torch.manual_seed(0)
     weight = torch.randn(1001, in_features).to(dtype)
     x = torch.randn(8, in_features).to(dtype)

@@ -172,8 +172,8 @@ void pairs_block(const float* x, const T* w, T* out, int64_t n, int64_t k, int64
 // Long W rows (the down projection's K = 1536) against 2-8 rows of x. There m rows of x (fp32 whatever
 // W's dtype) no longer sit in L1 beside the W rows streaming past them (5 rows of 1536 floats: 30 KiB
 // of a 32 KiB L1), and `rows_block`'s loads of x from L2, not the read of W, set the pace (a
-// verification of 5 positions multiplied the down projection at half the rate of the other weights,
-// in bf16 at 0.4 of it). So a tile of W rows (contiguous, ~48 KiB) meets x a chunk of kChunk columns
+// verification of 5 positions multiplied the down projection at 0.6 of the other weights' rate, in
+// bf16 at half of it). So a tile of W rows (contiguous, ~48 KiB) meets x a chunk of kChunk columns
 // at a time: the chunk of x (at most 8 × 2 KiB) stays in L1 while each W row's part of the chunk
 // streams past it, the accumulators wait in `parked` between chunks, and each 16-column step asks for
 // the next tile's next 16 columns' bytes into L2. Each output is still `rows_block`'s dot product (one
