@@ -309,6 +309,9 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], argparse.A
                    help="rounds a lone request decodes between two looks at the queue (1: every round; "
                         "default: about 40 ms of them)")
     p.add_argument("--max-tokens-cap", type=int, default=2048, help="the most tokens one request may ask for")
+    p.add_argument("--prefix-cache-mb", type=int, default=256,
+                   help="keys and values of prompt prefixes kept for later requests that share them "
+                        "(0: none)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     _settings_flags(p)
@@ -338,6 +341,9 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], argparse.A
     p.add_argument("--candidates", action="store_true",
                    help="also time every cell the last sweep re-timed: is each drafter's stored cell still "
                         "its fastest?")
+    p.add_argument("--prefix-cache", action="store_true",
+                   help="the engine prefills through a prefix cache that holds each prompt's prefix shared "
+                        "with the other prompts (a chat template's system turn), as a server's would")
     _constraint_flags(p)
     _static_flag(p)
 
@@ -421,6 +427,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], argparse.A
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--fault", type=int, default=0, help="then this many requests, a third of them bad")
+    p.add_argument("--prefix-cache-mb", type=int, default=256,
+                   help="the servers' and the in-process generators' prefix caches (0: none)")
     _settings_flags(p)
     _device_flags(p, "runs/serve-load")
 

@@ -123,6 +123,19 @@ def test_each_engine_method_may_decode_at_its_own_setting():
     assert "| hf_early_exit | " in to_markdown(report) and "| early_exit |" in to_markdown(report)
 
 
+def test_with_a_prefix_cache_each_timed_call_loads_the_prefix_its_prompt_shares_with_another():
+    model = tiny_model("llama")
+    shared = [(7 * i) % 90 + 1 for i in range(40)]  # a chunk of 32 and more
+    prompts = [shared + [5, 6, 7, 8], shared + [9, 10], [3] + shared]
+    report = run_benchmark(model, prompts, DecodeSettings(exit_layer=3, num_speculations=3), max_new_tokens=6,
+                           repeats=1, warmup=0, methods=("plain", "early_exit", "hybrid"), prefix_cache=True)
+    assert report["greedy_outputs_identical"]
+    cached = report["prefix_cache"]
+    assert cached["chunk"] == 32 and cached["shared_tokens"] == (40 + 40 + 0) / 3
+    assert cached["loaded_tokens_per_call"] == 32 * 2 / 3  # the first two prompts' first chunk, each call
+    assert "Prefix cache: " in to_markdown(report)
+
+
 def test_batched_benchmark_decodes_rows_together():
     model = tiny_model("llama")
     prompts = [[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]]  # one length: Hugging Face needs no padding

@@ -16,6 +16,7 @@ from helpers import CHATML, assert_shape
 from transformers import AutoModelForCausalLM
 
 from selfspec import SelfSpecGenerator
+from selfspec.decoding.prefix import PrefixCache
 from selfspec.decoding.speculative import ADAPT_ROUNDS
 from selfspec.errors import UserError
 from selfspec.evaluation.results import ServeLoadReport
@@ -30,7 +31,9 @@ def generator(tiny_run):
     tokenizer = type(tiny_run["tokenizer"]).from_pretrained(tiny_run["model"])
     tokenizer.chat_template = CHATML
     model = AutoModelForCausalLM.from_pretrained(tiny_run["model"]).eval()
-    return SelfSpecGenerator(model, tokenizer, exit_layer=2, num_speculations=3, drafter="hybrid")
+    # as `selfspec serve` does: prompts prefill through a prefix cache (small chunks: short prompts)
+    return SelfSpecGenerator(model, tokenizer, exit_layer=2, num_speculations=3, drafter="hybrid",
+                             prefix_cache=PrefixCache(chunk=4))
 
 
 @pytest.fixture
@@ -276,10 +279,16 @@ def test_sixteen_concurrent_clients_each_get_what_they_get_alone(live, generator
         return client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": prompt}],
                                               temperature=0, max_tokens=12).choices[0].message.content
 
+    hits = generator.prefix_cache.hit_tokens
     with ThreadPoolExecutor(16) as pool:
         replies = list(pool.map(ask, prompts))
+    assert generator.prefix_cache.hit_tokens > hits  # their shared chat turn's opening came from the cache
+    # alone: each prompt again in a cache of its own, empty at first (a miss for every chunk)
+    cold = SelfSpecGenerator(generator.model, generator.tokenizer, generator.settings,
+                             prefix_cache=PrefixCache(chunk=4))
     for prompt, reply in zip(prompts, replies):
-        assert reply == generator.tokenizer.decode(alone(generator, prompt), skip_special_tokens=True)
+        cold.prefix_cache.clear()
+        assert reply == generator.tokenizer.decode(alone(cold, prompt), skip_special_tokens=True)
     assert live["app"].state.scheduler.largest_wave > 1
 
 

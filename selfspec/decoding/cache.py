@@ -114,6 +114,25 @@ class KVCache:
             self.keys[layer] = torch.zeros(shape, dtype=dtype, device=device)
             self.values[layer] = torch.zeros(shape, dtype=dtype, device=device)
 
+    def read_slots(self, row: int, start: int, end: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copies of row `row`'s slots [start, end) in every layer: keys and values, each a list over the
+        layers of (H_kv, end - start, head_dim) (a prefix cache's chunk, `PrefixCache.store`)."""
+        return ([k[row, :, start:end].clone() for k in self.keys],
+                [v[row, :, start:end].clone() for v in self.values])
+
+    def write_slots(self, row: int, start: int, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Write (H_kv, T, head_dim) keys and values per layer at row `row`'s slots start .. start + T - 1,
+        giving a layer its buffers first if it has none; the row's length becomes start + T in every
+        layer (a cached prefix, loaded instead of prefilled)."""
+        end = start + keys[0].shape[1]
+        for layer, (k, v) in enumerate(zip(keys, values)):
+            if self.keys[layer] is None:
+                self.keys[layer] = k.new_zeros((self.batch_size, k.shape[0], self.capacity, k.shape[2]))
+                self.values[layer] = v.new_zeros((self.batch_size, v.shape[0], self.capacity, v.shape[2]))
+            self.keys[layer][row, :, start:end] = k
+            self.values[layer][row, :, start:end] = v
+        self.lengths[:, row] = end
+
     def add_rows(self, other: KVCache) -> None:
         """Append the rows of `other` (a cache of the same layers, filled apart: rows joining a running
         batch) after this cache's; both keep every slot, in the larger capacity of the two."""

@@ -57,6 +57,7 @@ from .draft_head import DraftHead, frequent_tokens
 from .grammar import Constraint, GrammarBatch, GrammarTokenizer, apply_mask, constraints_for_rows
 from .ngram import NGramConfig
 from .policy import CopyPolicy, DraftPlan, DraftPolicy, EarlyExitPolicy, Segment
+from .prefix import PrefixCache
 from .profile import RoundProfile, no_lap
 from .sampling import (
     ACCEPT,
@@ -372,6 +373,9 @@ class SelfSpecGenerator:
         CUDA graphs (`model.static_passes`): "eager" as written, "compile" through `torch.compile`
         (CUDA graphs on a GPU). The cache is then kept per batch size and length bucket and reused.
         Llama-family models only; greedy output equals plain decoding's with the same setting.
+    prefix_cache: a `PrefixCache` (`prefix.py`), or None: prompts prefill through it, a chunk per
+        pass, reusing the chunks earlier calls computed; a prompt decodes to the same bits whether
+        its chunks were cached or not (not always the bits of a prefill without one).
     """
 
     def __init__(self, model, tokenizer=None, settings: DecodeSettings | None = None, *,
@@ -380,7 +384,7 @@ class SelfSpecGenerator:
                  ngram: NGramConfig | None = None, token_counts=None,
                  exit_adapters: dict | None = None, check_cache: bool = True,
                  fixed_width: bool | None = None, format_settings: dict | None = None,
-                 static_passes: str | None = None):
+                 static_passes: str | None = None, prefix_cache: PrefixCache | None = None):
         self.view = DecoderView(model)
         if static_passes is not None and static_passes not in STATIC_MODES:
             raise UserError(f"static_passes must be one of {', '.join(STATIC_MODES)} or None, "
@@ -401,6 +405,7 @@ class SelfSpecGenerator:
         self.token_counts = token_counts
         self.exit_adapters = dict(exit_adapters or {})
         self.check_cache = check_cache
+        self.prefix_cache = prefix_cache
         self._heads: dict[tuple[int, int], DraftHead] = {}  # (E, V') -> its draft head, built once
         self._grammar_tokenizer: GrammarTokenizer | None = None
         self.settings = self.settings_for(settings if ngram is None
@@ -1013,13 +1018,40 @@ class SelfSpecGenerator:
                    seeds_host=np.array(self._seeds(seed, rows, sampling.greedy), dtype=np.int64))
         b.upload(device)
         width = max(len(p) for p in prompts) - 1
-        if width > 0:  # right-padded with token 0; the padding's slots are stale, hidden, overwritten
+        if self.prefix_cache is not None:
+            for row, prompt in enumerate(prompts):
+                self._prefill_chunks(b, row, prompt[:-1])
+        elif width > 0:  # right-padded with token 0; the padding's slots are stale, hidden, overwritten
             ids = torch.tensor([p[:-1] + [0] * (width - len(p) + 1) for p in prompts], device=device)
             self._run(b, ids, 0, self.view.num_layers)
         b.lengths = np.array([len(p) - 1 for p in prompts], dtype=np.int64)
         b.cache.rollback(b.lengths)
         b.upload(device)
         return b
+
+    def _prefill_chunks(self, b: _Batch, row: int, tokens: list[int]) -> None:
+        """Row `row`'s prompt `tokens` (all but its pending last) into `b`'s cache through the prefix
+        cache (`prefix.py`): the chunks it holds loaded, the rest run a chunk per pass, on this row
+        alone (in a one-row batch of its own when `b` has more), then kept for later calls."""
+        if not tokens:
+            return
+        cache, size = self.prefix_cache, self.prefix_cache.chunk
+        one = b if len(b.rows) == 1 else dataclasses.replace(
+            b, cache=self._cache(b.cache.num_layers, 1, b.cache.capacity, pooled=False), rows=np.arange(1),
+            lengths=np.zeros(1, dtype=np.int64), pending_host=b.pending_host[row:row + 1],
+            seeds_host=b.seeds_host[row:row + 1], _shared=None)
+        one.upload(self.view.device)
+        layout = cache.layout(self.view.model, b.exit_block, one.cache.num_layers)
+        hits = cache.match(layout, tokens)
+        for index, chunk in enumerate(hits):
+            one.cache.write_slots(0, index * size, chunk.keys, chunk.values)
+        ids = torch.tensor([tokens], device=self.view.device)
+        for start in range(len(hits) * size, len(tokens), size):
+            self._run(one, ids[:, start:start + size], start, self.view.num_layers)
+        cache.prefilled_tokens += len(tokens) - len(hits) * size
+        cache.store(layout, tokens, lambda start, end: one.cache.read_slots(0, start, end))
+        if one is not b:
+            b.cache.write_slots(row, 0, *one.cache.read_slots(0, 0, len(tokens)))
 
     def _cache(self, layers: int, rows: int, capacity: int, pooled: bool = True) -> KVCache:
         """An empty cache of at least `capacity` slots per row. With static passes, its buffers made at

@@ -33,6 +33,7 @@ reported too.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ from ..checkpoint import checkpoint_adapters, resolve_settings, sweep_candidates
 from ..cpu import sync_device
 from ..decoding import DRAFTERS, DecodeSettings, SelfSpecGenerator
 from ..decoding.grammar import Constraint, HFGrammarProcessor, read_constraint
+from ..decoding.prefix import PrefixCache
 from ..decoding.speculative import SOURCES
 from ..errors import UserError
 from ..metrics import (
@@ -142,6 +144,8 @@ class _Runner:
     def __init__(self, generator: SelfSpecGenerator, settings: dict[str, DecodeSettings], max_new_tokens: int,
                  ignore_eos: bool, profile: bool = False):
         self.generator, self.model, self.settings = generator, generator.model, settings
+        self.shared: dict[tuple, int] = {}  # prompt -> positions it shares with another (`share_prefixes`)
+        self.engine_calls = self.cached_tokens = 0  # the engine's calls, and the positions they loaded
         self.max_new_tokens, self.profile = max_new_tokens, profile
         self.eos = [] if ignore_eos else None
         self.device = generator.view.device
@@ -151,15 +155,43 @@ class _Runner:
                                               getattr(config, "eos_token_id", None))
                                   if isinstance(t, int)), 0)
 
+    def share_prefixes(self, prompts: list) -> None:
+        """With a prefix cache: note for every prompt the longest prefix it shares with another of
+        `prompts`, which `prepare` puts in the cache before each timed call."""
+        ids = [p.ids if isinstance(p, Structured) else p for p in prompts]
+        for i, prompt in enumerate(ids):
+            common = [len(os.path.commonprefix([prompt, other])) for j, other in enumerate(ids) if j != i]
+            self.shared[tuple(prompt)] = min(max(common, default=0), len(prompt) - 1)
+
+    def prepare(self, method: str, batch: list) -> None:
+        """Before a timed call (untimed): with a prefix cache, empty it, then let it hold what a server
+        that had already answered the other prompts would hold for this batch: each prompt's prefix
+        shared with another (`share_prefixes`), prefilled under the method's own settings (the
+        cache's layout follows them). The rest of the prompt is the timed call's to prefill."""
+        cache = self.generator.prefix_cache
+        if cache is None or method not in self.settings:
+            return
+        cache.clear()
+        for prompt in batch:
+            ids = prompt.ids if isinstance(prompt, Structured) else prompt
+            shared = self.shared.get(tuple(ids), 0)
+            if shared >= cache.chunk:
+                self.generator.generate([list(ids[:shared + 1])], max_new_tokens=1,
+                                        settings=self.settings[method])
+
     def __call__(self, method: str, batch: list):
         """Decode one batch of prompts (token lists, or `Structured` ones) with `method`: (tokens per row,
         engine stats or None)."""
         constraints = [p.constraint if isinstance(p, Structured) else None for p in batch]
         batch = [p.ids if isinstance(p, Structured) else p for p in batch]
         if method in self.settings:  # the engine: a drafter, plain, or a sweep's candidate cell
+            cache = self.generator.prefix_cache
+            before = cache.hit_tokens if cache is not None else 0
             out = self.generator.generate(batch, max_new_tokens=self.max_new_tokens, eos_token_id=self.eos,
                                           settings=self.settings[method], profile=self.profile,
                                           **constraint_keywords(constraints))
+            self.engine_calls += 1
+            self.cached_tokens += (cache.hit_tokens - before) if cache is not None else 0
             return out.sequences, out.stats
         if len({len(p) for p in batch}) > 1:
             raise UserError("Hugging Face methods in a batch need prompts of one length; use "
@@ -198,12 +230,15 @@ def check_methods(methods, batch_size: int) -> None:
 
 def make_runner(model, settings: DecodeSettings, *, tokenizer=None, fastest=None, token_counts=None,
                 exit_adapters=None, max_new_tokens: int = 128, ignore_eos: bool = True,
-                profile: bool = False, static_passes: str | None = None) -> _Runner:
+                profile: bool = False, static_passes: str | None = None,
+                prefix_cache: bool = False) -> _Runner:
     """The engine over `model` and a runner of every method: the engine methods at `method_settings`,
-    profiling their rounds with `profile` (`decoding.profile`), on static passes with `static_passes`."""
+    profiling their rounds with `profile` (`decoding.profile`), on static passes with `static_passes`,
+    prefilling through a `PrefixCache` with `prefix_cache`."""
     # check_cache=False as in the sweep: a timed run does no per-round bookkeeping
     generator = SelfSpecGenerator(model, tokenizer, settings, token_counts=token_counts,
-                                  exit_adapters=exit_adapters, check_cache=False, static_passes=static_passes)
+                                  exit_adapters=exit_adapters, check_cache=False, static_passes=static_passes,
+                                  prefix_cache=PrefixCache() if prefix_cache else None)
     settings = {m: generator.settings_for(s) for m, s in method_settings(generator.settings, fastest).items()}
     return _Runner(generator, settings, max_new_tokens, ignore_eos, profile)
 
@@ -248,13 +283,14 @@ class Timings:
 
 
 def interleaved_rates(names, run, batches: list[list[list[int]]], repeats: int, warmup: int, device,
-                      progress: str | None = None, bar_per_name: bool = False) -> Timings:
+                      progress: str | None = None, bar_per_name: bool = False, prepare=None) -> Timings:
     """Time `run(name, batch) -> (tokens per row, stats or None)` for every name on every batch, interleaved.
 
     `warmup` untimed rounds, then `repeats` timed ones; in each round every batch of prompts is
     decoded by every name, the order of names rotating from batch to batch and round to round so that
     drift hits all alike. `progress`: a tqdm bar's label (None: no bar); `bar_per_name`: one bar per
-    name instead, each with its own rate and ETA.
+    name instead, each with its own rate and ETA. `prepare(name, batch)`: called before each run,
+    outside its time.
     """
     names = list(names)
     if repeats < 1:
@@ -276,6 +312,8 @@ def interleaved_rates(names, run, batches: list[list[list[int]]], repeats: int, 
         for b, batch in enumerate(batches):
             shift = (round_index + b) % len(names)
             for name in names[shift:] + names[:shift]:
+                if prepare is not None:
+                    prepare(name, batch)
                 sync_device(device)
                 start = time.perf_counter()
                 rows, run_stats = run(name, batch)
@@ -298,14 +336,17 @@ def run_benchmark(model, prompts: list[list[int]], settings: DecodeSettings, *, 
                   max_new_tokens: int = 128, repeats: int = 5, warmup: int = 1, ignore_eos: bool = True,
                   methods: tuple[str, ...] = METHODS, batch_size: int = 1, progress: bool = False,
                   profile: bool = False, static_passes: str | None = None,
-                  candidates: list[tuple[str, DecodeSettings, float]] | None = None) -> BenchmarkReport:
+                  candidates: list[tuple[str, DecodeSettings, float]] | None = None,
+                  prefix_cache: bool = False) -> BenchmarkReport:
     """Measure `methods` on `prompts` (token lists), `batch_size` prompts per call; returns the report
     as a dict (see module docstring). The engine methods decode at `settings`, each drafter at its
     own fastest when `fastest` names one (`method_settings`). token_counts: the ranking of a trimmed
     draft head's ids (V' > 0); exit_adapters: {E: ExitAdapter} of the checkpoint; profile: add the
     engine methods' round profile (`rounds.round_profile`); static_passes: the engine's passes at fixed
     shapes (`SelfSpecGenerator`). candidates: a sweep's re-timed cells (`checkpoint.sweep_candidates`),
-    timed here too, interleaved with the methods: `candidate_report`."""
+    timed here too, interleaved with the methods: `candidate_report`. prefix_cache: the engine
+    prefills through a `PrefixCache` that holds, before each timed call, the prompt's prefix shared
+    with another prompt of the set (`_Runner.prepare`: what a server would have cached)."""
     check_methods(methods, batch_size)
     if max_new_tokens < 1 or not prompts:
         raise UserError(f"the benchmark needs max_new_tokens >= 1 ({max_new_tokens}) and a prompt "
@@ -314,7 +355,8 @@ def run_benchmark(model, prompts: list[list[int]], settings: DecodeSettings, *, 
         raise UserError("--candidates are judged against plain decoding: keep plain in --methods")
     run = make_runner(model, settings, tokenizer=tokenizer, fastest=fastest, token_counts=token_counts,
                       exit_adapters=exit_adapters, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos,
-                      profile=profile, static_passes=static_passes)
+                      profile=profile, static_passes=static_passes, prefix_cache=prefix_cache)
+    run.share_prefixes(prompts)
     generator, settings = run.generator, run.settings
     device, view = run.device, generator.view
     cells = {f"{drafter} cell {i + 1}": (drafter, generator.settings_for(cell), sweep_speedup)
@@ -322,7 +364,7 @@ def run_benchmark(model, prompts: list[list[int]], settings: DecodeSettings, *, 
     run.settings.update({name: cell for name, (_, cell, _) in cells.items()})
     batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
     timings = interleaved_rates([*methods, *cells], run, batches, repeats, warmup, device,
-                                "benchmark" if progress else None)
+                                "benchmark" if progress else None, prepare=run.prepare)
     rates, outputs = {m: timings.rates(m) for m in methods}, timings.outputs
     stats = {m: timings.run_stats(m) for m in methods}
 
@@ -351,6 +393,11 @@ def run_benchmark(model, prompts: list[list[int]], settings: DecodeSettings, *, 
                                              for m in methods if m != "hf_early_exit")
     report["sources"] = {m: source_summary(stats[m]) for m in methods if m in ENGINE_METHODS and m != "plain"}
     report["prefill"] = prefill_split({m: stats[m] for m in methods if m in ENGINE_METHODS})
+    if prefix_cache:
+        report["prefix_cache"] = {"chunk": generator.prefix_cache.chunk,
+                                  "shared_tokens": statistics.mean(run.shared.values()),
+                                  "prompt_tokens": statistics.mean(len(p) for p in run.shared),
+                                  "loaded_tokens_per_call": run.cached_tokens / max(1, run.engine_calls)}
     if any(isinstance(p, Structured) for p in prompts) and "plain" in methods:
         report["grammar"] = grammar_costs(stats["plain"])
     if "plain" in methods and "early_exit" in methods:
@@ -583,6 +630,13 @@ def to_markdown(report: dict) -> str:
                   f"{row['decode_over_plain']:.2f} |" for method, row in prefill.items()]
         lines += ["", "The prefill (the prompt's pass, the same for every method) dilutes each drafter's "
                   "decoding speedup end to end."]
+    cached = report.get("prefix_cache")
+    if cached:
+        lines += ["", f"Prefix cache: before each timed call the engine's cache held the prompt's prefix "
+                      f"shared with another prompt, {cached['shared_tokens']:.1f} of "
+                      f"{cached['prompt_tokens']:.1f} tokens on average; the engine's calls loaded "
+                      f"{cached['loaded_tokens_per_call']:.1f} positions each from it (whole chunks of "
+                      f"{cached['chunk']}). Hugging Face's methods prefill the whole prompt."]
     grammar = report.get("grammar")
     if grammar:
         lines += ["", f"Grammar masks (llguidance) in constrained plain decoding: "
@@ -675,7 +729,7 @@ def speedup(model: str, *, exit_layer: int | None = None, num_speculations=None,
             device: str | None = None, dtype: str = "auto", out: str = "runs/benchmark",
             json_schema: str | None = None, regex: str | None = None, grammar: str | None = None,
             profile: bool = False, static_passes: str | None = None,
-            candidates: bool = False) -> BenchmarkReport:
+            candidates: bool = False, prefix_cache: bool = False) -> BenchmarkReport:
     """`selfspec eval speedup`: benchmark the checkpoint `model`; print the report, write it into `out`.
 
     The engine decodes at the checkpoint's settings (`selfspec.json`), with the given fields
@@ -687,6 +741,8 @@ def speedup(model: str, *, exit_layer: int | None = None, num_speculations=None,
     static_passes: "compile" (or "eager") runs the engine's passes at fixed shapes, CUDA graphs on a GPU.
     candidates: also time every cell the last sweep re-timed (`checkpoint.sweep_candidates`) and say
     whether each drafter's stored cell is still its fastest.
+    prefix_cache: the engine's methods prefill through a prefix cache holding each prompt's prefix
+    shared with the others (`run_benchmark`).
     """
     if num_prompts < 1 or repeats < 1 or max_new_tokens < 1:
         raise UserError(f"--num-prompts ({num_prompts}), --repeats ({repeats}) and --max-new-tokens "
@@ -711,7 +767,7 @@ def speedup(model: str, *, exit_layer: int | None = None, num_speculations=None,
                             methods=(tuple(m.strip() for m in methods.split(",")) if isinstance(methods, str)
                                      else tuple(methods)),
                            batch_size=batch_size, progress=True, profile=profile, static_passes=static_passes,
-                           candidates=cells)
+                           candidates=cells, prefix_cache=prefix_cache)
     report["model"] = model
     json_path, md_path = write_report(report, out)
     print(to_markdown(report))

@@ -55,6 +55,9 @@ class BenchmarkReport(TypedDict):
     round_profile: NotRequired[dict]  # with profile=True
     # with candidates: drafter -> its sweep cells timed again and the stored one ÷ the best
     candidates: NotRequired[dict]
+    # with a prefix cache: its chunk, the prompts' mean tokens, mean prefix shared with another, and
+    # positions an engine call loaded from it
+    prefix_cache: NotRequired[dict]
     diagnosis: str | None  # `doctor.summary`: the checklist in one paragraph
     model: NotRequired[str]  # the command's model argument
 

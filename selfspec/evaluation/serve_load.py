@@ -42,6 +42,7 @@ from pathlib import Path
 import httpx
 
 from ..decoding import SelfSpecGenerator
+from ..decoding.prefix import PrefixCache
 from ..decoding.settings import PLAIN
 from ..errors import UserError
 from .benchmark import read_prompts
@@ -302,8 +303,9 @@ def plot(report: dict, path: Path) -> Path:
 def serve_load(model: str, *, prompts: str | None = None, corpus: str = "stdlib", num_prompts: int = 8,
                concurrency: str = "1,2,4,8", requests: int = 16, max_tokens: int = 64, max_batch: int = 8,
                fault: int = 0, device: str | None = None, dtype: str = "auto", out: str = "runs/serve-load",
-               **overrides) -> ServeLoadReport:
-    """Run the load benchmark on `model` (see the module docstring); returns the report."""
+               prefix_cache_mb: int = 256, **overrides) -> ServeLoadReport:
+    """Run the load benchmark on `model` (see the module docstring); returns the report. Both servers
+    and the in-process generators prefill through prefix caches of `prefix_cache_mb` MiB (0: none)."""
     from ..checkpoint import load_tuned
 
     levels = [int(c) for c in concurrency.split(",")]
@@ -313,6 +315,8 @@ def serve_load(model: str, *, prompts: str | None = None, corpus: str = "stdlib"
     overrides = {k: v for k, v in overrides.items() if v is not None}
     gen = load_tuned(model, device=device or "auto", dtype=dtype, **overrides)
     plain = SelfSpecGenerator(gen.model, gen.tokenizer, settings=PLAIN)
+    for generator in (gen, plain):  # each its own, as each server has
+        generator.prefix_cache = PrefixCache(prefix_cache_mb << 20) if prefix_cache_mb else None
     texts = [gen.tokenizer.decode(ids) for ids in read_prompts(gen.tokenizer, prompts, corpus, num_prompts)]
     ids = [list(gen.tokenizer(t)["input_ids"]) for t in texts]
 
@@ -333,7 +337,7 @@ def serve_load(model: str, *, prompts: str | None = None, corpus: str = "stdlib"
         return lambda i: generator.generate([ids[i]], max_new_tokens=max_tokens)
 
     speedup = _paired_speedup(alone(gen), alone(plain), len(ids))
-    common = dict(max_batch=max_batch, device=device or "auto", dtype=dtype)
+    common = dict(max_batch=max_batch, device=device or "auto", dtype=dtype, prefix_cache_mb=prefix_cache_mb)
     logs = Path(out)
     plain_flags = {**overrides, **PLAIN_FLAGS}
     with (server_process(model, logs / "server.log", **common, **overrides) as (url, pid),

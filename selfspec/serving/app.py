@@ -19,6 +19,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from ..decoding.prefix import PrefixCache
 from ..errors import UserError
 from .metrics import Metrics
 from .protocol import APIError, ChatRequest, CompletionRequest, parse
@@ -250,10 +251,12 @@ def run_in_thread(app: FastAPI, port: int, host: str = "127.0.0.1"):
 
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           served_model_name: str | None = None, max_batch: int = 8, max_queue: int = 64,
-          rounds_per_call: int | None = None, max_tokens_cap: int = 2048, device: str = "auto",
-          dtype: str = "auto", **overrides) -> None:
+          rounds_per_call: int | None = None, max_tokens_cap: int = 2048, prefix_cache_mb: int = 256,
+          device: str = "auto", dtype: str = "auto", **overrides) -> None:
     """`selfspec serve MODEL`: load the checkpoint at its stored settings (flags override them) and
-    serve it until interrupted. The key comes from --api-key or $SELFSPEC_API_KEY."""
+    serve it until interrupted. The key comes from --api-key or $SELFSPEC_API_KEY. Prompts prefill
+    through a prefix cache of `prefix_cache_mb` MiB (0: none), so requests that share a system turn
+    or an instruction compute it once."""
     import logging
     import os
     import signal
@@ -265,8 +268,11 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str
     api_key = api_key or os.environ.get("SELFSPEC_API_KEY") or None
     if rounds_per_call is not None and rounds_per_call < 1:
         raise UserError(f"--rounds-per-call must be 1 or more, got {rounds_per_call}")
+    if prefix_cache_mb < 0:
+        raise UserError(f"--prefix-cache-mb must be 0 (no prefix cache) or more, got {prefix_cache_mb}")
     generator = load_tuned(model, device=device, dtype=dtype,
                            **{k: v for k, v in overrides.items() if v is not None})
+    generator.prefix_cache = PrefixCache(prefix_cache_mb << 20) if prefix_cache_mb else None
     if generator.tokenizer is None:
         raise UserError(f"{model} has no tokenizer; the server needs one to read and write text")
     name = served_model_name or model.rstrip("/")
