@@ -67,6 +67,22 @@ def test_every_drafter_decodes_what_plain_decoding_does_with_a_prefix_cache(fami
     assert cache.hit_tokens > 0
 
 
+def test_chunks_widen_to_4c_from_position_4c_and_a_wide_chunk_hits_as_the_same_bits(kernel_level):
+    assert PrefixCache(chunk=4).spans(39) == [(0, 4), (4, 8), (8, 12), (12, 16), (16, 32), (32, 39)]
+    kernel_level(None)  # MKL's products: their rounding depends on the rows of the pass
+    model = low_alpha_model("llama")
+    long = [(5 * i) % 90 + 1 for i in range(40)]
+    cold = SelfSpecGenerator(model, num_speculations=0, prefix_cache=PrefixCache(chunk=4))
+    cold.generate([long], max_new_tokens=1)
+    warm = SelfSpecGenerator(model, num_speculations=0, prefix_cache=PrefixCache(chunk=4))
+    warm.generate([long[:20]], max_new_tokens=1)  # the four narrow chunks
+    warm.generate([long], max_new_tokens=1)
+    assert warm.prefix_cache.hit_tokens == 16
+    expected, got = _chunks(cold.prefix_cache, cold, long[:-1]), _chunks(warm.prefix_cache, warm, long[:-1])
+    assert len(got) == len(expected) == 5 * 2 * model.config.num_hidden_layers
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
 def test_the_cache_keeps_within_its_bytes_dropping_the_least_recently_used_chunk():
     model = low_alpha_model("llama")
     probe = PrefixCache(chunk=4)

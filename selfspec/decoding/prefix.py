@@ -2,17 +2,19 @@
 later calls whose prompts start with the same tokens (a chat template's system turn, an instruction
 that every request of a task shares). Serving engines call it automatic prefix caching.
 
-A prompt's positions fall into chunks at fixed boundaries, [0, C), [C, 2C), ...: with a prefix
-cache set, the engine prefills every prompt a chunk per pass, one row at a time, whether the cache
-holds some of its chunks or not. A chunk's keys and values are then a function of the tokens up to
-its end alone: the same pass (C positions, one row, the same keys before them) computes them on a
-hit and on a miss, so a prompt decodes to the same bits either way, alone or in a batch. Without the
-fixed boundaries a cached prefix would be followed by a pass of another shape than the one a miss
-runs, and a product's rounding depends on its shape (`model.fast.fixed_width` says why).
+A prompt's positions fall into chunks at fixed boundaries (`spans`): chunks of C positions up to
+position 4C, of 4C positions after it, so that a shared system turn is caught at a fine grain and a
+long prompt still runs in wide passes. With a prefix cache set, the engine prefills every prompt a
+chunk per pass, one row at a time, whether the cache holds some of its chunks or not. A chunk's keys
+and values are then a function of the tokens up to its end alone: the same pass (the chunk's positions,
+one row, the same keys before them) computes them on a hit and on a miss, so a prompt decodes to the
+same bits either way, alone or in a batch. Without the fixed boundaries a cached prefix would be
+followed by a pass of another shape than the one a miss runs, and a product's rounding depends on
+its shape (`model.fast.fixed_width` says why).
 
-The chunks form a tree: a chunk's key is its parent chunk and its own C tokens, so a lookup walks
-a prompt chunk by chunk and shares the common prefix of many prompts. Each holds (H_kv, C, head_dim)
-keys and values per cache layer; one tree per cache layout (the model's layers, plus an exit
+The chunks form a tree: a chunk's key is its parent chunk and its own tokens, so a lookup walks
+a prompt chunk by chunk and shares the common prefix of many prompts. Each holds (H_kv, length,
+head_dim) keys and values per cache layer; one tree per cache layout (the model's layers, plus an exit
 block's own layers when the call drafts with one). The cache keeps at most `max_bytes`, dropping
 the least recently used chunk first; a chunk is touched after every chunk below it, so the least
 recently used one never has a child left.
@@ -26,7 +28,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-DEFAULT_CHUNK = 32  # positions per chunk: a pass of this many rows still runs near a CPU's peak
+# positions per chunk at the start of a prompt (4x that from position 4C on). Why 32: a chat
+# template's system turn plus an instruction's opening is some 30-50 tokens, and on 2 CPU cores a
+# prompt of ~80 tokens prefilled in chunks of 32 took 1.13x its one pass (every chunk a miss), one of
+# ~490 tokens 1.40x in chunks of 32 and 1.17x in chunks of 128 (docs/results.md, 2026-12-04)
+DEFAULT_CHUNK = 32
 DEFAULT_MAX_BYTES = 256 << 20
 
 
@@ -44,9 +50,9 @@ class _Chunk:
 
 class PrefixCache:
     """Prefilled chunks of earlier prompts (see the module docstring), shared by every call of the
-    generators that hold it. chunk: C, positions per chunk; max_bytes: the most its keys and values
-    take. Counts for reports: `lookups` (rows prefilled), `hit_tokens` (positions loaded instead of
-    computed), `prefilled_tokens` (positions computed)."""
+    generators that hold it. chunk: C, positions per chunk up to position 4C (4C after); max_bytes:
+    the most its keys and values take. Counts for reports: `lookups` (rows prefilled), `hit_tokens`
+    (positions loaded instead of computed), `prefilled_tokens` (positions computed)."""
 
     def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES, chunk: int = DEFAULT_CHUNK):
         if chunk < 1 or max_bytes < 0:
@@ -73,11 +79,26 @@ class PrefixCache:
         self._owners[key] = (model, exit_block)
         return key
 
+    def spans(self, length: int) -> list[tuple[int, int]]:
+        """The chunks (start, end) of a prefill of `length` positions, in order; the last one may be
+        cut short by the prompt's end (a whole chunk only when it ends at its boundary)."""
+        out, start = [], 0
+        while start < length:
+            size = self.chunk if start < 4 * self.chunk else 4 * self.chunk
+            out.append((start, min(start + size, length)))
+            start += size
+        return out
+
+    def _whole(self, length: int) -> list[tuple[int, int]]:
+        """The whole chunks of a prefill of `length` positions."""
+        return [(start, end) for start, end in self.spans(length)
+                if end - start == (self.chunk if start < 4 * self.chunk else 4 * self.chunk)]
+
     def _keys(self, layout: tuple, tokens) -> list[tuple]:
         """The dictionary keys of `tokens`' chunks that exist, from the first on."""
         keys, parent = [], ("root", layout)
-        for start in range(0, len(tokens) - self.chunk + 1, self.chunk):
-            key = (parent, tuple(tokens[start:start + self.chunk]))
+        for start, end in self._whole(len(tokens)):
+            key = (parent, tuple(tokens[start:end]))
             node = self._chunks.get(key)
             if node is None:
                 break
@@ -94,8 +115,9 @@ class PrefixCache:
         keys = self._keys(layout, tokens)
         self._touch(keys)
         self.lookups += 1
-        self.hit_tokens += len(keys) * self.chunk
-        return [self._chunks[key] for key in keys]
+        chunks = [self._chunks[key] for key in keys]
+        self.hit_tokens += sum(len(chunk.tokens) for chunk in chunks)
+        return chunks
 
     def store(self, layout: tuple, tokens, read) -> None:
         """Keep the whole chunks of `tokens` that are not cached yet; `read(start, end)` gives their
@@ -103,9 +125,9 @@ class PrefixCache:
         from the row's cache. Then drop least recently used chunks down to `max_bytes`."""
         keys = self._keys(layout, tokens)
         parent = ("root", layout) if not keys else self._chunks[keys[-1]].uid
-        for start in range(len(keys) * self.chunk, len(tokens) - self.chunk + 1, self.chunk):
-            chunk_keys, chunk_values = read(start, start + self.chunk)
-            node = _Chunk(next(self._uids), tuple(tokens[start:start + self.chunk]), chunk_keys, chunk_values)
+        for start, end in self._whole(len(tokens))[len(keys):]:
+            chunk_keys, chunk_values = read(start, end)
+            node = _Chunk(next(self._uids), tuple(tokens[start:end]), chunk_keys, chunk_values)
             key = (parent, node.tokens)
             self._chunks[key] = node
             self.bytes += node.nbytes

@@ -1035,20 +1035,21 @@ class SelfSpecGenerator:
         alone (in a one-row batch of its own when `b` has more), then kept for later calls."""
         if not tokens:
             return
-        cache, size = self.prefix_cache, self.prefix_cache.chunk
+        cache = self.prefix_cache
         one = b if len(b.rows) == 1 else dataclasses.replace(
             b, cache=self._cache(b.cache.num_layers, 1, b.cache.capacity, pooled=False), rows=np.arange(1),
             lengths=np.zeros(1, dtype=np.int64), pending_host=b.pending_host[row:row + 1],
             seeds_host=b.seeds_host[row:row + 1], _shared=None)
         one.upload(self.view.device)
         layout = cache.layout(self.view.model, b.exit_block, one.cache.num_layers)
-        hits = cache.match(layout, tokens)
-        for index, chunk in enumerate(hits):
-            one.cache.write_slots(0, index * size, chunk.keys, chunk.values)
+        hits, loaded = cache.match(layout, tokens), 0
+        for chunk in hits:
+            one.cache.write_slots(0, loaded, chunk.keys, chunk.values)
+            loaded += len(chunk.tokens)
         ids = torch.tensor([tokens], device=self.view.device)
-        for start in range(len(hits) * size, len(tokens), size):
-            self._run(one, ids[:, start:start + size], start, self.view.num_layers)
-        cache.prefilled_tokens += len(tokens) - len(hits) * size
+        for start, end in cache.spans(len(tokens))[len(hits):]:
+            self._run(one, ids[:, start:end], start, self.view.num_layers)
+        cache.prefilled_tokens += len(tokens) - loaded
         cache.store(layout, tokens, lambda start, end: one.cache.read_slots(0, start, end))
         if one is not b:
             b.cache.write_slots(row, 0, *one.cache.read_slots(0, 0, len(tokens)))
