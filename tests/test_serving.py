@@ -220,8 +220,10 @@ def test_metrics_count_requests_tokens_and_acceptance(client):
     for name in ("selfspec_time_to_first_token_seconds_count 1.0",
                  "selfspec_request_latency_seconds_count 1.0",
                  'selfspec_acceptance_rate{source="early_exit"}', "selfspec_tokens_per_pass",
-                 "selfspec_wave_size_count 1.0"):
+                 "selfspec_wave_size_count 1.0", "selfspec_prefix_cache_bytes"):
         assert name in text, name
+    loaded = float(text.split("\nselfspec_prefix_cache_hit_tokens ")[1].split()[0])
+    assert loaded == client.app.state.scheduler.generator.prefix_cache.hit_tokens
 
 
 def free_port() -> int:

@@ -1040,7 +1040,8 @@ class SelfSpecGenerator:
             b, cache=self._cache(b.cache.num_layers, 1, b.cache.capacity, pooled=False), rows=np.arange(1),
             lengths=np.zeros(1, dtype=np.int64), pending_host=b.pending_host[row:row + 1],
             seeds_host=b.seeds_host[row:row + 1], _shared=None)
-        one.upload(self.view.device)
+        if one is not b:
+            one.upload(self.view.device)
         layout = cache.layout(self.view.model, b.exit_block, one.cache.num_layers)
         hits, loaded = cache.match(layout, tokens), 0
         for chunk in hits:

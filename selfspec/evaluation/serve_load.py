@@ -309,6 +309,8 @@ def serve_load(model: str, *, prompts: str | None = None, corpus: str = "stdlib"
     from ..checkpoint import load_tuned
 
     levels = [int(c) for c in concurrency.split(",")]
+    if prefix_cache_mb < 0:
+        raise UserError(f"--prefix-cache-mb must be 0 (no prefix cache) or more, got {prefix_cache_mb}")
     if requests < 1 or max_tokens < 1 or not levels or min(levels) < 1:
         raise UserError(f"--requests ({requests}), --max-tokens ({max_tokens}) and every --concurrency "
                         f"({concurrency}) must be >= 1")

@@ -38,7 +38,7 @@ def create_app(generator, model_name: str, *, api_key: str | None = None, max_ba
     default_max_tokens: a chat request's when it names none. The scheduler's thread runs while the
     application's lifespan does; at shutdown the requests in flight get `grace` seconds to finish,
     then end (`Scheduler.stop`)."""
-    metrics = Metrics()
+    metrics = Metrics(generator)
     scheduler = Scheduler(generator, max_batch=max_batch, max_queue=max_queue,
                           rounds_per_call=rounds_per_call, on_wave=metrics.wave_done)
     positions = generator.view.max_positions

@@ -11,9 +11,9 @@ LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 class Metrics:
     """Requests, tokens, the drafts' acceptance per source, tokens per full pass, time to the first
-    token and latency."""
+    token, latency, and the prefix cache of `generator` (read at each scrape; zeros without one)."""
 
-    def __init__(self):
+    def __init__(self, generator=None):
         self.registry = r = CollectorRegistry()
         self.requests = Counter("selfspec_requests", "HTTP requests by endpoint and status",
                                 ["endpoint", "status"], registry=r)
@@ -38,6 +38,14 @@ class Metrics:
                                      buckets=LATENCY_BUCKETS, registry=r)
         self.latency = Histogram("selfspec_request_latency_seconds", "submit to the last token",
                                  buckets=LATENCY_BUCKETS, registry=r)
+        def cached(field):
+            return lambda: getattr(getattr(generator, "prefix_cache", None), field, 0)
+
+        for field, text in (("hit_tokens", "prompt positions loaded from the prefix cache since start"),
+                            ("prefilled_tokens", "prompt positions prefilled through the prefix cache "
+                                                 "since start"),
+                            ("bytes", "bytes of keys and values the prefix cache holds")):
+            Gauge(f"selfspec_prefix_cache_{field}", text, registry=r).set_function(cached(field))
         self._tokens = self._passes = 0  # running sums behind the two ratios
         self._drafted = dict.fromkeys(SOURCES, 0)
         self._accepted = dict.fromkeys(SOURCES, 0)
