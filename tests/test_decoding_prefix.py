@@ -115,3 +115,26 @@ def test_a_prompt_decodes_the_same_tokens_with_or_without_a_prefix_cache_on_real
     cached = SelfSpecGenerator(model, num_speculations=0, prefix_cache=PrefixCache())
     assert (cached.generate([prompt], max_new_tokens=16, eos_token_id=[]).sequences
             == plain.generate([prompt], max_new_tokens=16, eos_token_id=[]).sequences)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_an_exit_blocks_own_cache_layers_load_from_the_prefix_cache_too(family):
+    """Drafting behind an exit block (an adapter with a KV cache of its own at cache layer N): its layers
+    are chunks of a layout of their own, loaded on a hit, and the output is plain decoding's."""
+    from selfspec.model.exit_adapter import ExitBlock
+
+    model = low_alpha_model(family)
+    torch.manual_seed(3)
+    block = ExitBlock.from_model(model, 0).eval()
+    for parameter in block.parameters():  # drafts that differ from the target's now and then
+        parameter.data.add_(torch.randn_like(parameter) * 0.3)
+    cache = PrefixCache(chunk=4)
+    generator = SelfSpecGenerator(model, exit_layer=2, exit_adapters={2: block}, prefix_cache=cache)
+    settings = DecodeSettings(exit_layer=2, num_speculations=3)
+    reference = [reference_greedy(model, p, 12) for p in PROMPTS]
+    for prompts in ([PROMPTS[0]], PROMPTS):  # the second call's first two rows hit
+        out = generator.generate(prompts, max_new_tokens=12, eos_token_id=[], settings=settings)
+        assert out.sequences == reference[:len(prompts)], family
+    layout = cache.layout(model, block, model.config.num_hidden_layers + block.cache_layers)
+    assert len(cache.match(layout, SHARED)) == 2 and cache.hit_tokens >= 8
+    assert len(cache.match(layout, SHARED)[0].keys) == model.config.num_hidden_layers + block.cache_layers
