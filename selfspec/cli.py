@@ -311,7 +311,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], argparse.A
     p.add_argument("--max-tokens-cap", type=int, default=2048, help="the most tokens one request may ask for")
     p.add_argument("--prefix-cache-mb", type=int, default=256,
                    help="keys and values of prompt prefixes kept for later requests that share them "
-                        "(0: none; with one, a long prompt that shares nothing prefills up to ~1.3x slower)")
+                        "(0: none; with one, a long prompt that shares nothing prefills up to ~1.25x slower)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     _settings_flags(p)

@@ -3,14 +3,15 @@ later calls whose prompts start with the same tokens (a chat template's system t
 that every request of a task shares). Serving engines call it automatic prefix caching.
 
 A prompt's positions fall into chunks at fixed boundaries (`spans`): chunks of C positions up to
-position 4C, of 4C positions after it, so that a shared system turn is caught at a fine grain and a
-long prompt still runs in wide passes. With a prefix cache set, the engine prefills every prompt a
-chunk per pass, one row at a time, whether the cache holds some of its chunks or not. A chunk's keys
-and values are then a function of the tokens up to its end alone: the same pass (the chunk's positions,
-one row, the same keys before them) computes them on a hit and on a miss, so a prompt decodes to the
-same bits either way, alone or in a batch. Without the fixed boundaries a cached prefix would be
-followed by a pass of another shape than the one a miss runs, and a product's rounding depends on
-its shape (`model.fast.fixed_width` says why).
+position 4C, then chunks of the largest power of two up to their start (they double: 128, 256, ...
+for C = 32), so that a shared system turn is caught at a fine grain and a long prompt still runs in
+few wide passes. With a prefix cache set, the engine prefills every prompt a chunk per pass, one row
+at a time, whether the cache holds some of its chunks or not. A chunk's keys and values are then a
+function of the tokens up to its end alone: the same pass (the chunk's positions, one row, the same
+keys before them) computes them on a hit and on a miss, so a prompt decodes to the same bits either
+way, alone or in a batch. Without the fixed boundaries a cached prefix would be followed by a pass
+of another shape than the one a miss runs, and a product's rounding depends on its shape
+(`model.fast.fixed_width` says why).
 
 The chunks form a tree: a chunk's key is its parent chunk and its own tokens, so a lookup walks
 a prompt chunk by chunk and shares the common prefix of many prompts. Each holds (H_kv, length,
@@ -28,9 +29,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-# positions per chunk at the start of a prompt (4x that from position 4C on). Why 32: a chat
+# positions per chunk at the start of a prompt (doubling from position 4C on). Why 32: a chat
 # template's system turn plus an instruction's opening is some 30-50 tokens, and on 2 CPU cores a
-# prompt of ~80 tokens prefilled in chunks of 32 took 1.13x its one pass (every chunk a miss), one of
+# prompt of ~80 tokens prefilled in chunks of 32 took 1.07x its one pass (every chunk a miss), one of
 # ~490 tokens 1.40x in chunks of 32 and 1.17x in chunks of 128 (docs/results.md, 2026-12-04)
 DEFAULT_CHUNK = 32
 DEFAULT_MAX_BYTES = 256 << 20
@@ -50,7 +51,7 @@ class _Chunk:
 
 class PrefixCache:
     """Prefilled chunks of earlier prompts (see the module docstring), shared by every call of the
-    generators that hold it. chunk: C, positions per chunk up to position 4C (4C after); max_bytes:
+    generators that hold it. chunk: C, positions per chunk up to position 4C (doubling after); max_bytes:
     the most its keys and values take. Counts for reports: `lookups` (rows prefilled), `hit_tokens`
     (positions loaded instead of computed), `prefilled_tokens` (positions computed)."""
 
@@ -79,20 +80,23 @@ class PrefixCache:
         self._owners[key] = (model, exit_block)
         return key
 
+    def _size(self, start: int) -> int:
+        """The length of the chunk that starts at `start`: C up to position 4C, then the largest power
+        of two up to its start (the chunks double: 128, 256, 512, ... for C = 32)."""
+        return self.chunk if start < 4 * self.chunk else 1 << (start.bit_length() - 1)
+
     def spans(self, length: int) -> list[tuple[int, int]]:
         """The chunks (start, end) of a prefill of `length` positions, in order; the last one may be
         cut short by the prompt's end (a whole chunk only when it ends at its boundary)."""
         out, start = [], 0
         while start < length:
-            size = self.chunk if start < 4 * self.chunk else 4 * self.chunk
-            out.append((start, min(start + size, length)))
-            start += size
+            out.append((start, min(start + self._size(start), length)))
+            start += self._size(start)
         return out
 
     def _whole(self, length: int) -> list[tuple[int, int]]:
         """The whole chunks of a prefill of `length` positions."""
-        return [(start, end) for start, end in self.spans(length)
-                if end - start == (self.chunk if start < 4 * self.chunk else 4 * self.chunk)]
+        return [(start, end) for start, end in self.spans(length) if end - start == self._size(start)]
 
     def _keys(self, layout: tuple, tokens) -> list[tuple]:
         """The dictionary keys of `tokens`' chunks that exist, from the first on."""
