@@ -8,7 +8,8 @@ import torch
 from helpers import FAMILIES, low_alpha_model, reference_greedy
 
 from selfspec.decoding import DecodeSettings, SelfSpecGenerator
-from selfspec.decoding.prefix import PrefixCache
+from selfspec.decoding.prefix import PrefixCache, prefix_cache_of
+from selfspec.errors import UserError
 
 SHARED = [5, 17, 33, 2, 71, 8, 40, 3, 11]  # two chunks of 4 and a token
 PROMPTS = [SHARED + [60, 61, 62, 1, 2, 3, 4, 9], SHARED + [7, 7, 12, 13], [44, 45] + SHARED]
@@ -138,3 +139,9 @@ def test_an_exit_blocks_own_cache_layers_load_from_the_prefix_cache_too(family):
     layout = cache.layout(model, block, model.config.num_hidden_layers + block.cache_layers)
     assert len(cache.match(layout, SHARED)) == 2 and cache.hit_tokens >= 8
     assert len(cache.match(layout, SHARED)[0].keys) == model.config.num_hidden_layers + block.cache_layers
+
+
+def test_a_size_in_mib_gives_a_cache_none_or_one_clear_error():
+    assert prefix_cache_of(0) is None and prefix_cache_of(3).max_bytes == 3 << 20
+    with pytest.raises(UserError, match="--prefix-cache-mb must be 0"):
+        prefix_cache_of(-1)

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import UserError
+
 # positions per chunk at the start of a prompt (doubling from position 4C on). Why 32: a chat
 # template's system turn plus an instruction's opening is some 30-50 tokens, and on 2 CPU cores a
 # prompt of ~80 tokens prefilled in chunks of 32 took 1.07x its one pass (every chunk a miss), one of
@@ -52,8 +54,8 @@ class _Chunk:
 class PrefixCache:
     """Prefilled chunks of earlier prompts (see the module docstring), shared by every call of the
     generators that hold it. chunk: C, positions per chunk up to position 4C (doubling after); max_bytes:
-    the most its keys and values take. Counts for reports: `lookups` (rows prefilled), `hit_tokens`
-    (positions loaded instead of computed), `prefilled_tokens` (positions computed)."""
+    the most its keys and values take. Counts for reports: `hit_tokens` (positions loaded instead of
+    computed), `prefilled_tokens` (positions computed)."""
 
     def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES, chunk: int = DEFAULT_CHUNK):
         if chunk < 1 or max_bytes < 0:
@@ -63,7 +65,7 @@ class PrefixCache:
         self._chunks: OrderedDict[tuple, _Chunk] = OrderedDict()  # (parent key, tokens) -> chunk, LRU first
         self._uids = itertools.count()
         self._owners: dict[tuple, tuple] = {}  # layout -> (model, exit block): kept alive, so ids stay theirs
-        self.lookups = self.hit_tokens = self.prefilled_tokens = 0
+        self.hit_tokens = self.prefilled_tokens = 0
 
     def __len__(self) -> int:
         return len(self._chunks)
@@ -118,7 +120,6 @@ class PrefixCache:
         """The cached chunks that `tokens` (the positions a prefill computes) starts with, in order."""
         keys = self._keys(layout, tokens)
         self._touch(keys)
-        self.lookups += 1
         chunks = [self._chunks[key] for key in keys]
         self.hit_tokens += sum(len(chunk.tokens) for chunk in chunks)
         return chunks
@@ -143,4 +144,11 @@ class PrefixCache:
             self.bytes -= node.nbytes
 
 
-__all__ = ["DEFAULT_CHUNK", "DEFAULT_MAX_BYTES", "PrefixCache"]
+def prefix_cache_of(mib: int) -> PrefixCache | None:
+    """A `--prefix-cache-mb` value as a cache: `mib` MiB, None for 0, a UserError below 0."""
+    if mib < 0:
+        raise UserError(f"--prefix-cache-mb must be 0 (no prefix cache) or more, got {mib}")
+    return PrefixCache(mib << 20) if mib else None
+
+
+__all__ = ["DEFAULT_CHUNK", "DEFAULT_MAX_BYTES", "PrefixCache", "prefix_cache_of"]

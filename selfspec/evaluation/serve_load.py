@@ -42,7 +42,7 @@ from pathlib import Path
 import httpx
 
 from ..decoding import SelfSpecGenerator
-from ..decoding.prefix import PrefixCache
+from ..decoding.prefix import prefix_cache_of
 from ..decoding.settings import PLAIN
 from ..errors import UserError
 from .benchmark import read_prompts
@@ -309,8 +309,7 @@ def serve_load(model: str, *, prompts: str | None = None, corpus: str = "stdlib"
     from ..checkpoint import load_tuned
 
     levels = [int(c) for c in concurrency.split(",")]
-    if prefix_cache_mb < 0:
-        raise UserError(f"--prefix-cache-mb must be 0 (no prefix cache) or more, got {prefix_cache_mb}")
+    prefix_cache_of(prefix_cache_mb)  # a bad size fails before anything loads
     if requests < 1 or max_tokens < 1 or not levels or min(levels) < 1:
         raise UserError(f"--requests ({requests}), --max-tokens ({max_tokens}) and every --concurrency "
                         f"({concurrency}) must be >= 1")
@@ -318,7 +317,7 @@ def serve_load(model: str, *, prompts: str | None = None, corpus: str = "stdlib"
     gen = load_tuned(model, device=device or "auto", dtype=dtype, **overrides)
     plain = SelfSpecGenerator(gen.model, gen.tokenizer, settings=PLAIN)
     for generator in (gen, plain):  # each its own, as each server has
-        generator.prefix_cache = PrefixCache(prefix_cache_mb << 20) if prefix_cache_mb else None
+        generator.prefix_cache = prefix_cache_of(prefix_cache_mb)
     texts = [gen.tokenizer.decode(ids) for ids in read_prompts(gen.tokenizer, prompts, corpus, num_prompts)]
     ids = [list(gen.tokenizer(t)["input_ids"]) for t in texts]
 

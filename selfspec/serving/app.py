@@ -19,7 +19,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from ..decoding.prefix import PrefixCache
+from ..decoding.prefix import prefix_cache_of
 from ..errors import UserError
 from .metrics import Metrics
 from .protocol import APIError, ChatRequest, CompletionRequest, parse
@@ -268,11 +268,10 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str
     api_key = api_key or os.environ.get("SELFSPEC_API_KEY") or None
     if rounds_per_call is not None and rounds_per_call < 1:
         raise UserError(f"--rounds-per-call must be 1 or more, got {rounds_per_call}")
-    if prefix_cache_mb < 0:
-        raise UserError(f"--prefix-cache-mb must be 0 (no prefix cache) or more, got {prefix_cache_mb}")
+    prefix_cache = prefix_cache_of(prefix_cache_mb)  # a bad size fails before the model loads
     generator = load_tuned(model, device=device, dtype=dtype,
                            **{k: v for k, v in overrides.items() if v is not None})
-    generator.prefix_cache = PrefixCache(prefix_cache_mb << 20) if prefix_cache_mb else None
+    generator.prefix_cache = prefix_cache
     if generator.tokenizer is None:
         raise UserError(f"{model} has no tokenizer; the server needs one to read and write text")
     name = served_model_name or model.rstrip("/")
