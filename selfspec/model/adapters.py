@@ -87,9 +87,9 @@ class Adapter:
         return None
 
     def draft_step(self, exit_layer: int, tokens, cache, positions, head: tuple, exit_block, allowed,
-                   eta: float):
+                   eta: float, choose: bool = True):
         """One greedy early-exit draft step in one call where this family has one (see
-        `DecoderView.draft_step`); None (nothing run) otherwise."""
+        `DecoderView.draft_step`, and `exit_pass` for choose=False); None (nothing run) otherwise."""
         return None
 
     def verify_greedy(self, start: int, end: int, hidden, tokens, cache, positions, drafts, allowed=None):
@@ -230,7 +230,7 @@ class LlamaFamilyAdapter(Adapter):
             return None
         return self.fast.draft_choice(hidden, head, allowed, eta)
 
-    def draft_step(self, exit_layer, tokens, cache, positions, head, exit_block, allowed, eta):
+    def draft_step(self, exit_layer, tokens, cache, positions, head, exit_block, allowed, eta, choose=True):
         if self._static is not None:  # static passes run the step from Python, at their fixed shapes
             return None
         place = self._round_place(0, exit_layer, cache, positions)
@@ -251,7 +251,7 @@ class LlamaFamilyAdapter(Adapter):
         embedding = self.model.model.embed_tokens
         mask_value = torch.finfo(embedding.weight.dtype).min  # `DecoderView._mask`'s
         out = self.fast.draft_step(exit_layer, layers, self.config, embedding, tokens, slots, extra_slots,
-                                   cos, sin, mask_value, head, allowed, eta)
+                                   cos, sin, mask_value, head, allowed, eta, choose)
         if out is None:
             return None
         cache.written(0, exit_layer)

@@ -586,7 +586,8 @@ class FastLlamaBlocks:
 
     def draft_step(self, exit_layer: int, extra: list, config, embedding: nn.Module, tokens: torch.Tensor,
                    slots: tuple, extra_slots: tuple | None, cos: torch.Tensor, sin: torch.Tensor,
-                   mask_value: float, head: tuple, allowed: torch.Tensor | None, eta: float):
+                   mask_value: float, head: tuple, allowed: torch.Tensor | None, eta: float,
+                   choose: bool = True):
         """One greedy early-exit draft step in one compiled call (`kernels.draft_step`): `tokens` (B, T) at
         the cache's announced slots through blocks [0, E) (the cache written), then through the exit
         blocks `extra` (block modules outside the model's list, each at its own cache layer, of the
@@ -594,7 +595,8 @@ class FastLlamaBlocks:
         grammar's mask `allowed` (B, V) bool or None, and the argmax. slots: the cache's
         `slot_buffers(0, exit_layer)`, extra_slots the exit blocks' (None without them); cos, sin (B, T,
         hd); head as `draft_loop`'s. Returns (draft (B,), hidden (B, T, D) after block E, sure: some
-        row's draft puts `eta` on its top token), or None, nothing computed, where it does not apply
+        row's draft puts `eta` on its top token); with `choose` false only the pass: (hidden, the exit
+        states (B, T, D) after the exit blocks); or None, nothing computed, where it does not apply
         (see `_round_call`; an exit block that is not a plain block of the family)."""
         weight, bias, ids, vocab = head
         call = self._round_call(kernels.draft_step, 0, exit_layer, embedding, cos, sin, (weight, bias))
@@ -614,9 +616,11 @@ class FastLlamaBlocks:
         if extra:
             keys, values = [*keys, *extra_slots[0]], [*values, *extra_slots[1]]
         out = made(blocks, extra_blocks, embed, tokens, keys, values, first, cos, sin, mask_value,
-                   self.head[0], self.head[1], weight, bias, ids, vocab, allowed, eta, row_starts)
+                   self.head[0], self.head[1], weight, bias, ids, vocab, allowed, eta, row_starts, choose)
         if not out:
             return None
+        if not choose:
+            return tuple(out)
         draft, hidden, sure = out
         return draft, hidden, bool(sure)
 

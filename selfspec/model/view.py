@@ -214,6 +214,14 @@ class DecoderView:
         run, where it does not apply (the kernels off, static passes, a window that cuts a slot)."""
         return self.adapter.draft_step(exit_layer, tokens, cache, positions, head, exit_block, allowed, eta)
 
+    def exit_pass(self, exit_layer: int, tokens: torch.Tensor, cache, positions: torch.Tensor, head: tuple,
+                  exit_block=None):
+        """`draft_step`'s pass without its choice, in one compiled call where the family has one: `tokens`
+        (B, T) at `positions` through blocks [0, exit_layer), then `exit_block`'s blocks. Returns (hidden
+        (B, T, D) after block E, the exit states (B, T, D) the draft head reads), or None, nothing run."""
+        return self.adapter.draft_step(exit_layer, tokens, cache, positions, head, exit_block, None, 0.0,
+                                       choose=False)
+
     def draft_loop(self, exit_layer: int, token: torch.Tensor, cache, positions: torch.Tensor, head: tuple,
                    k: int, eta: float = 0.0):
         """Greedy early-exit drafts in one compiled call, where the family has one (the Llama family on

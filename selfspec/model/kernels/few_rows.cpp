@@ -1129,8 +1129,9 @@ torch::Tensor apply_allowed(const torch::Tensor& logits, const torch::Tensor& al
 // `allowed` (B, V) bool where given and the argmax on the last input's state (`draft_choice`). The same
 // calls in the same order as the engine's Python step, so the same bits.
 // Returns {draft (B,) int64, hidden (B, T, D) after block E (the verification's input there), sure
-// (1,) bool: some row's draft puts `eta` on its top token (`sure`)}, or an empty vector, nothing
-// computed, where `blocks_pass` declines.
+// (1,) bool: some row's draft puts `eta` on its top token (`sure`)}; with `choose` false the pass only,
+// {hidden, the exit states (B, T, D) the draft head reads} (the engine checks copied drafts against
+// them); or an empty vector, nothing computed, where `blocks_pass` declines.
 std::vector<torch::Tensor> draft_step(const std::vector<const Block*>& blocks, const std::vector<const Block*>& extra,
                                       const torch::Tensor& embed, const torch::Tensor& tokens,
                                       const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
@@ -1139,7 +1140,7 @@ std::vector<torch::Tensor> draft_step(const std::vector<const Block*>& blocks, c
                                       const torch::Tensor& head, const c10::optional<torch::Tensor>& bias,
                                       const c10::optional<torch::Tensor>& ids, int64_t vocab,
                                       const c10::optional<torch::Tensor>& allowed, double eta,
-                                      const c10::optional<torch::Tensor>& row_starts) {
+                                      const c10::optional<torch::Tensor>& row_starts, bool choose) {
   TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == torch::kLong, "tokens (B, T) int64");
   const size_t depth = blocks.size();
   TORCH_CHECK(keys.size() == depth + extra.size() && values.size() == keys.size(),
@@ -1161,6 +1162,7 @@ std::vector<torch::Tensor> draft_step(const std::vector<const Block*>& blocks, c
     TORCH_CHECK(out.has_value(), "the exit blocks declined after blocks [0, E) ran");  // checked above
     features = *out;
   }
+  if (!choose) return {*hidden, features};
   const auto chosen = draft_choice(features.select(1, length - 1).contiguous(), norm, eps, head, bias, ids, vocab,
                                    allowed, eta);  // {draft (B,), top (B,)}
   return {chosen[0], *hidden, torch::full({1}, sure(chosen[1], eta), torch::kBool)};
