@@ -49,6 +49,40 @@ def test_a_lookup_may_extend_the_sequence_with_drafted_tokens():
     assert index.propose(2, extra=[2]) == ([], 0)  # (9, 2) never occurred
 
 
+class _Vocab:
+    """A tokenizer's `get_vocab` and nothing else: what `TokenText` reads."""
+
+    def __init__(self, pieces):
+        self.pieces = pieces
+
+    def get_vocab(self):
+        return {piece: token for token, piece in enumerate(self.pieces)}
+
+
+def test_copies_matched_on_the_text_where_the_tokens_differ():
+    """`TokenText`: where no token n-gram matches, the longest end of the text (the whole last token, at
+    least MIN_TEXT characters) found earlier proposes what followed it: from a token boundary the
+    context's own tokens; from inside a token the rest of it (when the vocabulary has that piece) and
+    then the context's tokens. A token n-gram match still comes first."""
+    from selfspec.decoding.ngram import TokenText
+
+    pieces = ["Ġ", "M", "ĠMcc", "cc", "oy", "haven", ",", "Ġ89", '"', "ĠMccoy", "Ġlives", "Mcc"]
+    text = TokenText(_Vocab(pieces))
+    ids = text.ids
+    prompt = [ids["ĠMccoy"], ids["haven"], ids[","], ids["Ġ89"], ids["Ġlives"]]  # " Mccoyhaven, 89 lives"
+    index = NGramIndex(prompt, NGramConfig(min_ngram=2), text)
+    # the reply writes `"Mcc` then `oy`: "Mccoy" ends inside no token; "Mcc" ends inside " Mccoy", whose
+    # rest "oy" is a piece
+    assert index.propose(4, [ids['"'], ids["Mcc"]]) == ([ids["oy"], ids["haven"], ids[","], ids["Ġ89"]], 0)
+    assert index.propose(2, [ids['"'], ids["Mcc"], ids["oy"]]) == ([ids["haven"], ids[","]], 0)  # a boundary
+    assert index.propose(3, [ids['"'], ids["M"]]) == ([], 0)  # "M" is shorter than MIN_TEXT
+    assert NGramIndex(prompt, NGramConfig(min_ngram=2)).propose(3, [ids['"'], ids["Mcc"]]) == ([], 0)
+    # a token n-gram match comes first
+    assert index.propose(2, [ids["ĠMccoy"], ids["haven"]]) == ([ids[","], ids["Ġ89"]], 2)
+    index.extend([ids['"'], ids["Mcc"]])  # the text follows appended tokens
+    assert index.propose(1) == ([ids["oy"]], 0)
+
+
 def test_min_ngram_is_the_copy_threshold():
     tokens = [1, 2, 3, 4, 3]  # only the 1-gram (3) repeats
     assert NGramIndex(tokens, NGramConfig(3, 1)).propose(2) == ([4, 3], 1)

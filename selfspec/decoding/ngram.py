@@ -11,10 +11,20 @@ from p with x removed).
 sequence that has a following token to the position after its most recent occurrence. Appending a
 token indexes the n-grams that end just before it, so a lookup is one dictionary probe per n and
 the sequence is never rescanned (Hugging Face's candidate generator rescans it every step).
+
+Copies matched on the text (`TokenText`, given to the index): a reply often spells what it copies
+with other tokens than the context. JSON puts a value after a quote where the prompt had it after a
+space (` Dixon` in the prompt, `"Charles` then ` Dixon` in the reply is fine, but `M|cc|oy|haven` in
+the reply against ` Mccoyhaven` in the prompt is not one token n-gram). Where no token n-gram
+matches, the index looks for the longest end of the sequence's text (at least `MIN_TEXT`
+characters and the whole last token) earlier in the context's text, and proposes what followed it
+there: the rest of the token it ends in (when the vocabulary has that piece), then the context's
+own tokens.
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 from ..errors import UserError
@@ -53,15 +63,39 @@ class NGramConfig:
         return {"max_ngram": self.max_ngram, "min_ngram": self.min_ngram, "max_copy": self.max_copy}
 
 
-class NGramIndex:
-    """The token sequence of one row and its n-gram tables (see the module docstring)."""
+MIN_TEXT = 2  # the shortest text match that copies (characters of the vocabulary's pieces)
+TEXT_TAIL = 8  # the last tokens whose text a text match may end with
 
-    def __init__(self, tokens, config: NGramConfig):
+
+class TokenText:
+    """The vocabulary's pieces as text: each token id's string (byte-level or SentencePiece pieces,
+    as `convert_ids_to_tokens` gives them: one spelling of every byte, so text matches text) and
+    the id of each piece."""
+
+    def __init__(self, tokenizer):
+        vocab = tokenizer.get_vocab()
+        self.pieces = [""] * (max(vocab.values()) + 1)
+        for piece, token in vocab.items():
+            self.pieces[token] = piece
+        self.ids = vocab
+
+    def piece(self, token: int) -> str:
+        return self.pieces[token] if 0 <= token < len(self.pieces) else ""
+
+
+class NGramIndex:
+    """The token sequence of one row and its n-gram tables (see the module docstring); with `text`, a
+    `TokenText`, also the sequence's text and where each token starts in it."""
+
+    def __init__(self, tokens, config: NGramConfig, text: TokenText | None = None):
         self.config = config
         self.tokens: list[int] = []
         # n -> {n-gram: position of the token after its latest occurrence}
         self.tables: dict[int, dict[tuple, int]] = {
             n: {} for n in range(config.min_ngram, config.max_ngram + 1)}
+        self.text = text
+        self.chars, self.starts = [], []  # the pieces so far, each token's first character
+        self.length, self.joined = 0, None  # the text's length, and the text itself once asked for
         self.extend(tokens)
 
     def extend(self, tokens) -> None:
@@ -69,6 +103,13 @@ class NGramIndex:
         start = len(self.tokens)
         self.tokens.extend(int(t) for t in tokens)
         seq = self.tokens
+        if self.text is not None:
+            for token in seq[start:]:
+                piece = self.text.piece(token)
+                self.starts.append(self.length)
+                self.chars.append(piece)
+                self.length += len(piece)
+            self.joined = None
         for follow in range(max(start, 1), len(seq)):  # the n-grams ending just before `follow`
             for n, table in self.tables.items():
                 if follow >= n:
@@ -93,4 +134,28 @@ class NGramIndex:
             if follow is not None:
                 period = len(seq) - follow
                 return [seq[follow + i % period] for i in range(limit)], n
+        if self.text is not None and limit > 0:
+            return self._text_copy(seq, limit), 0
         return [], 0
+
+    def _text_copy(self, seq: list[int], limit: int) -> list[int]:
+        """Up to `limit` tokens that followed the longest end of `seq`'s text found earlier in the
+        sequence's own text (see the module docstring); [] when none is."""
+        if self.joined is None:
+            self.joined = "".join(self.chars)
+        text, pieces = self.joined, self.text
+        tail = "".join(pieces.piece(t) for t in seq[-TEXT_TAIL:])
+        shortest = max(MIN_TEXT, len(pieces.piece(seq[-1])))
+        for size in range(len(tail), shortest - 1, -1):
+            found = text.rfind(tail[-size:], 0, len(text) - 1)  # with at least one character after it
+            if found < 0:
+                continue
+            after = found + size
+            token = bisect.bisect_right(self.starts, after) - 1  # the token whose text holds `after`
+            if after == self.starts[token]:  # the match ends where a token starts
+                return self.tokens[token:token + limit]
+            first = pieces.ids.get(self.chars[token][after - self.starts[token]:])
+            if first is None:  # the rest of that token is no piece of the vocabulary
+                return []
+            return ([first] + self.tokens[token + 1:token + limit])[:limit]
+        return []

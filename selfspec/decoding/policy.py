@@ -88,6 +88,10 @@ class DraftPolicy:
     def start(self, prompts: list[list[int]]) -> None:
         """A new `generate` call with these prompts (row i = prompts[i])."""
 
+    def match_text(self, text) -> None:
+        """From the next `start` on, copies may also match the context's text where its tokens differ
+        (`ngram.TokenText`), or not (None)."""
+
     def add(self, prompts: list[list[int]]) -> None:
         """More rows join the call (`generate(admit=...)`): their ids follow the rows so far, in order."""
 
@@ -151,12 +155,16 @@ class CopyPolicy(DraftPolicy):
         self.copies = True
         self.copies_after_early_exit = early_exit.k_max > 0
         self.indexes: list[NGramIndex] = []
+        self.text = None
+
+    def match_text(self, text):
+        self.text = text
 
     def start(self, prompts):
-        self.indexes = [NGramIndex(p, self.ngram) for p in prompts]
+        self.indexes = [NGramIndex(p, self.ngram, self.text) for p in prompts]
 
     def add(self, prompts):
-        self.indexes += [NGramIndex(p, self.ngram) for p in prompts]
+        self.indexes += [NGramIndex(p, self.ngram, self.text) for p in prompts]
 
     def observe(self, rows, tokens, emit):
         for slot, row in enumerate(rows):

@@ -35,6 +35,7 @@ runs one round per call, and one with callbacks (`on_tokens`, `admit`: the serve
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 import warnings
 from collections.abc import Sequence
@@ -55,7 +56,7 @@ from .cache import KVCache
 from .controller import Controller, FixedK
 from .draft_head import DraftHead, frequent_tokens
 from .grammar import Constraint, GrammarBatch, GrammarTokenizer, apply_mask, constraints_for_rows
-from .ngram import NGramConfig
+from .ngram import NGramConfig, TokenText
 from .policy import CopyPolicy, DraftPlan, DraftPolicy, EarlyExitPolicy, Segment
 from .prefix import PrefixCache
 from .profile import RoundProfile, no_lap
@@ -542,7 +543,9 @@ class SelfSpecGenerator:
         drafts, each through blocks [0, E) + final norm + draft head, one at a time, each followed by
         the free drafts it makes possible: under a grammar its forced tokens (the early exit then
         goes on after them); when the policy turns the rest of the round into a copy
-        (`policy.copy_after`), the copy ends it. Tokens without an exit hidden state yet (the
+        (`policy.copy_after`), the copy ends it, except in a greedy round under a grammar, where the
+        early exit checks the copy in its next pass and drafts on (`_checked_step`; up to
+        `policy.exit_drafts()` early-exit drafts). Tokens without an exit hidden state yet (the
         pending token, copied and forced drafts) run through blocks [0, E) together, in one parallel
         pass, when the early exit next needs their state; an early-exit draft keeps its own step's."""
         draft = _Draft()
@@ -867,7 +870,6 @@ class SelfSpecGenerator:
             settings = self.format_settings[kinds.pop()]  # the format's own fastest
         sampling = SamplingParams(temperature, top_k, top_p)
         settings, policy = self._resolve(settings, drafter, num_speculations)
-        policy.start(prompts)
         eos = self._eos_ids(eos_token_id)
         stops = self._stop_strings(stop_strings)
         if self.view.model.training:
@@ -893,6 +895,11 @@ class SelfSpecGenerator:
         clock = _Clock(self.view.device)
 
         grammars = None if constraints is None else GrammarBatch(self.grammar_tokenizer(), constraints)
+        # under a grammar a reply spells what it copies with other tokens than the prompt (a value
+        # after a quote, not a space): copies match the text there too. Not elsewhere: the compiled
+        # rounds (no grammar) copy on tokens, and every path must draft alike.
+        policy.match_text(self.token_text if grammars is not None else None)
+        policy.start(prompts)
         forced = grammars is not None and not settings.is_plain
         k_max = policy.k_max + (FORCED_PER_ROUND if forced else 0)
         b = self._start(prompts, sampling, seed, settings, capacity=int(prompt_lengths.max()) + max_new_tokens
@@ -1029,6 +1036,12 @@ class SelfSpecGenerator:
         settings = self.settings_for(settings.override(
             drafter=drafter, num_speculations=None if controller is not None else num_speculations))
         return settings, settings.policy(controller)
+
+    @functools.cached_property
+    def token_text(self) -> TokenText | None:
+        """The vocabulary's pieces for copies matched on the text (`ngram.TokenText`); None without a
+        tokenizer."""
+        return TokenText(self.tokenizer) if self.tokenizer is not None else None
 
     def grammar_tokenizer(self) -> GrammarTokenizer:
         """llguidance's index of the tokenizer (structured output), built on first use."""
