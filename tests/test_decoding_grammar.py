@@ -169,8 +169,8 @@ def test_the_compiled_draft_step_applies_the_grammars_masks(family, tokenizer, m
     made = kernels.draft_step()
     if made is None:
         kernels_unavailable()
-    calls = []
-    monkeypatch.setattr(kernels, "draft_step", lambda: lambda *args: calls.append(1) or made(*args))
+    calls = []  # the draft steps, and the passes without a choice (`exit_pass`: a tail behind the block)
+    monkeypatch.setattr(kernels, "draft_step", lambda: lambda *args: calls.append(args[-1]) or made(*args))
     model = make_model(family, tokenizer)
     block = ExitBlock.from_model(model, model.config.num_hidden_layers - 1).eval()
     prompt = prompt_ids(tokenizer)
@@ -187,7 +187,7 @@ def test_the_compiled_draft_step_applies_the_grammars_masks(family, tokenizer, m
             assert compiled.complete == python.complete == [complete], case
             for name in ("accepted_histogram", "k_rounds", "draft_steps", "stopped_below_eta"):
                 assert getattr(compiled.stats, name) == getattr(python.stats, name), (case, name)
-    assert calls
+    assert True in calls and False in calls
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -279,60 +279,6 @@ def test_a_rounds_copies_stay_within_the_copy_length_between_forced_runs(tokeniz
     copied = [sum(s.length for s in segments if s.source == "copy") for segments in rounds]
     assert max(copied) == 2 and all(c <= 2 for c in copied)  # the copy length's bound, reached
     assert any(s.source == "forced" for segments in rounds for s in segments)
-
-
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_the_hybrid_drafts_on_after_a_copy_cut_where_the_early_exit_disagrees(family, tokenizer, monkeypatch):
-    """Under a grammar a greedy hybrid round goes on after a copy: the early exit's next pass reads the
-    copied drafts, the copy is cut at the first one the exit would not have drafted (η = 0: any
-    disagreement), the grammar's drafting state is rebuilt from the kept drafts, and the exit drafts
-    on. The exit here drafts what the target would (the last block again, behind block N - 1), and the
-    copies are the target's next two tokens (kept, the exit drafting on after them) or two wrong ones
-    (cut). Output: constrained decoding's."""
-    from selfspec.decoding.ngram import NGramConfig
-    from selfspec.decoding.policy import CopyPolicy
-    from selfspec.decoding.speculative import GenerationStats
-    from selfspec.model.exit_adapter import ExitBlock
-
-    model = make_model(family, tokenizer, seed=2)
-    last = model.config.num_hidden_layers - 1
-    prompt = prompt_ids(tokenizer)
-    expected, _ = constrained_reference(model, tokenizer, prompt, Constraint.of(PERSON), 60)
-    rounds, cuts, wrong = [], [], []
-    log_round, redraft = GenerationStats.log_round, GrammarBatch.redraft
-
-    def logged(self, segments, accepted, k):
-        rounds.append(segments)
-        return log_round(self, segments, accepted, k)
-
-    def spied(self, tokens):
-        cuts.append(tokens.shape[1])
-        return redraft(self, tokens)
-
-    def copy_after(self, rows, drafted):  # the target's next two tokens, or two it would not write
-        so_far = self.indexes[rows[0]].tokens[len(prompt):] + drafted[0].tolist()
-        if expected[:len(so_far)] != so_far or len(so_far) + 2 > len(expected):
-            return np.zeros((1, 0), dtype=np.int64)
-        copy = expected[len(so_far):len(so_far) + 2]
-        return np.array([[(t + 1) % len(tokenizer) for t in copy] if wrong else copy], dtype=np.int64)
-
-    monkeypatch.setattr(GenerationStats, "log_round", logged)
-    monkeypatch.setattr(GrammarBatch, "redraft", spied)
-    monkeypatch.setattr(CopyPolicy, "copy_after", copy_after)
-    settings = DecodeSettings(drafter="hybrid", exit_layer=last, num_speculations=8,
-                              ngram=NGramConfig(min_ngram=1))
-    exact = {last: ExitBlock.from_model(model, last).eval()}
-    gen = SelfSpecGenerator(model, tokenizer, settings, exit_adapters=exact)
-    for wrong_copies in (False, True):
-        rounds.clear(), cuts.clear(), wrong.clear(), wrong.extend([True] if wrong_copies else [])
-        out = gen.generate([prompt], max_new_tokens=60, json_schema=PERSON)
-        assert out.sequences[0] == expected, wrong_copies
-        sources = [[s.source for s in segments] for segments in rounds]
-        if wrong_copies:  # cut where the exit's own draft is one the grammar allows there
-            assert cuts, sources
-        else:
-            assert not cuts, sources
-            assert any("copy" in r and "early_exit" in r[r.index("copy"):] for r in sources), sources
 
 
 def test_rollback_after_rejection_restores_the_matcher(tokenizer):

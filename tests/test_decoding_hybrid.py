@@ -140,25 +140,6 @@ def test_segments_count_what_the_verifier_tested():
     assert [r.tolist() for r in early.accepted(accepted)] == [[False, True, True, True], [0, 2, 3]]
 
 
-def test_a_rounds_draft_cut_keeps_its_first_drafts_their_sources_and_segments():
-    """`_Draft.truncate`: what the engine keeps when the early exit cuts a copy; `copied_at` tells which
-    drafts of a span were copied (the ones the exit checks)."""
-    from selfspec.decoding.speculative import _Draft
-
-    draft = _Draft()
-    for source, tokens in (("forced", [1, 2]), ("copy", [3, 4, 5]), ("early_exit", [6]), ("copy", [7])):
-        draft.add(source, torch.tensor([tokens]))
-    assert draft.copied_at(0, 7).tolist() == [False, False, True, True, True, False, True]
-    assert draft.copied_at(4, 6).tolist() == [True, False]
-    draft.truncate(3)
-    assert draft.tokens.tolist() == [[1, 2, 3]] and draft.k == 3
-    assert draft.sources == ["forced", "copy"]
-    assert draft.segments == [Segment("forced", 0, 2), Segment("copy", 2, 1)]
-    assert [source for source, _ in draft.q] == ["copy", "copy"]  # one-hot q of the kept parts
-    draft.truncate(0)
-    assert draft.k == 0 and not draft.segments
-
-
 def test_plan_truncation_cuts_early_exit_drafts_after_copies():
     plan = DraftPlan(np.array([[1, 2, 3]]), extend=2)
     assert plan.truncate(4).k == 4 and plan.truncate(4).extend == 1

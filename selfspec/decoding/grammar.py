@@ -246,36 +246,6 @@ class GrammarBatch:
         self.seconds += time.perf_counter() - start
         return longest
 
-    def redraft(self, tokens: np.ndarray) -> None:
-        """Start the round's drafting again from the committed state with the drafts `tokens` (B, r),
-        after the engine cut later ones (fresh copies, as `verification_masks` does: never a rollback)."""
-        self.drafting, self.dead[:] = None, False
-        if tokens.shape[1]:
-            self.admit(tokens)
-
-    def allows(self, drafts: np.ndarray, start: int, tokens: np.ndarray, asked: np.ndarray) -> np.ndarray:
-        """(B, n) bool: where `asked` (B, n), whether row b's grammar allows tokens[b, i] after its drafts
-        drafts[b, :start + i] (a free row allows anything; past a draft the grammar refuses, nothing).
-        On a copy of the committed matcher, which `validate_tokens` does not move."""
-        start_time = time.perf_counter()
-        out = np.zeros(asked.shape, dtype=bool)
-        for slot, committed in enumerate(self.matchers):
-            if not asked[slot].any():
-                continue
-            if committed is None:
-                out[slot] = asked[slot]
-                continue
-            m, row = committed.deep_copy(), drafts[slot].tolist()
-            if m.try_consume_tokens(row[:start]) < start:
-                continue
-            for i in range(int(np.flatnonzero(asked[slot])[-1]) + 1):
-                if asked[slot, i]:
-                    out[slot, i] = m.validate_tokens([int(tokens[slot, i])]) == 1
-                if start + i >= len(row) or m.try_consume_tokens(row[start + i:start + i + 1]) < 1:
-                    break
-        self.seconds += time.perf_counter() - start_time
-        return out
-
     # -- verification ----------------------------------------------------------------------------
     def verification_masks(self, drafts: np.ndarray) -> torch.Tensor:
         """(B, k + 1, V) bool: the masks of the target's k + 1 positions, at each drafted prefix of

@@ -103,11 +103,6 @@ class DraftPolicy:
         """A copy (B, r) to follow the early-exit drafts `drafted` (B, j) of this round; r = 0: none."""
         return np.zeros((len(rows), 0), dtype=np.int64)
 
-    def exit_drafts(self) -> int:
-        """The most early-exit drafts of a round that both copies and drafts (under a grammar, where the
-        early exit checks the copies and drafts on after them)."""
-        return 0
-
     def copy_limit(self) -> int | None:
         """The most tokens a round copies in all (under a grammar, copies and forced runs alternate);
         None: no limit beyond the round's own."""
@@ -191,9 +186,6 @@ class CopyPolicy(DraftPolicy):
 
     def copy_after(self, rows, drafted):
         return self._copies(rows, drafted)
-
-    def exit_drafts(self):
-        return self.early_exit.next_k()
 
     def copy_limit(self):
         return self.copy_controller.next_k()

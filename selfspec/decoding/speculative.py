@@ -253,7 +253,6 @@ class _Draft:
     """
 
     parts: list = field(default_factory=list)
-    sources: list = field(default_factory=list)  # each part's source
     q: list = field(default_factory=list)
     segments: list = field(default_factory=list)
     hiddens: list = field(default_factory=list)
@@ -265,7 +264,6 @@ class _Draft:
         source make one `Segment`. Copied and forced drafts are deterministic: one-hot q."""
         start = self.k
         self.parts.append(tokens)
-        self.sources.append(source)
         last = self.segments[-1] if self.segments else None
         if last is not None and last.source == source:
             self.segments[-1] = Segment(source, last.start, last.length + tokens.shape[1])
@@ -273,24 +271,6 @@ class _Draft:
             self.segments.append(Segment(source, start, tokens.shape[1]))
         if source != "early_exit":
             self.q.append(("copy", tokens))
-
-    def truncate(self, k: int) -> None:
-        """Keep the first k drafts, with their parts, sources and segments (greedy rounds: the early
-        exit's q is not kept). The exit states stay as they are: the caller trims them."""
-        parts, sources = self.parts, self.sources
-        self.parts, self.sources, self.segments, self.q = [], [], [], []
-        for source, part in zip(sources, parts):
-            if self.k >= k:
-                break
-            self.add(source, part[:, :k - self.k])
-
-    def copied_at(self, start: int, end: int) -> np.ndarray:
-        """(end - start,) bool: which of the drafts start .. end - 1 were copied from the context."""
-        copied = np.zeros(max(end - start, 0), dtype=bool)
-        for s in self.segments:
-            if s.source == "copy":
-                copied[max(s.start - start, 0):max(s.start + s.length - start, 0)] = True
-        return copied
 
     def host_tokens(self) -> np.ndarray:
         """(B, k) every draft of the round, on the host."""
@@ -543,21 +523,13 @@ class SelfSpecGenerator:
         drafts, each through blocks [0, E) + final norm + draft head, one at a time, each followed by
         the free drafts it makes possible: under a grammar its forced tokens (the early exit then
         goes on after them); when the policy turns the rest of the round into a copy
-        (`policy.copy_after`), the copy ends it, except in a greedy round under a grammar, where the
-        early exit checks the copy in its next pass and drafts on (`_checked_step`; up to
-        `policy.exit_drafts()` early-exit drafts). Tokens without an exit hidden state yet (the
+        (`policy.copy_after`), the copy ends it. Tokens without an exit hidden state yet (the
         pending token, copied and forced drafts) run through blocks [0, E) together, in one parallel
         pass, when the early exit next needs their state; an early-exit draft keeps its own step's."""
         draft = _Draft()
         unrun = [b.pending_dev[:, None]]  # (B, r) each: tokens not yet through blocks [0, E), in order
         copied = self._free_drafts(b, draft, unrun, policy, cap, plan.copied)
-        # Under a grammar a greedy hybrid round goes on after a copy: the early exit checks the copied
-        # drafts in the pass it needs anyway and drafts on from where they end (`_checked_step`).
-        checks = b.grammar is not None and b.sampling.greedy and policy.copies_after_early_exit
-        if checks:
-            extend = policy.exit_drafts()
-        else:
-            extend = 0 if copied and not plan.num_copied else plan.extend  # a copy found on the way ends it
+        extend = 0 if copied and not plan.num_copied else plan.extend  # a copy found on the way ends it
         compiled = extend and not draft.k and b.loop_head is not None
         if compiled and self._draft_loop(b, draft, min(extend, cap)):
             # a policy that copies after early-exit drafts looks once, after them all (the step-by-step
@@ -571,106 +543,58 @@ class SelfSpecGenerator:
         for _ in range(extend):
             if draft.k >= cap:
                 break
-            if checks and draft.copied_at(draft.k + 1 - _width(unrun), draft.k).any():
-                token, sure = self._checked_step(b, draft, unrun)
-                unrun = []
-            else:
-                allowed = None
-                if b.grammar is not None:  # the draft picks among what the grammar allows: q is masked too
-                    allowed = b.grammar.mask()  # (B, V)
-                    b.lap("grammar")
-                # one compiled call where it runs: pass, exit block, head, mask, argmax, η
-                step = self._draft_step(b, draft, unrun, allowed) if b.step_head is not None else None
-                if step is None:  # from Python: the pass, then the choice
-                    if unrun:  # this step's input: the tokens since the last pass through blocks [0, E)
-                        hidden, features = self._forward(b, _joined(unrun), draft.k + 1 - _width(unrun),
-                                                         b.exit_layer)  # (B, r, D) each
-                        draft.hiddens.append(hidden)
-                    step = self._choose(b, draft, features[:, -1], allowed)
+            allowed = None
+            if b.grammar is not None:  # the draft picks among what the grammar allows: q is masked too
+                allowed = b.grammar.mask()  # (B, V)
+                b.lap("grammar")
+            step = self._draft_step(b, draft, unrun, allowed) if unrun and b.step_head is not None else None
+            if step is not None:  # one compiled call: pass, exit block, head, mask, argmax, η
                 token, sure = step
                 unrun = []
-            if not sure:  # η: no row trusts this draft; verify the rest
-                draft.stopped = True
-                break
-            ended = self._exit_drafted(b, draft, token, unrun, policy, cap, checks)
-            if ended:
-                break
+                if not sure:
+                    draft.stopped = True
+                    break
+            else:
+                if unrun:  # this step's input: the tokens since the last pass through blocks [0, E)
+                    hidden, features = self._forward(b, _joined(unrun), draft.k + 1 - _width(unrun),
+                                                     b.exit_layer)  # (B, r, D) each
+                    draft.hiddens.append(hidden)
+                    unrun = []
+                # greedy: the compiled steps' own choice where it runs, so both draft alike
+                chosen = (self.view.draft_choice(features[:, -1], b.step_head, allowed, b.stop_below)
+                          if b.step_head is not None else None)
+                if chosen is not None:
+                    token, sure = chosen
+                    b.lap("draft passes")
+                    if not sure:  # η: no row trusts this draft; verify the rest
+                        draft.stopped = True
+                        break
+                else:
+                    logits = b.head.logits(features[:, -1])  # (B, V)
+                    b.lap("draft passes")
+                    if allowed is not None:
+                        logits = apply_mask(logits, allowed)
+                        b.lap("grammar")
+                    if b.stop_below and self._unsure(b, logits):  # η: no row trusts this draft
+                        draft.stopped = True
+                        b.lap("draft choice")
+                        break
+                    token = self._pick(b, logits, b.lengths_dev[:, None] + (draft.k + 1))  # at n + k + 1
+                    draft.q.append(("early_exit", logits))
+            draft.add("early_exit", token[:, None])
+            unrun.append(token[:, None])
+            b.lap("draft choice")
+            if b.grammar is not None:
+                b.grammar.admit(token[:, None].cpu().numpy())
+                b.lap("grammar")
+            if draft.k < cap and (b.forced or policy.copies_after_early_exit):
+                if self._free_drafts(b, draft, unrun, policy, cap):  # a copy ends the round
+                    break
         # The drafts after the last pass through blocks [0, E) are the verification's first part; when
         # η stopped the round every token already had that pass (B, 0), even with no early-exit draft.
         draft.tail = _joined(unrun) if unrun else b.pending_dev[:, None][:, :0]
         b.lap("draft choice")
         return draft
-
-    def _exit_drafted(self, b: _Batch, draft: _Draft, token: torch.Tensor, unrun: list, policy: DraftPolicy,
-                      cap: int, checks: bool) -> bool:
-        """Add the early exit's draft `token` (B,) to the round and to `unrun` (the tokens not yet
-        through blocks [0, E)), then the free drafts it makes possible. Whether the round ends: a
-        copy ends it unless the early exit `checks` copies and drafts on after them."""
-        draft.add("early_exit", token[:, None])
-        unrun.append(token[:, None])
-        b.lap("draft choice")
-        if b.grammar is not None:
-            b.grammar.admit(token[:, None].cpu().numpy())
-            b.lap("grammar")
-        if draft.k < cap and (b.forced or policy.copies_after_early_exit):
-            return self._free_drafts(b, draft, unrun, policy, cap) and not checks
-        return False
-
-    def _checked_step(self, b: _Batch, draft: _Draft, unrun: list):
-        """An early-exit step whose input holds copied drafts (greedy, under a grammar): the tokens
-        `unrun` (B, r) through blocks [0, E) and the exit block in one pass, the draft head at every
-        position, and the copy cut at its first draft that the exit, sure of itself (its top token
-        at least η, or any when η = 0), would not have drafted: a copy taken from the prompt runs on
-        past the value the reply needs (`Charles Dixon, 89, lives` for `"Charles Dixon",`). The
-        drafts after the cut go (the grammar's drafting state is rebuilt from the kept ones), and
-        the exit drafts at the cut, as it would have there, from the same pass: (draft (B,), sure).
-        Without a cut it drafts after the last token. Every draft is still verified: the output
-        does not change."""
-        tokens = _joined(unrun)  # (B, r): positions first .. draft.k, that is drafts first - 1 .. k - 1
-        first = draft.k + 1 - tokens.shape[1]
-        hidden, features = self._forward(b, tokens, first, b.exit_layer)  # (B, r, D) each
-        b.lap("draft passes")
-        cut = tokens.shape[1] - 1  # the position (in this pass) the next early-exit draft is made at
-        copied = draft.copied_at(first, draft.k)  # (r - 1,): which of the inputs after the first were copied
-        if copied.any():
-            probs = torch.softmax(b.head.logits(features[:, :-1]).float(), -1)  # (B, r - 1, V)
-            top, guess = probs.max(-1)
-            differ = ((guess != tokens[:, 1:]) & (top >= b.stop_below)).cpu().numpy() & copied  # (B, r - 1)
-            b.lap("draft choice")
-            if differ.any():  # a guess the grammar refuses says nothing of the copy: its masked one may agree
-                wrong = b.grammar.allows(draft.host_tokens(), first, guess.cpu().numpy(), differ).any(0)
-                b.lap("grammar")
-                if wrong.any():
-                    cut = int(np.argmax(wrong))
-        draft.hiddens.append(hidden[:, :cut + 1])
-        if first + cut < draft.k:  # drafts first + cut .. go
-            draft.truncate(first + cut)
-            b.grammar.redraft(draft.host_tokens() if draft.k else np.zeros((tokens.shape[0], 0), np.int64))
-            b.lap("grammar")
-        allowed = b.grammar.mask()  # (B, V)
-        b.lap("grammar")
-        return self._choose(b, draft, features[:, cut], allowed)
-
-    def _choose(self, b: _Batch, draft: _Draft, features: torch.Tensor, allowed: torch.Tensor | None):
-        """The early exit's draft from its states `features` (B, D) under the mask `allowed`:
-        (token (B,), sure: some row's draft reaches η). The compiled choice where it runs, so every
-        path drafts alike; else from Python (sampling draws it and keeps its q)."""
-        chosen = (self.view.draft_choice(features, b.step_head, allowed, b.stop_below)
-                  if b.step_head is not None else None)
-        if chosen is not None:
-            b.lap("draft passes")
-            return chosen
-        logits = b.head.logits(features)  # (B, V)
-        b.lap("draft passes")
-        if allowed is not None:
-            logits = apply_mask(logits, allowed)
-            b.lap("grammar")
-        if b.stop_below and self._unsure(b, logits):  # η: no row trusts this draft
-            b.lap("draft choice")
-            return None, False
-        token = self._pick(b, logits, b.lengths_dev[:, None] + (draft.k + 1))  # at n + k + 1
-        draft.q.append(("early_exit", logits))
-        return token, True
 
     def _draft_loop(self, b: _Batch, draft: _Draft, k: int) -> bool:
         """The round's k greedy early-exit drafts in one compiled call (`DecoderView.draft_loop`), the

@@ -1130,8 +1130,8 @@ torch::Tensor apply_allowed(const torch::Tensor& logits, const torch::Tensor& al
 // calls in the same order as the engine's Python step, so the same bits.
 // Returns {draft (B,) int64, hidden (B, T, D) after block E (the verification's input there), sure
 // (1,) bool: some row's draft puts `eta` on its top token (`sure`)}; with `choose` false the pass only,
-// {hidden, the exit states (B, T, D) the draft head reads} (the engine checks copied drafts against
-// them); or an empty vector, nothing computed, where `blocks_pass` declines.
+// {hidden, the exit states (B, T, D) the draft head reads} (a verification's tail behind an exit block,
+// which needs no draft); or an empty vector, nothing computed, where `blocks_pass` declines.
 std::vector<torch::Tensor> draft_step(const std::vector<const Block*>& blocks, const std::vector<const Block*>& extra,
                                       const torch::Tensor& embed, const torch::Tensor& tokens,
                                       const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
