@@ -71,11 +71,11 @@ def test_copies_matched_on_the_text_where_the_tokens_differ():
     ids = text.ids
     prompt = [ids["ĠMccoy"], ids["haven"], ids[","], ids["Ġ89"], ids["Ġlives"]]  # " Mccoyhaven, 89 lives"
     index = NGramIndex(prompt, NGramConfig(min_ngram=2), text)
-    # the reply writes `"Mcc` then `oy`: "Mccoy" ends inside no token; "Mcc" ends inside " Mccoy", whose
-    # rest "oy" is a piece
+    # the reply writes `"|Mcc`: its longest end found earlier, "Mcc", ends inside " Mccoy", whose rest "oy"
+    # is a piece
     assert index.propose(4, [ids['"'], ids["Mcc"]]) == ([ids["oy"], ids["haven"], ids[","], ids["Ġ89"]], 0)
     assert index.propose(2, [ids['"'], ids["Mcc"], ids["oy"]]) == ([ids["haven"], ids[","]], 0)  # a boundary
-    assert index.propose(3, [ids['"'], ids["M"]]) == ([], 0)  # "M" is shorter than MIN_TEXT
+    assert index.propose(3, [ids['"'], ids["M"]]) == ([], 0)  # '"M' is not in the prompt; "M" is too short
     assert NGramIndex(prompt, NGramConfig(min_ngram=2)).propose(3, [ids['"'], ids["Mcc"]]) == ([], 0)
     # a token n-gram match comes first
     assert index.propose(2, [ids["ĠMccoy"], ids["haven"]]) == ([ids[","], ids["Ġ89"]], 2)

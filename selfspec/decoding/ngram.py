@@ -14,12 +14,11 @@ the sequence is never rescanned (Hugging Face's candidate generator rescans it e
 
 Copies matched on the text (`TokenText`, given to the index): a reply often spells what it copies
 with other tokens than the context. JSON puts a value after a quote where the prompt had it after a
-space (` Dixon` in the prompt, `"Charles` then ` Dixon` in the reply is fine, but `M|cc|oy|haven` in
-the reply against ` Mccoyhaven` in the prompt is not one token n-gram). Where no token n-gram
-matches, the index looks for the longest end of the sequence's text (at least `MIN_TEXT`
-characters and the whole last token) earlier in the context's text, and proposes what followed it
-there: the rest of the token it ends in (when the vocabulary has that piece), then the context's
-own tokens.
+space: the prompt's ` Charles| Dixon` becomes `"|Charles| Dixon`, and no token n-gram ends in
+`Charles`; its ` Mccoyhaven` becomes `M|cc|oy|haven`. Where no token n-gram matches, the index looks
+for the longest end of the sequence's text (at least `MIN_TEXT` characters and the whole last token)
+earlier in it, and proposes what followed it there: the rest of the token the match ends in (when
+the vocabulary has that piece), then the context's own tokens.
 """
 
 from __future__ import annotations
