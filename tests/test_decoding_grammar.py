@@ -234,6 +234,29 @@ def test_a_reply_cut_by_max_new_tokens_is_reported_incomplete(tokenizer):
     assert len(out.sequences[0]) == 5
 
 
+def test_a_copy_ends_where_its_clause_does_closed_as_the_grammar_allows(tokenizer):
+    """Under a grammar a copy that runs past the context's clause (`Maria Lopez, 34, lives` for a name)
+    is cut there and closed by the first closer the grammar allows there (a string's quote, not a
+    comma, which would still be the string's text), so the key the grammar forces next can follow in
+    the same round; where no closer fits, the copy is cut only where the grammar refuses it."""
+    from types import SimpleNamespace
+
+    gen = SelfSpecGenerator(make_model("llama", tokenizer), tokenizer, drafter="ngram")
+    copy = np.array([tokenizer("Maria Lopez, 34, lives")["input_ids"]])
+    end = gen.token_text.clause_end(copy)
+    assert tokenizer.decode(copy[0, :end]) == "Maria Lopez"
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    grammar = GrammarBatch(gen.grammar_tokenizer(), [Constraint.of(schema)])
+    opening = tokenizer('{"name": "')["input_ids"]
+    assert grammar.admit(np.array([opening])) == len(opening)
+    closed = gen._closed_copy(SimpleNamespace(grammar=grammar), copy)
+    assert closed.shape[1] == end + 1 and tokenizer.decode(closed[0]).startswith('Maria Lopez"')
+    assert '"age": ' in tokenizer.decode(grammar.forced(8)[0])  # the drafts went to the matcher
+    grammar = GrammarBatch(gen.grammar_tokenizer(), [Constraint.of(regex="[A-Za-z ]+[0-9]*")])
+    assert gen._closed_copy(SimpleNamespace(grammar=grammar), copy).tolist() == copy[:, :end].tolist()
+
+
 def test_forced_runs_are_drafted_without_model_calls(tokenizer):
     """A schema whose output is almost all forced: the ngram drafter (no early exit) needs far fewer
     rounds than tokens, and every forced draft is accepted by the target."""

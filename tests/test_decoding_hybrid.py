@@ -81,6 +81,10 @@ def test_copies_matched_on_the_text_where_the_tokens_differ():
     assert index.propose(2, [ids["ĠMccoy"], ids["haven"]]) == ([ids[","], ids["Ġ89"]], 2)
     index.extend([ids['"'], ids["Mcc"]])  # the text follows appended tokens
     assert index.propose(1) == ([ids["oy"]], 0)
+    # the clause ends at a comma before a space (`Mccoyhaven, 89`), not at one the copy ends with
+    assert text.clause_end(np.array([[ids["oy"], ids["haven"], ids[","], ids["Ġ89"]]])) == 2
+    assert text.clause_end(np.array([[ids["haven"], ids[","]], [ids["oy"], ids["haven"]]])) is None
+    assert text.closers == [ids['"'], ids[","]]  # of '",', '"}', '"', ',', '}' the vocabulary has these
 
 
 def test_min_ngram_is_the_copy_threshold():

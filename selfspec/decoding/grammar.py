@@ -246,6 +246,22 @@ class GrammarBatch:
         self.seconds += time.perf_counter() - start
         return longest
 
+    def first_allowed(self, candidates: list[int]) -> np.ndarray | None:
+        """(B,) per row the first of `candidates` its grammar allows after the drafts so far (not
+        consumed; a dead or free row, or one that allows none, gets the first); None when no row
+        allows any."""
+        start = time.perf_counter()
+        out = np.full(len(self._drafting()), candidates[0] if candidates else 0, dtype=np.int64)
+        found = False
+        for slot, m in enumerate(self.drafting):
+            if m is None or self.dead[slot]:
+                continue
+            allowed = next((c for c in candidates if m.validate_tokens([c]) == 1), None)
+            if allowed is not None:
+                out[slot], found = allowed, True
+        self.seconds += time.perf_counter() - start
+        return out if found else None
+
     # -- verification ----------------------------------------------------------------------------
     def verification_masks(self, drafts: np.ndarray) -> torch.Tensor:
         """(B, k + 1, V) bool: the masks of the target's k + 1 positions, at each drafted prefix of

@@ -24,7 +24,10 @@ the vocabulary has that piece), then the context's own tokens.
 from __future__ import annotations
 
 import bisect
+import functools
 from dataclasses import dataclass
+
+import numpy as np
 
 from ..errors import UserError
 
@@ -64,6 +67,10 @@ class NGramConfig:
 
 MIN_TEXT = 2  # the shortest text match that copies (characters of the vocabulary's pieces)
 TEXT_TAIL = 8  # the last tokens whose text a text match may end with
+CLAUSE_ENDS = (",", ".", ";")
+SPACES = ("Ġ", "▁", "Ċ", " ", "\n")  # a piece's first character that is a space or a line break
+# what ends a value: a string's closing quote with what follows it, the quote alone, then a number's end
+CLOSERS = ('",', '"}', '"', ",", "}")
 
 
 class TokenText:
@@ -80,6 +87,18 @@ class TokenText:
 
     def piece(self, token: int) -> str:
         return self.pieces[token] if 0 <= token < len(self.pieces) else ""
+
+    @functools.cached_property
+    def closers(self) -> list[int]:
+        """The tokens that may close a value a copy ended (`CLOSERS` that the vocabulary has), in order."""
+        return [self.ids[piece] for piece in CLOSERS if piece in self.ids]
+
+    def clause_end(self, copy: np.ndarray) -> int | None:
+        """Where the context's clause ends in a copy (B, r): the first position i >= 1 (over the rows) of
+        a `,`, `.` or `;` followed by a space or a line break; None where no row has one."""
+        ends = [i for row in copy.tolist() for i in range(1, len(row) - 1)
+                if self.piece(row[i]) in CLAUSE_ENDS and self.piece(row[i + 1])[:1] in SPACES]
+        return min(ends) if ends else None
 
 
 class NGramIndex:

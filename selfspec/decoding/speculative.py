@@ -660,7 +660,7 @@ class SelfSpecGenerator:
                 b.lap("policy")
             copy = copy[:, :min(cap - draft.k, room)]
             if copy.shape[1] and b.grammar is not None:
-                copy = copy[:, :b.grammar.admit(copy)]
+                copy = self._closed_copy(b, copy)
                 b.lap("grammar")
             if not copy.shape[1]:
                 break
@@ -671,6 +671,26 @@ class SelfSpecGenerator:
             if b.grammar is None:  # unconstrained, one copy ends the free drafts
                 break
         return copied
+
+    def _closed_copy(self, b: _Batch, copy: np.ndarray) -> np.ndarray:
+        """A copy (B, r) under a grammar, consumed by the rows' drafting matchers, cut at the first token
+        every row refuses; and where the context's clause ends inside it (`TokenText.clause_end`: `,` or
+        `.` before a space) and the grammar can close the value there, cut there and closed with the
+        grammar's closer (`",`, `"}`, `,`, `}`, `"`: the first each row allows). A value copied from the
+        prompt ends where its clause does (`Charles Dixon, 89` -> `Charles Dixon",`), and the forced
+        key after it follows in the same round. (B, r') the drafts to add."""
+        text = self.token_text
+        end = text.clause_end(copy) if text is not None else None
+        if end is None:
+            return copy[:, :b.grammar.admit(copy)]
+        kept = b.grammar.admit(copy[:, :end])
+        if kept < end:
+            return copy[:, :kept]
+        closers = b.grammar.first_allowed(text.closers)  # (B,) or None: no row may close here
+        if closers is None:
+            return copy[:, :end + b.grammar.admit(copy[:, end:])]
+        b.grammar.admit(closers[:, None])
+        return np.concatenate([copy[:, :end], closers[:, None]], 1)
 
     def _verify(self, b: _Batch, draft: _Draft):
         """Run the target on the k + 1 positions n .. n + k, then accept the longest prefix of the
