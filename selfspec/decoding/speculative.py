@@ -674,11 +674,11 @@ class SelfSpecGenerator:
 
     def _closed_copy(self, b: _Batch, copy: np.ndarray) -> np.ndarray:
         """A copy (B, r) under a grammar, consumed by the rows' drafting matchers, cut at the first token
-        every row refuses; and where the context's clause ends inside it (`TokenText.clause_end`: `,` or
-        `.` before a space) and the grammar can close the value there, cut there and closed with the
-        grammar's closer (`",`, `"}`, `,`, `}`, `"`: the first each row allows). A value copied from the
-        prompt ends where its clause does (`Charles Dixon, 89` -> `Charles Dixon",`), and the forced
-        key after it follows in the same round. (B, r') the drafts to add."""
+        every row refuses; and where the context's clause ends inside it (`TokenText.clause_end`: `,`, `.`
+        or `;` before a space) and the grammar can close the value there, cut there and closed with a
+        closer (`TokenText.closers`: `",`, `"}`, `"`, `,`, `}`, the first each row allows). A value
+        copied from the prompt ends where its clause does (`Charles Dixon, 89` -> `Charles Dixon",`),
+        and the forced key after it follows in the same round. (B, r') the drafts to add."""
         text = self.token_text
         end = text.clause_end(copy) if text is not None else None
         if end is None:
