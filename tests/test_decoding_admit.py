@@ -104,6 +104,43 @@ def test_a_seeded_sampled_row_draws_the_same_tokens_whenever_it_joins():
         assert out.sequences[2] == alone.sequences[0], start
 
 
+@pytest.mark.parametrize("name", ["early_exit", "ngram", "hybrid"])
+def test_a_batch_over_draft_max_rows_takes_plain_steps_and_decodes_the_same(name):
+    """`draft_max_rows`: rounds of more running rows than it draft nothing, the others draft as before;
+    greedy output is the same either way. Two rows start, a third joins before round 2 (three run),
+    two more before round 5 (rows end at different lengths, so the batch shrinks again)."""
+    model = low_alpha_model("llama")
+    generator = SelfSpecGenerator(model, exit_layer=2)
+    prompts = [[5, 17, 33, 5, 17, 33, 2, 5, 17], [40, 3, 40, 3, 40]]
+    later = [row for rows in LATER.values() for row in rows]
+    expected = ([reference_greedy(model, p, NEW) for p in prompts]
+                + [reference_greedy(model, r.prompt, r.max_new_tokens) for r in later])
+    rounds = []  # (running rows, drafts verified in the round, summed over its rows)
+
+    def on_tokens(running, tokens, emit, finished, counts):
+        rounds.append((len(running), int(counts.drafted.sum())))
+
+    admit, _ = _admit(LATER)
+    out = generator.generate(prompts, max_new_tokens=NEW, eos_token_id=[], settings=SETTINGS[name],
+                             admit=admit, on_tokens=on_tokens, draft_max_rows=2)
+    assert out.sequences == expected
+    assert all(drafted == 0 for running, drafted in rounds if running > 2), rounds
+    assert sum(drafted for running, drafted in rounds if running <= 2) > 0, rounds
+    assert max(running for running, _ in rounds) > 2
+    assert out.stats.plain_steps >= sum(running > 2 for running, _ in rounds)
+
+
+def test_draft_max_rows_leaves_sampled_rounds_drafting():
+    """A sampled row's tokens must not depend on its batch-mates, and a plain step draws other numbers
+    than a round: sampled batches draft whatever their size."""
+    model = low_alpha_model("qwen2")
+    generator = SelfSpecGenerator(model, exit_layer=2)
+    kwargs = dict(max_new_tokens=NEW, temperature=0.9, seed=[7, 8, 9], eos_token_id=[], num_speculations=2)
+    out = generator.generate(FIRST + [[1, 2, 3]], draft_max_rows=1, **kwargs)
+    assert out.stats.draft_steps > 0
+    assert out.sequences == generator.generate(FIRST + [[1, 2, 3]], **kwargs).sequences
+
+
 def test_rows_under_a_grammar_join_a_constrained_call_and_bad_rows_are_refused():
     from test_decoding_grammar import PERSON, constrained_reference, make_model, prompt_ids
 

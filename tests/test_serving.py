@@ -21,7 +21,14 @@ from selfspec.decoding.speculative import ADAPT_ROUNDS
 from selfspec.errors import UserError
 from selfspec.evaluation.results import ServeLoadReport
 from selfspec.serving.app import create_app, merged_text, run_in_thread
-from selfspec.serving.scheduler import CALL_SECONDS, MAX_CALL_ROUNDS, Job, QueueFull, Scheduler
+from selfspec.serving.scheduler import (
+    CALL_SECONDS,
+    CPU_DRAFT_MAX_ROWS,
+    MAX_CALL_ROUNDS,
+    Job,
+    QueueFull,
+    Scheduler,
+)
 
 NAME = "tiny"
 
@@ -292,6 +299,18 @@ def test_sixteen_concurrent_clients_each_get_what_they_get_alone(live, generator
         cold.prefix_cache.clear()
         assert reply == generator.tokenizer.decode(alone(cold, prompt), skip_special_tokens=True)
     assert live["app"].state.scheduler.largest_wave > 1
+
+
+def test_greedy_waves_over_draft_max_rows_decode_plainly_on_a_cpu_unless_told(generator):
+    """On a CPU a greedy wave of more than CPU_DRAFT_MAX_ROWS rows takes plain steps (the server's
+    default); a flag's value replaces it. The output is the same (the concurrent clients' test)."""
+    assert create_app(generator, NAME).state.scheduler.draft_max_rows == CPU_DRAFT_MAX_ROWS == 2
+    assert create_app(generator, NAME, draft_max_rows=None).state.scheduler.draft_max_rows is None
+    scheduler = create_app(generator, NAME, draft_max_rows=0).state.scheduler
+    jobs = [Job(prompt=generator.chat_prompt([{"role": "user", "content": c}]), max_tokens=8) for c in "ab"]
+    scheduler._decode(jobs)
+    assert all(job.drafted == 0 and job.passes == len(job.tokens) for job in jobs)
+    assert [job.tokens for job in jobs] == [alone(generator, c, 8) for c in "ab"]
 
 
 def test_a_lone_rows_calls_last_about_call_seconds_of_its_measured_rounds(generator):

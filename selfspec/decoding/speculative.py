@@ -759,7 +759,7 @@ class SelfSpecGenerator:
                  eos_token_id=None, stop_strings=None, seed=None, streamer=None,
                  settings: DecodeSettings | None = None, json_schema=None, regex=None,
                  grammar=None, profile: bool = False, on_tokens=None, admit=None,
-                 callback_rounds: int = 1) -> GenerationOutput:
+                 callback_rounds: int = 1, draft_max_rows: int | None = None) -> GenerationOutput:
         """Generate up to `max_new_tokens` tokens per prompt; the result is exactly the full model's.
 
         input_ids: a list of token lists (any lengths), one token list, a (B, T) tensor with an
@@ -805,6 +805,12 @@ class SelfSpecGenerator:
         callback_rounds: with `on_tokens` or `admit`, the rounds a lone row may run in one compiled call
             between two callbacks (its first round always alone, so its first token comes at once): more
             rounds cost less host time, but rows wait longer to join and tokens arrive in bursts.
+        draft_max_rows: a greedy round of more running rows than this drafts nothing (a plain step);
+            None: every round drafts. Where a pass of that many rows times k + 1 positions is bound by
+            the arithmetic, not by reading the weights (a CPU, from about 8 positions), a rejected draft
+            costs as much as a kept token, and a batch decodes faster plainly. Greedy only, so the
+            output is the same either way; a sampled row's tokens then still do not depend on its
+            batch-mates (a plain step draws other numbers than a round).
         """
         wall = time.perf_counter()
         prompts = self._prompts(input_ids, attention_mask)
@@ -894,7 +900,9 @@ class SelfSpecGenerator:
                     cap = k_max if self.static_passes is None else min(k_max, STATIC_WIDTH - 1)
                     if limit is not None:  # no draft beyond the last position the model has (GPT-2's table)
                         cap = min(cap, limit - 1 - int(b.lengths.max()))
-                        plan = plan.truncate(cap)
+                    if draft_max_rows is not None and len(rows) > draft_max_rows and b.sampling.greedy:
+                        cap = 0  # a plain step: see draft_max_rows
+                    plan = plan.truncate(cap)
                     b.lap("policy")
                     decided, (start, drafted, verified), draft = self._round(b, plan, policy, clock, cap)
                     segments = draft.segments

@@ -23,24 +23,28 @@ from ..decoding.prefix import prefix_cache_of
 from ..errors import UserError
 from .metrics import Metrics
 from .protocol import APIError, ChatRequest, CompletionRequest, parse
-from .scheduler import Job, QueueFull, Scheduler
+from .scheduler import Job, QueueFull, Scheduler, default_draft_max_rows
 
 RETRY_AFTER_SECONDS = 1
 GRACE_SECONDS = 30  # what a request in flight gets to finish when the server is told to stop
 
 
 def create_app(generator, model_name: str, *, api_key: str | None = None, max_batch: int = 8,
-               max_queue: int = 64, rounds_per_call: int | None = None, max_tokens_cap: int = 2048,
+               max_queue: int = 64, rounds_per_call: int | None = None,
+               draft_max_rows: int | str | None = "auto", max_tokens_cap: int = 2048,
                max_body_bytes: int = 1 << 20, default_max_tokens: int = 256, grace: float = 30.0) -> FastAPI:
     """The server of `generator` (a `SelfSpecGenerator` with a tokenizer) under the name `model_name`.
 
-    rounds_per_call: see `Scheduler`. max_tokens_cap: the most tokens one request may ask for;
-    default_max_tokens: a chat request's when it names none. The scheduler's thread runs while the
-    application's lifespan does; at shutdown the requests in flight get `grace` seconds to finish,
-    then end (`Scheduler.stop`)."""
+    rounds_per_call, draft_max_rows: see `Scheduler` ("auto": `default_draft_max_rows`). max_tokens_cap:
+    the most tokens one request may ask for; default_max_tokens: a chat request's when it names none.
+    The scheduler's thread runs while the application's lifespan does; at shutdown the requests in
+    flight get `grace` seconds to finish, then end (`Scheduler.stop`)."""
     metrics = Metrics(generator)
+    if draft_max_rows == "auto":
+        draft_max_rows = default_draft_max_rows(generator)
     scheduler = Scheduler(generator, max_batch=max_batch, max_queue=max_queue,
-                          rounds_per_call=rounds_per_call, on_wave=metrics.wave_done)
+                          rounds_per_call=rounds_per_call, draft_max_rows=draft_max_rows,
+                          on_wave=metrics.wave_done)
     positions = generator.view.max_positions
     drafter = generator.settings.drafter
 
@@ -251,7 +255,8 @@ def run_in_thread(app: FastAPI, port: int, host: str = "127.0.0.1"):
 
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           served_model_name: str | None = None, max_batch: int = 8, max_queue: int = 64,
-          rounds_per_call: int | None = None, max_tokens_cap: int = 2048, prefix_cache_mb: int = 256,
+          rounds_per_call: int | None = None, draft_max_rows: int | None = None, max_tokens_cap: int = 2048,
+          prefix_cache_mb: int = 256,
           device: str = "auto", dtype: str = "auto", **overrides) -> None:
     """`selfspec serve MODEL`: load the checkpoint at its stored settings (flags override them) and
     serve it until interrupted. The key comes from --api-key or $SELFSPEC_API_KEY. Prompts prefill
@@ -268,6 +273,8 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str
     api_key = api_key or os.environ.get("SELFSPEC_API_KEY") or None
     if rounds_per_call is not None and rounds_per_call < 1:
         raise UserError(f"--rounds-per-call must be 1 or more, got {rounds_per_call}")
+    if draft_max_rows is not None and draft_max_rows < 0:
+        raise UserError(f"--draft-max-rows must be 0 or more, got {draft_max_rows}")
     prefix_cache = prefix_cache_of(prefix_cache_mb)  # a bad size fails before the model loads
     generator = load_tuned(model, device=device, dtype=dtype,
                            **{k: v for k, v in overrides.items() if v is not None})
@@ -276,7 +283,8 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str
         raise UserError(f"{model} has no tokenizer; the server needs one to read and write text")
     name = served_model_name or model.rstrip("/")
     app = create_app(generator, name, api_key=api_key, max_batch=max_batch, max_queue=max_queue,
-                     rounds_per_call=rounds_per_call, max_tokens_cap=max_tokens_cap, grace=GRACE_SECONDS)
+                     rounds_per_call=rounds_per_call, max_tokens_cap=max_tokens_cap, grace=GRACE_SECONDS,
+                     draft_max_rows="auto" if draft_max_rows is None else draft_max_rows)
     logging.basicConfig(level=logging.INFO)  # a failed wave's traceback goes to the log
     where = "" if host in ("127.0.0.1", "localhost", "::1") else " (reachable from other machines)"
     print(f"selfspec serve: {name} on http://{host}:{port}/v1{where}, drafter "

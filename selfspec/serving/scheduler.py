@@ -177,6 +177,19 @@ class Job:
                 "alpha": self.accepted / self.drafted if self.drafted else None}
 
 
+# Greedy rounds of more rows than this take plain steps on a CPU (`Scheduler`'s draft_max_rows): there
+# a pass is bound by the arithmetic from about 8 positions, so a rejected draft costs what a kept token
+# does. Side by side (docs/results.md, session 33) a batch of 2 decoded about as fast drafting as not,
+# of 4 and 8 plainly 1.4-2.0x faster, on the embedded default and SmolLM2 alike. A GPU's pass stays
+# bound by reading the weights to far more positions: none (every round drafts).
+CPU_DRAFT_MAX_ROWS = 2
+
+
+def default_draft_max_rows(generator) -> int | None:
+    """The server's draft_max_rows for `generator`'s device when none is given."""
+    return CPU_DRAFT_MAX_ROWS if generator.view.device.type == "cpu" else None
+
+
 CALL_SECONDS = 0.04  # a lone row's compiled call when the scheduler sizes it (`Scheduler.call_rounds`)
 MAX_CALL_ROUNDS = 256
 
@@ -186,13 +199,15 @@ class Scheduler:
 
     max_batch: rows per wave; max_queue: jobs waiting at most (beyond: `QueueFull`); rounds_per_call: the
     rounds a lone row decodes in one compiled call between two looks at the queue (`generate`'s
-    `callback_rounds`), or None: about `CALL_SECONDS` of rounds (`call_rounds`); on_wave: called with
-    each finished wave's jobs and `GenerationStats` (the server's metrics)."""
+    `callback_rounds`), or None: about `CALL_SECONDS` of rounds (`call_rounds`); draft_max_rows: greedy
+    rounds of more rows than this take plain steps (`generate`'s; None: every round drafts); on_wave:
+    called with each finished wave's jobs and `GenerationStats` (the server's metrics)."""
 
     def __init__(self, generator, max_batch: int = 8, max_queue: int = 64,
-                 rounds_per_call: int | None = None, on_wave=None):
+                 rounds_per_call: int | None = None, draft_max_rows: int | None = None, on_wave=None):
         self.generator, self.on_wave = generator, on_wave
         self.max_batch, self.max_queue, self.rounds_per_call = max_batch, max_queue, rounds_per_call
+        self.draft_max_rows = draft_max_rows
         self.round_seconds: float | None = None  # a lone row's round, call to call, as measured
         self.queue: deque[Job] = deque()
         self.ready = threading.Condition()
@@ -335,7 +350,7 @@ class Scheduler:
                 [row.prompt for row in rows], max_new_tokens=max(row.max_new_tokens for row in rows),
                 temperature=temperature, top_k=top_k, top_p=top_p, seed=[row.seed for row in rows],
                 json_schema=schemas if any(s is not None for s in schemas) else None, on_tokens=on_tokens,
-                admit=admit, callback_rounds=self.call_rounds())
+                admit=admit, callback_rounds=self.call_rounds(), draft_max_rows=self.draft_max_rows)
         except Exception as exc:  # noqa: BLE001 - the wave's clients get a 500, the loop goes on
             logger.exception("a wave of %d requests failed", len(wave))
             for job in wave:
