@@ -313,6 +313,27 @@ def test_greedy_waves_over_draft_max_rows_decode_plainly_on_a_cpu_unless_told(ge
     assert [job.tokens for job in jobs] == [alone(generator, c, 8) for c in "ab"]
 
 
+@pytest.mark.parametrize("interval", [0, 3600])
+def test_a_streamed_rows_text_goes_out_at_once_then_at_most_every_stream_seconds(monkeypatch, interval):
+    """The first text at once (the time to the first token), then one chunk per STREAM_SECONDS however
+    many rounds came (each chunk costs the CPUs the decoding needs), and the rest when the row ends."""
+    from selfspec.serving import scheduler
+
+    monkeypatch.setattr(scheduler, "STREAM_SECONDS", interval)
+    job, sent = Job(prompt=[1], max_tokens=10), []
+    job._send = lambda *event: sent.append(event)
+
+    def decode(ids):
+        return "".join(chr(ord("a") + i) for i in ids)
+    assert not any(job.take([t], 1, 0, 0, False, set(), decode) for t in range(9))
+    assert job.take([9], 1, 0, 0, False, set(), decode)  # max_tokens
+    if interval:
+        assert sent == [("text", "a"), ("text", "bcdefghij"), ("done", "length")]
+    else:
+        assert sent == [("text", c) for c in "abcdefghij"] + [("done", "length")]
+    assert job.text == "abcdefghij" and job.finish_reason == "length"
+
+
 def test_a_lone_rows_calls_last_about_call_seconds_of_its_measured_rounds(generator):
     scheduler = Scheduler(generator)
     assert scheduler.call_rounds() == ADAPT_ROUNDS  # nothing measured yet

@@ -90,6 +90,7 @@ class Job:
     tokens: list[int] = field(default_factory=list)
     text: str = ""  # the output's text, cut at a stop string
     sent: int = 0  # characters of `text` already sent as events
+    shown_at: float = 0.0  # when text was last sent
     finish_reason: str | None = None  # "stop" or "length" once done
     cancelled: bool = False  # set by the server when the client goes away
     passes: int = 0  # full-model passes (rounds) this row took part in
@@ -124,36 +125,41 @@ class Job:
              decode) -> bool:
         """The tokens of this row's latest rounds (decode thread): `passes` rounds that verified
         `drafted` drafts and accepted `accepted`. True when the row is done. `engine_done`: the engine
-        ended the row (eos, a complete grammar, the wave's token limit)."""
+        ended the row (eos, a complete grammar, the wave's token limit). The text goes out at once
+        when it starts, then at most every `STREAM_SECONDS` until the row ends (see there)."""
         if self.finish_reason is not None:
             return True
         if self.cancelled:
             return self.end("cancelled")
+        now = time.perf_counter()
         if self.first_token is None and tokens:
-            self.first_token = time.perf_counter()
+            self.first_token = now
         self.passes += passes
         self.drafted += drafted
         self.accepted += accepted
         self.tokens += tokens[:self.max_tokens - len(self.tokens)]
+        hit_eos = bool(self.tokens) and self.tokens[-1] in eos
+        reason = ("stop" if hit_eos or (engine_done and len(self.tokens) < self.max_tokens)  # eos, or the
+                  else "length" if len(self.tokens) >= self.max_tokens or engine_done  # grammar is complete
+                  else None)
+        if reason is None and not self.stops and self.sent and now - self.shown_at < STREAM_SECONDS:
+            return False  # nothing to show yet: the text is decoded when it is
         text = decode(self.tokens)
         hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
         if hits:
             self.text = text[:min(hits)]
             return self.end("stop")
         self.text = text
-        hit_eos = bool(self.tokens) and self.tokens[-1] in eos
-        if hit_eos or (engine_done and len(self.tokens) < self.max_tokens):
-            return self.end("stop")  # eos, or the grammar is complete
-        if len(self.tokens) >= self.max_tokens or engine_done:
-            return self.end("length")
+        if reason is not None:
+            return self.end(reason)
         # hold back what a stop string may still claim, and a character cut in half
         hold = max((len(s) - 1 for s in self.stops), default=0)
         shown = len(text) - hold
         while shown > self.sent and text[shown - 1] == "\ufffd":
             shown -= 1
-        if shown > self.sent:
+        if shown > self.sent and (not self.sent or now - self.shown_at >= STREAM_SECONDS):
             self._send("text", text[self.sent:shown])
-            self.sent = shown
+            self.sent, self.shown_at = shown, now
         return False
 
     def end(self, reason: str) -> bool:
@@ -190,6 +196,12 @@ def default_draft_max_rows(generator) -> int | None:
     return CPU_DRAFT_MAX_ROWS if generator.view.device.type == "cpu" else None
 
 
+# A streamed row's text goes out at most this often after its first: each chunk costs the server's
+# event loop and the client their own work (an event, a JSON line, a write, a read), on CPUs the
+# decoding needs; a batch's rounds come every few ms, and a chunk per row per round took half of
+# the server's throughput at eight clients here (docs/results.md, session 33). 50 updates a second
+# read as a continuous stream.
+STREAM_SECONDS = 0.02
 CALL_SECONDS = 0.04  # a lone row's compiled call when the scheduler sizes it (`Scheduler.call_rounds`)
 MAX_CALL_ROUNDS = 256
 
