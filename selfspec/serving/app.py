@@ -143,9 +143,11 @@ def create_app(generator, model_name: str, *, api_key: str | None = None, max_ba
                 job.cancelled = True
                 raise
             metrics.requests.labels(endpoint, "200").inc()
-            return {**head, "object": "chat.completion" if kind == "chat" else "text_completion",
-                    "choices": [choice(job.text, job.finish_reason)], "usage": usage(job),
-                    "selfspec": job.stats(drafter)}
+            # a response, not a dict: FastAPI would walk a dict through jsonable_encoder first, a
+            # tenth of the event loop's time per request in a profile (py-spy, session 33)
+            return JSONResponse({**head, "object": "chat.completion" if kind == "chat" else "text_completion",
+                                 "choices": [choice(job.text, job.finish_reason)], "usage": usage(job),
+                                 "selfspec": job.stats(drafter)})
 
         chunk_object = "chat.completion.chunk" if kind == "chat" else "text_completion"
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
