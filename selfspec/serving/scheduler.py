@@ -198,9 +198,9 @@ def default_draft_max_rows(generator) -> int | None:
 
 # A streamed row's text goes out at most this often after its first: each chunk costs the server's
 # event loop and the client their own work (an event, a JSON line, a write, a read), on CPUs the
-# decoding needs; a batch's rounds come every few ms, and a chunk per row per round took half of
-# the server's throughput at eight clients here (docs/results.md, session 33). 50 updates a second
-# read as a continuous stream.
+# decoding needs; a batch's rounds come every few ms, and a chunk per row per round cost eight
+# clients a fifth of their throughput on 2 cores (docs/results.md, session 33). 50 updates a second
+# still read as a continuous stream.
 STREAM_SECONDS = 0.02
 CALL_SECONDS = 0.04  # a lone row's compiled call when the scheduler sizes it (`Scheduler.call_rounds`)
 MAX_CALL_ROUNDS = 256
