@@ -111,6 +111,18 @@ def test_serve_without_its_extra_names_the_pip_command(ckpt, monkeypatch, capsys
     assert "pip install 'selfspec[serve]'" in one_error_line(capsys)
 
 
+@pytest.mark.parametrize("flags, named", [(["--rounds-per-call", "0"], "--rounds-per-call"),
+                                          (["--draft-max-rows", "-1"], "--draft-max-rows")])
+def test_serve_refuses_a_bad_scheduler_flag_before_it_loads(ckpt, flags, named, monkeypatch, capsys):
+    import selfspec.checkpoint
+
+    def never(*args, **kwargs):
+        raise AssertionError("loaded the model")
+    monkeypatch.setattr(selfspec.checkpoint, "load_tuned", never)
+    assert main(["serve", str(ckpt), *flags]) == 2
+    assert named in one_error_line(capsys)
+
+
 # --------------------------------------------------------------------------------------------------
 # Recipes: `selfspec train --config ... a.b=value` and the loop it runs
 # --------------------------------------------------------------------------------------------------
