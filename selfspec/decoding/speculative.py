@@ -806,11 +806,11 @@ class SelfSpecGenerator:
             between two callbacks (its first round always alone, so its first token comes at once): more
             rounds cost less host time, but rows wait longer to join and tokens arrive in bursts.
         draft_max_rows: a greedy round of more running rows than this drafts nothing (a plain step);
-            None: every round drafts. Where a pass of that many rows times k + 1 positions is bound by
-            the arithmetic, not by reading the weights (a CPU, from about 8 positions), a rejected draft
-            costs as much as a kept token, and a batch decodes faster plainly. Greedy only, so the
-            output is the same either way; a sampled row's tokens then still do not depend on its
-            batch-mates (a plain step draws other numbers than a round).
+            None: every round drafts. Where a pass costs about in proportion to its rows times k + 1
+            positions (a CPU past a few positions), a rejected draft costs what a kept token does and
+            a batch decodes faster plainly. Greedy only, so the output is the same either way; a
+            sampled row's tokens then still do not depend on its batch-mates (a plain step draws other
+            numbers than a round).
         """
         wall = time.perf_counter()
         prompts = self._prompts(input_ids, attention_mask)

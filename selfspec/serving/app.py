@@ -258,8 +258,7 @@ def run_in_thread(app: FastAPI, port: int, host: str = "127.0.0.1"):
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           served_model_name: str | None = None, max_batch: int = 8, max_queue: int = 64,
           rounds_per_call: int | None = None, draft_max_rows: int | None = None, max_tokens_cap: int = 2048,
-          prefix_cache_mb: int = 256,
-          device: str = "auto", dtype: str = "auto", **overrides) -> None:
+          prefix_cache_mb: int = 256, device: str = "auto", dtype: str = "auto", **overrides) -> None:
     """`selfspec serve MODEL`: load the checkpoint at its stored settings (flags override them) and
     serve it until interrupted. The key comes from --api-key or $SELFSPEC_API_KEY. Prompts prefill
     through a prefix cache of `prefix_cache_mb` MiB (0: none), so requests that share a system turn
@@ -285,8 +284,8 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str
         raise UserError(f"{model} has no tokenizer; the server needs one to read and write text")
     name = served_model_name or model.rstrip("/")
     app = create_app(generator, name, api_key=api_key, max_batch=max_batch, max_queue=max_queue,
-                     rounds_per_call=rounds_per_call, max_tokens_cap=max_tokens_cap, grace=GRACE_SECONDS,
-                     draft_max_rows="auto" if draft_max_rows is None else draft_max_rows)
+                     rounds_per_call=rounds_per_call, draft_max_rows="auto" if draft_max_rows is None
+                     else draft_max_rows, max_tokens_cap=max_tokens_cap, grace=GRACE_SECONDS)
     logging.basicConfig(level=logging.INFO)  # a failed wave's traceback goes to the log
     where = "" if host in ("127.0.0.1", "localhost", "::1") else " (reachable from other machines)"
     print(f"selfspec serve: {name} on http://{host}:{port}/v1{where}, drafter "

@@ -143,7 +143,7 @@ class Job:
                   else "length" if len(self.tokens) >= self.max_tokens or engine_done  # grammar is complete
                   else None)
         if reason is None and not self.stops and self.sent and now - self.shown_at < STREAM_SECONDS:
-            return False  # nothing to show yet: the text is decoded when it is
+            return False  # not due: the text is decoded only when it goes out
         text = decode(self.tokens)
         hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
         if hits:
@@ -184,10 +184,11 @@ class Job:
 
 
 # Greedy rounds of more rows than this take plain steps on a CPU (`Scheduler`'s draft_max_rows): there
-# a pass is bound by the arithmetic from about 8 positions, so a rejected draft costs what a kept token
-# does. Side by side (docs/results.md, session 33) a batch of 2 decoded about as fast drafting as not,
-# of 4 and 8 plainly 1.4-2.0x faster, on the embedded default and SmolLM2 alike. A GPU's pass stays
-# bound by reading the weights to far more positions: none (every round drafts).
+# a pass costs about in proportion to its positions past a few (SmolLM2's bound by the FMAs from about
+# 8; the embedded default's kernels spend 4.35x one row's pass on 8 rows), so a rejected draft costs
+# what a kept token does. Side by side (docs/results.md, session 33) a batch of 2 decoded about as fast
+# drafting as not, of 3, 4 and 8 plainly 1.2-2.1x faster, on the embedded default and SmolLM2 alike.
+# A GPU's pass stays bound by reading the weights to far more positions: none (every round drafts).
 CPU_DRAFT_MAX_ROWS = 2
 
 
