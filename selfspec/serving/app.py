@@ -288,8 +288,10 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str
                      else draft_max_rows, max_tokens_cap=max_tokens_cap, grace=GRACE_SECONDS)
     logging.basicConfig(level=logging.INFO)  # a failed wave's traceback goes to the log
     where = "" if host in ("127.0.0.1", "localhost", "::1") else " (reachable from other machines)"
+    rows = app.state.scheduler.draft_max_rows
+    plainly = "" if rows is None else f" (greedy batches of more than {rows} decode plainly)"
     print(f"selfspec serve: {name} on http://{host}:{port}/v1{where}, drafter "
-          f"{generator.settings.describe()}, {'a key required' if api_key else 'no key'}")
+          f"{generator.settings.describe()}{plainly}, {'a key required' if api_key else 'no key'}")
     # SIGTERM: uvicorn stops accepting and waits for open requests, then the lifespan stops the
     # scheduler, which ends what is still decoding. Uvicorn then raises the signal again for the
     # handler it found; a no-op one lets the command return, so a stop on request exits 0.
