@@ -310,7 +310,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], argparse.A
                         "default: about 40 ms of them)")
     p.add_argument("--draft-max-rows", type=int, default=None,
                    help="greedy rounds of more requests than this decode plainly: on a CPU a batch's pass "
-                        "costs about in proportion to its positions (default: 2 on a CPU, no limit on a GPU)")
+                        "costs about in proportion to its positions (0: never draft; default: 2 on a CPU, no "
+                        "limit on a GPU)")
     p.add_argument("--max-tokens-cap", type=int, default=2048, help="the most tokens one request may ask for")
     p.add_argument("--prefix-cache-mb", type=int, default=256,
                    help="keys and values of prompt prefixes kept for later requests that share them "

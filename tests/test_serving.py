@@ -306,11 +306,13 @@ def test_greedy_waves_over_draft_max_rows_decode_plainly_on_a_cpu_unless_told(ge
     default); a flag's value replaces it. The output is the same (the concurrent clients' test)."""
     assert create_app(generator, NAME).state.scheduler.draft_max_rows == CPU_DRAFT_MAX_ROWS == 2
     assert create_app(generator, NAME, draft_max_rows=None).state.scheduler.draft_max_rows is None
-    scheduler = create_app(generator, NAME, draft_max_rows=0).state.scheduler
-    jobs = [Job(prompt=generator.chat_prompt([{"role": "user", "content": c}]), max_tokens=8) for c in "ab"]
-    scheduler._decode(jobs)
-    assert all(job.drafted == 0 and job.passes == len(job.tokens) for job in jobs)
-    assert [job.tokens for job in jobs] == [alone(generator, c, 8) for c in "ab"]
+    scheduler = create_app(generator, NAME, draft_max_rows=0).state.scheduler  # 0: never draft
+    for contents in ("ab", "c"):  # a wave of two rows, and a lone row's compiled rounds
+        jobs = [Job(prompt=generator.chat_prompt([{"role": "user", "content": c}]), max_tokens=8)
+                for c in contents]
+        scheduler._decode(jobs)
+        assert all(job.drafted == 0 and job.passes == len(job.tokens) for job in jobs)
+        assert [job.tokens for job in jobs] == [alone(generator, c, 8) for c in contents]
 
 
 @pytest.mark.parametrize("interval", [0, 3600])

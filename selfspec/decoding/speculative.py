@@ -806,11 +806,11 @@ class SelfSpecGenerator:
             between two callbacks (its first round always alone, so its first token comes at once): more
             rounds cost less host time, but rows wait longer to join and tokens arrive in bursts.
         draft_max_rows: a greedy round of more running rows than this drafts nothing (a plain step);
-            None: every round drafts. Where a pass costs about in proportion to its rows times k + 1
-            positions (a CPU past a few positions), a rejected draft costs what a kept token does and
-            a batch decodes faster plainly. Greedy only, so the output is the same either way; a
-            sampled row's tokens then still do not depend on its batch-mates (a plain step draws other
-            numbers than a round).
+            0: no greedy round drafts; None: every round drafts. Where a pass costs about in proportion
+            to its rows times k + 1 positions (a CPU past a few positions), a rejected draft costs what
+            a kept token does and a batch decodes faster plainly. Greedy only, so the output is the
+            same either way; a sampled row's tokens then still do not depend on its batch-mates (a
+            plain step draws other numbers than a round).
         """
         wall = time.perf_counter()
         prompts = self._prompts(input_ids, attention_mask)
@@ -885,6 +885,8 @@ class SelfSpecGenerator:
                 if one_call and len(rows) == 1:
                     copies = self._copies(policy, rows[0]) if type(policy) is CopyPolicy else None
                     k = (policy.controller if copies is None else policy.early_exit).next_k()
+                    if draft_max_rows == 0:  # plain steps, in the same compiled call
+                        copies, k = None, 0
                     remaining = int(limits[rows[0]] - counts[rows[0]])
                     reach = k + (0 if copies is None else copies[3])  # the most drafts a round verifies
                     # a row's first round alone: its first token reaches the callback without delay
