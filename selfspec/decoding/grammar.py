@@ -251,9 +251,10 @@ class GrammarBatch:
         consumed; a dead or free row, or one that allows none, gets the first); None when no row
         allows any."""
         start = time.perf_counter()
-        out = np.full(len(self._drafting()), candidates[0] if candidates else 0, dtype=np.int64)
+        matchers = self._drafting()
+        out = np.full(len(matchers), candidates[0] if candidates else 0, dtype=np.int64)
         found = False
-        for slot, m in enumerate(self.drafting):
+        for slot, m in enumerate(matchers):
             if m is None or self.dead[slot]:
                 continue
             allowed = next((c for c in candidates if m.validate_tokens([c]) == 1), None)

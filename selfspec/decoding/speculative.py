@@ -881,11 +881,12 @@ class SelfSpecGenerator:
                 if not b.rows.size:
                     break
                 rows = b.rows
+                plain = draft_max_rows is not None and len(rows) > draft_max_rows and b.sampling.greedy
                 fused = None
                 if one_call and len(rows) == 1:
                     copies = self._copies(policy, rows[0]) if type(policy) is CopyPolicy else None
                     k = (policy.controller if copies is None else policy.early_exit).next_k()
-                    if draft_max_rows == 0:  # plain steps, in the same compiled call
+                    if plain:  # draft_max_rows = 0: plain steps, in the same compiled call
                         copies, k = None, 0
                     remaining = int(limits[rows[0]] - counts[rows[0]])
                     reach = k + (0 if copies is None else copies[3])  # the most drafts a round verifies
@@ -902,7 +903,7 @@ class SelfSpecGenerator:
                     cap = k_max if self.static_passes is None else min(k_max, STATIC_WIDTH - 1)
                     if limit is not None:  # no draft beyond the last position the model has (GPT-2's table)
                         cap = min(cap, limit - 1 - int(b.lengths.max()))
-                    if draft_max_rows is not None and len(rows) > draft_max_rows and b.sampling.greedy:
+                    if plain:
                         cap = 0  # a plain step: see draft_max_rows
                     plan = plan.truncate(cap)
                     b.lap("policy")

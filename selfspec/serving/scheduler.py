@@ -138,10 +138,11 @@ class Job:
         self.drafted += drafted
         self.accepted += accepted
         self.tokens += tokens[:self.max_tokens - len(self.tokens)]
+        # why the row ends, if it does: "stop" at eos or a complete grammar (the engine ended it short
+        # of max_tokens), "length" at max_tokens
         hit_eos = bool(self.tokens) and self.tokens[-1] in eos
-        reason = ("stop" if hit_eos or (engine_done and len(self.tokens) < self.max_tokens)  # eos, or the
-                  else "length" if len(self.tokens) >= self.max_tokens or engine_done  # grammar is complete
-                  else None)
+        short = len(self.tokens) < self.max_tokens
+        reason = "stop" if hit_eos or (engine_done and short) else None if short else "length"
         if reason is None and not self.stops and self.sent and now - self.shown_at < STREAM_SECONDS:
             return False  # not due: the text is decoded only when it goes out
         text = decode(self.tokens)
