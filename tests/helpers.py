@@ -70,11 +70,13 @@ def sharp_llama(vocab_size: int = 64, seed: int = 3):
 
 
 def reference_greedy(model, prompt, max_new_tokens):
-    """Plain greedy with no cache at all: argmax of the full model on the whole sequence, each step."""
+    """Plain greedy with no cache at all: argmax of the full model on the whole sequence, each step
+    (on the model's device)."""
     ids = list(prompt)
+    device = next(model.parameters()).device
     with torch.no_grad():
         for _ in range(max_new_tokens):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            ids.append(int(model(torch.tensor([ids], device=device)).logits[0, -1].argmax()))
     return ids[len(prompt):]
 
 

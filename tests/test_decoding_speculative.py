@@ -347,22 +347,30 @@ def test_invalid_arguments():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_greedy_is_lossless_and_sampling_matches_cpu():
-    """CUDA path: events for timing, device-side sampling; the same numbers as on the CPU."""
+    """CUDA path: events for timing, device-side sampling. Lossless against plain greedy on the same
+    device; against the CPU the same tokens but for rare near-ties that fp32 rounding can flip."""
     model = low_alpha_model("qwen2")
-    expected = [reference_greedy(model, p, NEW) for p in PROMPTS]
+    on_cpu = [reference_greedy(model, p, NEW) for p in PROMPTS]
     cpu = SelfSpecGenerator(model, exit_layer=2).generate(PROMPTS, max_new_tokens=NEW, temperature=0.8,
                                                           num_speculations=3, seed=1, eos_token_id=[])
     model = model.cuda()
+    expected = [reference_greedy(model, p, NEW) for p in PROMPTS]
+    assert _same_tokens(expected, on_cpu) >= 0.9 * NEW * len(PROMPTS), (expected, on_cpu)
     generator = SelfSpecGenerator(model, exit_layer=2)
     for k in (0, 1, 4, "auto"):
         out = generator.generate(PROMPTS, max_new_tokens=NEW, num_speculations=k, eos_token_id=[])
-        assert out.sequences == expected, k
-        assert out.stats.verify_time + out.stats.plain_time > 0
+        assert out.sequences == expected, (k, out.sequences, expected)
+        assert out.stats.verify_time + out.stats.plain_time > 0, k
     sampled = generator.generate(PROMPTS, max_new_tokens=NEW, temperature=0.8, num_speculations=3, seed=1,
                                  eos_token_id=[])
     # the same uniforms on both devices; tiny float differences could flip a near-tie, so mostly equal
-    same = sum(a == b for x, y in zip(sampled.sequences, cpu.sequences) for a, b in zip(x, y))
-    assert same >= 0.9 * NEW * len(PROMPTS)
+    assert _same_tokens(sampled.sequences, cpu.sequences) >= 0.9 * NEW * len(PROMPTS), (sampled.sequences,
+                                                                                          cpu.sequences)
+
+
+def _same_tokens(a: list[list[int]], b: list[list[int]]) -> int:
+    """Positions where two batches of token lists agree."""
+    return sum(x == y for row_a, row_b in zip(a, b) for x, y in zip(row_a, row_b))
 
 
 class RecordingStreamer:

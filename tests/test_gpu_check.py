@@ -15,7 +15,7 @@ def script_commands() -> list[list[str]]:
     """The words after `selfspec` of each command in the script, continuation lines joined."""
     found = []
     for line in SCRIPT.read_text().replace("\\\n", " ").splitlines():
-        match = re.match(r"\s*(?:if\s+)?selfspec\s+(.*)", line)
+        match = re.match(r"\s*(?:if\s+)?(?:timeout\s+\d+\s+)?selfspec\s+(.*)", line)
         if match:
             command = re.split(r"\s(?:>|2>|\|\||;)", match.group(1))[0]  # up to its redirection
             found.append(shlex.split(command))
@@ -29,7 +29,7 @@ def test_bash_reads_the_script():
 def test_every_selfspec_command_in_the_script_parses():
     commands = script_commands()
     assert [argv[:2] for argv in commands] == [["train", "--config"], ["eval", "gate"], ["eval", "speedup"],
-                                               ["eval", "speedup"]]
+                                               ["eval", "serve-load"], ["eval", "speedup"]]
     _, table = cli._parser()
     for argv in commands:
         words = tuple(argv[:2]) if argv[0] == "eval" else tuple(argv[:1])
@@ -37,7 +37,9 @@ def test_every_selfspec_command_in_the_script_parses():
         assert callable(args.func), argv
     speedup = cli._parser()[1][("eval", "speedup")]
     methods = speedup.parse_intermixed_args(commands[2][2:]).methods.split(",")
-    assert speedup.parse_intermixed_args(commands[3][2:]).static_passes == "compile"
+    assert speedup.parse_intermixed_args(commands[4][2:]).static_passes == "compile"
+    serve = cli._parser()[1][("eval", "serve-load")].parse_intermixed_args(commands[3][2:])
+    assert serve.dtype == "float32" and serve.concurrency == "1,8"  # row independence is an fp32 claim
     assert {"plain", "early_exit", "ngram", "hybrid", "hf_greedy", "hf_early_exit"} <= set(methods)
 
 

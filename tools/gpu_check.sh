@@ -4,15 +4,20 @@
 #   2. the gate (perplexity of the tuned model vs its base);
 #   3. greedy equality of every drafter with plain decoding in bf16 (`eval speedup`'s `identical`);
 #   4. the speedup table against Hugging Face greedy and assistant_early_exit;
-#   5. the same on static passes compiled with CUDA graphs (`--static-passes compile`): equality and speed.
+#   5. the server on the GPU in fp32 (`eval serve-load`): one and eight clients, every reply equal to its
+#      prompt decoded alone in process, throughput, and the speedup over the server without drafting;
+#   6. the same as 4 on static passes compiled with CUDA graphs (`--static-passes compile`): equality and speed.
 #     bash tools/gpu_check.sh [OUT]          (default OUT: runs/gpu_check)
 # The machine may have no network: MODEL is a local directory or a name already in the Hugging Face
 # cache (default Qwen/Qwen2.5-0.5B, the qwen2.5-0.5b_lora recipe's), DATA a local corpus or stdlib.
+# TRAIN_OVERRIDES adds `key=value` overrides to the training run, e.g. candidate exits that a smaller
+# model has: TRAIN_OVERRIDES="early_exit.layers=3,4,6 exit_layer=4" for the embedded default's 12 layers.
 set -euo pipefail
 OUT=${1:-runs/gpu_check}
 MODEL=${MODEL:-Qwen/Qwen2.5-0.5B}
 DATA=${DATA:-stdlib}
 RECIPE=${RECIPE:-qwen2.5-0.5b_lora}
+read -r -a TRAIN_OVERRIDES <<< "${TRAIN_OVERRIDES:-}"
 mkdir -p "$OUT"
 
 line() { printf '%-10s %s\n' "$1" "$2"; }
@@ -27,7 +32,7 @@ start=$SECONDS
 selfspec train --config "$RECIPE" --output-dir "$OUT/train" --force \
   model.name_or_path="$MODEL" data.source="$DATA" data.block_size=512 optim.max_steps=50 \
   optim.warmup_steps=5 optim.grad_accum=1 eval_every=0 save_every=0 log_with=[jsonl] \
-  > "$OUT/train.log" 2>&1 || fail train "see $OUT/train.log"
+  "${TRAIN_OVERRIDES[@]}" > "$OUT/train.log" 2>&1 || fail train "see $OUT/train.log"
 line train "$(python - "$OUT" "$((SECONDS - start))" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(f"{sys.argv[1]}/train/metrics.jsonl")]
@@ -53,8 +58,21 @@ PY
 line speedup "table in $OUT/speedup (Markdown beside the JSON):"
 cat "$(ls "$OUT"/speedup/*.md | head -n 1)" | sed -n '/^|/p'
 
-# 5. every decoding pass at fixed shapes through torch.compile (CUDA graphs): the round at its passes' cost
-selfspec eval speedup --model "$OUT/train/model" --corpus "$DATA" --dtype bfloat16 --num-prompts 4 \
+# 5. the server: its batches on the GPU must decode each row as that prompt alone (fp32, greedy)
+selfspec eval serve-load --model "$OUT/train/model" --dtype float32 --concurrency 1,8 --requests 16 \
+  --max-tokens 64 --out "$OUT/serve" > "$OUT/serve.log" 2>&1 || fail serve "see $OUT/serve.log"
+python - "$OUT/serve" <<'PY'
+import json, sys
+from pathlib import Path
+report = json.loads(next(Path(sys.argv[1]).glob("*.json")).read_text())
+rows = [row for arm in report["levels"].values() for row in arm]
+bad = sum(r["mismatches"] + r["errors"] for r in rows)
+print(f"{'serve':<10} every reply as alone: {'yes' if bad == 0 else f'NO ({bad} mismatches or errors)'}")
+PY
+sed -n '/^|/p;/^One client/,$p' "$(ls "$OUT"/serve/*.md | head -n 1)"
+
+# 6. every decoding pass at fixed shapes through torch.compile (CUDA graphs): the round at its passes' cost
+timeout 200 selfspec eval speedup --model "$OUT/train/model" --corpus "$DATA" --dtype bfloat16 --num-prompts 4 \
   --max-new-tokens 128 --repeats 3 --methods plain,early_exit,hybrid,hf_greedy --static-passes compile \
   --out "$OUT/static" > "$OUT/static.log" 2>&1 || fail static "see $OUT/static.log"
 python - "$OUT/static" <<'PY'
