@@ -344,8 +344,11 @@ def serve_load(model: str, *, prompts: str | None = None, corpus: str = "stdlib"
     with (server_process(model, logs / "server.log", **common, **overrides) as (url, pid),
           server_process(model, logs / "server-plain.log", **common, **plain_flags) as (plain_url, _)):
         urls = {"selfspec": url, "plain": plain_url}
+        # Warm-up: every prompt once to each server, as the in-process generators had every prompt
+        # (their rate above): a prefix cache that holds a prompt prefills it in a fraction of the
+        # time, so a server that had one prompt would pay a prefill the in-process call does not.
         for arm in ARMS:
-            _level(urls[arm], texts[:1], 1, 1, max_tokens, reference[:1])  # warm-up
+            _level(urls[arm], texts, 1, len(texts), max_tokens, reference)
         def served(way, at):  # prompt i requested from the server at `at` by one client
             return lambda i: way(at, texts[i], max_tokens)
 
