@@ -660,16 +660,18 @@ class FastLlamaBlocks:
         """What a compiled round call (`draft_loop`, `verify_greedy`) over blocks [start, end) needs
         besides the cache's slots: (the compiled function, the blocks as the kernels' objects, the
         embedding table, cos and sin (B, T, hd) contiguous), or None where it does not apply: the
-        kernels off or missing (`_DRAFT_LOOP`, `_compiled`), autograd on, an embedding that is not a
-        plain lookup (`nn.Embedding` without hooks), no plain final norm + LM head, a head tensor not
-        in the model's dtype, angles not in it."""
+        kernels off or missing (`_DRAFT_LOOP`, `_compiled`), weights off the CPU (the kernels read host
+        memory), autograd on, an embedding that is not a plain lookup (`nn.Embedding` without hooks), no
+        plain final norm + LM head, a head tensor not in the model's dtype, angles not in it."""
+        embed = embedding.weight
+        if embed.device.type != "cpu":
+            return None
         compiled = self._compiled()
         made = accessor() if _DRAFT_LOOP and compiled is not None else None
         if embedding not in self._lookup:  # checked once per module, as the blocks are at `build`
             self._lookup[embedding] = type(embedding) is nn.Embedding and not _hooked(embedding)
         if made is None or self.head is None or torch.is_grad_enabled() or not self._lookup[embedding]:
             return None
-        embed = embedding.weight
         if (embed.dtype not in (torch.float32, torch.bfloat16) or cos.dtype != embed.dtype
                 or any(t is not None and (t.dtype != embed.dtype or not t.is_contiguous())
                        for t in (*head, self.head[0]))):

@@ -1,0 +1,201 @@
+"""A CUDA device emulated on the CPU, for the code paths only CUDA takes, on machines without a GPU.
+
+Inside `VirtualCuda()`, a tensor moved to "cuda" (`.cuda()`, `.to("cuda")`, a factory's
+`device="cuda"`, `module(model)` for a model's weights) still computes on the CPU but reports
+`device cuda:0`, and so does whatever is computed from it. As on CUDA:
+- an operation given tensors of both devices raises (CPU scalars, 0-dim, may join CUDA tensors;
+  indexing, `copy_` and `index_put_` cross devices);
+- `.numpy()` of a CUDA tensor raises, `.cpu()` copies, and host reads (`.cpu()`, `.item()`,
+  `.tolist()`, `int()`, `bool()`) complete the work queued so far;
+- `torch.cuda.Event` times with `perf_counter`, and `elapsed_time` raises unless a host read or
+  `synchronize` came after both events were recorded (CUDA's "device not ready");
+- selfspec's compiled CPU kernels raise when given a CUDA tensor.
+What it cannot show: CUDA's own kernels and numerics. Tags live on storages (a view shares its
+base's device); tagged storages are kept alive so that no CPU tensor reuses their address.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")
+_FACTORIES = {torch.zeros, torch.ones, torch.empty, torch.full, torch.arange, torch.tensor, torch.as_tensor,
+              torch.randn, torch.rand, torch.randint, torch.eye, torch.linspace, torch.empty_strided,
+              torch.scalar_tensor, torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like,
+              torch.rand_like, torch.randn_like}
+_CROSS = {torch.Tensor.copy_, torch.Tensor.__getitem__, torch.Tensor.__setitem__, torch.Tensor.index_put_,
+          torch.Tensor.index_put}
+_HOST_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__int__, torch.Tensor.__float__,
+               torch.Tensor.__bool__, torch.Tensor.__index__}
+
+
+class _Queue:
+    """Events recorded so far, and how many of them a host read has completed."""
+    recorded = 0
+    completed = 0
+
+
+class Event:
+    """`torch.cuda.Event` on the virtual device (see the module docstring)."""
+
+    def __init__(self, enable_timing: bool = False, **_):
+        self.time, self.seq = None, None
+
+    def record(self, stream=None) -> None:
+        _Queue.recorded += 1
+        self.time, self.seq = time.perf_counter(), _Queue.recorded
+
+    def synchronize(self) -> None:
+        _Queue.completed = max(_Queue.completed, self.seq or 0)
+
+    def query(self) -> bool:
+        return self.seq is not None and self.seq <= _Queue.completed
+
+    def elapsed_time(self, end: Event) -> float:
+        if not (self.query() and end.query()):
+            raise RuntimeError("CUDA error: device not ready (an event read before the work it marks ended)")
+        return (end.time - self.time) * 1e3
+
+
+def _host_read() -> None:
+    _Queue.completed = _Queue.recorded
+
+
+class VirtualCuda(TorchFunctionMode):
+    """The virtual device (module docstring). Use as a context manager; `module(model)` moves a model."""
+
+    def __init__(self):
+        super().__init__()
+        self._storages = {}  # data_ptr -> storage
+        self._empty = {}  # id -> weakref: tagged tensors without memory (data_ptr 0)
+        self._patches = contextlib.ExitStack()
+
+    def __enter__(self):
+        from selfspec.model import kernels
+
+        patch = self._patches.enter_context
+        patch(_replaced(torch.cuda, "Event", Event))
+        patch(_replaced(torch.cuda, "synchronize", lambda *a, **k: _host_read()))
+        built = kernels._module
+        checked = lambda: None if built() is None else _CheckedKernels(built(), self)
+        patch(_replaced(kernels, "_module", checked))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        out = super().__exit__(*exc)
+        self._patches.close()
+        return out
+
+    def on_cuda(self, t) -> bool:
+        if not isinstance(t, torch.Tensor):
+            return False
+        ptr = t.untyped_storage().data_ptr()
+        if ptr:
+            return ptr in self._storages
+        ref = self._empty.get(id(t))
+        return ref is not None and ref() is t
+
+    def _tag(self, out):
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                if storage.data_ptr():
+                    self._storages[storage.data_ptr()] = storage
+                else:
+                    self._empty[id(t)] = weakref.ref(t)
+        return out
+
+    def module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """`module.cuda()`: each parameter and buffer copied and tagged (a Parameter keeps its identity)."""
+        with torch.no_grad():
+            for t in [*module.parameters(), *module.buffers()]:
+                t.data = t.data.clone()
+                self._tag(t)
+        return module
+
+    def _to(self, func, args, kwargs):
+        src, target, rest = args[0], kwargs.pop("device", None), []
+        for a in args[1:]:
+            if isinstance(a, (str, torch.device)) and target is None:
+                target = a
+            elif isinstance(a, torch.Tensor):  # .to(other): its device and dtype
+                target, rest = (CUDA if self.on_cuda(a) else CPU), [*rest, a.dtype]
+            else:
+                rest.append(a)
+        out = func(src, *rest, **kwargs)
+        to_cuda = self.on_cuda(src) if target is None else torch.device(target).type == "cuda"
+        if to_cuda == self.on_cuda(src):
+            return self._tag(out) if to_cuda else out
+        if not to_cuda:
+            _host_read()
+        out = out.clone() if out is src else out
+        return self._tag(out) if to_cuda else out
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func == torch.Tensor.device.__get__:
+            return CUDA if self.on_cuda(args[0]) else CPU
+        if func == torch.Tensor.is_cuda.__get__:
+            return self.on_cuda(args[0])
+        if func is torch.Tensor.cuda:
+            return args[0] if self.on_cuda(args[0]) else self._tag(args[0].clone())
+        if func is torch.Tensor.cpu:
+            if not self.on_cuda(args[0]):
+                return args[0]
+            _host_read()
+            return args[0].clone()
+        if func is torch.Tensor.to:
+            return self._to(func, args, kwargs)
+        if func is torch.Tensor.numpy and self.on_cuda(args[0]):
+            raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy the "
+                            "tensor to host memory first.")
+        if func in _FACTORIES:
+            device = kwargs.get("device")
+            if device is not None and torch.device(device).type == "cuda":
+                return self._tag(func(*args, **{**kwargs, "device": "cpu"}))
+            out = func(*args, **kwargs)
+            like = func.__name__.endswith("_like") and device is None and self.on_cuda(args[0])
+            return self._tag(out) if like else out
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        on = {self.on_cuda(t) for t in tensors if t.dim() > 0 or self.on_cuda(t)}
+        if len(on) > 1 and func not in _CROSS:
+            raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two "
+                               f"devices, cuda:0 and cpu! ({getattr(func, '__name__', func)})")
+        if func in _HOST_READS and True in on:
+            _host_read()
+        out = func(*args, **kwargs)
+        return self._tag(out) if True in on and out is not None else out
+
+
+class _CheckedKernels:
+    """selfspec's compiled kernel module, each function refusing CUDA tensors as a CPU kernel must."""
+
+    def __init__(self, module, device: VirtualCuda):
+        self._module, self._device = module, device
+
+    def __getattr__(self, name):
+        value = getattr(self._module, name)
+        if isinstance(value, type) or not callable(value):
+            return value
+
+        def checked(*args, **kwargs):
+            if any(self._device.on_cuda(t) for t in tree_flatten((args, kwargs))[0]):
+                raise RuntimeError(f"the CPU kernel {name} was given a CUDA tensor")
+            return value(*args, **kwargs)
+        return checked
+
+
+@contextlib.contextmanager
+def _replaced(owner, name: str, value):
+    before = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, before)
