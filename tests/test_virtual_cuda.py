@@ -32,6 +32,9 @@ def test_the_virtual_device_refuses_what_cuda_refuses():
         assert x.cpu().numpy().tolist() == [1, 1, 1] and not x.cpu().is_cuda
         assert torch.zeros(2, device="cuda").is_cuda and torch.zeros_like(x).is_cuda
         assert x[:2].is_cuda and x.to("cpu").device.type == "cpu" and y.to(x).is_cuda
+        host = torch.zeros(3)
+        host.copy_(x)  # a copy between devices leaves each tensor where it was
+        assert not host.is_cuda and x[torch.tensor([0, 2])].is_cuda  # CPU indices may index CUDA memory
         start, end = Event(enable_timing=True), Event(enable_timing=True)
         start.record(), (x * 2).sum(), end.record()
         with pytest.raises(RuntimeError, match="not ready"):

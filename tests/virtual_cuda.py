@@ -170,7 +170,9 @@ class VirtualCuda(TorchFunctionMode):
         if func in _HOST_READS and True in on:
             _host_read()
         out = func(*args, **kwargs)
-        return self._tag(out) if True in on and out is not None else out
+        # a copy into, an index of or an assignment into a tensor stays on that tensor's device
+        device_of_out = self.on_cuda(args[0]) if func in _CROSS else True in on
+        return self._tag(out) if device_of_out and out is not None else out
 
 
 class _CheckedKernels:
