@@ -80,6 +80,11 @@ def reference_greedy(model, prompt, max_new_tokens):
     return ids[len(prompt):]
 
 
+def same_tokens(a: list[list[int]], b: list[list[int]]) -> int:
+    """Positions where two batches of token lists agree."""
+    return sum(x == y for row_a, row_b in zip(a, b) for x, y in zip(row_a, row_b))
+
+
 def low_alpha_model(family):
     """A tiny model whose early exits often disagree with the last layer (α around 0.3-0.7)."""
     model = tiny_model(family)

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import torch
-from helpers import FAMILIES, low_alpha_model, reference_greedy, sharp_llama, tiny_model
+from helpers import FAMILIES, low_alpha_model, reference_greedy, same_tokens, sharp_llama, tiny_model
 
 from selfspec.decoding import CacheLengthError, KVCache, SelfSpecGenerator, WindowRule
 
@@ -355,7 +355,7 @@ def test_on_cuda_greedy_is_lossless_and_sampling_matches_cpu():
                                                           num_speculations=3, seed=1, eos_token_id=[])
     model = model.cuda()
     expected = [reference_greedy(model, p, NEW) for p in PROMPTS]
-    assert _same_tokens(expected, on_cpu) >= 0.9 * NEW * len(PROMPTS), (expected, on_cpu)
+    assert same_tokens(expected, on_cpu) >= 0.9 * NEW * len(PROMPTS), (expected, on_cpu)
     generator = SelfSpecGenerator(model, exit_layer=2)
     for k in (0, 1, 4, "auto"):
         out = generator.generate(PROMPTS, max_new_tokens=NEW, num_speculations=k, eos_token_id=[])
@@ -364,13 +364,8 @@ def test_on_cuda_greedy_is_lossless_and_sampling_matches_cpu():
     sampled = generator.generate(PROMPTS, max_new_tokens=NEW, temperature=0.8, num_speculations=3, seed=1,
                                  eos_token_id=[])
     # the same uniforms on both devices; tiny float differences could flip a near-tie, so mostly equal
-    assert _same_tokens(sampled.sequences, cpu.sequences) >= 0.9 * NEW * len(PROMPTS), (sampled.sequences,
+    assert same_tokens(sampled.sequences, cpu.sequences) >= 0.9 * NEW * len(PROMPTS), (sampled.sequences,
                                                                                           cpu.sequences)
-
-
-def _same_tokens(a: list[list[int]], b: list[list[int]]) -> int:
-    """Positions where two batches of token lists agree."""
-    return sum(x == y for row_a, row_b in zip(a, b) for x, y in zip(row_a, row_b))
 
 
 class RecordingStreamer:

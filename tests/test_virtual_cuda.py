@@ -3,10 +3,9 @@ other device, no compiled CPU kernel given CUDA memory, no event read early; the
 greedy decoding's on the same device. (The one GPU lent so far failed `test_on_cuda_...`; the
 compiled round calls then took CUDA tensors.)"""
 
-import numpy as np
 import pytest
 import torch
-from helpers import FAMILIES, low_alpha_model, reference_greedy
+from helpers import FAMILIES, low_alpha_model, reference_greedy, same_tokens
 from test_decoding_admit import LATER, SETTINGS, _admit
 from test_decoding_grammar import DRAFTERS, PERSON, constrained_reference, make_model, prompt_ids, tokenizer  # noqa: F401
 from virtual_cuda import Event, VirtualCuda
@@ -73,8 +72,8 @@ def test_sampling_on_virtual_cuda_draws_the_cpu_tokens():
     with VirtualCuda() as device:
         device.module(model)
         sampled = SelfSpecGenerator(model, exit_layer=2).generate(PROMPTS, **kwargs).sequences
-    same = sum(np.equal(a, b).sum() for a, b in zip(sampled, on_cpu))
-    assert same >= 0.9 * NEW * len(PROMPTS)  # the same uniforms; fp32 rounding may flip a near-tie
+    # the same uniforms; the kernels and torch's operations may round a near-tie apart
+    assert same_tokens(sampled, on_cpu) >= 0.9 * NEW * len(PROMPTS)
 
 
 def test_structured_output_on_virtual_cuda_is_constrained_plain_greedy(tokenizer):  # noqa: F811

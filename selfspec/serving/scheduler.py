@@ -186,7 +186,7 @@ class Job:
 
 # Greedy rounds of more rows than this take plain steps on a CPU (`Scheduler`'s draft_max_rows): there
 # a pass costs about in proportion to its positions past a few (SmolLM2's bound by the FMAs from about
-# 8; the embedded default's kernels spend 4.35x one row's pass on 8 rows), so a rejected draft costs
+# 8; the embedded default's kernels spend several times one row's pass on 8), so a rejected draft costs
 # what a kept token does. Side by side (docs/results.md, session 33) a batch of 2 decoded about as fast
 # drafting as not, of 3, 4 and 8 plainly 1.2-2.1x faster, on the embedded default and SmolLM2 alike.
 # A GPU's pass stays bound by reading the weights to far more positions: none (every round drafts).
