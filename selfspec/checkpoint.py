@@ -33,6 +33,7 @@ read by `read_settings` and written by `save_tuned` and `write_settings` only:
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 import warnings
@@ -59,7 +60,7 @@ def save_tuned(path: str | Path, model, tokenizer=None, *, settings: DecodeSetti
                base_model: str | None = None, training: dict | None = None, metrics: dict | None = None,
                kind: str = "tuned", state_dict: dict | None = None, token_counts=None,
                token_counts_source: str | None = None, exit_choice: dict | None = None,
-               exit_adapter=None) -> Path:
+               exit_adapter=None, dtype=None) -> Path:
     """Save model (safetensors) + tokenizer + selfspec.json into `path`, atomically.
 
     settings: how the checkpoint decodes by default (`DecodeSettings`, E set; a fine-tune with a
@@ -68,6 +69,9 @@ def save_tuned(path: str | Path, model, tokenizer=None, *, settings: DecodeSetti
     the training data) for a trimmed draft head, and token_counts_source what they were counted on.
     exit_choice: how E and k were chosen among the candidate exits (`metrics.choose_exit`).
     exit_adapter: an `ExitAdapter` trained for `settings.exit_layer`, saved beside the model.
+    dtype: the torch dtype the weights and the exit adapter are written at, which config.json then
+    names (a run that trained float32 master copies of a 16-bit model saves that model's dtype);
+    None: as they are.
 
     Everything is written into a temporary sibling directory first and renamed into place at the end,
     so a crash leaves either the old checkpoint or the new one, never a mixture. A PEFT model is
@@ -81,8 +85,16 @@ def save_tuned(path: str | Path, model, tokenizer=None, *, settings: DecodeSetti
         raise CheckpointError("draft_vocab_size needs token_counts (the ranking of the V' ids)")
     if hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()
+    if dtype is not None:
+        weights = model.state_dict() if state_dict is None else state_dict
+        if any(t.is_floating_point() and t.dtype != dtype for t in weights.values()):
+            state_dict = _at_dtype(weights, dtype)
     with atomic_directory(path) as staging:  # written beside `path`, then renamed into place
         model.save_pretrained(staging, safe_serialization=True, state_dict=state_dict)
+        if dtype is not None and model.dtype != dtype:  # save_pretrained named the model's own
+            config = copy.deepcopy(model.config)
+            config.dtype = str(dtype).removeprefix("torch.")
+            config.save_pretrained(staging)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
         meta = {"format_version": FORMAT_VERSION, "kind": kind, **settings.to_json(),
@@ -92,7 +104,7 @@ def save_tuned(path: str | Path, model, tokenizer=None, *, settings: DecodeSetti
         if token_counts is not None:
             meta["token_counts"] = _write_token_counts(staging, token_counts, token_counts_source)
         if exit_adapter is not None:
-            save_exit_adapter(exit_adapter, staging)
+            save_exit_adapter(exit_adapter, staging, dtype)
             meta["exit_adapter"] = {"exit_layer": settings.exit_layer, "file": ADAPTER_FILE,
                                     **exit_adapter.shape}
         if exit_choice is not None:
@@ -100,6 +112,21 @@ def save_tuned(path: str | Path, model, tokenizer=None, *, settings: DecodeSetti
                                    "candidates": {str(e): v for e, v in exit_choice["candidates"].items()}}
         write_json_atomic(staging / META_FILE, meta)
     return path
+
+
+def _at_dtype(state_dict: dict, dtype) -> dict:
+    """`state_dict` with its floating tensors cast to `dtype`; tensors that shared their memory (tied
+    weights) still do, so that save_pretrained writes a tied weight once."""
+    cast = {}
+    out = {}
+    for name, tensor in state_dict.items():
+        if tensor.is_floating_point() and tensor.dtype != dtype:
+            key = (tensor.data_ptr(), tuple(tensor.shape), tensor.stride())
+            if key not in cast:
+                cast[key] = tensor.to(dtype)
+            tensor = cast[key]
+        out[name] = tensor
+    return out
 
 
 def read_meta(path: str | Path) -> dict:

@@ -142,9 +142,23 @@ class ModelConfig:
     """Tokenizer directory or id; None means the one beside the model (from_scratch: the embedded
     tokenizer trained on the corpus, kept under data.cache_dir)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Weight dtype when loading: auto = float32 on CPU, the checkpoint's dtype on GPU."""
+    """Weight dtype when loading: auto = float32 on CPU, the checkpoint's dtype on GPU. The tuned
+    checkpoint is saved at it."""
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     """Attention kernel used by the Hugging Face blocks."""
+    fp32_master_weights: bool = True
+    """Under 16-bit mixed precision (`mixed_precision` bf16/fp16, auto on a GPU), hold the trained
+    weights of a 16-bit model in float32 (their gradients and AdamW's moments follow), the products
+    running at 16 bits under autocast, and round them back to `dtype` when the checkpoint is saved:
+    what FSDP and DeepSpeed do anyway. A bf16 weight keeps no update smaller than half its spacing
+    (a step of 2e-5 is lost on every |w| >= 0.008), so false, training the 16-bit weights themselves,
+    loses most of a small learning rate's steps; it halves the memory of weights, gradients and
+    moments (docs/scaling.md). LoRA adapters are float32 either way; frozen weights, the frozen
+    teacher among them, stay at `dtype`."""
+    gradient_checkpointing: bool = False
+    """Activation checkpointing of every decoder block (Hugging Face's, use_reentrant=False): a
+    block keeps only its input, and its activations are recomputed in the backward, one more
+    forward of the blocks per step. Same losses and gradients."""
 
     def __post_init__(self):
         _check_choices(self)
@@ -415,6 +429,11 @@ class RunConfig:
             _check(not self.cache_features or self.early_exit.kind in ("kl", "argmax"), "early_exit.kind",
                    self.early_exit.kind, "cached features hold the teacher, not the data's labels: "
                    "use kl or argmax, or cache_features: false")
+        _check(self.model.fp32_master_weights or not (self.mixed_precision == "fp16"
+                                                       and self.model.dtype == "float16"),
+               "model.fp32_master_weights", self.model.fp32_master_weights,
+               "fp16 mixed precision scales the loss, and its scaler cannot unscale float16 "
+               "gradients: keep the float32 master weights (true), or use bf16")
         known = {"jsonl", "tensorboard", "wandb"}
         bad = [t for t in self.log_with if t not in known]
         _check(not bad, "log_with", bad, f"choose from {', '.join(sorted(known))}")

@@ -120,12 +120,16 @@ def new_exit_adapter(kind: str, model: nn.Module, exit_layer: int, size: int | N
     return ExitAdapter(width, size or 2 * width).to(view.device)
 
 
-def save_exit_adapter(adapter: nn.Module, directory: str | Path) -> None:
-    """Write the adapter's weights into `directory` (a checkpoint being staged)."""
+def save_exit_adapter(adapter: nn.Module, directory: str | Path, dtype=None) -> None:
+    """Write the adapter's weights into `directory` (a checkpoint being staged), its floating tensors
+    at `dtype` where given (a run's float32 master copies at the model's dtype)."""
     from safetensors.torch import save_file
 
-    save_file({k: v.detach().contiguous() for k, v in adapter.state_dict().items()},
-              str(Path(directory) / ADAPTER_FILE))
+    def stored(tensor):
+        tensor = tensor.detach()
+        return (tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor).contiguous()
+
+    save_file({k: stored(v) for k, v in adapter.state_dict().items()}, str(Path(directory) / ADAPTER_FILE))
 
 
 def load_exit_adapter(directory: str | Path, shape: dict, model: nn.Module, device=None,

@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -175,6 +176,26 @@ def apply_lora(model, cfg: RunConfig, exit_layer: int):
                                             layers_to_transform=layers, task_type="CAUSAL_LM"))
 
 
+def checkpoint_activations(model) -> None:
+    """`model.gradient_checkpointing`: Hugging Face's activation checkpointing on every decoder block,
+    non-reentrant. It wraps each block's own `forward`, so the objective's block-by-block calls
+    (layer dropout skips a block outside it, the exits read its output) are checkpointed as the
+    model's own forward would be, and a block run without autograd (eval, the frozen teacher) is
+    not."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable({"use_reentrant": False})
+
+
+def hold_in_fp32(module: torch.nn.Module) -> None:
+    """`model.fp32_master_weights`: widen `module`'s trainable 16-bit parameters to float32 in place,
+    the master copies that mixed precision updates while autocast runs the products at 16 bits
+    (accelerate does the same under FSDP and DeepSpeed). Frozen weights, the frozen teacher among
+    them, keep their dtype; LoRA adapters are float32 already."""
+    for param in module.parameters():
+        if param.requires_grad and param.dtype in (torch.bfloat16, torch.float16):
+            param.data = param.data.float()
+
+
 def build_objective(model, cfg: RunConfig, num_layers: int, exit_layer: int,
                     token_counts=None) -> SelfSpecObjective:
     """The training module for `cfg`: layer dropout + early-exit losses around `model`.
@@ -239,6 +260,7 @@ class _Run:
     val_blocks: object
     exit_layer: int
     token_counts: object  # (V,) token frequencies of the training blocks
+    weights_dtype: torch.dtype  # the model's weights as loaded: the checkpoint is saved at it
     feature_seconds: float = 0.0  # computing the exit features (cache_features), 0 when cached already
     step: int = 0  # optimizer steps done
     micro: int = 0  # micro-batches consumed (per process)
@@ -250,8 +272,13 @@ class _Run:
         return self.micro * optim.batch_size * data.block_size * self.accelerator.num_processes
 
     def evaluate(self) -> dict:
-        return evaluate(self.accelerator, self.objective, self.val_blocks,
-                        objective_inner(self.objective).exit_layers, self.exit_layer, self.cfg)
+        # A 16-bit model is evaluated as it trains, under mixed precision's autocast (the evaluation
+        # calls the model past accelerate's wrapper): its float32 master weights (`hold_in_fp32`) or a
+        # float32 exit adapter meet 16-bit tensors there. A float32 model stays float32.
+        sixteen_bits = self.weights_dtype in (torch.bfloat16, torch.float16)
+        with self.accelerator.autocast() if sixteen_bits else nullcontext():
+            return evaluate(self.accelerator, self.objective, self.val_blocks,
+                            objective_inner(self.objective).exit_layers, self.exit_layer, self.cfg)
 
     def batches(self):
         """Training batches forever, epoch after epoch, from where `micro` says the run is: dicts of
@@ -358,6 +385,9 @@ def _setup(cfg: RunConfig, output_dir: Path) -> _Run:
     exit_layer = cfg.exit_layer or default_exit_layer(num_layers)
     if exit_layer > num_layers:
         raise UserError(f"exit_layer = {exit_layer} is larger than the model's {num_layers} layers")
+    weights_dtype = view.dtype
+    if cfg.model.gradient_checkpointing:
+        checkpoint_activations(model)
     if cfg.lora.enabled:
         model = apply_lora(model, cfg, exit_layer)
     elif cfg.trainable == "draft":
@@ -367,6 +397,9 @@ def _setup(cfg: RunConfig, output_dir: Path) -> _Run:
     # Token frequencies of the training data: the ranking of a trimmed exit loss and draft head.
     token_counts = data_lib.count_tokens(train_blocks, view.lm_head.weight.shape[0])
     objective = build_objective(model, cfg, num_layers, exit_layer, token_counts)
+    # after the objective: the frozen teacher it copied stays at the loaded dtype
+    if cfg.model.fp32_master_weights and accelerator.mixed_precision in ("bf16", "fp16"):
+        hold_in_fp32(objective)
     check_wrap_classes(model)
     feature_seconds = 0.0
     if cfg.trainable == "adapter" and cfg.cache_features:
@@ -410,7 +443,7 @@ def _setup(cfg: RunConfig, output_dir: Path) -> _Run:
         raise UserError(f"the training split has fewer than optim.batch_size = {cfg.optim.batch_size} "
                         f"blocks; lower optim.batch_size or data.block_size")
     return _Run(cfg, output_dir, accelerator, objective, optimizer, scheduler, loader, trainable, tokenizer,
-                train_blocks, val_blocks, exit_layer, token_counts,
+                train_blocks, val_blocks, exit_layer, token_counts, weights_dtype,
                 feature_seconds=feature_seconds)
 
 
@@ -493,6 +526,7 @@ def _finish(run: _Run, kind: str, seconds: float) -> TrainResult:
         settings = DecodeSettings(exit_layer=exit_layer, num_speculations=k,
                                   draft_vocab_size=cfg.early_exit.draft_vocab_size)
         save_tuned(model_dir, inner, run.tokenizer, state_dict=state_dict, settings=settings,
+                   dtype=run.weights_dtype,  # float32 master copies (ours, FSDP's) rounded back
                    token_counts=run.token_counts,
                    token_counts_source=f"training data ({cfg.data.source}, train split)",
                    exit_choice=choice,
