@@ -92,9 +92,10 @@ def _recipe_flags(p, default: str) -> None:
 
 def _static_flag(p) -> None:
     """The engine's decoding passes at fixed shapes (`SelfSpecGenerator(static_passes=...)`)."""
-    p.add_argument("--static-passes", choices=("eager", "compile"), default=None,
-                   help="run every decoding pass at fixed shapes: compile = torch.compile, CUDA graphs "
-                        "on a GPU (Llama family; first calls compile)")
+    p.add_argument("--static-passes", choices=("eager", "compile", "graph"), default=None,
+                   help="run every decoding pass at fixed shapes: graph = each pass (a round's k drafts, "
+                        "its verification) captured as one CUDA graph; compile = torch.compile, CUDA graphs "
+                        "on a GPU (Llama family; first calls capture or compile)")
 
 
 def _constraint_flags(p) -> None:

@@ -194,3 +194,19 @@ def test_chat_applies_the_template_and_answers_each_conversation(tiny_run):
     assert out.sequences[0] == direct.sequences[0] and len(out.sequences) == 2
     assert out.texts[0] == tokenizer.decode(direct.sequences[0], skip_special_tokens=True)
     assert gen.chat(talk, max_new_tokens=6, eos_token_id=[]).sequences == [direct.sequences[0]]
+
+
+def test_models_load_without_hub_kernels(tmp_path):
+    """transformers 5 kernelizes every model with hub code when `kernels` is installed (a dependency of
+    transformers): on CUDA `model.train()` then fetches kernels at run time, failing offline (seen on the
+    lent H200). selfspec's loads switch it off; Hugging Face's default keeps it on where `kernels` is."""
+    from selfspec.model.loading import load_causal_lm
+    tiny_model("llama").save_pretrained(tmp_path)
+    assert load_causal_lm(str(tmp_path)).use_kernels is False
+    hub_default = AutoModelForCausalLM.from_pretrained(tmp_path).use_kernels
+    assert hub_default is _kernels_installed()
+
+
+def _kernels_installed() -> bool:
+    from transformers.utils import is_kernels_available
+    return bool(is_kernels_available())

@@ -1,8 +1,9 @@
 """Static passes (`model.static_passes`, `SelfSpecGenerator(static_passes=...)`): the path for CUDA
 graphs, proven on CPU. Every decoding pass runs at fixed shapes (WIDTH rows, every cache slot under a
 mask from the positions, keys scattered in place), so greedy output equals plain decoding's for every
-Llama family, batch, k, η and drafter; the passes really run (counted); the cache is reused between
-calls; a model without them is a one-line error; and, marked slow, `torch.compile(fullgraph=True)`
+Llama family, batch, k, η and drafter, as written ("eager") and captured ("graph": CUDA graphs,
+emulated off CUDA); the passes really run (counted); the cache is reused between calls; a model
+without them is a one-line error; and, marked slow, `torch.compile(fullgraph=True)`
 traces them whole (what CUDA-graph capture needs) and computes what the eager passes compute."""
 
 import numpy as np
@@ -38,10 +39,11 @@ def calls(monkeypatch):
     return counts
 
 
+@pytest.mark.parametrize("mode", ["eager", "graph"])
 @pytest.mark.parametrize("family", LLAMA_FAMILIES)
-def test_static_greedy_equals_plain_greedy_for_every_family_batch_k_and_eta(family, calls):
+def test_static_greedy_equals_plain_greedy_for_every_family_batch_k_and_eta(family, mode, calls):
     model = low_alpha_model(family)
-    generator = SelfSpecGenerator(model, exit_layer=2, static_passes="eager")
+    generator = SelfSpecGenerator(model, exit_layer=2, static_passes=mode)
     accepted = 0
     for name, prompts in BATCHES.items():
         expected = [reference_greedy(model, p, NEW) for p in prompts]
@@ -55,12 +57,13 @@ def test_static_greedy_equals_plain_greedy_for_every_family_batch_k_and_eta(fami
     assert calls["draft_loop"] > 0 and calls["verify_greedy"] > 0
 
 
+@pytest.mark.parametrize("mode", ["eager", "graph"])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_copies_the_hybrid_and_sampling_run_static_passes_too(family, calls):
+def test_copies_the_hybrid_and_sampling_run_static_passes_too(family, mode, calls):
     """Copies verify in a whole-model static call; the hybrid's copy after the loop runs its tail through
     blocks [0, E) as a static `run`; sampling's passes are `run`s."""
     model = low_alpha_model(family)
-    generator = SelfSpecGenerator(model, exit_layer=2, static_passes="eager")
+    generator = SelfSpecGenerator(model, exit_layer=2, static_passes=mode)
     prompts = [[5, 17, 33, 5, 17, 33, 5, 17], [9, 9, 4, 9, 9, 4]]  # repeats: copies to find
     expected = [reference_greedy(model, p, NEW) for p in prompts]
     for kwargs in (dict(drafter="ngram", num_speculations=3), dict(drafter="hybrid", num_speculations=4)):
@@ -82,10 +85,11 @@ def test_rounds_are_capped_to_the_static_width():
     assert len(out.stats.accepted_histogram) == static_passes.WIDTH  # 0 .. WIDTH - 1 accepted
 
 
-def test_bf16_static_speculative_output_equals_static_plain_output():
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_bf16_static_speculative_output_equals_static_plain_output(mode):
     """Every pass at WIDTH rows: a position rounds alike in a plain step and in a verification."""
     model = low_alpha_model("llama").to(torch.bfloat16)
-    generator = SelfSpecGenerator(model, exit_layer=2, static_passes="eager", fixed_width=False)
+    generator = SelfSpecGenerator(model, exit_layer=2, static_passes=mode, fixed_width=False)
     prompts = BATCHES["ragged"]
     plain = generator.generate(prompts, max_new_tokens=24, eos_token_id=[], num_speculations=0)
     for k in (2, 5):

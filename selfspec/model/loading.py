@@ -60,7 +60,10 @@ def load_causal_lm(name_or_path: str, dtype: str = "auto", attn_implementation: 
     Safe by default: weights load from safetensors only (a pickle can run code), and a checkpoint's
     own modelling code runs only when the caller passes `trust_remote_code=True`. `huge_pages`: on a
     CPU, the weights moved onto 2 MiB pages where Linux offers them (`pages.onto_huge_pages`; for
-    decoding, which reads them all every step).
+    decoding, which reads them all every step). No hub kernels: with the `kernels` package installed
+    (transformers 5 depends on it) `from_pretrained` would swap modules for code fetched from the Hugging
+    Face hub at run time, and on CUDA `model.train()` fetches them (failing offline); selfspec's passes
+    read the model's own modules and its losslessness tests assume their numerics.
     """
     path = Path(name_or_path).expanduser()
     if _looks_local(name_or_path) and not (path / "config.json").is_file():
@@ -71,7 +74,7 @@ def load_causal_lm(name_or_path: str, dtype: str = "auto", attn_implementation: 
         model = AutoModelForCausalLM.from_pretrained(
             str(path) if path.exists() else name_or_path, dtype=resolve_dtype(dtype, device),
             attn_implementation=attn_implementation, use_safetensors=True,
-            trust_remote_code=trust_remote_code)
+            trust_remote_code=trust_remote_code, use_kernels=False)
     except SafetensorError as exc:
         raise ModelLoadError(f"the weights in {name_or_path!r} are damaged ({exc}); "
                              f"save or download the model again") from None

@@ -41,9 +41,10 @@ import torch
 import torch.nn.functional as F
 
 from .fast import FIXED_WIDTH, FastLlamaBlocks, _Block, apply_rotary, rms_norm
+from .graphs import CapturedPass
 
 WIDTH = FIXED_WIDTH  # query rows of every static pass
-MODES = ("eager", "compile")
+MODES = ("eager", "compile", "graph")
 
 
 class StaticPasses:
@@ -102,6 +103,14 @@ class StaticPasses:
         if slots is None:
             return None
         keys, values, _, cos, sin = slots
+        if self.mode == "graph":  # the k steps and the last pass as one graph: one launch
+            loop = self._made("draft_loop", 0, exit_layer, head=head, steps=k)
+            drafts, tops, hidden = loop(token, keys, values, cache.positions[:, :k + 1], cos, sin)
+            count = k
+            if eta and k:
+                count = int((tops >= eta).any(1).cpu().int().cumprod(0).sum())  # the round's one η read
+            cache.written(0, exit_layer, count + 1)
+            return drafts[:, :count], hidden[:, :count + 1]
         step = self._made("draft", 0, exit_layer, head=head)
         drafts, tops, hiddens = [], [], []
         for i in range(k + 1):  # step i writes and reads the slot of announced position i
@@ -149,8 +158,9 @@ class StaticPasses:
                 torch._dynamo.mark_static_address(t)
                 self._static.add(t.data_ptr())
 
-    def _made(self, kind: str, start: int, end: int, head: tuple | None = None, masked: bool = False):
-        key = (kind, start, end, masked, None if head is None else id(head[0]))
+    def _made(self, kind: str, start: int, end: int, head: tuple | None = None, masked: bool = False,
+              steps: int = 0):
+        key = (kind, start, end, masked, None if head is None else id(head[0]), steps)
         if key not in self._functions:
             blocks = self.fast.blocks[start:end]
             windows = self.windows[start:end]
@@ -172,17 +182,37 @@ class StaticPasses:
             else:
                 weight, bias, ids, _ = head
 
-                def function(token, keys, values, positions, cos, sin):
+                def step(token, keys, values, positions, cos, sin):
                     hidden = embedding[token][:, None].expand(-1, WIDTH, -1)  # (B, W, D)
                     hidden = _blocks(blocks, windows, hidden, keys, values, positions, cos, sin)[:, 0]
                     logits = F.linear(rms_norm(hidden, norm, eps), weight, bias).float()  # (B, V')
                     top, pick = torch.softmax(logits, -1).max(-1)
                     return (pick if ids is None else ids[pick]), top, hidden
-            if self.mode == "compile":
+
+                if kind == "draft":
+                    function = step
+                else:  # "draft_loop": `steps` drafts then the last one's pass, the argmax fed on the device
+                    def function(token, keys, values, positions, cos, sin):
+                        drafts, tops, hiddens = [], [], []
+                        for i in range(steps + 1):  # positions (B, steps + 1): step i at column i
+                            token, top, hidden = step(token, keys, values,
+                                                      positions[:, i:i + 1].expand(-1, WIDTH).contiguous(),
+                                                      cos, sin)
+                            drafts.append(token)
+                            tops.append(top)
+                            hiddens.append(hidden)
+                        # (B, steps) drafts, (steps, B) their top probabilities, (B, steps + 1, D) states
+                        return (torch.stack(drafts[:steps], 1), torch.stack(tops[:steps]),
+                                torch.stack(hiddens, 1))
+            if self.mode == "graph":
+                function = CapturedPass(function, static=(1, 2), device=self.embedding.device)
+            elif self.mode == "compile":
                 if self.embedding.is_cuda:
                     self._mark_static(self._weights())
                 function = torch.compile(function, fullgraph=True, dynamic=False,
                                          mode="reduce-overhead" if self.embedding.is_cuda else None)
+                if self.embedding.is_cuda:
+                    function = _copied_out(function)
             self._functions[key] = function
         return self._functions[key]
 
@@ -190,6 +220,17 @@ class StaticPasses:
         norm, _, head_weight, head_bias = self.fast.head
         blocks = [t for b in self.fast.blocks for t in b.tensors() if t is not None]
         return [t for t in (*blocks, norm, head_weight, head_bias, self.embedding) if t is not None]
+
+
+def _copied_out(graph: Callable) -> Callable:
+    """A CUDA-graph function whose outputs the caller may keep: a replay writes its outputs into the
+    same static buffers, so the next replay would overwrite what the previous returned (the draft loop
+    keeps every step's token and hidden state). Each call starts a new graph step and copies out."""
+    def call(*args):
+        torch.compiler.cudagraph_mark_step_begin()
+        out = graph(*args)
+        return tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
+    return call
 
 
 def _pad(x: torch.Tensor) -> torch.Tensor:

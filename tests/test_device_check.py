@@ -1,0 +1,56 @@
+"""tools/device_check.py, the check a lent GPU runs, dry-run here at tiny sizes on the emulated CUDA device
+(`virtual_cuda`): every stage's code runs and writes its verdicts, so the one call a GPU gets is not
+spent on a typo. The numbers are the emulation's (no timing is asserted); the verdicts are real."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+from virtual_cuda import VirtualCuda
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("device_check", ROOT / "tools" / "device_check.py")
+device_check = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(device_check)
+
+
+def _verdicts(out: Path, stage: str) -> list[str]:
+    return [line for line in (out / "verdicts.txt").read_text().splitlines() if line.startswith(stage)]
+
+
+def test_the_decoding_stages_dry_run_on_the_emulated_device(tmp_path):
+    with VirtualCuda() as device:
+        check = device_check.Check(tmp_path, tiny=True, move=device.module)
+        assert check.device == "cuda" and not check.real_cuda
+        for stage in ("env", "lossless", "shapes", "graphs"):
+            device_check.STAGE_FUNCTIONS[stage](check)
+    lossless = _verdicts(tmp_path, "lossless")
+    assert [line.split()[1] for line in lossless] == [f"{f}:" for f in device_check.FAMILIES]
+    assert all("NOT" not in line for line in lossless) and all("static graph: lossless" in line
+                                                               for line in lossless[:4])
+    assert len(_verdicts(tmp_path, "shapes")) == 3
+    graphs = _verdicts(tmp_path, "graphs")
+    assert len(graphs) == 1 and "k=4 lossless" in graphs[0]
+    assert "emulated CUDA device" in _verdicts(tmp_path, "env")[0]
+
+
+@pytest.mark.slow
+def test_the_embedded_stage_dry_runs_pretraining_the_exit_and_decoding(tmp_path):
+    """Pretrain, the GPU recipes' 20 steps (here 4), the fine-tune and three decoding paths, tiny, on the
+    CPU (accelerate's training loop does not run on the emulated device)."""
+    device_check.stage_embedded(device_check.Check(tmp_path, tiny=True, device="cpu"))
+    lines = _verdicts(tmp_path, "embedded")
+    assert len(lines) == 6 and sum("lossless against its own plain" in line for line in lines) == 3
+
+
+def test_the_driver_refuses_an_unknown_stage_in_one_line(tmp_path, capsys):
+    assert device_check.main(["--out", str(tmp_path), "--only", "env,warp"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "unknown stage 'warp': choose among env, lossless, shapes, graphs, embedded"
+
+
+def test_the_stage_limits_fit_eight_minutes():
+    assert sum(device_check.STAGES.values()) <= 8 * 60
+    assert set(device_check.STAGES) == set(device_check.STAGE_FUNCTIONS)
+    sys.modules.pop("device_check", None)

@@ -1,0 +1,111 @@
+"""CUDA-graph semantics, checked without a GPU (`model.graphs`, emulated off CUDA): a replay rewrites
+the outputs of the previous one, so the engine copies them out; a host read inside a capture is refused;
+a new shape or a new static buffer is a new capture; a round of the static passes as graphs costs at
+most two graph launches (the draft loop, the verification) and equals the eager passes' output, greedy,
+sampled and under a grammar, on the CPU and on the emulated CUDA device."""
+
+import pytest
+import torch
+from helpers import low_alpha_model, reference_greedy
+from test_decoding_grammar import DRAFTERS, PERSON, constrained_reference, make_model, prompt_ids, tokenizer  # noqa: F401
+from virtual_cuda import VirtualCuda
+
+from selfspec.decoding import SelfSpecGenerator
+from selfspec.decoding.grammar import Constraint
+from selfspec.model.graphs import CapturedPass, HostReadInCapture, _Graph
+
+PROMPTS = [[5, 17, 33, 2, 71, 8, 5, 17, 33], [40, 3]]
+NEW = 14
+
+
+def _scale(x, buffer):
+    buffer.add_(1)  # a static buffer, written in place by every replay
+    return x * 2, x.sum(-1)
+
+
+def test_a_replay_rewrites_the_previous_outputs_and_the_pass_copies_them_out():
+    buffer = torch.zeros(3)
+    graph = _Graph(_scale, (torch.ones(2, 3), buffer), {1}, None, real=False)
+    first = graph.replay((torch.ones(2, 3), buffer))[0]
+    assert first.tolist() == [[2.0] * 3] * 2
+    graph.replay((torch.full((2, 3), 5.0), buffer))
+    assert first.tolist() == [[10.0] * 3] * 2  # what a CUDA graph does to an output kept across replays
+    captured = CapturedPass(_scale, static=(1,), device=torch.device("cpu"))
+    kept = captured(torch.ones(2, 3), buffer)[0]
+    captured(torch.full((2, 3), 5.0), buffer)
+    assert kept.tolist() == [[2.0] * 3] * 2  # copied out: the caller may keep it
+    assert buffer.tolist() == [6.0] * 3  # each capture ran the pass once, each of 4 replays once, in place
+
+
+def test_a_new_shape_or_static_buffer_is_a_new_capture_and_the_same_is_a_replay():
+    captured = CapturedPass(_scale, static=(1,), device=torch.device("cpu"))
+    buffer = torch.zeros(3)
+    captured(torch.ones(2, 3), buffer)
+    captured(torch.zeros(2, 3), buffer)
+    assert (captured.captures, captured.replays) == (1, 2)
+    captured(torch.ones(4, 3), buffer)  # another shape
+    captured(torch.ones(4, 3), torch.zeros(3))  # another address for the static buffer
+    assert (captured.captures, captured.replays) == (3, 4)
+
+
+def test_a_host_read_inside_a_capture_is_refused():
+    def reads(x):
+        return x * int(x.sum())  # a host read: no graph can replay it
+    with pytest.raises(HostReadInCapture, match="inside a captured pass"):
+        CapturedPass(reads, static=(), device=torch.device("cpu"))(torch.ones(3))
+
+
+def _graph_calls(generator):
+    """{kind: replays} of the generator's captured passes."""
+    functions = generator.view.adapter._static._functions
+    counts = {}
+    for (kind, *_), fn in functions.items():
+        counts[kind] = counts.get(kind, 0) + fn.replays
+    return counts
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_a_round_is_at_most_two_graph_launches(k):
+    """The k drafts and the last draft's pass are one graph, the verification another: every round of
+    early-exit drafts replays exactly those two; the prompts' prefill is one `run` each."""
+    model = low_alpha_model("llama")
+    generator = SelfSpecGenerator(model, exit_layer=2, static_passes="graph")
+    for prompt in PROMPTS:
+        out = generator.generate([prompt], max_new_tokens=NEW, eos_token_id=[], num_speculations=k)
+        assert out.sequences == [reference_greedy(model, prompt, NEW)]
+    counts = _graph_calls(generator)
+    rounds = counts["verify"]
+    assert counts["draft_loop"] == rounds and counts.get("draft", 0) == 0  # one loop graph per round
+    assert counts["run"] == len(PROMPTS)  # the prefills (prompts of at most WIDTH positions)
+    assert out.stats.early_exit.accepted > 0
+
+
+def test_sampling_and_a_grammar_on_graphs_equal_the_eager_passes(tokenizer):  # noqa: F811
+    model = low_alpha_model("llama")
+    eager = SelfSpecGenerator(model, exit_layer=2, static_passes="eager")
+    graph = SelfSpecGenerator(model, exit_layer=2, static_passes="graph")
+    for k in (0, 3):
+        want = eager.generate(PROMPTS, max_new_tokens=NEW, eos_token_id=[], num_speculations=k,
+                              temperature=0.9, seed=7)
+        got = graph.generate(PROMPTS, max_new_tokens=NEW, eos_token_id=[], num_speculations=k,
+                             temperature=0.9, seed=7)
+        assert got.sequences == want.sequences, k
+    model = make_model("llama", tokenizer)
+    prompt = prompt_ids(tokenizer)
+    expected, complete = constrained_reference(model, tokenizer, prompt, Constraint.of(PERSON), 60)
+    graph = SelfSpecGenerator(model, tokenizer, exit_layer=2, static_passes="graph")
+    for name, settings in DRAFTERS.items():
+        out = graph.generate([prompt], max_new_tokens=60, json_schema=PERSON, settings=settings)
+        assert out.sequences[0] == expected and out.complete == [complete], name
+
+
+def test_graphs_on_the_emulated_cuda_device_are_plain_greedy():
+    model = low_alpha_model("qwen3")
+    with VirtualCuda() as device:
+        device.module(model)
+        expected = [reference_greedy(model, p, NEW) for p in PROMPTS]
+        generator = SelfSpecGenerator(model, exit_layer=2, static_passes="graph")
+        for drafter, k in (("early_exit", 0), ("early_exit", 4), ("ngram", 3), ("hybrid", 2)):
+            out = generator.generate(PROMPTS, max_new_tokens=NEW, drafter=drafter, num_speculations=k,
+                                     eos_token_id=[])
+            assert out.sequences == expected, (drafter, k)
