@@ -5,7 +5,7 @@ import pytest
 import torch
 from helpers import FAMILIES, low_alpha_model, reference_greedy, same_tokens, sharp_llama, tiny_model
 
-from selfspec.decoding import CacheLengthError, KVCache, SelfSpecGenerator, WindowRule
+from selfspec.decoding import CacheLengthError, DecodeSettings, KVCache, SelfSpecGenerator, WindowRule
 
 PROMPTS = [[5, 17, 33, 2, 71, 8], [40, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]  # different lengths
 NEW = 14
@@ -418,3 +418,17 @@ def test_the_models_positions_bound_prompt_plus_new_tokens():
     # up to the last position
     out = gen.generate([prompt], max_new_tokens=11, num_speculations=6, eos_token_id=[])
     assert out.sequences[0] == reference_greedy(model, prompt, 11)
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "hybrid"])
+def test_k_zero_is_plain_decoding_whatever_the_drafter(drafter):
+    """`generate(num_speculations=0)` on a generator whose settings copy: plain decoding, no copies."""
+    model = tiny_model("llama")
+    prompt = [5, 17, 33, 5, 17, 33, 5, 17]  # a repeat: copies would have something to copy
+    settings = DecodeSettings(drafter=drafter, exit_layer=2, num_speculations=2)
+    generator = SelfSpecGenerator(model, settings=settings)
+    out = generator.generate([prompt], max_new_tokens=12, eos_token_id=[], num_speculations=0)
+    assert out.sequences == [reference_greedy(model, prompt, 12)]
+    assert out.stats.drafted == 0 and out.stats.copy.drafted == 0 and out.stats.plain_steps == 12
+    copying = generator.generate([prompt], max_new_tokens=12, eos_token_id=[])
+    assert copying.stats.copy.drafted > 0  # without k = 0 the same generator copies

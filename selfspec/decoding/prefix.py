@@ -32,9 +32,9 @@ import torch
 from ..errors import UserError
 
 # positions per chunk at the start of a prompt (doubling from position 4C on). Why 32: a chat
-# template's system turn plus an instruction's opening is some 30-50 tokens, and on 2 CPU cores a
-# prompt of ~80 tokens prefilled in chunks of 32 took 1.07x its one pass (every chunk a miss), one of
-# ~490 tokens 1.40x in chunks of 32 and 1.17x in chunks of 128 (docs/results.md, 2026-12-04)
+# template's system turn plus an instruction's opening is some 30-50 tokens, so smaller chunks share
+# less, while a miss costs more passes the smaller the chunks (the prefill costs by chunk size are in
+# docs/performance.md)
 DEFAULT_CHUNK = 32
 DEFAULT_MAX_BYTES = 256 << 20
 

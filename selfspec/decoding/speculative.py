@@ -766,8 +766,8 @@ class SelfSpecGenerator:
             optional `attention_mask` (left or right padding), or strings when a tokenizer is set.
         temperature/top_k/top_p: 0 = greedy; the same processing applies to draft and target.
         settings: how to draft (`DecodeSettings`); None uses the generator's. num_speculations and
-            drafter override its k and drafter: k an int (0: no early-exit drafts, so plain decoding
-            with the "early_exit" drafter), "auto" (cost model), "window" (the articles' rule) or a
+            drafter override its k and drafter: k an int (0: plain decoding, whatever the drafter:
+            no copies either), "auto" (cost model), "window" (the articles' rule) or a
             `Controller`; drafter "early_exit", "ngram" or "hybrid" (see `policy.py`), or a
             `DraftPolicy` that plans the rounds itself.
         eos_token_id: int or list; None = the model's own (generation config, then config, then
@@ -988,6 +988,8 @@ class SelfSpecGenerator:
         if isinstance(drafter, DraftPolicy):
             return settings, drafter
         controller = num_speculations if isinstance(num_speculations, Controller) else None
+        if type(num_speculations) is int and num_speculations == 0:
+            drafter = "early_exit"  # k = 0 asked for: plain decoding, whatever drafter the settings name
         settings = self.settings_for(settings.override(
             drafter=drafter, num_speculations=None if controller is not None else num_speculations))
         return settings, settings.policy(controller)
