@@ -8,10 +8,12 @@ import pytest
 import torch
 from helpers import low_alpha_model, reference_greedy
 from test_decoding_grammar import DRAFTERS, PERSON, constrained_reference, make_model, prompt_ids, tokenizer  # noqa: F401
+from torch.overrides import TorchFunctionMode
 from virtual_cuda import VirtualCuda
 
 from selfspec.decoding import SelfSpecGenerator
 from selfspec.decoding.grammar import Constraint
+from selfspec.model import graphs
 from selfspec.model.graphs import CapturedPass, HostReadInCapture, _Graph
 
 PROMPTS = [[5, 17, 33, 2, 71, 8, 5, 17, 33], [40, 3]]
@@ -78,6 +80,49 @@ def test_a_round_is_at_most_two_graph_launches(k):
     assert counts["draft_loop"] == rounds and counts.get("draft", 0) == 0  # one loop graph per round
     assert counts["run"] == len(PROMPTS)  # the prefills (prompts of at most WIDTH positions)
     assert out.stats.early_exit.accepted > 0
+
+
+class _Operations(TorchFunctionMode):
+    """Counts the tensor operations run outside captured passes (what a GPU launches one by one): each
+    call that returns a tensor, attribute reads aside; a replay's own work is its one graph launch."""
+
+    def __init__(self):
+        super().__init__()
+        self.count, self.paused = 0, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not self.paused and isinstance(out, torch.Tensor) and not func.__name__.startswith("__get"):
+            self.count += 1
+        return out
+
+
+@pytest.mark.parametrize("k", [0, 4])
+def test_a_round_on_graphs_runs_at_most_twenty_operations_beside_its_graphs(k, monkeypatch):
+    """The issue's budget for the graph backend: at most 2 graph launches and 20 other operations per
+    round (the round's bookkeeping: positions, acceptance, rollback), where the passes as written run
+    hundreds (a tiny model's 4 blocks; a real model's eager count grows with its blocks)."""
+    counter = _Operations()
+    replay = _Graph.replay
+
+    def replay_counted_as_one(self, args):
+        counter.paused += 1
+        try:
+            return replay(self, args)
+        finally:
+            counter.paused -= 1
+    monkeypatch.setattr(graphs._Graph, "replay", replay_counted_as_one)
+    model = low_alpha_model("llama")
+    counts = {}
+    for mode in ("eager", "graph"):
+        generator = SelfSpecGenerator(model, exit_layer=2, static_passes=mode)
+        generator.generate([PROMPTS[0]], max_new_tokens=4, num_speculations=k, eos_token_id=[])  # captures
+        counter.count = 0
+        with counter:
+            out = generator.generate([PROMPTS[0]], max_new_tokens=24, num_speculations=k, eos_token_id=[])
+        counts[mode] = counter.count / out.stats.rounds  # the prompt's prefill shared among the rounds
+    assert counts["graph"] <= 20, counts
+    assert counts["eager"] > 10 * counts["graph"], counts
 
 
 def test_sampling_and_a_grammar_on_graphs_equal_the_eager_passes(tokenizer):  # noqa: F811
