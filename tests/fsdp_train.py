@@ -8,7 +8,11 @@ objective the root, gloo collectives.
     torchrun --nproc_per_node 2 tests/fsdp_train.py MODEL_DIR OUT [--steps 4] [--resume-at 2] [overrides...]
     python tests/fsdp_train.py MODEL_DIR OUT --plain     # the reference: one process, no FSDP
 
-Every process takes its share of the same global batch (rows rank::world of GLOBAL_BATCH rows); OUT gets
+Every process takes its share of the same global batch (rows rank::world of GLOBAL_BATCH rows). The plain
+reference sums the gradient as 2 FSDP processes do (`_plain_step`), so that rounding cannot tell them
+apart: AdamW's first step moves a weight by lr * g / (|g| + eps), so a gradient near eps (1e-8) turns a
+rounding difference of 1e-10 into 1e-5 in the weight, and how the rounding falls depends on the CPU's
+kernels (AVX2 or AVX-512). OUT gets
 `losses.json` (the step losses, the mean over processes), `blocks-<rank>.json` (the blocks each step ran
 on that process), `model/` (a full checkpoint through
 `save_tuned`) and, with --save-at N, the sharded state at step N in `state-N/` (torch.distributed.checkpoint),
@@ -50,6 +54,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--plain", action="store_true", help="one process without FSDP (the reference)")
+    parser.add_argument("--shares", type=int, default=2,
+                        help="--plain: the processes whose sums the reference repeats")
     parser.add_argument("--save-at", type=int, default=0)
     parser.add_argument("--resume-at", type=int, default=0)
     parser.add_argument("--seed-per-rank", action="store_true",
@@ -74,11 +80,18 @@ def main(argv: list[str]) -> None:
         for block in view.layers:  # the units fsdp.yaml names (fsdp_transformer_layer_cls_to_wrap)
             fully_shard(block)
         fully_shard(objective)
-    ran = {}  # step -> the blocks this process ran (layer dropout skips the others)
-    current = {"step": 0}
+    else:
+        for block in view.layers:  # the autograd node fully_shard puts on each unit's inputs
+            block.register_forward_pre_hook(_through_one_node, with_kwargs=True)
+    ran = {}  # step -> the blocks this process ran on its (first) share (layer dropout skips the others)
+    current = {"step": 0, "share": 0}
+
+    def record(index: int) -> None:
+        if current["share"] == 0:
+            ran.setdefault(current["step"], []).append(index)
+
     for index, block in enumerate(view.layers):
-        block.register_forward_pre_hook(
-            lambda *_, i=index: ran.setdefault(current["step"], []).append(i))
+        block.register_forward_pre_hook(lambda *_, i=index: record(i))
     params = [p for p in objective.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                   weight_decay=cfg.optim.weight_decay)
@@ -91,9 +104,12 @@ def main(argv: list[str]) -> None:
     objective.train()
     for step in range(start, args.steps):
         current["step"] = step + 1
-        rows = data[step, rank::world]  # this process's share of the global batch
-        loss = objective(rows, step=step)["loss"]
-        loss.backward()  # FSDP2 averages the gradients over the processes in its reduce-scatter
+        if args.plain:
+            loss = _plain_step(objective, data[step], step, args.shares, current)
+        else:
+            rows = data[step, rank::world]  # this process's share of the global batch
+            loss = objective(rows, step=step)["loss"]
+            loss.backward()  # FSDP2 averages the gradients over the processes in its reduce-scatter
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         mean = loss.detach().clone()
@@ -109,6 +125,58 @@ def main(argv: list[str]) -> None:
         (args.out / "losses.json").write_text(json.dumps(losses))
     if not args.plain:
         dist.destroy_process_group()
+
+
+def _plain_step(objective, batch: torch.Tensor, step: int, shares: int, current: dict) -> torch.Tensor:
+    """One step's gradient summed as `shares` FSDP processes sum it: a backward of loss / shares on each
+    process's rows (r::shares) in rank order, which adds (g_0 + g_1) / 2 as the reduce-scatter does (the
+    halving is exact); each share takes the step's one layer-dropout draw, as every rank draws it from
+    the same generator state. Returns the mean loss over the shares, as the processes log it.
+
+    One backward over all the rows would sum them inside each product instead: the same gradient up
+    to rounding, which AdamW can blow up (see the module docstring)."""
+    dropout = objective.layer_dropout
+    state = dropout.generator.get_state()
+    total = torch.zeros(())
+    for share in range(shares):
+        current["share"] = share
+        dropout.generator.set_state(state)
+        loss = objective(batch[share::shares], step=step)["loss"]
+        (loss / shares).backward()
+        total += loss.detach()
+    current["share"] = 0
+    return total / shares
+
+
+class _Identity(torch.autograd.Function):
+    """The inputs, through one autograd node (as FSDP2's `RegisterPostBackwardFunction`)."""
+
+    @staticmethod
+    def forward(ctx, *inputs: torch.Tensor):
+        return tuple(x.view_as(x) for x in inputs)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        return grads
+
+
+def _through_one_node(module, args, kwargs):
+    """A block's forward pre-hook for the plain reference: its inputs that need a gradient pass
+    through one autograd node, as `fully_shard` passes a unit's inputs. Their gradient, used inside
+    the block and by an exit loss outside it, is then summed in FSDP's order: the block's uses first."""
+    if not torch.is_grad_enabled():
+        return None
+    grad = [(key, value) for key, value in [*enumerate(args), *kwargs.items()]
+            if torch.is_tensor(value) and value.requires_grad]
+    if not grad:
+        return None
+    args, kwargs = list(args), dict(kwargs)
+    for (key, _), value in zip(grad, _Identity.apply(*(value for _, value in grad))):
+        if isinstance(key, int):
+            args[key] = value
+        else:
+            kwargs[key] = value
+    return tuple(args), kwargs
 
 
 def _save_state(objective, optimizer, path: Path) -> None:
