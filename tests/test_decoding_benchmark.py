@@ -10,8 +10,9 @@ import pytest
 from helpers import assert_shape, ranking_counts, tiny_model
 
 from selfspec.decoding import DecodeSettings
-from selfspec.evaluation.benchmark import METHODS, run_benchmark, to_markdown, write_report
+from selfspec.evaluation.benchmark import run_benchmark, to_markdown, write_report
 from selfspec.evaluation.results import BenchmarkReport
+from selfspec.evaluation.timing import METHODS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,7 +64,7 @@ def test_the_prefill_split_pools_each_methods_runs_and_compares_their_decoding_w
     """Plain: 4 s of 10 in its prefills, 120 tokens in the other 6 s (20/s); the drafter: the same
     prefills, 120 tokens in 3 s (40/s): 2× plain after the prefill, 10/7 = 1.43× end to end."""
     from selfspec.decoding.speculative import GenerationStats
-    from selfspec.evaluation.benchmark import prefill_split
+    from selfspec.evaluation.costs import prefill_split
 
     def run(prefill, total, tokens):
         return GenerationStats(prefill_time=prefill, total_time=total, generated_tokens=tokens)
@@ -80,7 +81,7 @@ def test_the_prefill_split_pools_each_methods_runs_and_compares_their_decoding_w
 def test_a_losing_early_exit_is_explained_in_one_paragraph():
     """The benchmark ends with the doctor's checklist, from its own figures, in the doctor's words."""
     from selfspec.evaluation.benchmark import diagnosis
-    from selfspec.evaluation.doctor import DRAFT_COST_MARGIN
+    from selfspec.evaluation.diagnosis import DRAFT_COST_MARGIN
     from selfspec.metrics import break_even_acceptance
 
     cost = {"acceptance_rate": 0.76, "mean_k": 2.0, "k_rounds": {2: 10}, "draft_cost": 0.55,
@@ -167,7 +168,7 @@ def test_eval_speedup_end_to_end(tiny_run, tmp_path):
 
 
 def test_prompts_from_a_corpus_test_split(tiny_run, tmp_path):
-    from selfspec.evaluation.benchmark import prompts_from_corpus
+    from selfspec.evaluation.prompts import prompts_from_corpus
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n\n".join(f"def function_{i}(x):\n    return x * {i} + {i * 7}" for i in range(100)))

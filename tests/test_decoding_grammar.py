@@ -482,7 +482,8 @@ def test_without_llguidance_the_error_names_the_install(tokenizer, monkeypatch):
 def test_the_benchmark_times_every_method_under_each_prompts_schema(tokenizer):
     """`run_benchmark` with `Structured` prompts: the engine's methods and Hugging Face's greedy with
     the same masks give one output; the report has the forced drafts and the grammar's cost."""
-    from selfspec.evaluation.benchmark import Structured, run_benchmark, to_markdown
+    from selfspec.evaluation.benchmark import run_benchmark, to_markdown
+    from selfspec.evaluation.prompts import Structured
 
     model = make_model("llama", tokenizer, seed=6)
     prompts = [Structured(prompt_ids(tokenizer), Constraint.of(schema)) for schema in SCHEMAS[:2]]

@@ -7,7 +7,7 @@ import pytest
 from helpers import assert_shape
 
 from selfspec.cli import main
-from selfspec.evaluation.doctor import diagnose
+from selfspec.evaluation.diagnosis import diagnose
 from selfspec.evaluation.results import DoctorResult
 
 HEALTHY = {"alpha": 0.9, "k": 4, "exit_layer": 6, "num_layers": 12, "draft_cost": 0.4, "verify_cost": 1.0,
@@ -80,7 +80,7 @@ def test_the_command_probes_and_writes_its_figures(tiny_run, tmp_path, capsys):
 def test_the_prefill_check_shows_the_decoding_speedup_diluted_end_to_end():
     """A prefill of 30% of plain's time turns a decoding 2× faster into 1 / (0.3 + 0.7 / 2) = 1.54×
     end to end; below `PREFILL_SHARE` the check says nothing."""
-    from selfspec.evaluation.doctor import PREFILL_SHARE, cost_figures, diagnose
+    from selfspec.evaluation.diagnosis import PREFILL_SHARE, cost_figures, diagnose
 
     split = {"plain": {"share": 0.3, "decode_tokens_per_second": 10.0, "decode_over_plain": 1.0},
              "ngram": {"share": 0.46, "decode_tokens_per_second": 20.0, "decode_over_plain": 2.0}}

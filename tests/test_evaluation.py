@@ -519,8 +519,8 @@ def test_the_benchmark_runs_each_drafter_at_the_fastest_setting_the_sweep_stored
     from transformers import AutoModelForCausalLM
 
     from selfspec.checkpoint import read_meta, resolve_settings, save_tuned
-    from selfspec.evaluation.benchmark import method_settings
     from selfspec.evaluation.sweep import write_back_fastest
+    from selfspec.evaluation.timing import method_settings
 
     model = AutoModelForCausalLM.from_pretrained(tiny_run["model"])
     ckpt = save_tuned(tmp_path / "tuned", model, tiny_run["tokenizer"],

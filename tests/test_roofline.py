@@ -8,7 +8,8 @@ from helpers import assert_shape, tiny_model
 
 from selfspec.cli import main
 from selfspec.evaluation.results import RooflineReport
-from selfspec.evaluation.roofline import _Passes, kv_bytes_per_layer, measure_passes, pass_bytes
+from selfspec.evaluation.roofline import kv_bytes_per_layer, pass_bytes
+from selfspec.evaluation.timing import Passes, measure_passes
 from selfspec.model.view import DecoderView
 
 
@@ -28,7 +29,7 @@ def test_a_pass_reads_its_blocks_the_head_and_their_kv_cache(family):
 def test_every_pass_sees_the_same_context():
     model = tiny_model("llama", num_layers=4)
     view = DecoderView(model)
-    passes = _Passes(view, context=12, max_positions=5)
+    passes = Passes(view, context=12, max_positions=5)
     passes.run(2, 4, 5)
     assert (passes.cache.lengths == 12).all()
     report = measure_passes(view, exit_layer=2, context=12, positions=(1, 3), repeats=2, warmup=1)

@@ -112,7 +112,8 @@ def test_structured_extraction_every_drafter_equals_constrained_plain_and_hf(smo
 
     from selfspec.decoding import DecodeSettings
     from selfspec.decoding.grammar import HFGrammarProcessor
-    from selfspec.evaluation.benchmark import constraint_keywords, extraction_benchmark_prompts
+    from selfspec.evaluation.prompts import extraction_benchmark_prompts
+    from selfspec.evaluation.timing import constraint_keywords
 
     _, gen = smollm2
     model, tokenizer = gen.model, gen.tokenizer

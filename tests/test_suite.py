@@ -14,15 +14,9 @@ from selfspec.checkpoint import read_meta, save_tuned
 from selfspec.cli import main
 from selfspec.decoding import DecodeSettings
 from selfspec.errors import UserError
+from selfspec.evaluation.prompts import Question, prompt_ids, select_questions, suite_questions
 from selfspec.evaluation.results import SuiteReport
-from selfspec.evaluation.suite import (
-    OVERALL,
-    Question,
-    prompt_ids,
-    run_suite,
-    select_questions,
-    suite_questions,
-)
+from selfspec.evaluation.suite import OVERALL, run_suite
 from selfspec.evaluation.sweep import write_back_fastest
 
 

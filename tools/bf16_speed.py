@@ -22,7 +22,7 @@ import time
 import torch
 
 from selfspec.checkpoint import load_tuned
-from selfspec.evaluation.benchmark import read_prompts
+from selfspec.evaluation.prompts import read_prompts
 from selfspec.model import fast
 
 

@@ -25,15 +25,10 @@ import statistics
 
 from selfspec.checkpoint import checkpoint_adapters, resolve_settings
 from selfspec.decoding import SelfSpecGenerator
-from selfspec.evaluation.benchmark import (
-    Structured,
-    constraint_keywords,
-    interleaved_rates,
-    load_model,
-    read_prompts,
-)
 from selfspec.evaluation.paired import median_interval, paired_speedups
+from selfspec.evaluation.prompts import Structured, read_prompts
 from selfspec.evaluation.rounds import round_profile, to_markdown
+from selfspec.evaluation.timing import constraint_keywords, interleaved_rates, load_model
 from selfspec.model import fast
 
 # the arms: the round from Python (`--python-level`), each round as compiled calls, a call's rounds in one

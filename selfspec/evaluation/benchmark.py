@@ -1,7 +1,7 @@
 """Speed benchmark: the engine plain vs self-speculative vs Hugging Face's generators, in one process.
 
 Ways to decode the same prompts greedily, batch 1, the same number of new tokens (each engine method
-at its own `DecodeSettings`, see `method_settings`):
+at its own `DecodeSettings`, see `timing.method_settings`):
 
 - ``plain``: `SelfSpecGenerator.generate(num_speculations=0)`, the same engine, one full forward per
   token on the same cache: the fair baseline;
@@ -32,302 +32,31 @@ reported too.
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-from tqdm.auto import tqdm
-
 from ..checkpoint import checkpoint_adapters, resolve_settings, sweep_candidates
-from ..cpu import sync_device
-from ..decoding import DRAFTERS, DecodeSettings, SelfSpecGenerator
-from ..decoding.grammar import Constraint, HFGrammarProcessor, read_constraint
-from ..decoding.prefix import PrefixCache
-from ..decoding.speculative import SOURCES
+from ..decoding import DecodeSettings
+from ..decoding.grammar import read_constraint
 from ..errors import UserError
-from ..metrics import (
-    AcceptanceStats,
-    break_even_acceptance,
-    predicted_speedup,
-    speedup_kv_reuse,
-    speedup_measured_costs,
-)
-from ..model.loading import load_causal_lm, load_tokenizer
-from .doctor import cost_figures, summary, weight_cost, weights_in_cache
+from .costs import cost_model, grammar_costs, prefill_split, source_summary, weight_cost, weights_in_cache
+from .diagnosis import cost_figures, own_exit_alpha, summary
 from .paired import median_interval, paired_speedups
+from .prompts import JSON_EXTRACT, Structured, read_prompts
 from .report import write_report as write_files
 from .results import BenchmarkReport
 from .rounds import round_profile
 from .rounds import to_markdown as profile_markdown
-
-METHODS = ("plain", "early_exit", "ngram", "hybrid", "hf_greedy", "hf_early_exit", "hf_prompt_lookup")
-ENGINE_METHODS = ("plain", *DRAFTERS)  # selfspec's engine; each drafter is a method of its own name
-HF_BATCH1_METHODS = ("hf_early_exit", "hf_prompt_lookup")  # Hugging Face's assisted generation: batch 1 only
-PROMPT_LOOKUP_TOKENS = 10  # Hugging Face's documented example value
-
-
-@dataclass(frozen=True)
-class Structured:
-    """A prompt (token ids) whose reply follows `constraint` (structured output). The runner decodes
-    it under the grammar: the engine methods with `generate(json_schema=...)`, Hugging Face's with
-    the same llguidance masks as a logits processor (`HFGrammarProcessor`, batch 1)."""
-
-    ids: list
-    constraint: Constraint
-
-
-def constraint_keywords(constraints: list) -> dict:
-    """`generate`'s per-row keyword lists (json_schema, regex, grammar) of a batch's constraints
-    (None: a free row); {} when no row is constrained."""
-    if all(c is None for c in constraints):
-        return {}
-    out = {"json_schema": [None] * len(constraints), "regex": [None] * len(constraints),
-           "grammar": [None] * len(constraints)}
-    for row, constraint in enumerate(constraints):
-        if constraint is not None:
-            (keyword, text), = constraint.keywords().items()
-            out[keyword][row] = text
-    return out
-
-
-def load_model(path: str, device: str | None = None, dtype: str = "auto"):
-    """`AutoModelForCausalLM` + `AutoTokenizer` from `path` in eval mode, on CUDA when there is one.
-
-    dtype "auto": float32 on CPU, the checkpoint's own dtype on accelerators.
-    """
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_causal_lm(path, dtype=dtype, device=device, huge_pages=True).eval()
-    return model, load_tokenizer(path)
-
-
-def prompts_from_corpus(tokenizer, source: str = "stdlib", num_prompts: int = 8, prompt_tokens: int = 64,
-                        split: str = "test", text_field: str = "text") -> list[list[int]]:
-    """`prompt_tokens` tokens from the middle of each of the first `num_prompts` documents of a split.
-
-    The middle, not the start: the first tokens of source files are mostly license headers and
-    module docstrings, while the workload is completing code in the middle of a file.
-    source: anything `selfspec.data.load_text_corpus` takes ("stdlib", files, a dataset name).
-    Documents shorter than 2 x `prompt_tokens` tokens are skipped.
-    """
-    from ..data import load_text_corpus
-
-    prompts = []
-    for text in load_text_corpus(source, text_field=text_field)[split][text_field]:
-        ids = tokenizer(text)["input_ids"]
-        if len(ids) >= 2 * prompt_tokens:
-            middle = len(ids) // 2
-            prompts.append(ids[middle - prompt_tokens:middle])
-        if len(prompts) == num_prompts:
-            break
-    if not prompts:
-        raise UserError(f"no document of {source!r} split {split!r} has {2 * prompt_tokens} tokens or more")
-    return prompts
-
-
-def method_settings(settings: DecodeSettings, fastest: dict[str, DecodeSettings] | None = None
-                    ) -> dict[str, DecodeSettings]:
-    """What each engine method decodes with: "plain" is `settings` at k = 0; each drafter runs at
-    its fastest (`fastest`, as a sweep stored them) or else at `settings` with that drafter."""
-    fastest = fastest or {}
-    out = {"plain": settings.override(drafter="early_exit", num_speculations=0)}
-    out.update({drafter: fastest.get(drafter) or settings.override(drafter=drafter) for drafter in DRAFTERS})
-    return out
-
-
-class _Runner:
-    """Runs one method on one batch: returns the generated tokens and, for the engine, its stats."""
-
-    def __init__(self, generator: SelfSpecGenerator, settings: dict[str, DecodeSettings], max_new_tokens: int,
-                 ignore_eos: bool, profile: bool = False):
-        self.generator, self.model, self.settings = generator, generator.model, settings
-        self.shared: dict[tuple, int] = {}  # prompt -> positions it shares with another (`share_prefixes`)
-        self.engine_calls = self.cached_tokens = 0  # the engine's calls, and the positions they loaded
-        self.max_new_tokens, self.profile = max_new_tokens, profile
-        self.eos = [] if ignore_eos else None
-        self.device = generator.view.device
-        # Only silences generate()'s warning for prompts without padding; the model's own when it has one.
-        config = getattr(self.model, "generation_config", None)
-        self.pad_token_id = next((t for t in (getattr(config, "pad_token_id", None),
-                                              getattr(config, "eos_token_id", None))
-                                  if isinstance(t, int)), 0)
-
-    def share_prefixes(self, prompts: list) -> None:
-        """With a prefix cache: note for every prompt the longest prefix it shares with another of
-        `prompts`, which `prepare` puts in the cache before each timed call."""
-        ids = [p.ids if isinstance(p, Structured) else p for p in prompts]
-        for i, prompt in enumerate(ids):
-            common = [len(os.path.commonprefix([prompt, other])) for j, other in enumerate(ids) if j != i]
-            self.shared[tuple(prompt)] = min(max(common, default=0), len(prompt) - 1)
-
-    def prepare(self, method: str, batch: list) -> None:
-        """Before a timed call (untimed): with a prefix cache, empty it, then let it hold what a server
-        that had already answered the other prompts would hold for this batch: each prompt's prefix
-        shared with another (`share_prefixes`), prefilled under the method's own settings (the
-        cache's layout follows them). The rest of the prompt is the timed call's to prefill."""
-        cache = self.generator.prefix_cache
-        if cache is None or method not in self.settings:
-            return
-        cache.clear()
-        for prompt in batch:
-            ids = prompt.ids if isinstance(prompt, Structured) else prompt
-            shared = self.shared.get(tuple(ids), 0)
-            if shared >= cache.chunk:
-                self.generator.generate([list(ids[:shared + 1])], max_new_tokens=1,
-                                        settings=self.settings[method])
-
-    def __call__(self, method: str, batch: list):
-        """Decode one batch of prompts (token lists, or `Structured` ones) with `method`: (tokens per row,
-        engine stats or None)."""
-        constraints = [p.constraint if isinstance(p, Structured) else None for p in batch]
-        batch = [p.ids if isinstance(p, Structured) else p for p in batch]
-        if method in self.settings:  # the engine: a drafter, plain, or a sweep's candidate cell
-            cache = self.generator.prefix_cache
-            before = cache.hit_tokens if cache is not None else 0
-            out = self.generator.generate(batch, max_new_tokens=self.max_new_tokens, eos_token_id=self.eos,
-                                          settings=self.settings[method], profile=self.profile,
-                                          **constraint_keywords(constraints))
-            self.engine_calls += 1
-            self.cached_tokens += (cache.hit_tokens - before) if cache is not None else 0
-            return out.sequences, out.stats
-        if len({len(p) for p in batch}) > 1:
-            raise UserError("Hugging Face methods in a batch need prompts of one length; use "
-                            "--methods plain,early_exit or --batch-size 1")
-        ids = torch.tensor(batch, device=self.device)
-        kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=self.max_new_tokens,
-                      do_sample=False, pad_token_id=self.pad_token_id)
-        if self.eos == []:
-            kwargs["eos_token_id"] = None
-        if constraints[0] is not None:  # the same grammar as a logits processor, batch 1
-            if len(batch) > 1:
-                raise UserError("Hugging Face methods under a grammar decode batch 1; pass --batch-size 1")
-            processor = HFGrammarProcessor(self.generator.grammar_tokenizer(), constraints[0])
-            kwargs.update(logits_processor=[processor], stopping_criteria=[processor.stopping()])
-        if method == "hf_early_exit":  # Hugging Face's self-speculation at the early exit's own E
-            kwargs["assistant_early_exit"] = self.settings["early_exit"].exit_layer
-        elif method == "hf_prompt_lookup":
-            kwargs["prompt_lookup_num_tokens"] = PROMPT_LOOKUP_TOKENS
-        with torch.inference_mode():
-            out = self.model.generate(ids, **kwargs)
-        return out[:, ids.shape[1]:].tolist(), None
-
-
-def check_methods(methods, batch_size: int) -> None:
-    """Every method known, and batch 1 for Hugging Face's assisted generation; else a UserError."""
-    for method in methods:
-        if method not in METHODS:
-            raise UserError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
-    if batch_size < 1:
-        raise UserError(f"the batch size must be >= 1, got {batch_size}")
-    batch1_only = [m for m in methods if m in HF_BATCH1_METHODS]
-    if batch_size > 1 and batch1_only:
-        raise UserError(f"Hugging Face's assisted generation decodes batch 1 only; "
-                        f"leave {', '.join(batch1_only)} out of --methods for --batch-size > 1")
-
-
-def make_runner(model, settings: DecodeSettings, *, tokenizer=None, fastest=None, token_counts=None,
-                exit_adapters=None, max_new_tokens: int = 128, ignore_eos: bool = True,
-                profile: bool = False, static_passes: str | None = None,
-                prefix_cache: bool = False) -> _Runner:
-    """The engine over `model` and a runner of every method: the engine methods at `method_settings`,
-    profiling their rounds with `profile` (`decoding.profile`), on static passes with `static_passes`,
-    prefilling through a `PrefixCache` with `prefix_cache`."""
-    # check_cache=False as in the sweep: a timed run does no per-round bookkeeping
-    generator = SelfSpecGenerator(model, tokenizer, settings, token_counts=token_counts,
-                                  exit_adapters=exit_adapters, check_cache=False, static_passes=static_passes,
-                                  prefix_cache=PrefixCache() if prefix_cache else None)
-    settings = {m: generator.settings_for(s) for m, s in method_settings(generator.settings, fastest).items()}
-    return _Runner(generator, settings, max_new_tokens, ignore_eos, profile)
-
-
-@dataclass
-class Timings:
-    """What `interleaved_rates` measured, per name: each timed round's seconds, tokens and engine
-    stats per batch ([round][batch]), and the last round's outputs (rows per batch)."""
-
-    seconds: dict = field(default_factory=dict)
-    tokens: dict = field(default_factory=dict)
-    stats: dict = field(default_factory=dict)
-    outputs: dict = field(default_factory=dict)
-
-    def rates(self, name, batches=None) -> list[float]:
-        """Tokens/s of `name` in each timed round over `batches` (indices; all when None): all their
-        rows' tokens ÷ their summed time."""
-        rates = []
-        for seconds, tokens in zip(self.seconds[name], self.tokens[name]):
-            chosen = range(len(seconds)) if batches is None else batches
-            rates.append(sum(tokens[b] for b in chosen) / max(sum(seconds[b] for b in chosen), 1e-9))
-        return rates
-
-    def run_stats(self, name, batches=None) -> list:
-        """The engine stats of `name`'s timed runs of `batches` (all when None); [] for Hugging Face."""
-        return [s for per_batch in self.stats[name]
-                for b, s in enumerate(per_batch) if s is not None and (batches is None or b in batches)]
-
-    def extend(self, other: Timings) -> None:
-        """Append `other`'s batches (the same names and number of rounds) after this one's."""
-        for name in other.seconds:
-            if name not in self.seconds:
-                self.seconds[name] = [[] for _ in other.seconds[name]]
-                self.tokens[name] = [[] for _ in other.tokens[name]]
-                self.stats[name] = [[] for _ in other.stats[name]]
-                self.outputs[name] = []
-            for mine, theirs in ((self.seconds, other.seconds), (self.tokens, other.tokens),
-                                 (self.stats, other.stats)):
-                for round_mine, round_theirs in zip(mine[name], theirs[name]):
-                    round_mine.extend(round_theirs)
-            self.outputs[name].extend(other.outputs[name])
-
-
-def interleaved_rates(names, run, batches: list[list[list[int]]], repeats: int, warmup: int, device,
-                      progress: str | None = None, bar_per_name: bool = False, prepare=None) -> Timings:
-    """Time `run(name, batch) -> (tokens per row, stats or None)` for every name on every batch, interleaved.
-
-    `warmup` untimed rounds, then `repeats` timed ones; in each round every batch of prompts is
-    decoded by every name, the order of names rotating from batch to batch and round to round so that
-    drift hits all alike. `progress`: a tqdm bar's label (None: no bar); `bar_per_name`: one bar per
-    name instead, each with its own rate and ETA. `prepare(name, batch)`: called before each run,
-    outside its time.
-    """
-    names = list(names)
-    if repeats < 1:
-        raise UserError(f"repeats must be >= 1, got {repeats}")
-    timings = Timings(*({n: [] for n in names} for _ in range(3)), {n: [None] * len(batches) for n in names})
-    total = (warmup + repeats) * len(batches)
-    if progress is not None and bar_per_name:
-        bars = {n: tqdm(total=total, desc=f"{progress} {n}", position=i, leave=True, unit="prompt")
-                for i, n in enumerate(names)}
-    else:
-        bar = tqdm(total=total * len(names), desc=progress, disable=progress is None, unit="run")
-        bars = dict.fromkeys(names, bar)
-    for round_index in range(warmup + repeats):
-        timed = round_index >= warmup
-        if timed:
-            for store in (timings.seconds, timings.tokens, timings.stats):
-                for name in names:
-                    store[name].append([])
-        for b, batch in enumerate(batches):
-            shift = (round_index + b) % len(names)
-            for name in names[shift:] + names[:shift]:
-                if prepare is not None:
-                    prepare(name, batch)
-                sync_device(device)
-                start = time.perf_counter()
-                rows, run_stats = run(name, batch)
-                sync_device(device)
-                seconds = time.perf_counter() - start
-                timings.outputs[name][b] = rows
-                if timed:
-                    timings.seconds[name][-1].append(seconds)
-                    timings.tokens[name][-1].append(sum(len(row) for row in rows))
-                    timings.stats[name][-1].append(run_stats)
-                bars[name].update()
-    for bar in set(bars.values()):
-        bar.close()
-    return timings
+from .timing import (
+    ENGINE_METHODS,
+    METHODS,
+    PROMPT_LOOKUP_TOKENS,
+    Timings,
+    check_methods,
+    interleaved_rates,
+    load_model,
+    make_runner,
+)
 
 
 def run_benchmark(model, prompts: list[list[int]], settings: DecodeSettings, *, tokenizer=None,
@@ -340,13 +69,13 @@ def run_benchmark(model, prompts: list[list[int]], settings: DecodeSettings, *, 
                   prefix_cache: bool = False) -> BenchmarkReport:
     """Measure `methods` on `prompts` (token lists), `batch_size` prompts per call; returns the report
     as a dict (see module docstring). The engine methods decode at `settings`, each drafter at its
-    own fastest when `fastest` names one (`method_settings`). token_counts: the ranking of a trimmed
+    own fastest when `fastest` names one (`timing.method_settings`). token_counts: the ranking of a trimmed
     draft head's ids (V' > 0); exit_adapters: {E: ExitAdapter} of the checkpoint; profile: add the
     engine methods' round profile (`rounds.round_profile`); static_passes: the engine's passes at fixed
     shapes (`SelfSpecGenerator`). candidates: a sweep's re-timed cells (`checkpoint.sweep_candidates`),
     timed here too, interleaved with the methods: `candidate_report`. prefix_cache: the engine
     prefills through a `PrefixCache` that holds, before each timed call, the prompt's prefix shared
-    with another prompt of the set (`_Runner.prepare`: what a server would have cached)."""
+    with another prompt of the set (`timing.make_runner`'s `prepare`: what a server would have cached)."""
     check_methods(methods, batch_size)
     if max_new_tokens < 1 or not prompts:
         raise UserError(f"the benchmark needs max_new_tokens >= 1 ({max_new_tokens}) and a prompt "
@@ -432,125 +161,6 @@ def candidate_report(cells: dict, timings: Timings, settings: dict[str, DecodeSe
         stored = [c["over_plain"]["speedup"] for c in entry["cells"] if c["stored"]]
         entry["stored_over_best"] = stored[0] / best if stored else None
     return out
-
-
-def source_summary(runs) -> dict:
-    """Where the drafts of engine runs came from: per source (copy, forced by a grammar, early exit)
-    the rounds, drafted, accepted and α, and the share of all generated tokens that were accepted
-    drafts of that source."""
-    generated = sum(s.generated_tokens for s in runs)
-    out = {}
-    for source in SOURCES:
-        pooled = AcceptanceStats()
-        for stats in runs:
-            pooled.merge(getattr(stats, source))
-        out[source] = {"rounds": pooled.rounds, "drafted": pooled.drafted, "accepted": pooled.accepted,
-                       "acceptance_rate": pooled.acceptance_rate,
-                       "share_of_tokens": pooled.accepted / generated if generated else float("nan")}
-    return out
-
-
-def prefill_split(runs_by_method: dict) -> dict:
-    """Each engine method's time split at its first round: the prefill (and the call's setup), the
-    same work for every method, and the decoding after it, where the drafters differ. Per method:
-    `share` (the prefill's share of its time), `decode_tokens_per_second` (tokens ÷ the time after the
-    prefill) and `decode_over_plain` (that rate ÷ plain's). A drafter's speedup end to end is its
-    decoding's diluted by the prefill: with a share p of plain's time, a decoding s× faster gives
-    1 / (p + (1 − p) / s)."""
-    split = {}
-    for method, runs in runs_by_method.items():
-        prefill, total = sum(s.prefill_time for s in runs), sum(s.total_time for s in runs)
-        tokens = sum(s.generated_tokens for s in runs)
-        if total > prefill > 0:
-            split[method] = {"share": prefill / total, "decode_tokens_per_second": tokens / (total - prefill)}
-    plain = split.get("plain")
-    for row in split.values():
-        row["decode_over_plain"] = (row["decode_tokens_per_second"] / plain["decode_tokens_per_second"]
-                                    if plain else float("nan"))
-    return split
-
-
-def grammar_costs(plain_runs) -> dict:
-    """What the grammar costs in constrained plain decoding: llguidance's seconds per generated token,
-    and as a share of a plain step."""
-    tokens = sum(s.generated_tokens for s in plain_runs)
-    per_token = sum(s.grammar_time for s in plain_runs) / max(1, tokens)
-    plain_step = sum(s.plain_time for s in plain_runs) / max(1, sum(s.plain_steps for s in plain_runs))
-    return {"seconds_per_token": per_token, "share_of_plain_step": per_token / plain_step if plain_step
-            else float("nan")}
-
-
-def pooled_costs(plain_runs, spec_runs) -> dict:
-    """Engine runs pooled: acceptance statistics of `spec_runs`, seconds per plain step (from
-    `plain_runs`), per draft step and per verification, and the draft cost c = draft ÷ plain step."""
-    pooled = AcceptanceStats()
-    draft_time = verify_time = 0.0
-    draft_steps = spec_rounds = ahead = 0
-    for stats in spec_runs:
-        pooled.merge(stats)
-        draft_time += stats.draft_time
-        verify_time += stats.verify_time
-        draft_steps += stats.draft_steps
-        spec_rounds += stats.rounds - stats.plain_steps
-        ahead += stats.drafted_ahead
-    plain_step = sum(s.plain_time for s in plain_runs) / max(1, sum(s.plain_steps for s in plain_runs))
-    draft_step = draft_time / draft_steps if draft_steps else float("nan")
-    return {"stats": pooled, "plain_step": plain_step, "draft_step": draft_step, "draft_steps": draft_steps,
-            "spec_rounds": spec_rounds, "verify_per_round": verify_time / max(1, spec_rounds),
-            "drafted_ahead_share": ahead / max(1, spec_rounds),
-            "draft_cost": draft_step / plain_step if plain_step else float("nan")}
-
-
-def cost_model(plain_runs, spec_runs, measured: float | None, weights: float | None = None,
-               in_cache: list[int] | None = None) -> dict:
-    """α, mean accepted length, c and the predictions, pooled over the timed early_exit runs;
-    `weights`: the c its weights predict (`doctor.weight_cost`), kept beside the measured one;
-    `in_cache`: [weight bytes, cache bytes] where the weights fit in the CPU's last-level cache
-    (`doctor.weights_in_cache`), which the diagnosis names. "drafted_ahead_share": the share of rounds
-    whose drafts ran beside the round before's verification (`DecodeSettings.overlap`); c and v then
-    measure what a round pays, not a pass alone."""
-    costs = pooled_costs(plain_runs, spec_runs)
-    pooled, plain_step, draft_steps = costs["stats"], costs["plain_step"], costs["draft_steps"]
-    alpha = pooled.acceptance_rate
-    out = {"acceptance_rate": alpha, "draft_efficiency": pooled.draft_efficiency,
-           "mean_accepted_length": pooled.mean_accepted_length, "mean_accepted_length_counts_bonus": True,
-           "per_position_acceptance": pooled.per_position_acceptance,
-           "accepted_histogram": pooled.accepted_histogram,
-           "k_rounds": {int(k): n for k, n in sorted(pooled.k_rounds.items())},
-           "plain_step_seconds": plain_step}
-    if weights is not None:
-        out["weight_cost"] = weights
-    if in_cache is not None:
-        out["weights_in_cache"] = in_cache
-    if not draft_steps or alpha != alpha:  # no speculative round (auto may turn it off): nothing to predict
-        return out
-    draft_step, c, verify = costs["draft_step"], costs["draft_cost"], costs["verify_per_round"]
-    k_mean = draft_steps / costs["spec_rounds"]
-    k_rounds = pooled.k_rounds
-    out.update({
-        "draft_step_seconds": draft_step, "verify_seconds_per_round": verify,
-        "draft_cost": c, "mean_k": k_mean, "drafted_ahead_share": costs["drafted_ahead_share"],
-        "verify_cost": verify / plain_step,
-        # E(k)/(k·c + v) per round with v the measured verification in plain steps, weighted by how
-        # many rounds used each k (k = 0 rounds count 1/1)
-        "predicted_speedup": predicted_speedup(k_rounds, alpha, c, verify / plain_step),
-        "predicted_speedup_kv_reuse": speedup_kv_reuse(round(k_mean), alpha, c),
-        "predicted_speedup_measured_costs": speedup_measured_costs(
-            round(k_mean), alpha, draft_step, verify, plain_step),
-        # the α these rounds would need to match plain decoding at the measured c and v
-        "break_even_acceptance": break_even_acceptance(k_rounds, c, verify / plain_step),
-    })
-    if measured is not None:
-        out["measured_over_predicted"] = measured / out["predicted_speedup"]
-    return out
-
-
-def own_exit_alpha(sources: dict) -> float | None:
-    """The early exit's own α where other drafts shared its rounds (under a grammar its forced tokens,
-    which cost no draft step), so that the checklist judges the exit by it; None when it drafted alone
-    (`sources`: `source_summary` of the early-exit method's runs)."""
-    mixed = any(part["drafted"] for source, part in sources.items() if source != "early_exit")
-    return sources["early_exit"]["acceptance_rate"] if mixed else None
 
 
 def diagnosis(report: dict) -> str | None:
@@ -669,56 +279,6 @@ def to_markdown(report: dict) -> str:
 # --------------------------------------------------------------------------------------------------
 # The `selfspec eval speedup` command
 # --------------------------------------------------------------------------------------------------
-
-def read_prompts(tokenizer, prompts: str | None = None, corpus: str = "stdlib", num_prompts: int = 8,
-                 prompt_tokens: int = 64) -> list[list[int]]:
-    """The first `num_prompts` prompts of the file `prompts` (a JSON list of token lists or strings,
-    or a text file, one per line), else the first tokens of `corpus`'s test documents."""
-    if num_prompts < 1:
-        raise UserError(f"--num-prompts must be >= 1, got {num_prompts}")
-    if prompts is None:
-        return prompts_from_corpus(tokenizer, corpus, num_prompts, prompt_tokens)
-    if prompts == JSON_EXTRACT:
-        return extraction_benchmark_prompts(tokenizer, num_prompts)
-    file = Path(prompts)
-    if not file.is_file():
-        raise UserError(f"prompt file {prompts!r} does not exist; pass a JSON list or a text file, "
-                        f"one prompt per line")
-    try:
-        items = json.loads(file.read_text()) if file.suffix == ".json" else [
-            line for line in file.read_text().splitlines() if line.strip()]
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{prompts} is not valid JSON ({exc.msg}); "
-                        f"write a list of strings or token lists") from None
-    if not items:
-        raise UserError(f"prompt file {prompts!r} holds no prompt")
-    try:
-        return [tokenizer(item)["input_ids"] if isinstance(item, str) else [int(t) for t in item]
-                for item in items][:num_prompts]
-    except (TypeError, ValueError):
-        raise UserError(f"{prompts}: every prompt must be a string or a list of token ids") from None
-
-
-JSON_EXTRACT = "json-extract"  # `--prompts json-extract`: the extraction prompts, each with its schema
-
-
-def extraction_benchmark_prompts(tokenizer, num_prompts: int, split: str = "test") -> list[Structured]:
-    """The first `num_prompts` extraction prompts of `split` (categories in turn), each a user turn
-    in the tokenizer's chat template (plain text without one) and constrained by its own schema."""
-    from ..data.extraction import CATEGORIES, extraction_prompts
-
-    per_category = -(-num_prompts // len(CATEGORIES))
-    by_category = extraction_prompts(split, per_category)
-    ordered = [p for i in range(per_category) for p in by_category[i::per_category]][:num_prompts]
-    out = []
-    for item in ordered:
-        text = (tokenizer.apply_chat_template([{"role": "user", "content": item.message}], tokenize=False,
-                                              add_generation_prompt=True)
-                if getattr(tokenizer, "chat_template", None) else item.message)
-        ids = tokenizer(text, add_special_tokens=not getattr(tokenizer, "chat_template", None))["input_ids"]
-        out.append(Structured(list(ids), Constraint.of(json_schema=item.schema)))
-    return out
-
 
 def speedup(model: str, *, exit_layer: int | None = None, num_speculations=None,
             draft_vocab_size: int | None = None, stop_below: float | None = None,

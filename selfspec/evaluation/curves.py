@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 
 from ..errors import UserError
-from .report import save_figure, write_report
+from .report import pyplot, save_figure, write_report
 
 _EXIT_KEY = re.compile(r"^val/(top1_agreement|expected_acceptance)@(\d+)$")
 
@@ -55,10 +55,7 @@ def read_curve(run_dir: str | Path) -> dict:
 def plot_curve(curve: dict, out_png: str | Path, title: str = "") -> Path:
     """Acceptance at each exit (left axis) and validation perplexity (right axis) against tokens seen;
     the training loop's evaluation before the first step is the point at 0 tokens."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, left = plt.subplots(figsize=(7, 4.2))
     right = left.twinx()
@@ -90,10 +87,7 @@ def plot_curve(curve: dict, out_png: str | Path, title: str = "") -> Path:
 def plot_runs(curves: dict[str, dict], exit_layer: int, out_png: str | Path) -> Path:
     """Greedy acceptance at `exit_layer` for several runs (label -> `read_curve`), against training
     tokens (left) and wall-clock minutes (right), on one PNG: what each recipe and more time buy."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (by_tokens, by_minutes) = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
     for index, (label, curve) in enumerate(curves.items()):

@@ -1,6 +1,7 @@
 """Writing reports: JSON, Markdown and PNG files, each atomically (a reader never sees half a file).
 
-Used by the benchmark, the sweep, the training curve and the CLI's layer tables and gate.
+Used by the benchmark, the sweep, the suite, the roofline, serve-load, the training curve and the
+CLI's layer tables and gate; `pyplot` gives their figures matplotlib.
 """
 
 from __future__ import annotations
@@ -19,15 +20,28 @@ def write_report(out_dir: str | Path, stem: str, data: dict, markdown: str | Non
     return paths
 
 
-def save_figure(fig, path: str | Path, dpi: int = 120) -> Path:
-    """Save a matplotlib figure as PNG atomically, then close it."""
+def pyplot():
+    """matplotlib's pyplot, drawing into files (the Agg backend), for the reports' figures.
+
+    Imported here, on the first figure, not at the top of the modules that plot: pyplot takes about
+    half a second to import and settles the backend as it loads, a cost and a choice that every
+    command drawing nothing (the CLI imports them all) would otherwise take on.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def save_figure(fig, path: str | Path, dpi: int = 120) -> Path:
+    """Save a matplotlib figure as PNG atomically, then close it."""
     try:
         with atomic_file(path) as tmp:
             fig.savefig(tmp, dpi=dpi, format="png")
     finally:
-        plt.close(fig)
+        pyplot().close(fig)
     return Path(path)
 
 

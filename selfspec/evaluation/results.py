@@ -58,7 +58,7 @@ class BenchmarkReport(TypedDict):
     # with a prefix cache: its chunk, the prompts' mean tokens, mean prefix shared with another, and
     # positions an engine call loaded from it
     prefix_cache: NotRequired[dict]
-    diagnosis: str | None  # `doctor.summary`: the checklist in one paragraph
+    diagnosis: str | None  # `diagnosis.summary`: the checklist in one paragraph
     model: NotRequired[str]  # the command's model argument
 
 
@@ -134,7 +134,7 @@ class RooflineReport(TypedDict):
 class DoctorResult(TypedDict):
     """`doctor.doctor` / `selfspec doctor`."""
 
-    figures: dict[str, Any]  # the probe's figures (`doctor.diagnose` names them)
+    figures: dict[str, Any]  # the probe's figures (`diagnosis.diagnose` names them)
     diagnosis: list[str]
 
 

@@ -12,7 +12,8 @@ physical limit is bytes ÷ memory bandwidth. This report measures
   path where it applies) on a cache holding `context` positions: a plain step (1 position through
   all N blocks + head), a draft step (1 position through blocks [0, E) + head) and a verification of
   m = 1..8 positions (blocks [E, N) + head on m positions), plus a whole-model pass of m positions.
-  Every repeat visits every pass, the order rotating; each time is a median.
+  Every repeat visits every pass, the order rotating; each time is a median (`timing.measure_passes`,
+  which the doctor times too).
 
 Each pass is given as a fraction of its limit (limit ÷ measured time: 1 means at the bandwidth) and
 in plain steps. The cost model and the sweep assume a verification of k + 1 positions costs about
@@ -33,15 +34,18 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint import checkpoint_adapters, resolve_settings
 from ..cpu import sync_device
 from ..decoding.cache import KVCache
 from ..errors import UserError
 from ..model.pages import empty_on_huge_pages
 from ..model.view import DecoderView
-from .report import publish, save_figure
+from .prompts import read_prompts
+from .report import publish, pyplot, save_figure
 from .results import RooflineReport
 from .rounds import round_profile
 from .rounds import to_markdown as profile_markdown
+from .timing import interleaved_rates, load_model, make_runner, measure_passes
 
 
 def _median_seconds(fn, repeats: int, device) -> float:
@@ -93,66 +97,6 @@ def kv_bytes_per_layer(view: DecoderView, context: int) -> int:
     with torch.inference_mode():
         view.run_layers(view.embed(ids, positions), 0, 1, cache, positions, kv_length=1, aligned=True)
     return context * (_nbytes([cache.keys[0], cache.values[0]]))
-
-
-class _Passes:
-    """Timed passes over a cache that holds `context` positions; every pass writes after them and
-    then rolls the cache back, so each one sees the same context."""
-
-    def __init__(self, view: DecoderView, context: int, max_positions: int):
-        self.view, self.context = view, context
-        self.cache = KVCache(view.num_layers, 1, context + max_positions)
-        generator = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, view.config.vocab_size, (1, context), generator=generator).to(view.device)
-        positions = view.default_positions(ids)
-        self.cache.set_positions(positions, [0])
-        with torch.inference_mode():
-            hidden = view.embed(ids, positions)
-            view.run_layers(hidden, 0, view.num_layers, self.cache, positions, aligned=True)
-        self.ids = ids
-
-    def run(self, start: int, end: int, length: int) -> None:
-        """`length` positions after the context through blocks [start, end) and the head."""
-        view, cache = self.view, self.cache
-        ids = self.ids[:, :length]
-        positions = view.default_positions(ids, self.context)
-        kv_length = cache.set_positions(positions, [self.context])
-        with torch.inference_mode():
-            hidden = view.embed(ids, positions)
-            hidden = view.run_layers(hidden, start, end, cache, positions, kv_length=kv_length, aligned=True)
-            view.exit_logits(hidden)
-        cache.lengths[:] = self.context  # roll back: the next pass sees the same context
-
-
-def measure_passes(view: DecoderView, exit_layer: int, context: int = 256, positions=range(1, 9),
-                   repeats: int = 15, warmup: int = 3, probes: dict | None = None) -> dict:
-    """Median seconds of each pass: "plain", "draft", f"verify_{m}" and f"full_{m}" for m in positions
-    (see the module docstring), interleaved over `repeats` rounds after `warmup` untimed ones. Each
-    callable of `probes` (name -> fn) joins the rotation and its median comes back under its name
-    (`{"seconds": ...}`): a bandwidth probe timed beside the passes sees the machine they see."""
-    n = view.num_layers
-    positions = sorted(set(positions))
-    passes = {"plain": (0, n, 1), "draft": (0, exit_layer, 1)}
-    passes.update({f"verify_{m}": (exit_layer, n, m) for m in positions})
-    passes.update({f"full_{m}": (0, n, m) for m in positions if m > 1})
-    runner = _Passes(view, context, max(positions))
-    tasks = {name: (lambda spec=spec: runner.run(*spec)) for name, spec in passes.items()}
-    tasks.update(probes or {})
-    names = list(tasks)
-    times = {name: [] for name in names}
-    for round_index in range(warmup + repeats):
-        shift = round_index % len(names)
-        for name in names[shift:] + names[:shift]:
-            sync_device(view.device)
-            start = time.perf_counter()
-            tasks[name]()
-            sync_device(view.device)
-            if round_index >= warmup:
-                times[name].append(time.perf_counter() - start)
-    report = {name: {"seconds": statistics.median(times[name])} for name in names}
-    for name, (start, end, length) in passes.items():
-        report[name].update({"blocks": [start, end], "positions": length})
-    return report
 
 
 def roofline(view: DecoderView, exit_layer: int, context: int = 256, positions=range(1, 9), repeats: int = 15,
@@ -213,8 +157,6 @@ def measure_round_profile(model, settings, prompts: list, *, tokenizer=None, tok
                           warmup: int = 1) -> dict:
     """The round profile (`rounds.round_profile`) of plain decoding and of the early exit at `settings`,
     decoding `prompts` greedily at batch 1, interleaved over `repeats` after `warmup`."""
-    from .benchmark import interleaved_rates, make_runner
-
     run = make_runner(model, settings, tokenizer=tokenizer, token_counts=token_counts,
                       exit_adapters=exit_adapters, max_new_tokens=max_new_tokens, profile=True)
     methods = ("plain", "early_exit")
@@ -225,10 +167,7 @@ def measure_round_profile(model, settings, prompts: list, *, tokenizer=None, tok
 def plot(report: dict, path: str | Path) -> Path:
     """Cost of a pass (in plain steps) against the positions it carries: the verification and a
     whole-model pass, measured, with the bandwidth limit of each."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     passes = report["passes"]
     plain = passes["plain"]["seconds"]
@@ -256,11 +195,8 @@ def run(model: str, *, exit_layer: int | None = None, num_speculations: int | No
         device: str | None = None, dtype: str = "auto", out: str = "runs/roofline") -> RooflineReport:
     """`selfspec eval roofline`: measure the model `model`; print the table, write roofline.json,
     roofline.md and roofline.png into `out`. E and k default to the checkpoint's. The round profile
-    decodes `num_prompts` prompts (`benchmark.read_prompts`: `prompts` or `corpus`) `profile_repeats`
+    decodes `num_prompts` prompts (`prompts.read_prompts`: `prompts` or `corpus`) `profile_repeats`
     times (0: no profile)."""
-    from ..checkpoint import checkpoint_adapters, resolve_settings
-    from .benchmark import load_model, read_prompts
-
     if max_positions < 1 or profile_repeats < 0 or max_new_tokens < 1:
         raise UserError(f"--max-positions ({max_positions}) and --max-new-tokens ({max_new_tokens}) must be "
                         f">= 1, --profile-repeats ({profile_repeats}) >= 0")
@@ -285,5 +221,5 @@ def run(model: str, *, exit_layer: int | None = None, num_speculations: int | No
     return report
 
 
-__all__ = ["kv_bytes_per_layer", "measure_bandwidth", "measure_passes", "pass_bytes", "plot", "roofline",
+__all__ = ["kv_bytes_per_layer", "measure_bandwidth", "pass_bytes", "plot", "roofline",
            "run", "to_markdown"]

@@ -5,12 +5,13 @@
 
 Questions come in the common format (one JSON object a line: ``question_id``, ``category``,
 ``turns``, a list of user messages) from `--questions FILE`, or from suites that installed packages
-ship (`SUITES`): the 80 two-turn MT-bench questions, HumanEval's 164 code prompts, the held-out
-ShareGPT slice's first turns and the stdlib test split's code. Chat questions run through the
-tokenizer's chat template; a later turn holds the model's own earlier answer (plain decoding's, as
-MT-bench does), so turn t + 1 is timed after turn t. Code prompts are continued as they are.
+ship (`prompts.SUITES`, read by `prompts.select_questions`): the 80 two-turn MT-bench questions,
+HumanEval's 164 code prompts, the held-out ShareGPT slice's first turns and the stdlib test split's
+code. Chat questions run through the tokenizer's chat template (`prompts.prompt_ids`); a later turn
+holds the model's own earlier answer (plain decoding's, as MT-bench does), so turn t + 1 is timed
+after turn t. Code prompts are continued as they are.
 
-Every method (`benchmark.METHODS`) decodes every prompt, interleaved as in the benchmark, and each
+Every method (`timing.METHODS`) decodes every prompt, interleaved as in the benchmark, and each
 output is compared with plain decoding's. The report gives per category and overall: tokens/s, the
 speedup over Hugging Face greedy (the field's convention) and over the engine's own plain decoding,
 tokens per full-model pass (the field's "mean accepted tokens": generated tokens ÷ rounds, each
@@ -22,109 +23,35 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 from ..checkpoint import checkpoint_adapters, resolve_settings
 from ..decoding import DecodeSettings
-from ..decoding.grammar import Constraint, read_constraint
+from ..decoding.grammar import read_constraint
 from ..errors import UserError
 from ..model.loading import load_tokenizer
-from . import benchmark
-from .benchmark import METHODS, Timings, check_methods, interleaved_rates, load_model, make_runner
-from .doctor import cost_figures, summary, weight_cost, weights_in_cache
-from .report import publish, save_figure
+from .costs import cost_model, source_summary, weight_cost, weights_in_cache
+from .diagnosis import cost_figures, own_exit_alpha, summary
+from .prompts import Question, Structured, prompt_ids, select_questions
+from .report import publish, pyplot, save_figure
 from .results import SuiteReport
+from .timing import (
+    ENGINE_METHODS,
+    METHODS,
+    Timings,
+    check_methods,
+    interleaved_rates,
+    load_model,
+    make_runner,
+)
 
-# suite -> whether its prompts go through the chat template
-SUITES = {"mt-bench": True, "sharegpt-heldout": True, "humaneval": False, "stdlib": False,
-          "json-extract": True}  # json-extract: every reply under its prompt's JSON schema
-JSON_EXTRACT_PER_CATEGORY = 4  # held-out extraction prompts per category (`data.extraction`)
 OVERALL = "overall"
-
-
-@dataclass(frozen=True)
-class Question:
-    """One question: `turns` are user messages (chat) or one text to continue (code)."""
-
-    question_id: str
-    category: str
-    turns: tuple[str, ...]
-    chat: bool
-    constraint: Constraint | None = None  # what every reply follows (structured output), or None
-
-
-def suite_questions(name: str, tokenizer) -> list[Question]:
-    """The questions of a named suite (see `SUITES`); a missing package is a one-line error."""
-    from ..data import questions
-
-    if name == "mt-bench":
-        rows = questions.read_questions(questions.mtbench_file())
-    elif name == "sharegpt-heldout":
-        rows = questions.heldout_questions()
-    elif name == "humaneval":
-        rows = questions.humaneval_questions()
-    elif name == "json-extract":  # extraction prompts of the test split, each under its own schema
-        from ..data.extraction import extraction_prompts
-
-        return [Question(f"json-extract/{p.category}/{i}", p.category, (p.message,), True,
-                         Constraint.of(json_schema=p.schema))
-                for i, p in enumerate(extraction_prompts("test", JSON_EXTRACT_PER_CATEGORY))]
-    elif name == "stdlib":  # the benchmark's code prompts: 64 tokens from the middle of test files
-        rows = [{"question_id": f"stdlib/{i}", "category": "stdlib", "turns": [tokenizer.decode(ids)]}
-                for i, ids in enumerate(benchmark.prompts_from_corpus(tokenizer, "stdlib", num_prompts=32))]
-    else:
-        raise UserError(f"unknown suite {name!r}; choose from {', '.join(SUITES)} or pass --questions FILE")
-    return [Question(str(r["question_id"]), r["category"], tuple(r["turns"]), SUITES[name]) for r in rows]
-
-
-def select_questions(tokenizer, suites: str | None = None, questions: str | None = None,
-                     categories: str | None = None, max_per_category: int | None = None) -> list[Question]:
-    """The questions of `suites` (a comma list of `SUITES`) and/or a `questions` file (chat), keeping
-    `categories` (a comma list; all when None) and the first `max_per_category` of each."""
-    from ..data.questions import first_turns, read_questions
-
-    if not suites and not questions:
-        raise UserError(f"pass --suite ({', '.join(SUITES)}) or --questions FILE")
-    if max_per_category is not None and max_per_category < 1:
-        raise UserError(f"--max-per-category must be >= 1, got {max_per_category}")
-    chosen: list[Question] = []
-    for name in [s.strip() for s in (suites or "").split(",") if s.strip()]:
-        chosen += suite_questions(name, tokenizer)
-    if questions:
-        chosen += [Question(str(r["question_id"]), r["category"], tuple(r["turns"]), True)
-                   for r in read_questions(questions)]
-    if categories:
-        wanted = [c.strip() for c in categories.split(",") if c.strip()]
-        unknown = sorted(set(wanted) - {q.category for q in chosen})
-        if unknown:
-            raise UserError(f"no question has category {', '.join(unknown)}; the questions have "
-                            f"{', '.join(sorted({q.category for q in chosen}))}")
-        chosen = [q for q in chosen if q.category in wanted]
-    kept = first_turns([{"category": q.category, "index": i} for i, q in enumerate(chosen)], max_per_category)
-    return [chosen[row["index"]] for row in kept]
 
 
 def _constrained(ids: list[int], question: Question):
     """A prompt as the runner takes it: its ids, under its question's constraint when it has one."""
-    return ids if question.constraint is None else benchmark.Structured(ids, question.constraint)
-
-
-def prompt_ids(tokenizer, question: Question, turn: int, answers: list[str]) -> list[int]:
-    """Token ids of `question`'s turn `turn` after the model's `answers` to the earlier turns."""
-    if not question.chat:  # a continuation: earlier turns and answers are simply text before this one
-        text = "".join(t + a for t, a in zip(question.turns[:turn], answers)) + question.turns[turn]
-        return tokenizer(text)["input_ids"]
-    if not getattr(tokenizer, "chat_template", None):
-        raise UserError("the chat questions need a tokenizer with a chat template (an instruct model); "
-                        "use the humaneval or stdlib suite for a base model")
-    messages = []
-    for user, answer in zip(question.turns[:turn + 1], [*answers[:turn], None]):
-        messages.append({"role": "user", "content": user})
-        if answer is not None:
-            messages.append({"role": "assistant", "content": answer})
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return ids if question.constraint is None else Structured(ids, question.constraint)
 
 
 def run_suite(model, tokenizer, questions: list[Question], settings: DecodeSettings, *, fastest=None,
@@ -181,7 +108,7 @@ def run_suite(model, tokenizer, questions: list[Question], settings: DecodeSetti
               "cut_prompts": cut, "max_new_tokens": max_new_tokens, "stop_at_eos": stop_at_eos,
               "batch_size": batch_size, "repeats": repeats, "warmup": warmup, "device": str(view.device),
               "dtype": str(view.dtype).replace("torch.", ""), "num_layers": view.num_layers,
-              "settings": {m: run.settings[m].to_json() for m in methods if m in benchmark.ENGINE_METHODS},
+              "settings": {m: run.settings[m].to_json() for m in methods if m in ENGINE_METHODS},
               "questions_per_category": {c: sum(q.category == c for q in questions)
                                          for c in dict.fromkeys(q.category for q in questions)},
               "reference": reference,
@@ -198,13 +125,13 @@ def run_suite(model, tokenizer, questions: list[Question], settings: DecodeSetti
     if "plain" in methods and "early_exit" in methods:
         early = run.settings["early_exit"]
         exit_layer = early.exit_layer
-        report["cost_model"] = benchmark.cost_model(
+        report["cost_model"] = cost_model(
             timings.run_stats("plain"), timings.run_stats("early_exit"),
             overall["early_exit"]["speedup_over_plain"],
             weight_cost(view, early.exit_layer, early.draft_vocab_size or 0), weights_in_cache(view))
     speedups = {m: row["speedup_over_plain"] for m, row in overall.items()
                 if m != "plain" and "speedup_over_plain" in row}
-    exit_alpha = (benchmark.own_exit_alpha(benchmark.source_summary(timings.run_stats("early_exit")))
+    exit_alpha = (own_exit_alpha(source_summary(timings.run_stats("early_exit")))
                   if "early_exit" in methods else None)
     report["diagnosis"] = summary(cost_figures(report.get("cost_model", {}), speedups, exit_layer,
                                                exit_alpha=exit_alpha))
@@ -227,7 +154,7 @@ def _category_results(timings: Timings, methods: list[str], batches: list[int]) 
         if runs:
             passes = sum(s.rounds for s in runs)
             row["tokens_per_pass"] = sum(s.generated_tokens for s in runs) / max(1, passes)
-            sources = benchmark.source_summary(runs)
+            sources = source_summary(runs)
             row["acceptance_rate"] = sources["early_exit"]["acceptance_rate"]
             row["copied_share"] = sources["copy"]["share_of_tokens"]
         out[method] = row
@@ -286,10 +213,7 @@ def _fraction(value: float) -> str:
 def plot(report: dict, path: str | Path) -> Path:
     """Grouped bars: per category (and overall) one bar per method, the speedup over Hugging Face
     greedy (over selfspec plain when Hugging Face greedy was not run)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     results = report["results"]
     columns, methods = list(results), list(results[OVERALL])
@@ -344,14 +268,4 @@ def suite(model: str, *, suites: str | None = None, questions: str | None = None
     return report
 
 
-def suite_prompts(tokenizer, suites: str | None, questions: str | None, max_per_category: int | None,
-                  max_positions: int | None = None) -> list[list[int]]:
-    """First-turn prompts of a suite's questions, for the sweep: each cut to its last
-    `max_positions` tokens when longer."""
-    chosen = select_questions(tokenizer, suites, questions, None, max_per_category)
-    ids = [prompt_ids(tokenizer, q, 0, []) for q in chosen]
-    return [p[-max_positions:] if max_positions and len(p) > max_positions else p for p in ids]
-
-
-__all__ = ["OVERALL", "SUITES", "Question", "plot", "prompt_ids", "run_suite", "select_questions", "suite",
-           "suite_prompts", "suite_questions", "to_markdown"]
+__all__ = ["OVERALL", "plot", "run_suite", "suite", "to_markdown"]

@@ -32,6 +32,8 @@ import dataclasses
 import statistics
 from pathlib import Path
 
+import torch
+
 from ..checkpoint import (
     META_FILE,
     checkpoint_adapters,
@@ -45,22 +47,15 @@ from ..decoding import ADAPTIVE_K, DRAFTERS, DecodeSettings, SelfSpecGenerator
 from ..decoding.settings import FIELDS
 from ..errors import UserError
 from ..metrics import predicted_speedup
-from ..model import DecoderView
+from ..model import DecoderView, kernels
 from ..model import num_layers as count_layers
-from .benchmark import (
-    JSON_EXTRACT,
-    Structured,
-    constraint_keywords,
-    interleaved_rates,
-    load_model,
-    pooled_costs,
-    read_prompts,
-    source_summary,
-)
-from .doctor import summary, weight_cost, weights_in_cache
+from .costs import pooled_costs, source_summary, weight_cost, weights_in_cache
+from .diagnosis import summary
 from .paired import beats_plain, median_interval, paired_speedups
-from .report import publish, save_figure
+from .prompts import JSON_EXTRACT, Structured, read_prompts, suite_prompts
+from .report import publish, pyplot, save_figure
 from .results import SweepReport
+from .timing import constraint_keywords, interleaved_rates, load_model
 
 
 def grid_settings(base: DecodeSettings, exit_layers, ks, drafters, vocabs, min_ngrams,
@@ -94,10 +89,10 @@ def select_fastest(rows: list[dict]) -> tuple[dict | None, dict]:
     one with the shortest draft length k (an adaptive k last), then the fastest median.
 
     Why the shortest k: cells of one drafter and exit often run within a few per cent of each other,
-    closer than a sweep's repeats on a busy machine can order them, and the benchmark minutes later
-    ordered them otherwise (docs/results.md, session 29); of such cells the shortest k verifies fewer
-    drafts a round, so it loses least where α falls on other text. Whether a pick beats plain is
-    `beats_plain`'s question, asked at the write-back."""
+    closer than a sweep's repeats on a busy machine can order them, and a benchmark minutes later may
+    order them otherwise (docs/performance.md, "Figures behind the code's choices"); of such cells the
+    shortest k verifies fewer drafts a round, so it loses least where α falls on other text. Whether a
+    pick beats plain is `beats_plain`'s question, asked at the write-back."""
     ordered = sorted(rows, key=lambda row: -row["speedup"])
     fastest = {}
     for drafter in dict.fromkeys(row["drafter"] for row in ordered):
@@ -120,7 +115,8 @@ def confirm_candidates(rows: list[dict], confirm: int) -> list[dict]:
     """The cells to re-time: each drafter's `confirm` fastest grid rows (by the grid's median speedup),
     fastest first within each drafter. Not the grid's few fastest overall: where one drafter leads
     (copies on code), those would all be its cells, and another drafter's pick would rest on its one
-    luckiest grid cell, which a grid of single short repeats often is (docs/results.md, session 24)."""
+    luckiest grid cell, which a grid of single short repeats often is (docs/performance.md,
+    "Figures behind the code's choices")."""
     picked: dict[str, list[dict]] = {}
     for row in sorted(rows, key=lambda row: -row["speedup"]):
         own = picked.setdefault(row["drafter"], [])
@@ -132,10 +128,6 @@ def confirm_candidates(rows: list[dict], confirm: int) -> list[dict]:
 def overlap_applies(device, structured: bool) -> bool:
     """Whether overlapped rounds can run: on the CPU with its compiled rounds (`kernels.greedy_rounds`)
     and two threads or more, without a grammar (constrained rounds run from Python)."""
-    import torch
-
-    from ..model import kernels
-
     return (torch.device(device).type == "cpu" and not structured and torch.get_num_threads() >= 2
             and kernels.greedy_rounds() is not None)
 
@@ -177,7 +169,7 @@ def run_sweep(model, prompts: list[list[int]], exit_layers: list[int], ks: list,
     (`confirm_candidates`) with plain decoding over `confirm_repeats` interleaved repeats ("best",
     "fastest_per_drafter" and "confirmed" come from them); confirm = 0 judges the cells by the grid's
     own repeats.
-    prompts may be `benchmark.Structured` (structured output): each decodes under its grammar, which
+    prompts may be `prompts.Structured` (structured output): each decodes under its grammar, which
     needs the `tokenizer`.
     """
     num_layers = count_layers(model)
@@ -398,10 +390,7 @@ def to_markdown(report: dict) -> str:
 def plot(report: dict, path: str | Path) -> Path:
     """Measured speedup against k per exit layer: early exit (solid; cost model dashed) and the
     hybrid's best threshold and V' (dotted)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for index, exit_layer in enumerate(report["per_exit_layer"]):
@@ -481,7 +470,7 @@ def sweep(model: str, *, exit_layers: str | list[int] | None = None, ks="1,2,3,4
 
     exit_layers: a list, or a string `parse_layers` reads ('2,4,6', '2:10:2', 'all'; default all).
     ks, drafters, min_ngrams, draft_vocab_sizes, stop_belows: lists, or comma lists as the flags take them.
-    suites / questions: time the first turns of these questions (`evaluation.suite`, the first
+    suites / questions: time the first turns of these questions (`evaluation.prompts.suite_prompts`, the first
     `max_per_category` of each category) instead of `prompts` / `corpus`; the write-back records them.
     confirm / confirm_repeats: how many of each drafter's fastest cells to re-time, over how many
     repeats (`run_sweep`).
@@ -507,8 +496,6 @@ def sweep(model: str, *, exit_layers: str | list[int] | None = None, ks="1,2,3,4
     if exit_layers is None or isinstance(exit_layers, str):
         exit_layers = parse_layers(exit_layers or "all", num_layers)
     if suites or questions:
-        from .suite import suite_prompts
-
         positions = DecoderView(lm).max_positions  # the family's own limit (GPT-2: n_positions)
         chosen = suite_prompts(tokenizer, suites, questions, max_per_category,
                                positions and positions - max_new_tokens)
