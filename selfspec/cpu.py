@@ -11,6 +11,7 @@ time. `keep_freed_memory` makes glibc keep freed memory for reuse instead.
 
 from __future__ import annotations
 
+import contextvars
 import ctypes
 import ctypes.util
 import platform
@@ -85,7 +86,9 @@ def on_a_thread_that_ends(fn, *args, **kwargs):
         except BaseException as exc:  # noqa: BLE001 - handed to the caller, raised there
             result.append((False, exc))
 
-    thread = threading.Thread(target=run, name="selfspec-load", daemon=True)
+    # in a copy of the caller's context: its context variables (the kernel settings, `fixed_width`) hold
+    thread = threading.Thread(target=contextvars.copy_context().run, args=(run,), name="selfspec-load",
+                              daemon=True)
     thread.start()
     thread.join()
     ok, value = result[0]

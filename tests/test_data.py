@@ -256,7 +256,7 @@ def test_pack_cache_is_reused_per_tokenizer_and_block_size(tokenizer, corpus, tm
     def must_not_tokenize(*args, **kwargs):
         raise AssertionError("the cached blocks were tokenized again")
 
-    monkeypatch.setattr(data.packing, "_token_stream", must_not_tokenize)
+    monkeypatch.setattr(type(tokenizer), "__call__", must_not_tokenize)
     again = data.pack_dataset(docs, tokenizer, 32, cache_dir=tmp_path)
     assert torch.equal(again[:]["input_ids"], first[:]["input_ids"])
     monkeypatch.undo()

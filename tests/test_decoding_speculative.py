@@ -37,17 +37,19 @@ def test_greedy_equals_plain_greedy_for_every_exit_layer_and_k(family_case):
     assert partial > 0
 
 
-def test_greedy_is_lossless_when_every_product_takes_the_columns_path(family_case, monkeypatch):
+def test_greedy_is_lossless_when_every_product_takes_the_columns_path(family_case):
     """One row on every weight posed as two columns (`fast.linear`, on CPU only for large weights)
     and 2-8 rows as columns: still the plain greedy output, batch 1 and batch 3."""
+    from selfspec.model import kernels
+
     family, model, expected = family_case
-    monkeypatch.setattr("selfspec.model.fast._COLUMNS_MIN_BYTES_ONE_ROW", 0)
     generator = SelfSpecGenerator(model, exit_layer=2)
-    for k in (0, 1, 3, 4, 7):
-        assert generator.generate(PROMPTS, max_new_tokens=NEW, num_speculations=k,
-                                  eos_token_id=[]).sequences == expected, (family, k)
-        assert generator.generate(PROMPTS[:1], max_new_tokens=NEW, num_speculations=k,
-                                  eos_token_id=[]).sequences == expected[:1], (family, k)
+    with kernels.using(columns_min_bytes_one_row=0):
+        for k in (0, 1, 3, 4, 7):
+            assert generator.generate(PROMPTS, max_new_tokens=NEW, num_speculations=k,
+                                      eos_token_id=[]).sequences == expected, (family, k)
+            assert generator.generate(PROMPTS[:1], max_new_tokens=NEW, num_speculations=k,
+                                      eos_token_id=[]).sequences == expected[:1], (family, k)
 
 
 def test_an_exit_adapter_changes_the_drafts_but_never_the_output(family_case):

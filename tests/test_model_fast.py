@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import pytest
 import torch
 from helpers import kernels_unavailable, tiny_model
@@ -186,17 +189,19 @@ def test_a_user_hook_is_not_mistaken_for_transformers_recording_hook():
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("one_row_large", [False, True])
 @pytest.mark.parametrize("out_features", [48, 47])
-def test_the_columns_linear_equals_f_linear(shape, bias, one_row_large, out_features, monkeypatch):
+def test_the_columns_linear_equals_f_linear(shape, bias, one_row_large, out_features):
     """`fast.linear` (W @ xᵀ for 2-8 rows on CPU; for one row on a large weight, W's two halves as a
     batch when its height is even, else the row padded with a copy) gives F.linear's values and
     shape for every row count, with and without a bias."""
-    if one_row_large:  # this small weight as if it were large enough for one row's own paths
-        monkeypatch.setattr("selfspec.model.fast._COLUMNS_MIN_BYTES_ONE_ROW", 0)
+    from selfspec.model import kernels
+
     torch.manual_seed(0)
     weight = torch.randn(out_features, 32)
     b = torch.randn(out_features) if bias else None
     x = torch.randn(*shape, 32)
-    out = linear(x, weight, b)
+    # one_row_large: this small weight as if it were large enough for one row's own paths
+    with kernels.using(columns_min_bytes_one_row=0) if one_row_large else contextlib.nullcontext():
+        out = linear(x, weight, b)
     assert out.shape == (*shape, out_features) and out.is_contiguous()
     torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, b), rtol=1e-5, atol=1e-5)
 
@@ -290,7 +295,7 @@ def test_the_greedy_target_under_masks_reads_only_the_allowed_rows_of_narrow_mas
     if b is not None:
         logits = logits + b
     expected = apply_mask(logits, allowed).float().argmax(-1)
-    got = kernels._module().masked_target(h, norm, 1e-5, head, b, allowed)
+    got = kernels.extension().masked_target(h, norm, 1e-5, head, b, allowed)
     assert torch.equal(got, expected)
     assert got[5] == 7 and got[6] == 400
 
@@ -389,24 +394,24 @@ def test_a_bf16_prefill_on_a_cpu_that_emulates_bf16_avoids_torchs_bf16_product(f
     """Where oneDNN has no bf16 arithmetic (`_emulated_bf16`), 9 to 31 bf16 rows go through the kernel
     (each row as it computes alone) and from 32 rows the product runs in fp32 on the widened values,
     rounded once; with bf16 arithmetic (AVX-512 BF16, AMX) both keep torch's bf16 product."""
-    from selfspec.model import fast
+    from selfspec.model import kernels
 
     calls = []
     monkeypatch.setattr("selfspec.model.kernels.few_rows_linear",
                         lambda: lambda x, w: calls.append(x.shape[0]) or few_rows(x, w))
-    monkeypatch.setattr(fast, "_emulated_bf16", lambda: True)
     torch.manual_seed(0)
     weight, bias = torch.randn(48, 40).bfloat16(), torch.randn(48).bfloat16()
     x = torch.randn(1, 40, 40).bfloat16()
     widened = torch.nn.functional.linear(x.float(), weight.float(), bias.float()).bfloat16()
-    assert torch.equal(linear(x, weight, bias), widened) and calls == []
-    few = linear(x[:, :20], weight, None)
+    with kernels.using(emulated_bf16=True):
+        assert torch.equal(linear(x, weight, bias), widened) and calls == []
+        few = linear(x[:, :20], weight, None)
     assert calls == [20]
     assert torch.equal(few, torch.cat([few_rows(row, weight) for row in x[0, :20, None]])[None])
-    monkeypatch.setattr(fast, "_emulated_bf16", lambda: False)
     calls.clear()
-    torch.testing.assert_close(linear(x, weight, bias), torch.nn.functional.linear(x, weight, bias))
-    linear(x[:, :20], weight, None)
+    with kernels.using(emulated_bf16=False):
+        torch.testing.assert_close(linear(x, weight, bias), torch.nn.functional.linear(x, weight, bias))
+        linear(x[:, :20], weight, None)
     assert calls == []
 
 
@@ -415,9 +420,9 @@ def fresh_kernel_lookup():
     """selfspec's compiled kernels looked up anew in the test, and again by the tests after it."""
     from selfspec.model import kernels
 
-    kernels._module.cache_clear()
+    kernels.look_again()
     yield kernels
-    kernels._module.cache_clear()
+    kernels.look_again()
 
 
 def test_the_kernel_is_off_on_request_and_a_failed_build_falls_back_with_a_warning(fresh_kernel_lookup,
@@ -426,9 +431,9 @@ def test_the_kernel_is_off_on_request_and_a_failed_build_falls_back_with_a_warni
     for off in ("0", "off", "False"):
         monkeypatch.setenv("SELFSPEC_KERNELS", off)
         assert kernels.few_rows_linear() is None
-        kernels._module.cache_clear()
+        kernels.look_again()
     monkeypatch.delenv("SELFSPEC_KERNELS")
-    monkeypatch.setattr(kernels, "_cpu_has_avx2_fma", lambda: True)
+    monkeypatch.setattr(kernels, "cpu_has_avx2_fma", lambda: True)
     monkeypatch.setattr("shutil.which", lambda name: "/usr/bin/" + name)
 
     def broken(**_):
@@ -449,7 +454,7 @@ def test_a_lock_left_by_a_killed_build_is_removed_before_building(fresh_kernel_l
     build.mkdir(parents=True)
     (build / "lock").touch()
     monkeypatch.delenv("SELFSPEC_KERNELS", raising=False)
-    monkeypatch.setattr(kernels, "_cpu_has_avx2_fma", lambda: True)
+    monkeypatch.setattr(kernels, "cpu_has_avx2_fma", lambda: True)
     monkeypatch.setattr("shutil.which", lambda name: "/usr/bin/" + name)
     monkeypatch.setattr("torch.utils.cpp_extension.get_default_build_root", lambda: str(tmp_path))
     seen = []
@@ -566,20 +571,18 @@ def block_calls(few_rows, monkeypatch):
 @pytest.mark.parametrize("family", [*LLAMA_FAMILIES, "llama_biased"])
 @pytest.mark.parametrize("large_blocks", [False, True])
 def test_a_decoding_pass_runs_each_block_as_the_two_compiled_halves_and_equals_the_model(
-        family, large_blocks, block_calls, monkeypatch):
+        family, large_blocks, block_calls):
     """One-token steps (no mask) and a masked 4-token verification of two rows (8 positions) behind a
     prefix go through the block kernels, every block once per pass. A prefill of two 25-token rows (50
-    positions, past `_KERNEL_MAX_ROWS`) does too where the blocks are small (`_SMALL_BLOCK_BYTES`),
-    and keeps the tensor path where they are not. Qwen2 brings q/k/v biases, Qwen3 per-head q/k norms,
-    Mistral and Qwen2 grouped-query heads and windows."""
-    from selfspec.model import fast
+    positions, past `_KERNEL_MAX_ROWS`) does too where the blocks are small
+    (`KernelSettings.small_block_bytes`), and keeps the tensor path where they are not. Qwen2 brings
+    q/k/v biases, Qwen3 per-head q/k norms, Mistral and Qwen2 grouped-query heads and windows."""
+    from selfspec.model import kernels
 
-    if large_blocks:
-        monkeypatch.setattr(fast, "_SMALL_BLOCK_BYTES", 0)
     model = _family_model(family)
     view = DecoderView(model)
     ids = torch.randint(0, 96, (2, 31))
-    with torch.no_grad():
+    with torch.no_grad(), kernels.using(small_block_bytes=0) if large_blocks else contextlib.nullcontext():
         logits = _decode_through_cache(view, ids, [(0, 25), (25, 29), (29, 30), (30, 31)])
         torch.testing.assert_close(logits[:, 25:], model(ids).logits[:, 25:], rtol=1e-5, atol=1e-5)
     layers = view.num_layers
@@ -746,9 +749,9 @@ def test_the_block_kernels_in_bf16_track_the_operations_they_replace(family, few
 def test_keys_the_attention_kernel_cannot_read_in_place_take_the_tensor_attention(block_calls, monkeypatch):
     """Keys the few-query kernel cannot read (another cache layout): the front half still runs, the
     attention and MLP run as tensor operations, and the logits equal the model's."""
-    from selfspec.model import fast
+    from selfspec.model import kernels
 
-    monkeypatch.setattr(fast, "_attention_kernel_for", lambda q, k, v: None)
+    monkeypatch.setattr(kernels, "few_queries_attention", lambda: None)
     model = tiny_model("mistral")
     ids = torch.randint(0, 96, (1, 12))
     with torch.no_grad():
@@ -777,20 +780,81 @@ def test_angles_broadcast_over_the_batch_reach_every_row_of_the_block_kernels(fe
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
 
 
+def _levels_on() -> tuple[bool, ...]:
+    from selfspec.model import fast, kernels
+
+    return tuple(kernels.settings().runs(level) for level in fast.KERNEL_LEVELS)
+
+
 def test_kernel_levels_switch_the_compiled_paths_cumulatively_and_restore_them():
     from selfspec.model import fast
 
-    def state():
-        return fast._KERNEL, fast._BLOCK_KERNEL, fast._PASS_KERNEL, fast._DRAFT_LOOP
-
-    assert state() == (True, True, True, True)
+    default = _levels_on()  # all of them, none under SELFSPEC_KERNELS=0
+    assert default in ((True,) * 5, (False,) * 5)
     with fast.kernels_up_to("blocks"):
-        assert state() == (True, True, False, False)
+        assert _levels_on() == (True, True, False, False, False)
         with fast.kernels_up_to(None):
-            assert state() == (False, False, False, False)
-        assert state() == (True, True, False, False)
-    assert state() == (True, True, True, True)
+            assert _levels_on() == (False,) * 5
+        assert _levels_on() == (True, True, False, False, False)
+    assert _levels_on() == default
     with pytest.raises(ValueError, match="kernel level 'fast' is not None or one of products"):
         with fast.kernels_up_to("fast"):
             pass
-    assert state() == (True, True, True, True)
+    assert _levels_on() == default
+
+
+def test_the_kernel_settings_are_per_thread_and_reach_a_thread_started_in_a_copy_of_the_context():
+    """`kernels_up_to` and `kernels.using` change the settings of the thread that enters them: another
+    thread decoding meanwhile keeps its own (the default), and a thread whose target runs in
+    `contextvars.copy_context()` starts with its starter's."""
+    import contextvars
+
+    from selfspec.model import fast, kernels
+
+    inside, outside = threading.Event(), threading.Event()
+    seen, default = {}, _levels_on()
+
+    def other():  # runs while the main thread is inside its block, and changes its own settings
+        inside.wait(10)
+        seen["other"] = _levels_on(), kernels.settings().small_block_bytes
+        with fast.kernels_up_to("products"):
+            seen["other inside"] = _levels_on()
+            outside.set()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    with fast.kernels_up_to(None), kernels.using(small_block_bytes=7):
+        inside.set()
+        outside.wait(10)
+        seen["main"] = _levels_on(), kernels.settings().small_block_bytes  # not the other thread's
+        copied = threading.Thread(target=contextvars.copy_context().run, args=(lambda: seen.update(
+            copied=(_levels_on(), kernels.settings().small_block_bytes)),))
+        copied.start()
+        copied.join()
+    thread.join()
+    assert seen["other"] == (default, 4 << 20)
+    assert seen["other inside"] == (True, False, False, False, False)
+    assert seen["main"] == seen["copied"] == ((False,) * 5, 7)
+    assert _levels_on() == default and kernels.settings() == kernels.KernelSettings()
+
+
+def test_wrapped_kernels_compose_and_end_with_their_block(few_rows):
+    """`kernels.wrapped(fn)`: the accessors take their functions from fn(the extension), the wrapper
+    entered first applied first, for the block only."""
+    from selfspec.model import kernels
+
+    order = []
+
+    class Named:
+        def __init__(self, module, name):
+            self.module, self.name = module, name
+
+        def __getattr__(self, attribute):
+            order.append(self.name)
+            return getattr(self.module, attribute)
+
+    with kernels.wrapped(lambda module: Named(module, "outer")), \
+            kernels.wrapped(lambda module: Named(module, "inner")):
+        assert kernels.few_rows_linear() is few_rows
+    assert order == ["inner", "outer"]
+    assert kernels.extension().few_rows_linear is few_rows and order == ["inner", "outer"]

@@ -82,9 +82,8 @@ class VirtualCuda(TorchFunctionMode):
         patch = self._patches.enter_context
         patch(_replaced(torch.cuda, "Event", Event))
         patch(_replaced(torch.cuda, "synchronize", lambda *a, **k: _host_read()))
-        built = kernels._module
-        checked = lambda: None if built() is None else _CheckedKernels(built(), self)
-        patch(_replaced(kernels, "_module", checked))
+        # the kernels checked for this thread or task (and threads started with a copy of its context)
+        patch(kernels.wrapped(lambda module: _CheckedKernels(module, self)))
         return super().__enter__()
 
     def __exit__(self, *exc):

@@ -20,14 +20,15 @@ as a fifth arm (a kernel change measured side by side). Run it with the machine 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from selfspec.evaluation.benchmark import load_model
-from selfspec.evaluation.roofline import _Passes, pass_bytes
+from selfspec.evaluation.roofline import pass_bytes
+from selfspec.evaluation.timing import Passes, load_model
 from selfspec.model import DecoderView, fast, kernels
 
 
@@ -48,7 +49,6 @@ def main() -> None:
     if args.against and not Path(args.against).is_file():
         raise SystemExit(f"error: --against {args.against}: no such file; write one with "
                          f"`git show REV:selfspec/model/kernels/few_rows.cpp > FILE`")
-    package = kernels._module
     modules = {}  # arm -> the extension it runs (the package's where absent)
     if args.against:
         modules["against"] = kernels.build(Path(args.against), "selfspec_few_rows_against")
@@ -58,7 +58,7 @@ def main() -> None:
     passes = {"plain": (0, n, 1), "draft": (0, e, 1), "verify_2": (e, n, 2), "verify_4": (e, n, 4),
               "verify_5": (e, n, 5), "full_5": (0, n, 5),
               **{f"full_{m}": (0, n, m) for m in args.wide}}
-    runner = _Passes(view, args.context, max([5, *args.wide]))
+    runner = Passes(view, args.context, max([5, *args.wide]))
     arms = {"mkl": None, "rows": "products", "block": "blocks", "pass": "passes"}  # `fast.kernels_up_to`
     if modules:
         arms["against"] = "passes"
@@ -73,13 +73,13 @@ def main() -> None:
         for name, spec in passes.items():
             shift = round_index % len(names)
             for arm in names[shift:] + names[:shift]:
-                kernels._module = (lambda module=modules[arm]: module) if arm in modules else package
-                with fast.kernels_up_to(arms[arm]):
+                build = (kernels.wrapped(lambda _, module=modules[arm]: module) if arm in modules
+                         else contextlib.nullcontext())
+                with build, fast.kernels_up_to(arms[arm]):
                     start = time.perf_counter()
                     runner.run(*spec)
                     if round_index >= 3:
                         times[(name, arm)].append(time.perf_counter() - start)
-    kernels._module = package
     rate = source.numel() * 4 / statistics.median(reads[3:])
     median = {key: statistics.median(values) for key, values in times.items()}
     print(f"{args.model} ({args.dtype}), E = {e}, {args.repeats} rotated rounds, "

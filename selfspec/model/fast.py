@@ -52,19 +52,26 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 # At most this many rows take the columns path of `linear` (measured up to 8: verification sizes)
 _COLUMNS_MAX_ROWS = 8
-# One row takes the columns path only for a weight at least this large (bytes): there reading it
-# dominates; a smaller one is bound by the per-op overhead the padding adds.
-_COLUMNS_MIN_BYTES_ONE_ROW = 1 << 20
-
-
-# One row on a large weight runs as two half-products in one batched call (see `linear`); False
-# restores the columns path (for A/B measurements)
-_HALVES_ONE_ROW = True
-
-# The compiled paths, each on top of the one before; `kernels_up_to` turns them off from a level on.
-# Few-row products and the fixed-width attention run selfspec's kernels where they build (see
-# `_kernel_for`, `_attention_kernel_for`); False keeps MKL's products and the padded attention
-_KERNEL = True
+# The switches (how far the compiled paths run, one row's columns path and halves, the small-block
+# threshold below, bf16 emulation) are `kernels.KernelSettings` fields, read per thread or task with
+# `kernels.settings()` and changed in a block with `kernels.using(...)` or `kernels_up_to(level)`:
+# - columns_min_bytes_one_row (1 MiB): one row takes the columns path only for a weight at least this
+#   large: there reading it dominates; a smaller one is bound by the per-op overhead the padding adds;
+# - halves_one_row: one row on a large weight runs as two half-products in one batched call (see
+#   `linear`); False restores the columns path (for A/B measurements).
+# The compiled paths, each on top of the one before (`KERNEL_LEVELS`; `kernels_up_to` turns them off
+# from a level on): "products", few-row products and the fixed-width attention run selfspec's kernels
+# where they build (see `_kernel_for`, `_attention_kernel_for`; off: MKL's products and the padded
+# attention); "blocks", a decoding pass runs each block as two compiled calls (see `run_block`; off:
+# the per-operation path, its products in the few-row kernel); "passes", a decoding pass over several
+# blocks runs them in one compiled call (see `FastLlamaBlocks.run_range`; off: block by block);
+# "rounds", the engine's greedy rounds run in compiled calls: the early-exit drafts in one
+# (`FastLlamaBlocks.draft_loop`), the verification in another (`verify_greedy`; off: from Python, step
+# by step); "decode", a call's greedy rounds of one row at a fixed k run in one compiled call
+# (`FastLlamaBlocks.greedy_rounds`: the host does not return to Python between rounds; off: each round
+# as the calls before).
+KERNEL_LEVELS = kernels.KERNEL_LEVELS
+KernelSettings = kernels.KernelSettings
 # Rows per call of the few-row kernel (few_rows.cpp's kMaxRows); more run in chunks of this many
 _KERNEL_ROWS = 8
 # Up to this many rows an fp32 product, and an fp32 block (see `_pass_fits_kernels`), take the kernels,
@@ -72,35 +79,17 @@ _KERNEL_ROWS = 8
 # than 8 rows repacks all of W at every call, which costs more than the kernel up to 48 rows and less
 # from 64 on (docs/performance.md, "Kernel thresholds").
 _KERNEL_MAX_ROWS = 48
-# An fp32 block whose weights take at most `_SMALL_BLOCK_BYTES` takes the block kernels for passes of up
-# to `_SMALL_BLOCK_MAX_ROWS` positions (a prefill): on small blocks the ~60 tensor operations of a block
-# cost more than MKL's faster products save (the kernels' wide products, `pairs_block`, come close to
-# MKL's there); on large ones MKL's products win from about 64 positions on (docs/performance.md,
-# "Register tiles for wide products").
-_SMALL_BLOCK_BYTES = 4 << 20
+# An fp32 block whose weights take at most `KernelSettings.small_block_bytes` (4 MiB) takes the block
+# kernels for passes of up to `_SMALL_BLOCK_MAX_ROWS` positions (a prefill): on small blocks the ~60
+# tensor operations of a block cost more than MKL's faster products save (the kernels' wide products,
+# `pairs_block`, come close to MKL's there); on large ones MKL's products win from about 64 positions on
+# (docs/performance.md, "Register tiles for wide products").
 _SMALL_BLOCK_MAX_ROWS = 128
 # From this many rows a bf16 product on a CPU that emulates bf16 (`_emulated_bf16`: a prefill) runs as
 # fp32 MKL on the weight widened for the call, rounded to bf16 once: at that many rows the kernel is
 # compute-bound and torch's emulated bf16 product slower still; below it the kernel wins
 # (docs/performance.md, "Kernel thresholds").
 _WIDEN_MIN_ROWS = 32
-# With `_KERNEL`, a decoding pass runs each block as two compiled calls (see `run_block`); False keeps
-# the per-operation path, its products in the few-row kernel
-_BLOCK_KERNEL = True
-# With `_BLOCK_KERNEL`, a decoding pass over several blocks runs them in one compiled call (see
-# `FastLlamaBlocks.run_range`); False runs them block by block
-_PASS_KERNEL = True
-# With `_PASS_KERNEL`, the engine's greedy rounds run in compiled calls: the early-exit drafts in one
-# (`FastLlamaBlocks.draft_loop`), the verification in another (`verify_greedy`); False runs them from
-# Python, step by step
-_DRAFT_LOOP = True
-# With `_DRAFT_LOOP`, a call's greedy rounds of one row at a fixed k run in one compiled call
-# (`FastLlamaBlocks.greedy_rounds`): the host does not return to Python between rounds; False runs
-# each round as the compiled calls above
-_ROUNDS_LOOP = True
-
-# each adds a compiled path to the one before
-KERNEL_LEVELS = ("products", "blocks", "passes", "rounds", "decode")
 
 
 @contextlib.contextmanager
@@ -111,18 +100,12 @@ def kernels_up_to(level: str | None):
     (`run_block`); "passes", + a pass's blocks in one call (`FastLlamaBlocks.run_range`); "rounds", +
     a greedy round's drafts and its verification in one call each (`draft_loop`, `verify_greedy`);
     "decode", + one row's greedy rounds at a fixed k in one call (`greedy_rounds`).
-    Outputs are the same at every level (greedy, fp32: token for token). It sets module state: not
-    for threads that decode at other levels meanwhile."""
-    global _KERNEL, _BLOCK_KERNEL, _PASS_KERNEL, _DRAFT_LOOP, _ROUNDS_LOOP
-    if level is not None and level not in KERNEL_LEVELS:
-        raise ValueError(f"kernel level {level!r} is not None or one of {', '.join(KERNEL_LEVELS)}")
-    before = _KERNEL, _BLOCK_KERNEL, _PASS_KERNEL, _DRAFT_LOOP, _ROUNDS_LOOP
-    upto = -1 if level is None else KERNEL_LEVELS.index(level)
-    _KERNEL, _BLOCK_KERNEL, _PASS_KERNEL, _DRAFT_LOOP, _ROUNDS_LOOP = (upto >= i for i in range(5))
-    try:
+    Outputs are the same at every level (greedy, fp32: token for token). It sets
+    `KernelSettings.level` (`kernels.using(level=level)`) for this thread or asyncio task only: threads
+    that decode at other levels meanwhile keep theirs, and a thread started inside the block runs at
+    the default level unless its target runs in a copy of this context (`contextvars.copy_context`)."""
+    with kernels.using(level=level):
         yield
-    finally:
-        _KERNEL, _BLOCK_KERNEL, _PASS_KERNEL, _DRAFT_LOOP, _ROUNDS_LOOP = before
 
 
 # Rows per product under `fixed_width` (see there): at least a verification's k + 1 positions.
@@ -172,39 +155,48 @@ def _fixed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out.reshape(*x.shape[:-1], weight.shape[0]).contiguous()
 
 
-@functools.cache
-def _emulated_bf16() -> bool:
+def _emulated_bf16(settings: KernelSettings | None = None) -> bool:
     """True where this CPU has no bf16 arithmetic for oneDNN (AVX2 and older): there torch's bf16
     products of many rows (a prefill) are emulated, several times slower than fp32's
-    (docs/performance.md)."""
+    (docs/performance.md). `KernelSettings.emulated_bf16` decides it where not None."""
+    told = (settings or kernels.settings()).emulated_bf16
+    return _onednn_lacks_bf16() if told is None else told
+
+
+@functools.cache
+def _onednn_lacks_bf16() -> bool:
+    """oneDNN's own answer for `_emulated_bf16`."""
     try:
         return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
     except (AttributeError, RuntimeError):  # a torch without the query: assume the common case
         return True
 
 
-def _max_kernel_rows(dtype: torch.dtype, weight_bytes: int | None = None) -> int:
+def _max_kernel_rows(dtype: torch.dtype, settings: KernelSettings, weight_bytes: int | None = None) -> int:
     """The most rows the kernels take outside `fixed_width` (where they take any number):
-    `_KERNEL_MAX_ROWS` in fp32 (`_SMALL_BLOCK_MAX_ROWS` for a block of at most `_SMALL_BLOCK_BYTES`
-    of weights, `weight_bytes`); in bf16 fewer than `_WIDEN_MIN_ROWS` on a CPU without bf16 arithmetic
-    (`_emulated_bf16`), `_KERNEL_ROWS` on one with it (torch's bf16 product is native there)."""
+    `_KERNEL_MAX_ROWS` in fp32 (`_SMALL_BLOCK_MAX_ROWS` for a block of at most the settings'
+    `small_block_bytes` of weights, `weight_bytes`); in bf16 fewer than `_WIDEN_MIN_ROWS` on a CPU
+    without bf16 arithmetic (`_emulated_bf16`), `_KERNEL_ROWS` on one with it (torch's bf16 product is
+    native there)."""
     if dtype == torch.float32:
-        small = weight_bytes is not None and weight_bytes <= _SMALL_BLOCK_BYTES
+        small = weight_bytes is not None and weight_bytes <= settings.small_block_bytes
         return _SMALL_BLOCK_MAX_ROWS if small else _KERNEL_MAX_ROWS
-    return _WIDEN_MIN_ROWS - 1 if _emulated_bf16() else _KERNEL_ROWS
+    return _WIDEN_MIN_ROWS - 1 if _emulated_bf16(settings) else _KERNEL_ROWS
 
 
-def _kernel_for(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int, width: int):
-    """selfspec's few-row kernel (`kernels/few_rows.cpp`) where it applies, else None: on CPU, without
-    autograd (it has no backward), fp32 or bf16 throughout (bias included: F.linear refuses a mix),
-    a contiguous weight, 1 to `_max_kernel_rows` rows (in chunks of 8); any number under
-    `fixed_width`."""
-    if not _KERNEL or x.device.type != "cpu" or not weight.is_contiguous() or weight.shape[1] == 0:
+def _kernel_for(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int, width: int,
+                settings: KernelSettings):
+    """selfspec's few-row kernel (`kernels/few_rows.cpp`) where it applies, else None: the "products"
+    level on (`settings`), on CPU, without autograd (it has no backward), fp32 or bf16 throughout (bias
+    included: F.linear refuses a mix), a contiguous weight, 1 to `_max_kernel_rows` rows (in chunks of
+    8); any number under `fixed_width`."""
+    if not settings.runs("products") or x.device.type != "cpu" or not weight.is_contiguous() or (
+            weight.shape[1] == 0):
         return None
     if x.dtype not in (torch.float32, torch.bfloat16) or weight.dtype != x.dtype or (
             bias is not None and bias.dtype != x.dtype):
         return None
-    if rows < 1 or (rows > _max_kernel_rows(x.dtype) and not width):
+    if rows < 1 or (rows > _max_kernel_rows(x.dtype, settings) and not width):
         return None
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return None
@@ -227,7 +219,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     (sgemv) per row read, so a verification would cost well over a plain step. The same sgemm posed
     as W @ xᵀ streams W instead, and even one row posed as two columns (the row and a copy) beats
     sgemv on a large weight. Three rows are padded to four the same way (3 columns were slower than
-    4); the copies' results are dropped. One row on a weight under `_COLUMNS_MIN_BYTES_ONE_ROW` keeps
+    4); the copies' results are dropped. One row on a weight under `columns_min_bytes_one_row` keeps
     sgemv (on small weights the padding's extra operations cost more than the streaming saves), and
     so do other devices and inputs of more than
     `_COLUMNS_MAX_ROWS` rows (prefill). A bf16 prefill where the CPU emulates bf16 runs in fp32 on
@@ -239,8 +231,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     are in docs/performance.md.
     """
     width = _fixed_width.get()
+    settings = kernels.settings()
     rows = x.numel() // x.shape[-1]
-    kernel = _kernel_for(x, weight, bias, rows, width)
+    kernel = _kernel_for(x, weight, bias, rows, width, settings)
     if kernel is not None:
         out = kernel(x.reshape(rows, x.shape[-1]).contiguous(), weight)  # (rows, N), each row alone
         if bias is not None:
@@ -249,15 +242,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     if width:
         return _fixed_linear(x, weight, bias, width)
     if (x.dtype == weight.dtype == torch.bfloat16 and (bias is None or bias.dtype == x.dtype)
-            and rows >= _WIDEN_MIN_ROWS and x.device.type == "cpu" and _emulated_bf16()):
+            and rows >= _WIDEN_MIN_ROWS and x.device.type == "cpu" and _emulated_bf16(settings)):
         # the fp32 product of the bf16 values, rounded once, as torch's bf16 product defines it
         out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
         return out.to(torch.bfloat16)
     if rows > _COLUMNS_MAX_ROWS or x.device.type != "cpu" or (
-            rows == 1 and weight.numel() * weight.element_size() < _COLUMNS_MIN_BYTES_ONE_ROW):
+            rows == 1 and weight.numel() * weight.element_size() < settings.columns_min_bytes_one_row):
         return F.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1])  # (rows, K)
-    if rows == 1 and _HALVES_ONE_ROW and weight.shape[0] % 2 == 0:
+    if rows == 1 and settings.halves_one_row and weight.shape[0] % 2 == 0:
         # W's two halves as a batch of two products (views, no copy): one per core
         halves = weight.view(2, weight.shape[0] // 2, weight.shape[1]).transpose(1, 2)
         out = torch.matmul(flat, halves).reshape(*x.shape[:-1], weight.shape[0])  # (2, 1, N/2) -> (..., N)
@@ -405,9 +398,10 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
 
 def _attention_kernel_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     """selfspec's few-query attention kernel (`kernels/few_rows.cpp`) where it applies under
-    `fixed_width`, else None: on CPU, keys and values fp32 or bf16 alike, each (row, head)'s (S, hd)
-    slice contiguous (the engine's cache), without autograd."""
-    if not _KERNEL or q.device.type != "cpu" or k.dtype not in (torch.float32, torch.bfloat16):
+    `fixed_width`, else None: the "products" level on, on CPU, keys and values fp32 or bf16 alike, each
+    (row, head)'s (S, hd) slice contiguous (the engine's cache), without autograd."""
+    if not kernels.settings().runs("products") or q.device.type != "cpu" or k.dtype not in (
+            torch.float32, torch.bfloat16):
         return None
     if v.dtype != k.dtype or k.stride(-1) != 1 or k.stride(-2) != k.shape[-1] or v.stride() != k.stride():
         return None
@@ -572,7 +566,7 @@ class FastLlamaBlocks:
         Returns (drafts (B,), sure: some row's draft puts `eta` on its top token, as the engine's
         `_unsure` negated), or None where it does not apply: the kernels off (`kernels_up_to(None)`)
         or missing, autograd on, no plain final norm + LM head, tensors not in the states' dtype."""
-        made = kernels.draft_choice() if _KERNEL else None
+        made = kernels.draft_choice() if kernels.settings().runs("products") else None
         weight, bias, ids, vocab = head
         if made is None or self.head is None or torch.is_grad_enabled():
             return None
@@ -643,7 +637,7 @@ class FastLlamaBlocks:
         ahead; seconds (R, 2): draft, verification), the cache's slots written up to the last kept
         token; or None, nothing computed, where it does not apply (`_round_call`)."""
         weight, bias, ids, vocab = head
-        if not _ROUNDS_LOOP:
+        if not kernels.settings().runs("decode"):
             return None
         call = self._round_call(kernels.greedy_rounds, 0, len(self.blocks), embedding, cos, sin,
                                 (weight, bias))
@@ -660,14 +654,14 @@ class FastLlamaBlocks:
         """What a compiled round call (`draft_loop`, `verify_greedy`) over blocks [start, end) needs
         besides the cache's slots: (the compiled function, the blocks as the kernels' objects, the
         embedding table, cos and sin (B, T, hd) contiguous), or None where it does not apply: the
-        kernels off or missing (`_DRAFT_LOOP`, `_compiled`), weights off the CPU (the kernels read host
+        kernels off or missing (the "rounds" level, `_compiled`), weights off the CPU (the kernels read host
         memory), autograd on, an embedding that is not a plain lookup (`nn.Embedding` without hooks), no
         plain final norm + LM head, a head tensor not in the model's dtype, angles not in it."""
         embed = embedding.weight
         if embed.device.type != "cpu":
             return None
         compiled = self._compiled()
-        made = accessor() if _DRAFT_LOOP and compiled is not None else None
+        made = accessor() if kernels.settings().runs("rounds") and compiled is not None else None
         if embedding not in self._lookup:  # checked once per module, as the blocks are at `build`
             self._lookup[embedding] = type(embedding) is nn.Embedding and not _hooked(embedding)
         if made is None or self.head is None or torch.is_grad_enabled() or not self._lookup[embedding]:
@@ -682,7 +676,7 @@ class FastLlamaBlocks:
         """`(the blocks as the kernels' Block objects, blocks_pass)`, the objects built once per extension
         (`tools/kernel_ab.py` swaps it); None where the kernels are not available or off, or a block's
         activation is not SiLU."""
-        made = kernels.blocks_pass() if _KERNEL and _BLOCK_KERNEL and _PASS_KERNEL and self._silu else None
+        made = kernels.blocks_pass() if kernels.settings().runs("passes") and self._silu else None
         if made is None:
             return None
         block, run = made
@@ -712,12 +706,14 @@ def _pass_fits_kernels(hidden: torch.Tensor, mask: torch.Tensor | None, cos: tor
     (like `b`) aside: on CPU, fp32 or bf16, a decoding pass (a mask, or one position that sees every
     cached slot) of 1 to `_max_kernel_rows` positions (any number under `fixed_width`), an additive
     float mask, (B, T, hd) angles in hidden's dtype (one row of them is broadcast to every row)."""
-    if not (_KERNEL and _BLOCK_KERNEL) or hidden.device.type != "cpu" or hidden.dtype not in (
+    settings = kernels.settings()
+    if not settings.runs("blocks") or hidden.device.type != "cpu" or hidden.dtype not in (
             torch.float32, torch.bfloat16):
         return False
     batch, length = hidden.shape[:2]
     rows = batch * length
-    if rows < 1 or (rows > _max_kernel_rows(hidden.dtype, b.weight_bytes) and not _fixed_width.get()) or (
+    if rows < 1 or (rows > _max_kernel_rows(hidden.dtype, settings, b.weight_bytes)
+                    and not _fixed_width.get()) or (
             mask is None and length > 1):
         return False
     if cos.dtype != hidden.dtype or sin.dtype != cos.dtype or sin.shape != cos.shape:

@@ -6,20 +6,31 @@ cache writes in one call.
 Built on first use with torch's own extension builder (a C++ compiler and ninja; AVX2 + FMA;
 OpenMP, so that `at::parallel_for` spreads the rows over torch's own threads) and
 cached by torch under `TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`). Where it cannot be
-built (no compiler, another CPU, not POSIX, `SELFSPEC_KERNELS=0`) both accessors return None
+built (no compiler, another CPU, not POSIX, `SELFSPEC_KERNELS=0`) the accessors return None
 once and for all, with one warning if the build itself failed, and `fast` keeps MKL's products and
 its padded attention. Processes that start together build once: the first holds a lock file, the others wait.
+
+`KernelSettings` is the one value that switches the compiled paths and the backend's choices (how far
+`fast` runs the compiled paths, its thresholds, a wrapper around the extension), held in a
+`contextvars.ContextVar`: `settings()` reads it, `using(**changes)` changes it within a block for the
+current thread or asyncio task only, so threads that decode at other settings meanwhile do not see
+each other's. A thread starts with the default settings, not those of the thread that started it: code
+that starts a thread to decode on runs its target in `contextvars.copy_context().run` (the server's
+threads, `cpu.on_a_thread_that_ends`), so it inherits them; asyncio tasks copy the context themselves,
+and the C++ threads of a compiled call (`overlap`) run with what the call was given.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import dataclasses
 import functools
 import os
 import shutil
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -32,8 +43,93 @@ except ImportError:  # not POSIX: no compiler setup the kernel supports either
 _SOURCE = Path(__file__).with_name("few_rows.cpp")
 _NAME = "selfspec_few_rows"
 
+# The compiled paths of `fast`, each on top of the one before (see `KernelSettings.level`)
+KERNEL_LEVELS = ("products", "blocks", "passes", "rounds", "decode")
+_RANK = {level: rank for rank, level in enumerate(KERNEL_LEVELS)}
 
-def _cpu_has_avx2_fma() -> bool:
+
+def requested() -> bool:
+    """Whether the environment allows the kernels: `SELFSPEC_KERNELS` unset or not 0 / false / off / no."""
+    return os.environ.get("SELFSPEC_KERNELS", "1").lower() not in ("0", "false", "off", "no")
+
+
+def _default_level() -> str | None:
+    return KERNEL_LEVELS[-1] if requested() else None
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSettings:
+    """The switches of selfspec's compiled CPU paths and of `fast`'s backend choices, one immutable value
+    held per thread or task (see the module docstring; `settings()`, `using()`).
+
+    level: the compiled paths run up to this one (`fast.kernels_up_to` says what each adds): None,
+    MKL's products and torch's operations; "products", "blocks", "passes", "rounds" or "decode" (all of
+    them, the default; None where `SELFSPEC_KERNELS` turns the kernels off). Outputs are the same at
+    every level (greedy, fp32: token for token); A/B runs and tests change it.
+    small_block_bytes: an fp32 block whose weights take at most this many bytes takes the block kernels
+    for passes of up to `fast._SMALL_BLOCK_MAX_ROWS` positions (a prefill); 0: no block is small.
+    columns_min_bytes_one_row: one row takes `fast.linear`'s MKL columns path (or halves) only on a
+    weight of at least this many bytes (0: every weight).
+    halves_one_row: one row on such a weight runs as a batch of W's two halves (False: the columns
+    path, for A/B).
+    emulated_bf16: whether the CPU has no bf16 arithmetic for oneDNN (`fast._emulated_bf16`); None
+    asks oneDNN, True or False decides (tests of both machines' paths).
+    wrap: None, or a function of the built extension whose result the accessors below take their
+    functions from instead (a checking or counting wrapper, another build for A/B); `wrapped` composes
+    them."""
+
+    level: str | None = dataclasses.field(default_factory=_default_level)
+    small_block_bytes: int = 4 << 20
+    columns_min_bytes_one_row: int = 1 << 20
+    halves_one_row: bool = True
+    emulated_bf16: bool | None = None
+    wrap: Callable | None = None
+    _rank: int = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        if self.level is not None and self.level not in _RANK:
+            raise ValueError(f"kernel level {self.level!r} is not None or one of {', '.join(KERNEL_LEVELS)}")
+        for name in ("small_block_bytes", "columns_min_bytes_one_row"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be 0 or more, got {getattr(self, name)}")
+        object.__setattr__(self, "_rank", -1 if self.level is None else _RANK[self.level])
+
+    def runs(self, level: str) -> bool:
+        """Whether the compiled path `level` (one of `KERNEL_LEVELS`) is on."""
+        return self._rank >= _RANK[level]
+
+
+_settings: contextvars.ContextVar[KernelSettings] = contextvars.ContextVar(
+    "kernel_settings", default=KernelSettings())  # noqa: B039 - frozen: never changed in place
+# `settings()`: the current thread's or task's `KernelSettings` (the ContextVar's own `get`: the hot
+# paths of `fast` read it at every product)
+settings = _settings.get
+
+
+@contextlib.contextmanager
+def using(**changes) -> Iterator[KernelSettings]:
+    """Inside the block, the current `KernelSettings` with `changes` (its field names) replaced, for
+    this thread or asyncio task only (and threads started with a copy of its context); restored after
+    it. Yields the settings in force."""
+    token = _settings.set(dataclasses.replace(settings(), **changes))
+    try:
+        yield settings()
+    finally:
+        _settings.reset(token)
+
+
+@contextlib.contextmanager
+def wrapped(wrap: Callable) -> Iterator[KernelSettings]:
+    """Inside the block, the accessors below take their functions from `wrap(extension)` instead of the
+    built extension (`using(wrap=...)`, composed with a wrapper already in force: that one applies
+    first). Tests wrap the kernels to check or count their calls; `tools/kernel_ab.py` returns
+    another build."""
+    outer = settings().wrap
+    with using(wrap=wrap if outer is None else lambda module: wrap(outer(module))) as current:
+        yield current
+
+
+def cpu_has_avx2_fma() -> bool:
     """AVX2 and FMA, the kernel's instructions (torch reports AVX2 or better as its CPU capability)."""
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
@@ -57,7 +153,7 @@ def _build_lock(root: Path):
 def few_rows_linear() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
     """The compiled `few_rows_linear(x (m, K), weight (N, K)) -> (m, N)` (fp32 or bf16; more than 8 rows
     in chunks of 8), or None where the kernels are not available."""
-    module = _module()
+    module = extension()
     return None if module is None else module.few_rows_linear
 
 
@@ -65,7 +161,7 @@ def few_queries_attention() -> Callable | None:
     """The compiled `few_queries_attention(q (B, H, m, hd) fp32, k, v (B, Hkv, S, hd) fp32 or bf16,
     mask (B, m, S) fp32 additive, scale) -> (B, m, H·hd)` in k's dtype, every query computed alone in
     a fixed order; or None where the kernels are not available."""
-    module = _module()
+    module = extension()
     return None if module is None else module.few_queries_attention
 
 
@@ -75,7 +171,7 @@ def block_halves() -> tuple[Callable, Callable] | None:
     cos, sin, head_dim) -> (q fp32 (B, H, T, hd), k, v (B, Hkv, T, hd))` before the cache write, and
     `block_back(hidden, q, keys, values, mask (B, T, S) or None, scale, wo, bo, norm, eps, w_gate,
     b_gate, w_up, b_up, w_down, b_down) -> (B, T, D)` after it."""
-    module = _module()
+    module = extension()
     return None if module is None else (module.block_front, module.block_back)
 
 
@@ -87,7 +183,7 @@ def blocks_pass() -> tuple[type, Callable] | None:
     one after the other as `block_halves` does, writing each one's keys and values into its buffer
     (B, Hkv, capacity, hd) at slots start .. start + T - 1, and returns the last one's output, or None
     (nothing computed) where a block's tensors or a buffer do not suit the kernels."""
-    module = _module()
+    module = extension()
     return None if module is None else (module.Block, module.blocks_pass)
 
 
@@ -96,7 +192,7 @@ def draft_loop() -> Callable | None:
     ids, vocab, k, eta) -> [drafts (B, s), hidden (B, s + 1, D)]` (greedy early-exit drafts: k steps of
     `blocks_pass` over blocks [0, E), the draft head and the argmax, stopping below eta; [] where
     `blocks_pass` declines), or None where the kernels are not available."""
-    module = _module()
+    module = extension()
     return None if module is None else module.draft_loop
 
 
@@ -105,7 +201,7 @@ def draft_choice() -> Callable | None:
     [draft (B,), top (B,)]` (greedy drafts from exit states: the final norm, the draft head, a grammar's
     mask (B, V) and the first maximum by token id in one pass, with each draft's probability for η
     where eta > 0), or None where the kernels are not available."""
-    module = _module()
+    module = extension()
     return None if module is None else module.draft_choice
 
 
@@ -115,7 +211,7 @@ def draft_step() -> Callable | None:
     (one greedy early-exit step: `blocks_pass` over blocks [0, E), then the exit blocks `extra`, the
     draft head, a grammar's mask and the argmax; [] where `blocks_pass` declines), or None where the
     kernels are not available."""
-    module = _module()
+    module = extension()
     return None if module is None else module.draft_step
 
 
@@ -124,7 +220,7 @@ def verify_greedy() -> Callable | None:
     norm, eps, head, bias, drafts, allowed) -> [decided (B, T + 1)]` (the target's pass, head,
     a grammar's masks, argmax and accepted prefix; [] where `blocks_pass` declines), or None where the
     kernels are not available."""
-    module = _module()
+    module = extension()
     return None if module is None else module.verify_greedy
 
 
@@ -137,7 +233,7 @@ def greedy_rounds() -> Callable | None:
     drafts, a copy after them where they make one; with `overlap` a round's verification beside the
     next round's drafts, on two threads; the kept tokens cut at an eos and max_tokens; [] where
     `blocks_pass` declines), or None where the kernels are not available."""
-    module = _module()
+    module = extension()
     return None if module is None else module.greedy_rounds
 
 
@@ -151,13 +247,28 @@ def build(source: Path, name: str):
                               extra_ldflags=["-fopenmp"], verbose=False)
 
 
+def extension():
+    """The compiled extension (as the settings' `wrap` makes it), or None where the kernels are not
+    available. The accessors above take their functions from it; a function without an accessor
+    (`masked_target`, which `verify_greedy` runs) is reached through it."""
+    module = _built()
+    wrap = settings().wrap
+    return module if module is None or wrap is None else wrap(module)
+
+
+def look_again() -> None:
+    """Forget the built extension, or that there is none: the next accessor looks it up (and builds it)
+    anew, reading `SELFSPEC_KERNELS` again (tests)."""
+    _built.cache_clear()
+
+
 @functools.cache
-def _module():
+def _built():
     """The compiled extension, built once per machine, or None."""
-    if os.environ.get("SELFSPEC_KERNELS", "1").lower() in ("0", "false", "off", "no"):
+    if not requested():
         return None
     compiler = (os.environ.get("CXX") or "c++").split()[0]  # CXX may be "ccache g++"
-    if fcntl is None or not _cpu_has_avx2_fma() or None in (shutil.which(compiler), shutil.which("ninja")):
+    if fcntl is None or not cpu_has_avx2_fma() or None in (shutil.which(compiler), shutil.which("ninja")):
         return None
     try:  # whatever fails here (toolchain, file system), decoding keeps MKL's products
         from torch.utils import cpp_extension
@@ -176,5 +287,7 @@ def _module():
     return module
 
 
-__all__ = ["block_halves", "blocks_pass", "draft_choice", "draft_loop", "draft_step", "few_queries_attention",
-           "few_rows_linear", "greedy_rounds", "verify_greedy"]
+__all__ = ["KERNEL_LEVELS", "KernelSettings", "block_halves", "blocks_pass", "build", "cpu_has_avx2_fma",
+           "draft_choice", "draft_loop", "draft_step", "extension", "few_queries_attention",
+           "few_rows_linear", "greedy_rounds", "look_again", "requested", "settings", "using",
+           "verify_greedy", "wrapped"]
