@@ -13,6 +13,7 @@ from pathlib import Path
 from .checkpoint import META_FILE, checkpoint_adapters, draft_vocab, read_meta
 from .decoding import DecodeSettings
 from .errors import UserError
+from .export import describe, export_draft
 from .files import write_json_atomic
 
 
@@ -204,6 +205,13 @@ def distill_data(model_dir: str, prompts: str, out: str, *, limit: int | None = 
           f"{summary['tokens']:,} tokens in {summary['seconds']} s); "
           f"{summary['skipped_long']} prompts over {max_prompt_tokens} tokens skipped")
     return summary
+
+
+def export(model_dir: str, draft: str, exit_layer: int | None = None, force: bool = False) -> Path:
+    """`selfspec export MODEL --draft OUT`: the tuned exit as a standalone draft model (`export.py`)."""
+    out = export_draft(model_dir, draft, exit_layer=exit_layer, force=force)
+    print(describe(out))
+    return out
 
 
 def import_gguf(source: str, out: str, force: bool = False) -> Path:
