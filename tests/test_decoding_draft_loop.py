@@ -324,7 +324,7 @@ def test_an_adaptive_k_changes_between_calls_and_sees_every_round(rounds_calls):
     """An adaptive controller runs `ADAPT_ROUNDS` rounds a call at its current k, then takes each
     round's counts: here a rule that cycles k through 1, 2, 3 at every call."""
     from selfspec.decoding.controller import Controller
-    from selfspec.decoding.speculative import ADAPT_ROUNDS
+    from selfspec.decoding.engine import ADAPT_ROUNDS
 
     class Cycling(Controller):
         k_max = 3
@@ -357,9 +357,9 @@ def test_the_copy_drafters_rounds_in_one_call_copy_and_accept_what_its_rounds_do
     default window rule the copy length changes between calls of `ADAPT_ROUNDS` rounds; a caller that
     watches rounds keeps the copies in Python (the call would rebuild its tables every round)."""
     from selfspec.decoding.controller import FixedK
+    from selfspec.decoding.engine import ADAPT_ROUNDS
     from selfspec.decoding.ngram import NGramConfig
     from selfspec.decoding.policy import CopyPolicy
-    from selfspec.decoding.speculative import ADAPT_ROUNDS
 
     model = low_alpha_model(family)
     generator = SelfSpecGenerator(model, exit_layer=2)

@@ -4,14 +4,17 @@ drafts copied from the context (n-grams) and a trimmed draft head."""
 from .cache import CacheLengthError, KVCache
 from .controller import Controller, CostModelRule, FixedK, WindowRule, make_controller
 from .draft_head import DraftHead
+from .engine import CallOptions, Engine
 from .grammar import Constraint
 from .ngram import NGramConfig
+from .outputs import GenerationOutput, GenerationStats, NewRow, RoundCounts, RoundOutput
 from .policy import DRAFTERS, DraftPlan, DraftPolicy, make_policy
 from .sampling import SamplingParams, accept_greedy, accept_sampled, residual_probs
 from .settings import ADAPTIVE_K, PLAIN, DecodeSettings, parse_num_speculations
-from .speculative import GenerationOutput, GenerationStats, NewRow, RoundCounts, SelfSpecGenerator
+from .speculative import SelfSpecGenerator
 
-__all__ = ["ADAPTIVE_K", "DRAFTERS", "PLAIN", "DecodeSettings", "parse_num_speculations", "CacheLengthError",
+__all__ = ["ADAPTIVE_K", "DRAFTERS", "PLAIN", "CallOptions", "DecodeSettings", "Engine", "RoundOutput",
+           "parse_num_speculations", "CacheLengthError",
            "Constraint", "Controller", "CostModelRule", "DraftHead", "DraftPlan", "DraftPolicy",
            "FixedK", "GenerationOutput", "GenerationStats", "KVCache", "NGramConfig", "NewRow",
            "RoundCounts", "SamplingParams", "SelfSpecGenerator", "WindowRule", "accept_greedy",

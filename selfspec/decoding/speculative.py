@@ -36,27 +36,24 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from ..errors import UserError
-from ..metrics import AcceptanceStats
 from ..model import DecoderView
-from ..model.fast import fixed_width
 from ..model.static_passes import MODES as STATIC_MODES
-from ..model.static_passes import WIDTH as STATIC_WIDTH
 from . import sampling
 from .cache import KVCache
-from .controller import Controller, FixedK
+from .controller import Controller
 from .draft_head import DraftHead, frequent_tokens
-from .grammar import Constraint, GrammarBatch, GrammarTokenizer, apply_mask, constraints_for_rows
+from .engine import CallOptions, Engine
+from .grammar import GrammarBatch, GrammarTokenizer, apply_mask, constraints_for_rows
 from .ngram import NGramConfig, TokenText
+from .outputs import GenerationOutput, GenerationStats, NewRow, RoundCounts, RoundOutput
 from .policy import CopyPolicy, DraftPlan, DraftPolicy, EarlyExitPolicy, Segment
 from .prefix import PrefixCache
 from .profile import RoundProfile, no_lap
@@ -72,131 +69,6 @@ from .sampling import (
     uniforms,
 )
 from .settings import DecodeSettings
-
-# A grammar's forced tokens a round may draft beyond the policy's k: they cost no model call, and a
-# pass of up to 16 + k positions stays in the compiled kernels' range of rows.
-FORCED_PER_ROUND = 16
-# Rounds per compiled call under an adaptive k (`controller.WindowRule`, `CostModelRule`): the controller
-# sees every round's counts after the call and sets the k of the next call
-ADAPT_ROUNDS = 8
-SOURCES = ("copy", "forced", "early_exit")  # where a draft comes from (`GenerationStats.by_source`)
-
-
-@dataclass
-class GenerationStats(AcceptanceStats):
-    """Acceptance statistics (see `selfspec.metrics.AcceptanceStats`) plus where the time went.
-
-    Times are seconds: `draft_time` over all draft steps, `verify_time` over the verifications of
-    speculative rounds, `plain_time` over rounds with k = 0 (plain steps), `prefill_time` and the
-    wall-clock `total_time` of the call. On CUDA the phases are timed with CUDA events.
-    """
-
-    exit_layer: int = 0
-    num_layers: int = 0
-    draft_steps: int = 0  # draft forward passes (Σ k over rounds; a step serves the whole batch)
-    plain_steps: int = 0  # rounds with k = 0
-    stopped_below_eta: int = 0  # rounds whose early-exit drafts stopped because no draft reached η
-    drafted_ahead: int = 0  # rounds whose drafts ran during the round before's verification (overlap)
-    grammar_time: float = 0.0  # seconds in the grammar engine (masks, forced tokens), constrained calls
-    draft_time: float = 0.0
-    verify_time: float = 0.0
-    plain_time: float = 0.0
-    prefill_time: float = 0.0
-    total_time: float = 0.0
-    generated_tokens: int = 0
-    profile: dict | None = None  # generate(profile=True): seconds per part of the rounds (`profile.PARTS`)
-    # Where the drafts came from: copied from the context, forced by a grammar, or drafted by the
-    # early exit. Each run of a round's positions from one source (a `Segment`) counts under its
-    # source, in the rows whose verifier tested it (every earlier draft accepted).
-    copy: AcceptanceStats = field(default_factory=AcceptanceStats)
-    forced: AcceptanceStats = field(default_factory=AcceptanceStats)
-    early_exit: AcceptanceStats = field(default_factory=AcceptanceStats)
-    # (segments, accepted (B,), k) per round, folded into the counts above at the end of the call
-    # (`fold_rounds`): a round only appends, and the counting runs once, in bulk, off the rounds' path
-    _rounds: list = field(default_factory=list, repr=False)
-
-    def log_round(self, segments: list, accepted: np.ndarray, k: int) -> None:
-        """A round's drafts (its `Segment`s, k in all) and each row's accepted count, for `fold_rounds`."""
-        self._rounds.append((segments, accepted, k))
-
-    def fold_rounds(self) -> None:
-        """Count the logged rounds into the acceptance statistics, overall and per source: rounds of
-        one k (of one segment) at once, the same counts as `update` round by round."""
-        by_k, by_segment = {}, {}
-        for segments, accepted, k in self._rounds:
-            by_k.setdefault(k, []).append(accepted)
-            for segment in segments:
-                by_segment.setdefault(segment, []).append(accepted)
-        for k, rows in by_k.items():
-            self.update(np.concatenate(rows), k, rounds=len(rows))
-        for segment, rows in by_segment.items():
-            reached = [a[a >= segment.start] for a in rows]  # rows whose verifier tested the segment
-            rounds = sum(1 for a in reached if a.size)
-            if rounds:
-                kept = np.clip(np.concatenate(reached) - segment.start, 0, segment.length)
-                getattr(self, segment.source).update(kept, segment.length, rounds=rounds)
-        self._rounds.clear()
-
-    @property
-    def draft_cost(self) -> float:
-        """c = draft time per step ÷ time of one full forward step.
-
-        The full step is a plain round's when the run had any; otherwise a verification round's,
-        which for a memory-bound model costs about one full forward (c + (1 − c) for k + 1 positions).
-        `selfspec.evaluation.benchmark` measures c against a separate plain run instead.
-        """
-        if not self.draft_steps:
-            return float("nan")
-        if self.plain_steps:
-            full = self.plain_time / self.plain_steps
-        else:
-            full = self.verify_time / (self.rounds - self.plain_steps)
-        return self.draft_time / self.draft_steps / full
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.generated_tokens / self.total_time if self.total_time else float("nan")
-
-    def as_dict(self) -> dict:
-        times = {name: getattr(self, name) for name in (
-            "exit_layer", "num_layers", "draft_steps", "plain_steps", "stopped_below_eta", "drafted_ahead",
-            "draft_time", "verify_time", "grammar_time",
-            "plain_time", "prefill_time", "total_time", "generated_tokens")}
-        return {**super().as_dict(), **times, "draft_cost": self.draft_cost,
-                "tokens_per_second": self.tokens_per_second,
-                "by_source": {source: getattr(self, source).as_dict() for source in SOURCES},
-                **({"profile": self.profile} if self.profile is not None else {})}
-
-
-@dataclass
-class GenerationOutput:
-    sequences: list  # generated token ids per row, prompt excluded, an eos included
-    stats: GenerationStats
-    texts: list | None = None  # decoded `sequences` when the generator has a tokenizer
-    # per row under a grammar: whether the output is complete (it parses); False for a row that
-    # max_new_tokens cut first, True for an unconstrained row. None when no row was constrained.
-    complete: list | None = None
-
-
-class RoundCounts(NamedTuple):
-    """What the rounds behind one `on_tokens` call did, per running row (B,) each: the rounds (one full
-    pass each), the drafts they verified, and how many of those were accepted."""
-
-    passes: np.ndarray
-    drafted: np.ndarray
-    accepted: np.ndarray
-
-
-@dataclass(frozen=True)
-class NewRow:
-    """A prompt that joins a running `generate` call at a round boundary (`generate(admit=...)`): its
-    token ids, its own token limit, its seed (None: 0 for greedy rows) and its output constraint (a
-    `grammar.Constraint`, only in a call that has a grammar)."""
-
-    prompt: list[int]
-    max_new_tokens: int
-    seed: int | None = None
-    constraint: Constraint | None = None
 
 
 @dataclass
@@ -302,23 +174,6 @@ def _width(parts: list) -> int:
     return sum(part.shape[1] for part in parts)
 
 
-class _Clock:
-    """Timestamps without host syncs: CUDA events on CUDA (read after the round's sync), else perf_counter."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def mark(self):
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def seconds(self, start, end) -> float:
-        return start.elapsed_time(end) / 1e3 if self.cuda else end - start
-
-
 class _RowOrderStream:
     """Feeds a Hugging Face-style streamer (`put`, `end`) with a batch's tokens, one row after another.
 
@@ -333,11 +188,11 @@ class _RowOrderStream:
         self.current = 0  # the row that streams live
         streamer.put(torch.tensor(prompts[0]))
 
-    def feed(self, rows: np.ndarray, tokens: np.ndarray, emit: np.ndarray, finished: np.ndarray) -> None:
-        """This round's emitted tokens: `tokens[slot, :emit[slot]]` for the row `rows[slot]`."""
-        for slot, row in enumerate(rows):
-            self.buffers[row] += tokens[slot, :emit[slot]].tolist()
-            self.done[row] |= finished[slot]
+    def feed(self, outputs: list[RoundOutput]) -> None:
+        """A step's emitted tokens, per row."""
+        for out in outputs:
+            self.buffers[out.row] += out.tokens
+            self.done[out.row] |= out.finished
         while self.current < len(self.done):
             if self.buffers[self.current]:
                 self.streamer.put(torch.tensor(self.buffers[self.current]))
@@ -503,7 +358,7 @@ class SelfSpecGenerator:
         probs = torch.softmax(logits.float(), -1) if b.sampling.greedy else b.sampling.probs(logits)
         return bool((probs.max(-1).values < b.stop_below).all())  # one small host read per draft step
 
-    def _round(self, b: _Batch, plan: DraftPlan, policy: DraftPolicy, clock: _Clock, cap: int):
+    def _round(self, b: _Batch, plan: DraftPlan, policy: DraftPolicy, clock, cap: int):
         """One round for every row: draft, verify all drafts in one pass, accept a prefix.
 
         Returns decided (B, k+2): per row the tokens (k + 1) then the accepted count, three timestamps
@@ -812,155 +667,62 @@ class SelfSpecGenerator:
             same either way; a sampled row's tokens then still do not depend on its batch-mates (a
             plain step draws other numbers than a round).
         """
-        wall = time.perf_counter()
         prompts = self._prompts(input_ids, attention_mask)
         constraints = constraints_for_rows(len(prompts), json_schema, regex, grammar)
         kinds = {c.kind for c in constraints or () if c is not None}
         if settings is None and len(kinds) == 1 and kinds <= self.format_settings.keys():
             settings = self.format_settings[kinds.pop()]  # the format's own fastest
-        sampling = SamplingParams(temperature, top_k, top_p)
         settings, policy = self._resolve(settings, drafter, num_speculations)
-        eos = self._eos_ids(eos_token_id)
-        stops = self._stop_strings(stop_strings)
         if self.view.model.training:
             warnings.warn("the model is in training mode (dropout on): outputs will not match eval mode",
                           stacklevel=2)
-        stats = GenerationStats(exit_layer=settings.exit_layer, num_layers=self.view.num_layers)
+        if admit is not None and streamer is not None:
+            raise UserError("admit and streamer do not go together: follow joined rows with on_tokens")
+        stops = self._stop_strings(stop_strings)
+        sampling = SamplingParams(temperature, top_k, top_p)
+        options = CallOptions(settings, sampling, self._eos_ids(eos_token_id),
+                              tuple(stops or ()), seed, constraints is not None, draft_max_rows,
+                              callback_rounds if on_tokens is not None or admit is not None else None,
+                              bool(streamer or stops), profile)
+        engine = Engine(self, policy, options, on_round=on_tokens)
         max_new_tokens = max(0, max_new_tokens)
-        generated = np.zeros((len(prompts), max_new_tokens), dtype=np.int64)
-        counts = np.zeros(len(prompts), dtype=np.int64)  # tokens generated per row
+        for row, prompt in enumerate(prompts):
+            engine.add(NewRow(prompt, max_new_tokens, constraint=None if constraints is None
+                              else constraints[row]))
         stream = _RowOrderStream(streamer, prompts) if streamer is not None else None
         if max_new_tokens == 0:
             if stream:
                 stream.end()
-            return GenerationOutput([[] for _ in prompts], stats,
-                                    [""] * len(prompts) if self.tokenizer else None,
+            texts = [""] * len(prompts) if self.tokenizer else None
+            return GenerationOutput([[] for _ in prompts], engine.stats, texts,
                                     None if constraints is None else [c is None for c in constraints])
-        prompt_lengths = np.array([len(p) for p in prompts], dtype=np.int64)
-        limit = self.view.max_positions
-        self._check_positions(int(prompt_lengths.max()), max_new_tokens)
-        if admit is not None and stream is not None:
-            raise UserError("admit and streamer do not go together: follow joined rows with on_tokens")
-        limits = np.full(len(prompts), max_new_tokens, dtype=np.int64)  # per caller row
-        clock = _Clock(self.view.device)
-
-        grammars = None if constraints is None else GrammarBatch(self.grammar_tokenizer(), constraints)
-        # under a grammar a reply spells what it copies with other tokens than the prompt (a value
-        # after a quote, not a space): copies match the text there too. Not elsewhere: the compiled
-        # rounds (no grammar) copy on tokens, and every path must draft alike.
-        policy.match_text(self.token_text if grammars is not None else None)
-        policy.start(prompts)
-        forced = grammars is not None and not settings.is_plain
-        k_max = policy.k_max + (FORCED_PER_ROUND if forced else 0)
-        b = self._start(prompts, sampling, seed, settings, capacity=int(prompt_lengths.max()) + max_new_tokens
-                        + k_max + 1, grammars=grammars, forced=forced)
-        stats.prefill_time = time.perf_counter() - wall
-        laps = RoundProfile() if profile else None
-        if laps is not None:
-            b.lap = laps.lap
-        # a caller that watches each round (a streamer, stop strings) gets one round per compiled call,
-        # callbacks (the server) `callback_rounds`; an adaptive k changes between calls of ADAPT_ROUNDS
-        # rounds; a fixed k runs to the row's end in one
-        fixed = type(policy) is EarlyExitPolicy and type(policy.controller) is FixedK
-        callbacks = on_tokens is not None or admit is not None
-        rounds_per_call = (1 if stream or stops else max(1, callback_rounds) if callbacks
-                           else max_new_tokens if fixed else ADAPT_ROUNDS)
-        if not fixed:
-            rounds_per_call = min(rounds_per_call, ADAPT_ROUNDS)
-        one_call = self._rounds_in_one_call(b, policy, rounds_per_call)
-        with fixed_width(self.fixed_width):  # a low-precision model: every pass at one width
-            while True:  # finished rows leave the batch, admitted ones join it
-                if admit is not None and (joining := admit()):
-                    joined = self._join(b, joining, len(counts), policy, settings, k_max)
-                    prompt_lengths = np.concatenate([prompt_lengths, [len(r.prompt) for r in joining]])
-                    limits = np.concatenate([limits, [r.max_new_tokens for r in joining]])
-                    counts = np.concatenate([counts, np.zeros(joined, dtype=np.int64)])
-                    width = max(generated.shape[1], int(limits.max()))
-                    generated = np.pad(generated, ((0, joined), (0, width - generated.shape[1])))
-                    b.lap("other")
-                if not b.rows.size:
-                    break
-                rows = b.rows
-                plain = draft_max_rows is not None and len(rows) > draft_max_rows and b.sampling.greedy
-                fused = None
-                if one_call and len(rows) == 1:
-                    copies = self._copies(policy, rows[0]) if type(policy) is CopyPolicy else None
-                    k = (policy.controller if copies is None else policy.early_exit).next_k()
-                    if plain:  # draft_max_rows = 0: plain steps, in the same compiled call
-                        copies, k = None, 0
-                    remaining = int(limits[rows[0]] - counts[rows[0]])
-                    reach = k + (0 if copies is None else copies[3])  # the most drafts a round verifies
-                    # a row's first round alone: its first token reaches the callback without delay
-                    most = 1 if callbacks and not counts[rows[0]] else rounds_per_call
-                    if limit is None or int(b.lengths[0]) + remaining + reach < limit:
-                        fused = self._greedy_rounds(b, k, eos, remaining, most, stats, policy, laps, copies)
-                        if fused is None:  # the kernels declined: rounds from Python from now on
-                            one_call = False
-                if fused is not None:
-                    tokens, emit, finished, done = fused
-                else:
-                    plan = policy.plan(b.rows)
-                    cap = k_max if self.static_passes is None else min(k_max, STATIC_WIDTH - 1)
-                    if limit is not None:  # no draft beyond the last position the model has (GPT-2's table)
-                        cap = min(cap, limit - 1 - int(b.lengths.max()))
-                    if plain:
-                        cap = 0  # a plain step: see draft_max_rows
-                    plan = plan.truncate(cap)
-                    b.lap("policy")
-                    decided, (start, drafted, verified), draft = self._round(b, plan, policy, clock, cap)
-                    segments = draft.segments
-                    stats.stopped_below_eta += draft.stopped
-                    host = decided.cpu().numpy()  # the round's one host sync
-                    tokens, accepted = host[:, :-1], host[:, -1]
-                    b.lap("acceptance")
-                    draft_time, verify_time = clock.seconds(start, drafted), clock.seconds(drafted, verified)
-                    if not segments:  # a plain step, also one whose E blocks ran before η stopped the draft
-                        draft_time, verify_time = 0.0, draft_time + verify_time
-                    self._record(stats, segments, accepted, draft_time, verify_time)
-                    b.lap("statistics")
-                    policy.update(segments, accepted, draft_time, verify_time)
-                    b.lap("policy")
-
-                    emit, finished = self._emit_counts(tokens, accepted, counts[rows], limits[rows], eos)
-                    done = RoundCounts(np.ones(len(rows), dtype=np.int64),
-                                       np.full(len(rows), tokens.shape[1] - 1, dtype=np.int64), accepted)
-                    if b.grammar is not None:  # the matchers take what their rows emitted
-                        b.lap("other")
-                        emit, finished = b.grammar.commit(tokens, emit, finished)
-                        b.lap("grammar")
-                slots, cols = np.nonzero(np.arange(tokens.shape[1]) < emit[:, None])
-                generated[rows[slots], counts[rows[slots]] + cols] = tokens[slots, cols]
-                if stops:
-                    finished |= self._cut_at_stop_strings(stops, generated, rows, counts[rows], emit)
-                counts[rows] += emit
-                b.lap("other")
-                policy.observe(rows, tokens, emit)
-                b.lap("policy")
-                if on_tokens is not None:
-                    cancel = on_tokens(rows, tokens, emit, finished, done)
-                    if cancel is not None:
-                        finished = finished | np.asarray(cancel, dtype=bool)
-                if stream:
-                    stream.feed(rows, tokens, emit, finished)
-                    b.lap("other")
-                self._advance(b, tokens, emit, keep=~finished)
-                b.lap("rollback")
-                if self.check_cache:
-                    b.cache.check(prompt_lengths[b.rows] - 1 + counts[b.rows])
-                    b.lap("other")
-
+        engine.start()
+        while True:  # finished rows leave the batch, admitted ones join it
+            for row in (admit() or []) if admit is not None else []:
+                engine.add(row)
+            if engine.done:
+                break
+            outputs = engine.step()
+            if stream:
+                stream.feed(outputs)
         if stream:
             stream.end()
-        stats.fold_rounds()
-        stats.generated_tokens = int(counts.sum())
-        stats.total_time = time.perf_counter() - wall
-        stats.profile = None if laps is None else laps.seconds
-        sequences = [generated[row, :counts[row]].tolist() for row in range(len(counts))]
-        texts = [self.tokenizer.decode(s) for s in sequences] if self.tokenizer is not None else None
-        if grammars is None:
-            return GenerationOutput(sequences, stats, texts)
-        stats.grammar_time = grammars.seconds
-        return GenerationOutput(sequences, stats, texts, list(grammars.complete))
+        return engine.output()
+
+    def engine(self, settings: DecodeSettings | None = None, *, temperature: float = 0.0, top_k: int = 0,
+               top_p: float = 1.0, eos_token_id=None, structured: bool = False, rounds_per_step: int = 1,
+               draft_max_rows: int | None = None) -> Engine:
+        """A decode to step yourself (`engine.Engine`): `add(NewRow(prompt, max_new_tokens, seed))` returns
+        the row, `step()` runs a round and returns each running row's `RoundOutput`, `cancel(row)` ends
+        one, `output()` gives what `generate` returns. settings: how to draft (default the generator's);
+        structured: rows may carry output constraints (`NewRow.constraint`); rounds_per_step: a lone
+        greedy row's rounds per step where the CPU kernels run them in one call (its first step one
+        round); draft_max_rows: as `generate`'s."""
+        settings, policy = self._resolve(settings, None, None)
+        sampling = SamplingParams(temperature, top_k, top_p)
+        options = CallOptions(settings, sampling, self._eos_ids(eos_token_id), grammar=structured,
+                              callback_rounds=rounds_per_step, draft_max_rows=draft_max_rows)
+        return Engine(self, policy, options)
 
     def chat(self, messages, **kwargs) -> GenerationOutput:
         """Reply to a conversation, a list of {"role", "content"} messages (or to a list of
@@ -1127,6 +889,11 @@ class SelfSpecGenerator:
         b.pending_host = tokens[np.arange(len(emit)), emit - 1]  # every running row emits >= 1 token
         b.lengths = b.lengths + emit
         b.cache.rollback(b.lengths)
+        self._keep_rows(b, keep)
+
+    @staticmethod
+    def _keep_rows(b: _Batch, keep: np.ndarray) -> None:
+        """Only the rows `keep` (B,) bool stay in the batch (finished or cancelled ones leave)."""
         if not keep.all():
             b.rows, b.lengths, b.pending_host, b.seeds_host = (
                 b.rows[keep], b.lengths[keep], b.pending_host[keep], b.seeds_host[keep])

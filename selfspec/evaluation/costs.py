@@ -17,7 +17,7 @@ A leaf of `evaluation/`: it imports no other module of it.
 from __future__ import annotations
 
 from ..cpu import last_level_cache_bytes
-from ..decoding.speculative import SOURCES
+from ..decoding.outputs import SOURCES
 from ..metrics import (
     AcceptanceStats,
     break_even_acceptance,

@@ -1,0 +1,323 @@
+"""The stepped engine: `Engine.add(request) -> row`, `Engine.step() -> [RoundOutput]`, `Engine.cancel(row)`.
+
+One decode call's state (its batch `_Batch`, policy, statistics and every row's tokens so far), advanced a
+round at a time by the caller:
+
+    engine = Engine(generator, policy, CallOptions(settings, sampling, eos))
+    row = engine.add(NewRow(prompt, max_new_tokens=64))
+    while not engine.done:
+        for out in engine.step():          # per running row: its new tokens, finished, drafts, accepted
+            print(out.row, out.tokens)
+    result = engine.output()               # a `GenerationOutput`, as `generate` returns
+
+Rows added before the first step (or `start()`) are prefilled together; rows added later join the
+running batch at the next step's round boundary (prefilled apart, in a cache of their own), and a row's
+tokens do not depend on when it joined (greedy; a sampled row draws from its own seed). `cancel` ends a
+row at the end of its next round (its tokens so far stay). A step is one round for every running row, or
+for a lone greedy row that the CPU kernels run, one compiled call of several rounds.
+`SelfSpecGenerator.generate` is a loop over these three calls, its streamer and `on_tokens` adapters
+around them. The engine drives the generator's round machinery (`_round`, `_start`, `_join`, ...), which
+stays the generator's: one algorithm, whichever caller steps it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..errors import UserError
+from ..model.fast import fixed_width
+from ..model.static_passes import WIDTH as STATIC_WIDTH
+from .controller import FixedK
+from .grammar import GrammarBatch
+from .outputs import GenerationOutput, GenerationStats, NewRow, RoundCounts, RoundOutput
+from .policy import CopyPolicy, DraftPolicy, EarlyExitPolicy
+from .profile import RoundProfile
+from .sampling import SamplingParams
+from .settings import DecodeSettings
+
+# A grammar's forced tokens a round may draft beyond the policy's k: they cost no model call, and a
+# pass of up to 16 + k positions stays in the compiled kernels' range of rows.
+FORCED_PER_ROUND = 16
+# Rounds per compiled call under an adaptive k (`controller.WindowRule`, `CostModelRule`): the controller
+# sees every round's counts after the call and sets the k of the next call
+ADAPT_ROUNDS = 8
+
+
+class _Clock:
+    """Timestamps without host syncs: CUDA events on CUDA (read after the round's sync), else perf_counter."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def seconds(self, start, end) -> float:
+        return start.elapsed_time(end) / 1e3 if self.cuda else end - start
+
+
+@dataclass(frozen=True)
+class CallOptions:
+    """What one decode fixes for all its rows.
+
+    settings: how to draft (`DecodeSettings`); sampling: temperature, top-k, top-p; eos: the token ids
+    (n,) that end a row; stops: strings that end a row (the token completing one is kept; needs the
+    generator's tokenizer); seed: the first rows' seeds (an int: seed + row; a list; None: drawn, 0 for
+    greedy rows), a request's own seed wins; grammar: whether rows carry output constraints;
+    draft_max_rows: a greedy round of more rows drafts nothing (None: every round drafts);
+    callback_rounds: a caller that reads every step (a server) lets a lone row run this many rounds in
+    one compiled call (its first round alone, so its first token comes at once), None: no such caller;
+    watched: a caller that reads every round (a streamer, stop strings): one round per call;
+    profile: time each part of every round (`GenerationStats.profile`).
+    """
+
+    settings: DecodeSettings
+    sampling: SamplingParams
+    eos: np.ndarray
+    stops: tuple[str, ...] = ()
+    seed: int | list | None = None
+    grammar: bool = False
+    draft_max_rows: int | None = None
+    callback_rounds: int | None = None
+    watched: bool = False
+    profile: bool = False
+
+
+class Engine:
+    """A decode call that the caller steps (module docstring). generator: the `SelfSpecGenerator`;
+    policy: the call's `DraftPolicy` (`SelfSpecGenerator._resolve`); options: `CallOptions`; on_round:
+    None, or called inside each step with the round's (rows, tokens, emit, finished, `RoundCounts`)
+    before the rows that finish leave the batch; it may return a (B,) bool array of rows to end now
+    (how `generate(on_tokens=...)` keeps its contract)."""
+
+    def __init__(self, generator, policy: DraftPolicy, options: CallOptions, on_round=None):
+        self.gen, self.policy, self.options, self.on_round = generator, policy, options, on_round
+        self.stats = GenerationStats(exit_layer=options.settings.exit_layer,
+                                     num_layers=generator.view.num_layers)
+        self.requests: list[NewRow] = []  # every row's request, in the order of `add`
+        self.joining: list[NewRow] = []  # added since the batch started, joining at the next step
+        self.generated = np.zeros((0, 0), dtype=np.int64)  # (rows, most tokens) each row's tokens so far
+        self.counts = np.zeros(0, dtype=np.int64)  # tokens generated per row
+        self.limits = np.zeros(0, dtype=np.int64)  # each row's max_new_tokens
+        self.prompt_lengths = np.zeros(0, dtype=np.int64)
+        self.cancelled: set[int] = set()
+        self.b = None  # the running batch (`_Batch`), once started
+        self.laps = None  # the profile's laps (`profile`), from the first round on
+        self.clock = _Clock(generator.view.device)
+        forced = options.grammar and not options.settings.is_plain
+        self.forced, self.k_max = forced, policy.k_max + (FORCED_PER_ROUND if forced else 0)
+        self.wall = time.perf_counter()
+
+    # -- the three calls ---------------------------------------------------------------------------
+    def add(self, request: NewRow) -> int:
+        """Queue a request; returns its row. It joins at the next step (or starts with the first)."""
+        if request.constraint is not None and not self.options.grammar:
+            raise UserError("a row with an output constraint can only join a call that has a grammar")
+        self.requests.append(request)
+        if self.b is not None:
+            self.joining.append(request)
+        return len(self.requests) - 1
+
+    def cancel(self, row: int) -> None:
+        """End `row` now: it leaves the batch before the next round runs; its tokens so far stay in the
+        output."""
+        self.cancelled.add(row)
+
+    @property
+    def done(self) -> bool:
+        """No row runs and none waits to join."""
+        return self.b is not None and not self.b.rows.size and not self.joining
+
+    def step(self) -> list[RoundOutput]:
+        """One round for every running row (a compiled call of several for a lone greedy row on the CPU
+        kernels): what each emitted. Starts the batch first, and lets the rows added since join."""
+        if self.b is None:
+            self.start()
+        if self.joining:
+            self._join()
+        if self.cancelled:
+            self._drop_cancelled()
+        b = self.b
+        if not b.rows.size:
+            return []
+        with fixed_width(self.gen.fixed_width):  # a low-precision model: every pass at one width
+            rows = b.rows
+            fused = self._fused_rounds(rows)
+            tokens, emit, finished, done = fused if fused is not None else self._round(rows)
+            slots, cols = np.nonzero(np.arange(tokens.shape[1]) < emit[:, None])
+            self.generated[rows[slots], self.counts[rows[slots]] + cols] = tokens[slots, cols]
+            if self.options.stops:
+                finished |= self.gen._cut_at_stop_strings(self.options.stops, self.generated, rows,
+                                                          self.counts[rows], emit)
+            self.counts[rows] += emit
+            b.lap("other")
+            self.policy.observe(rows, tokens, emit)
+            b.lap("policy")
+            if self.on_round is not None:
+                cancel = self.on_round(rows, tokens, emit, finished, done)
+                if cancel is not None:
+                    finished = finished | np.asarray(cancel, dtype=bool)
+            outputs = [RoundOutput(int(row), tokens[slot, :emit[slot]].tolist(), bool(finished[slot]),
+                                   int(done.passes[slot]), int(done.drafted[slot]), int(done.accepted[slot]))
+                       for slot, row in enumerate(rows)]
+            self.gen._advance(b, tokens, emit, keep=~finished)
+            b.lap("rollback")
+            if self.gen.check_cache:
+                b.cache.check(self.prompt_lengths[b.rows] - 1 + self.counts[b.rows])
+                b.lap("other")
+        return outputs
+
+    def output(self) -> GenerationOutput:
+        """Every row's tokens and the call's statistics, as `generate` returns them."""
+        stats, gen = self.stats, self.gen
+        stats.fold_rounds()
+        stats.generated_tokens = int(self.counts.sum())
+        stats.total_time = time.perf_counter() - self.wall
+        stats.profile = None if self.laps is None else self.laps.seconds
+        sequences = [self.generated[row, :self.counts[row]].tolist() for row in range(len(self.counts))]
+        texts = [gen.tokenizer.decode(s) for s in sequences] if gen.tokenizer is not None else None
+        grammars = None if self.b is None else self.b.grammar
+        if grammars is None:
+            return GenerationOutput(sequences, stats, texts)
+        stats.grammar_time = grammars.seconds
+        return GenerationOutput(sequences, stats, texts, list(grammars.complete))
+
+    # -- the pieces --------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Prefill the rows added so far, together: the batch the steps decode."""
+        gen, options, requests = self.gen, self.options, self.requests
+        if not requests:
+            raise UserError("an engine starts with at least one request: add one first")
+        for request in requests:
+            gen._check_positions(len(request.prompt), request.max_new_tokens)
+        prompts = [list(r.prompt) for r in requests]
+        grammars = (GrammarBatch(gen.grammar_tokenizer(), [r.constraint for r in requests]) if options.grammar
+                    else None)
+        # under a grammar a reply spells what it copies with other tokens than the prompt (a value
+        # after a quote, not a space): copies match the text there too. Not elsewhere: the compiled
+        # rounds (no grammar) copy on tokens, and every path must draft alike.
+        self.policy.match_text(gen.token_text if grammars is not None else None)
+        self.policy.start(prompts)
+        seed = options.seed
+        if any(r.seed is not None for r in requests):
+            drawn = gen._seeds(seed, len(requests), options.sampling.greedy)
+            seed = [drawn[i] if r.seed is None else r.seed for i, r in enumerate(requests)]
+        capacity = max(len(p) + r.max_new_tokens for p, r in zip(prompts, requests)) + self.k_max + 1
+        self.b = gen._start(prompts, options.sampling, seed, options.settings, capacity=capacity,
+                            grammars=grammars, forced=self.forced)
+        self._grow(len(requests))
+        self.stats.prefill_time = time.perf_counter() - self.wall
+        if options.profile:
+            self.laps = RoundProfile()
+            self.b.lap = self.laps.lap
+        self._plan_calls()
+
+    def _plan_calls(self) -> None:
+        """How many rounds a compiled call may run: one for a caller that reads every round, the
+        callback's rounds for one that reads every step, a fixed k to the row's end, an adaptive one
+        `ADAPT_ROUNDS` (its controller takes every round's counts between calls)."""
+        options, policy = self.options, self.policy
+        self.fixed = type(policy) is EarlyExitPolicy and type(policy.controller) is FixedK
+        most = int(self.limits.max())
+        rounds = (1 if options.watched else max(1, options.callback_rounds)
+                  if options.callback_rounds is not None else most if self.fixed else ADAPT_ROUNDS)
+        self.rounds_per_call = rounds if self.fixed else min(rounds, ADAPT_ROUNDS)
+        self.one_call = self.gen._rounds_in_one_call(self.b, policy, self.rounds_per_call)
+
+    def _grow(self, rows: int) -> None:
+        """Room in the per-row arrays for `rows` more rows (the newest requests)."""
+        new = self.requests[len(self.requests) - rows:]
+        self.limits = np.concatenate([self.limits, [r.max_new_tokens for r in new]]).astype(np.int64)
+        lengths = [len(r.prompt) for r in new]
+        self.prompt_lengths = np.concatenate([self.prompt_lengths, lengths]).astype(np.int64)
+        width = max(self.generated.shape[1], int(self.limits.max()))
+        self.generated = np.pad(self.generated, ((0, rows), (0, width - self.generated.shape[1])))
+        self.counts = np.concatenate([self.counts, np.zeros(rows, dtype=np.int64)])
+
+    def _drop_cancelled(self) -> None:
+        """Cancelled rows leave the batch before the round (one cancelled while waiting to join has
+        joined first: its prefill is the only work it costs)."""
+        keep = ~np.isin(self.b.rows, list(self.cancelled))
+        if not keep.all():
+            self.gen._keep_rows(self.b, keep)
+
+    def _join(self) -> None:
+        joining, self.joining = self.joining, []
+        first = len(self.requests) - len(joining)
+        self.gen._join(self.b, joining, first, self.policy, self.options.settings, self.k_max)
+        self._grow(len(joining))
+        self.b.lap("other")
+
+    def _plain(self, rows: np.ndarray) -> bool:
+        """A greedy round of more rows than `draft_max_rows` drafts nothing (a plain step)."""
+        most = self.options.draft_max_rows
+        return most is not None and len(rows) > most and self.b.sampling.greedy
+
+    def _fused_rounds(self, rows: np.ndarray):
+        """A lone row's rounds in one compiled call (`SelfSpecGenerator._greedy_rounds`), or None."""
+        if not (self.one_call and len(rows) == 1):
+            return None
+        gen, policy, b, row = self.gen, self.policy, self.b, int(rows[0])
+        copies = gen._copies(policy, row) if type(policy) is CopyPolicy else None
+        k = (policy.controller if copies is None else policy.early_exit).next_k()
+        if self._plain(rows):  # draft_max_rows = 0: plain steps, in the same compiled call
+            copies, k = None, 0
+        remaining = int(self.limits[row] - self.counts[row])
+        reach = k + (0 if copies is None else copies[3])  # the most drafts a round verifies
+        # a row's first round alone: its first token reaches the caller without delay
+        watched = self.options.callback_rounds is not None
+        most = 1 if watched and not self.counts[row] else self.rounds_per_call
+        limit = gen.view.max_positions
+        if limit is not None and int(b.lengths[0]) + remaining + reach >= limit:
+            return None
+        fused = gen._greedy_rounds(b, k, self.options.eos, remaining, most, self.stats, policy, self.laps,
+                                   copies)
+        if fused is None:  # the kernels declined: rounds from Python from now on
+            self.one_call = False
+        return fused
+
+    def _round(self, rows: np.ndarray):
+        """One round from Python: draft, verify, accept; (tokens, emit, finished, `RoundCounts`)."""
+        gen, policy, b, stats = self.gen, self.policy, self.b, self.stats
+        plan = policy.plan(rows)
+        cap = self.k_max if gen.static_passes is None else min(self.k_max, STATIC_WIDTH - 1)
+        limit = gen.view.max_positions
+        if limit is not None:  # no draft beyond the last position the model has (GPT-2's table)
+            cap = min(cap, limit - 1 - int(b.lengths.max()))
+        if self._plain(rows):
+            cap = 0  # a plain step: see draft_max_rows
+        plan = plan.truncate(cap)
+        b.lap("policy")
+        decided, (start, drafted, verified), draft = gen._round(b, plan, policy, self.clock, cap)
+        stats.stopped_below_eta += draft.stopped
+        host = decided.cpu().numpy()  # the round's one host sync
+        tokens, accepted = host[:, :-1], host[:, -1]
+        b.lap("acceptance")
+        clock = self.clock
+        draft_time, verify_time = clock.seconds(start, drafted), clock.seconds(drafted, verified)
+        if not draft.segments:  # a plain step, also one whose E blocks ran before η stopped the draft
+            draft_time, verify_time = 0.0, draft_time + verify_time
+        gen._record(stats, draft.segments, accepted, draft_time, verify_time)
+        b.lap("statistics")
+        policy.update(draft.segments, accepted, draft_time, verify_time)
+        b.lap("policy")
+        emit, finished = gen._emit_counts(tokens, accepted, self.counts[rows], self.limits[rows],
+                                          self.options.eos)
+        done = RoundCounts(np.ones(len(rows), dtype=np.int64),
+                           np.full(len(rows), tokens.shape[1] - 1, dtype=np.int64), accepted)
+        if b.grammar is not None:  # the matchers take what their rows emitted
+            b.lap("other")
+            emit, finished = b.grammar.commit(tokens, emit, finished)
+            b.lap("grammar")
+        return tokens, emit, finished, done
+
+
+__all__ = ["ADAPT_ROUNDS", "FORCED_PER_ROUND", "CallOptions", "Engine"]

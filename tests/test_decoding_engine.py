@@ -1,0 +1,49 @@
+"""The stepped engine (`decoding.engine.Engine`): add, step, cancel. Rows added before the first step
+decode together, rows added later join at a round boundary, a cancelled row leaves before the next round
+with its tokens so far; every row's tokens equal its prompt decoded alone (greedy, lossless)."""
+
+import pytest
+from helpers import low_alpha_model, reference_greedy
+
+from selfspec.decoding import NewRow, SelfSpecGenerator
+from selfspec.errors import UserError
+
+PROMPTS = [[5, 17, 33, 2, 71, 8], [40, 3], [11, 12, 13, 14, 15, 16, 17, 18, 19]]
+
+
+@pytest.mark.parametrize("drafter", ["early_exit", "hybrid"])
+def test_rows_added_joined_and_cancelled_as_generate_decodes_them_alone(drafter):
+    model = low_alpha_model("llama")
+    generator = SelfSpecGenerator(model, exit_layer=2, drafter=drafter, num_speculations=3)
+    engine = generator.engine(eos_token_id=[])  # the tiny model's eos is a token like any other here
+    first = [engine.add(NewRow(p, 12)) for p in PROMPTS[:2]]
+    outputs = engine.step()
+    assert sorted(o.row for o in outputs) == first and all(o.passes >= 1 and o.tokens for o in outputs)
+    late = engine.add(NewRow(PROMPTS[2], 10))  # joins at the next step
+    cancelled = engine.add(NewRow(PROMPTS[0], 30))
+    seen = {row: [] for row in range(4)}
+    for o in outputs + engine.step():
+        seen[o.row] += o.tokens
+    assert seen[late] and seen[cancelled]  # both joined and ran a round
+    engine.cancel(cancelled)  # it leaves before the next round
+    steps = 2
+    while not engine.done:
+        outputs = engine.step()
+        assert cancelled not in [o.row for o in outputs]
+        for o in outputs:
+            seen[o.row] += o.tokens
+        steps += 1
+    out = engine.output()
+    assert out.sequences[:3] == [reference_greedy(model, p, n) for p, n in zip(PROMPTS, (12, 12, 10))]
+    assert [seen[row] for row in range(4)] == out.sequences
+    assert out.sequences[cancelled] == reference_greedy(model, PROMPTS[0], 30)[:len(out.sequences[cancelled])]
+    assert 0 < len(out.sequences[cancelled]) < 30 and late == 2 and steps > 3
+
+
+def test_an_engine_needs_a_request_and_a_grammar_for_a_constraint():
+    generator = SelfSpecGenerator(low_alpha_model("llama"), exit_layer=2)
+    with pytest.raises(UserError, match="at least one request"):
+        generator.engine().step()
+    from selfspec.decoding import Constraint
+    with pytest.raises(UserError, match="only join a call that has a grammar"):
+        generator.engine().add(NewRow([1, 2], 4, constraint=Constraint.of(json_schema={"type": "object"})))
