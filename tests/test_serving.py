@@ -16,8 +16,8 @@ from helpers import CHATML, assert_shape
 from transformers import AutoModelForCausalLM
 
 from selfspec import SelfSpecGenerator
+from selfspec.decoding.engine import ADAPT_ROUNDS
 from selfspec.decoding.prefix import PrefixCache
-from selfspec.decoding.speculative import ADAPT_ROUNDS
 from selfspec.errors import UserError
 from selfspec.evaluation.results import ServeLoadReport
 from selfspec.serving.app import create_app, merged_text, run_in_thread
@@ -186,7 +186,7 @@ def test_bad_requests_get_an_openai_error_that_names_the_field(client, fields, s
 def test_a_body_that_is_too_large_or_not_json_is_refused(generator):
     with TestClient(create_app(generator, NAME, max_body_bytes=200)) as client:
         r = client.post("/v1/chat/completions", json=chat("x" * 300))
-        assert r.status_code == 400 and r.json()["error"]["param"] == "body"
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
         r = client.post("/v1/chat/completions", content=b"{not json",
                         headers={"content-type": "application/json"})
         assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
@@ -199,7 +199,7 @@ def test_an_api_key_is_required_when_set(generator):
         assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
         ok = client.get("/v1/models", headers={"Authorization": "Bearer s3cret"})
         assert ok.status_code == 200 and ok.json()["data"][0]["id"] == NAME
-        assert client.get("/health").status_code == 200  # health and metrics need no key
+        assert client.get("/health").status_code == 200  # health needs no key; metrics do (hardening tests)
 
 
 def test_a_full_queue_answers_429_with_retry_after(generator):
@@ -438,19 +438,26 @@ def test_a_request_cancelled_while_it_waits_leaves_the_queue_counted(generator):
 
 
 def test_a_failing_request_gets_a_500_and_the_server_keeps_serving(generator, monkeypatch, caplog):
-    real, calls = generator.generate, []
+    real, calls = generator.engine, []
 
-    def fail_once(*args, **kwargs):
+    def fail_once(*args, **kwargs):  # the first wave's engine fails its first step
+        engine = real(*args, **kwargs)
         calls.append(1)
         if len(calls) == 1:
-            raise RuntimeError("boom")
-        return real(*args, **kwargs)
+            def boom():
+                raise RuntimeError("boom")
+            engine.step = boom
+        return engine
 
-    monkeypatch.setattr(generator, "generate", fail_once)
+    monkeypatch.setattr(generator, "engine", fail_once)
     with TestClient(create_app(generator, NAME)) as client:
         r = client.post("/v1/chat/completions", json=chat("hi"))
-        assert r.status_code == 500 and "boom" in r.json()["error"]["message"]
-        assert "a wave of 1 requests failed" in caplog.text and "RuntimeError: boom" in caplog.text
+        error, request_id = r.json()["error"], r.headers["x-request-id"]
+        # the client gets the request's id, never the exception's text; the log has both
+        assert r.status_code == 500 and error["type"] == "server_error" and request_id in error["message"]
+        assert "boom" not in error["message"]
+        assert f"request {request_id} failed while decoding" in caplog.text
+        assert "RuntimeError: boom" in caplog.text
         assert client.post("/v1/chat/completions", json=chat("hi")).status_code == 200
 
 
@@ -495,7 +502,8 @@ def test_the_load_benchmark_reports_every_level_and_the_fault_run(tiny_run, tmp_
     from selfspec.evaluation.serve_load import serve_load
 
     report = serve_load(str(tiny_run["model"]), corpus=str(tiny_run["corpus"]), num_prompts=3,
-                        concurrency="1,2", requests=3, max_tokens=6, fault=12, out=str(tmp_path))
+                        concurrency="1,2", requests=3, max_tokens=6, fault=12, out=str(tmp_path),
+                        fault_classes="numeric overflow,wrong content types")
     assert_shape(report, ServeLoadReport)
     for arm in ("selfspec", "plain"):
         assert [row["concurrency"] for row in report["levels"][arm]] == [1, 2]
@@ -506,6 +514,10 @@ def test_the_load_benchmark_reports_every_level_and_the_fault_run(tiny_run, tmp_
     fault = report["fault"]
     assert fault["bad"] > 0 and fault["bad_refused_4xx"] == fault["bad"] and fault["good_ok"] == fault["good"]
     assert fault["resident_before"] > 0  # the server's own process
+    # the fault classes asked for (every class: tests/test_serve_load_faults.py), each in the Markdown
+    assert [row["class"] for row in fault["classes"]] == ["numeric overflow", "wrong content types"]
+    assert all(row["server_errors"] == 0 and row["good_changed"] == 0 for row in fault["classes"])
+    assert "| numeric overflow |" in (tmp_path / "serve_load.md").read_text()
     assert {p.name for p in tmp_path.iterdir()} >= {"serve_load.json", "serve_load.md", "serve_load.png",
                                                      "server.log", "server-plain.log"}
 

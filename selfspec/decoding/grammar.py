@@ -24,7 +24,9 @@ reached an accepting state; a row cut by `max_new_tokens` before that is reporte
 from __future__ import annotations
 
 import json
+import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,6 +39,7 @@ from ..errors import UserError
 # own "x-guidance" options override these.
 JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 INSTALL = "pip install 'selfspec[structured]' (or pip install llguidance)"
+COMPILED_KEPT = 64  # compiled constraints a `GrammarTokenizer` keeps (`GrammarTokenizer.compiled`)
 
 
 def _llguidance():
@@ -131,6 +134,8 @@ class GrammarTokenizer:
         except ValueError as exc:
             raise UserError(f"llguidance cannot read this tokenizer ({exc}); structured output needs a "
                             f"byte-level or byte-fallback tokenizer") from None
+        self._compiled: OrderedDict = OrderedDict()  # Constraint -> its matcher, never consumed
+        self._compiled_lock = threading.Lock()
 
     def matcher(self, constraint: Constraint):
         """A fresh matcher of `constraint`; a UserError that says where the grammar fails to compile."""
@@ -144,7 +149,43 @@ class GrammarTokenizer:
         if matcher.is_error():
             raise UserError(f"the {constraint.kind.replace('_', ' ')} does not compile: "
                             f"{' '.join(matcher.get_error().split())}")
+        self._check_first_token(constraint, matcher)
         return matcher
+
+    def _check_first_token(self, constraint: Constraint, matcher) -> None:
+        """A UserError when the grammar cannot produce its first token: llguidance builds parts of a
+        grammar lazily, at the first mask (a repetition of a million, a schema that refers to itself),
+        and a required cycle allows no token at all. Checked here, before a row decodes, so that such
+        a grammar is refused with the request rather than failing its batch."""
+        probe, words = matcher.deep_copy(), (self.vocab_size + 31) // 32
+        bits = np.zeros(words, dtype=np.int32)
+        probe.unsafe_compute_mask_ptr(bits.ctypes.data, words * 4)
+        allowed = np.unpackbits(bits.view(np.uint8), bitorder="little")[:self.vocab_size].astype(bool)
+        allowed[[t for t in self.eos if t < self.vocab_size]] = False
+        if not allowed.any() and not probe.is_accepting():
+            raise UserError("the grammar needs text this tokenizer's vocabulary cannot write; use a "
+                            "byte-level tokenizer or a grammar over the characters it has")
+        if probe.is_error():
+            raise UserError(f"the {constraint.kind.replace('_', ' ')} does not compile: "
+                            f"{' '.join(probe.get_error().split())[:500]}")
+
+    def compiled(self, constraint: Constraint):
+        """`constraint`'s compiled matcher, shared: the caller takes `deep_copy`s and never feeds it.
+        The last `COMPILED_KEPT` are kept, so that a constraint compiled once (by the server, on a
+        worker thread, as it checks a request) is not compiled again by every batch that decodes it.
+        Thread-safe; a UserError as `matcher`'s."""
+        with self._compiled_lock:
+            found = self._compiled.get(constraint)
+            if found is not None:
+                self._compiled.move_to_end(constraint)
+                return found
+        made = self.matcher(constraint)  # outside the lock: a large grammar compiles for a while
+        with self._compiled_lock:
+            self._compiled[constraint] = made
+            self._compiled.move_to_end(constraint)
+            while len(self._compiled) > COMPILED_KEPT:
+                self._compiled.popitem(last=False)
+        return made
 
 
 class GrammarBatch:
@@ -179,7 +220,7 @@ class GrammarBatch:
         last one's."""
         for c in constraints:
             if c is not None and c not in self.compiled:
-                self.compiled[c] = self.tokenizer.matcher(c)
+                self.compiled[c] = self.tokenizer.compiled(c)
         first = len(self.complete)
         self.matchers += [None if c is None else self.compiled[c].deep_copy() for c in constraints]
         self.complete += [c is None for c in constraints]
@@ -307,7 +348,12 @@ class GrammarBatch:
                 continue
             for i in range(int(emit[slot])):
                 if not m.consume_token(int(tokens[slot, i])):
-                    raise RuntimeError(f"the grammar refused an emitted token: {m.get_error()}")
+                    error = " ".join(m.get_error().split())
+                    if "TooComplex" in error or "too many" in error:  # llguidance's limits: the grammar's
+                        raise UserError(f"the grammar grew past what the grammar engine can follow "
+                                        f"(llguidance: {error[:300]}); simplify it (a self-reference, a huge "
+                                        f"repetition)")
+                    raise RuntimeError(f"the grammar refused an emitted token: {error}")
                 if m.is_stopped():  # complete, nothing more allowed: the row ends with this token
                     emit[slot], finished[slot] = i + 1, True
                     break

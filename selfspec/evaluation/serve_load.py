@@ -18,13 +18,20 @@ paired the same way. The median of the paired speed ratios and its interval
 `--fault N` then sends N requests, a third of them malformed or hostile (bad JSON, a wrong key,
 unknown fields' values, oversize bodies, huge max_tokens), mixed with good ones: every bad one
 must get a 4xx, every good one its reply, and the server process's resident memory is compared
-before and after.
+before and after. Then each fault class of FAULT_CLASSES (`--fault-classes`) in turn: its hostile requests,
+each over a socket of its own (raw HTTP/1.1, as httpx cannot send a body that is not UTF-8, a chunk size
+that is not hex or a request trickled over seconds), beside good requests and a /health probe. Per class:
+the statuses, the 5xx (hostile, good and /health ones), errors whose body is not OpenAI's JSON, statuses
+the class did not expect, the good replies changed (not the text decoded alone) or failed, /health's
+p50 and p99, and the server's resident memory before and after. Every loop is bounded in count and
+time; all traffic goes to 127.0.0.1.
 
     selfspec eval serve-load --model runs/demo/model --requests 16 --max-tokens 64
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -41,13 +48,14 @@ from pathlib import Path
 
 import httpx
 
+from ..checkpoint import load_tuned
 from ..decoding import SelfSpecGenerator
 from ..decoding.prefix import prefix_cache_of
 from ..decoding.settings import PLAIN
 from ..errors import UserError
-from .benchmark import read_prompts
 from .paired import median_interval
-from .report import publish, save_figure
+from .prompts import read_prompts
+from .report import publish, pyplot, save_figure
 from .results import ServeLoadReport
 
 KEY = "serve-load"
@@ -200,7 +208,15 @@ def _paired_speedup(run, baseline, count: int, passes: int = 2) -> dict:
 
 
 def _resident_bytes(pid: int) -> int:
-    """Process `pid`'s resident memory (Linux /proc; 0 elsewhere)."""
+    """Process `pid`'s resident memory (psutil; else Linux /proc; else 0)."""
+    try:
+        import psutil
+
+        return psutil.Process(pid).memory_info().rss
+    except ImportError:
+        pass
+    except Exception:  # psutil.Error: no such process, no access
+        return 0
     try:
         pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
     except (OSError, ValueError, IndexError):
@@ -209,10 +225,11 @@ def _resident_bytes(pid: int) -> int:
 
 
 def fault_run(url: str, prompts: list[str], reference: list[str], total: int, max_tokens: int,
-              pid: int = 0, seed: int = 0) -> dict:
+              pid: int = 0, seed: int = 0, classes: list[str] | None = None, scale: float = 1.0) -> dict:
     """`total` requests, a third bad (each kind in turn), the rest good; which got what, and the
     resident memory of the server's process `pid` before and after. A good one counts as answered when
-    its text is `reference`'s for its prompt (decoded alone)."""
+    its text is `reference`'s for its prompt (decoded alone). Then each fault class (`fault_classes`:
+    `classes`, None: all) beside max(2, total // 8) good requests: its row under "classes"."""
     rng = random.Random(seed)
     auth = {"Authorization": f"Bearer {KEY}"}
     bad_kinds = {
@@ -246,7 +263,357 @@ def fault_run(url: str, prompts: list[str], reference: list[str], total: int, ma
     return {"requests": total, "bad": len(bad), "bad_refused_4xx": sum(400 <= c < 500 for _, c in bad),
             "bad_codes": sorted({f"{k}: {c}" for k, c in bad}), "good": len(good),
             "good_ok": sum(good),
+            "resident_before": before, "resident_after": _resident_bytes(pid),
+            "classes": fault_classes(url, prompts, reference, max_tokens, pid, classes=classes,
+                                     good=max(2, total // 8), scale=scale) if classes != [] else []}
+
+
+# -- fault classes: hostile traffic of one kind beside good requests ----------------------------------
+
+FAULT_CLASSES = ("numeric overflow", "hang-ups", "abandoned flood", "oversized and chunked bodies",
+                 "slowloris", "wrong content types", "invalid utf-8", "deep json", "pathological schemas",
+                 "huge stop strings", "bad role orders")
+RAW_SECONDS = 60  # the most one hostile request may take, all of it; beyond: "timeout"
+SLOWLORIS_SECONDS = 3.0  # a trickled request's whole time (scaled): bounded, then it ends or hangs up
+HEALTH_EVERY, HEALTH_PROBES = 0.05, 2000  # /health probed this often during a class, at most this often
+BODY_OVER = 2 << 20  # bigger than `selfspec serve`'s default --max-body-bytes (1 MiB)
+RAW = "\x00raw\x00"  # a value written into the JSON text as it is (NaN, 1e400, an escape)
+
+
+def _raw_json(body: dict, raw: str) -> bytes:
+    """`body` as JSON with its one RAW value replaced by the text `raw` (NaN, 1e400, \\ud800)."""
+    return json.dumps(body).replace(json.dumps(RAW), raw).encode()
+
+
+def _text(**fields) -> dict:
+    return {"model": "served", "prompt": "def f(x):", "max_tokens": 4, "temperature": 0, **fields}
+
+
+def _chat(messages: list, **fields) -> dict:
+    return {"model": "served", "messages": messages, "max_tokens": 4, "temperature": 0, **fields}
+
+
+class Attack:
+    """One hostile request, sent over a socket of its own (`_send`): the body's bytes (a list: parts,
+    each a chunk when `chunked`), what to expect ("4xx", "2xx", "any": a status under 500, "none": we
+    hang up first) and how to send it."""
+
+    def __init__(self, body: bytes | list[bytes] | dict, expect: str = "4xx", *,
+                 path: str = "/v1/completions", content_type: str | None = "application/json",
+                 chunked: bool = False, length: int | None = None, end: bool = True,
+                 hang_up: str | None = None, linger: float = 0.0, trickle: float = 0.0,
+                 stop_at: float = 1.0, label: str | None = None):
+        body = json.dumps(body).encode() if isinstance(body, dict) else body
+        self.parts = [body] if isinstance(body, bytes) else body
+        whole = b"".join(self.parts)
+        self.label = label or (f"{path} {content_type} " + whole[:70].decode("utf-8", "backslashreplace")
+                               + ("..." if len(whole) > 70 else ""))
+        self.expect, self.path, self.content_type, self.chunked = expect, path, content_type, chunked
+        self.length, self.end, self.hang_up, self.linger = length, end, hang_up, linger
+        self.trickle, self.stop_at = trickle, stop_at
+
+    def request(self) -> bytes:
+        head = [f"POST {self.path} HTTP/1.1", "Host: 127.0.0.1", f"Authorization: Bearer {KEY}",
+                "Connection: close"]
+        if self.content_type is not None:
+            head.append(f"Content-Type: {self.content_type}")
+        if self.chunked:
+            head.append("Transfer-Encoding: chunked")
+            body = b"".join(f"{len(p):x}\r\n".encode() + p + b"\r\n" for p in self.parts)
+            body += b"0\r\n\r\n" if self.end else b""
+        else:
+            body = b"".join(self.parts)
+            head.append(f"Content-Length: {len(body) if self.length is None else self.length}")
+        return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+def _parse_answer(answer: bytes) -> tuple[int | str, bool]:
+    """(the status, whether an error's body is OpenAI's JSON) of a whole HTTP/1.1 answer."""
+    head, _, body = answer.partition(b"\r\n\r\n")
+    try:
+        status = int(head.split(b" ", 2)[1])
+    except (IndexError, ValueError):
+        return "no answer", True
+    if b"transfer-encoding: chunked" in head.lower():
+        whole, rest = b"", body
+        while rest:
+            size, _, rest = rest.partition(b"\r\n")
+            try:
+                n = int(size.split(b";")[0], 16)
+            except ValueError:
+                break
+            if n == 0:
+                break
+            whole, rest = whole + rest[:n], rest[n + 2:]
+        body = whole
+    if status < 400:
+        return status, True
+    try:
+        error = json.loads(body)["error"]
+        shaped = isinstance(error, dict) and {"message", "type", "param", "code"} <= set(error)
+    except (ValueError, KeyError, TypeError):
+        shaped = False
+    return status, shaped
+
+
+async def _send(port: int, attack: Attack) -> tuple[int | str, bool]:
+    """Send `attack` to 127.0.0.1:`port` and read its answer to the end (the server closes after it:
+    Connection: close); (status, whether an error body is OpenAI's JSON). The status is a word when none
+    came: "hung up" (we closed first, as told), "no answer" (the server closed), "timeout"."""
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    except OSError:
+        return "refused", True
+    data = attack.request()
+    pieces = 16 if attack.trickle else 1
+    step = -(-len(data) // pieces)
+    last = pieces if attack.stop_at >= 1 else max(1, int(pieces * attack.stop_at))
+
+    async def exchange():
+        try:
+            for i in range(last):
+                if i:
+                    await asyncio.sleep(attack.trickle / pieces)
+                writer.write(data[i * step:(i + 1) * step])
+                await writer.drain()
+        except OSError:
+            pass  # the server answered (a 413) and closed before the rest: read what it said
+        if last < pieces or attack.hang_up == "sent":
+            await asyncio.sleep(attack.linger)
+            return "hung up", True
+        answer = b""
+        try:
+            while len(answer) < 1 << 22:
+                part = await reader.read(65536)
+                if not part:
+                    break
+                answer += part
+                if attack.hang_up == "first" and b"\r\n\r\n" in answer:
+                    status, _ = _parse_answer(answer)  # the head came; the stream is left mid-way
+                    return f"{status}, hung up", True
+        except OSError:
+            pass
+        return _parse_answer(answer)
+
+    try:
+        return await asyncio.wait_for(exchange(), RAW_SECONDS)
+    except asyncio.TimeoutError:
+        return "timeout", True
+    finally:
+        writer.close()
+
+
+def _attacks(name: str, scale: float, max_tokens: int) -> list[Attack]:
+    """The hostile requests of fault class `name`; counts and sizes times `scale` (1: the full sizes)."""
+    n = lambda count: max(1, round(count * scale))  # noqa: E731
+    chat_path = "/v1/chat/completions"
+    user = [{"role": "user", "content": "hi"}]
+    if name == "numeric overflow":
+        return [Attack(_text(seed=2**63, temperature=1)), Attack(_text(seed=-2**63 - 1, temperature=1)),
+                Attack(_text(max_tokens=2**63)), Attack(_text(max_tokens=10**30)),
+                Attack(_chat(user, max_completion_tokens=2**64), path=chat_path),
+                Attack(_text(top_k=2**70)), Attack(_text(n=2**63)), Attack(_text(logprobs=-2**63))] + [
+            Attack(_raw_json(_text(**{field: RAW}), raw)) for field, raw in [
+                ("temperature", "NaN"), ("temperature", "Infinity"), ("top_p", "-Infinity"),
+                ("max_tokens", "1e400"), ("seed", "1e309"), ("presence_penalty", "NaN"),
+                ("max_tokens", "9" * 400)]]
+    if name == "hang-ups":  # streamed: the head and the first chunks, then we close; not: before the answer
+        long = max_tokens * 4
+        return [Attack(_text(max_tokens=long, stream=True), "none", hang_up="first") for _ in range(n(4))] + [
+            Attack(_text(max_tokens=long), "none", hang_up="sent", linger=0.2) for _ in range(n(4))] + [
+            Attack(_chat(user, max_tokens=long, stream=True), "none", path=chat_path, hang_up="first")
+            for _ in range(n(2))]
+    if name == "abandoned flood":  # fire and forget: the connection closes once the request is sent
+        return [Attack(_text(prompt=f"# {i}\ndef f(x):", max_tokens=max_tokens * 4), "none", hang_up="sent")
+                for i in range(n(32))]
+    if name == "oversized and chunked bodies":
+        big = json.dumps(_text(prompt="x" * BODY_OVER)).encode()
+        good = json.dumps(_text()).encode()
+        return [Attack(b"", length=10**9), Attack(big),  # a declared length over the limit; a body over it
+                Attack([big[i:i + 65536] for i in range(0, len(big), 65536)], chunked=True),
+                Attack([big[:BODY_OVER // 2 + 1], big[BODY_OVER // 2 + 1:]], chunked=True, end=False),
+                Attack([good[:7], good[7:20], good[20:]], "2xx", chunked=True),  # chunked within the limit
+                Attack([b"zz\r\n"], chunked=True),  # a chunk size that is not hex
+                Attack(good, "none", length=len(good) * 2, hang_up="sent", linger=0.5)]  # never all of it
+    if name == "slowloris":  # the request trickled over a few seconds; half finish, half give up half-way
+        seconds = SLOWLORIS_SECONDS * min(1.0, scale) if scale < 1 else SLOWLORIS_SECONDS
+        return [Attack(_text(prompt=f"# slow {i}\ndef f(x):"), "2xx" if i % 2 == 0 else "none",
+                       trickle=seconds, stop_at=1.0 if i % 2 == 0 else 0.5) for i in range(max(2, n(8)))]
+    if name == "wrong content types":
+        body = json.dumps(_text()).encode()
+        kinds = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", None,
+                 "application/xml", "text/json")
+        return [Attack(body, "4xx", path=path, content_type=kind) for path in ("/v1/completions", chat_path)
+                for kind in kinds] + [
+            Attack(b"model=served&prompt=hi", content_type="application/x-www-form-urlencoded")]
+    if name == "invalid utf-8":
+        start = b'{"model": "served", "max_tokens": 4, "prompt": "'
+        chat_start = b'{"model": "served", "max_tokens": 4, "messages": [{"role": "user", "content": "'
+        bad_bytes = (b"\xff\xfe", b"\xc0\xaf", b"\xed\xa0\x80", b"\xe2\x82", b"ok\x80ok",
+                     b"\xf8\x88\x80\x80\x80")
+        return [Attack(start + bad + b'"}') for bad in bad_bytes] + [
+            Attack(chat_start + b"\xff" + b'"}]}', path=chat_path)] + [
+            # a lone surrogate, escaped: valid JSON text, not a valid string of text
+            Attack(_raw_json(_text(prompt=RAW), raw), "any") for raw in ('"\\ud800"', '"a\\udfffb"')] + [
+            Attack(_raw_json(_chat([{"role": "user", "content": RAW}]), '"\\ud83d"'), "any", path=chat_path),
+            Attack(_raw_json(_text(stop=RAW), '"\\udc00"'), "any")]
+    if name == "deep json":
+        depth = max(100, round(10_000 * min(1.0, scale * 4)))
+        arrays = ("[" * depth + "]" * depth).encode()
+        objects = '{"a": ' * depth + "1" + "}" * depth
+        schema = '{"type": "array", "items": ' * depth + '{"type": "integer"}' + "}" * depth
+        return [Attack(b'{"model": "served", "prompt": ' + arrays + b"}"),
+                Attack(_raw_json(_text(metadata=RAW), objects)),
+                Attack(_raw_json(_chat([{"role": "user", "content": RAW}]), "[" * depth + "]" * depth),
+                       path=chat_path),
+                Attack(_raw_json(_text(response_format={"type": "json_schema", "json_schema": {
+                    "name": "deep", "schema": RAW}}), schema), "any"),
+                Attack(arrays)]
+    if name == "pathological schemas":  # each compiles or is refused in one bounded step; decodes 4 tokens
+        def schema(s: dict) -> Attack:
+            text = json.dumps(s)
+            return Attack(_text(prompt="a value: ", response_format={
+                "type": "json_schema", "json_schema": {"name": "s", "schema": s}}), "any",
+                label="schema " + text[:80] + ("..." if len(text) > 80 else ""))
+        count = n(20_000)
+        return [schema(s) for s in (
+            {"type": "string", "pattern": "^(a+)+$"}, {"type": "string", "pattern": "^(a|aa)*b$"},
+            {"type": "string", "pattern": "^((a*)*)*b$"}, {"type": "string", "pattern": "^a{1000000}$"},
+            {"type": "string", "pattern": "^(a{1,1000}){1,1000}$"}, {"type": "string", "pattern": "(?=a)b"},
+            {"type": "string", "pattern": "["}, {"type": "string", "minLength": 10**9},
+            {"type": "array", "items": {"type": "integer"}, "minItems": 10**9},
+            {"type": "string", "enum": [f"value {i}" for i in range(count)]},
+            {"type": "integer", "minimum": 10, "maximum": 1},
+            {"type": "string", "minLength": 5, "maxLength": 1},
+            {"type": "number", "multipleOf": 1e-300}, {"not": {}}, {"$ref": "#"},
+            {"$defs": {"a": {"type": "object", "properties": {"a": {"$ref": "#/$defs/a"}},
+                             "required": ["a"]}}, "$ref": "#/$defs/a"},
+            {"$ref": "#/$defs/missing"}, {"type": "object", "required": [f"k{i}" for i in range(count)]},
+            {"allOf": [{"type": "string"}, {"type": "integer"}]})]
+    if name == "huge stop strings":
+        chars = max(1000, round(200_000 * min(1.0, scale)))
+        return [Attack(_text(stop="x" * chars)), Attack(_text(stop=["x" * chars] * 4)),
+                Attack(_text(stop=[f"s{i}" for i in range(n(10_000))])), Attack(_text(stop="x" * 257)),
+                Attack(_chat(user, stop="y" * chars), path=chat_path), Attack(_text(stop={"a": 1})),
+                Attack(_text(stop="x" * 256), "2xx"), Attack(_text(stop=["\n" * 256, "é" * 256]), "2xx")]
+    if name == "bad role orders":
+        m = lambda role, content="hi": {"role": role, "content": content}  # noqa: E731
+        orders = [[], [m("assistant")], [m("user"), m("user")], [m("system"), m("system")],
+                  [m("assistant"), m("user")], [m("user"), m("assistant")], [m("system")], [m("tool")],
+                  [m("user"), m("system"), m("user")], [m("developer"), m("assistant"), m("assistant")],
+                  [{"role": "user"}], [m("user", None)], [m("user", [])],
+                  [m("user", [{"type": "image_url", "image_url": {"url": "x"}}])], [m("function")],
+                  [m("user")] * n(200)]
+        return [Attack(_chat(messages), "any", path=chat_path, label="messages " + json.dumps(messages)[:80])
+                for messages in orders]
+    raise UserError(f"no fault class {name!r}; the classes: {', '.join(FAULT_CLASSES)}")
+
+
+def _server_error(status: int | str) -> bool:
+    """Whether `status` ("500" or "500, hung up" too) is a 5xx."""
+    return str(status)[:1] == "5"
+
+
+def _expected(expect: str, status: int | str) -> bool:
+    if expect == "none":
+        return True  # we hung up: whatever came
+    if not isinstance(status, int):
+        return False
+    return {"4xx": 400 <= status < 500, "2xx": 200 <= status < 300, "any": status < 500}[expect]
+
+
+def _fault_class(name: str, url: str, prompts: list[str], reference: list[str], good: int, max_tokens: int,
+                 pid: int, scale: float) -> dict:
+    """Fault class `name`'s hostile requests, `good` good ones (streamed and not, in turn) and a /health
+    probe, all at once; the class's row."""
+    port = httpx.URL(url).port
+    base = url.removesuffix("/v1")
+    attacks = _attacks(name, scale, max_tokens)
+    before = _resident_bytes(pid)
+    done = threading.Event()
+
+    def probe() -> tuple[list[float], list[int]]:
+        seconds, codes = [], []
+        with httpx.Client(timeout=30) as http:
+            for _ in range(HEALTH_PROBES):
+                start = time.perf_counter()
+                try:
+                    codes.append(http.get(f"{base}/health").status_code)
+                    seconds.append(time.perf_counter() - start)
+                except httpx.HTTPError:
+                    codes.append(0)
+                if done.wait(HEALTH_EVERY):
+                    break
+        return seconds, codes
+
+    def good_one(k: int) -> tuple[int, str | None, int]:
+        i = k % len(prompts)
+        try:
+            if k % 2:
+                reply = _stream(url, prompts[i], max_tokens)
+                return (200, reply["text"], i) if "error" not in reply else (int(reply["error"][5:]), None, i)
+            reply = _complete(url, prompts[i], max_tokens)
+            return (200, reply["text"], i) if "error" not in reply else (int(reply["error"][5:]), None, i)
+        except (httpx.HTTPError, ValueError):
+            return 0, None, i
+
+    async def hostile() -> list[tuple[int | str, bool]]:
+        limit = asyncio.Semaphore(64)
+
+        async def one(attack):
+            async with limit:
+                return await _send(port, attack)
+        return await asyncio.gather(*(one(a) for a in attacks))
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(2 + min(good, 4)) as pool:
+        health = pool.submit(probe)
+        hostile_run = pool.submit(asyncio.run, hostile())  # before the good ones: a worker of its own
+        goods = [pool.submit(good_one, k) for k in range(good)]  # four at a time
+        try:
+            results = hostile_run.result()
+            goods = [g.result() for g in goods]
+        finally:
+            done.set()
+        seconds, health_codes = health.result()
+    waiting = None
+    for _ in range(100):  # the queue after the class: the abandoned requests gone (or decoded), 10 s at most
+        try:
+            waiting = httpx.get(f"{base}/health", timeout=10).json().get("waiting")
+        except (httpx.HTTPError, ValueError):
+            break
+        if not waiting:
+            break
+        time.sleep(0.1)
+    statuses: dict[str, int] = {}
+    for status, _ in results:
+        statuses[str(status)] = statuses.get(str(status), 0) + 1
+    codes = [s for s, _ in results if isinstance(s, int)] + [s for s, _, _ in goods] + health_codes
+    return {"class": name, "requests": len(attacks), "statuses": dict(sorted(statuses.items())),
+            "server_errors": sum(c >= 500 for c in codes) + sum(
+                _server_error(s) for s, _ in results if isinstance(s, str)),
+            "plain_errors": sum(not shaped for _, shaped in results),
+            "unexpected": sum(not _expected(a.expect, s) for a, (s, _) in zip(attacks, results)),
+            "failures": [f"{a.label}: {s}" for a, (s, shaped) in zip(attacks, results)
+                         if not shaped or not _expected(a.expect, s) or _server_error(s)][:20],
+            "good": good, "good_failed": sum(code != 200 for code, _, _ in goods),
+            "good_changed": sum(code == 200 and text != reference[i] for code, text, i in goods),
+            "health_p50": _percentile(seconds, 0.5), "health_p99": _percentile(seconds, 0.99),
+            "health_failed": sum(c != 200 for c in health_codes), "waiting_after": waiting,
+            "seconds": time.perf_counter() - start,
             "resident_before": before, "resident_after": _resident_bytes(pid)}
+
+
+def fault_classes(url: str, prompts: list[str], reference: list[str], max_tokens: int, pid: int = 0, *,
+                  classes: list[str] | None = None, good: int = 4, scale: float = 1.0) -> list[dict]:
+    """Each fault class in turn (`classes`; None: all of FAULT_CLASSES) beside `good` good requests and
+    a /health probe; one row per class (`_fault_class`). `scale` shrinks the counts and sizes (tests)."""
+    names = list(FAULT_CLASSES) if classes is None else classes
+    unknown = [c for c in names if c not in FAULT_CLASSES]
+    if unknown:
+        raise UserError(f"no fault class {', '.join(map(repr, unknown))}; the classes: "
+                        f"{', '.join(FAULT_CLASSES)}")
+    return [_fault_class(name, url, prompts, reference, good, max_tokens, pid, scale) for name in names]
 
 
 def to_markdown(report: dict) -> str:
@@ -281,11 +648,31 @@ def to_markdown(report: dict) -> str:
                       f"{fault['good_ok']} of "
                       f"{fault['good']} good ones answered; resident memory "
                       f"{fault['resident_before'] / 2**20:.0f} -> {fault['resident_after'] / 2**20:.0f} MiB."]
+        lines += fault_table(fault.get("classes") or [])
     return "\n".join(lines) + "\n"
 
 
+def fault_table(rows: list[dict]) -> list[str]:
+    """The fault classes' rows as Markdown lines (none: no lines)."""
+    if not rows:
+        return []
+    lines = ["", "Fault classes, each beside good requests and a /health probe (statuses of the hostile "
+                 "requests; \"hung up\": the client closed first, as the class does):", "",
+             "| class | hostile | statuses | 5xx | plain-text errors | unexpected | good changed / failed "
+             "| /health p50 / p99 (ms) | RSS before -> after (MiB) |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for row in rows:
+        statuses = ", ".join(f"{k} ×{v}" for k, v in row["statuses"].items())
+        lines.append(f"| {row['class']} | {row['requests']} | {statuses} | {row['server_errors']} | "
+                     f"{row['plain_errors']} | {row['unexpected']} | "
+                     f"{row['good_changed']} / {row['good_failed']} "
+                     f"of {row['good']} | {row['health_p50'] * 1e3:.1f} / {row['health_p99'] * 1e3:.1f} | "
+                     f"{row['resident_before'] / 2**20:.0f} -> {row['resident_after'] / 2**20:.0f} |")
+    return lines
+
+
 def plot(report: dict, path: Path) -> Path:
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for arm in ARMS:
@@ -302,12 +689,17 @@ def plot(report: dict, path: Path) -> Path:
 
 def serve_load(model: str, *, prompts: str | None = None, corpus: str = "stdlib", num_prompts: int = 8,
                concurrency: str = "1,2,4,8", requests: int = 16, max_tokens: int = 64, max_batch: int = 8,
-               fault: int = 0, device: str | None = None, dtype: str = "auto", out: str = "runs/serve-load",
+               fault: int = 0, fault_classes: str | None = "all", device: str | None = None,
+               dtype: str = "auto", out: str = "runs/serve-load",
                prefix_cache_mb: int = 256, **overrides) -> ServeLoadReport:
     """Run the load benchmark on `model` (see the module docstring); returns the report. Both servers
-    and the in-process generators prefill through prefix caches of `prefix_cache_mb` MiB (0: none)."""
-    from ..checkpoint import load_tuned
-
+    and the in-process generators prefill through prefix caches of `prefix_cache_mb` MiB (0: none).
+    fault_classes: a comma list of FAULT_CLASSES the fault run sends too ("all"; None or "": none)."""
+    classes = (list(FAULT_CLASSES) if fault_classes == "all" else
+               [c.strip() for c in fault_classes.split(",") if c.strip()] if fault_classes else [])
+    if set(classes) - set(FAULT_CLASSES):
+        raise UserError(f"--fault-classes: no class {', '.join(sorted(set(classes) - set(FAULT_CLASSES)))}; "
+                        f"the classes: {', '.join(FAULT_CLASSES)}")
     levels = [int(c) for c in concurrency.split(",")]
     prefix_cache_of(prefix_cache_mb)  # a bad size fails before anything loads
     if requests < 1 or max_tokens < 1 or not levels or min(levels) < 1:
@@ -360,7 +752,8 @@ def serve_load(model: str, *, prompts: str | None = None, corpus: str = "stdlib"
         for level in levels:  # the arms interleaved level by level
             for arm in ARMS:
                 results[arm].append(_level(urls[arm], texts, level, requests, max_tokens, reference))
-        fault_report = fault_run(url, texts, reference, fault, max_tokens, pid) if fault else None
+        fault_report = fault_run(url, texts, reference, fault, max_tokens, pid,
+                                 classes=classes) if fault else None
     report = {"model": model, "settings": gen.settings.describe(), "requests": requests,
               "max_tokens": max_tokens, "num_prompts": len(texts), "max_batch": max_batch,
               "in_process_tokens_per_second": rate, "in_process_plain_tokens_per_second": plain_rate,

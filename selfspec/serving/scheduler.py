@@ -12,6 +12,12 @@ row's new tokens, streams the text it can already show, and ends its row when it
 `max_tokens`, a stop string, or a client that went away. The wave ends when no row runs and no job
 can join; the next waiting job starts the next.
 
+A row that fails its wave fails only itself: when `generate` raises, the wave's unfinished jobs decode
+again in two halves without it being known which row failed (`Scheduler._isolate`), until a job that
+fails alone gets the error (a 500 that names its request id; the traceback goes to the log). The others
+get what they would have got: a greedy row's tokens do not depend on its batch, a sampled row keeps its
+seed, and a stream's text already sent is not sent again.
+
 Jobs are created and awaited on the server's event loop; the loop runs on its own thread and hands
 each job its events through `loop.call_soon_threadsafe`.
 """
@@ -19,6 +25,7 @@ each job its events through `loop.call_soon_threadsafe`.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import secrets
 import threading
@@ -30,13 +37,30 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..decoding import Constraint, NewRow
-from ..decoding.speculative import ADAPT_ROUNDS
+from ..decoding.engine import ADAPT_ROUNDS
+from ..errors import UserError
 
 logger = logging.getLogger(__name__)
 
 
 class QueueFull(Exception):
     """The queue holds `max_queue` jobs: the caller answers 429."""
+
+
+INT64 = (-2**63, 2**63 - 1)
+GREEDY_BELOW = 1e-5  # a temperature under this decodes greedily (as vLLM's does): logits divided by a
+#                      much smaller one overflow float32
+
+
+def internal_error_message(request_id: str) -> str:
+    """What a client is told of a failure inside the server: nothing of the exception, only where the
+    log has it."""
+    return (f"the server had an error while processing your request (request id {request_id}); its log has "
+            "the details")
+
+
+def new_request_id() -> str:
+    return f"req_{secrets.token_hex(12)}"
 
 
 class _Outbox:
@@ -85,8 +109,11 @@ class Job:
     seed: int | None = None
     stops: list[str] = field(default_factory=list)
     schema: dict | None = None  # the JSON schema the output follows, or None
+    request_id: str = field(default_factory=new_request_id)  # in the log and in a failure's message
+    draw: int = field(default_factory=lambda: secrets.randbits(31))  # the seed when `seed` is None:
+    #                                                                  drawn once, so a retry repeats it
     loop: asyncio.AbstractEventLoop | None = None
-    events: asyncio.Queue | None = None  # ("text", str), then ("done", reason) or ("error", message)
+    events: asyncio.Queue | None = None  # ("text", str), then ("done", reason) or ("error", message, status)
     tokens: list[int] = field(default_factory=list)
     text: str = ""  # the output's text, cut at a stop string
     sent: int = 0  # characters of `text` already sent as events
@@ -100,10 +127,32 @@ class Job:
     first_token: float | None = None
     finished: float | None = None
 
+    def check(self, limit: int | None = None, vocab: int | None = None) -> None:
+        """A ValueError when this job could fail a wave by its values (the server refuses such requests
+        before they become jobs; this guards the scheduler's other callers): `limit` the positions a
+        row may use, `vocab` the model's token ids."""
+        if not self.prompt or not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool)
+                                      for t in self.prompt):
+            raise ValueError("a job's prompt is one or more token ids")
+        if vocab is not None and not 0 <= min(self.prompt) <= max(self.prompt) < vocab:
+            raise ValueError(f"a job's prompt holds token ids outside the model's {vocab}")
+        if type(self.max_tokens) is not int or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be 1 or more, got {self.max_tokens!r}")
+        if limit is not None and len(self.prompt) + self.max_tokens > limit:
+            raise ValueError(f"the prompt's {len(self.prompt)} tokens plus max_tokens = {self.max_tokens} "
+                             f"exceed the model's {limit} positions")
+        if self.seed is not None and (type(self.seed) is not int or not INT64[0] <= self.seed <= INT64[1]):
+            raise ValueError(f"seed must be an int64, got {self.seed!r}")
+        if not (0 <= self.temperature < float("inf")) or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ValueError(f"bad sampling parameters: temperature {self.temperature}, top_k {self.top_k}, "
+                             f"top_p {self.top_p}")
+
     @property
     def sampling(self) -> tuple:
         """The sampling parameters as the engine takes them (greedy: one setting)."""
-        return (0.0, 0, 1.0) if self.temperature == 0 else (self.temperature, self.top_k, self.top_p)
+        if self.temperature < GREEDY_BELOW:
+            return (0.0, 0, 1.0)
+        return (self.temperature, self.top_k, self.top_p)
 
     @property
     def kind(self) -> tuple:
@@ -113,8 +162,7 @@ class Job:
 
     def row(self) -> NewRow:
         """This job as a row joining a running `generate` call."""
-        seed = self.seed if self.seed is not None else secrets.randbits(31)
-        return NewRow(self.prompt, self.max_tokens, seed,
+        return NewRow(self.prompt, self.max_tokens, self.draw if self.seed is None else self.seed,
                       None if self.schema is None else Constraint.of(json_schema=self.schema))
 
     def _send(self, *event) -> None:
@@ -174,9 +222,21 @@ class Job:
             self._send("done", reason)
         return True
 
-    def fail(self, message: str) -> None:
-        self.finish_reason = "error"
-        self._send("error", message)
+    def fail(self, message: str | None = None, status: int = 500) -> None:
+        """End the job with an error event: `message`, or the generic one that names the request id, and
+        the HTTP status it answers with (a 400 for what the request itself asked, e.g. a grammar)."""
+        self.finish_reason, self.finished = "error", time.perf_counter()
+        self._send("error", message or internal_error_message(self.request_id), status)
+
+    def restart(self) -> bool:
+        """Make the job ready to decode again from its prompt (its wave failed, maybe for another row).
+        False when it cannot be resumed exactly: a sampled row that has streamed text (its retry draws
+        the same numbers, but a batch of other rows may place its rounds elsewhere, and so its tokens).
+        A greedy row's tokens are the same in any batch: the text already sent is not sent again."""
+        if self.sampling[0] and self.sent:
+            return False
+        self.tokens, self.passes, self.drafted, self.accepted = [], 0, 0, 0
+        return True
 
     def stats(self, drafter: str) -> dict:
         """The `selfspec` field of a response: this row's acceptance and tokens per full pass."""
@@ -187,8 +247,8 @@ class Job:
 # Greedy rounds of more rows than this take plain steps on a CPU (`Scheduler`'s draft_max_rows): there
 # a pass costs about in proportion to its positions past a few (SmolLM2's bound by the FMAs from about
 # 8; the embedded default's kernels spend several times one row's pass on 8), so a rejected draft costs
-# what a kept token does. Side by side (docs/results.md, session 33) a batch of 2 decoded about as fast
-# drafting as not, of 3, 4 and 8 plainly 1.2-2.1x faster, on the embedded default and SmolLM2 alike.
+# what a kept token does: from 3 rows on, plain steps decode faster (docs/performance.md, "Figures behind
+# the code's choices").
 # A GPU's pass stays bound by reading the weights to far more positions: none (every round drafts).
 CPU_DRAFT_MAX_ROWS = 2
 
@@ -200,9 +260,9 @@ def default_draft_max_rows(generator) -> int | None:
 
 # A streamed row's text goes out at most this often after its first: each chunk costs the server's
 # event loop and the client their own work (an event, a JSON line, a write, a read), on CPUs the
-# decoding needs; a batch's rounds come every few ms, and a chunk per row per round cost eight
-# clients a fifth of their throughput on 2 cores (docs/results.md, session 33). 50 updates a second
-# still read as a continuous stream.
+# decoding needs; a batch's rounds come every few ms, and a chunk per row per round costs many clients a
+# large share of their throughput on a small CPU (docs/performance.md, "Figures behind the code's
+# choices"). 50 updates a second still read as a continuous stream.
 STREAM_SECONDS = 0.02
 CALL_SECONDS = 0.04  # a lone row's compiled call when the scheduler sizes it (`Scheduler.call_rounds`)
 MAX_CALL_ROUNDS = 256
@@ -231,13 +291,19 @@ class Scheduler:
         self.decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
         self.eos = set(generator.eos_token_ids)
         self.limit = generator.view.max_positions
+        self.vocab = getattr(generator.view, "vocab_size", None)
         self.largest_wave = 0
+        self.failed_rows = 0  # jobs that failed (alone, after their wave was split)
+        self.retried_waves = 0  # waves that failed and were decoded again in parts
         self.active: list[Job] = []  # the wave being decoded
         self.cancelled_rows = 0  # requests whose client went away (or shutdown ended them), queued or not
         self.joined = 0  # jobs that joined a wave already decoding
 
     def start(self) -> None:
-        self.thread = threading.Thread(target=self._loop, name="selfspec-decode", daemon=True)
+        # in a copy of the starter's context: it decodes with the kernel settings in force here
+        # (`model.kernels.using`, `fast.kernels_up_to`), not a new thread's defaults
+        self.thread = threading.Thread(target=contextvars.copy_context().run, args=(self._loop,),
+                                       name="selfspec-decode", daemon=True)
         self.thread.start()
 
     def stop(self, grace: float = 30.0) -> None:
@@ -257,6 +323,9 @@ class Scheduler:
         self.thread.join(timeout=60)
 
     def submit(self, job: Job) -> None:
+        """Queue `job`: a ValueError when its values could fail a wave (`Job.check`), `QueueFull` when
+        the queue is full or the scheduler stops."""
+        job.check(self.limit, self.vocab)
         with self.ready:
             if self.closing or len(self.queue) >= self.max_queue:
                 raise QueueFull
@@ -318,64 +387,130 @@ class Scheduler:
     def _loop(self) -> None:
         while (wave := self._next_wave()) is not None:
             if wave:
-                self._decode(wave)
+                try:
+                    self._decode(wave)
+                except Exception:  # noqa: BLE001 - a bug outside generate: its jobs fail, the loop goes on
+                    logger.exception("the decode loop failed on requests %s", _ids(wave))
+                    for job in wave:
+                        if job.finish_reason is None:
+                            job.fail()
 
-    def _decode(self, wave: list[Job]) -> None:
+    def _decode(self, wave: list[Job], admitting: bool = True) -> None:
+        """Decode `wave` on one engine (`decoding.Engine`), stepped here: jobs of its kind join it at
+        round boundaries while `admitting`, a job whose client went away or whose text ended (a stop
+        string) is cancelled; when a step fails, `_isolate` finds the failing row."""
         self.largest_wave = max(self.largest_wave, len(wave))
         self.active = wave
         temperature, top_k, top_p = wave[0].sampling
-        rows = [job.row() for job in wave]  # the wave's first rows, as later ones join
-        schemas = [job.schema for job in wave]
-
-        last_call = [None]  # when the previous callback returned, while one row decodes alone
-
-        def on_tokens(rows, tokens, emit, finished, counts):
-            if len(rows) == 1 and last_call[0] is not None:
-                self._pace(time.perf_counter() - last_call[0], int(counts.passes[0]))
-            done = np.array([wave[row].take(tokens[slot, :emit[slot]].tolist(), int(counts.passes[slot]),
-                                            int(counts.drafted[slot]), int(counts.accepted[slot]),
-                                            bool(finished[slot]), self.eos, self.decode)
-                             for slot, row in enumerate(rows)])
-            last_call[0] = time.perf_counter() if len(rows) == 1 else None
-            return done
-
-        def admit() -> list[NewRow]:
-            """The waiting jobs that join the wave now, oldest first, while fewer than max_batch rows run:
-            up to the first of another kind (it starts the next wave: nothing overtakes it for long)."""
-            running = sum(job.finish_reason is None for job in wave)
-            joining = []
-            with self.ready:
-                for job in list(self.queue):
-                    if job.cancelled:
-                        self._drop(job)
-                        continue
-                    if (running + len(joining) >= self.max_batch or self.closing or job.kind != wave[0].kind
-                            or (self.limit is not None and len(job.prompt) + job.max_tokens > self.limit)):
-                        break
-                    self.queue.remove(job)
-                    joining.append(job)
-            wave.extend(joining)  # caller rows follow the wave's: on_tokens finds them by index
-            self.joined += len(joining)
-            self.largest_wave = max(self.largest_wave, running + len(joining))
-            return [job.row() for job in joining]
-
+        failure, out = None, None
         try:
-            out = self.generator.generate(
-                [row.prompt for row in rows], max_new_tokens=max(row.max_new_tokens for row in rows),
-                temperature=temperature, top_k=top_k, top_p=top_p, seed=[row.seed for row in rows],
-                json_schema=schemas if any(s is not None for s in schemas) else None, on_tokens=on_tokens,
-                admit=admit, callback_rounds=self.call_rounds(), draft_max_rows=self.draft_max_rows)
-        except Exception as exc:  # noqa: BLE001 - the wave's clients get a 500, the loop goes on
-            logger.exception("a wave of %d requests failed", len(wave))
-            for job in wave:
-                if job.finish_reason is None:
-                    job.fail(f"decoding failed: {type(exc).__name__}: {exc}")
-            return
+            engine = self.generator.engine(temperature=temperature, top_k=top_k, top_p=top_p,
+                                           structured=any(job.schema is not None for job in wave),
+                                           rounds_per_step=self.call_rounds(),
+                                           draft_max_rows=self.draft_max_rows)
+            jobs = {engine.add(job.row()): job for job in wave}  # the engine's row -> its job
+            last = None  # when the previous step returned, while one row decodes alone
+            while True:
+                if admitting:
+                    for job in self._admitted(wave):
+                        jobs[engine.add(job.row())] = job
+                if engine.done:
+                    break
+                outputs = engine.step()
+                if len(outputs) == 1 and last is not None:
+                    self._pace(time.perf_counter() - last, outputs[0].passes)
+                for o in outputs:
+                    ended = jobs[o.row].take(o.tokens, o.passes, o.drafted, o.accepted, o.finished, self.eos,
+                                             self.decode)
+                    if ended and not o.finished:  # its client left, or its text reached a stop string
+                        engine.cancel(o.row)
+                last = time.perf_counter() if len(outputs) == 1 else None
+            out = engine.output()
+        except Exception as exc:  # noqa: BLE001 - the failing row's client gets an error, the others theirs
+            failure = exc
         finally:
             self.active = []
+        if failure is not None:
+            self._isolate(wave, failure)
+            return
         self.cancelled_rows += sum(job.finish_reason == "cancelled" for job in wave)
         for job in wave:  # a row the engine never reported (cancelled before its first round)
             if job.finish_reason is None:
                 job.end("length" if len(job.tokens) >= job.max_tokens else "stop")
         if self.on_wave is not None:
             self.on_wave(wave, out.stats)
+
+    def _admitted(self, wave: list[Job]) -> list[Job]:
+        """The waiting jobs that join the wave now (appended to it), oldest first, while fewer than
+        max_batch rows run: up to the first of another kind (it starts the next wave: nothing overtakes it
+        for long)."""
+        running = sum(job.finish_reason is None for job in wave)
+        joining = []
+        with self.ready:
+            for job in list(self.queue):
+                if job.cancelled:
+                    self._drop(job)
+                    continue
+                if (running + len(joining) >= self.max_batch or self.closing or job.kind != wave[0].kind
+                        or (self.limit is not None and len(job.prompt) + job.max_tokens > self.limit)):
+                    break
+                self.queue.remove(job)
+                joining.append(job)
+        wave.extend(joining)
+        self.joined += len(joining)
+        self.largest_wave = max(self.largest_wave, running + len(joining))
+        return joining
+
+    def _isolate(self, wave: list[Job], failure: Exception) -> None:
+        """`wave`'s `generate` raised `failure`. Its jobs already answered keep their answers; a job whose
+        client left ends cancelled; the rest decode again, in two halves (none joins them), and so on
+        down to the job that fails alone: that one gets the error. Jobs that cannot be resumed exactly
+        (`Job.restart`) fail too. Every split is logged with the request ids; the row that fails alone
+        with its traceback."""
+        left = []
+        for job in wave:
+            if job.finish_reason is not None:
+                continue
+            if job.cancelled:
+                job.end("cancelled")
+                self.cancelled_rows += 1
+            else:
+                left.append(job)
+        if len(left) == 1:
+            if isinstance(failure, UserError):  # the request's own doing (a grammar no token can follow)
+                logger.warning("request %s refused while decoding: %s", left[0].request_id, failure)
+                self.failed_rows += 1
+                left[0].fail(" ".join(str(failure).split())[:1000], status=400)
+                return
+            logger.error("request %s failed while decoding", left[0].request_id, exc_info=failure)
+            self._fail(left[0])
+            return
+        if not left:
+            logger.error("a wave of requests %s failed after they ended", _ids(wave), exc_info=failure)
+            return
+        self.retried_waves += 1
+        logger.warning("a wave of %d requests (%s) failed; decoding them again in halves to find the failing "
+                       "one", len(left), _ids(left), exc_info=failure)
+        resumable = []
+        for job in left:
+            if job.restart():
+                resumable.append(job)
+            else:
+                logger.error("request %s cannot be resumed after its wave failed (a sampled stream)",
+                             job.request_id)
+                self._fail(job)
+        half = (len(resumable) + 1) // 2
+        for part in (resumable[:half], resumable[half:]):
+            if part and not self.closing:
+                self._decode(part, admitting=False)
+            for job in part:
+                if job.finish_reason is None:  # the server stopped before the part could decode
+                    job.fail("the server is shutting down")
+
+    def _fail(self, job: Job) -> None:
+        self.failed_rows += 1
+        job.fail()
+
+
+def _ids(jobs: list[Job]) -> str:
+    return ", ".join(job.request_id for job in jobs)
