@@ -151,3 +151,15 @@ def kernels_unavailable() -> None:
     if os.environ.get("SELFSPEC_REQUIRE_KERNELS") == "1":
         pytest.fail(f"{reason}; SELFSPEC_REQUIRE_KERNELS=1 requires them (see the kernels' build warning)")
     pytest.skip(reason)
+
+
+def chat_generator(tiny_run: dict, **kwargs):
+    """The servers' tests' generator: the tiny run's model with a ChatML template, the hybrid drafter at
+    E = 2, k = 3; `kwargs` go to `SelfSpecGenerator` (a prefix cache, say)."""
+    from transformers import AutoModelForCausalLM
+
+    from selfspec.decoding import SelfSpecGenerator
+    tokenizer = type(tiny_run["tokenizer"]).from_pretrained(tiny_run["model"])
+    tokenizer.chat_template = CHATML
+    model = AutoModelForCausalLM.from_pretrained(tiny_run["model"]).eval()
+    return SelfSpecGenerator(model, tokenizer, exit_layer=2, num_speculations=3, drafter="hybrid", **kwargs)

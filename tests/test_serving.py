@@ -12,8 +12,7 @@ import httpx
 import jsonschema
 import pytest
 from fastapi.testclient import TestClient
-from helpers import CHATML, assert_shape
-from transformers import AutoModelForCausalLM
+from helpers import assert_shape, chat_generator
 
 from selfspec import SelfSpecGenerator
 from selfspec.decoding.engine import ADAPT_ROUNDS
@@ -35,12 +34,8 @@ NAME = "tiny"
 
 @pytest.fixture(scope="module")
 def generator(tiny_run):
-    tokenizer = type(tiny_run["tokenizer"]).from_pretrained(tiny_run["model"])
-    tokenizer.chat_template = CHATML
-    model = AutoModelForCausalLM.from_pretrained(tiny_run["model"]).eval()
     # as `selfspec serve` does: prompts prefill through a prefix cache (small chunks: short prompts)
-    return SelfSpecGenerator(model, tokenizer, exit_layer=2, num_speculations=3, drafter="hybrid",
-                             prefix_cache=PrefixCache(chunk=4))
+    return chat_generator(tiny_run, prefix_cache=PrefixCache(chunk=4))
 
 
 @pytest.fixture

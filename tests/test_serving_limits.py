@@ -13,10 +13,9 @@ import time
 
 import pytest
 from fastapi.testclient import TestClient
-from helpers import CHATML
-from transformers import AutoModelForCausalLM
+from helpers import chat_generator
 
-from selfspec import SelfSpecGenerator, cli
+from selfspec import cli
 from selfspec.decoding.grammar import GrammarTokenizer
 from selfspec.serving.app import create_app, run_in_thread
 from selfspec.serving.scheduler import Job
@@ -26,10 +25,7 @@ NAME = "tiny"
 
 @pytest.fixture(scope="module")
 def generator(tiny_run):
-    tokenizer = type(tiny_run["tokenizer"]).from_pretrained(tiny_run["model"])
-    tokenizer.chat_template = CHATML
-    model = AutoModelForCausalLM.from_pretrained(tiny_run["model"]).eval()
-    return SelfSpecGenerator(model, tokenizer, exit_layer=2, num_speculations=3, drafter="hybrid")
+    return chat_generator(tiny_run)
 
 
 def chat(content: str = "hi", **fields) -> dict:
