@@ -50,6 +50,17 @@ def test_a_new_shape_or_static_buffer_is_a_new_capture_and_the_same_is_a_replay(
     assert (captured.captures, captured.replays) == (3, 4)
 
 
+def test_the_graphs_kept_are_bounded_the_least_recently_used_dropped():
+    """A cache of rows joining a batch has buffers of its own: its graphs must not pile up (each holds
+    its buffers)."""
+    captured = CapturedPass(_scale, static=(1,), device=torch.device("cpu"))
+    pooled = torch.zeros(3)
+    for _ in range(graphs.KEPT + 4):
+        captured(torch.ones(2, 3), torch.zeros(3))  # a new static buffer: a new capture
+        captured(torch.ones(2, 3), pooled)  # the pooled cache's graph stays in use
+    assert len(captured._graphs) == graphs.KEPT and captured.captures == graphs.KEPT + 5
+
+
 def test_a_host_read_inside_a_capture_is_refused():
     def reads(x):
         return x * int(x.sum())  # a host read: no graph can replay it

@@ -11,7 +11,9 @@ at capture, and every tensor it returns is rewritten by the next replay. So a `C
 - copies the outputs out after each replay: the caller may keep them across replays (the draft loop of
   the eager static path keeps every step's);
 - captures one graph per argument signature (shapes, dtypes, the static buffers' addresses), all graphs
-  of one pass drawing on one memory pool.
+  of one pass drawing on one memory pool, and keeps the `KEPT` most recently used: a cache made for
+  rows that join a running batch has buffers of its own, so its graphs are used for that call only, and
+  an unbounded set would hold their buffers forever.
 
 Off CUDA the same object emulates the graph, so the semantics are tested without a GPU: the capture
 runs the pass once with host reads refused (a capture cannot read the device), and a replay runs it
@@ -21,12 +23,14 @@ sees overwritten by the next replay unless it copied them (as `__call__` does).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+KEPT = 16  # graphs kept per pass, least recently used dropped first (a pooled cache's stay in use)
 _HOST_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__int__, torch.Tensor.__float__,
                torch.Tensor.__bool__, torch.Tensor.__index__, torch.Tensor.cpu, torch.Tensor.numpy}
 
@@ -57,7 +61,7 @@ class CapturedPass:
     def __init__(self, fn: Callable, static: tuple[int, ...], device: torch.device):
         self.fn, self.static, self.device = fn, set(static), torch.device(device)
         self.real = self.device.type == "cuda" and torch.cuda.is_available()
-        self._graphs: dict[tuple, _Graph] = {}
+        self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self._pool = torch.cuda.graph_pool_handle() if self.real else None
         self.captures = self.replays = 0
 
@@ -67,6 +71,9 @@ class CapturedPass:
         if graph is None:
             graph = self._graphs[key] = _Graph(self.fn, args, self.static, self._pool, self.real)
             self.captures += 1
+            while len(self._graphs) > KEPT:
+                self._graphs.popitem(last=False)
+        self._graphs.move_to_end(key)
         self.replays += 1
         return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, graph.replay(args))
 
