@@ -21,16 +21,16 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import META_FILE, TOKEN_COUNTS_FILE, read_meta
+from .checkpoint import META_FILE, read_meta
 from .errors import UserError
 from .files import atomic_directory
-from .model.exit_adapter import ADAPTER_FILE, load_exit_adapter
+from .model.exit_adapter import load_exit_adapter
 from .model.loading import load_causal_lm
 from .model.view import DecoderView
 
-# files of a checkpoint that are not the tokenizer's: everything else beside the weights is copied as is
-_NOT_TOKENIZER = {META_FILE, TOKEN_COUNTS_FILE, ADAPTER_FILE, "config.json", "generation_config.json",
-                  "model.safetensors.index.json"}
+# the files of a checkpoint that make its tokenizer (Hugging Face's names), copied byte for byte
+_TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
+                    "*.model", "chat_template*")
 
 
 def export_draft(model_dir: str | Path, out: str | Path, exit_layer: int | None = None,
@@ -55,19 +55,20 @@ def export_draft(model_dir: str | Path, out: str | Path, exit_layer: int | None 
     draft = _draft_model(model, view, exit_layer, blocks, init_layers)
     with atomic_directory(out) as staging:
         draft.save_pretrained(staging, safe_serialization=True)
-        for source in model_dir.iterdir():
-            if source.is_file() and source.name not in _NOT_TOKENIZER and source.suffix != ".safetensors":
-                shutil.copyfile(source, staging / source.name)  # the tokenizer's files, byte for byte
+        tokenizer = {f for pattern in _TOKENIZER_FILES for f in model_dir.glob(pattern) if f.is_file()}
+        for source in sorted(tokenizer):
+            shutil.copyfile(source, staging / source.name)
     return out
 
 
 def _meta(model_dir: Path) -> dict:
-    try:
+    """The checkpoint's selfspec.json; {} for a plain Hugging Face model (E must come from the caller).
+    A selfspec.json that does not read is an error, never a reason to drop its exit block."""
+    if (model_dir / META_FILE).is_file():
         return read_meta(model_dir)
-    except Exception:  # a plain Hugging Face model: E must come from the caller
-        if not (model_dir / "config.json").is_file():
-            raise UserError(f"no model at {model_dir} (no config.json there)") from None
-        return {}
+    if not (model_dir / "config.json").is_file():
+        raise UserError(f"no model at {model_dir} (no config.json there)")
+    return {}
 
 
 def _exit_blocks(model_dir: Path, meta: dict, model, exit_layer: int) -> tuple[list, list[int]]:
@@ -111,10 +112,6 @@ def _draft_model(model, view: DecoderView, exit_layer: int, blocks: list, init_l
     if missing or unexpected:  # a family whose layout this does not know: better no file than a wrong one
         raise UserError(f"cannot export this {model.config.model_type} model's exit: weights missing "
                         f"{missing[:3]}, unexpected {unexpected[:3]}")
-    for index, layer in enumerate(DecoderView(draft).layers):  # the copies' attention writes its own cache
-        for module in layer.modules():
-            if hasattr(module, "layer_idx"):
-                module.layer_idx = index
     return draft
 
 

@@ -47,3 +47,34 @@ def test_an_engine_needs_a_request_and_a_grammar_for_a_constraint():
     from selfspec.decoding import Constraint
     with pytest.raises(UserError, match="only join a call that has a grammar"):
         generator.engine().add(NewRow([1, 2], 4, constraint=Constraint.of(json_schema={"type": "object"})))
+
+
+def test_a_step_runs_without_autograd_on_any_thread_and_bad_requests_are_refused():
+    """The server's decoding thread steps the engine itself: no autograd graph may grow through the
+    cache there (inference mode is per thread), even over a static passes' pooled cache."""
+    import threading
+
+    import torch
+    model = low_alpha_model("llama")
+    for static in (None, "eager"):
+        generator = SelfSpecGenerator(model, exit_layer=2, static_passes=static)
+        generator.generate([PROMPTS[0]], max_new_tokens=4)  # leaves its pooled cache (inference tensors)
+        seen = []
+
+        def decode(generator=generator, seen=seen):
+            engine = generator.engine(eos_token_id=[])
+            engine.add(NewRow(PROMPTS[0], 6))
+            engine.step()
+            seen.append(any(k.requires_grad for k in engine.b.cache.keys if k is not None))
+            while not engine.done:
+                engine.step()
+            seen.append(engine.output().sequences == [reference_greedy(model, PROMPTS[0], 6)])
+        with torch.enable_grad():
+            thread = threading.Thread(target=decode)
+            thread.start()
+            thread.join()
+        assert seen == [False, True], static
+    engine = SelfSpecGenerator(model, exit_layer=2).engine()
+    for bad in (NewRow([], 4), NewRow([1, 2], 0)):
+        with pytest.raises(UserError, match="needs a prompt and max_new_tokens >= 1"):
+            engine.add(bad)

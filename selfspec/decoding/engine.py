@@ -13,7 +13,7 @@ round at a time by the caller:
 Rows added before the first step (or `start()`) are prefilled together; rows added later join the
 running batch at the next step's round boundary (prefilled apart, in a cache of their own), and a row's
 tokens do not depend on when it joined (greedy; a sampled row draws from its own seed). `cancel` ends a
-row at the end of its next round (its tokens so far stay). A step is one round for every running row, or
+row before the next round (its tokens so far stay). A step is one round for every running row, or
 for a lone greedy row that the CPU kernels run, one compiled call of several rounds.
 `SelfSpecGenerator.generate` is a loop over these three calls, its streamer and `on_tokens` adapters
 around them. The engine drives the generator's round machinery (`_round`, `_start`, `_join`, ...), which
@@ -119,6 +119,8 @@ class Engine:
     # -- the three calls ---------------------------------------------------------------------------
     def add(self, request: NewRow) -> int:
         """Queue a request; returns its row. It joins at the next step (or starts with the first)."""
+        if not request.prompt or request.max_new_tokens < 1:
+            raise UserError("a request needs a prompt and max_new_tokens >= 1")
         if request.constraint is not None and not self.options.grammar:
             raise UserError("a row with an output constraint can only join a call that has a grammar")
         self.requests.append(request)
@@ -136,6 +138,7 @@ class Engine:
         """No row runs and none waits to join."""
         return self.b is not None and not self.b.rows.size and not self.joining
 
+    @torch.inference_mode()  # per thread: the server's decoding thread steps it directly
     def step(self) -> list[RoundOutput]:
         """One round for every running row (a compiled call of several for a lone greedy row on the CPU
         kernels): what each emitted. Starts the batch first, and lets the rows added since join."""
@@ -191,6 +194,7 @@ class Engine:
         return GenerationOutput(sequences, stats, texts, list(grammars.complete))
 
     # -- the pieces --------------------------------------------------------------------------------
+    @torch.inference_mode()
     def start(self) -> None:
         """Prefill the rows added so far, together: the batch the steps decode."""
         gen, options, requests = self.gen, self.options, self.requests

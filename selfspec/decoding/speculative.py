@@ -683,7 +683,7 @@ class SelfSpecGenerator:
         options = CallOptions(settings, sampling, self._eos_ids(eos_token_id),
                               tuple(stops or ()), seed, constraints is not None, draft_max_rows,
                               callback_rounds if on_tokens is not None or admit is not None else None,
-                              bool(streamer or stops), profile)
+                              streamer is not None or bool(stops), profile)
         engine = Engine(self, policy, options, on_round=on_tokens)
         max_new_tokens = max(0, max_new_tokens)
         for row, prompt in enumerate(prompts):
@@ -782,13 +782,9 @@ class SelfSpecGenerator:
         """Rows joining the running batch `b` (continuous batching) as caller rows first, first + 1, ...:
         prefilled in a cache of their own (`_start`), then appended to `b`'s rows, cache (grown to the
         capacity they need) and grammars. Returns how many joined."""
-        for row in joining:
-            if not row.prompt or row.max_new_tokens < 1:
-                raise UserError("a joining row needs a prompt and max_new_tokens >= 1")
+        for row in joining:  # `Engine.add` checked the rest
             self._check_positions(len(row.prompt), row.max_new_tokens)
         constraints = [row.constraint for row in joining]
-        if b.grammar is None and any(c is not None for c in constraints):
-            raise UserError("a row with an output constraint can only join a call that has a grammar")
         prompts = [list(row.prompt) for row in joining]
         greedy = b.sampling.greedy
         seeds = [(0 if greedy else int(torch.randint(0, 2**31 - 1, ()))) if row.seed is None else row.seed

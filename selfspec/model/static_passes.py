@@ -103,7 +103,7 @@ class StaticPasses:
         if slots is None:
             return None
         keys, values, _, cos, sin = slots
-        if self.mode == "graph":  # the k steps and the last pass as one graph: one launch
+        if self.mode == "graph" and k:  # the k steps and the last pass as one graph: one launch
             loop = self._made("draft_loop", 0, exit_layer, head=head, steps=k)
             drafts, tops, hidden = loop(token, keys, values, cache.positions[:, :k + 1], cos, sin)
             count = k

@@ -1,20 +1,21 @@
 """One decode loop for every request: jobs wait in a bounded queue and decode together, joining the
 batch at round boundaries (continuous batching).
 
-A wave is one `generate` call: it starts with the waiting jobs that can decode together (the same
-sampling parameters, temperature, top-k, top-p, since the engine samples a batch with one setting; all
-under a JSON schema or none), as many as `max_batch`, whose prompts and token limits fit the model's
-positions together. Before every round (`generate(admit=...)`) jobs that arrived since and fit the
-wave join it, prefilled apart, up to `max_batch` running rows. Rows accept different numbers of drafts
-each round, and a row's tokens do not depend on the other rows nor on when it joined (greedy; sampled
-rows each draw from their own seed). After every round (`generate(on_tokens=...)`) each job takes its
-row's new tokens, streams the text it can already show, and ends its row when it is done: its own
-`max_tokens`, a stop string, or a client that went away. The wave ends when no row runs and no job
-can join; the next waiting job starts the next.
+A wave is one `Engine` (`decoding.engine`) that this loop steps: it starts with the waiting jobs that can
+decode together (the same sampling parameters, temperature, top-k, top-p, since the engine samples a
+batch with one setting; all under a JSON schema or none), as many as `max_batch`, whose prompts and token
+limits fit the model's positions together. Before every step jobs that arrived since and fit the wave
+join it, prefilled apart, up to `max_batch` running rows. Rows accept different numbers of drafts each
+round, and a row's tokens do not depend on the other rows nor on when it joined (greedy; sampled rows
+each draw from their own seed). After every step each job takes its row's new tokens (`RoundOutput`),
+streams the text it can already show, and when it is done (its own `max_tokens`, a stop string, or a
+client that went away) its row is cancelled, leaving before the next round. The wave ends when no row
+runs and no job can join; the next waiting job starts the next.
 
-A row that fails its wave fails only itself: when `generate` raises, the wave's unfinished jobs decode
+A row that fails its wave fails only itself: when a step raises, the wave's unfinished jobs decode
 again in two halves without it being known which row failed (`Scheduler._isolate`), until a job that
-fails alone gets the error (a 500 that names its request id; the traceback goes to the log). The others
+fails alone gets the error (a 500 that names its request id, the traceback in the log; a 400 with the
+message when the request itself caused it, a grammar past the grammar engine's limits). The others
 get what they would have got: a greedy row's tokens do not depend on its batch, a sampled row keeps its
 seed, and a stream's text already sent is not sent again.
 
@@ -161,7 +162,7 @@ class Job:
         return self.sampling, self.schema is not None
 
     def row(self) -> NewRow:
-        """This job as a row joining a running `generate` call."""
+        """This job as a request to the wave's engine (`Engine.add`)."""
         return NewRow(self.prompt, self.max_tokens, self.draw if self.seed is None else self.seed,
                       None if self.schema is None else Constraint.of(json_schema=self.schema))
 
@@ -272,9 +273,10 @@ class Scheduler:
     """The decode loop (a daemon thread) over a `SelfSpecGenerator`; `submit` queues a job.
 
     max_batch: rows per wave; max_queue: jobs waiting at most (beyond: `QueueFull`); rounds_per_call: the
-    rounds a lone row decodes in one compiled call between two looks at the queue (`generate`'s
-    `callback_rounds`), or None: about `CALL_SECONDS` of rounds (`call_rounds`); draft_max_rows: greedy
-    rounds of more rows than this take plain steps (`generate`'s; None: every round drafts); on_wave:
+    rounds a lone row decodes in one compiled call between two looks at the queue (a step's rounds,
+    `SelfSpecGenerator.engine`'s `rounds_per_step`), or None: about `CALL_SECONDS` of rounds
+    (`call_rounds`); draft_max_rows: greedy rounds of more rows than this take plain steps (`generate`'s;
+    None: every round drafts); on_wave:
     called with each finished wave's jobs and `GenerationStats` (the server's metrics)."""
 
     def __init__(self, generator, max_batch: int = 8, max_queue: int = 64,
@@ -389,7 +391,7 @@ class Scheduler:
             if wave:
                 try:
                     self._decode(wave)
-                except Exception:  # noqa: BLE001 - a bug outside generate: its jobs fail, the loop goes on
+                except Exception:  # noqa: BLE001 - a bug outside the engine: its jobs fail, the loop goes on
                     logger.exception("the decode loop failed on requests %s", _ids(wave))
                     for job in wave:
                         if job.finish_reason is None:
@@ -462,7 +464,7 @@ class Scheduler:
         return joining
 
     def _isolate(self, wave: list[Job], failure: Exception) -> None:
-        """`wave`'s `generate` raised `failure`. Its jobs already answered keep their answers; a job whose
+        """`wave`'s engine raised `failure`. Its jobs already answered keep their answers; a job whose
         client left ends cancelled; the rest decode again, in two halves (none joins them), and so on
         down to the job that fails alone: that one gets the error. Jobs that cannot be resumed exactly
         (`Job.restart`) fail too. Every split is logged with the request ids; the row that fails alone
