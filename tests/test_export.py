@@ -105,3 +105,20 @@ def test_the_command_writes_the_draft_and_says_what_it_is(tmp_path, capsys):
     assert "a qwen2 draft of 2 blocks" in capsys.readouterr().out
     assert cli.main(["export", str(tmp_path / "tuned"), "--draft", str(tmp_path / "draft")]) == 2
     assert capsys.readouterr().err.strip().endswith("draft exists: pass --force to replace it")
+
+
+WINDOWED = dict(use_sliding_window=True, sliding_window=4, max_window_layers=1)
+
+
+@pytest.mark.parametrize("overrides", [dict(tie_word_embeddings=True), WINDOWED])
+def test_tied_heads_and_per_layer_windows_export_as_they_decode(tmp_path, overrides):
+    """A head tied to the embedding (Llama-3.2-1B's, SmolLM2's) and Qwen2's windows on some layers only."""
+    family = "qwen2" if "sliding_window" in overrides else "llama"
+    model = tiny_model(family, **overrides)
+    if overrides.get("tie_word_embeddings"):
+        model.tie_weights()
+    save_tuned(tmp_path / "tuned", model, settings=DecodeSettings(exit_layer=E, num_speculations=2))
+    draft = AutoModelForCausalLM.from_pretrained(export_draft(tmp_path / "tuned", tmp_path / "draft")).eval()
+    ids = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), kernels_up_to(None):
+        assert torch.equal(draft(ids).logits, _exit_logits(model, None, ids))

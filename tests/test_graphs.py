@@ -61,11 +61,16 @@ def test_the_graphs_kept_are_bounded_the_least_recently_used_dropped():
     assert len(captured._graphs) == graphs.KEPT and captured.captures == graphs.KEPT + 5
 
 
-def test_a_host_read_inside_a_capture_is_refused():
-    def reads(x):
-        return x * int(x.sum())  # a host read: no graph can replay it
+@pytest.mark.parametrize("body", [
+    lambda x: x * int(x.sum()),  # a host read
+    lambda x: x.to("cpu") + 1,  # a copy to the host
+    lambda x: x[x > 0],  # a boolean mask: a result sized by the data
+    lambda x: x.nonzero().float().sum() + x,
+    lambda x: x + torch.tensor([1.0, 2.0, 3.0]),  # made from host values at capture time
+])
+def test_what_a_capture_cannot_hold_is_refused(body):
     with pytest.raises(HostReadInCapture, match="inside a captured pass"):
-        CapturedPass(reads, static=(), device=torch.device("cpu"))(torch.ones(3))
+        CapturedPass(body, static=(), device=torch.device("cpu"))(torch.ones(3))
 
 
 def _graph_calls(generator):

@@ -39,14 +39,28 @@ class HostReadInCapture(RuntimeError):
     """A captured pass read a device value on the host (its replay could not)."""
 
 
+# what else a capture cannot hold: results whose size depends on the data (a host sync), tensors made
+# from host values (a host-to-device copy at capture time, not at replay)
+_DATA_SIZED = {torch.nonzero, torch.Tensor.nonzero, torch.masked_select, torch.Tensor.masked_select,
+               torch.unique, torch.Tensor.unique, torch.tensor, torch.as_tensor}
+
+
 class _NoHostReads(TorchFunctionMode):
-    """Refuses what a CUDA graph capture cannot do: a host read of a tensor's value."""
+    """Refuses what a CUDA graph capture cannot do: a host read of a tensor's value, a result sized by the
+    data, a tensor made from host values, a copy to the CPU, a boolean mask as an index."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in _HOST_READS:
+        kwargs = kwargs or {}
+        to_cpu = func is torch.Tensor.to and any(
+            (isinstance(a, (str, torch.device)) and torch.device(a).type == "cpu")
+            for a in (*args[1:], kwargs.get("device")) if a is not None)
+        mask_index = func is torch.Tensor.__getitem__ and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool
+            for i in (args[1] if isinstance(args[1], tuple) else (args[1],)))
+        if func in _HOST_READS or func in _DATA_SIZED or to_cpu or mask_index:
             raise HostReadInCapture(f"{getattr(func, '__name__', func)} inside a captured pass: a graph "
-                                    f"replays device work only; read the value after the replay")
-        return func(*args, **(kwargs or {}))
+                                    f"replays device work of fixed shapes only; do it before or after")
+        return func(*args, **kwargs)
 
 
 class CapturedPass:
