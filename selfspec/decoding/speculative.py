@@ -685,17 +685,16 @@ class SelfSpecGenerator:
                               callback_rounds if on_tokens is not None or admit is not None else None,
                               streamer is not None or bool(stops), profile)
         engine = Engine(self, policy, options, on_round=on_tokens)
-        max_new_tokens = max(0, max_new_tokens)
-        for row, prompt in enumerate(prompts):
-            engine.add(NewRow(prompt, max_new_tokens, constraint=None if constraints is None
-                              else constraints[row]))
         stream = _RowOrderStream(streamer, prompts) if streamer is not None else None
-        if max_new_tokens == 0:
+        if max_new_tokens <= 0:
             if stream:
                 stream.end()
             texts = [""] * len(prompts) if self.tokenizer else None
             return GenerationOutput([[] for _ in prompts], engine.stats, texts,
                                     None if constraints is None else [c is None for c in constraints])
+        for row, prompt in enumerate(prompts):
+            engine.add(NewRow(prompt, max_new_tokens, constraint=None if constraints is None
+                              else constraints[row]))
         engine.start()
         while True:  # finished rows leave the batch, admitted ones join it
             for row in (admit() or []) if admit is not None else []:
