@@ -258,7 +258,8 @@ def extension():
 
 def look_again() -> None:
     """Forget the built extension, or that there is none: the next accessor looks it up (and builds it)
-    anew, reading `SELFSPEC_KERNELS` again (tests)."""
+    anew, reading `SELFSPEC_KERNELS` again for the build (tests); the default `KernelSettings.level`
+    was read at import and stays (set another with `using(level=...)`)."""
     _built.cache_clear()
 
 
