@@ -432,6 +432,10 @@ def test_metrics_need_the_key_when_one_is_set_unless_public(generator):
     (["--max-tokens-cap", "0"], "--max-tokens-cap"), (["--max-body-bytes", "0"], "--max-body-bytes"),
     (["--max-model-len", "-5"], "--max-model-len"), (["--port", "70000"], "--port"),
     (["--rounds-per-call", "0"], "--rounds-per-call"), (["--prefix-cache-mb", "-1"], "--prefix-cache-mb"),
+    (["--request-timeout", "0"], "--request-timeout"),
+    (["--keep-alive-timeout", "-1"], "--keep-alive-timeout"),
+    (["--max-connections", "0"], "--max-connections"),
+    (["--request-timeout", "inf"], "--request-timeout"),
 ])
 def test_serve_refuses_a_bad_limit_in_one_line_with_exit_2_before_it_loads(tmp_path, flags, named,
                                                                            monkeypatch, capsys):

@@ -250,6 +250,7 @@ class Engine:
         """Cancelled rows leave the batch before the round (one cancelled while waiting to join has
         joined first: its prefill is the only work it costs)."""
         keep = ~np.isin(self.b.rows, list(self.cancelled))
+        self.cancelled.clear()  # gone from the batch: a row never comes back
         if not keep.all():
             self.gen._keep_rows(self.b, keep)
 
