@@ -126,7 +126,7 @@ def test_greedy_under_a_json_schema_equals_constrained_plain_decoding(family, to
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_static_passes_under_a_json_schema_equal_constrained_plain_decoding(family, tokenizer):
-    """Static passes (`model.static_passes`) apply the grammar's masks inside the verification."""
+    """Static passes (`backends.static_passes`) apply the grammar's masks inside the verification."""
     model = make_model(family, tokenizer)
     gen = SelfSpecGenerator(model, tokenizer, drafter="ngram", static_passes="eager")
     prompt = prompt_ids(tokenizer)
@@ -380,7 +380,7 @@ REGEX = r"[a-e][a-z]{0,6}"  # a few dozen allowed first tokens, many second ones
 
 @pytest.mark.parametrize("static_passes", [None, "eager"])
 def test_sampling_under_a_grammar_matches_the_masked_target_distribution(tokenizer, static_passes):
-    """Also on static passes (`model.static_passes`: every pass at fixed shapes), whose rounding differs."""
+    """Also on static passes (`backends.static_passes`: every pass at fixed shapes), whose rounding differs."""
     model = make_model("llama", tokenizer, seed=5)
     with torch.no_grad():
         model.lm_head.weight.mul_(8)  # distributions far from uniform
@@ -483,14 +483,17 @@ def test_the_benchmark_times_every_method_under_each_prompts_schema(tokenizer):
     """`run_benchmark` with `Structured` prompts: the engine's methods and Hugging Face's greedy with
     the same masks give one output; the report has the forced drafts and the grammar's cost."""
     from selfspec.evaluation.benchmark import run_benchmark, to_markdown
+    from selfspec.evaluation.options import BenchmarkRun
     from selfspec.evaluation.prompts import Structured
+    from selfspec.evaluation.timing import LoadedCheckpoint
 
     model = make_model("llama", tokenizer, seed=6)
     prompts = [Structured(prompt_ids(tokenizer), Constraint.of(schema)) for schema in SCHEMAS[:2]]
-    report = run_benchmark(model, prompts, DecodeSettings(exit_layer=2, num_speculations=3),
-                           tokenizer=tokenizer, max_new_tokens=80, repeats=1, warmup=0,
-                           methods=("plain", "early_exit", "ngram", "hybrid", "hf_greedy",
-                                    "hf_prompt_lookup"))
+    checkpoint = LoadedCheckpoint(model, DecodeSettings(exit_layer=2, num_speculations=3), tokenizer)
+    report = run_benchmark(checkpoint, prompts,
+                           BenchmarkRun(max_new_tokens=80, repeats=1, warmup=0,
+                                        methods=("plain", "early_exit", "ngram", "hybrid", "hf_greedy",
+                                                 "hf_prompt_lookup")))
     assert all(report["identical"].values()), report["identical"]
     assert report["sources"]["ngram"]["forced"]["accepted"] > 0
     assert report["grammar"]["seconds_per_token"] > 0

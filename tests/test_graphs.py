@@ -1,4 +1,4 @@
-"""CUDA-graph semantics, checked without a GPU (`model.graphs`, emulated off CUDA): a replay rewrites
+"""CUDA-graph semantics, checked without a GPU (`backends.graphs`, emulated off CUDA): a replay rewrites
 the outputs of the previous one, so the engine copies them out; a host read inside a capture is refused;
 a new shape or a new static buffer is a new capture; a round of the static passes as graphs costs at
 most two graph launches (the draft loop, the verification) and equals the eager passes' output, greedy,
@@ -13,8 +13,8 @@ from virtual_cuda import VirtualCuda
 
 from selfspec.decoding import SelfSpecGenerator
 from selfspec.decoding.grammar import Constraint
-from selfspec.model import graphs
-from selfspec.model.graphs import CapturedPass, HostReadInCapture, _Graph
+from selfspec.backends import graphs
+from selfspec.backends.graphs import CapturedPass, HostReadInCapture, _Graph
 
 PROMPTS = [[5, 17, 33, 2, 71, 8, 5, 17, 33], [40, 3]]
 NEW = 14
@@ -75,7 +75,7 @@ def test_what_a_capture_cannot_hold_is_refused(body):
 
 def _graph_calls(generator):
     """{kind: replays} of the generator's captured passes."""
-    functions = generator.view.adapter._static._functions
+    functions = generator.backend.passes._functions
     counts = {}
     for (kind, *_), fn in functions.items():
         counts[kind] = counts.get(kind, 0) + fn.replays

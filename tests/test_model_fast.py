@@ -167,7 +167,7 @@ def test_fast_path_in_bfloat16_tracks_the_model(family):
 
 def test_eager_attention_and_hooked_blocks_keep_the_model_blocks(monkeypatch):
     eager = DecoderView(tiny_model("llama", attn_implementation="eager"))
-    assert not eager.adapter._use_fast()
+    assert not eager.adapter.uses_fast()
     model = tiny_model("llama")
     model(torch.randint(0, 96, (1, 4)), output_hidden_states=True)  # transformers' recording hooks are fine
     assert DecoderView(model).adapter.fast is not None

@@ -1,4 +1,4 @@
-"""Static passes (`model.static_passes`, `SelfSpecGenerator(static_passes=...)`): the path for CUDA
+"""Static passes (`backends.static_passes`, `SelfSpecGenerator(static_passes=...)`): the path for CUDA
 graphs, proven on CPU. Every decoding pass runs at fixed shapes (WIDTH rows, every cache slot under a
 mask from the positions, keys scattered in place), so greedy output equals plain decoding's for every
 Llama family, batch, k, η and drafter, as written ("eager") and captured ("graph": CUDA graphs,
@@ -13,7 +13,7 @@ from helpers import low_alpha_model, reference_greedy, tiny_model
 
 from selfspec.decoding import DecodeSettings, NewRow, SelfSpecGenerator
 from selfspec.errors import UserError
-from selfspec.model import static_passes
+from selfspec.backends import static_passes
 
 NEW = 14
 LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # mistral's window of 8 is shorter than the rows

@@ -173,7 +173,7 @@ class KVCache:
 
     def hold(self, lengths) -> None:
         """Every layer holds `lengths` (B,) positions per row: what a call that writes the cache and rolls
-        it back itself leaves (`DecoderView.greedy_rounds`); the slots past them are stale."""
+        it back itself leaves (`Backend.greedy_rounds`); the slots past them are stale."""
         self.lengths[:] = np.asarray(lengths, dtype=np.int64)[None, :]
 
     def rollback(self, lengths) -> None:

@@ -79,7 +79,7 @@ class DraftHead:
 
     def tensors(self) -> tuple | None:
         """(weight (V', D), bias or None, token ids (V',) or None, V): the head as the compiled draft
-        loop reads it (`DecoderView.draft_loop`); None behind an exit adapter, which the loop does not
+        loop reads it (`Backend.draft_loop`); None behind an exit adapter, which the loop does not
         run."""
         if self.adapter is not None:
             return None

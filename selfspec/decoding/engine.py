@@ -28,13 +28,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..backends import FusedDrafts
+from ..backends.static_passes import WIDTH as STATIC_WIDTH
 from ..errors import UserError
 from ..model.fast import fixed_width
-from ..model.static_passes import WIDTH as STATIC_WIDTH
-from .controller import FixedK
 from .grammar import GrammarBatch
 from .outputs import GenerationOutput, GenerationStats, NewRow, RoundCounts, RoundOutput
-from .policy import CopyPolicy, DraftPolicy, EarlyExitPolicy
+from .policy import DraftPolicy
 from .profile import RoundProfile
 from .sampling import SamplingParams
 from .settings import DecodeSettings
@@ -151,7 +151,8 @@ class Engine:
         b = self.b
         if not b.rows.size:
             return []
-        with fixed_width(self.gen.fixed_width):  # a low-precision model: every pass at one width
+        # a low-precision model: every pass at one width; the backend's switches for this thread
+        with fixed_width(self.gen.fixed_width), self.gen.backend.active():
             rows = b.rows
             fused = self._fused_rounds(rows)
             tokens, emit, finished, done = fused if fused is not None else self._round(rows)
@@ -197,6 +198,10 @@ class Engine:
     @torch.inference_mode()
     def start(self) -> None:
         """Prefill the rows added so far, together: the batch the steps decode."""
+        with self.gen.backend.active():
+            self._start()
+
+    def _start(self) -> None:
         gen, options, requests = self.gen, self.options, self.requests
         if not requests:
             raise UserError("an engine starts with at least one request: add one first")
@@ -229,7 +234,7 @@ class Engine:
         callback's rounds for one that reads every step, a fixed k to the row's end, an adaptive one
         `ADAPT_ROUNDS` (its controller takes every round's counts between calls)."""
         options, policy = self.options, self.policy
-        self.fixed = type(policy) is EarlyExitPolicy and type(policy.controller) is FixedK
+        self.fixed = policy.fixed
         most = int(self.limits.max())
         rounds = (1 if options.watched else max(1, options.callback_rounds)
                   if options.callback_rounds is not None else most if self.fixed else ADAPT_ROUNDS)
@@ -270,21 +275,20 @@ class Engine:
         """A lone row's rounds in one compiled call (`SelfSpecGenerator._greedy_rounds`), or None."""
         if not (self.one_call and len(rows) == 1):
             return None
-        gen, policy, b, row = self.gen, self.policy, self.b, int(rows[0])
-        copies = gen._copies(policy, row) if type(policy) is CopyPolicy else None
-        k = (policy.controller if copies is None else policy.early_exit).next_k()
+        gen, b, row = self.gen, self.b, int(rows[0])
+        drafts = self.policy.fused_drafts(row)
         if self._plain(rows):  # draft_max_rows = 0: plain steps, in the same compiled call
-            copies, k = None, 0
+            drafts = FusedDrafts(k=0)
         remaining = int(self.limits[row] - self.counts[row])
-        reach = k + (0 if copies is None else copies[3])  # the most drafts a round verifies
+        reach = drafts.k + drafts.copy_length  # the most drafts a round verifies
         # a row's first round alone: its first token reaches the caller without delay
         watched = self.options.callback_rounds is not None
         most = 1 if watched and not self.counts[row] else self.rounds_per_call
         limit = gen.view.max_positions
         if limit is not None and int(b.lengths[0]) + remaining + reach >= limit:
             return None
-        fused = gen._greedy_rounds(b, k, self.options.eos, remaining, most, self.stats, policy, self.laps,
-                                   copies)
+        fused = gen._greedy_rounds(b, drafts, self.options.eos, remaining, most, self.stats, self.policy,
+                                   self.laps)
         if fused is None:  # the kernels declined: rounds from Python from now on
             self.one_call = False
         return fused

@@ -31,7 +31,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
+from ..backends import FusedDrafts
 from ..errors import UserError
 from .controller import Controller, FixedK, WindowRule, make_controller
 from .ngram import NGramConfig, NGramIndex
@@ -115,6 +117,26 @@ class DraftPolicy:
                verify_time: float) -> None:
         """The round drafted `segments` and accepted `accepted` (B,) drafts; its draft and verify seconds."""
 
+    # -- fused rounds (a backend's `greedy_rounds`: many rounds of one row in one call) ----------------
+    @property
+    def drafts_early_exit(self) -> bool:
+        """Whether some round may draft with the early exit (else plain steps and copies only)."""
+        return False
+
+    @property
+    def fixed(self) -> bool:
+        """Whether every round drafts alike (a fixed k, no copies): a fused call may then run to the end."""
+        return False
+
+    def fuses(self, rounds_per_call: int) -> bool:
+        """Whether this policy's rounds may run fused, `rounds_per_call` in one call."""
+        return False
+
+    def fused_drafts(self, row: int) -> FusedDrafts:
+        """How the next fused call drafts for `row` (its k, its copies), as a backend takes it; the
+        caller adds the early exit's E, head and η."""
+        raise NotImplementedError
+
 
 class EarlyExitPolicy(DraftPolicy):
     """Every round drafts with the early exit, `controller.next_k()` tokens (0: a plain step)."""
@@ -130,6 +152,20 @@ class EarlyExitPolicy(DraftPolicy):
         # the early exit's own drafts: a grammar's forced tokens cost no draft step
         self.controller.update(sum(s.length for s in segments if s.source == "early_exit"), accepted,
                                draft_time, verify_time)
+
+    @property
+    def drafts_early_exit(self):
+        return self.controller.k_max > 0
+
+    @property
+    def fixed(self):
+        return type(self.controller) is FixedK
+
+    def fuses(self, rounds_per_call):
+        return True
+
+    def fused_drafts(self, row):
+        return FusedDrafts(k=self.controller.next_k())
 
 
 class CopyPolicy(DraftPolicy):
@@ -201,6 +237,22 @@ class CopyPolicy(DraftPolicy):
                 self.copy_controller.update(segment.length, kept, 0.0, verify_time)
             elif segment.source == "early_exit":  # a grammar's forced tokens teach neither
                 self.early_exit.update(segment.length, kept, draft_time, verify_time)
+
+    @property
+    def drafts_early_exit(self):
+        return self.early_exit.k_max > 0
+
+    def fuses(self, rounds_per_call):
+        # a fused call builds its n-gram tables from the whole row, too much to redo every round of a
+        # long context (the policy's own index grows by each round's tokens)
+        return rounds_per_call > 1
+
+    def fused_drafts(self, row):
+        copy_length = self.copy_controller.next_k()
+        history = torch.tensor(self.indexes[row].tokens, dtype=torch.long)  # (t,), the pending token last
+        return FusedDrafts(k=self.early_exit.next_k(), history=history,
+                           min_ngram=self.ngram.min_ngram, max_ngram=self.ngram.max_ngram,
+                           copy_length=copy_length)
 
 
 def make_policy(drafter: str, num_speculations, ngram: NGramConfig | None = None) -> DraftPolicy:

@@ -25,7 +25,7 @@ step for η (`stop_below`) and for drafters that copy; everything else the loop 
 kv_length, cache lengths) is known on the host already.
 
 One row decoding greedily with early-exit drafts (or plain steps) or with copies only, unconstrained,
-runs its rounds in compiled calls of many rounds where the kernels apply (`DecoderView.greedy_rounds`):
+runs its rounds in compiled calls of many rounds where the kernels apply (`Backend.greedy_rounds`):
 the same passes, so the same tokens, without the host's Python between them; the statistics and the
 policy then take the rounds' counts. A fixed k runs to the row's end in one call; an adaptive k (or
 copy length) changes between calls of `ADAPT_ROUNDS` rounds; a call that streams or stops at strings
@@ -43,9 +43,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..backends import FusedDrafts, make_backend
 from ..errors import UserError
 from ..model import DecoderView
-from ..model.static_passes import MODES as STATIC_MODES
 from . import sampling
 from .cache import KVCache
 from .controller import Controller
@@ -54,7 +54,7 @@ from .engine import CallOptions, Engine
 from .grammar import GrammarBatch, GrammarTokenizer, apply_mask, constraints_for_rows
 from .ngram import NGramConfig, TokenText
 from .outputs import GenerationOutput, GenerationStats, NewRow, RoundCounts, RoundOutput
-from .policy import CopyPolicy, DraftPlan, DraftPolicy, EarlyExitPolicy, Segment
+from .policy import DraftPlan, DraftPolicy, Segment
 from .prefix import PrefixCache
 from .profile import RoundProfile, no_lap
 from .sampling import (
@@ -226,9 +226,13 @@ class SelfSpecGenerator:
         ("json_schema", "regex", "lark"), as a sweep on such prompts stored it.
     static_passes: None, or run every decoding pass of up to `static_passes.WIDTH` positions (plain
         steps, drafts, verifications; rounds are capped to that many) at fixed shapes, the path for
-        CUDA graphs (`model.static_passes`): "eager" as written, "compile" through `torch.compile`
+        CUDA graphs (`backends.static`): "eager" as written, "compile" through `torch.compile`
         (CUDA graphs on a GPU). The cache is then kept per batch size and length bucket and reused.
         Llama-family models only; greedy output equals plain decoding's with the same setting.
+    backend: how the round's passes run (`selfspec.backends`): "reference" (torch operations, the
+        oracle), "cpu_kernels" (selfspec's compiled CPU calls), "static" (fixed shapes; `static_passes`
+        says which mode, "eager" by default); None: static when `static_passes` is given, else the CPU
+        kernels on a CPU and the reference elsewhere.
     prefix_cache: a `PrefixCache` (`prefix.py`), or None: prompts prefill through it, a chunk per
         pass, reusing the chunks earlier calls computed; a prompt decodes to the same bits whether
         its chunks were cached or not (not always the bits of a prefill without one).
@@ -240,15 +244,12 @@ class SelfSpecGenerator:
                  ngram: NGramConfig | None = None, token_counts=None,
                  exit_adapters: dict | None = None, check_cache: bool = True,
                  fixed_width: bool | None = None, format_settings: dict | None = None,
-                 static_passes: str | None = None, prefix_cache: PrefixCache | None = None):
+                 static_passes: str | None = None, prefix_cache: PrefixCache | None = None,
+                 backend: str | None = None):
         self.view = DecoderView(model)
-        if static_passes is not None and static_passes not in STATIC_MODES:
-            raise UserError(f"static_passes must be one of {', '.join(STATIC_MODES)} or None, "
-                            f"got {static_passes!r}")
-        if not self.view.static_passes(static_passes):
-            raise UserError(f"static passes need a Llama-family model with plain blocks, SDPA attention and "
-                            f"a rotary table ({self.view.config.model_type} here): leave static_passes unset")
-        self.static_passes = static_passes
+        self.backend = make_backend(self.view, backend, static_passes)
+        # the static backend's mode: caches then come in buckets, reused across calls
+        self.static_passes = getattr(self.backend, "mode", None)
         self._static_buffers: dict[tuple, tuple] = {}  # (layers, rows, capacity) -> a cache's buffers
         # bf16/fp16: every decoding pass at one width (`model.fast.fixed_width`), so that a position
         # gets the same rounding alone (plain) as among k + 1 (verification); fp32 needs no help.
@@ -331,8 +332,8 @@ class SelfSpecGenerator:
         `check` treat it as one more layer."""
         place = self._place(b, offset, tokens.shape[1])
         if b.exit_block is not None and end == b.exit_layer and b.step_head is not None:
-            out = self.view.exit_pass(b.exit_layer, tokens, b.cache, place["positions"], b.step_head,
-                                      b.exit_block)
+            out = self.backend.exit_pass(b.exit_layer, tokens, b.cache, place["positions"], b.step_head,
+                                         b.exit_block)
             if out is not None:  # one compiled call: blocks [0, E), then the exit block
                 return out
         hidden = self.view.embed(tokens, place["positions"])
@@ -416,7 +417,7 @@ class SelfSpecGenerator:
                     draft.hiddens.append(hidden)
                     unrun = []
                 # greedy: the compiled steps' own choice where it runs, so both draft alike
-                chosen = (self.view.draft_choice(features[:, -1], b.step_head, allowed, b.stop_below)
+                chosen = (self.backend.draft_choice(features[:, -1], b.step_head, allowed, b.stop_below)
                           if b.step_head is not None else None)
                 if chosen is not None:
                     token, sure = chosen
@@ -452,13 +453,13 @@ class SelfSpecGenerator:
         return draft
 
     def _draft_loop(self, b: _Batch, draft: _Draft, k: int) -> bool:
-        """The round's k greedy early-exit drafts in one compiled call (`DecoderView.draft_loop`), the
+        """The round's k greedy early-exit drafts in one compiled call (`Backend.draft_loop`), the
         same drafts and the same cache as the step-by-step loop of `_draft`, without the Python between
         the steps. Its last pass through blocks [0, E) runs the last draft (which `_verify` would run
         first), so the draft time holds it. Whether it ran (else nothing was run)."""
         place = self._place(b, 0, k + 1)
-        out = self.view.draft_loop(b.exit_layer, b.pending_dev, b.cache, place["positions"], b.loop_head, k,
-                                   b.stop_below)
+        out = self.backend.draft_loop(b.exit_layer, b.pending_dev, b.cache, place["positions"], b.loop_head,
+                                      k, b.stop_below)
         if out is None:
             return False
         drafts, hidden = out  # (B, s), (B, s + 1, D)
@@ -471,14 +472,14 @@ class SelfSpecGenerator:
         return True
 
     def _draft_step(self, b: _Batch, draft: _Draft, unrun: list, allowed: torch.Tensor | None):
-        """One greedy early-exit step of `_draft` in one compiled call (`DecoderView.draft_step`): the
+        """One greedy early-exit step of `_draft` in one compiled call (`Backend.draft_step`): the
         tokens `unrun` through blocks [0, E) and the exit block, the draft head, the grammar's mask
         `allowed` (B, V) and the argmax, as the step from Python does them. (draft (B,), sure: some row's
         draft reaches η), the exit states appended to `draft`; or None, nothing run."""
         tokens = _joined(unrun)  # (B, r)
         place = self._place(b, draft.k + 1 - tokens.shape[1], tokens.shape[1])
-        out = self.view.draft_step(b.exit_layer, tokens, b.cache, place["positions"], b.step_head,
-                                   b.exit_block, allowed, b.stop_below)
+        out = self.backend.draft_step(b.exit_layer, tokens, b.cache, place["positions"], b.step_head,
+                                      b.exit_block, allowed, b.stop_below)
         if out is None:
             return None
         token, hidden, sure = out
@@ -588,7 +589,7 @@ class SelfSpecGenerator:
                                         uniforms(b.seeds_dev, decided, TARGET)))
 
     def _verify_compiled(self, b: _Batch, draft: _Draft, done: int, allowed: torch.Tensor | None):
-        """`_verify` of a greedy round in one compiled call (`DecoderView.verify_greedy`): the draft's
+        """`_verify` of a greedy round in one compiled call (`Backend.verify_greedy`): the draft's
         tail through blocks [0, E) first when it has one (from Python), then the target's pass, its head,
         the grammar's masks `allowed` (B, k + 1, V) when given, the argmax and the accepted prefix; a
         round without early-exit drafts (a plain step, a copy, forced tokens) as one whole-model call,
@@ -597,15 +598,15 @@ class SelfSpecGenerator:
         num_layers = self.view.num_layers
         if not draft.hiddens and b.exit_block is None:  # a whole-model call
             positions = self._place(b, 0, draft.k + 1)["positions"]
-            return self.view.verify_greedy(0, num_layers, b.cache, positions, draft.tokens, tokens=draft.tail,
-                                           allowed=allowed)
+            return self.backend.verify_greedy(0, num_layers, b.cache, positions, draft.tokens,
+                                              tokens=draft.tail, allowed=allowed)
         if draft.tail.shape[1]:  # through blocks [0, E) from Python: an exit block writes its cache there
             draft.hiddens.append(self._run(b, draft.tail, done, b.exit_layer))
             draft.tail = draft.tail[:, :0]
         hidden = _joined(draft.hiddens)  # (B, k+1, D)
         positions = self._place(b, 0, draft.k + 1)["positions"]
-        return self.view.verify_greedy(b.exit_layer, num_layers, b.cache, positions, draft.tokens,
-                                       hidden=hidden, allowed=allowed)
+        return self.backend.verify_greedy(b.exit_layer, num_layers, b.cache, positions, draft.tokens,
+                                          hidden=hidden, allowed=allowed)
 
     # -- generation ----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -869,11 +870,11 @@ class SelfSpecGenerator:
         old slots are stale, hidden). So a generator with static passes decodes one call at a time."""
         if self.static_passes is None:
             return KVCache(layers, rows, capacity)
-        capacity = 1 << max(capacity - 1, 255).bit_length()
+        capacity = self.backend.capacity(capacity)
         key = (layers, rows, capacity)
         cache = KVCache(layers, rows, capacity, buffers=self._static_buffers.get(key) if pooled else None)
         if not pooled or key not in self._static_buffers:
-            self.view.allocate_static(cache)
+            self.backend.allocate(cache)
         if pooled:
             self._static_buffers.setdefault(key, (tuple(cache.keys), tuple(cache.values)))
         return cache
@@ -898,42 +899,29 @@ class SelfSpecGenerator:
         b.upload(b.steps.device)
 
     def _rounds_in_one_call(self, b: _Batch, policy: DraftPolicy, rounds_per_call: int) -> bool:
-        """Whether a row's rounds may run several in one compiled call (`_greedy_rounds`): greedy,
-        unconstrained, no exit block, no static passes, early-exit drafts (plain steps at k = 0) only
-        with a head the compiled draft loop reads, and either early-exit drafts only (its controller's
-        k for each call) or copies first (`ngram`: a copy or a plain step each round; `hybrid`: a copy
-        or early-exit drafts that a copy may follow) in calls of several rounds: the call builds its
-        n-gram tables from the whole row, too much to redo every round of a long context (the policy's
-        own index grows by each round's tokens)."""
-        if not b.sampling.greedy or b.grammar is not None or b.exit_block is not None or self.static_passes:
+        """Whether a row's rounds may run several in one call of the backend (`_greedy_rounds`): a backend
+        with fused rounds, greedy, unconstrained, no exit block, a policy whose rounds fuse
+        (`DraftPolicy.fuses`), and early-exit drafts only with a head the compiled draft loop reads."""
+        if (not self.backend.fused_rounds or not b.sampling.greedy or b.grammar is not None
+                or b.exit_block is not None):
             return False
-        if type(policy) is EarlyExitPolicy:
-            return policy.controller.k_max == 0 or b.loop_head is not None
-        return (type(policy) is CopyPolicy and rounds_per_call > 1
-                and (policy.early_exit.k_max == 0 or b.loop_head is not None))
+        return policy.fuses(rounds_per_call) and (not policy.drafts_early_exit or b.loop_head is not None)
 
-    @staticmethod
-    def _copies(policy: CopyPolicy, row: int) -> tuple:
-        """The copy drafter's state for `_greedy_rounds`: (the row's tokens so far, min_ngram, max_ngram,
-        the copy length its controller sets for the next call)."""
-        config = policy.ngram
-        history = torch.tensor(policy.indexes[row].tokens, dtype=torch.long)
-        return history, config.min_ngram, config.max_ngram, policy.copy_controller.next_k()
-
-    def _greedy_rounds(self, b: _Batch, k: int, eos: np.ndarray, max_tokens: int, max_rounds: int,
-                       stats: GenerationStats, policy: DraftPolicy, laps: RoundProfile | None,
-                       copies: tuple | None = None):
-        """Up to `max_rounds` rounds of the batch's one row in one compiled call
-        (`DecoderView.greedy_rounds`), each recorded in `stats` and shown to `policy` as the rounds from
-        Python record them: (tokens (1, t) the row kept, emit (1,) = t, finished (1,): an eos or
-        `max_tokens` reached, the call's `RoundCounts`), or None, nothing run, where the kernels
-        decline. copies: the copying policy's state (`_copies`): each round looks for a copy first."""
+    def _greedy_rounds(self, b: _Batch, drafts: FusedDrafts, eos: np.ndarray, max_tokens: int,
+                       max_rounds: int, stats: GenerationStats, policy: DraftPolicy,
+                       laps: RoundProfile | None):
+        """Up to `max_rounds` rounds of the batch's one row in one call of the backend
+        (`Backend.greedy_rounds`), drafting as `drafts` says (the policy's k and copies), each round
+        recorded in `stats` and shown to `policy` as the rounds from Python record them: (tokens (1, t)
+        the row kept, emit (1,) = t, finished (1,): an eos or `max_tokens` reached, the call's
+        `RoundCounts`), or None, nothing run, where the backend declines."""
+        k = drafts.k
         head = b.loop_head if k else b.head.tensors()
         if head is None:
             return None
-        out = self.view.greedy_rounds(b.exit_layer, int(b.pending_host[0]), b.cache, int(b.lengths[0]), head,
-                                      k, b.stop_below, torch.from_numpy(eos), max_tokens, max_rounds, copies,
-                                      b.overlap)
+        drafts = dataclasses.replace(drafts, exit_layer=b.exit_layer, head=head, eta=b.stop_below)
+        out = self.backend.greedy_rounds(int(b.pending_host[0]), b.cache, int(b.lengths[0]), drafts,
+                                         torch.from_numpy(eos), max_tokens, max_rounds, b.overlap)
         if out is None:
             return None
         tokens, rounds, seconds = out

@@ -15,7 +15,6 @@ from torch import nn
 
 from ..errors import UserError
 from .fast import FastLlamaBlocks, run_block
-from .static_passes import StaticPasses
 
 
 class UnsupportedArchitectureError(UserError):
@@ -67,42 +66,16 @@ class Adapter:
         faster way than block by block; None (nothing run) otherwise."""
         return None
 
-    def static_passes(self, mode: str | None) -> bool:
-        """Run the decoding passes as `StaticPasses` in `mode` ("eager", "compile"), or as before
-        (None). Whether this family and model have them (the Llama family's plain blocks with a
-        rotary table)."""
-        return mode is None
+    def uses_fast(self) -> bool:
+        """Whether decoding passes run on `fast.FastLlamaBlocks` now (autograd off, eval mode, SDPA, plain
+        blocks): the families without them never do."""
+        return False
 
-    def allocate_static(self, cache) -> None:
-        """With static passes on, give `cache` the buffers of every block now (see `StaticPasses`)."""
-
-    def draft_loop(self, exit_layer: int, token, cache, positions, head: tuple, k: int, eta: float):
-        """Greedy early-exit drafts of a round in one call where this family has one (see
-        `DecoderView.draft_loop`); None (nothing run) otherwise."""
-        return None
-
-    def draft_choice(self, hidden, head: tuple, allowed, eta: float):
-        """Greedy drafts from exit states in one call where this family has one (see
-        `DecoderView.draft_choice`); None (nothing run) otherwise."""
-        return None
-
-    def draft_step(self, exit_layer: int, tokens, cache, positions, head: tuple, exit_block, allowed,
-                   eta: float, choose: bool = True):
-        """One greedy early-exit draft step in one call where this family has one (see
-        `DecoderView.draft_step`, and `exit_pass` for choose=False); None (nothing run) otherwise."""
-        return None
-
-    def verify_greedy(self, start: int, end: int, hidden, tokens, cache, positions, drafts, allowed=None):
-        """Greedy verification in one call where this family has one (see `DecoderView.verify_greedy`);
-        None (nothing run) otherwise."""
-        return None
-
-    def greedy_rounds(self, exit_layer: int, token: int, cache, start: int, head: tuple, k: int, eta: float,
-                      eos, max_tokens: int, max_rounds: int, copies: tuple | None = None,
-                      overlap: bool = False):
-        """One row's greedy rounds (early-exit drafts or copies) in one call where this family has one (see
-        `DecoderView.greedy_rounds`); None (nothing run) otherwise."""
-        return None
+    def run_passes_with(self, runner) -> bool:
+        """Run the decoding passes of `run_blocks` through `runner(start, end, hidden, cache)` (a
+        backend's fixed-shape passes, which returns None to decline a pass), or as before (None).
+        Whether this family takes one (the Llama family's plain blocks)."""
+        return runner is None
 
     def call_layer(self, layer: nn.Module, hidden, mask, cache, extras: dict) -> torch.Tensor:
         """Call a block module of this family (one of `layers`, or an exit block outside them, which
@@ -150,9 +123,10 @@ class LlamaFamilyAdapter(Adapter):
         super().__init__(model)
         self._fast: FastLlamaBlocks | None | bool = False  # False: not built yet (see `fast`)
         rope_type = str(getattr(self.model.model.rotary_emb, "rope_type", ""))
-        self._rope_per_call = any(kind in rope_type for kind in self._LENGTH_DEPENDENT_ROPE)
+        # whether cos/sin must be computed per call (a table's rows would be wrong)
+        self.rope_per_call = any(kind in rope_type for kind in self._LENGTH_DEPENDENT_ROPE)
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin: (L, head_dim)
-        self._static: StaticPasses | None = None  # the decoding passes for CUDA graphs, when asked for
+        self._pass_runner = None  # a backend's runner of the decoding passes (`run_passes_with`), or None
 
     @property
     def fast(self) -> FastLlamaBlocks | None:
@@ -166,134 +140,45 @@ class LlamaFamilyAdapter(Adapter):
             self._fast = FastLlamaBlocks.build(self.layers, self.config, self.final_norm, self.lm_head)
         return self._fast
 
-    def _use_fast(self) -> bool:
+    @property
+    def embedding(self) -> nn.Module:
+        """The token embedding module."""
+        return self.model.model.embed_tokens
+
+    def uses_fast(self) -> bool:
         # Eager and flash attention differ from SDPA in rounding (eager: float32 softmax): keep them.
         return not torch.is_grad_enabled() and not self.model.training and self.sdpa and self.fast is not None
 
     def embed(self, input_ids, positions):
-        return self.model.model.embed_tokens(input_ids)
+        return self.embedding(input_ids)
 
     def block_extras(self, hidden, positions, max_position=None):
         # Rotary cos/sin: (B, T, head_dim) each, shared by every block of this call. Rows of a table
         # computed once for positions 0..L-1 are the very values a per-call computation gives (the
         # angle of a position is one product, no reduction), at the cost of one index per call.
-        if max_position is None or self._rope_per_call:
+        if max_position is None or self.rope_per_call:
             rotary = self.model.model.rotary_emb
             return {"position_embeddings": rotary(hidden, position_ids=positions), "position_ids": positions}
-        table = self._rope_rows(hidden, max_position)
+        table = self.rope_rows(hidden, max_position)
         return {"position_embeddings": (table[0][positions], table[1][positions]), "position_ids": positions}
 
     def call_block(self, index, hidden, mask, cache, extras):
-        if self._use_fast():
+        if self.uses_fast():
             return self.fast(index, hidden, mask, cache, *extras["position_embeddings"])
         return self.call_layer(self.layers[index], hidden, mask, cache, extras)
 
-    def static_passes(self, mode):
-        if mode is None:
-            self._static = None
-            return True
-        if self.fast is None or self.fast.head is None or self._rope_per_call or not self.sdpa:
-            return False
-        embedding = self.model.model.embed_tokens
-        if type(embedding) is not nn.Embedding:
-            return False
-        weight = embedding.weight
-        self._static = StaticPasses(self.fast, weight, self.windows,
-                                    lambda capacity: self._rope_rows(weight[:1, None], capacity - 1), mode)
+    def run_passes_with(self, runner):
+        self._pass_runner = runner
         return True
 
-    def allocate_static(self, cache):
-        if self._static is not None:
-            self._static.allocate(cache)
-
     def run_blocks(self, start, end, hidden, mask, cache, extras):
-        if self._use_fast():
-            if self._static is not None:  # a decoding pass (up to `WIDTH` rows) at fixed shapes
-                return self._static.run(start, end, hidden, cache)
+        if self.uses_fast():
+            if self._pass_runner is not None:  # a backend's decoding pass at fixed shapes
+                return self._pass_runner(start, end, hidden, cache)
             return self.fast.run_range(start, end, hidden, mask, cache, *extras["position_embeddings"])
         return None
 
-    def draft_loop(self, exit_layer, token, cache, positions, head, k, eta):
-        if self._static is not None:
-            if not self._use_fast():
-                return None
-            return self._static.draft_loop(exit_layer, token, cache, head, k, eta)
-        place = self._round_place(0, exit_layer, cache, positions)
-        if place is None:
-            return None
-        embedding = self.model.model.embed_tokens
-        mask_value = torch.finfo(embedding.weight.dtype).min  # `DecoderView._mask`'s
-        return self.fast.draft_loop(exit_layer, embedding, token, cache, *place, mask_value, head, k, eta)
-
-    def draft_choice(self, hidden, head, allowed, eta):
-        if self._static is not None or not self._use_fast():  # static passes choose with torch's operations
-            return None
-        return self.fast.draft_choice(hidden, head, allowed, eta)
-
-    def draft_step(self, exit_layer, tokens, cache, positions, head, exit_block, allowed, eta, choose=True):
-        if self._static is not None:  # static passes run the step from Python, at their fixed shapes
-            return None
-        place = self._round_place(0, exit_layer, cache, positions)
-        if place is None:
-            return None
-        slots, cos, sin = place
-        layers, first, extra_slots = [], 0, None
-        if exit_block is not None:
-            last = slots[3] - 1  # the calls attend to every slot: no window may cut one
-            windows = [self.windows[like] for like in exit_block.init_layers]
-            if any(w is not None and w <= last for w in windows):
-                return None
-            layers = list(exit_block.layers)
-            first = layers[0].self_attn.layer_idx  # the exit blocks' cache layers: N, N + 1, ..
-            extra_slots = cache.slot_buffers(first, first + len(layers))
-            if extra_slots is None:
-                return None
-        embedding = self.model.model.embed_tokens
-        mask_value = torch.finfo(embedding.weight.dtype).min  # `DecoderView._mask`'s
-        out = self.fast.draft_step(exit_layer, layers, self.config, embedding, tokens, slots, extra_slots,
-                                   cos, sin, mask_value, head, allowed, eta, choose)
-        if out is None:
-            return None
-        cache.written(0, exit_layer)
-        if layers:
-            cache.written(first, first + len(layers))
-        return out
-
-    def verify_greedy(self, start, end, hidden, tokens, cache, positions, drafts, allowed=None):
-        if self._static is not None:
-            if not self._use_fast():
-                return None
-            return self._static.verify_greedy(start, end, hidden, tokens, cache, drafts, allowed)
-        place = self._round_place(start, end, cache, positions)
-        if place is None:
-            return None
-        embedding = self.model.model.embed_tokens
-        mask_value = torch.finfo(embedding.weight.dtype).min  # `DecoderView._mask`'s
-        return self.fast.verify_greedy(start, end, embedding, hidden, tokens, cache, *place, mask_value,
-                                       drafts, allowed)
-
-    def greedy_rounds(self, exit_layer, token, cache, start, head, k, eta, eos, max_tokens, max_rounds,
-                      copies=None, overlap=False):
-        if self._static is not None or not self._use_fast() or self._rope_per_call:
-            return None
-        num_layers = len(self.layers)
-        keys, values = cache.keys[:num_layers], cache.values[:num_layers]
-        last = start + max_tokens + k + (copies[3] if copies else 0)  # past the last slot a round writes
-        if any(b is None for b in keys) or any(w is not None and w <= last for w in self.windows):
-            return None
-        # the next round's drafts made ahead reach k + 1 slots further; not where a window would cut them
-        overlap = overlap and all(w is None or w > last + k + 1 for w in self.windows)
-        last += k + 1 if overlap else 0
-        embedding = self.model.model.embed_tokens
-        cos, sin = self._rope_rows(embedding.weight[:1, None], last)
-        out = self.fast.greedy_rounds(exit_layer, embedding, token, keys, values, start, cos, sin,
-                                      torch.finfo(embedding.weight.dtype).min, head, k, eta, eos, max_tokens,
-                                      max_rounds, copies, overlap)
-        if out is not None:  # every layer holds the slots up to the pending token: the rest is stale
-            cache.hold([start + len(out[0])])
-        return out
-
-    def _rope_rows(self, hidden, max_position: int) -> tuple:
+    def rope_rows(self, hidden, max_position: int) -> tuple:
         """The rotary table (cos, sin), (L, head_dim) each in hidden's dtype and device, L > max_position."""
         table = self._rope_table
         if table is None or table[0].shape[0] <= max_position or table[0].dtype != hidden.dtype \
@@ -305,28 +190,8 @@ class LlamaFamilyAdapter(Adapter):
             table = self._rope_table = (cos[0], sin[0])
         return table
 
-    def _round_place(self, start: int, end: int, cache, positions):
-        """Where a compiled round call over blocks [start, end) at `positions` (B, T) writes and
-        attends: (the cache's `slot_buffers`, the rotary cos, sin (B, T, hd)), or None where the call
-        does not apply: no fast blocks, a layer without a buffer yet, or an attention window that cuts
-        a slot (the calls attend causally to every slot, with no window)."""
-        slots = cache.slot_buffers(start, end) if hasattr(cache, "slot_buffers") else None
-        if slots is None or not self._use_fast():
-            return None
-        last = slots[3] - 1  # the last slot written: kv_length - 1
-        if any(w is not None and w <= last for w in self.windows[start:end]):
-            return None
-        weight = self.model.model.embed_tokens.weight
-        if self._rope_per_call:
-            return slots, *self.block_extras(weight[:1, None], positions, last)["position_embeddings"]
-        cos, sin = self._rope_rows(weight[:1, None], last)  # rows of the table: the positions' own values
-        if slots[4] is not None:  # rows at their own slots
-            return slots, cos[positions], sin[positions]
-        batch, first = positions.shape[0], slots[2]  # every row at slots first .. last: a slice
-        return slots, cos[first:last + 1].expand(batch, -1, -1), sin[first:last + 1].expand(batch, -1, -1)
-
     def call_layer(self, layer, hidden, mask, cache, extras):
-        if self._use_fast():  # an exit block: the model's own blocks took the branch above
+        if self.uses_fast():  # an exit block: the model's own blocks took the branch above
             block = self.fast.extra(layer, self.config)
             if block is not None:
                 return run_block(block, layer.self_attn.layer_idx, hidden, mask, cache,
@@ -334,7 +199,7 @@ class LlamaFamilyAdapter(Adapter):
         return layer(hidden, attention_mask=mask, cache=cache, use_cache=cache is not None, **extras)
 
     def exit_logits(self, hidden):
-        if self._use_fast() and self.fast.head is not None:
+        if self.uses_fast() and self.fast.head is not None:
             return self.fast.exit_logits(hidden)
         return super().exit_logits(hidden)
 

@@ -323,7 +323,7 @@ def _records_only(hook) -> bool:
             and getattr(hook, "__name__", None) == "output_capturing_hook")
 
 
-def _hooked(modules: nn.Module) -> bool:
+def hooked(modules: nn.Module) -> bool:
     """Whether some module relies on work done around its own call, which this code bypasses: FSDP 1/2
     and DeepSpeed ZeRO-3 gather sharded weights in hooks, accelerate's `device_map` offloading moves
     weights in (`_hf_hook`), and any user forward hook would silently not run."""
@@ -446,10 +446,8 @@ class FastLlamaBlocks:
     def __init__(self, blocks: list[_Block], head: tuple | None):
         self.blocks = blocks
         self._extra: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # exit block -> tensors
-        self._lookup: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # embedding -> plain lookup?
-        self._extra_kernel: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # exit block -> Block?
         self.head = head  # (final norm weight, eps, LM head weight, bias), or None: use the modules
-        self._kernel_blocks = None  # (the extension's Block class, the blocks as its objects): `_compiled`
+        self._kernel_blocks = None  # (the extension's Block class, the blocks as its objects): `compiled`
         self._silu = all(b.act is F.silu for b in blocks)  # the compiled blocks' MLP activation
 
     @classmethod
@@ -457,14 +455,14 @@ class FastLlamaBlocks:
               lm_head: nn.Module | None = None) -> FastLlamaBlocks | None:
         """Gather every block (and the final norm + LM head when given and plain); None if one is not
         plain."""
-        if _hooked(layers):
+        if hooked(layers):
             return None
         blocks = [_gather(layer, config) for layer in layers]
         if any(b is None for b in blocks):
             return None
         norm = _norm(final_norm)
         plain_head = (norm is not None and _is_plain_linear(lm_head)
-                      and not _hooked(nn.ModuleList([final_norm, lm_head])))
+                      and not hooked(nn.ModuleList([final_norm, lm_head])))
         return cls(blocks, (*norm, lm_head.weight, lm_head.bias) if plain_head else None)
 
     def exit_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -490,7 +488,7 @@ class FastLlamaBlocks:
         written before; rows at different slots need the mask). The same calls as block by block, so the same
         bits, without the Python between blocks (argument checks, the cache's `update`, the calls'
         arguments), which is a visible share of a small model's step (docs/performance.md)."""
-        compiled = self._compiled()
+        compiled = self.compiled()
         slot_buffers = getattr(cache, "slot_buffers", None)
         if (compiled is None or slot_buffers is None or torch.is_grad_enabled()
                 or not _pass_fits_kernels(hidden, mask, cos, sin, self.blocks[start])):
@@ -509,170 +507,7 @@ class FastLlamaBlocks:
             cache.written(start, end)
         return out
 
-    def draft_loop(self, exit_layer: int, embedding: nn.Module, token: torch.Tensor, cache, slots: tuple,
-                   cos: torch.Tensor, sin: torch.Tensor, mask_value: float, head: tuple, k: int, eta: float):
-        """Greedy early-exit drafts in one compiled call (`kernels.draft_loop`): from `token` (B,) at
-        the cache's announced first slots, k steps of blocks [0, E) (the cache written), the final norm,
-        the draft head and the argmax, ending early below η (`eta`; 0: never). slots: the cache's
-        `slot_buffers(0, exit_layer)`; cos, sin (B, k + 1, hd): the rotary of each row's k + 1 slots;
-        mask_value: what the engine's mask holds where a query may not look (rows at different slots
-        attend through a mask); head: (weight (V', D), bias or None, ids (V',) of a trimmed head or
-        None, V). Returns (drafts (B, s), exit states (B, s + 1, D)), the cache holding the s + 1
-        inputs at layers [0, E); or None, nothing computed, where it does not apply (see `_round_call`).
-        `embedding`: the model's token embedding."""
-        weight, bias, ids, vocab = head
-        call = self._round_call(kernels.draft_loop, 0, exit_layer, embedding, cos, sin, (weight, bias))
-        if call is None:
-            return None
-        made, blocks, embed, cos, sin = call
-        keys, values, first, _, row_starts = slots
-        out = made(blocks, embed, token, keys, values, first, cos, sin, self.head[0], self.head[1], weight,
-                   bias, ids, vocab, k, eta, row_starts, mask_value)
-        if not out:
-            return None
-        drafts, hidden = out
-        cache.written(0, exit_layer, hidden.shape[1])
-        return drafts, hidden
-
-    def verify_greedy(self, start: int, end: int, embedding: nn.Module, hidden: torch.Tensor | None,
-                      tokens: torch.Tensor | None, cache, slots: tuple, cos: torch.Tensor, sin: torch.Tensor,
-                      mask_value: float, drafts: torch.Tensor, allowed: torch.Tensor | None = None):
-        """Greedy verification in one compiled call (`kernels.verify_greedy`): blocks [start, end) on T
-        positions at the cache's announced slots, each row's own (the cache written), with causal
-        attention over them, the final norm and LM head, the argmax and the accepted prefix of `drafts`
-        (B, T - 1). The input: `hidden` (B, T, D), or `tokens` (B, T) embedded (start = 0). slots: the cache's
-        `slot_buffers(start, end)`; cos, sin (B, T, hd). mask_value: what the engine's mask
-        holds where a query may not look (its dtype's lowest). allowed: a grammar's masks (B, T, V)
-        bool, applied to the target's logits as `grammar.apply_mask` does. Returns decided (B, T + 1):
-        the tokens (B, T) then the accepted count, as `sampling.accept_greedy` gives them; or None,
-        nothing computed, where it does not apply."""
-        call = self._round_call(kernels.verify_greedy, start, end, embedding, cos, sin,
-                                (self.head[2], self.head[3]))
-        if call is None:
-            return None
-        made, blocks, embed, cos, sin = call
-        keys, values, first, _, row_starts = slots
-        out = made(blocks, hidden, tokens, embed, keys, values, first, cos, sin, mask_value, self.head[0],
-                   self.head[1], self.head[2], self.head[3], drafts, allowed, row_starts)
-        if not out:
-            return None
-        cache.written(start, end)
-        return out[0]
-
-    def draft_choice(self, hidden: torch.Tensor, head: tuple, allowed: torch.Tensor | None, eta: float):
-        """Greedy drafts from exit states `hidden` (B, D) in one compiled call (`kernels.draft_choice`,
-        the choice `draft_loop` and `draft_step` make): the final norm, the draft head `head` (as
-        `draft_loop`'s), a grammar's mask `allowed` (B, V) bool or None, the first maximum by token id.
-        Returns (drafts (B,), sure: some row's draft puts `eta` on its top token, as the engine's
-        `_unsure` negated), or None where it does not apply: the kernels off (`kernels_up_to(None)`)
-        or missing, autograd on, no plain final norm + LM head, tensors not in the states' dtype."""
-        made = kernels.draft_choice() if kernels.settings().runs("products") else None
-        weight, bias, ids, vocab = head
-        if made is None or self.head is None or torch.is_grad_enabled():
-            return None
-        if hidden.device.type != "cpu" or hidden.dtype not in (torch.float32, torch.bfloat16) or any(
-                t is not None and (t.dtype != hidden.dtype or not t.is_contiguous())
-                for t in (weight, bias, self.head[0])):
-            return None
-        norm, eps = self.head[:2]
-        drafts, top = made(hidden.contiguous(), norm, eps, weight, bias, ids, vocab, allowed, eta)
-        return drafts, eta <= 0 or not bool((top < eta).all())
-
-    def draft_step(self, exit_layer: int, extra: list, config, embedding: nn.Module, tokens: torch.Tensor,
-                   slots: tuple, extra_slots: tuple | None, cos: torch.Tensor, sin: torch.Tensor,
-                   mask_value: float, head: tuple, allowed: torch.Tensor | None, eta: float,
-                   choose: bool = True):
-        """One greedy early-exit draft step in one compiled call (`kernels.draft_step`): `tokens` (B, T) at
-        the cache's announced slots through blocks [0, E) (the cache written), then through the exit
-        blocks `extra` (block modules outside the model's list, each at its own cache layer, of the
-        model `config`'s family; [] for none), the final norm and draft head on the last position, a
-        grammar's mask `allowed` (B, V) bool or None, and the argmax. slots: the cache's
-        `slot_buffers(0, exit_layer)`, extra_slots the exit blocks' (None without them); cos, sin (B, T,
-        hd); head as `draft_loop`'s. Returns (draft (B,), hidden (B, T, D) after block E, sure: some
-        row's draft puts `eta` on its top token); with `choose` false only the pass: (hidden, the exit
-        states (B, T, D) after the exit blocks); or None, nothing computed, where it does not apply
-        (see `_round_call`; an exit block that is not a plain block of the family)."""
-        weight, bias, ids, vocab = head
-        call = self._round_call(kernels.draft_step, 0, exit_layer, embedding, cos, sin, (weight, bias))
-        if call is None:
-            return None
-        made, blocks, embed, cos, sin = call
-        extra_blocks = []
-        for layer in extra:  # each exit block as the kernels' object, made once (None: not a plain block)
-            if layer not in self._extra_kernel:
-                b = self.extra(layer, config)
-                self._extra_kernel[layer] = (None if b is None or b.act is not F.silu
-                                             else _kernel_block(self._kernel_blocks[0], b))
-            extra_blocks.append(self._extra_kernel[layer])
-        if None in extra_blocks:
-            return None
-        keys, values, first, _, row_starts = slots
-        if extra:
-            keys, values = [*keys, *extra_slots[0]], [*values, *extra_slots[1]]
-        out = made(blocks, extra_blocks, embed, tokens, keys, values, first, cos, sin, mask_value,
-                   self.head[0], self.head[1], weight, bias, ids, vocab, allowed, eta, row_starts, choose)
-        if not out:
-            return None
-        if not choose:
-            return tuple(out)
-        draft, hidden, sure = out
-        return draft, hidden, bool(sure)
-
-    def greedy_rounds(self, exit_layer: int, embedding: nn.Module, token: int, keys: list, values: list,
-                      start: int, cos: torch.Tensor, sin: torch.Tensor, mask_value: float, head: tuple,
-                      k: int, eta: float, eos: torch.Tensor, max_tokens: int, max_rounds: int,
-                      copies: tuple | None = None, overlap: bool = False):
-        """One row's greedy rounds at a fixed k in one compiled call (`kernels.greedy_rounds`): from the
-        pending `token` at slot `start`, each round `draft_loop` over blocks [0, E) and `verify_greedy`
-        over [E, N) (k = 0: a plain step over [0, N)), keeping the accepted drafts and the target's next
-        token, cut after an eos (`eos` (n,) int64) and at `max_tokens`, for up to `max_rounds` rounds.
-        copies: (the row's tokens so far (t,) int64, min_ngram, max_ngram, copy length) for rounds that
-        draft a copy first (no match: k = 0, the `ngram` drafter, takes a plain step; k > 0, the
-        `hybrid`, drafts with the early exit, a copy following when the drafts make one possible).
-        overlap: verify each round whose k early-exit drafts ran on one thread while another drafts
-        the next round ahead (`DecodeSettings.overlap`); cos and sin then reach k + 1 slots further.
-        keys, values: the cache's buffers of all N blocks (1, Hkv, capacity, hd); cos, sin (L, hd): the
-        rotary table by slot, past the last slot a round may write; head as `draft_loop`'s. Returns
-        numpy (tokens (t,), rounds (R, 5): early-exit drafts, copied drafts, accepted, kept, drafted
-        ahead; seconds (R, 2): draft, verification), the cache's slots written up to the last kept
-        token; or None, nothing computed, where it does not apply (`_round_call`)."""
-        weight, bias, ids, vocab = head
-        if not kernels.settings().runs("decode"):
-            return None
-        call = self._round_call(kernels.greedy_rounds, 0, len(self.blocks), embedding, cos, sin,
-                                (weight, bias))
-        if call is None:
-            return None
-        made, blocks, embed, cos, sin = call
-        copies = copies or (None, 0, 0, 0)  # (history, min_ngram, max_ngram, copy length)
-        out = made(blocks, exit_layer, embed, keys, values, start, token, cos, sin, mask_value, *self.head,
-                   weight, bias, ids, vocab, k, eta, eos, max_tokens, max_rounds, *copies, overlap)
-        return tuple(t.numpy() for t in out) if out else None
-
-    def _round_call(self, accessor, start: int, end: int, embedding: nn.Module, cos: torch.Tensor,
-                    sin: torch.Tensor, head: tuple):
-        """What a compiled round call (`draft_loop`, `verify_greedy`) over blocks [start, end) needs
-        besides the cache's slots: (the compiled function, the blocks as the kernels' objects, the
-        embedding table, cos and sin (B, T, hd) contiguous), or None where it does not apply: the
-        kernels off or missing (the "rounds" level, `_compiled`), weights off the CPU (the kernels read host
-        memory), autograd on, an embedding that is not a plain lookup (`nn.Embedding` without hooks), no
-        plain final norm + LM head, a head tensor not in the model's dtype, angles not in it."""
-        embed = embedding.weight
-        if embed.device.type != "cpu":
-            return None
-        compiled = self._compiled()
-        made = accessor() if kernels.settings().runs("rounds") and compiled is not None else None
-        if embedding not in self._lookup:  # checked once per module, as the blocks are at `build`
-            self._lookup[embedding] = type(embedding) is nn.Embedding and not _hooked(embedding)
-        if made is None or self.head is None or torch.is_grad_enabled() or not self._lookup[embedding]:
-            return None
-        if (embed.dtype not in (torch.float32, torch.bfloat16) or cos.dtype != embed.dtype
-                or any(t is not None and (t.dtype != embed.dtype or not t.is_contiguous())
-                       for t in (*head, self.head[0]))):
-            return None
-        return made, compiled[0][start:end], embed, cos.contiguous(), sin.contiguous()
-
-    def _compiled(self):
+    def compiled(self):
         """`(the blocks as the kernels' Block objects, blocks_pass)`, the objects built once per extension
         (`tools/kernel_ab.py` swaps it); None where the kernels are not available or off, or a block's
         activation is not SiLU."""
@@ -682,14 +517,18 @@ class FastLlamaBlocks:
         block, run = made
         if self._kernel_blocks is None or self._kernel_blocks[0] is not block:
             self._kernel_blocks = (block, [_kernel_block(block, b) for b in self.blocks])
-            self._extra_kernel.clear()  # exit blocks made by another build of the extension
         return self._kernel_blocks[1], run
+
+    def kernel_block(self, b: _Block):
+        """A gathered block outside the model's list (an exit block's) as the kernels' `Block` object, of
+        the build `compiled` last made (call it first)."""
+        return _kernel_block(self._kernel_blocks[0], b)
 
     def extra(self, layer: nn.Module, config) -> _Block | None:
         """The gathered tensors of a block outside the model's list (an exit block), built once per
         module; None when it is not a plain block."""
         if layer not in self._extra:
-            self._extra[layer] = None if _hooked(layer) else _gather(layer, config)
+            self._extra[layer] = None if hooked(layer) else _gather(layer, config)
         return self._extra[layer]
 
 

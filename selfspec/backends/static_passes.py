@@ -40,11 +40,11 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from .fast import FIXED_WIDTH, FastLlamaBlocks, _Block, apply_rotary, rms_norm
+from ..model.fast import FIXED_WIDTH, FastLlamaBlocks, _Block, apply_rotary, rms_norm
+from .base import STATIC_MODES
 from .graphs import CapturedPass
 
 WIDTH = FIXED_WIDTH  # query rows of every static pass
-MODES = ("eager", "compile", "graph")
 
 
 class StaticPasses:
@@ -57,8 +57,8 @@ class StaticPasses:
 
     def __init__(self, fast: FastLlamaBlocks, embedding: torch.Tensor, windows: tuple,
                  rope: Callable[[int], tuple], mode: str):
-        if mode not in MODES:
-            raise ValueError(f"static passes mode must be one of {MODES}, got {mode!r}")
+        if mode not in STATIC_MODES:
+            raise ValueError(f"static passes mode must be one of {STATIC_MODES}, got {mode!r}")
         self.fast, self.embedding, self.windows, self.rope, self.mode = fast, embedding, windows, rope, mode
         self._functions: dict = {}  # (kind, start, end, head id) -> the function, compiled once
         self._static: set[int] = set()  # data_ptrs already marked as static addresses
@@ -77,7 +77,7 @@ class StaticPasses:
 
     def verify_greedy(self, start: int, end: int, hidden: torch.Tensor | None, tokens: torch.Tensor | None,
                       cache, drafts: torch.Tensor, allowed: torch.Tensor | None):
-        """`DecoderView.verify_greedy` on static passes: decided (B, T + 1), the tokens (B, T) then each
+        """`Backend.verify_greedy` on static passes: decided (B, T + 1), the tokens (B, T) then each
         row's accepted count; None, nothing run, where it does not apply."""
         length = drafts.shape[1] + 1
         slots = self._slots(cache, start, end, slice(0, length))
@@ -94,7 +94,7 @@ class StaticPasses:
         return torch.cat([targets[:, :length], accepted[:, None].to(targets.dtype)], 1)
 
     def draft_loop(self, exit_layer: int, token: torch.Tensor, cache, head: tuple, k: int, eta: float):
-        """`DecoderView.draft_loop` on static passes: k draft steps from `token` (B,) at the cache's
+        """`Backend.draft_loop` on static passes: k draft steps from `token` (B,) at the cache's
         announced positions (B, k + 1), each step's argmax the next one's input, then the last draft's
         pass through [0, E); η read once after them (only when η > 0). Returns (drafts (B, s), exit
         states (B, s + 1, D)), the cache holding the s + 1 inputs at blocks [0, E); None, nothing run,
