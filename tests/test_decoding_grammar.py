@@ -23,6 +23,7 @@ from helpers import FAMILIES, P_MIN, chi_square_p, kernels_unavailable, tiny_mod
 from selfspec.data import train_tokenizer
 from selfspec.decoding import DecodeSettings, SamplingParams, SelfSpecGenerator
 from selfspec.decoding.grammar import Constraint, GrammarBatch, GrammarTokenizer
+from selfspec.decoding.profile import no_lap
 from selfspec.errors import UserError
 
 PERSON = {"type": "object", "properties": {
@@ -250,11 +251,12 @@ def test_a_copy_ends_where_its_clause_does_closed_as_the_grammar_allows(tokenize
     grammar = GrammarBatch(gen.grammar_tokenizer(), [Constraint.of(schema)])
     opening = tokenizer('{"name": "')["input_ids"]
     assert grammar.admit(np.array([opening])) == len(opening)
-    closed = gen._closed_copy(SimpleNamespace(grammar=grammar), copy)
+    closed = gen.drafter.copies.closed(SimpleNamespace(grammar=grammar, lap=no_lap), copy)
     assert closed.shape[1] == end + 1 and tokenizer.decode(closed[0]).startswith('Maria Lopez"')
     assert '"age": ' in tokenizer.decode(grammar.forced(8)[0])  # the drafts went to the matcher
     grammar = GrammarBatch(gen.grammar_tokenizer(), [Constraint.of(regex="[A-Za-z ]+[0-9]*")])
-    assert gen._closed_copy(SimpleNamespace(grammar=grammar), copy).tolist() == copy[:, :end].tolist()
+    batch = SimpleNamespace(grammar=grammar, lap=no_lap)
+    assert gen.drafter.copies.closed(batch, copy).tolist() == copy[:, :end].tolist()
 
 
 def test_forced_runs_are_drafted_without_model_calls(tokenizer):
@@ -380,7 +382,7 @@ REGEX = r"[a-e][a-z]{0,6}"  # a few dozen allowed first tokens, many second ones
 
 @pytest.mark.parametrize("static_passes", [None, "eager"])
 def test_sampling_under_a_grammar_matches_the_masked_target_distribution(tokenizer, static_passes):
-    """Also on static passes (`backends.static_passes`: every pass at fixed shapes), whose rounding differs."""
+    """Also on static passes (`backends.static_passes`: every pass at fixed shapes), which round otherwise."""
     model = make_model("llama", tokenizer, seed=5)
     with torch.no_grad():
         model.lm_head.weight.mul_(8)  # distributions far from uniform

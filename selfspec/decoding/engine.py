@@ -1,6 +1,6 @@
 """The stepped engine: `Engine.add(request) -> row`, `Engine.step() -> [RoundOutput]`, `Engine.cancel(row)`.
 
-One decode call's state (its batch `_Batch`, policy, statistics and every row's tokens so far), advanced a
+One decode call's state (its `Batch`, policy, statistics and every row's tokens so far), advanced a
 round at a time by the caller:
 
     engine = Engine(generator, policy, CallOptions(settings, sampling, eos))
@@ -109,7 +109,7 @@ class Engine:
         self.limits = np.zeros(0, dtype=np.int64)  # each row's max_new_tokens
         self.prompt_lengths = np.zeros(0, dtype=np.int64)
         self.cancelled: set[int] = set()
-        self.b = None  # the running batch (`_Batch`), once started
+        self.b = None  # the running rows (`batch.Batch`), once started
         self.laps = None  # the profile's laps (`profile`), from the first round on
         self.clock = _Clock(generator.view.device)
         forced = options.grammar and not options.settings.is_plain

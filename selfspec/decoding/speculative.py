@@ -38,7 +38,6 @@ import dataclasses
 import functools
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -46,132 +45,22 @@ import torch
 from ..backends import FusedDrafts, make_backend
 from ..errors import UserError
 from ..model import DecoderView
-from . import sampling
+from .batch import Batch
 from .cache import KVCache
 from .controller import Controller
 from .draft_head import DraftHead, frequent_tokens
 from .engine import CallOptions, Engine
-from .grammar import GrammarBatch, GrammarTokenizer, apply_mask, constraints_for_rows
+from .grammar import GrammarBatch, GrammarTokenizer, constraints_for_rows
 from .ngram import NGramConfig, TokenText
 from .outputs import GenerationOutput, GenerationStats, NewRow, RoundCounts, RoundOutput
+from .passes import RoundPasses
 from .policy import DraftPlan, DraftPolicy, Segment
 from .prefix import PrefixCache
-from .profile import RoundProfile, no_lap
-from .sampling import (
-    ACCEPT,
-    DRAFT,
-    TARGET,
-    SamplingParams,
-    accept_greedy,
-    accept_sampled,
-    greedy_tokens,
-    sample,
-    uniforms,
-)
+from .profile import RoundProfile
+from .proposers import RoundDrafter
+from .sampling import SamplingParams
 from .settings import DecodeSettings
-
-
-@dataclass
-class _Batch:
-    """Decoding state of the rows still running (see the module docstring); B shrinks as rows finish.
-
-    The host arrays are the truth; the device copies are refreshed once per round (`_upload`).
-    """
-
-    cache: KVCache
-    sampling: SamplingParams
-    exit_layer: int  # E of this call's early exit
-    head: DraftHead  # its draft head (trimmed to V', behind an MLP exit adapter, or the model's own)
-    exit_block: object  # the attending exit adapter the drafts read (`ExitBlock`, KV at layers N..), or None
-    loop_head: tuple | None  # the head as the compiled draft loop reads it (`DraftHead.tensors`), or None
-    step_head: tuple | None  # the same for the compiled draft step (greedy early-exit drafts), or None
-    stop_below: float  # η: stop a round's early-exit drafts when no row's top draft probability reaches it
-    overlap: bool  # a compiled call's rounds verify while the next round drafts (`DecodeSettings.overlap`)
-    grammar: GrammarBatch | None  # the rows' grammars (structured output), or None
-    forced: bool  # draft the grammar's forced tokens (every drafter but plain decoding)
-    steps: torch.Tensor  # arange(capacity) on the device, to build positions
-    rows: np.ndarray  # (B,) the caller's row index of each batch slot
-    lengths: np.ndarray  # (B,) positions the cache holds = position of the pending token
-    pending_host: np.ndarray  # (B,) the last emitted token, not yet run through the model
-    seeds_host: np.ndarray  # (B,) per-row random streams
-    lengths_dev: torch.Tensor = None  # (B,) device copies of the three arrays above
-    pending_dev: torch.Tensor = None
-    seeds_dev: torch.Tensor = None
-    _shared: np.ndarray = None  # on CPU: (3, B), the memory the three device tensors are views of
-    lap: object = no_lap  # `RoundProfile.lap` of a profiled call: charges the time since the last lap
-
-    def upload(self, device) -> None:
-        """Refresh the device copies. On CPU they are views of one host array, written in place: no
-        tensor is made per round (a round reads them before the next upload)."""
-        rows = len(self.lengths)
-        if device.type != "cpu" or self._shared is None or self._shared.shape[1] != rows:
-            both = torch.from_numpy(np.stack([self.lengths, self.pending_host, self.seeds_host])).to(device)
-            self._shared = both.numpy() if device.type == "cpu" else None
-            self.lengths_dev, self.pending_dev, self.seeds_dev = both[0], both[1], both[2]
-            return
-        self._shared[0], self._shared[1], self._shared[2] = self.lengths, self.pending_host, self.seeds_host
-
-
-@dataclass
-class _Draft:
-    """One round's draft (`SelfSpecGenerator._draft`), read by its verification (`_verify`).
-
-    parts: the drafted tokens in position order, (B, r) each; q: how each was drafted, per part
-    ("copy", tokens (B, r)) or per early-exit token ("early_exit", its draft logits (B, V));
-    segments: the runs of positions per source; hiddens: exit hidden states (B, t, D) of the
-    positions n .. that already ran through blocks [0, E); tail: the tokens (B, t) at positions
-    n + len(hiddens' positions) .. n + k that still need that pass (the verification runs them
-    first, so a round's last draft step is timed as verification, as it is its first part).
-    """
-
-    parts: list = field(default_factory=list)
-    q: list = field(default_factory=list)
-    segments: list = field(default_factory=list)
-    hiddens: list = field(default_factory=list)
-    tail: torch.Tensor = None
-    stopped: bool = False  # the early exit stopped below η before the plan's last draft
-
-    def add(self, source: str, tokens: torch.Tensor) -> None:
-        """Drafts (B, r) from `source` at the next r draft positions. Consecutive drafts of one
-        source make one `Segment`. Copied and forced drafts are deterministic: one-hot q."""
-        start = self.k
-        self.parts.append(tokens)
-        last = self.segments[-1] if self.segments else None
-        if last is not None and last.source == source:
-            self.segments[-1] = Segment(source, last.start, last.length + tokens.shape[1])
-        else:
-            self.segments.append(Segment(source, start, tokens.shape[1]))
-        if source != "early_exit":
-            self.q.append(("copy", tokens))
-
-    def host_tokens(self) -> np.ndarray:
-        """(B, k) every draft of the round, on the host."""
-        return self.tokens.cpu().numpy()
-
-    @property
-    def tokens(self) -> torch.Tensor:
-        """(B, k) every draft of the round."""
-        return _joined(self.parts) if self.parts else self.tail[:, :0]
-
-    @property
-    def k(self) -> int:
-        return sum(part.shape[1] for part in self.parts)
-
-
-def _decided(tokens: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
-    """A round's outcome as one tensor (B, k+2): the tokens (B, k+1), then the accepted count (B,)."""
-    return torch.cat([tokens, accepted[:, None].to(tokens.dtype)], 1)
-
-
-def _joined(parts: list) -> torch.Tensor:
-    """(B, r) tensors side by side along dimension 1; a single part is returned as it is (no copy:
-    one tensor operation fewer in most rounds)."""
-    return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
-
-
-def _width(parts: list) -> int:
-    """Positions in a list of (B, r) token tensors."""
-    return sum(part.shape[1] for part in parts)
+from .verification import Verifier
 
 
 class _RowOrderStream:
@@ -248,6 +137,9 @@ class SelfSpecGenerator:
                  backend: str | None = None):
         self.view = DecoderView(model)
         self.backend = make_backend(self.view, backend, static_passes)
+        self.passes = RoundPasses(self.view, self.backend)
+        self.drafter = RoundDrafter(self.passes, lambda: self.token_text)  # the proposers
+        self.verifier = Verifier(self.passes)
         # the static backend's mode: caches then come in buckets, reused across calls
         self.static_passes = getattr(self.backend, "mode", None)
         self._static_buffers: dict[tuple, tuple] = {}  # (layers, rows, capacity) -> a cache's buffers
@@ -312,301 +204,19 @@ class SelfSpecGenerator:
         return adapter
 
     # -- the round -----------------------------------------------------------------------------------
-    def _place(self, b: _Batch, offset: int, length: int) -> dict:
-        """Positions n + offset .. n + offset + length - 1 of every row (B, T), announced to the cache:
-        the cache/position arguments of `DecoderView.run_layers`."""
-        positions = b.lengths_dev[:, None] + b.steps[offset:offset + length]
-        kv_length = b.cache.set_positions(positions, b.lengths + offset)
-        return {"cache": b.cache, "positions": positions, "kv_length": kv_length, "aligned": b.cache.aligned}
-
-    def _run(self, b: _Batch, tokens: torch.Tensor, offset: int, end: int) -> torch.Tensor:
-        """Tokens (B, T) at positions n + offset .. through blocks [0, end): hidden states (B, T, D)."""
-        return self._forward(b, tokens, offset, end)[0]
-
-    def _forward(self, b: _Batch, tokens: torch.Tensor, offset: int, end: int):
-        """`_run`, and the draft head's input at those positions: the exit states (B, T, D) after the
-        exit block when the call has one (else the states after block E, or None when end < E).
-
-        An exit block keeps a KV cache of its own, so it runs wherever blocks [0, E) do (prefill,
-        drafts, verification, plain steps): every layer then holds every position, and rollback and
-        `check` treat it as one more layer."""
-        place = self._place(b, offset, tokens.shape[1])
-        if b.exit_block is not None and end == b.exit_layer and b.step_head is not None:
-            out = self.backend.exit_pass(b.exit_layer, tokens, b.cache, place["positions"], b.step_head,
-                                         b.exit_block)
-            if out is not None:  # one compiled call: blocks [0, E), then the exit block
-                return out
-        hidden = self.view.embed(tokens, place["positions"])
-        if b.exit_block is None or end < b.exit_layer:
-            hidden = self.view.run_layers(hidden, 0, end, **place)
-            return hidden, hidden if end == b.exit_layer else None
-        context = self.view.context(hidden, place["positions"], place["kv_length"], cached=True,
-                                    aligned=place["aligned"])
-        hidden = self.view.run_layers(hidden, 0, b.exit_layer, b.cache, context=context)
-        features = b.exit_block(hidden, self.view, context, b.cache)  # writes cache layers N, N + 1, ..
-        return self.view.run_layers(hidden, b.exit_layer, end, b.cache, context=context), features
-
-    def _pick(self, b: _Batch, logits: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """Draft token (B,) from draft logits (B, V) for the token at `position` (B, 1)."""
-        if b.sampling.greedy:
-            return greedy_tokens(logits)
-        return sample(b.sampling.probs(logits), uniforms(b.seeds_dev, position, DRAFT)[:, 0])
-
-    @staticmethod
-    def _unsure(b: _Batch, logits: torch.Tensor) -> bool:
-        """Whether every row's draft distribution (B, V) puts less than η on its most likely token
-        (Kangaroo's stopping rule). It reads only the draft, so the output stays the target's."""
-        probs = torch.softmax(logits.float(), -1) if b.sampling.greedy else b.sampling.probs(logits)
-        return bool((probs.max(-1).values < b.stop_below).all())  # one small host read per draft step
-
-    def _round(self, b: _Batch, plan: DraftPlan, policy: DraftPolicy, clock, cap: int):
+    def _round(self, b: Batch, plan: DraftPlan, policy: DraftPolicy, clock, cap: int):
         """One round for every row: draft, verify all drafts in one pass, accept a prefix.
 
         Returns decided (B, k+2): per row the tokens (k + 1) then the accepted count, three timestamps
-        (start, drafted, verified) and the `_Draft` (its `Segment`s, whether η stopped it). A row emits
+        (start, drafted, verified) and the `Draft` (its `Segment`s, whether η stopped it). A row emits
         tokens[:accepted + 1]: its accepted drafts, then the target's own token (the correction after
         a rejection, the bonus after a full acceptance). k = 0 is one plain decoding step.
         """
         start = clock.mark()
-        draft = self._draft(b, plan, policy, cap)
+        draft = self.drafter.draft(b, plan, policy, cap)
         drafted = clock.mark()
-        decided = self._verify(b, draft)
+        decided = self.verifier.verify(b, draft)
         return decided, (start, drafted, clock.mark()), draft
-
-    def _draft(self, b: _Batch, plan: DraftPlan, policy: DraftPolicy, cap: int) -> _Draft:
-        """The round's drafts, at most `cap`: first the free ones (a grammar's forced tokens, then
-        `plan.copied` (B, m) copied tokens, see `_free_drafts`), then up to `plan.extend` early-exit
-        drafts, each through blocks [0, E) + final norm + draft head, one at a time, each followed by
-        the free drafts it makes possible: under a grammar its forced tokens (the early exit then
-        goes on after them); when the policy turns the rest of the round into a copy
-        (`policy.copy_after`), the copy ends it. Tokens without an exit hidden state yet (the
-        pending token, copied and forced drafts) run through blocks [0, E) together, in one parallel
-        pass, when the early exit next needs their state; an early-exit draft keeps its own step's."""
-        draft = _Draft()
-        unrun = [b.pending_dev[:, None]]  # (B, r) each: tokens not yet through blocks [0, E), in order
-        copied = self._free_drafts(b, draft, unrun, policy, cap, plan.copied)
-        extend = 0 if copied and not plan.num_copied else plan.extend  # a copy found on the way ends it
-        compiled = extend and not draft.k and b.loop_head is not None
-        if compiled and self._draft_loop(b, draft, min(extend, cap)):
-            # a policy that copies after early-exit drafts looks once, after them all (the step-by-step
-            # loop looks after each): other drafts, the same output
-            if policy.copies_after_early_exit and not draft.stopped and draft.k < cap:
-                unrun = []
-                self._free_drafts(b, draft, unrun, policy, cap)
-                if unrun:
-                    draft.tail = _joined(unrun)
-            return draft
-        for _ in range(extend):
-            if draft.k >= cap:
-                break
-            allowed = None
-            if b.grammar is not None:  # the draft picks among what the grammar allows: q is masked too
-                allowed = b.grammar.mask()  # (B, V)
-                b.lap("grammar")
-            step = self._draft_step(b, draft, unrun, allowed) if unrun and b.step_head is not None else None
-            if step is not None:  # one compiled call: pass, exit block, head, mask, argmax, η
-                token, sure = step
-                unrun = []
-                if not sure:
-                    draft.stopped = True
-                    break
-            else:
-                if unrun:  # this step's input: the tokens since the last pass through blocks [0, E)
-                    hidden, features = self._forward(b, _joined(unrun), draft.k + 1 - _width(unrun),
-                                                     b.exit_layer)  # (B, r, D) each
-                    draft.hiddens.append(hidden)
-                    unrun = []
-                # greedy: the compiled steps' own choice where it runs, so both draft alike
-                chosen = (self.backend.draft_choice(features[:, -1], b.step_head, allowed, b.stop_below)
-                          if b.step_head is not None else None)
-                if chosen is not None:
-                    token, sure = chosen
-                    b.lap("draft passes")
-                    if not sure:  # η: no row trusts this draft; verify the rest
-                        draft.stopped = True
-                        break
-                else:
-                    logits = b.head.logits(features[:, -1])  # (B, V)
-                    b.lap("draft passes")
-                    if allowed is not None:
-                        logits = apply_mask(logits, allowed)
-                        b.lap("grammar")
-                    if b.stop_below and self._unsure(b, logits):  # η: no row trusts this draft
-                        draft.stopped = True
-                        b.lap("draft choice")
-                        break
-                    token = self._pick(b, logits, b.lengths_dev[:, None] + (draft.k + 1))  # at n + k + 1
-                    draft.q.append(("early_exit", logits))
-            draft.add("early_exit", token[:, None])
-            unrun.append(token[:, None])
-            b.lap("draft choice")
-            if b.grammar is not None:
-                b.grammar.admit(token[:, None].cpu().numpy())
-                b.lap("grammar")
-            if draft.k < cap and (b.forced or policy.copies_after_early_exit):
-                if self._free_drafts(b, draft, unrun, policy, cap):  # a copy ends the round
-                    break
-        # The drafts after the last pass through blocks [0, E) are the verification's first part; when
-        # η stopped the round every token already had that pass (B, 0), even with no early-exit draft.
-        draft.tail = _joined(unrun) if unrun else b.pending_dev[:, None][:, :0]
-        b.lap("draft choice")
-        return draft
-
-    def _draft_loop(self, b: _Batch, draft: _Draft, k: int) -> bool:
-        """The round's k greedy early-exit drafts in one compiled call (`Backend.draft_loop`), the
-        same drafts and the same cache as the step-by-step loop of `_draft`, without the Python between
-        the steps. Its last pass through blocks [0, E) runs the last draft (which `_verify` would run
-        first), so the draft time holds it. Whether it ran (else nothing was run)."""
-        place = self._place(b, 0, k + 1)
-        out = self.backend.draft_loop(b.exit_layer, b.pending_dev, b.cache, place["positions"], b.loop_head,
-                                      k, b.stop_below)
-        if out is None:
-            return False
-        drafts, hidden = out  # (B, s), (B, s + 1, D)
-        if drafts.shape[1]:
-            draft.add("early_exit", drafts)
-        draft.hiddens.append(hidden)
-        draft.stopped = drafts.shape[1] < k
-        draft.tail = drafts[:, :0]
-        b.lap("draft passes")
-        return True
-
-    def _draft_step(self, b: _Batch, draft: _Draft, unrun: list, allowed: torch.Tensor | None):
-        """One greedy early-exit step of `_draft` in one compiled call (`Backend.draft_step`): the
-        tokens `unrun` through blocks [0, E) and the exit block, the draft head, the grammar's mask
-        `allowed` (B, V) and the argmax, as the step from Python does them. (draft (B,), sure: some row's
-        draft reaches η), the exit states appended to `draft`; or None, nothing run."""
-        tokens = _joined(unrun)  # (B, r)
-        place = self._place(b, draft.k + 1 - tokens.shape[1], tokens.shape[1])
-        out = self.backend.draft_step(b.exit_layer, tokens, b.cache, place["positions"], b.step_head,
-                                      b.exit_block, allowed, b.stop_below)
-        if out is None:
-            return None
-        token, hidden, sure = out
-        draft.hiddens.append(hidden)
-        b.lap("draft passes")
-        return token, sure
-
-    def _free_drafts(self, b: _Batch, draft: _Draft, unrun: list, policy: DraftPolicy, cap: int,
-                     copy: np.ndarray | None = None) -> bool:
-        """Drafts that take no model call, appended to `draft` and `unrun`: a grammar's forced tokens,
-        then a copy (`copy` (B, r), or the policy's `copy_after` the drafts so far), cut at the first
-        token every row's grammar refuses; under a grammar, forced tokens and copies alternate while
-        either finds something, the round's copies `policy.copy_limit()` tokens in all: each copied
-        draft is verified at a cost, and a chain of copies is rarely accepted to its end (a forced
-        token is certain once the drafts before it are accepted). Whether a copy was added."""
-        copied = False
-        limit = policy.copy_limit()
-        room = cap if limit is None else limit - sum(s.length for s in draft.segments if s.source == "copy")
-        while draft.k < cap:
-            forced = None
-            if b.forced:
-                forced = b.grammar.forced(cap - draft.k)
-                b.lap("grammar")
-            if forced is not None and forced.shape[1]:
-                draft.add("forced", torch.as_tensor(forced, device=b.steps.device))
-                unrun.append(draft.parts[-1])
-                copy = None  # the copy was looked up before the forced tokens
-                b.lap("draft choice")
-            if copy is None:  # the policy reads the drafts on the host: ask only one that can copy
-                if not draft.k or not (policy.copies if b.grammar is not None
-                                       else policy.copies_after_early_exit):
-                    break
-                copy = policy.copy_after(b.rows, draft.host_tokens())
-                b.lap("policy")
-            copy = copy[:, :min(cap - draft.k, room)]
-            if copy.shape[1] and b.grammar is not None:
-                copy = self._closed_copy(b, copy)
-                b.lap("grammar")
-            if not copy.shape[1]:
-                break
-            draft.add("copy", torch.as_tensor(copy, device=b.steps.device))
-            unrun.append(draft.parts[-1])
-            b.lap("draft choice")
-            copied, copy, room = True, None, room - copy.shape[1]
-            if b.grammar is None:  # unconstrained, one copy ends the free drafts
-                break
-        return copied
-
-    def _closed_copy(self, b: _Batch, copy: np.ndarray) -> np.ndarray:
-        """A copy (B, r) under a grammar, consumed by the rows' drafting matchers, cut at the first token
-        every row refuses; and where the context's clause ends inside it (`TokenText.clause_end`: `,`, `.`
-        or `;` before a space) and the grammar can close the value there, cut there and closed with a
-        closer (`TokenText.closers`: `",`, `"}`, `"`, `,`, `}`, the first each row allows). A value
-        copied from the prompt ends where its clause does (`Charles Dixon, 89` -> `Charles Dixon",`),
-        and the forced key after it follows in the same round. (B, r') the drafts to add."""
-        text = self.token_text
-        end = text.clause_end(copy) if text is not None else None
-        if end is None:
-            return copy[:, :b.grammar.admit(copy)]
-        kept = b.grammar.admit(copy[:, :end])
-        if kept < end:
-            return copy[:, :kept]
-        closers = b.grammar.first_allowed(text.closers)  # (B,) or None: no row may close here
-        if closers is None:
-            return copy[:, :end + b.grammar.admit(copy[:, end:])]
-        b.grammar.admit(closers[:, None])
-        return np.concatenate([copy[:, :end], closers[:, None]], 1)
-
-    def _verify(self, b: _Batch, draft: _Draft):
-        """Run the target on the k + 1 positions n .. n + k, then accept the longest prefix of the
-        drafts it agrees with: decided (B, k+2), the tokens (B, k+1) then the accepted count of each
-        row (`_round`), one tensor for the round's one host read. Blocks [0, E) wrote their KV cache
-        while drafting and are not run again on the drafts; only the draft's tail runs them."""
-        view, num_layers, k = self.view, self.view.num_layers, draft.k
-        done = sum(h.shape[1] for h in draft.hiddens)  # positions that already ran through [0, E)
-        allowed = None
-        if b.grammar is not None:  # (B, k+1, V): the grammar's masks at each drafted prefix
-            allowed = b.grammar.verification_masks(draft.host_tokens())
-            b.lap("grammar")
-        if b.sampling.greedy:  # the verification may run in one compiled call
-            out = self._verify_compiled(b, draft, done, allowed)
-            if out is not None:
-                b.lap("verification pass")
-                return out
-        if not draft.hiddens:  # no early-exit draft: every block at once
-            hidden = self._run(b, draft.tail, 0, num_layers)  # (B, k+1, D)
-        else:
-            tail = [self._run(b, draft.tail, done, b.exit_layer)] if draft.tail.shape[1] else []
-            hidden = torch.cat([*draft.hiddens, *tail], 1)  # (B, k+1, D)
-            if b.exit_layer < num_layers:
-                hidden = view.run_layers(hidden, b.exit_layer, num_layers, **self._place(b, 0, k + 1))
-        p_logits = view.exit_logits(hidden)  # (B, k+1, V)
-        if allowed is not None:  # the target at each drafted prefix, masked by the grammar there
-            p_logits = apply_mask(p_logits, allowed)
-        b.lap("verification pass")
-        if b.sampling.greedy:
-            return _decided(*accept_greedy(draft.tokens, p_logits))
-        # q: one-hot for copied and forced drafts (deterministic given the context), the early exit's
-        # processed (and masked) distribution for its own drafts.
-        vocab = p_logits.shape[-1]
-        q = torch.cat([p_logits[:, :0], *(sampling.copied_probs(part, vocab) if source == "copy"
-                                          else b.sampling.probs(part)[:, None]
-                                          for source, part in draft.q)], 1)  # (B, k, V)
-        decided = b.lengths_dev[:, None] + b.steps[1:k + 2]  # (B, k+1): positions n+1 .. n+k+1
-        return _decided(*accept_sampled(draft.tokens, q, b.sampling.probs(p_logits),
-                                        uniforms(b.seeds_dev, decided[:, :k], ACCEPT),
-                                        uniforms(b.seeds_dev, decided, TARGET)))
-
-    def _verify_compiled(self, b: _Batch, draft: _Draft, done: int, allowed: torch.Tensor | None):
-        """`_verify` of a greedy round in one compiled call (`Backend.verify_greedy`): the draft's
-        tail through blocks [0, E) first when it has one (from Python), then the target's pass, its head,
-        the grammar's masks `allowed` (B, k + 1, V) when given, the argmax and the accepted prefix; a
-        round without early-exit drafts (a plain step, a copy, forced tokens) as one whole-model call,
-        unless an exit block must see its positions (then blocks [0, E) run from Python first).
-        decided (B, k+2) as `_verify`'s, or None with nothing run but the tail."""
-        num_layers = self.view.num_layers
-        if not draft.hiddens and b.exit_block is None:  # a whole-model call
-            positions = self._place(b, 0, draft.k + 1)["positions"]
-            return self.backend.verify_greedy(0, num_layers, b.cache, positions, draft.tokens,
-                                              tokens=draft.tail, allowed=allowed)
-        if draft.tail.shape[1]:  # through blocks [0, E) from Python: an exit block writes its cache there
-            draft.hiddens.append(self._run(b, draft.tail, done, b.exit_layer))
-            draft.tail = draft.tail[:, :0]
-        hidden = _joined(draft.hiddens)  # (B, k+1, D)
-        positions = self._place(b, 0, draft.k + 1)["positions"]
-        return self.backend.verify_greedy(b.exit_layer, num_layers, b.cache, positions, draft.tokens,
-                                          hidden=hidden, allowed=allowed)
 
     # -- generation ----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -777,7 +387,7 @@ class SelfSpecGenerator:
                             f"max_new_tokens = {max_new_tokens} exceeds the model's {limit} positions; "
                             f"shorten the prompt or lower max_new_tokens")
 
-    def _join(self, b: _Batch, joining: list[NewRow], first: int, policy: DraftPolicy,
+    def _join(self, b: Batch, joining: list[NewRow], first: int, policy: DraftPolicy,
               settings: DecodeSettings, k_max: int) -> int:
         """Rows joining the running batch `b` (continuous batching) as caller rows first, first + 1, ...:
         prefilled in a cache of their own (`_start`), then appended to `b`'s rows, cache (grown to the
@@ -807,13 +417,13 @@ class SelfSpecGenerator:
         return len(joining)
 
     def _start(self, prompts, sampling, seed, settings: DecodeSettings, capacity: int,
-               grammars: GrammarBatch | None = None, forced: bool = False, pooled: bool = True) -> _Batch:
+               grammars: GrammarBatch | None = None, forced: bool = False, pooled: bool = True) -> Batch:
         """Allocate the cache and prefill every prompt token but the last (the first pending token)."""
         device, rows = self.view.device, len(prompts)
         exit_block = self.exit_block(settings)
         head = self.draft_head(settings)
         extra_layers = 0 if exit_block is None else exit_block.cache_layers
-        b = _Batch(cache=self._cache(self.view.num_layers + extra_layers, rows, capacity, pooled),
+        b = Batch(cache=self._cache(self.view.num_layers + extra_layers, rows, capacity, pooled),
                    sampling=sampling, exit_layer=settings.exit_layer, head=head, exit_block=exit_block,
                    loop_head=(head.tensors() if sampling.greedy and grammars is None and exit_block is None
                               and not settings.is_plain else None),
@@ -830,13 +440,13 @@ class SelfSpecGenerator:
                 self._prefill_chunks(b, row, prompt[:-1])
         elif width > 0:  # right-padded with token 0; the padding's slots are stale, hidden, overwritten
             ids = torch.tensor([p[:-1] + [0] * (width - len(p) + 1) for p in prompts], device=device)
-            self._run(b, ids, 0, self.view.num_layers)
+            self.passes.run(b, ids, 0, self.view.num_layers)
         b.lengths = np.array([len(p) - 1 for p in prompts], dtype=np.int64)
         b.cache.rollback(b.lengths)
         b.upload(device)
         return b
 
-    def _prefill_chunks(self, b: _Batch, row: int, tokens: list[int]) -> None:
+    def _prefill_chunks(self, b: Batch, row: int, tokens: list[int]) -> None:
         """Row `row`'s prompt `tokens` (all but its pending last) into `b`'s cache through the prefix
         cache (`prefix.py`): the chunks it holds loaded, the rest run a chunk per pass, on this row
         alone (in a one-row batch of its own when `b` has more), then kept for later calls."""
@@ -856,7 +466,7 @@ class SelfSpecGenerator:
             loaded += len(chunk.tokens)
         ids = torch.tensor([tokens], device=self.view.device)
         for start, end in cache.spans(len(tokens))[len(hits):]:
-            self._run(one, ids[:, start:end], start, self.view.num_layers)
+            self.passes.run(one, ids[:, start:end], start, self.view.num_layers)
         cache.prefilled_tokens += len(tokens) - loaded
         cache.store(layout, tokens, lambda start, end: one.cache.read_slots(0, start, end))
         if one is not b:
@@ -879,7 +489,7 @@ class SelfSpecGenerator:
             self._static_buffers.setdefault(key, (tuple(cache.keys), tuple(cache.values)))
         return cache
 
-    def _advance(self, b: _Batch, tokens: np.ndarray, emit: np.ndarray, keep: np.ndarray) -> None:
+    def _advance(self, b: Batch, tokens: np.ndarray, emit: np.ndarray, keep: np.ndarray) -> None:
         """Keep each row's emitted tokens (the last becomes pending, the cache rolls back to the rest),
         then drop finished rows from the batch so that no round is spent on them."""
         b.pending_host = tokens[np.arange(len(emit)), emit - 1]  # every running row emits >= 1 token
@@ -888,7 +498,7 @@ class SelfSpecGenerator:
         self._keep_rows(b, keep)
 
     @staticmethod
-    def _keep_rows(b: _Batch, keep: np.ndarray) -> None:
+    def _keep_rows(b: Batch, keep: np.ndarray) -> None:
         """Only the rows `keep` (B,) bool stay in the batch (finished or cancelled ones leave)."""
         if not keep.all():
             b.rows, b.lengths, b.pending_host, b.seeds_host = (
@@ -898,7 +508,7 @@ class SelfSpecGenerator:
                 b.grammar.select_rows(np.nonzero(keep)[0])
         b.upload(b.steps.device)
 
-    def _rounds_in_one_call(self, b: _Batch, policy: DraftPolicy, rounds_per_call: int) -> bool:
+    def _rounds_in_one_call(self, b: Batch, policy: DraftPolicy, rounds_per_call: int) -> bool:
         """Whether a row's rounds may run several in one call of the backend (`_greedy_rounds`): a backend
         with fused rounds, greedy, unconstrained, no exit block, a policy whose rounds fuse
         (`DraftPolicy.fuses`), and early-exit drafts only with a head the compiled draft loop reads."""
@@ -907,7 +517,7 @@ class SelfSpecGenerator:
             return False
         return policy.fuses(rounds_per_call) and (not policy.drafts_early_exit or b.loop_head is not None)
 
-    def _greedy_rounds(self, b: _Batch, drafts: FusedDrafts, eos: np.ndarray, max_tokens: int,
+    def _greedy_rounds(self, b: Batch, drafts: FusedDrafts, eos: np.ndarray, max_tokens: int,
                        max_rounds: int, stats: GenerationStats, policy: DraftPolicy,
                        laps: RoundProfile | None):
         """Up to `max_rounds` rounds of the batch's one row in one call of the backend
