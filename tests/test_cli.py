@@ -28,14 +28,14 @@ def tiny_ckpt(tiny_run, tmp_path):
 
 
 def test_an_internal_error_keeps_its_traceback_while_a_user_error_is_one_line(monkeypatch, capsys):
-    def bug(**kwargs):
+    def bug(options):
         raise ValueError("an internal invariant broke")
 
     monkeypatch.setattr(commands, "layers_report", bug)
     with pytest.raises(ValueError, match="an internal invariant broke"):  # not swallowed into one line
         cli.main(["layers", "some/model"])
 
-    def mistake(**kwargs):
+    def mistake(options):
         raise UserError("the model directory is missing; pass another one\nsecond line")
 
     monkeypatch.setattr(commands, "layers_report", mistake)
@@ -43,20 +43,21 @@ def test_an_internal_error_keeps_its_traceback_while_a_user_error_is_one_line(mo
     assert capsys.readouterr().err == "error: the model directory is missing; pass another one\n"
 
 
-def test_every_command_is_called_with_keywords_named_after_its_flags(monkeypatch):
-    seen = {}
-    monkeypatch.setattr(commands, "gate", lambda **kwargs: seen.update(kwargs) or False)
+def test_every_command_is_called_with_its_options_made_from_its_flags(monkeypatch):
+    seen = []
+    monkeypatch.setattr(commands, "gate", lambda options: seen.append(options) or False)
     assert cli.main(["eval", "gate", "--tuned", "a", "--base", "b", "--data", "sharegpt",
                      "--max-blocks", "4"]) == 1
-    assert seen == {"tuned": "a", "base": "b", "max_increase": 0.01, "source": "sharegpt", "split": "test",
-                    "block_size": 256, "max_blocks": 4, "json_out": None}
+    assert seen == [commands.GateOptions(tuned="a", base="b", data="sharegpt", max_blocks=4)]
+    assert (seen[0].max_increase, seen[0].split, seen[0].block_size, seen[0].json_out) == (0.01, "test", 256,
+                                                                                         None)
 
 
 def test_demo_json_runs_the_structured_demo(monkeypatch):
     from selfspec import demo
 
     seen = {}
-    monkeypatch.setattr(demo, "run", lambda **kwargs: seen.update(kwargs) or True)
+    monkeypatch.setattr(demo, "run", lambda options: seen.update(vars(options)) or True)
     assert cli.main(["demo", "--json"]) == 0
     assert seen["structured"] is True and seen["smollm2"] is False
 
@@ -158,10 +159,14 @@ def test_the_readme_shows_commands():
 def test_the_sweep_searches_eta_and_writes_it_back(tiny_ckpt, tmp_path, capsys):
     from helpers import sharp_llama
 
+    from selfspec.evaluation.options import SweepGrid
     from selfspec.evaluation.sweep import overlap_applies, run_sweep, to_markdown
+    from selfspec.evaluation.timing import LoadedCheckpoint
 
-    report = run_sweep(sharp_llama(), [[5, 17, 33, 2, 11, 8]], [1], [2], drafters=("early_exit", "hybrid"),
-                       stop_belows=(0.0, 0.5), max_new_tokens=8, repeats=1, warmup=0, progress=False)
+    grid = SweepGrid(ks=(2,), drafters=("early_exit", "hybrid"), stop_belows=(0.0, 0.5), max_new_tokens=8,
+                     repeats=1, warmup=0)
+    report = run_sweep(LoadedCheckpoint(sharp_llama(), DecodeSettings()), [[5, 17, 33, 2, 11, 8]], [1], grid,
+                       progress=False)
     etas = sorted({(row["drafter"], row["stop_below"]) for row in report["grid"]})
     assert etas == [("early_exit", 0.0), ("early_exit", 0.5), ("hybrid", 0.0), ("hybrid", 0.5)]
     assert report["all_identical_to_plain"]
@@ -209,10 +214,13 @@ def test_a_sweep_whose_table_eta_cuts_every_round_still_reports():
 
     from helpers import sharp_llama
 
+    from selfspec.evaluation.options import SweepGrid
     from selfspec.evaluation.sweep import run_sweep, to_markdown
+    from selfspec.evaluation.timing import LoadedCheckpoint
 
-    report = run_sweep(sharp_llama(), [[5, 17, 33, 2, 11, 8]], [1], [2], stop_belows=(0.999, 0.0),
-                       drafters=("early_exit", "early_exit"), max_new_tokens=6, repeats=1, warmup=0,
+    grid = SweepGrid(ks=(2,), stop_belows=(0.999, 0.0), drafters=("early_exit", "early_exit"),
+                     max_new_tokens=6, repeats=1, warmup=0)
+    report = run_sweep(LoadedCheckpoint(sharp_llama(), DecodeSettings()), [[5, 17, 33, 2, 11, 8]], [1], grid,
                        progress=False)
     cut = [row for row in report["grid"] if row["stop_below"] == 0.999]
     assert len(report["grid"]) == 2 and math.isnan(cut[0]["predicted_speedup"])  # drafters deduplicated

@@ -12,7 +12,7 @@ from selfspec.checkpoint import save_tuned
 from selfspec.cli import main
 from selfspec.data import ChatDataError, load_chat_corpus
 from selfspec.data.chat import pack_chat_dataset
-from selfspec.data.distill import RESPONSES, distill_prompts, distill_responses
+from selfspec.data.distill import RESPONSES, ReplyOptions, distill_prompts, distill_responses
 from selfspec.decoding import DecodeSettings, SelfSpecGenerator
 
 
@@ -37,8 +37,9 @@ def _pairs(n=7):
 
 
 def test_replies_are_the_models_own_greedy_continuations(chat_ckpt, tmp_path):
-    summary = distill_responses(_generator(chat_ckpt), _pairs(3), tmp_path, model_name="tiny", batch_size=2,
-                                max_new_tokens=6, progress=False)
+    options = ReplyOptions(batch_size=2, max_new_tokens=6)
+    summary = distill_responses(_generator(chat_ckpt), _pairs(3), tmp_path, options, model_name="tiny",
+                                progress=False)
     assert summary["rows"] == 3 and summary["new_rows"] == 3
     rows = [json.loads(line) for line in (tmp_path / RESPONSES).read_text().splitlines()]
     tokenizer = chat_ckpt["tokenizer"]
@@ -58,29 +59,28 @@ def test_replies_are_the_models_own_greedy_continuations(chat_ckpt, tmp_path):
 
 def test_a_killed_run_resumes_to_the_same_file_as_an_uninterrupted_one(chat_ckpt, tmp_path):
     whole, killed = tmp_path / "whole", tmp_path / "killed"
-    distill_responses(_generator(chat_ckpt), _pairs(), whole, model_name="tiny", batch_size=2,
-                      max_new_tokens=5, progress=False)
-    distill_responses(_generator(chat_ckpt), _pairs(4), killed, model_name="tiny", batch_size=2,
-                      max_new_tokens=5, progress=False)
+    options = ReplyOptions(batch_size=2, max_new_tokens=5)
+    distill_responses(_generator(chat_ckpt), _pairs(), whole, options, model_name="tiny", progress=False)
+    distill_responses(_generator(chat_ckpt), _pairs(4), killed, options, model_name="tiny", progress=False)
     with (killed / RESPONSES).open("a") as handle:
         handle.write('{"id": "p4", "messages": [{"ro')  # a write torn by the kill
-    summary = distill_responses(_generator(chat_ckpt), _pairs(), killed, model_name="tiny", batch_size=2,
-                                max_new_tokens=5, progress=False)
+    summary = distill_responses(_generator(chat_ckpt), _pairs(), killed, options, model_name="tiny",
+                                progress=False)
     assert summary["new_rows"] == 3 and summary["rows"] == 7
     assert (killed / RESPONSES).read_text() == (whole / RESPONSES).read_text()
 
 
 def test_a_directory_from_another_model_or_tokenizer_is_refused(chat_ckpt, tmp_path):
-    distill_responses(_generator(chat_ckpt), _pairs(2), tmp_path, model_name="tiny", max_new_tokens=4,
-                      progress=False)
+    options = ReplyOptions(max_new_tokens=4)
+    distill_responses(_generator(chat_ckpt), _pairs(2), tmp_path, options, model_name="tiny", progress=False)
     with pytest.raises(ChatDataError, match="was made with another model"):
-        distill_responses(_generator(chat_ckpt), _pairs(2), tmp_path, model_name="other", max_new_tokens=4,
+        distill_responses(_generator(chat_ckpt), _pairs(2), tmp_path, options, model_name="other",
                           progress=False)
     other_tokenizer = type(chat_ckpt["tokenizer"]).from_pretrained(chat_ckpt["dir"])
     other_tokenizer.chat_template = CHATML.replace("<|im_start|>", "<s>")
     generator = SelfSpecGenerator(chat_ckpt["model"], other_tokenizer, exit_layer=2, drafter="ngram")
     with pytest.raises(ChatDataError, match="another tokenizer"):
-        distill_responses(generator, _pairs(2), tmp_path, model_name="tiny", max_new_tokens=4, progress=False)
+        distill_responses(generator, _pairs(2), tmp_path, options, model_name="tiny", progress=False)
 
 
 def test_the_command_line_writes_replies_and_bad_prompt_sources_are_one_line(chat_ckpt, tmp_path, capsys):
@@ -105,8 +105,9 @@ def test_json_extract_replies_are_the_models_constrained_outputs(chat_ckpt, tmp_
     triples = distill_prompts("json-extract")[:4]
     assert [t[0].split("-")[2] for t in triples] == ["people", "products", "events", "tool_calls"]
     assert len({t[0] for t in distill_prompts("json-extract")}) == len(distill_prompts("json-extract"))
-    summary = distill_responses(_generator(chat_ckpt), triples, tmp_path, model_name="tiny", batch_size=2,
-                                max_new_tokens=40, max_prompt_tokens=200, progress=False)
+    options = ReplyOptions(batch_size=2, max_new_tokens=40, max_prompt_tokens=200)
+    summary = distill_responses(_generator(chat_ckpt), triples, tmp_path, options, model_name="tiny",
+                                progress=False)
     assert summary["rows"] == 4
     rows = [json.loads(line) for line in (tmp_path / RESPONSES).read_text().splitlines()]
     gen = _generator(chat_ckpt)

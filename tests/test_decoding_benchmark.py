@@ -11,8 +11,9 @@ from helpers import assert_shape, ranking_counts, tiny_model
 
 from selfspec.decoding import DecodeSettings
 from selfspec.evaluation.benchmark import run_benchmark, to_markdown, write_report
+from selfspec.evaluation.options import BenchmarkRun
 from selfspec.evaluation.results import BenchmarkReport
-from selfspec.evaluation.timing import METHODS
+from selfspec.evaluation.timing import METHODS, LoadedCheckpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,9 +22,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_benchmark_report(tmp_path):
     model = tiny_model("llama")
     repeats = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]  # copying finds matches
-    report = run_benchmark(model, [repeats, [9, 10]], DecodeSettings(exit_layer=3, num_speculations=3,
-                                                                     draft_vocab_size=48),
-                           token_counts=ranking_counts(range(48), 96), max_new_tokens=10, repeats=2, warmup=1)
+    settings = DecodeSettings(exit_layer=3, num_speculations=3, draft_vocab_size=48)
+    checkpoint = LoadedCheckpoint(model, settings, token_counts=ranking_counts(range(48), 96))
+    report = run_benchmark(checkpoint, [repeats, [9, 10]],
+                           BenchmarkRun(max_new_tokens=10, repeats=2, warmup=1))
     assert set(report["methods"]) == set(METHODS)
     assert_shape(report, BenchmarkReport)
     assert (report["settings"]["hybrid"]["draft_vocab_size"] == 48
@@ -111,11 +113,11 @@ def test_each_engine_method_may_decode_at_its_own_setting():
     model = tiny_model("llama")
     fastest = {"early_exit": DecodeSettings(exit_layer=2, num_speculations=2),
                "hybrid": DecodeSettings("hybrid", 1, 1, 40).override(min_ngram=1)}
-    report = run_benchmark(model, [[5, 6, 7, 8, 5, 6, 7, 8]],
-                           DecodeSettings(exit_layer=3, num_speculations=3),
-                           fastest=fastest, token_counts=ranking_counts(range(40), 96), max_new_tokens=8,
-                           repeats=1, warmup=0,
-                           methods=("plain", "early_exit", "ngram", "hybrid", "hf_early_exit"))
+    checkpoint = LoadedCheckpoint(model, DecodeSettings(exit_layer=3, num_speculations=3), fastest=fastest,
+                                  token_counts=ranking_counts(range(40), 96))
+    report = run_benchmark(checkpoint, [[5, 6, 7, 8, 5, 6, 7, 8]],
+                           BenchmarkRun(max_new_tokens=8, repeats=1, warmup=0,
+                                        methods=("plain", "early_exit", "ngram", "hybrid", "hf_early_exit")))
     settings = report["settings"]
     assert (settings["early_exit"]["exit_layer"], settings["early_exit"]["num_speculations"]) == (2, 2)
     assert settings["hybrid"]["draft_vocab_size"] == 40 and settings["hybrid"]["ngram"]["min_ngram"] == 1
@@ -128,8 +130,9 @@ def test_with_a_prefix_cache_each_timed_call_loads_the_prefix_its_prompt_shares_
     model = tiny_model("llama")
     shared = [(7 * i) % 90 + 1 for i in range(40)]  # a chunk of 32 and more
     prompts = [shared + [5, 6, 7, 8], shared + [9, 10], [3] + shared]
-    report = run_benchmark(model, prompts, DecodeSettings(exit_layer=3, num_speculations=3), max_new_tokens=6,
-                           repeats=1, warmup=0, methods=("plain", "early_exit", "hybrid"), prefix_cache=True)
+    report = run_benchmark(LoadedCheckpoint(model, DecodeSettings(exit_layer=3, num_speculations=3)), prompts,
+                           BenchmarkRun(max_new_tokens=6, repeats=1, warmup=0,
+                                        methods=("plain", "early_exit", "hybrid"), prefix_cache=True))
     assert report["greedy_outputs_identical"]
     cached = report["prefix_cache"]
     assert cached["chunk"] == 32 and cached["shared_tokens"] == (40 + 40 + 0) / 3
@@ -141,14 +144,14 @@ def test_batched_benchmark_decodes_rows_together():
     model = tiny_model("llama")
     prompts = [[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]]  # one length: Hugging Face needs no padding
     methods = ("plain", "early_exit", "hf_greedy")
-    kwargs = dict(max_new_tokens=8, repeats=1, warmup=0, methods=methods)
-    batched = run_benchmark(model, prompts, DecodeSettings(exit_layer=3, num_speculations=3), batch_size=2,
-                            **kwargs)
+    checkpoint = LoadedCheckpoint(model, DecodeSettings(exit_layer=3, num_speculations=3))
+    options = BenchmarkRun(max_new_tokens=8, repeats=1, warmup=0, methods=methods, batch_size=2)
+    batched = run_benchmark(checkpoint, prompts, options)
     # plain, the early exit and Hugging Face's batched greedy decoding give the same rows
     assert batched["batch_size"] == 2 and batched["greedy_outputs_identical"]
     assert sum(batched["cost_model"]["accepted_histogram"]) > 0 and "batch 2" in to_markdown(batched)
     with pytest.raises(ValueError, match="decodes batch 1 only; leave hf_early_exit, hf_prompt_lookup out"):
-        run_benchmark(model, prompts, DecodeSettings(exit_layer=3), batch_size=2, methods=METHODS)
+        BenchmarkRun(batch_size=2, methods=METHODS)  # refused as the options are made
 
 
 def test_eval_speedup_end_to_end(tiny_run, tmp_path):

@@ -1,5 +1,6 @@
 """Per-exit-layer metrics, the perplexity gate and the CLI's one-line errors."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -142,7 +143,8 @@ def test_cli_generate_uses_the_checkpoints_k_and_streams_what_it_returns(tiny_ck
     assert main(["generate", str(tiny_ckpt), "def f(x):", "--max-new-tokens", "8", "--no-eos"]) == 0
     captured = capsys.readouterr()
     assert used == [3] and "k = 3" in captured.err  # the checkpoint's selfspec.json, not "auto"
-    (text,) = cli.generate(str(tiny_ckpt), ["def f(x):"], max_new_tokens=8, eos=[], stream=False)
+    (text,) = cli.generate(cli.GenerateOptions(model=str(tiny_ckpt), max_new_tokens=8, no_eos=True,
+                                               no_stream=True), ["def f(x):"])
     capsys.readouterr()
     assert captured.out.rstrip("\n") == ("def f(x):" + text).rstrip("\n")
 
@@ -156,9 +158,10 @@ def test_cli_generate_runs_a_prompt_file_as_one_batch_with_stops(tiny_ckpt, tmp_
     assert out.startswith("def f(x):") and "\n---\nimport os" in out
     from selfspec import commands as cli
 
-    texts = cli.generate(str(tiny_ckpt), ["def f(x):", "import os"], max_new_tokens=20, eos=[], stream=False)
+    options = cli.GenerateOptions(model=str(tiny_ckpt), max_new_tokens=20, no_eos=True, no_stream=True)
+    texts = cli.generate(options, ["def f(x):", "import os"])
     stop = texts[0][2:5]  # a string the first row produces: it must end that row right there
-    cut = cli.generate(str(tiny_ckpt), ["def f(x):"], max_new_tokens=20, eos=[], stop=[stop], stream=False)[0]
+    cut = cli.generate(dataclasses.replace(options, stop=(stop,)), ["def f(x):"])[0]
     assert stop in cut and len(cut) <= len(texts[0]) and texts[0].startswith(cut)
 
 

@@ -11,10 +11,10 @@ from test_decoding_grammar import DRAFTERS, PERSON, constrained_reference, make_
 from torch.overrides import TorchFunctionMode
 from virtual_cuda import VirtualCuda
 
-from selfspec.decoding import SelfSpecGenerator
-from selfspec.decoding.grammar import Constraint
 from selfspec.backends import graphs
 from selfspec.backends.graphs import CapturedPass, HostReadInCapture, _Graph
+from selfspec.decoding import SelfSpecGenerator
+from selfspec.decoding.grammar import Constraint
 
 PROMPTS = [[5, 17, 33, 2, 71, 8, 5, 17, 33], [40, 3]]
 NEW = 14

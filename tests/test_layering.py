@@ -4,7 +4,7 @@ lower ones, and no module sits on an import cycle. Every import counts, the ones
     4  cli, commands, demo, the package's __init__ and __main__
     3  evaluation/        (may use training/: train_cost times a training step), serving/
     2  training/          (never evaluation/: what both need lives below)
-    1  agreement, data, checkpoint, backends/, decoding/
+    1  agreement, data, checkpoint, backends/, decoding/, options
     0  config, model/, metrics, cpu, files, errors, cache, recipes/
 """
 
@@ -17,7 +17,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "selfspec"
 FLOORS = {"config": 0, "model": 0, "metrics": 0, "cpu": 0, "files": 0, "errors": 0, "cache": 0, "recipes": 0,
-          "agreement": 1, "data": 1, "checkpoint": 1, "export": 1, "backends": 1, "decoding": 1,
+          "agreement": 1, "data": 1, "checkpoint": 1, "export": 1, "export_gguf": 1, "backends": 1,
+          "decoding": 1, "options": 1,
           "training": 2, "evaluation": 3, "serving": 3, "cli": 4, "commands": 4, "demo": 4, "__init__": 4,
           "__main__": 4}
 

@@ -20,6 +20,7 @@ from selfspec.evaluation.serve_load import (
     fault_table,
     server_process,
 )
+from selfspec.serving.options import ServeOptions
 
 MAX_TOKENS = 6
 ROW_KEYS = {"class", "requests", "statuses", "server_errors", "plain_errors", "unexpected", "failures",
@@ -45,7 +46,7 @@ def served(tiny_run, tmp_path_factory):
         out = gen.generate([list(gen.tokenizer(text)["input_ids"])], max_new_tokens=MAX_TOKENS)
         reference.append(gen.tokenizer.decode(out.sequences[0], skip_special_tokens=True))
     log = tmp_path_factory.mktemp("faults") / "server.log"
-    with server_process(model, log, max_batch=4) as (url, pid):
+    with server_process(ServeOptions(model=model, max_batch=4), log) as (url, pid):
         yield url, pid, prompts, reference
 
 

@@ -20,6 +20,7 @@ from selfspec.decoding.prefix import PrefixCache
 from selfspec.errors import UserError
 from selfspec.evaluation.results import ServeLoadReport
 from selfspec.serving.app import create_app, merged_text, run_in_thread
+from selfspec.serving.options import AppOptions, ServeOptions
 from selfspec.serving.scheduler import (
     CALL_SECONDS,
     CPU_DRAFT_MAX_ROWS,
@@ -40,7 +41,7 @@ def generator(tiny_run):
 
 @pytest.fixture
 def client(generator):
-    with TestClient(create_app(generator, NAME, max_batch=4)) as client:
+    with TestClient(create_app(generator, NAME, AppOptions(max_batch=4))) as client:
         yield client
 
 
@@ -179,7 +180,7 @@ def test_bad_requests_get_an_openai_error_that_names_the_field(client, fields, s
 
 
 def test_a_body_that_is_too_large_or_not_json_is_refused(generator):
-    with TestClient(create_app(generator, NAME, max_body_bytes=200)) as client:
+    with TestClient(create_app(generator, NAME, AppOptions(max_body_bytes=200))) as client:
         r = client.post("/v1/chat/completions", json=chat("x" * 300))
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
         r = client.post("/v1/chat/completions", content=b"{not json",
@@ -188,7 +189,7 @@ def test_a_body_that_is_too_large_or_not_json_is_refused(generator):
 
 
 def test_an_api_key_is_required_when_set(generator):
-    with TestClient(create_app(generator, NAME, api_key="s3cret")) as client:
+    with TestClient(create_app(generator, NAME, AppOptions(api_key="s3cret"))) as client:
         assert client.get("/v1/models").status_code == 401
         wrong = client.get("/v1/models", headers={"Authorization": "Bearer s3cres"})
         assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
@@ -198,7 +199,7 @@ def test_an_api_key_is_required_when_set(generator):
 
 
 def test_a_full_queue_answers_429_with_retry_after(generator):
-    app = create_app(generator, NAME, max_queue=1)
+    app = create_app(generator, NAME, AppOptions(max_queue=1))
     scheduler = app.state.scheduler  # not started: nothing leaves the queue
     scheduler.submit(Job(prompt=[1, 2], max_tokens=2))
     with pytest.raises(QueueFull):
@@ -237,7 +238,7 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def live(generator):
     """A real uvicorn server on 127.0.0.1 with a key: {"url", "app"}."""
-    port, app = free_port(), create_app(generator, NAME, api_key="k", max_batch=8)
+    port, app = free_port(), create_app(generator, NAME, AppOptions(api_key="k", max_batch=8))
     server = run_in_thread(app, port)
     yield {"url": f"http://127.0.0.1:{port}/v1", "app": app}
     server.should_exit = True
@@ -300,8 +301,8 @@ def test_greedy_waves_over_draft_max_rows_decode_plainly_on_a_cpu_unless_told(ge
     """On a CPU a greedy wave of more than CPU_DRAFT_MAX_ROWS rows takes plain steps (the server's
     default); a flag's value replaces it. The output is the same (the concurrent clients' test)."""
     assert create_app(generator, NAME).state.scheduler.draft_max_rows == CPU_DRAFT_MAX_ROWS == 2
-    assert create_app(generator, NAME, draft_max_rows=None).state.scheduler.draft_max_rows is None
-    scheduler = create_app(generator, NAME, draft_max_rows=0).state.scheduler  # 0: never draft
+    assert create_app(generator, NAME, AppOptions(draft_max_rows=None)).state.scheduler.draft_max_rows is None
+    scheduler = create_app(generator, NAME, AppOptions(draft_max_rows=0)).state.scheduler  # 0: never draft
     for contents in ("ab", "c"):  # a wave of two rows, and a lone row's compiled rounds
         jobs = [Job(prompt=generator.chat_prompt([{"role": "user", "content": c}]), max_tokens=8)
                 for c in contents]
@@ -494,11 +495,13 @@ def test_sigterm_lets_the_request_in_flight_finish_and_exits_0(tiny_run, tmp_pat
 
 
 def test_the_load_benchmark_reports_every_level_and_the_fault_run(tiny_run, tmp_path):
+    from selfspec.evaluation.options import ServeLoadOptions
     from selfspec.evaluation.serve_load import serve_load
 
-    report = serve_load(str(tiny_run["model"]), corpus=str(tiny_run["corpus"]), num_prompts=3,
-                        concurrency="1,2", requests=3, max_tokens=6, fault=12, out=str(tmp_path),
-                        fault_classes="numeric overflow,wrong content types")
+    options = ServeLoadOptions(model=str(tiny_run["model"]), corpus=str(tiny_run["corpus"]), num_prompts=3,
+                               concurrency="1,2", requests=3, max_tokens=6, fault=12, out=str(tmp_path),
+                               fault_classes="numeric overflow,wrong content types")
+    report = serve_load(options)
     assert_shape(report, ServeLoadReport)
     for arm in ("selfspec", "plain"):
         assert [row["concurrency"] for row in report["levels"][arm]] == [1, 2]
@@ -523,6 +526,6 @@ def test_a_server_process_that_cannot_start_is_one_clear_error(tmp_path):
     log = tmp_path / "server.log"
     for flags in ({}, {"overlap": True, "exit_layer": 2}):  # a boolean setting as --overlap
         with pytest.raises(UserError, match="exited with 2 before it answered: see .*server.log"):
-            with server_process(str(tmp_path / "no-model"), log, **flags):
+            with server_process(ServeOptions(model=str(tmp_path / "no-model"), **flags), log):
                 pass
         assert "no-model" in log.read_text() and "unrecognized" not in log.read_text()

@@ -18,6 +18,7 @@ from helpers import CHATML, chat_generator
 from selfspec import cli
 from selfspec.errors import UserError
 from selfspec.serving.app import create_app, run_in_thread
+from selfspec.serving.options import AppOptions
 from selfspec.serving.scheduler import Job, Scheduler
 
 NAME = "tiny"
@@ -30,7 +31,7 @@ def generator(tiny_run):
 
 @pytest.fixture(scope="module")
 def client(generator):
-    with TestClient(create_app(generator, NAME, max_batch=4)) as client:
+    with TestClient(create_app(generator, NAME, AppOptions(max_batch=4))) as client:
         yield client
 
 
@@ -234,7 +235,7 @@ def test_a_failing_request_gets_an_openai_500_while_a_stream_beside_it_is_unchan
     bad_prompt = "poisoned prompt"
     poison(generator, monkeypatch, [list(generator.tokenizer(bad_prompt)["input_ids"])])
     port = free_port()
-    server = run_in_thread(create_app(generator, NAME, max_batch=8), port)
+    server = run_in_thread(create_app(generator, NAME, AppOptions(max_batch=8)), port)
     url = f"http://127.0.0.1:{port}/v1/completions"
     goods = [f"def good_{i}(x):" for i in range(3)]
 
@@ -303,7 +304,7 @@ def status_of(port: int, head: bytes, body: bytes) -> int:
 
 def test_a_body_over_the_limit_is_a_413_before_the_rest_of_it_arrives(generator):
     port = free_port()
-    server = run_in_thread(create_app(generator, NAME, max_body_bytes=1000), port)
+    server = run_in_thread(create_app(generator, NAME, AppOptions(max_body_bytes=1000)), port)
     try:
         start = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n")
         # chunked: 1,500 bytes arrive in one chunk and the body never ends
@@ -416,14 +417,14 @@ def test_text_completions_take_response_format(client):
 # -- 6. access and start-up limits ------------------------------------------------------------------
 
 def test_metrics_need_the_key_when_one_is_set_unless_public(generator):
-    with TestClient(create_app(generator, NAME, api_key="k")) as client:
+    with TestClient(create_app(generator, NAME, AppOptions(api_key="k"))) as client:
         assert openai_error(client.get("/metrics"), 401)["code"] == "invalid_api_key"
         assert client.get("/metrics", headers={"Authorization": "Bearer k"}).status_code == 200
         assert client.get("/health").status_code == 200
         # the key is checked before the body's type: a stranger learns nothing about the server
         plain = client.post("/v1/completions", content=b"x", headers={"content-type": "text/plain"})
         assert plain.status_code == 401
-    with TestClient(create_app(generator, NAME, api_key="k", metrics_public=True)) as client:
+    with TestClient(create_app(generator, NAME, AppOptions(api_key="k", metrics_public=True))) as client:
         assert client.get("/metrics").status_code == 200
 
 
@@ -452,9 +453,9 @@ def test_serve_refuses_a_bad_limit_in_one_line_with_exit_2_before_it_loads(tmp_p
 
 def test_create_app_refuses_bad_limits(generator):
     with pytest.raises(UserError, match="--max-batch must be 1 or more"):
-        create_app(generator, NAME, max_batch=0)
+        create_app(generator, NAME, AppOptions(max_batch=0))
     with pytest.raises(UserError, match="over the model's 256 positions"):
-        create_app(generator, NAME, max_model_len=10_000)
+        create_app(generator, NAME, AppOptions(max_model_len=10_000))
 
 
 # -- 7. --max-model-len -----------------------------------------------------------------------------
@@ -463,7 +464,7 @@ def test_max_model_len_caps_the_prompt_and_max_tokens_together(generator):
     assert create_app(generator, NAME).state.max_model_len == generator.view.max_positions == 256
     prompt = len(generator.chat_prompt([{"role": "user", "content": "hi"}]))
     limit = prompt + 10
-    with TestClient(create_app(generator, NAME, max_model_len=limit)) as client:
+    with TestClient(create_app(generator, NAME, AppOptions(max_model_len=limit))) as client:
         error = openai_error(client.post("/v1/chat/completions", json=chat(max_tokens=11)), 400, "messages")
         assert error["code"] == "context_length_exceeded"
         assert error["message"].startswith(

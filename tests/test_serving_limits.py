@@ -18,6 +18,7 @@ from helpers import chat_generator
 from selfspec import cli
 from selfspec.decoding.grammar import GrammarTokenizer
 from selfspec.serving.app import create_app, run_in_thread
+from selfspec.serving.options import AppOptions
 from selfspec.serving.scheduler import Job
 
 NAME = "tiny"
@@ -59,7 +60,7 @@ def until(condition, seconds: float = 60) -> bool:
 
 def test_a_non_streamed_request_whose_client_hangs_up_is_cancelled_at_the_next_round(generator, monkeypatch):
     port = free_port()
-    app = create_app(generator, NAME, max_batch=4)
+    app = create_app(generator, NAME, AppOptions(max_batch=4))
     scheduler = app.state.scheduler
     server = run_in_thread(app, port)
     taken: list[Job] = []
@@ -119,7 +120,7 @@ def status_of(port: int, data: bytes) -> tuple[int, bytes]:
 
 def test_a_body_that_trickles_in_is_cut_with_a_408(generator):
     port = free_port()
-    server = run_in_thread(create_app(generator, NAME, request_timeout=0.3), port)
+    server = run_in_thread(create_app(generator, NAME, AppOptions(request_timeout=0.3)), port)
     try:
         body = json.dumps(text()).encode()
         status, answer = status_of(port, request_bytes("/v1/completions", body[:10], length=len(body)))
@@ -198,7 +199,7 @@ def test_templates_tokens_and_grammars_run_off_the_event_loop(generator, heavy_c
 
 
 def test_the_cheap_checks_come_before_any_heavy_work(generator, heavy_calls):
-    with TestClient(create_app(generator, NAME, api_key="k", max_tokens_cap=10)) as client:
+    with TestClient(create_app(generator, NAME, AppOptions(api_key="k", max_tokens_cap=10))) as client:
         key = {"Authorization": "Bearer k"}
         assert client.post("/v1/chat/completions", json=chat()).status_code == 401
         assert client.post("/v1/completions", content=json.dumps(text()),

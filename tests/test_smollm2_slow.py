@@ -64,11 +64,11 @@ def test_greedy_selfspec_equals_hf_greedy(smollm2, exit_layer, k):
 
 
 def test_chat_template_makes_the_instruct_model_answer(smollm2, capsys):
-    from selfspec.commands import generate
+    from selfspec.commands import GenerateOptions, generate
 
     out, _ = smollm2
-    (text,) = generate(str(out), ["What is the capital of France? Answer in one word."], max_new_tokens=12,
-                       chat=True)
+    (text,) = generate(GenerateOptions(model=str(out), max_new_tokens=12, chat=True),
+                       ["What is the capital of France? Answer in one word."])
     assert "paris" in text.lower()
 
 

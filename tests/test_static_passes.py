@@ -11,9 +11,9 @@ import pytest
 import torch
 from helpers import low_alpha_model, reference_greedy, tiny_model
 
+from selfspec.backends import static_passes
 from selfspec.decoding import DecodeSettings, NewRow, SelfSpecGenerator
 from selfspec.errors import UserError
-from selfspec.backends import static_passes
 
 NEW = 14
 LLAMA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # mistral's window of 8 is shorter than the rows

@@ -14,10 +14,12 @@ from selfspec.checkpoint import read_meta, save_tuned
 from selfspec.cli import main
 from selfspec.decoding import DecodeSettings
 from selfspec.errors import UserError
+from selfspec.evaluation.options import SuiteRun
 from selfspec.evaluation.prompts import Question, prompt_ids, select_questions, suite_questions
 from selfspec.evaluation.results import SuiteReport
 from selfspec.evaluation.suite import OVERALL, run_suite
 from selfspec.evaluation.sweep import write_back_fastest
+from selfspec.evaluation.timing import LoadedCheckpoint
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +52,10 @@ def test_a_later_turn_holds_the_earlier_turns_and_the_models_own_answer(chat_ckp
 
 def test_the_suite_times_every_turn_and_reports_every_category(chat_ckpt):
     questions = select_questions(chat_ckpt["tokenizer"], questions=str(chat_ckpt["questions"]))
-    report = run_suite(chat_ckpt["model"], chat_ckpt["tokenizer"], questions, DecodeSettings(exit_layer=2,
-                       num_speculations=3), methods=("plain", "early_exit", "ngram", "hf_greedy"),
-                       max_new_tokens=12, stop_at_eos=False, progress=False)
+    checkpoint = LoadedCheckpoint(chat_ckpt["model"], DecodeSettings(exit_layer=2, num_speculations=3),
+                                  chat_ckpt["tokenizer"])
+    report = run_suite(checkpoint, questions, SuiteRun(methods=("plain", "early_exit", "ngram", "hf_greedy"),
+                                                       max_new_tokens=12, no_eos=True), progress=False)
     assert_shape(report, SuiteReport)
     assert report["num_questions"] == 3 and report["num_prompts"] == 5  # two 2-turn questions, one 1-turn
     assert list(report["results"]) == ["writing", "math", OVERALL]
@@ -85,10 +88,11 @@ def test_the_json_extract_suite_decodes_each_category_under_its_schemas(chat_ckp
     questions = select_questions(chat_ckpt["tokenizer"], suites="json-extract", max_per_category=1)
     assert [q.category for q in questions] == ["people", "products", "events", "tool_calls"]
     assert all(q.constraint.kind == "json_schema" for q in questions)
-    report = run_suite(chat_ckpt["model"], chat_ckpt["tokenizer"], questions,
-                       DecodeSettings(exit_layer=2, num_speculations=3),
-                       methods=("plain", "early_exit", "hybrid"),
-                       max_new_tokens=16, stop_at_eos=False, warmup=0, progress=False)
+    checkpoint = LoadedCheckpoint(chat_ckpt["model"], DecodeSettings(exit_layer=2, num_speculations=3),
+                                  chat_ckpt["tokenizer"])
+    report = run_suite(checkpoint, questions, SuiteRun(methods=("plain", "early_exit", "hybrid"),
+                                                       max_new_tokens=16, no_eos=True, warmup=0),
+                       progress=False)
     assert report["greedy_outputs_identical"] and list(report["results"]) == [
         "people", "products", "events", "tool_calls", OVERALL]
     # the grammar's forced tokens were drafted: more than one token per full pass for the hybrid
@@ -135,8 +139,9 @@ def test_a_prompt_longer_than_the_models_positions_is_cut_and_counted(chat_ckpt,
     positions = model.config.max_position_embeddings
     long = Question("long", "long", (" ".join(["word"] * positions),), chat=False)
     short = Question("short", "short", ("def f(x):",), chat=False)
-    report = run_suite(model, chat_ckpt["tokenizer"], [long, short], DecodeSettings(exit_layer=2),
-                       methods=("plain", "ngram"), max_new_tokens=8, stop_at_eos=False, warmup=0,
+    checkpoint = LoadedCheckpoint(model, DecodeSettings(exit_layer=2), chat_ckpt["tokenizer"])
+    report = run_suite(checkpoint, [long, short],
+                       SuiteRun(methods=("plain", "ngram"), max_new_tokens=8, no_eos=True, warmup=0),
                        progress=False)
     assert report["cut_prompts"] == 1
     assert report["results"]["long"]["plain"]["tokens"] == 8

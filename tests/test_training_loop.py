@@ -582,13 +582,12 @@ def test_an_adapter_run_trains_only_the_adapter_and_decoding_stays_the_models_ow
     # another E: the plain exit
     assert load_tuned(result.model_dir, exit_layer=1).draft_head().adapter is None
     # The validation agreement (the loop's and `selfspec layers`') is the draft's: through the adapter.
-    from selfspec.commands import layers_report
+    from selfspec.commands import LayersOptions, layers_report
 
-    report = layers_report(str(result.model_dir), source=str(tiny_run["corpus"]), split="validation",
-                           block_size=32, max_blocks=4)
+    held_out = dict(data=str(tiny_run["corpus"]), split="validation", block_size=32, max_blocks=4)
+    report = layers_report(LayersOptions(model=str(result.model_dir), **held_out))
     assert report[2]["loss"] == pytest.approx(meta["metrics"]["val/loss@2"], rel=1e-5)
-    raw = layers_report(str(tiny_run["model"]), source=str(tiny_run["corpus"]), split="validation",
-                        block_size=32, max_blocks=4)
+    raw = layers_report(LayersOptions(model=str(tiny_run["model"]), **held_out))
     assert raw[2]["loss"] != pytest.approx(report[2]["loss"], rel=1e-3)
     prompt = tiny_run["tokenizer"]("def f(x):")["input_ids"]
     out = generator.generate([prompt], max_new_tokens=12, num_speculations=3, eos_token_id=[])

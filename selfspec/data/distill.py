@@ -21,11 +21,13 @@ import json
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
 from ..files import write_json_atomic
+from ..options import Options
 from .chat import ChatDataError, load_chat_corpus
 from .questions import read_questions
 
@@ -98,18 +100,37 @@ def _read_done(path: Path) -> set[str]:
     return {json.loads(line)["id"] for line in whole.decode("utf-8").splitlines() if line.strip()}
 
 
-def distill_responses(generator, prompts: list[tuple[str, str]], out_dir: str | Path, *, model_name: str,
-                      batch_size: int = 8, max_new_tokens: int = 256, max_prompt_tokens: int = 512,
-                      temperature: float = 0.0, seed: int = 0, force: bool = False,
+@dataclass(frozen=True, kw_only=True)
+class ReplyOptions(Options):
+    """How the replies are decoded; the manifest records them."""
+
+    batch_size: int = 8
+    """prompts answered in one batch"""
+    max_new_tokens: int = 256
+    """the most tokens of a reply"""
+    max_prompt_tokens: int = 512
+    """skip longer prompts (counted)"""
+    temperature: float = 0.0
+    """0: greedy replies"""
+    seed: int = 0
+    """the sampling seed (each batch adds the index of its first prompt)"""
+
+
+def distill_responses(generator, prompts: list[tuple[str, str]], out_dir: str | Path,
+                      options: ReplyOptions | None = None, *, model_name: str, force: bool = False,
                       progress: bool = True) -> dict:
     """Generate the model's replies to `prompts` into `out_dir/responses.jsonl`, resuming a previous run.
 
     generator: a `SelfSpecGenerator` with its tokenizer (any drafter: decoding is lossless, so the
     replies are the model's own). Prompts go through the chat template; those longer than
-    `max_prompt_tokens` are skipped and counted. A prompt given as (id, prompt, schema) is answered
-    under its JSON schema (structured output: the replies are the model's constrained outputs).
-    Returns a summary (rows, tokens, seconds, skipped).
+    `options.max_prompt_tokens` are skipped and counted. A prompt given as (id, prompt, schema) is
+    answered under its JSON schema (structured output: the replies are the model's constrained
+    outputs). Returns a summary (rows, tokens, seconds, skipped).
     """
+    options = options or ReplyOptions()
+    batch_size, max_new_tokens, max_prompt_tokens = (options.batch_size, options.max_new_tokens,
+                                                     options.max_prompt_tokens)
+    temperature, seed = options.temperature, options.seed
     tokenizer = generator.tokenizer
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ChatDataError(f"{model_name} has no tokenizer with a chat template; "

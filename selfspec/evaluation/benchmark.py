@@ -35,12 +35,12 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from ..checkpoint import checkpoint_adapters, resolve_settings, sweep_candidates
+from ..checkpoint import resolve_settings, sweep_candidates
 from ..decoding import DecodeSettings
-from ..decoding.grammar import read_constraint
 from ..errors import UserError
 from .costs import cost_model, grammar_costs, prefill_split, source_summary, weight_cost, weights_in_cache
 from .diagnosis import cost_figures, own_exit_alpha, summary
+from .options import BenchmarkOptions, BenchmarkRun
 from .paired import median_interval, paired_speedups
 from .prompts import JSON_EXTRACT, Structured, read_prompts
 from .report import write_report as write_files
@@ -49,57 +49,84 @@ from .rounds import round_profile
 from .rounds import to_markdown as profile_markdown
 from .timing import (
     ENGINE_METHODS,
-    METHODS,
     PROMPT_LOOKUP_TOKENS,
+    LoadedCheckpoint,
     Timings,
-    check_methods,
     interleaved_rates,
-    load_model,
+    load_checkpoint,
     make_runner,
 )
 
 
-def run_benchmark(model, prompts: list[list[int]], settings: DecodeSettings, *, tokenizer=None,
-                  fastest: dict[str, DecodeSettings] | None = None, token_counts=None,
-                  exit_adapters: dict | None = None,
-                  max_new_tokens: int = 128, repeats: int = 5, warmup: int = 1, ignore_eos: bool = True,
-                  methods: tuple[str, ...] = METHODS, batch_size: int = 1, progress: bool = False,
-                  profile: bool = False, static_passes: str | None = None,
-                  candidates: list[tuple[str, DecodeSettings, float]] | None = None,
-                  prefix_cache: bool = False) -> BenchmarkReport:
-    """Measure `methods` on `prompts` (token lists), `batch_size` prompts per call; returns the report
-    as a dict (see module docstring). The engine methods decode at `settings`, each drafter at its
-    own fastest when `fastest` names one (`timing.method_settings`). token_counts: the ranking of a trimmed
-    draft head's ids (V' > 0); exit_adapters: {E: ExitAdapter} of the checkpoint; profile: add the
-    engine methods' round profile (`rounds.round_profile`); static_passes: the engine's passes at fixed
-    shapes (`SelfSpecGenerator`). candidates: a sweep's re-timed cells (`checkpoint.sweep_candidates`),
-    timed here too, interleaved with the methods: `candidate_report`. prefix_cache: the engine
-    prefills through a `PrefixCache` that holds, before each timed call, the prompt's prefix shared
-    with another prompt of the set (`timing.make_runner`'s `prepare`: what a server would have cached)."""
-    check_methods(methods, batch_size)
-    if max_new_tokens < 1 or not prompts:
-        raise UserError(f"the benchmark needs max_new_tokens >= 1 ({max_new_tokens}) and a prompt "
+def run_benchmark(checkpoint: LoadedCheckpoint, prompts: list[list[int]], options: BenchmarkRun | None = None,
+                  *, cells: list[tuple[str, DecodeSettings, float]] | None = None,
+                  progress: bool = False) -> BenchmarkReport:
+    """Measure `options.methods` on `prompts` (token lists), `options.batch_size` prompts per call;
+    returns the report as a dict (see module docstring). The engine methods decode at the checkpoint's
+    settings, each drafter at its own fastest when the checkpoint names one (`timing.method_settings`).
+    options.profile: add the engine methods' round profile (`rounds.round_profile`); static_passes: the
+    engine's passes at fixed shapes (`SelfSpecGenerator`); prefix_cache: the engine prefills through a
+    `PrefixCache` that holds, before each timed call, the prompt's prefix shared with another prompt of
+    the set (`timing.make_runner`'s `prepare`: what a server would have cached). cells: a sweep's
+    re-timed cells (`checkpoint.sweep_candidates`), timed here too, interleaved with the methods:
+    `candidate_report`."""
+    options = options or BenchmarkRun()
+    methods = options.methods
+    if options.max_new_tokens < 1 or not prompts:
+        raise UserError(f"the benchmark needs max_new_tokens >= 1 ({options.max_new_tokens}) and a prompt "
                         f"({len(prompts)})")
-    if candidates and "plain" not in methods:
+    if cells and "plain" not in methods:
         raise UserError("--candidates are judged against plain decoding: keep plain in --methods")
-    run = make_runner(model, settings, tokenizer=tokenizer, fastest=fastest, token_counts=token_counts,
-                      exit_adapters=exit_adapters, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos,
-                      profile=profile, static_passes=static_passes, prefix_cache=prefix_cache)
+    run = make_runner(checkpoint, max_new_tokens=options.max_new_tokens, keep_eos=options.keep_eos,
+                      profile=options.profile, static_passes=options.static_passes,
+                      prefix_cache=options.prefix_cache)
     run.share_prefixes(prompts)
-    generator, settings = run.generator, run.settings
-    device, view = run.device, generator.view
-    cells = {f"{drafter} cell {i + 1}": (drafter, generator.settings_for(cell), sweep_speedup)
-             for i, (drafter, cell, sweep_speedup) in enumerate(candidates or [])}
-    run.settings.update({name: cell for name, (_, cell, _) in cells.items()})
-    batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
-    timings = interleaved_rates([*methods, *cells], run, batches, repeats, warmup, device,
+    generator = run.generator
+    named = {f"{drafter} cell {i + 1}": (drafter, generator.settings_for(cell), sweep_speedup)
+             for i, (drafter, cell, sweep_speedup) in enumerate(cells or [])}
+    run.settings.update({name: cell for name, (_, cell, _) in named.items()})
+    batches = [prompts[i:i + options.batch_size] for i in range(0, len(prompts), options.batch_size)]
+    timings = interleaved_rates([*methods, *named], run, batches, options.repeats, options.warmup, run.device,
                                 "benchmark" if progress else None, prepare=run.prepare)
+    report = _report(options, run, timings, len(prompts))
+    if options.prefix_cache:
+        report["prefix_cache"] = {"chunk": generator.prefix_cache.chunk,
+                                  "shared_tokens": statistics.mean(run.shared.values()),
+                                  "prompt_tokens": statistics.mean(len(p) for p in run.shared),
+                                  "loaded_tokens_per_call": run.cached_tokens / max(1, run.engine_calls)}
+    stats = {m: timings.run_stats(m) for m in methods}
+    if any(isinstance(p, Structured) for p in prompts) and "plain" in methods:
+        report["grammar"] = grammar_costs(stats["plain"])
+    if "plain" in methods and "early_exit" in methods:
+        early, view = run.settings["early_exit"], generator.view
+        report["cost_model"] = cost_model(stats["plain"], stats["early_exit"],
+                                          report["speedups"].get("early_exit_over_plain"),
+                                          weight_cost(view, early.exit_layer, early.draft_vocab_size or 0),
+                                          weights_in_cache(view))
+    if options.profile:
+        report["round_profile"] = round_profile({m: stats[m] for m in methods if m in ENGINE_METHODS})
+    if named:
+        report["candidates"] = candidate_report(named, timings, run.settings)
+    report["diagnosis"] = diagnosis(report)
+    return report
+
+
+SPEEDUPS = (("hybrid", "hf_prompt_lookup"), ("hybrid", "plain"), ("hybrid", "early_exit"),
+            ("hybrid", "ngram"), ("ngram", "hf_prompt_lookup"), ("ngram", "plain"),
+            ("early_exit", "plain"), ("early_exit", "hf_early_exit"), ("early_exit", "hf_prompt_lookup"),
+            ("plain", "hf_greedy"), ("early_exit", "hf_greedy"), ("hf_early_exit", "hf_greedy"),
+            ("hf_prompt_lookup", "hf_greedy"))  # the report's "a_over_b" ratios, where both ran
+
+
+def _report(options: BenchmarkRun, run, timings: Timings, num_prompts: int) -> dict:
+    """The report's rates, speedups, identity checks, sources and prefill split of the methods."""
+    methods, settings, view = options.methods, run.settings, run.generator.view
     rates, outputs = {m: timings.rates(m) for m in methods}, timings.outputs
     stats = {m: timings.run_stats(m) for m in methods}
-
-    report = {"max_new_tokens": max_new_tokens, "num_prompts": len(prompts), "batch_size": batch_size,
-              "repeats": repeats, "warmup": warmup, "device": str(device),
-              "dtype": str(view.dtype).replace("torch.", ""), "num_layers": view.num_layers,
+    report = {"max_new_tokens": options.max_new_tokens, "num_prompts": num_prompts,
+              "batch_size": options.batch_size, "repeats": options.repeats, "warmup": options.warmup,
+              "device": str(run.device), "dtype": str(view.dtype).replace("torch.", ""),
+              "num_layers": view.num_layers,
               "settings": {m: settings[m].to_json() for m in methods if m in ENGINE_METHODS},
               "methods": {}}
     for method in methods:
@@ -109,12 +136,7 @@ def run_benchmark(model, prompts: list[list[int]], settings: DecodeSettings, *, 
             report["methods"][method]["over_plain"] = median_interval(paired_speedups(rates[method],
                                                                                       rates["plain"]))
     tps = {m: report["methods"][m]["tokens_per_second"] for m in methods}
-    report["speedups"] = {f"{a}_over_{b}": tps[a] / tps[b] for a, b in (
-        ("hybrid", "hf_prompt_lookup"), ("hybrid", "plain"), ("hybrid", "early_exit"), ("hybrid", "ngram"),
-        ("ngram", "hf_prompt_lookup"), ("ngram", "plain"),
-        ("early_exit", "plain"), ("early_exit", "hf_early_exit"), ("early_exit", "hf_prompt_lookup"),
-        ("plain", "hf_greedy"), ("early_exit", "hf_greedy"), ("hf_early_exit", "hf_greedy"),
-        ("hf_prompt_lookup", "hf_greedy")) if a in tps and b in tps}
+    report["speedups"] = {f"{a}_over_{b}": tps[a] / tps[b] for a, b in SPEEDUPS if a in tps and b in tps}
     reference = "plain" if "plain" in methods else methods[0]
     report["reference"] = reference
     report["identical"] = {m: outputs[m] == outputs[reference] for m in methods}
@@ -122,24 +144,6 @@ def run_benchmark(model, prompts: list[list[int]], settings: DecodeSettings, *, 
                                              for m in methods if m != "hf_early_exit")
     report["sources"] = {m: source_summary(stats[m]) for m in methods if m in ENGINE_METHODS and m != "plain"}
     report["prefill"] = prefill_split({m: stats[m] for m in methods if m in ENGINE_METHODS})
-    if prefix_cache:
-        report["prefix_cache"] = {"chunk": generator.prefix_cache.chunk,
-                                  "shared_tokens": statistics.mean(run.shared.values()),
-                                  "prompt_tokens": statistics.mean(len(p) for p in run.shared),
-                                  "loaded_tokens_per_call": run.cached_tokens / max(1, run.engine_calls)}
-    if any(isinstance(p, Structured) for p in prompts) and "plain" in methods:
-        report["grammar"] = grammar_costs(stats["plain"])
-    if "plain" in methods and "early_exit" in methods:
-        early = settings["early_exit"]
-        report["cost_model"] = cost_model(stats["plain"], stats["early_exit"],
-                                          report["speedups"].get("early_exit_over_plain"),
-                                          weight_cost(view, early.exit_layer, early.draft_vocab_size or 0),
-                                          weights_in_cache(view))
-    if profile:
-        report["round_profile"] = round_profile({m: stats[m] for m in methods if m in ENGINE_METHODS})
-    if cells:
-        report["candidates"] = candidate_report(cells, timings, settings)
-    report["diagnosis"] = diagnosis(report)
     return report
 
 
@@ -193,6 +197,7 @@ def _describe_setting(method: str, settings: dict) -> str:
 
 
 def to_markdown(report: dict) -> str:
+    """The report as Markdown: the methods' table, then each part the report holds."""
     lines = [f"# Self-speculative decoding benchmark ({report['num_layers']} layers)", "",
              f"{report['num_prompts']} prompts, batch {report.get('batch_size', 1)}, "
              f"{report['max_new_tokens']} new tokens, greedy, "
@@ -213,14 +218,31 @@ def to_markdown(report: dict) -> str:
     lines += ["", "| speedup | × |", "|---|---:|"]
     lines += [f"| {name.replace('_over_', ' / ')} | {value:.3f} |"
               for name, value in report["speedups"].items()]
+    lines += _source_lines(report) + _cost_lines(report) + _candidate_lines(report)
+    lines += ["", "Greedy outputs identical (every method but hf_early_exit, which is reported apart): "
+              f"**{report['greedy_outputs_identical']}**; identical to {report['reference']} per method: "
+              + ", ".join(f"{m} {same}" for m, same in report["identical"].items())]
+    if report.get("diagnosis"):
+        lines += ["", report["diagnosis"]]
+    return "\n".join(lines) + "\n"
+
+
+def _source_lines(report: dict) -> list[str]:
+    """The Markdown of the drafts' sources per engine method (α and share of tokens of each)."""
     sources = report.get("sources", {})
-    if sources:
-        lines += ["", "| method | source | rounds | drafted | accepted | α | share of tokens |",
-                  "|---|---|---:|---:|---:|---:|---:|"]
-        lines += [f"| {method} | {source} | {row['rounds']} | {row['drafted']} | {row['accepted']} | "
-                  f"{row['acceptance_rate']:.3f} | {row['share_of_tokens']:.1%} |"
-                  for method, per_source in sources.items() for source, row in per_source.items()
-                  if row["rounds"]]
+    if not sources:
+        return []
+    return ["", "| method | source | rounds | drafted | accepted | α | share of tokens |",
+            "|---|---|---:|---:|---:|---:|---:|"] + [
+        f"| {method} | {source} | {row['rounds']} | {row['drafted']} | {row['accepted']} | "
+        f"{row['acceptance_rate']:.3f} | {row['share_of_tokens']:.1%} |"
+        for method, per_source in sources.items() for source, row in per_source.items() if row["rounds"]]
+
+
+def _cost_lines(report: dict) -> list[str]:
+    """The Markdown of the cost model, the prefill split, the prefix cache, the grammar masks' cost and
+    the round profile, each where the report holds it."""
+    lines = []
     cost = report.get("cost_model", {})
     if cost:
         lines += ["", "| cost model | value |", "|---|---:|"]
@@ -254,43 +276,36 @@ def to_markdown(report: dict) -> str:
                   f"{grammar['share_of_plain_step']:.1%} of a plain step."]
     if report.get("round_profile"):
         lines += ["", profile_markdown(report["round_profile"]).rstrip()]
-    if report.get("candidates"):
-        lines += ["", "The sweep's re-timed cells, timed again here:", "",
-                  "| drafter | setting | sweep × plain | here × plain (interval) | stored |",
-                  "|---|---|---:|---:|---|"]
-        for drafter, entry in report["candidates"].items():
-            for cell in entry["cells"]:
-                here = cell["over_plain"]
-                lines.append(f"| {drafter} | {DecodeSettings.from_json(cell['settings']).describe()} | "
-                             f"{cell['sweep_speedup']:.2f} | {here['speedup']:.2f} ({here['low']:.2f}-"
-                             f"{here['high']:.2f}) | {'stored' if cell['stored'] else ''} |")
-        for drafter, entry in report["candidates"].items():
-            ratio = entry["stored_over_best"]
-            lines += ["", f"{drafter}: the stored cell runs at {ratio:.3f}× the best cell here." if ratio
-                      else f"{drafter}: the stored setting is not among the sweep's cells."]
-    lines += ["", "Greedy outputs identical (every method but hf_early_exit, which is reported apart): "
-              f"**{report['greedy_outputs_identical']}**; identical to {report['reference']} per method: "
-              + ", ".join(f"{m} {same}" for m, same in report["identical"].items())]
-    if report.get("diagnosis"):
-        lines += ["", report["diagnosis"]]
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def _candidate_lines(report: dict) -> list[str]:
+    """The Markdown of the sweep's cells timed again (`candidate_report`), where the report holds them."""
+    if not report.get("candidates"):
+        return []
+    lines = ["", "The sweep's re-timed cells, timed again here:", "",
+             "| drafter | setting | sweep × plain | here × plain (interval) | stored |",
+             "|---|---|---:|---:|---|"]
+    for drafter, entry in report["candidates"].items():
+        for cell in entry["cells"]:
+            here = cell["over_plain"]
+            lines.append(f"| {drafter} | {DecodeSettings.from_json(cell['settings']).describe()} | "
+                         f"{cell['sweep_speedup']:.2f} | {here['speedup']:.2f} ({here['low']:.2f}-"
+                         f"{here['high']:.2f}) | {'stored' if cell['stored'] else ''} |")
+    for drafter, entry in report["candidates"].items():
+        ratio = entry["stored_over_best"]
+        lines += ["", f"{drafter}: the stored cell runs at {ratio:.3f}× the best cell here." if ratio
+                  else f"{drafter}: the stored setting is not among the sweep's cells."]
+    return lines
 
 
 # --------------------------------------------------------------------------------------------------
 # The `selfspec eval speedup` command
 # --------------------------------------------------------------------------------------------------
 
-def speedup(model: str, *, exit_layer: int | None = None, num_speculations=None,
-            draft_vocab_size: int | None = None, stop_below: float | None = None,
-            min_ngram: int | None = None, overlap: bool | None = None,
-            prompts: str | None = None,
-            corpus: str = "stdlib", num_prompts: int = 8, prompt_tokens: int = 64, max_new_tokens: int = 128,
-            repeats: int = 5, warmup: int = 1, methods=METHODS, batch_size: int = 1, keep_eos: bool = False,
-            device: str | None = None, dtype: str = "auto", out: str = "runs/benchmark",
-            json_schema: str | None = None, regex: str | None = None, grammar: str | None = None,
-            profile: bool = False, static_passes: str | None = None,
-            candidates: bool = False, prefix_cache: bool = False) -> BenchmarkReport:
-    """`selfspec eval speedup`: benchmark the checkpoint `model`; print the report, write it into `out`.
+def speedup(options: BenchmarkOptions) -> BenchmarkReport:
+    """`selfspec eval speedup`: benchmark the checkpoint `options.model`; print the report, write it into
+    `options.out`.
 
     The engine decodes at the checkpoint's settings (`selfspec.json`), with the given fields
     overriding them; without any override each drafter runs at its fastest a sweep stored (for
@@ -303,33 +318,26 @@ def speedup(model: str, *, exit_layer: int | None = None, num_speculations=None,
     whether each drafter's stored cell is still its fastest.
     prefix_cache: the engine's methods prefill through a prefix cache holding each prompt's prefix
     shared with the others (`run_benchmark`).
+
+        speedup(BenchmarkOptions(model="runs/demo/model", repeats=3))
     """
-    if num_prompts < 1 or repeats < 1 or max_new_tokens < 1:
-        raise UserError(f"--num-prompts ({num_prompts}), --repeats ({repeats}) and --max-new-tokens "
-                        f"({max_new_tokens}) must be >= 1")
-    constraint = read_constraint(json_schema=json_schema, regex=regex, grammar=grammar)
+    model = options.model
+    constraint = options.constraint()
     # constrained prompts decode at what a sweep under that kind stored (`formats`), when there is one
-    kind = constraint.kind if constraint is not None else "json_schema" if prompts == JSON_EXTRACT else None
-    settings, fastest, token_counts = resolve_settings(
-        model, constraint_kind=kind, exit_layer=exit_layer, num_speculations=num_speculations,
-        draft_vocab_size=draft_vocab_size, stop_below=stop_below, min_ngram=min_ngram, overlap=overlap)
-    if settings.exit_layer is None:
+    kind = (constraint.kind if constraint is not None
+            else "json_schema" if options.prompts == JSON_EXTRACT else None)
+    resolved = resolve_settings(model, constraint_kind=kind, **options.overrides())
+    if resolved[0].exit_layer is None:
         raise UserError(f"--exit-layer is required: {model} has no selfspec.json")
-    cells = sweep_candidates(model, constraint_kind=kind) if candidates else None
-    lm, tokenizer = load_model(model, device, dtype)
-    prompt_ids = read_prompts(tokenizer, prompts, corpus, num_prompts, prompt_tokens)
+    cells = sweep_candidates(model, constraint_kind=kind) if options.candidates else None
+    checkpoint = load_checkpoint(model, *resolved, device=options.device, dtype=options.dtype)
+    prompt_ids = read_prompts(checkpoint.tokenizer, options.prompts, options.corpus, options.num_prompts,
+                              options.prompt_tokens)
     if constraint is not None:
         prompt_ids = [Structured(p.ids if isinstance(p, Structured) else p, constraint) for p in prompt_ids]
-    report = run_benchmark(lm, prompt_ids, settings,
-                           tokenizer=tokenizer, fastest=fastest, token_counts=token_counts,
-                           exit_adapters=checkpoint_adapters(model, lm), max_new_tokens=max_new_tokens,
-                           repeats=repeats, warmup=warmup, ignore_eos=not keep_eos,
-                            methods=(tuple(m.strip() for m in methods.split(",")) if isinstance(methods, str)
-                                     else tuple(methods)),
-                           batch_size=batch_size, progress=True, profile=profile, static_passes=static_passes,
-                           candidates=cells, prefix_cache=prefix_cache)
+    report = run_benchmark(checkpoint, prompt_ids, options, cells=cells, progress=True)
     report["model"] = model
-    json_path, md_path = write_report(report, out)
+    json_path, md_path = write_report(report, options.out)
     print(to_markdown(report))
     print(f"wrote {json_path} and {md_path}")
     return report

@@ -16,51 +16,61 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from ..checkpoint import checkpoint_adapters, resolve_settings
+from ..checkpoint import resolve_settings
 from ..errors import UserError
 from ..files import write_json_atomic
 from ..model import DecoderView
 from .costs import cost_model, weight_cost, weights_in_cache
 from .diagnosis import diagnose
+from .options import DoctorOptions
 from .paired import median_interval, paired_speedups
 from .prompts import read_prompts, suite_prompts
 from .results import DoctorResult
 from .rounds import round_profile
-from .timing import interleaved_rates, load_model, make_runner, measure_passes
+from .timing import interleaved_rates, load_checkpoint, make_runner, measure_passes
 
 PROBE = ("plain", "early_exit", "ngram", "hybrid")  # the methods the probe decodes with
 
 
-def doctor(model: str, *, exit_layer: int | None = None, num_speculations: int | None = None,
-           prompts: str | None = None, corpus: str = "stdlib", suites: str | None = None,
-           questions: str | None = None, num_prompts: int = 2, max_new_tokens: int = 32,
-           context: int = 256, long_context: int = 2048, repeats: int = 1, device: str | None = None,
-           dtype: str = "auto", out: str | None = None) -> DoctorResult:
-    """Probe the model `model` and print the diagnosis; returns {"figures", "diagnosis"} (also written
-    as doctor.json into `out` when given). E and k default to the checkpoint's (k = 3 when it has
-    none or an adaptive one)."""
-    if num_prompts < 1 or max_new_tokens < 1 or repeats < 1 or not 1 <= context < long_context:
-        raise UserError(f"--num-prompts ({num_prompts}), --max-new-tokens ({max_new_tokens}) and --repeats "
-                        f"({repeats}) must be >= 1, and 1 <= --context ({context}) < --long-context "
-                        f"({long_context})")
-    settings, _, counts = resolve_settings(model, exit_layer=exit_layer, num_speculations=num_speculations)
+def doctor(options: DoctorOptions) -> DoctorResult:
+    """Probe the model `options.model` and print the diagnosis; returns {"figures", "diagnosis"} (also
+    written as doctor.json into `options.out` when given). E and k default to the checkpoint's (k = 3
+    when it has none or an adaptive one)."""
+    model = options.model
+    settings, _, counts = resolve_settings(model, exit_layer=options.exit_layer,
+                                           num_speculations=options.num_speculations)
     if settings.exit_layer is None:
         raise UserError(f"--exit-layer is required: {model} has no selfspec.json")
     k = settings.num_speculations
     k = k if isinstance(k, int) and k else 3  # an adaptive or plain checkpoint: probe k = 3
     settings = settings.override(drafter="early_exit", num_speculations=k)
-    lm, tokenizer = load_model(model, device, dtype)
-    view = DecoderView(lm)
+    checkpoint = load_checkpoint(model, settings, None, counts, device=options.device, dtype=options.dtype)
+    view = DecoderView(checkpoint.model)
     if not 1 <= settings.exit_layer < view.num_layers:
         raise UserError(f"--exit-layer {settings.exit_layer} is not in 1..{view.num_layers - 1}")
-    if suites or questions:  # chat questions through the model's chat template, one per category first
-        chosen = suite_prompts(tokenizer, suites, questions, 1)[:num_prompts]
+    tokenizer = checkpoint.tokenizer
+    if options.suites or options.questions:  # chat questions through the chat template, one per category
+        chosen = suite_prompts(tokenizer, options.suites, options.questions, 1)[:options.num_prompts]
     else:
-        chosen = read_prompts(tokenizer, prompts, corpus, num_prompts)
-    run = make_runner(lm, settings, tokenizer=tokenizer, token_counts=counts,
-                      exit_adapters=checkpoint_adapters(model, lm), max_new_tokens=max_new_tokens,
-                      profile=True)
-    timings = interleaved_rates(PROBE, run, [[p] for p in chosen], repeats, 1, run.device)
+        chosen = read_prompts(tokenizer, options.prompts, options.corpus, options.num_prompts)
+    run = make_runner(checkpoint, max_new_tokens=options.max_new_tokens, profile=True)
+    timings = interleaved_rates(PROBE, run, [[p] for p in chosen], options.repeats, 1, run.device)
+    figures = _figures(options, view, settings, timings)
+    lines = diagnose(figures)
+    print(f"selfspec doctor: {model} (E = {settings.exit_layer} of {view.num_layers}, k = {k}; "
+          f"{len(chosen)} prompts x {options.max_new_tokens} tokens)")
+    print("\n".join(lines))
+    result = {"figures": figures, "diagnosis": lines}
+    if options.out:
+        Path(options.out).mkdir(parents=True, exist_ok=True)
+        write_json_atomic(Path(options.out) / "doctor.json", result)
+    return result
+
+
+def _figures(options: DoctorOptions, view: DecoderView, settings, timings) -> dict:
+    """The diagnosis's figures from the probe's `timings` and the passes timed at the short and the long
+    context (`timing.measure_passes`)."""
+    k, context, long_context = settings.num_speculations, options.context, options.long_context
     rates, runs = {m: timings.rates(m) for m in PROBE}, {m: timings.run_stats(m) for m in PROBE}
     cost = cost_model(runs["plain"], runs["early_exit"], None)
     if "draft_cost" not in cost:
@@ -76,7 +86,7 @@ def doctor(model: str, *, exit_layer: int | None = None, num_speculations: int |
     both = long_context in passes and context in passes
     growth = {name: ratio(long_context, key) / ratio(context, key) if both else None
               for name, key in (("draft", "draft"), ("verify", f"verify_{k + 1}"))}
-    figures = {
+    return {
         "exit_layer": settings.exit_layer, "num_layers": view.num_layers, "k": k,
         "alpha": cost["acceptance_rate"], "draft_cost": cost["draft_cost"],
         "verify_cost": cost["verify_cost"], "drafted_ahead": cost.get("drafted_ahead_share"),
@@ -92,15 +102,6 @@ def doctor(model: str, *, exit_layer: int | None = None, num_speculations: int |
         "tokens_per_second": {m: statistics.median(rates[m]) for m in PROBE},
         "settings": settings.to_json(),
     }
-    lines = diagnose(figures)
-    print(f"selfspec doctor: {model} (E = {settings.exit_layer} of {view.num_layers}, k = {k}; "
-          f"{len(chosen)} prompts x {max_new_tokens} tokens)")
-    print("\n".join(lines))
-    result = {"figures": figures, "diagnosis": lines}
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        write_json_atomic(Path(out) / "doctor.json", result)
-    return result
 
 
 __all__ = ["PROBE", "doctor"]

@@ -34,18 +34,19 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import checkpoint_adapters, resolve_settings
+from ..checkpoint import resolve_settings
 from ..cpu import sync_device
 from ..decoding.cache import KVCache
 from ..errors import UserError
 from ..model.pages import empty_on_huge_pages
 from ..model.view import DecoderView
+from .options import RooflineOptions
 from .prompts import read_prompts
 from .report import publish, pyplot, save_figure
 from .results import RooflineReport
 from .rounds import round_profile
 from .rounds import to_markdown as profile_markdown
-from .timing import interleaved_rates, load_model, make_runner, measure_passes
+from .timing import LoadedCheckpoint, interleaved_rates, load_checkpoint, make_runner, measure_passes
 
 
 def _median_seconds(fn, repeats: int, device) -> float:
@@ -152,13 +153,12 @@ def to_markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def measure_round_profile(model, settings, prompts: list, *, tokenizer=None, token_counts=None,
-                          exit_adapters=None, max_new_tokens: int = 64, repeats: int = 3,
-                          warmup: int = 1) -> dict:
-    """The round profile (`rounds.round_profile`) of plain decoding and of the early exit at `settings`,
-    decoding `prompts` greedily at batch 1, interleaved over `repeats` after `warmup`."""
-    run = make_runner(model, settings, tokenizer=tokenizer, token_counts=token_counts,
-                      exit_adapters=exit_adapters, max_new_tokens=max_new_tokens, profile=True)
+def measure_round_profile(checkpoint: LoadedCheckpoint, prompts: list, *, max_new_tokens: int = 64,
+                          repeats: int = 3, warmup: int = 1) -> dict:
+    """The round profile (`rounds.round_profile`) of plain decoding and of the early exit at the
+    checkpoint's settings, decoding `prompts` greedily at batch 1, interleaved over `repeats` after
+    `warmup`."""
+    run = make_runner(checkpoint, max_new_tokens=max_new_tokens, profile=True)
     methods = ("plain", "early_exit")
     timings = interleaved_rates(methods, run, [[p] for p in prompts], repeats, warmup, run.device)
     return round_profile({m: timings.run_stats(m) for m in methods})
@@ -189,35 +189,28 @@ def plot(report: dict, path: str | Path) -> Path:
     return save_figure(fig, path)
 
 
-def run(model: str, *, exit_layer: int | None = None, num_speculations: int | None = None, context: int = 256,
-        max_positions: int = 8, repeats: int = 15, warmup: int = 3, prompts: str | None = None,
-        corpus: str = "stdlib", num_prompts: int = 4, max_new_tokens: int = 64, profile_repeats: int = 3,
-        device: str | None = None, dtype: str = "auto", out: str = "runs/roofline") -> RooflineReport:
-    """`selfspec eval roofline`: measure the model `model`; print the table, write roofline.json,
-    roofline.md and roofline.png into `out`. E and k default to the checkpoint's. The round profile
-    decodes `num_prompts` prompts (`prompts.read_prompts`: `prompts` or `corpus`) `profile_repeats`
-    times (0: no profile)."""
-    if max_positions < 1 or profile_repeats < 0 or max_new_tokens < 1:
-        raise UserError(f"--max-positions ({max_positions}) and --max-new-tokens ({max_new_tokens}) must be "
-                        f">= 1, --profile-repeats ({profile_repeats}) >= 0")
-    if num_speculations is not None and num_speculations < 1:
-        raise UserError(f"--num-speculations must be >= 1 (plain decoding is profiled anyway), "
-                        f"got {num_speculations}")
-    settings, _, counts = resolve_settings(model, exit_layer=exit_layer, num_speculations=num_speculations)
+def run(options: RooflineOptions) -> RooflineReport:
+    """`selfspec eval roofline`: measure the model `options.model`; print the table, write roofline.json,
+    roofline.md and roofline.png into `options.out`. E and k default to the checkpoint's. The round
+    profile decodes `num_prompts` prompts (`prompts.read_prompts`: `prompts` or `corpus`)
+    `profile_repeats` times (0: no profile)."""
+    model = options.model
+    settings, _, counts = resolve_settings(model, exit_layer=options.exit_layer,
+                                           num_speculations=options.num_speculations)
     if settings.exit_layer is None:
         raise UserError(f"--exit-layer is required: {model} has no selfspec.json")
-    lm, tokenizer = load_model(model, device, dtype)
-    report = roofline(DecoderView(lm), settings.exit_layer, context, range(1, max_positions + 1), repeats,
-                      warmup)
-    if profile_repeats:
-        early_exit = settings.override(drafter="early_exit")
-        report["round_profile"] = measure_round_profile(
-            lm, early_exit, read_prompts(tokenizer, prompts, corpus, num_prompts), tokenizer=tokenizer,
-            token_counts=counts, exit_adapters=checkpoint_adapters(model, lm), max_new_tokens=max_new_tokens,
-            repeats=profile_repeats)
+    early_exit = settings.override(drafter="early_exit")
+    checkpoint = load_checkpoint(model, early_exit, None, counts, device=options.device, dtype=options.dtype)
+    report = roofline(DecoderView(checkpoint.model), settings.exit_layer, options.context,
+                      range(1, options.max_positions + 1), options.repeats, options.warmup)
+    if options.profile_repeats:
+        prompts = read_prompts(checkpoint.tokenizer, options.prompts, options.corpus, options.num_prompts)
+        report["round_profile"] = measure_round_profile(checkpoint, prompts,
+                                                        max_new_tokens=options.max_new_tokens,
+                                                        repeats=options.profile_repeats)
         report["round_profile"]["settings"] = early_exit.to_json()
     report["model"] = model
-    publish(out, "roofline", report, to_markdown(report), plot)
+    publish(options.out, "roofline", report, to_markdown(report), plot)
     return report
 
 

@@ -44,6 +44,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import KW_ONLY, dataclass, field, replace
 from pathlib import Path
 
 import httpx
@@ -53,6 +54,9 @@ from ..decoding import SelfSpecGenerator
 from ..decoding.prefix import prefix_cache_of
 from ..decoding.settings import PLAIN
 from ..errors import UserError
+from ..options import to_cli_args
+from ..serving.options import ServeOptions
+from .options import ServeLoadOptions
 from .paired import median_interval
 from .prompts import read_prompts
 from .report import publish, pyplot, save_figure
@@ -71,27 +75,19 @@ def _free_port() -> int:
 
 
 @contextmanager
-def server_process(model: str, log: Path, *, max_batch: int = 8, device: str = "auto", dtype: str = "auto",
-                   **settings) -> Iterator[tuple[str, int]]:
-    """`selfspec serve MODEL` in a process of its own on a free port of 127.0.0.1, under the name
-    "served" with this module's key and `settings` as its flags (exit_layer=6 -> --exit-layer 6);
-    yields (its /v1 URL, its pid) once it answers, and stops it with SIGTERM at the end. Its output
-    goes to `log`.
+def server_process(options: ServeOptions, log: Path) -> Iterator[tuple[str, int]]:
+    """`selfspec serve` with `options` (its flags: `options.to_cli_args`) in a process of its own on a
+    free port of 127.0.0.1, under the name "served" with this module's key; yields (its /v1 URL, its
+    pid) once it answers, and stops it with SIGTERM at the end. Its output goes to `log`.
 
     Why a process: two threads of one process that both decode each run an OpenMP team, and libgomp
     then has more threads than CPUs and lets every team's workers sleep between parallel regions (its
     throttled spin); decoding in this process beside a server thread ran several times slower, both
     of them. A process per server is also what its users run."""
     port = _free_port()
-    command = [sys.executable, "-m", "selfspec", "serve", model, "--port", str(port), "--api-key", KEY,
-               "--served-model-name", "served", "--max-batch", str(max_batch), "--device", device,
-               "--dtype", dtype]
-    for name, value in settings.items():
-        flag = f"--{name.replace('_', '-')}"
-        if isinstance(value, bool):  # --overlap / --no-overlap
-            command.append(flag if value else f"--no-{flag[2:]}")
-        elif value is not None:
-            command += [flag, str(value)]
+    options = replace(options, host="127.0.0.1", port=port, api_key=KEY, served_model_name="served")
+    model = options.model
+    command = [sys.executable, "-m", "selfspec", "serve", *to_cli_args(options)]
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as output:
         process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT,
@@ -293,24 +289,36 @@ def _chat(messages: list, **fields) -> dict:
     return {"model": "served", "messages": messages, "max_tokens": 4, "temperature": 0, **fields}
 
 
+@dataclass
 class Attack:
     """One hostile request, sent over a socket of its own (`_send`): the body's bytes (a list: parts,
     each a chunk when `chunked`), what to expect ("4xx", "2xx", "any": a status under 500, "none": we
-    hang up first) and how to send it."""
+    hang up first) and how to send it: a Content-Length of `length` instead of the body's, the chunked
+    body without its `end`, hung up `hang_up` ("sent": once sent, "first": at the answer's head) after
+    `linger` seconds, trickled over `trickle` seconds and cut at the `stop_at` share of it."""
 
-    def __init__(self, body: bytes | list[bytes] | dict, expect: str = "4xx", *,
-                 path: str = "/v1/completions", content_type: str | None = "application/json",
-                 chunked: bool = False, length: int | None = None, end: bool = True,
-                 hang_up: str | None = None, linger: float = 0.0, trickle: float = 0.0,
-                 stop_at: float = 1.0, label: str | None = None):
-        body = json.dumps(body).encode() if isinstance(body, dict) else body
+    body: bytes | list[bytes] | dict
+    expect: str = "4xx"
+    _: KW_ONLY
+    path: str = "/v1/completions"
+    content_type: str | None = "application/json"
+    chunked: bool = False
+    length: int | None = None
+    end: bool = True
+    hang_up: str | None = None
+    linger: float = 0.0
+    trickle: float = 0.0
+    stop_at: float = 1.0
+    label: str | None = None
+    parts: list[bytes] = field(init=False)
+
+    def __post_init__(self):
+        body = json.dumps(self.body).encode() if isinstance(self.body, dict) else self.body
         self.parts = [body] if isinstance(body, bytes) else body
         whole = b"".join(self.parts)
-        self.label = label or (f"{path} {content_type} " + whole[:70].decode("utf-8", "backslashreplace")
-                               + ("..." if len(whole) > 70 else ""))
-        self.expect, self.path, self.content_type, self.chunked = expect, path, content_type, chunked
-        self.length, self.end, self.hang_up, self.linger = length, end, hang_up, linger
-        self.trickle, self.stop_at = trickle, stop_at
+        self.label = self.label or (f"{self.path} {self.content_type} "
+                                    + whole[:70].decode("utf-8", "backslashreplace")
+                                    + ("..." if len(whole) > 70 else ""))
 
     def request(self) -> bytes:
         head = [f"POST {self.path} HTTP/1.1", "Host: 127.0.0.1", f"Authorization: Bearer {KEY}",
@@ -403,110 +411,153 @@ async def _send(port: int, attack: Attack) -> tuple[int | str, bool]:
         writer.close()
 
 
+def _count(count: int, scale: float) -> int:
+    """`count` times `scale`, at least 1."""
+    return max(1, round(count * scale))
+
+
+CHAT_PATH = "/v1/chat/completions"
+USER = [{"role": "user", "content": "hi"}]
+
+
+def _numeric_overflow(scale: float, max_tokens: int) -> list[Attack]:
+    return [Attack(_text(seed=2**63, temperature=1)), Attack(_text(seed=-2**63 - 1, temperature=1)),
+            Attack(_text(max_tokens=2**63)), Attack(_text(max_tokens=10**30)),
+            Attack(_chat(USER, max_completion_tokens=2**64), path=CHAT_PATH),
+            Attack(_text(top_k=2**70)), Attack(_text(n=2**63)), Attack(_text(logprobs=-2**63))] + [
+        Attack(_raw_json(_text(**{field: RAW}), raw)) for field, raw in [
+            ("temperature", "NaN"), ("temperature", "Infinity"), ("top_p", "-Infinity"),
+            ("max_tokens", "1e400"), ("seed", "1e309"), ("presence_penalty", "NaN"),
+            ("max_tokens", "9" * 400)]]
+
+
+def _hang_ups(scale: float, max_tokens: int) -> list[Attack]:
+    """Streamed: the head and the first chunks, then we close; not streamed: before the answer."""
+    long = max_tokens * 4
+    return [Attack(_text(max_tokens=long, stream=True), "none", hang_up="first")
+            for _ in range(_count(4, scale))] + [
+        Attack(_text(max_tokens=long), "none", hang_up="sent", linger=0.2)
+        for _ in range(_count(4, scale))] + [
+        Attack(_chat(USER, max_tokens=long, stream=True), "none", path=CHAT_PATH, hang_up="first")
+        for _ in range(_count(2, scale))]
+
+
+def _abandoned_flood(scale: float, max_tokens: int) -> list[Attack]:
+    """Fire and forget: the connection closes once the request is sent."""
+    return [Attack(_text(prompt=f"# {i}\ndef f(x):", max_tokens=max_tokens * 4), "none", hang_up="sent")
+            for i in range(_count(32, scale))]
+
+
+def _oversized_and_chunked_bodies(scale: float, max_tokens: int) -> list[Attack]:
+    big = json.dumps(_text(prompt="x" * BODY_OVER)).encode()
+    good = json.dumps(_text()).encode()
+    return [Attack(b"", length=10**9), Attack(big),  # a declared length over the limit; a body over it
+            Attack([big[i:i + 65536] for i in range(0, len(big), 65536)], chunked=True),
+            Attack([big[:BODY_OVER // 2 + 1], big[BODY_OVER // 2 + 1:]], chunked=True, end=False),
+            Attack([good[:7], good[7:20], good[20:]], "2xx", chunked=True),  # chunked within the limit
+            Attack([b"zz\r\n"], chunked=True),  # a chunk size that is not hex
+            Attack(good, "none", length=len(good) * 2, hang_up="sent", linger=0.5)]  # never all of it
+
+
+def _slowloris(scale: float, max_tokens: int) -> list[Attack]:
+    """The request trickled over a few seconds; half finish, half give up half-way."""
+    seconds = SLOWLORIS_SECONDS * min(1.0, scale) if scale < 1 else SLOWLORIS_SECONDS
+    return [Attack(_text(prompt=f"# slow {i}\ndef f(x):"), "2xx" if i % 2 == 0 else "none",
+                   trickle=seconds, stop_at=1.0 if i % 2 == 0 else 0.5)
+            for i in range(max(2, _count(8, scale)))]
+
+
+def _wrong_content_types(scale: float, max_tokens: int) -> list[Attack]:
+    body = json.dumps(_text()).encode()
+    kinds = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", None,
+             "application/xml", "text/json")
+    return [Attack(body, "4xx", path=path, content_type=kind) for path in ("/v1/completions", CHAT_PATH)
+            for kind in kinds] + [
+        Attack(b"model=served&prompt=hi", content_type="application/x-www-form-urlencoded")]
+
+
+def _invalid_utf8(scale: float, max_tokens: int) -> list[Attack]:
+    start = b'{"model": "served", "max_tokens": 4, "prompt": "'
+    chat_start = b'{"model": "served", "max_tokens": 4, "messages": [{"role": "user", "content": "'
+    bad_bytes = (b"\xff\xfe", b"\xc0\xaf", b"\xed\xa0\x80", b"\xe2\x82", b"ok\x80ok", b"\xf8\x88\x80\x80\x80")
+    return [Attack(start + bad + b'"}') for bad in bad_bytes] + [
+        Attack(chat_start + b"\xff" + b'"}]}', path=CHAT_PATH)] + [
+        # a lone surrogate, escaped: valid JSON text, not a valid string of text
+        Attack(_raw_json(_text(prompt=RAW), raw), "any") for raw in ('"\\ud800"', '"a\\udfffb"')] + [
+        Attack(_raw_json(_chat([{"role": "user", "content": RAW}]), '"\\ud83d"'), "any", path=CHAT_PATH),
+        Attack(_raw_json(_text(stop=RAW), '"\\udc00"'), "any")]
+
+
+def _deep_json(scale: float, max_tokens: int) -> list[Attack]:
+    depth = max(100, round(10_000 * min(1.0, scale * 4)))
+    arrays = ("[" * depth + "]" * depth).encode()
+    objects = '{"a": ' * depth + "1" + "}" * depth
+    schema = '{"type": "array", "items": ' * depth + '{"type": "integer"}' + "}" * depth
+    return [Attack(b'{"model": "served", "prompt": ' + arrays + b"}"),
+            Attack(_raw_json(_text(metadata=RAW), objects)),
+            Attack(_raw_json(_chat([{"role": "user", "content": RAW}]), "[" * depth + "]" * depth),
+                   path=CHAT_PATH),
+            Attack(_raw_json(_text(response_format={"type": "json_schema", "json_schema": {
+                "name": "deep", "schema": RAW}}), schema), "any"),
+            Attack(arrays)]
+
+
+def _pathological_schemas(scale: float, max_tokens: int) -> list[Attack]:
+    """Each compiles or is refused in one bounded step; decodes 4 tokens."""
+    def schema(s: dict) -> Attack:
+        text = json.dumps(s)
+        return Attack(_text(prompt="a value: ", response_format={
+            "type": "json_schema", "json_schema": {"name": "s", "schema": s}}), "any",
+            label="schema " + text[:80] + ("..." if len(text) > 80 else ""))
+    count = _count(20_000, scale)
+    return [schema(s) for s in (
+        {"type": "string", "pattern": "^(a+)+$"}, {"type": "string", "pattern": "^(a|aa)*b$"},
+        {"type": "string", "pattern": "^((a*)*)*b$"}, {"type": "string", "pattern": "^a{1000000}$"},
+        {"type": "string", "pattern": "^(a{1,1000}){1,1000}$"}, {"type": "string", "pattern": "(?=a)b"},
+        {"type": "string", "pattern": "["}, {"type": "string", "minLength": 10**9},
+        {"type": "array", "items": {"type": "integer"}, "minItems": 10**9},
+        {"type": "string", "enum": [f"value {i}" for i in range(count)]},
+        {"type": "integer", "minimum": 10, "maximum": 1},
+        {"type": "string", "minLength": 5, "maxLength": 1},
+        {"type": "number", "multipleOf": 1e-300}, {"not": {}}, {"$ref": "#"},
+        {"$defs": {"a": {"type": "object", "properties": {"a": {"$ref": "#/$defs/a"}},
+                         "required": ["a"]}}, "$ref": "#/$defs/a"},
+        {"$ref": "#/$defs/missing"}, {"type": "object", "required": [f"k{i}" for i in range(count)]},
+        {"allOf": [{"type": "string"}, {"type": "integer"}]})]
+
+
+def _huge_stop_strings(scale: float, max_tokens: int) -> list[Attack]:
+    chars = max(1000, round(200_000 * min(1.0, scale)))
+    return [Attack(_text(stop="x" * chars)), Attack(_text(stop=["x" * chars] * 4)),
+            Attack(_text(stop=[f"s{i}" for i in range(_count(10_000, scale))])),
+            Attack(_text(stop="x" * 257)),
+            Attack(_chat(USER, stop="y" * chars), path=CHAT_PATH), Attack(_text(stop={"a": 1})),
+            Attack(_text(stop="x" * 256), "2xx"), Attack(_text(stop=["\n" * 256, "é" * 256]), "2xx")]
+
+
+def _bad_role_orders(scale: float, max_tokens: int) -> list[Attack]:
+    m = lambda role, content="hi": {"role": role, "content": content}  # noqa: E731
+    orders = [[], [m("assistant")], [m("user"), m("user")], [m("system"), m("system")],
+              [m("assistant"), m("user")], [m("user"), m("assistant")], [m("system")], [m("tool")],
+              [m("user"), m("system"), m("user")], [m("developer"), m("assistant"), m("assistant")],
+              [{"role": "user"}], [m("user", None)], [m("user", [])],
+              [m("user", [{"type": "image_url", "image_url": {"url": "x"}}])], [m("function")],
+              [m("user")] * _count(200, scale)]
+    return [Attack(_chat(messages), "any", path=CHAT_PATH, label="messages " + json.dumps(messages)[:80])
+            for messages in orders]
+
+
+ATTACKS = dict(zip(FAULT_CLASSES, (
+    _numeric_overflow, _hang_ups, _abandoned_flood, _oversized_and_chunked_bodies, _slowloris,
+    _wrong_content_types, _invalid_utf8, _deep_json, _pathological_schemas, _huge_stop_strings,
+    _bad_role_orders), strict=True))  # each fault class's hostile requests
+
+
 def _attacks(name: str, scale: float, max_tokens: int) -> list[Attack]:
     """The hostile requests of fault class `name`; counts and sizes times `scale` (1: the full sizes)."""
-    n = lambda count: max(1, round(count * scale))  # noqa: E731
-    chat_path = "/v1/chat/completions"
-    user = [{"role": "user", "content": "hi"}]
-    if name == "numeric overflow":
-        return [Attack(_text(seed=2**63, temperature=1)), Attack(_text(seed=-2**63 - 1, temperature=1)),
-                Attack(_text(max_tokens=2**63)), Attack(_text(max_tokens=10**30)),
-                Attack(_chat(user, max_completion_tokens=2**64), path=chat_path),
-                Attack(_text(top_k=2**70)), Attack(_text(n=2**63)), Attack(_text(logprobs=-2**63))] + [
-            Attack(_raw_json(_text(**{field: RAW}), raw)) for field, raw in [
-                ("temperature", "NaN"), ("temperature", "Infinity"), ("top_p", "-Infinity"),
-                ("max_tokens", "1e400"), ("seed", "1e309"), ("presence_penalty", "NaN"),
-                ("max_tokens", "9" * 400)]]
-    if name == "hang-ups":  # streamed: the head and the first chunks, then we close; not: before the answer
-        long = max_tokens * 4
-        return [Attack(_text(max_tokens=long, stream=True), "none", hang_up="first") for _ in range(n(4))] + [
-            Attack(_text(max_tokens=long), "none", hang_up="sent", linger=0.2) for _ in range(n(4))] + [
-            Attack(_chat(user, max_tokens=long, stream=True), "none", path=chat_path, hang_up="first")
-            for _ in range(n(2))]
-    if name == "abandoned flood":  # fire and forget: the connection closes once the request is sent
-        return [Attack(_text(prompt=f"# {i}\ndef f(x):", max_tokens=max_tokens * 4), "none", hang_up="sent")
-                for i in range(n(32))]
-    if name == "oversized and chunked bodies":
-        big = json.dumps(_text(prompt="x" * BODY_OVER)).encode()
-        good = json.dumps(_text()).encode()
-        return [Attack(b"", length=10**9), Attack(big),  # a declared length over the limit; a body over it
-                Attack([big[i:i + 65536] for i in range(0, len(big), 65536)], chunked=True),
-                Attack([big[:BODY_OVER // 2 + 1], big[BODY_OVER // 2 + 1:]], chunked=True, end=False),
-                Attack([good[:7], good[7:20], good[20:]], "2xx", chunked=True),  # chunked within the limit
-                Attack([b"zz\r\n"], chunked=True),  # a chunk size that is not hex
-                Attack(good, "none", length=len(good) * 2, hang_up="sent", linger=0.5)]  # never all of it
-    if name == "slowloris":  # the request trickled over a few seconds; half finish, half give up half-way
-        seconds = SLOWLORIS_SECONDS * min(1.0, scale) if scale < 1 else SLOWLORIS_SECONDS
-        return [Attack(_text(prompt=f"# slow {i}\ndef f(x):"), "2xx" if i % 2 == 0 else "none",
-                       trickle=seconds, stop_at=1.0 if i % 2 == 0 else 0.5) for i in range(max(2, n(8)))]
-    if name == "wrong content types":
-        body = json.dumps(_text()).encode()
-        kinds = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", None,
-                 "application/xml", "text/json")
-        return [Attack(body, "4xx", path=path, content_type=kind) for path in ("/v1/completions", chat_path)
-                for kind in kinds] + [
-            Attack(b"model=served&prompt=hi", content_type="application/x-www-form-urlencoded")]
-    if name == "invalid utf-8":
-        start = b'{"model": "served", "max_tokens": 4, "prompt": "'
-        chat_start = b'{"model": "served", "max_tokens": 4, "messages": [{"role": "user", "content": "'
-        bad_bytes = (b"\xff\xfe", b"\xc0\xaf", b"\xed\xa0\x80", b"\xe2\x82", b"ok\x80ok",
-                     b"\xf8\x88\x80\x80\x80")
-        return [Attack(start + bad + b'"}') for bad in bad_bytes] + [
-            Attack(chat_start + b"\xff" + b'"}]}', path=chat_path)] + [
-            # a lone surrogate, escaped: valid JSON text, not a valid string of text
-            Attack(_raw_json(_text(prompt=RAW), raw), "any") for raw in ('"\\ud800"', '"a\\udfffb"')] + [
-            Attack(_raw_json(_chat([{"role": "user", "content": RAW}]), '"\\ud83d"'), "any", path=chat_path),
-            Attack(_raw_json(_text(stop=RAW), '"\\udc00"'), "any")]
-    if name == "deep json":
-        depth = max(100, round(10_000 * min(1.0, scale * 4)))
-        arrays = ("[" * depth + "]" * depth).encode()
-        objects = '{"a": ' * depth + "1" + "}" * depth
-        schema = '{"type": "array", "items": ' * depth + '{"type": "integer"}' + "}" * depth
-        return [Attack(b'{"model": "served", "prompt": ' + arrays + b"}"),
-                Attack(_raw_json(_text(metadata=RAW), objects)),
-                Attack(_raw_json(_chat([{"role": "user", "content": RAW}]), "[" * depth + "]" * depth),
-                       path=chat_path),
-                Attack(_raw_json(_text(response_format={"type": "json_schema", "json_schema": {
-                    "name": "deep", "schema": RAW}}), schema), "any"),
-                Attack(arrays)]
-    if name == "pathological schemas":  # each compiles or is refused in one bounded step; decodes 4 tokens
-        def schema(s: dict) -> Attack:
-            text = json.dumps(s)
-            return Attack(_text(prompt="a value: ", response_format={
-                "type": "json_schema", "json_schema": {"name": "s", "schema": s}}), "any",
-                label="schema " + text[:80] + ("..." if len(text) > 80 else ""))
-        count = n(20_000)
-        return [schema(s) for s in (
-            {"type": "string", "pattern": "^(a+)+$"}, {"type": "string", "pattern": "^(a|aa)*b$"},
-            {"type": "string", "pattern": "^((a*)*)*b$"}, {"type": "string", "pattern": "^a{1000000}$"},
-            {"type": "string", "pattern": "^(a{1,1000}){1,1000}$"}, {"type": "string", "pattern": "(?=a)b"},
-            {"type": "string", "pattern": "["}, {"type": "string", "minLength": 10**9},
-            {"type": "array", "items": {"type": "integer"}, "minItems": 10**9},
-            {"type": "string", "enum": [f"value {i}" for i in range(count)]},
-            {"type": "integer", "minimum": 10, "maximum": 1},
-            {"type": "string", "minLength": 5, "maxLength": 1},
-            {"type": "number", "multipleOf": 1e-300}, {"not": {}}, {"$ref": "#"},
-            {"$defs": {"a": {"type": "object", "properties": {"a": {"$ref": "#/$defs/a"}},
-                             "required": ["a"]}}, "$ref": "#/$defs/a"},
-            {"$ref": "#/$defs/missing"}, {"type": "object", "required": [f"k{i}" for i in range(count)]},
-            {"allOf": [{"type": "string"}, {"type": "integer"}]})]
-    if name == "huge stop strings":
-        chars = max(1000, round(200_000 * min(1.0, scale)))
-        return [Attack(_text(stop="x" * chars)), Attack(_text(stop=["x" * chars] * 4)),
-                Attack(_text(stop=[f"s{i}" for i in range(n(10_000))])), Attack(_text(stop="x" * 257)),
-                Attack(_chat(user, stop="y" * chars), path=chat_path), Attack(_text(stop={"a": 1})),
-                Attack(_text(stop="x" * 256), "2xx"), Attack(_text(stop=["\n" * 256, "é" * 256]), "2xx")]
-    if name == "bad role orders":
-        m = lambda role, content="hi": {"role": role, "content": content}  # noqa: E731
-        orders = [[], [m("assistant")], [m("user"), m("user")], [m("system"), m("system")],
-                  [m("assistant"), m("user")], [m("user"), m("assistant")], [m("system")], [m("tool")],
-                  [m("user"), m("system"), m("user")], [m("developer"), m("assistant"), m("assistant")],
-                  [{"role": "user"}], [m("user", None)], [m("user", [])],
-                  [m("user", [{"type": "image_url", "image_url": {"url": "x"}}])], [m("function")],
-                  [m("user")] * n(200)]
-        return [Attack(_chat(messages), "any", path=chat_path, label="messages " + json.dumps(messages)[:80])
-                for messages in orders]
-    raise UserError(f"no fault class {name!r}; the classes: {', '.join(FAULT_CLASSES)}")
+    if name not in ATTACKS:
+        raise UserError(f"no fault class {name!r}; the classes: {', '.join(FAULT_CLASSES)}")
+    return ATTACKS[name](scale, max_tokens)
 
 
 def _server_error(status: int | str) -> bool:
@@ -687,30 +738,28 @@ def plot(report: dict, path: Path) -> Path:
     return save_figure(fig, path)
 
 
-def serve_load(model: str, *, prompts: str | None = None, corpus: str = "stdlib", num_prompts: int = 8,
-               concurrency: str = "1,2,4,8", requests: int = 16, max_tokens: int = 64, max_batch: int = 8,
-               fault: int = 0, fault_classes: str | None = "all", device: str | None = None,
-               dtype: str = "auto", out: str = "runs/serve-load",
-               prefix_cache_mb: int = 256, **overrides) -> ServeLoadReport:
-    """Run the load benchmark on `model` (see the module docstring); returns the report. Both servers
-    and the in-process generators prefill through prefix caches of `prefix_cache_mb` MiB (0: none).
-    fault_classes: a comma list of FAULT_CLASSES the fault run sends too ("all"; None or "": none)."""
-    classes = (list(FAULT_CLASSES) if fault_classes == "all" else
-               [c.strip() for c in fault_classes.split(",") if c.strip()] if fault_classes else [])
+def serve_load(options: ServeLoadOptions) -> ServeLoadReport:
+    """Run the load benchmark on `options.model` (see the module docstring); returns the report. Both
+    servers and the in-process generators prefill through prefix caches of `prefix_cache_mb` MiB (0:
+    none). fault_classes: a comma list of FAULT_CLASSES the fault run sends too ("all"; None or "": none).
+
+        serve_load(ServeLoadOptions(model="runs/demo/model", concurrency="1,2", fault=12))
+    """
+    wanted = options.fault_classes
+    classes = (list(FAULT_CLASSES) if wanted == "all" else
+               [c.strip() for c in wanted.split(",") if c.strip()] if isinstance(wanted, str) else
+               list(wanted or []))
     if set(classes) - set(FAULT_CLASSES):
         raise UserError(f"--fault-classes: no class {', '.join(sorted(set(classes) - set(FAULT_CLASSES)))}; "
                         f"the classes: {', '.join(FAULT_CLASSES)}")
-    levels = [int(c) for c in concurrency.split(",")]
-    prefix_cache_of(prefix_cache_mb)  # a bad size fails before anything loads
-    if requests < 1 or max_tokens < 1 or not levels or min(levels) < 1:
-        raise UserError(f"--requests ({requests}), --max-tokens ({max_tokens}) and every --concurrency "
-                        f"({concurrency}) must be >= 1")
-    overrides = {k: v for k, v in overrides.items() if v is not None}
-    gen = load_tuned(model, device=device or "auto", dtype=dtype, **overrides)
+    overrides = {k: v for k, v in options.overrides().items() if v is not None}
+    device, max_tokens = options.device or "auto", options.max_tokens
+    gen = load_tuned(options.model, device=device, dtype=options.dtype, **overrides)
     plain = SelfSpecGenerator(gen.model, gen.tokenizer, settings=PLAIN)
     for generator in (gen, plain):  # each its own, as each server has
-        generator.prefix_cache = prefix_cache_of(prefix_cache_mb)
-    texts = [gen.tokenizer.decode(ids) for ids in read_prompts(gen.tokenizer, prompts, corpus, num_prompts)]
+        generator.prefix_cache = prefix_cache_of(options.prefix_cache_mb)
+    texts = [gen.tokenizer.decode(ids) for ids in read_prompts(gen.tokenizer, options.prompts, options.corpus,
+                                                               options.num_prompts)]
     ids = [list(gen.tokenizer(t)["input_ids"]) for t in texts]
 
     def in_process(generator) -> tuple[float, list[str]]:
@@ -726,39 +775,48 @@ def serve_load(model: str, *, prompts: str | None = None, corpus: str = "stdlib"
     plain_rate, plain_reference = in_process(plain)
     if plain_reference != reference:
         raise UserError("plain and self-speculative decoding disagree in process; run the tests")
+
     def alone(generator):  # prompt i decoded in process by `generator`
         return lambda i: generator.generate([ids[i]], max_new_tokens=max_tokens)
 
     speedup = _paired_speedup(alone(gen), alone(plain), len(ids))
-    common = dict(max_batch=max_batch, device=device or "auto", dtype=dtype, prefix_cache_mb=prefix_cache_mb)
-    logs = Path(out)
-    plain_flags = {**overrides, **PLAIN_FLAGS}
-    with (server_process(model, logs / "server.log", **common, **overrides) as (url, pid),
-          server_process(model, logs / "server-plain.log", **common, **plain_flags) as (plain_url, _)):
+    served = ServeOptions(model=options.model, max_batch=options.max_batch, device=device,
+                          dtype=options.dtype, prefix_cache_mb=options.prefix_cache_mb, **options.overrides())
+    report = {"model": options.model, "settings": gen.settings.describe(), "requests": options.requests,
+              "max_tokens": max_tokens, "num_prompts": len(texts), "max_batch": options.max_batch,
+              "in_process_tokens_per_second": rate, "in_process_plain_tokens_per_second": plain_rate,
+              "in_process_speedup": speedup}
+    report.update(_served(served, options, texts, reference, alone(gen), classes))
+    publish(options.out, "serve_load", report, to_markdown(report), plot)
+    return report
+
+
+def _served(served: ServeOptions, options: ServeLoadOptions, texts: list[str], reference: list[str],
+            in_process, classes: list[str]) -> dict:
+    """The two servers' part of the report: `served` and the same without drafting, each in a process
+    of its own; `in_process` decodes prompt i in this process (the server's own cost is paired with it)."""
+    logs, max_tokens = Path(options.out), options.max_tokens
+    with (server_process(served, logs / "server.log") as (url, pid),
+          server_process(replace(served, **PLAIN_FLAGS), logs / "server-plain.log") as (plain_url, _)):
         urls = {"selfspec": url, "plain": plain_url}
         # Warm-up: every prompt once to each server, as the in-process generators had every prompt
         # (their rate above): a prefix cache that holds a prompt prefills it in a fraction of the
         # time, so a server that had one prompt would pay a prefill the in-process call does not.
         for arm in ARMS:
             _level(urls[arm], texts, 1, len(texts), max_tokens, reference)
-        def served(way, at):  # prompt i requested from the server at `at` by one client
+
+        def asked(way, at):  # prompt i requested from the server at `at` by one client
             return lambda i: way(at, texts[i], max_tokens)
 
         # the server's own cost at one client (streamed, and in one response), and its speedup
-        streamed = _paired_speedup(served(_stream, url), alone(gen), len(texts))
-        whole = _paired_speedup(served(_complete, url), alone(gen), len(texts))
-        served_speedup = _paired_speedup(served(_stream, url), served(_stream, plain_url), len(texts))
+        streamed = _paired_speedup(asked(_stream, url), in_process, len(texts))
+        whole = _paired_speedup(asked(_complete, url), in_process, len(texts))
+        served_speedup = _paired_speedup(asked(_stream, url), asked(_stream, plain_url), len(texts))
         results = {arm: [] for arm in ARMS}
-        for level in levels:  # the arms interleaved level by level
+        for level in options.concurrency:  # the arms interleaved level by level
             for arm in ARMS:
-                results[arm].append(_level(urls[arm], texts, level, requests, max_tokens, reference))
-        fault_report = fault_run(url, texts, reference, fault, max_tokens, pid,
-                                 classes=classes) if fault else None
-    report = {"model": model, "settings": gen.settings.describe(), "requests": requests,
-              "max_tokens": max_tokens, "num_prompts": len(texts), "max_batch": max_batch,
-              "in_process_tokens_per_second": rate, "in_process_plain_tokens_per_second": plain_rate,
-              "in_process_speedup": speedup, "served_speedup": served_speedup,
-              "served_vs_in_process": streamed, "whole_vs_in_process": whole,
-              "levels": results, "fault": fault_report}
-    publish(out, "serve_load", report, to_markdown(report), plot)
-    return report
+                results[arm].append(_level(urls[arm], texts, level, options.requests, max_tokens, reference))
+        fault_report = fault_run(url, texts, reference, options.fault, max_tokens, pid,
+                                 classes=classes) if options.fault else None
+    return {"served_speedup": served_speedup, "served_vs_in_process": streamed, "whole_vs_in_process": whole,
+            "levels": results, "fault": fault_report}

@@ -23,26 +23,25 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..checkpoint import checkpoint_adapters, resolve_settings
+from ..checkpoint import resolve_settings
 from ..decoding import DecodeSettings
-from ..decoding.grammar import read_constraint
 from ..errors import UserError
 from ..model.loading import load_tokenizer
 from .costs import cost_model, source_summary, weight_cost, weights_in_cache
 from .diagnosis import cost_figures, own_exit_alpha, summary
+from .options import SuiteOptions, SuiteRun
 from .prompts import Question, Structured, prompt_ids, select_questions
 from .report import publish, pyplot, save_figure
 from .results import SuiteReport
 from .timing import (
     ENGINE_METHODS,
-    METHODS,
+    LoadedCheckpoint,
     Timings,
-    check_methods,
     interleaved_rates,
-    load_model,
+    load_checkpoint,
     make_runner,
 )
 
@@ -54,73 +53,99 @@ def _constrained(ids: list[int], question: Question):
     return ids if question.constraint is None else Structured(ids, question.constraint)
 
 
-def run_suite(model, tokenizer, questions: list[Question], settings: DecodeSettings, *, fastest=None,
-              token_counts=None, exit_adapters=None, methods=METHODS, max_new_tokens: int = 128,
-              repeats: int = 1, warmup: int = 1, batch_size: int = 1, stop_at_eos: bool = True,
+def run_suite(checkpoint: LoadedCheckpoint, questions: list[Question], options: SuiteRun | None = None, *,
               progress: bool = True) -> SuiteReport:
     """Decode every question's turns with every method, interleaved; returns the report as a dict.
 
-    Turn by turn: all questions' turn t are timed (batches of `batch_size` prompts of one category),
-    then plain decoding's answers (greedy, so every lossless method's) are put into turn t + 1.
-    `warmup` untimed decodes of the first batch by every method come first. A prompt longer than the
-    model's positions minus `max_new_tokens` keeps its last tokens; the report counts those cut.
+    Turn by turn: all questions' turn t are timed (batches of `options.batch_size` prompts of one
+    category), then plain decoding's answers (greedy, so every lossless method's) are put into turn
+    t + 1. `options.warmup` untimed decodes of the first batch by every method come first. A prompt
+    longer than the model's positions minus `max_new_tokens` keeps its last tokens; the report counts
+    those cut. The checkpoint needs its tokenizer (the chat template, the answers).
     """
-    methods = list(methods)
-    check_methods(methods, batch_size)
-    if not questions or max_new_tokens < 1 or repeats < 1:
+    options = options or SuiteRun()
+    methods = list(options.methods)
+    if not questions or options.max_new_tokens < 1 or options.repeats < 1:
         raise UserError(f"the suite needs a question ({len(questions)}), max_new_tokens >= 1 "
-                        f"({max_new_tokens}) and repeats >= 1 ({repeats})")
-    run = make_runner(model, settings, tokenizer=tokenizer, fastest=fastest, token_counts=token_counts,
-                      exit_adapters=exit_adapters, max_new_tokens=max_new_tokens, ignore_eos=not stop_at_eos)
+                        f"({options.max_new_tokens}) and repeats >= 1 ({options.repeats})")
+    run = make_runner(checkpoint, max_new_tokens=options.max_new_tokens, keep_eos=not options.no_eos)
+    start = time.perf_counter()
+    turns = _time_turns(run, checkpoint.tokenizer, questions, options, progress)
+    view, timings = run.generator.view, turns.timings
     reference = "plain" if "plain" in methods else methods[0]
-    limit = run.generator.view.max_positions
-    limit = None if limit is None else limit - max_new_tokens
-    answers: list[list[str]] = [[] for _ in questions]
-    timings, batch_categories, cut, num_prompts, start = Timings(), [], 0, 0, time.perf_counter()
-    for turn in range(max(len(q.turns) for q in questions)):
-        asked = [i for i, q in enumerate(questions) if len(q.turns) > turn]
-        ids = {i: prompt_ids(tokenizer, questions[i], turn, answers[i]) for i in asked}
-        num_prompts += len(asked)
-        if limit is not None:
-            cut += sum(len(p) > limit for p in ids.values())
-            ids = {i: p[-limit:] if len(p) > limit else p for i, p in ids.items()}
-        groups = []  # batches of one category each, so each category's rates are its own
-        for category in dict.fromkeys(questions[i].category for i in asked):
-            members = [i for i in asked if questions[i].category == category]
-            groups += [(category, members[j:j + batch_size]) for j in range(0, len(members), batch_size)]
-        batches = [[_constrained(ids[i], questions[i]) for i in members] for _, members in groups]
-        if turn == 0:
-            for _ in range(warmup):
-                for method in methods:
-                    run(method, batches[0])
-        phase = interleaved_rates(methods, run, batches, repeats, 0, run.device,
-                                  f"turn {turn + 1}" if progress else None, bar_per_name=True)
-        timings.extend(phase)
-        batch_categories += [category for category, _ in groups]
-        for (_, members), rows in zip(groups, phase.outputs[reference]):
-            for i, row in zip(members, rows):
-                answers[i].append(tokenizer.decode(row, skip_special_tokens=True).strip())
-    if cut:
-        print(f"{cut} prompts were longer than the model's positions minus max_new_tokens ({limit}): "
-              f"each kept its last {limit} tokens")
-    view = run.generator.view
-    report = {"num_questions": len(questions), "num_prompts": num_prompts,
-              "cut_prompts": cut, "max_new_tokens": max_new_tokens, "stop_at_eos": stop_at_eos,
-              "batch_size": batch_size, "repeats": repeats, "warmup": warmup, "device": str(view.device),
+    report = {"num_questions": len(questions), "num_prompts": turns.num_prompts,
+              "cut_prompts": turns.cut, "max_new_tokens": options.max_new_tokens,
+              "stop_at_eos": not options.no_eos, "batch_size": options.batch_size, "repeats": options.repeats,
+              "warmup": options.warmup, "device": str(view.device),
               "dtype": str(view.dtype).replace("torch.", ""), "num_layers": view.num_layers,
               "settings": {m: run.settings[m].to_json() for m in methods if m in ENGINE_METHODS},
               "questions_per_category": {c: sum(q.category == c for q in questions)
                                          for c in dict.fromkeys(q.category for q in questions)},
               "reference": reference,
-              "identical": {m: timings.outputs[m] == timings.outputs[reference]
-                                            for m in methods}}
+              "identical": {m: timings.outputs[m] == timings.outputs[reference] for m in methods}}
     report["greedy_outputs_identical"] = all(same for m, same in report["identical"].items()
                                              if m != "hf_early_exit")
-    groups = {c: [b for b, bc in enumerate(batch_categories) if bc == c]
-              for c in dict.fromkeys(batch_categories)}
-    groups[OVERALL] = list(range(len(batch_categories)))
+    groups = {c: [b for b, bc in enumerate(turns.categories) if bc == c]
+              for c in dict.fromkeys(turns.categories)}
+    groups[OVERALL] = list(range(len(turns.categories)))
     report["results"] = {c: _category_results(timings, methods, batches) for c, batches in groups.items()}
-    overall = report["results"][OVERALL]
+    report["diagnosis"] = _diagnosis(report, timings, methods, run)
+    report["seconds"] = time.perf_counter() - start
+    return report
+
+
+@dataclass
+class _Turns:
+    """What `_time_turns` measured: the timings of every turn's batches, each batch's category, the
+    prompts cut to fit the model's positions, and the prompts timed."""
+
+    timings: Timings
+    categories: list[str]
+    cut: int
+    num_prompts: int
+
+
+def _time_turns(run, tokenizer, questions: list[Question], options: SuiteRun, progress: bool) -> _Turns:
+    """Every question's turns timed with every method, turn by turn (see `run_suite`)."""
+    methods = list(options.methods)
+    reference = "plain" if "plain" in methods else methods[0]
+    limit = run.generator.view.max_positions
+    limit = None if limit is None else limit - options.max_new_tokens
+    answers: list[list[str]] = [[] for _ in questions]
+    turns = _Turns(Timings(), [], 0, 0)
+    for turn in range(max(len(q.turns) for q in questions)):
+        asked = [i for i, q in enumerate(questions) if len(q.turns) > turn]
+        ids = {i: prompt_ids(tokenizer, questions[i], turn, answers[i]) for i in asked}
+        turns.num_prompts += len(asked)
+        if limit is not None:
+            turns.cut += sum(len(p) > limit for p in ids.values())
+            ids = {i: p[-limit:] if len(p) > limit else p for i, p in ids.items()}
+        groups = []  # batches of one category each, so each category's rates are its own
+        for category in dict.fromkeys(questions[i].category for i in asked):
+            members = [i for i in asked if questions[i].category == category]
+            groups += [(category, members[j:j + options.batch_size])
+                       for j in range(0, len(members), options.batch_size)]
+        batches = [[_constrained(ids[i], questions[i]) for i in members] for _, members in groups]
+        if turn == 0:
+            for _ in range(options.warmup):
+                for method in methods:
+                    run(method, batches[0])
+        phase = interleaved_rates(methods, run, batches, options.repeats, 0, run.device,
+                                  f"turn {turn + 1}" if progress else None, bar_per_name=True)
+        turns.timings.extend(phase)
+        turns.categories += [category for category, _ in groups]
+        for (_, members), rows in zip(groups, phase.outputs[reference]):
+            for i, row in zip(members, rows):
+                answers[i].append(tokenizer.decode(row, skip_special_tokens=True).strip())
+    if turns.cut:
+        print(f"{turns.cut} prompts were longer than the model's positions minus max_new_tokens ({limit}): "
+              f"each kept its last {limit} tokens")
+    return turns
+
+
+def _diagnosis(report: dict, timings: Timings, methods: list[str], run) -> str | None:
+    """The checklist's paragraph over the whole suite (and the report's cost model, put in place)."""
+    overall, view = report["results"][OVERALL], run.generator.view
     exit_layer = None
     if "plain" in methods and "early_exit" in methods:
         early = run.settings["early_exit"]
@@ -133,10 +158,7 @@ def run_suite(model, tokenizer, questions: list[Question], settings: DecodeSetti
                 if m != "plain" and "speedup_over_plain" in row}
     exit_alpha = (own_exit_alpha(source_summary(timings.run_stats("early_exit")))
                   if "early_exit" in methods else None)
-    report["diagnosis"] = summary(cost_figures(report.get("cost_model", {}), speedups, exit_layer,
-                                               exit_alpha=exit_alpha))
-    report["seconds"] = time.perf_counter() - start
-    return report
+    return summary(cost_figures(report.get("cost_model", {}), speedups, exit_layer, exit_alpha=exit_alpha))
 
 
 def _category_results(timings: Timings, methods: list[str], batches: list[int]) -> dict:
@@ -234,37 +256,25 @@ def plot(report: dict, path: str | Path) -> Path:
     return save_figure(fig, path)
 
 
-def suite(model: str, *, suites: str | None = None, questions: str | None = None,
-          categories: str | None = None, max_per_category: int | None = None, max_new_tokens: int = 128,
-          methods=METHODS, repeats: int = 1, warmup: int = 1, batch_size: int = 1, no_eos: bool = False,
-          exit_layer: int | None = None, num_speculations=None, draft_vocab_size: int | None = None,
-          stop_below: float | None = None, min_ngram: int | None = None, overlap: bool | None = None,
-          json_schema: str | None = None,
-          regex: str | None = None, grammar: str | None = None,
-          device: str | None = None, dtype: str = "auto", out: str = "runs/suite") -> SuiteReport:
-    """`selfspec eval suite`: run the suite on the checkpoint `model`; print the tables and write
-    suite.json, suite.md and suite.png into `out`. The engine decodes at the checkpoint's settings
+def suite(options: SuiteOptions) -> SuiteReport:
+    """`selfspec eval suite`: run the suite on the checkpoint `options.model`; print the tables and write
+    suite.json, suite.md and suite.png into `options.out`. The engine decodes at the checkpoint's settings
     (the given fields override them), each drafter at its stored fastest otherwise. json_schema /
     regex / grammar (files, as `selfspec generate` takes them) constrain every reply of a question
     that has no constraint of its own."""
-    methods = tuple(m.strip() for m in methods.split(",")) if isinstance(methods, str) else tuple(methods)
-    check_methods(methods, batch_size)
-    settings, fastest, token_counts = resolve_settings(
-        model, exit_layer=exit_layer, num_speculations=num_speculations, draft_vocab_size=draft_vocab_size,
-        stop_below=stop_below, min_ngram=min_ngram, overlap=overlap)
-    if settings.exit_layer is None:
+    model = options.model
+    resolved = resolve_settings(model, **options.overrides())
+    if resolved[0].exit_layer is None:
         raise UserError(f"--exit-layer is required: {model} has no selfspec.json")
     # the questions first: a missing package or category fails before the model loads
-    chosen = select_questions(load_tokenizer(model), suites, questions, categories, max_per_category)
-    constraint = read_constraint(json_schema=json_schema, regex=regex, grammar=grammar)
+    chosen = select_questions(load_tokenizer(model), options.suites, options.questions, options.categories,
+                              options.max_per_category)
+    constraint = options.constraint()
     chosen = [replace(q, constraint=q.constraint or constraint) for q in chosen]
-    lm, tokenizer = load_model(model, device, dtype)
-    report = run_suite(lm, tokenizer, chosen, settings, fastest=fastest, token_counts=token_counts,
-                       exit_adapters=checkpoint_adapters(model, lm), methods=methods,
-                       max_new_tokens=max_new_tokens, repeats=repeats, warmup=warmup, batch_size=batch_size,
-                       stop_at_eos=not no_eos)
-    report.update(model=model, suites=suites, questions=questions)
-    publish(out, "suite", report, to_markdown(report), plot)
+    checkpoint = load_checkpoint(model, *resolved, device=options.device, dtype=options.dtype)
+    report = run_suite(checkpoint, chosen, options)
+    report.update(model=model, suites=options.suites, questions=options.questions)
+    publish(options.out, "suite", report, to_markdown(report), plot)
     return report
 
 

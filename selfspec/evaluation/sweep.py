@@ -36,7 +36,6 @@ import torch
 
 from ..checkpoint import (
     META_FILE,
-    checkpoint_adapters,
     read_meta,
     resolve_settings,
     update_meta,
@@ -51,11 +50,12 @@ from ..model import DecoderView, kernels
 from ..model import num_layers as count_layers
 from .costs import pooled_costs, source_summary, weight_cost, weights_in_cache
 from .diagnosis import summary
+from .options import SweepGrid, SweepOptions, float_list, int_list, k_list, k_order
 from .paired import beats_plain, median_interval, paired_speedups
 from .prompts import JSON_EXTRACT, Structured, read_prompts, suite_prompts
 from .report import publish, pyplot, save_figure
 from .results import SweepReport
-from .timing import constraint_keywords, interleaved_rates, load_model
+from .timing import LoadedCheckpoint, Timings, constraint_keywords, interleaved_rates, load_checkpoint
 
 
 def grid_settings(base: DecodeSettings, exit_layers, ks, drafters, vocabs, min_ngrams,
@@ -152,88 +152,131 @@ def check_drafters(drafters, draft_vocab_sizes, min_ngrams, token_counts) -> Non
         DecodeSettings().override(min_ngram=n)  # validates
 
 
-def run_sweep(model, prompts: list[list[int]], exit_layers: list[int], ks: list, *,
-              base: DecodeSettings | None = None,
-              max_new_tokens: int = 64, repeats: int = 3, warmup: int = 1, progress: bool = True,
-              drafters=("early_exit",), draft_vocab_sizes=(0,), min_ngrams=(2,), stop_belows=(0.0,),
-              token_counts=None, confirm: int = 3, confirm_repeats: int = 5,
-              exit_adapters: dict | None = None, tokenizer=None) -> SweepReport:
+def run_sweep(checkpoint: LoadedCheckpoint, prompts: list[list[int]], exit_layers: list[int],
+              grid: SweepGrid | None = None, *, progress: bool = True) -> SweepReport:
     """Measure every setting of the grid against plain decoding; returns the report as a dict.
 
-    base: the settings the grid varies (the checkpoint's; default `DecodeSettings()`).
-    stop_belows: the η values of the early exit's stopping rule (0: never stops); the first one's cells
-    give the α and c per exit.
-    token_counts: (V,) token frequencies (the checkpoint's), needed for draft_vocab_sizes other than 0.
+    checkpoint.settings: the settings the grid varies (the checkpoint's, or `DecodeSettings()`);
+    token_counts: (V,) token frequencies (the checkpoint's), needed for draft_vocab_sizes other than 0;
     exit_adapters: E -> the checkpoint's `ExitAdapter` for that exit (its draft cost is measured with it).
-    confirm / confirm_repeats: re-time each drafter's `confirm` fastest lossless cells
-    (`confirm_candidates`) with plain decoding over `confirm_repeats` interleaved repeats ("best",
-    "fastest_per_drafter" and "confirmed" come from them); confirm = 0 judges the cells by the grid's
-    own repeats.
-    prompts may be `prompts.Structured` (structured output): each decodes under its grammar, which
-    needs the `tokenizer`.
+    grid.stop_belows: the η values of the early exit's stopping rule (0: never stops); the first one's
+    cells give the α and c per exit. grid.confirm / confirm_repeats: re-time each drafter's `confirm`
+    fastest lossless cells (`confirm_candidates`) with plain decoding over `confirm_repeats` interleaved
+    repeats ("best", "fastest_per_drafter" and "confirmed" come from them); confirm = 0 judges the cells
+    by the grid's own repeats. prompts may be `prompts.Structured` (structured output): each decodes
+    under its grammar, which needs the checkpoint's tokenizer.
     """
-    num_layers = count_layers(model)
-    bad = [e for e in exit_layers if not 1 <= e < num_layers]
-    if bad or not exit_layers:
-        raise UserError(f"exit layers {bad or exit_layers} are not in 1..{num_layers - 1}: E = N would "
-                        f"draft with the whole model")
-    if not ks or any(k not in ADAPTIVE_K if isinstance(k, str) else k < 1 for k in ks):
-        raise UserError(f"draft lengths {ks} must be ints >= 1 or {' / '.join(ADAPTIVE_K)} "
-                        f"(plain decoding, k = 0, is always measured)")
-    if max_new_tokens < 1 or repeats < 1 or not prompts or confirm < 0 or confirm_repeats < 1:
-        raise UserError(f"the sweep needs max_new_tokens >= 1 ({max_new_tokens}), repeats >= 1 ({repeats}), "
-                        f"confirm >= 0 ({confirm}), confirm_repeats >= 1 ({confirm_repeats}) and a prompt "
-                        f"({len(prompts)})")
-    check_drafters(drafters, draft_vocab_sizes, min_ngrams, token_counts)
-    stop_belows = list(stop_belows)
-    for eta in stop_belows:
-        DecodeSettings(stop_below=eta)  # validates
-    base = base or DecodeSettings()
-    generator = SelfSpecGenerator(model, tokenizer,
+    grid = grid or SweepGrid()
+    num_layers = count_layers(checkpoint.model)
+    _check_grid(grid, exit_layers, num_layers, prompts, checkpoint.token_counts)
+    base = checkpoint.settings
+    generator = SelfSpecGenerator(checkpoint.model, checkpoint.tokenizer,
                                   settings=base.override(exit_layer=base.exit_layer or exit_layers[0]),
-                                  token_counts=token_counts, exit_adapters=exit_adapters, check_cache=False)
+                                  token_counts=checkpoint.token_counts,
+                                  exit_adapters=checkpoint.exit_adapters, check_cache=False)
 
     def run(setting: DecodeSettings, batch):
         keywords = constraint_keywords([p.constraint if isinstance(p, Structured) else None for p in batch])
         out = generator.generate([p.ids if isinstance(p, Structured) else p for p in batch],
-                                 max_new_tokens=max_new_tokens, eos_token_id=[], settings=setting, **keywords)
+                                 max_new_tokens=grid.max_new_tokens, eos_token_id=[], settings=setting,
+                                 **keywords)
         return out.sequences, out.stats
 
     device = generator.view.device
     overlaps = (False, True) if overlap_applies(device, any(isinstance(p, Structured) for p in prompts)) \
         else (False,)
-    settings = grid_settings(base, exit_layers, ks, drafters, draft_vocab_sizes, min_ngrams, stop_belows,
-                             overlaps)
+    settings = grid_settings(base, exit_layers, grid.ks, grid.drafters, grid.draft_vocab_sizes,
+                             grid.min_ngrams, grid.stop_belows, overlaps)
     plain = settings[0]
-    timings = interleaved_rates(settings, run, [[p] for p in prompts], repeats, warmup, device,
+    timings = interleaved_rates(settings, run, [[p] for p in prompts], grid.repeats, grid.warmup, device,
                                 "sweep" if progress else None)  # batch 1
-    rates, outputs = {s: timings.rates(s) for s in settings}, timings.outputs
-    stats = {s: timings.run_stats(s) for s in settings}
+    per_exit, rows = _grid_rows(timings, settings, exit_layers, grid)
+    lossless = [row for row in rows if row["identical_to_plain"]]
+    if grid.confirm:
+        candidates = confirm_candidates(lossless, grid.confirm)
+        cells = [settings_of(row) for row in candidates]
+        again = interleaved_rates([plain, *cells], run, [[p] for p in prompts], grid.confirm_repeats,
+                                  grid.warmup, device, "confirm" if progress else None)
+        plain_rates = again.rates(plain)
+        confirmed = [{**_brief(row), **median_interval(paired_speedups(again.rates(cell), plain_rates)),
+                      "tokens_per_second": statistics.median(again.rates(cell)),
+                      "grid_speedup": row["speedup"], "drafter": row["drafter"],
+                      "identical_to_plain": again.outputs[cell] == again.outputs[plain]}
+                     for row, cell in zip(candidates, cells)]
+        confirmed = [row for row in confirmed if row["identical_to_plain"]]
+    else:
+        plain_rates = timings.rates(plain)
+        confirmed = [{**_brief(row), **median_interval(paired_speedups(timings.rates(s), plain_rates)),
+                      "grid_speedup": row["speedup"], "drafter": row["drafter"]}
+                     for row, s in zip(rows, settings[1:]) if row["identical_to_plain"]]
+    best, fastest = select_fastest(confirmed)
+    ratios = [row["measured_over_predicted"] for row in rows if row.get("measured_over_predicted", 0) > 0]
+    return {"num_layers": num_layers, "max_new_tokens": grid.max_new_tokens, "num_prompts": len(prompts),
+            "measured_over_predicted": statistics.median(ratios) if ratios else float("nan"),
+            "table_stop_below": grid.stop_belows[0],
+            "repeats": grid.repeats, "warmup": grid.warmup, "device": str(device),
+            "plain_tokens_per_second": statistics.median(timings.rates(plain)),
+            "plain_step_seconds": pooled_costs(timings.run_stats(plain), [])["plain_step"],
+            "per_exit_layer": per_exit, "grid": rows,
+            "confirm_repeats": grid.confirm_repeats if grid.confirm else grid.repeats,
+            "confirmed": sorted(confirmed, key=lambda row: -row["speedup"]),
+            "fastest_per_drafter": fastest, "best": best,
+            "all_identical_to_plain": len(lossless) == len(rows),
+            "diagnosis": diagnosis(rows, per_exit, fastest, generator.view)}
 
-    plain_rate = statistics.median(rates[plain])
-    per_exit = {}  # str(E) -> {str(V'): α, c, draft step}: early-exit runs pooled over k (at the first η)
+
+def _check_grid(grid: SweepGrid, exit_layers: list[int], num_layers: int, prompts: list,
+                token_counts) -> None:
+    """A UserError for an exit outside the model, a bad draft length, count or drafter, or no prompt."""
+    bad = [e for e in exit_layers if not 1 <= e < num_layers]
+    if bad or not exit_layers:
+        raise UserError(f"exit layers {bad or exit_layers} are not in 1..{num_layers - 1}: E = N would "
+                        f"draft with the whole model")
+    ks = list(grid.ks)
+    if not ks or any(k not in ADAPTIVE_K if isinstance(k, str) else k < 1 for k in ks):
+        raise UserError(f"draft lengths {ks} must be ints >= 1 or {' / '.join(ADAPTIVE_K)} "
+                        f"(plain decoding, k = 0, is always measured)")
+    if (grid.max_new_tokens < 1 or grid.repeats < 1 or not prompts or grid.confirm < 0
+            or grid.confirm_repeats < 1):
+        raise UserError(f"the sweep needs max_new_tokens >= 1 ({grid.max_new_tokens}), repeats >= 1 "
+                        f"({grid.repeats}), confirm >= 0 ({grid.confirm}), confirm_repeats >= 1 "
+                        f"({grid.confirm_repeats}) and a prompt ({len(prompts)})")
+    check_drafters(grid.drafters, grid.draft_vocab_sizes, grid.min_ngrams, token_counts)
+    for eta in grid.stop_belows:
+        DecodeSettings(stop_below=eta)  # validates
+
+
+def _grid_rows(timings: Timings, settings: list[DecodeSettings], exit_layers: list[int],
+               grid: SweepGrid) -> tuple[dict, list[dict]]:
+    """(per exit and V': α, c and the draft step, the early exit's runs pooled over k at the first η;
+    a row per grid cell but plain: its speed, α, sources and, in the table, the cost model's
+    prediction)."""
+    plain = settings[0]
+    stats = {s: timings.run_stats(s) for s in settings}
+    plain_rate, table_eta = statistics.median(timings.rates(plain)), grid.stop_belows[0]
+    per_exit = {}  # str(E) -> {str(V'): α, c, draft step}
     for e in exit_layers:
-        for v in draft_vocab_sizes:
-            runs = [s for setting in settings if _in_table(setting.to_json(), stop_belows[0])
+        for v in grid.draft_vocab_sizes:
+            runs = [s for setting in settings if _in_table(setting.to_json(), table_eta)
                     and (setting.exit_layer, setting.draft_vocab_size) == (e, v) for s in stats[setting]]
             if runs:
                 costs = pooled_costs(stats[plain], runs)
                 per_exit.setdefault(str(e), {})[str(v)] = {
                     "acceptance_rate": costs["stats"].acceptance_rate, "draft_cost": costs["draft_cost"],
                     "draft_step_seconds": costs["draft_step"]}
-    grid = []
+    rows = []
     for setting in settings[1:]:
         run_costs = pooled_costs(stats[plain], stats[setting])
         alpha = run_costs["stats"].acceptance_rate
-        rate = statistics.median(rates[setting])
-        spread = median_interval(paired_speedups(rates[setting], rates[plain]))["spread"]
+        rate = statistics.median(timings.rates(setting))
+        spread = median_interval(paired_speedups(timings.rates(setting), timings.rates(plain)))["spread"]
         row = {**setting.to_json(), "tokens_per_second": rate, "speedup": rate / plain_rate,
                "speedup_spread": spread, "acceptance_rate": alpha,
                "mean_accepted_length": run_costs["stats"].mean_accepted_length,
                "sources": source_summary(stats[setting]),
                "stopped_below_eta": sum(s.stopped_below_eta for s in stats[setting]),
-               "identical_to_plain": outputs[setting] == outputs[plain]}
-        if _in_table(row, stop_belows[0]):
+               "identical_to_plain": timings.outputs[setting] == timings.outputs[plain]}
+        if _in_table(row, table_eta):
             cost = per_exit[str(setting.exit_layer)][str(setting.draft_vocab_size)]["draft_cost"]
             if alpha != alpha or not run_costs["draft_steps"]:  # η cut every round: nothing to predict
                 row["predicted_speedup"] = row["verify_cost"] = float("nan")
@@ -244,38 +287,8 @@ def run_sweep(model, prompts: list[list[int]], exit_layers: list[int], ks: list,
                 row["predicted_speedup"] = predicted_speedup(run_costs["stats"].k_rounds, alpha, cost,
                                                              row["verify_cost"])
             row["measured_over_predicted"] = row["speedup"] / row["predicted_speedup"]
-        grid.append(row)
-    lossless = [row for row in grid if row["identical_to_plain"]]
-    if confirm:
-        candidates = confirm_candidates(lossless, confirm)
-        cells = [settings_of(row) for row in candidates]
-        again = interleaved_rates([plain, *cells], run, [[p] for p in prompts], confirm_repeats, warmup,
-                                  device, "confirm" if progress else None)
-        plain_rates = again.rates(plain)
-        confirmed = [{**_brief(row), **median_interval(paired_speedups(again.rates(cell), plain_rates)),
-                      "tokens_per_second": statistics.median(again.rates(cell)),
-                      "grid_speedup": row["speedup"], "drafter": row["drafter"],
-                      "identical_to_plain": again.outputs[cell] == again.outputs[plain]}
-                     for row, cell in zip(candidates, cells)]
-        confirmed = [row for row in confirmed if row["identical_to_plain"]]
-    else:
-        confirmed = [{**_brief(row), **median_interval(paired_speedups(rates[s], rates[plain])),
-                      "grid_speedup": row["speedup"], "drafter": row["drafter"]}
-                     for row, s in zip(grid, settings[1:]) if row["identical_to_plain"]]
-    best, fastest = select_fastest(confirmed)
-    ratios = [row["measured_over_predicted"] for row in grid if row.get("measured_over_predicted", 0) > 0]
-    return {"num_layers": num_layers, "max_new_tokens": max_new_tokens, "num_prompts": len(prompts),
-            "measured_over_predicted": statistics.median(ratios) if ratios else float("nan"),
-            "table_stop_below": stop_belows[0],
-            "repeats": repeats, "warmup": warmup, "device": str(device),
-            "plain_tokens_per_second": plain_rate,
-            "plain_step_seconds": pooled_costs(stats[plain], [])["plain_step"],
-            "per_exit_layer": per_exit, "grid": grid,
-            "confirm_repeats": confirm_repeats if confirm else repeats,
-            "confirmed": sorted(confirmed, key=lambda row: -row["speedup"]),
-            "fastest_per_drafter": fastest, "best": best,
-            "all_identical_to_plain": len(lossless) == len(grid),
-            "diagnosis": diagnosis(grid, per_exit, fastest, generator.view)}
+        rows.append(row)
+    return per_exit, rows
 
 
 def diagnosis(grid: list[dict], per_exit: dict, fastest: dict, view) -> str | None:
@@ -321,7 +334,7 @@ def _describe(entry: dict) -> str:
 
 def to_markdown(report: dict) -> str:
     early = [r for r in report["grid"] if _in_table(r, report["table_stop_below"])]
-    ks = sorted({row["num_speculations"] for row in early}, key=_k_order)
+    ks = sorted({row["num_speculations"] for row in early}, key=k_order)
     vocabs = sorted({row["draft_vocab_size"] for row in early})
     lines = [f"# Drafter sweep: measured speedup over plain decoding ({report['num_layers']} layers)", "",
              f"{report['num_prompts']} prompts, batch 1, {report['max_new_tokens']} new tokens, greedy, "
@@ -404,7 +417,7 @@ def plot(report: dict, path: str | Path) -> Path:
                     k = r["num_speculations"]
                     if k not in best_per_k or r["speedup"] > best_per_k[k]["speedup"]:
                         best_per_k[k] = r
-            rows = [best_per_k[k] for k in sorted(best_per_k, key=_k_order)]
+            rows = [best_per_k[k] for k in sorted(best_per_k, key=k_order)]
             if not rows:
                 continue
             # adaptive k: in the tables only
@@ -428,45 +441,10 @@ def plot(report: dict, path: str | Path) -> Path:
     return save_figure(fig, path)
 
 
-def _k_order(k):
-    return (0, k, "") if isinstance(k, int) else (1, 0, k)
-
-
-def k_list(value: str) -> list:
-    """--ks: a comma list of ints and the adaptive controllers' names, e.g. '1,2,4,auto'."""
-    try:
-        return sorted({v.strip() if v.strip() in ADAPTIVE_K else int(v) for v in value.split(",")},
-                      key=_k_order)
-    except ValueError:
-        raise UserError(f"--ks must be a comma list of ints or {'/'.join(ADAPTIVE_K)} such as '1,2,4,auto', "
-                        f"got {value!r}") from None
-
-
-def float_list(value: str) -> list[float]:
-    """A comma list of numbers such as '0,0.4,0.6' (--stop-belows), in the order given."""
-    try:
-        return list(dict.fromkeys(float(v) for v in value.split(",")))
-    except ValueError:
-        raise UserError(f"expected a comma list of numbers such as '0,0.6', got {value!r}") from None
-
-
-def int_list(value: str) -> list[int]:
-    """A comma list of ints such as '1,2,4,8' (--min-ngrams, --draft-vocab-sizes)."""
-    try:
-        return sorted({int(v) for v in value.split(",")})
-    except ValueError:
-        raise UserError(f"expected a comma list of ints such as '1,2,4,8', got {value!r}") from None
-
-
-def sweep(model: str, *, exit_layers: str | list[int] | None = None, ks="1,2,3,4,6,8", drafters="early_exit",
-          min_ngrams="2", draft_vocab_sizes="0", stop_belows="0", prompts: str | None = None,
-          corpus: str = "stdlib",
-          num_prompts: int = 4, prompt_tokens: int = 64, max_new_tokens: int = 64, repeats: int = 3,
-          warmup: int = 1, device: str | None = None, dtype: str = "auto", out: str = "runs/sweep",
-          write_back: bool = False, suites: str | None = None, questions: str | None = None,
-          max_per_category: int | None = 1, confirm: int = 3, confirm_repeats: int = 5) -> SweepReport:
-    """`selfspec eval sweep`: measure the grid on the model `model`; print the report, write sweep.json,
-    sweep.md and sweep.png into `out`, and with `write_back` the fastest setting into its selfspec.json.
+def sweep(options: SweepOptions) -> SweepReport:
+    """`selfspec eval sweep`: measure the grid on the model `options.model`; print the report, write
+    sweep.json, sweep.md and sweep.png into `options.out`, and with `write_back` the fastest setting into
+    its selfspec.json.
 
     exit_layers: a list, or a string `parse_layers` reads ('2,4,6', '2:10:2', 'all'; default all).
     ks, drafters, min_ngrams, draft_vocab_sizes, stop_belows: lists, or comma lists as the flags take them.
@@ -474,44 +452,34 @@ def sweep(model: str, *, exit_layers: str | list[int] | None = None, ks="1,2,3,4
     `max_per_category` of each category) instead of `prompts` / `corpus`; the write-back records them.
     confirm / confirm_repeats: how many of each drafter's fastest cells to re-time, over how many
     repeats (`run_sweep`).
-    """
-    ks = k_list(ks) if isinstance(ks, str) else list(ks)
-    drafters = list(dict.fromkeys(d.strip() for d in (drafters.split(",") if isinstance(drafters, str)
-                                                      else drafters) if d.strip()))
-    min_ngrams = int_list(min_ngrams) if isinstance(min_ngrams, str) else list(min_ngrams)
-    draft_vocab_sizes = (int_list(draft_vocab_sizes) if isinstance(draft_vocab_sizes, str)
-                         else list(draft_vocab_sizes))
-    stop_belows = float_list(stop_belows) if isinstance(stop_belows, str) else list(stop_belows)
-    base, _, counts = resolve_settings(model)
-    has_meta = (Path(model) / META_FILE).is_file()
-    if write_back and not has_meta:
-        raise UserError(f"--write-back needs a tuned checkpoint: {model} has no {META_FILE}")
-    check_drafters(drafters, draft_vocab_sizes, min_ngrams, counts)  # before loading anything
-    if num_prompts < 1 or repeats < 1 or max_new_tokens < 1:
-        raise UserError(f"--num-prompts ({num_prompts}), --repeats ({repeats}) and --max-new-tokens "
-                        f"({max_new_tokens}) must be >= 1")
 
-    lm, tokenizer = load_model(model, device, dtype)
-    num_layers = count_layers(lm)
+        sweep(SweepOptions(model="runs/demo/model", exit_layers="2:10:2", ks="1,2,4", write_back=True))
+    """
+    model = options.model
+    base, _, counts = resolve_settings(model)
+    if options.write_back and not (Path(model) / META_FILE).is_file():
+        raise UserError(f"--write-back needs a tuned checkpoint: {model} has no {META_FILE}")
+    # before loading anything
+    check_drafters(options.drafters, options.draft_vocab_sizes, options.min_ngrams, counts)
+    checkpoint = load_checkpoint(model, base, None, counts, device=options.device, dtype=options.dtype)
+    lm, tokenizer = checkpoint.model, checkpoint.tokenizer
+    exit_layers = options.exit_layers
     if exit_layers is None or isinstance(exit_layers, str):
-        exit_layers = parse_layers(exit_layers or "all", num_layers)
-    if suites or questions:
+        exit_layers = parse_layers(exit_layers or "all", count_layers(lm))
+    if options.suites or options.questions:
         positions = DecoderView(lm).max_positions  # the family's own limit (GPT-2: n_positions)
-        chosen = suite_prompts(tokenizer, suites, questions, max_per_category,
-                               positions and positions - max_new_tokens)
+        chosen = suite_prompts(tokenizer, options.suites, options.questions, options.max_per_category,
+                               positions and positions - options.max_new_tokens)
     else:
-        chosen = read_prompts(tokenizer, prompts, corpus, num_prompts, prompt_tokens)
-    report = run_sweep(lm, chosen,
-                       exit_layers, ks, base=base, max_new_tokens=max_new_tokens, repeats=repeats,
-                       warmup=warmup, drafters=drafters, draft_vocab_sizes=draft_vocab_sizes,
-                       min_ngrams=min_ngrams, stop_belows=stop_belows, token_counts=counts,
-                       confirm=confirm, confirm_repeats=confirm_repeats,
-                       exit_adapters=checkpoint_adapters(model, lm), tokenizer=tokenizer)
-    report.update(model=model, prompts_from=", ".join(filter(None, (suites, questions))) or prompts or corpus)
-    publish(out, "sweep", report, to_markdown(report), plot)
-    if write_back:
-        write_back_fastest(model, report, Path(out) / "sweep.json",
-                           constraint_kind="json_schema" if prompts == JSON_EXTRACT else None)
+        chosen = read_prompts(tokenizer, options.prompts, options.corpus, options.num_prompts,
+                              options.prompt_tokens)
+    report = run_sweep(checkpoint, chosen, list(exit_layers), options)
+    report.update(model=model, prompts_from=", ".join(filter(None, (options.suites, options.questions)))
+                  or options.prompts or options.corpus)
+    publish(options.out, "sweep", report, to_markdown(report), plot)
+    if options.write_back:
+        write_back_fastest(model, report, Path(options.out) / "sweep.json",
+                           constraint_kind="json_schema" if options.prompts == JSON_EXTRACT else None)
     return report
 
 

@@ -2,6 +2,7 @@
 runner of them, the one interleaved timing loop, and the engine's passes timed alone.
 
 - `METHODS`: the ways to decode that the benchmark and the suite compare (see `benchmark`);
+  `LoadedCheckpoint`: a model with what its checkpoint brings (`load_checkpoint`);
   `method_settings`: the `DecodeSettings` each engine method decodes with; `make_runner`: the engine
   and a runner of every method on a batch (the engine's methods through `SelfSpecGenerator.generate`,
   Hugging Face's through `model.generate`, `Structured` prompts under their grammar);
@@ -21,10 +22,12 @@ import os
 import statistics
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
+from ..checkpoint import checkpoint_adapters
 from ..cpu import sync_device
 from ..decoding import DRAFTERS, DecodeSettings, SelfSpecGenerator
 from ..decoding.cache import KVCache
@@ -65,6 +68,30 @@ def load_model(path: str, device: str | None = None, dtype: str = "auto"):
     return model, load_tokenizer(path)
 
 
+@dataclass(frozen=True)
+class LoadedCheckpoint:
+    """A model as the evaluations decode it, with what its checkpoint brings: the settings it decodes at
+    (`checkpoint.resolve_settings`, flags applied), each drafter's fastest a sweep stored, the token
+    counts of a trimmed draft head (V' > 0) and its exit adapters ({E: adapter},
+    `checkpoint.checkpoint_adapters`). A model built in Python needs only the first two."""
+
+    model: Any
+    settings: DecodeSettings
+    tokenizer: Any = None
+    fastest: dict[str, DecodeSettings] | None = None
+    token_counts: Any = None
+    exit_adapters: dict | None = None
+
+
+def load_checkpoint(path: str, settings: DecodeSettings, fastest: dict | None = None, token_counts=None, *,
+                    device: str | None = None, dtype: str = "auto") -> LoadedCheckpoint:
+    """The model at `path` on `device` (`load_model`) with its tokenizer and exit adapters, to decode at
+    `settings` (and each drafter at its `fastest`: `resolve_settings`'s three values)."""
+    model, tokenizer = load_model(path, device, dtype)
+    adapters = checkpoint_adapters(path, model)
+    return LoadedCheckpoint(model, settings, tokenizer, fastest, token_counts, adapters)
+
+
 def method_settings(settings: DecodeSettings, fastest: dict[str, DecodeSettings] | None = None
                     ) -> dict[str, DecodeSettings]:
     """What each engine method decodes with: "plain" is `settings` at k = 0; each drafter runs at
@@ -79,12 +106,12 @@ class _Runner:
     """Runs one method on one batch: returns the generated tokens and, for the engine, its stats."""
 
     def __init__(self, generator: SelfSpecGenerator, settings: dict[str, DecodeSettings], max_new_tokens: int,
-                 ignore_eos: bool, profile: bool = False):
+                 keep_eos: bool, profile: bool = False):
         self.generator, self.model, self.settings = generator, generator.model, settings
         self.shared: dict[tuple, int] = {}  # prompt -> positions it shares with another (`share_prefixes`)
         self.engine_calls = self.cached_tokens = 0  # the engine's calls, and the positions they loaded
         self.max_new_tokens, self.profile = max_new_tokens, profile
-        self.eos = [] if ignore_eos else None
+        self.eos = None if keep_eos else []  # [] never stops early; None: the model's eos
         self.device = generator.view.device
         # Only silences generate()'s warning for prompts without padding; the model's own when it has one.
         config = getattr(self.model, "generation_config", None)
@@ -165,19 +192,22 @@ def check_methods(methods, batch_size: int) -> None:
                         f"leave {', '.join(batch1_only)} out of --methods for --batch-size > 1")
 
 
-def make_runner(model, settings: DecodeSettings, *, tokenizer=None, fastest=None, token_counts=None,
-                exit_adapters=None, max_new_tokens: int = 128, ignore_eos: bool = True,
+def make_runner(checkpoint: LoadedCheckpoint, *, max_new_tokens: int = 128, keep_eos: bool = False,
                 profile: bool = False, static_passes: str | None = None,
                 prefix_cache: bool = False) -> _Runner:
-    """The engine over `model` and a runner of every method: the engine methods at `method_settings`,
-    profiling their rounds with `profile` (`decoding.profile`), on static passes with `static_passes`,
-    prefilling through a `PrefixCache` with `prefix_cache`."""
+    """The engine over the checkpoint's model and a runner of every method: the engine methods at
+    `method_settings`, always `max_new_tokens` new tokens unless `keep_eos`, profiling their rounds with
+    `profile` (`decoding.profile`), on static passes with `static_passes`, prefilling through a
+    `PrefixCache` with `prefix_cache`."""
     # check_cache=False as in the sweep: a timed run does no per-round bookkeeping
-    generator = SelfSpecGenerator(model, tokenizer, settings, token_counts=token_counts,
-                                  exit_adapters=exit_adapters, check_cache=False, static_passes=static_passes,
+    generator = SelfSpecGenerator(checkpoint.model, checkpoint.tokenizer, checkpoint.settings,
+                                  token_counts=checkpoint.token_counts,
+                                  exit_adapters=checkpoint.exit_adapters, check_cache=False,
+                                  static_passes=static_passes,
                                   prefix_cache=PrefixCache() if prefix_cache else None)
-    settings = {m: generator.settings_for(s) for m, s in method_settings(generator.settings, fastest).items()}
-    return _Runner(generator, settings, max_new_tokens, ignore_eos, profile)
+    settings = {m: generator.settings_for(s)
+                for m, s in method_settings(generator.settings, checkpoint.fastest).items()}
+    return _Runner(generator, settings, max_new_tokens, keep_eos, profile)
 
 
 @dataclass

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..agreement import low_precision_to_float
+from ..agreement import IGNORE_INDEX, low_precision_to_float
 from ..config import Curriculum, ExitLoss, ExitScale, check_choice, check_layer
 from ..errors import UserError
 
@@ -232,55 +232,12 @@ def _zero_loss(teacher_logits: torch.Tensor | None, labels: torch.Tensor | None)
     return torch.zeros((), device=None if ref is None else ref.device)
 
 
-def early_exit_loss(
-    exit_hidden: Sequence[torch.Tensor] | torch.Tensor,
-    head_fn: Callable[[torch.Tensor], torch.Tensor],
-    weights: torch.Tensor | Sequence[float],
-    *,
-    kind: str,
-    teacher_logits: torch.Tensor | None = None,
-    labels: torch.Tensor | None = None,
-    temperature: float = 1.0,
-    chunk_size: int = 1024,
-    ignore_index: int = -100,
-    checkpoint_chunks: bool = True,
-    vocab: TrimmedVocab | None = None,
-) -> torch.Tensor:
-    """Weighted early-exit loss over exits, computed in token chunks; returns a scalar tensor.
-
-    Args:
-        exit_hidden: L exit hidden states, a list of (B, T, D) or one (L, B, T, D) tensor.
-        head_fn: the model's final norm + LM head, mapping (n, D) to logits (n, V).
-        weights: (L,) weight of each exit (e.g. :func:`layer_weights` of the active layers).
-        kind: ``kl`` (distil from the teacher), ``ce`` (to the labels), ``both`` (their sum) or
-            ``argmax`` (CE to the teacher's argmax: the direct surrogate of greedy acceptance). Soft
-            CE to the teacher is KL plus the teacher's entropy, which has no gradient: ``kl`` is it.
-        teacher_logits: (B, T, V) logits of the full model; detached here (no gradient to it).
-        labels: (B, T) targets, already shifted (position t predicts labels[:, t]). Positions equal
-            to ``ignore_index`` are left out of both KL and CE; with no labels every position counts.
-        temperature: τ. KL(teacher || student) uses softmax(teacher / τ), log_softmax(student / τ)
-            and is multiplied by τ², as in distillation, so gradients keep their scale across τ.
-        chunk_size: tokens (rows of the flattened B*T) per chunk.
-        checkpoint_chunks: recompute each chunk's logits in backward instead of keeping them, so
-            that the backward pass too holds one (chunk, V) logits block at a time.
-        vocab: the loss over V' ids plus "other" (`TrimmedVocab`): ``head_fn`` then returns
-            (n, vocab.num_classes) logits, and the teacher and the labels are folded to match.
-
-    Loss of one exit = (Σ over valid tokens of τ²·KL and/or CE) / number of valid tokens; the result
-    is Σ_e weights[e] · loss_e. If no token is valid the result is 0 (not NaN), so a fully padded
-    micro-batch on one rank does not poison the all-reduced gradient.
-
-    Memory: never builds an (L, B, T, V) or even a (B, T, V) student tensor: it loops over exits and
-    over chunks of tokens, so the peak is one (chunk, V) logits block (plus its softmaxes).
-    """
-    hiddens = _as_exit_list(exit_hidden)
-    if chunk_size < 1:
-        raise UserError(f"chunk_size must be >= 1, got {chunk_size}")
-    weights_t = torch.as_tensor(weights, dtype=torch.float32)
-    _validate_loss_args(hiddens, weights_t, kind, teacher_logits, labels, temperature)
-    if not hiddens:
-        return _zero_loss(teacher_logits, labels)
-
+def _flat_targets(kind: str, teacher_logits: torch.Tensor | None, labels: torch.Tensor | None,
+                  temperature: float, vocab: TrimmedVocab | None) -> tuple[tuple | None, torch.Tensor | None]:
+    """The targets flattened over (B*T,): the teacher's (`_teacher_targets`, for kl and both; folded to
+    V' + 1 classes with `vocab`) and the labels (argmax: the teacher's argmax where a label counts;
+    folded with `vocab`)."""
+    ignore_index = IGNORE_INDEX
     # Flatten (B, T) -> (B*T,) once; reshape of contiguous tensors is a view, no copy.
     teacher_flat = None
     labels_flat = None if labels is None else labels.reshape(-1)  # (B*T,)
@@ -297,6 +254,60 @@ def early_exit_loss(
             teacher_flat = _teacher_targets(teacher_2d, temperature)
     if vocab is not None and labels_flat is not None:
         labels_flat = vocab.fold_labels(labels_flat, ignore_index)
+    return teacher_flat, labels_flat
+
+
+def early_exit_loss(
+    exit_hidden: Sequence[torch.Tensor] | torch.Tensor,
+    head_fn: Callable[[torch.Tensor], torch.Tensor],
+    weights: torch.Tensor | Sequence[float],
+    *,
+    kind: str,
+    teacher_logits: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    checkpoint_chunks: bool = True,
+    vocab: TrimmedVocab | None = None,
+) -> torch.Tensor:
+    """Weighted early-exit loss over exits, computed in token chunks; returns a scalar tensor.
+
+    Args:
+        exit_hidden: L exit hidden states, a list of (B, T, D) or one (L, B, T, D) tensor.
+        head_fn: the model's final norm + LM head, mapping (n, D) to logits (n, V).
+        weights: (L,) weight of each exit (e.g. :func:`layer_weights` of the active layers).
+        kind: ``kl`` (distil from the teacher), ``ce`` (to the labels), ``both`` (their sum) or
+            ``argmax`` (CE to the teacher's argmax: the direct surrogate of greedy acceptance). Soft
+            CE to the teacher is KL plus the teacher's entropy, which has no gradient: ``kl`` is it.
+        teacher_logits: (B, T, V) logits of the full model; detached here (no gradient to it).
+        labels: (B, T) targets, already shifted (position t predicts labels[:, t]). Positions equal
+            to ``IGNORE_INDEX`` (-100) are left out of both KL and CE; with no labels every position
+            counts.
+        temperature: τ. KL(teacher || student) uses softmax(teacher / τ), log_softmax(student / τ)
+            and is multiplied by τ², as in distillation, so gradients keep their scale across τ.
+        chunk_size: tokens (rows of the flattened B*T) per chunk.
+        checkpoint_chunks: recompute each chunk's logits in backward instead of keeping them, so
+            that the backward pass too holds one (chunk, V) logits block at a time.
+        vocab: the loss over V' ids plus "other" (`TrimmedVocab`): ``head_fn`` then returns
+            (n, vocab.num_classes) logits, and the teacher and the labels are folded to match.
+
+    Loss of one exit = (Σ over valid tokens of τ²·KL and/or CE) / number of valid tokens; the result
+    is Σ_e weights[e] · loss_e. If no token is valid the result is 0 (not NaN), so a fully padded
+    micro-batch on one rank does not poison the all-reduced gradient.
+
+    Memory: never builds an (L, B, T, V) or even a (B, T, V) student tensor: it loops over exits and
+    over chunks of tokens, so the peak is one (chunk, V) logits block (plus its softmaxes).
+    """
+    ignore_index = IGNORE_INDEX
+    hiddens = _as_exit_list(exit_hidden)
+    if chunk_size < 1:
+        raise UserError(f"chunk_size must be >= 1, got {chunk_size}")
+    weights_t = torch.as_tensor(weights, dtype=torch.float32)
+    _validate_loss_args(hiddens, weights_t, kind, teacher_logits, labels, temperature)
+    if not hiddens:
+        return _zero_loss(teacher_logits, labels)
+
+    teacher_flat, labels_flat = _flat_targets(kind, teacher_logits, labels, temperature, vocab)
     if labels_flat is None:
         n_valid = hiddens[0].shape[0] * hiddens[0].shape[1]
     else:

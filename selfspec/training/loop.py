@@ -341,42 +341,8 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True, kind: str
 
 def _setup(cfg: RunConfig, output_dir: Path) -> _Run:
     """Accelerator, data, model, objective, optimizer and schedule, prepared for this run."""
-    check_launch(has_accelerator(), torch.cuda.device_count())
-    plugin_kwargs = []
-    if cfg.layer_dropout.p_max > 0 and not cfg.layer_dropout.per_sample:
-        # A block skipped for the whole batch leaves its parameters without gradient on that step;
-        # DDP must be told, or it waits forever for their all-reduce.
-        plugin_kwargs.append(DistributedDataParallelKwargs(find_unused_parameters=True))
-    accelerator = Accelerator(
-        # cpu: so that `accelerate launch --multi_gpu --num_processes 2` runs gloo DDP on CPUs
-        cpu=not has_accelerator(), gradient_accumulation_steps=cfg.optim.grad_accum,
-        mixed_precision=_mixed_precision(cfg.mixed_precision),
-        log_with=_trackers(cfg, output_dir), project_dir=str(output_dir), kwargs_handlers=plugin_kwargs,
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed))
-    set_seed(cfg.seed)
-    deepspeed = accelerator.state.deepspeed_plugin
-    if deepspeed is not None:  # the recipe's clipping, not accelerate's fixed 1.0 for a config's "auto"
-        deepspeed.deepspeed_config["gradient_clipping"] = cfg.optim.grad_clip
-    if accelerator.device.type == "cpu":
-        _set_cpu_threads(cfg.cpu_threads, int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes)))
-        if accelerator.mixed_precision == "bf16" and has_bf16_units() is False:
-            accelerator.print("warning: mixed_precision bf16 on a CPU without bf16 units is emulated and "
-                              "many times slower than fp32; set mixed_precision=no on this machine")
-
-    with accelerator.main_process_first():
-        corpus = data_lib.load_corpus(cfg.data.source, cfg.data.text_field, cache_dir=cfg.data.cache_path,
-                                      seed=cfg.seed)
-        model, tokenizer = build_model_and_tokenizer(cfg, corpus)
-        data = cfg.data
-        skip_forced = cfg.early_exit.skip_forced
-        train_blocks = data_lib.pack_split(corpus["train"], tokenizer, data.block_size, data.text_field,
-                                           max_blocks=data.max_train_blocks, cache_dir=data.cache_path,
-                                           skip_forced=skip_forced)
-        held_out = corpus if data.eval_source is None else data_lib.load_corpus(
-            data.eval_source, data.text_field, cache_dir=data.cache_path, seed=cfg.seed)
-        val_blocks = data_lib.pack_split(held_out["validation"], tokenizer, data.block_size, data.text_field,
-                                         max_blocks=data.max_eval_blocks, cache_dir=data.cache_path,
-                                         skip_forced=skip_forced)
+    accelerator = _accelerator(cfg, output_dir)
+    model, tokenizer, train_blocks, val_blocks = _data_and_model(cfg, accelerator)
     view = DecoderView(model)
     num_layers, limit = view.num_layers, view.max_positions
     if limit is not None and cfg.data.block_size > limit:
@@ -404,23 +370,83 @@ def _setup(cfg: RunConfig, output_dir: Path) -> _Run:
     feature_seconds = 0.0
     if cfg.trainable == "adapter" and cfg.cache_features:
         feature_start = time.perf_counter()
-        # The model is frozen: its exit states and its teacher are the same every epoch.
-        ee = cfg.early_exit
-        with accelerator.main_process_first():
-            cache_dir = None if cfg.model.from_scratch else cfg.data.cache_path
-            features = exit_features(model.to(accelerator.device), train_blocks, cfg.model.name_or_path,
-                                     exit_layer, 1 if ee.kind == "argmax" else ee.teacher_top_k,
-                                     ee.temperature, cache_dir, batch_size=cfg.optim.batch_size,
-                                     progress=accelerator.is_local_main_process)
-        if "draft_mask" in train_blocks.column_names:  # the features do not depend on it: joined after
-            features = datasets.concatenate_datasets(
-                [features.with_format(None), train_blocks.select_columns(["draft_mask"]).with_format(None)],
-                axis=1).with_format("torch")
-        train_blocks = features
+        train_blocks = _cached_features(cfg, accelerator, model, train_blocks, exit_layer)
         feature_seconds = time.perf_counter() - feature_start
     if objective.frozen_model is not None:
         objective.frozen_model.to(accelerator.device)
+    objective, optimizer, loader, scheduler, trainable = _prepared(cfg, accelerator, objective, train_blocks)
+    return _Run(cfg, output_dir, accelerator, objective, optimizer, scheduler, loader, trainable, tokenizer,
+                train_blocks, val_blocks, exit_layer, token_counts, weights_dtype,
+                feature_seconds=feature_seconds)
 
+
+def _accelerator(cfg: RunConfig, output_dir: Path) -> Accelerator:
+    """The run's `Accelerator` (its launch checked, the seed set, the CPU threads and DeepSpeed's
+    clipping set from the recipe)."""
+    check_launch(has_accelerator(), torch.cuda.device_count())
+    plugin_kwargs = []
+    if cfg.layer_dropout.p_max > 0 and not cfg.layer_dropout.per_sample:
+        # A block skipped for the whole batch leaves its parameters without gradient on that step;
+        # DDP must be told, or it waits forever for their all-reduce.
+        plugin_kwargs.append(DistributedDataParallelKwargs(find_unused_parameters=True))
+    accelerator = Accelerator(
+        # cpu: so that `accelerate launch --multi_gpu --num_processes 2` runs gloo DDP on CPUs
+        cpu=not has_accelerator(), gradient_accumulation_steps=cfg.optim.grad_accum,
+        mixed_precision=_mixed_precision(cfg.mixed_precision),
+        log_with=_trackers(cfg, output_dir), project_dir=str(output_dir), kwargs_handlers=plugin_kwargs,
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed))
+    set_seed(cfg.seed)
+    deepspeed = accelerator.state.deepspeed_plugin
+    if deepspeed is not None:  # the recipe's clipping, not accelerate's fixed 1.0 for a config's "auto"
+        deepspeed.deepspeed_config["gradient_clipping"] = cfg.optim.grad_clip
+    if accelerator.device.type == "cpu":
+        _set_cpu_threads(cfg.cpu_threads, int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes)))
+        if accelerator.mixed_precision == "bf16" and has_bf16_units() is False:
+            accelerator.print("warning: mixed_precision bf16 on a CPU without bf16 units is emulated and "
+                              "many times slower than fp32; set mixed_precision=no on this machine")
+    return accelerator
+
+
+def _data_and_model(cfg: RunConfig, accelerator: Accelerator) -> tuple:
+    """(model, tokenizer, training blocks, validation blocks), made by the main process first (the
+    others then read its caches)."""
+    with accelerator.main_process_first():
+        corpus = data_lib.load_corpus(cfg.data.source, cfg.data.text_field, cache_dir=cfg.data.cache_path,
+                                      seed=cfg.seed)
+        model, tokenizer = build_model_and_tokenizer(cfg, corpus)
+        data = cfg.data
+        skip_forced = cfg.early_exit.skip_forced
+        train_blocks = data_lib.pack_split(corpus["train"], tokenizer, data.block_size, data.text_field,
+                                           max_blocks=data.max_train_blocks, cache_dir=data.cache_path,
+                                           skip_forced=skip_forced)
+        held_out = corpus if data.eval_source is None else data_lib.load_corpus(
+            data.eval_source, data.text_field, cache_dir=data.cache_path, seed=cfg.seed)
+        val_blocks = data_lib.pack_split(held_out["validation"], tokenizer, data.block_size, data.text_field,
+                                         max_blocks=data.max_eval_blocks, cache_dir=data.cache_path,
+                                         skip_forced=skip_forced)
+    return model, tokenizer, train_blocks, val_blocks
+
+
+def _cached_features(cfg: RunConfig, accelerator: Accelerator, model, train_blocks, exit_layer: int):
+    """The training blocks as the frozen model's exit states and teacher (`exit_features`): the model is
+    frozen, so they are the same every epoch."""
+    ee = cfg.early_exit
+    with accelerator.main_process_first():
+        cache_dir = None if cfg.model.from_scratch else cfg.data.cache_path
+        features = exit_features(model.to(accelerator.device), train_blocks, cfg.model.name_or_path,
+                                 exit_layer, 1 if ee.kind == "argmax" else ee.teacher_top_k,
+                                 ee.temperature, cache_dir, batch_size=cfg.optim.batch_size,
+                                 progress=accelerator.is_local_main_process)
+    if "draft_mask" in train_blocks.column_names:  # the features do not depend on it: joined after
+        features = datasets.concatenate_datasets(
+            [features.with_format(None), train_blocks.select_columns(["draft_mask"]).with_format(None)],
+            axis=1).with_format("torch")
+    return features
+
+
+def _prepared(cfg: RunConfig, accelerator: Accelerator, objective, train_blocks) -> tuple:
+    """(objective, optimizer, loader, scheduler) prepared by the accelerator, and the trainable
+    parameters; the layer dropout's draws registered for checkpointing and the trackers started."""
     loader = DataLoader(train_blocks, batch_size=cfg.optim.batch_size, shuffle=True, drop_last=True,
                         generator=torch.Generator().manual_seed(cfg.seed))
     trainable = [p for p in objective.parameters() if p.requires_grad]
@@ -438,13 +464,10 @@ def _setup(cfg: RunConfig, output_dir: Path) -> _Run:
         dropout.synchronize()  # rank 0's draws on every rank, whatever seed a machine was given
         accelerator.register_for_checkpointing(dropout)
     accelerator.init_trackers("selfspec", config=_flat(to_dict(cfg)))
-    batches_per_epoch = len(loader)
-    if batches_per_epoch == 0:
+    if len(loader) == 0:
         raise UserError(f"the training split has fewer than optim.batch_size = {cfg.optim.batch_size} "
                         f"blocks; lower optim.batch_size or data.block_size")
-    return _Run(cfg, output_dir, accelerator, objective, optimizer, scheduler, loader, trainable, tokenizer,
-                train_blocks, val_blocks, exit_layer, token_counts, weights_dtype,
-                feature_seconds=feature_seconds)
+    return objective, optimizer, loader, scheduler, trainable
 
 
 def _resume(run: _Run) -> None:
