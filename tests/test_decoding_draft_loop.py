@@ -1,9 +1,9 @@
-"""The compiled round (`DecoderView.draft_loop` and `verify_greedy`, `kernels.draft_loop` and
+"""The compiled round (`Backend.draft_loop` and `verify_greedy`, `kernels.draft_loop` and
 `verify_greedy`): a round's greedy early-exit drafts in one call draft exactly what the step-by-step
 Python loop drafts, leave the same cache, stop below η at the same step; the verification in one call
 accepts what the Python path accepts; the output stays plain greedy's, for every family, batch, k and
 drafter (GPT-2 and windows that cut a slot fall back to Python, which the same assertions cover). And
-one row's rounds in one call (`DecoderView.greedy_rounds`) decode and count what those calls do."""
+one row's rounds in one call (`Backend.greedy_rounds`) decode and count what those calls do."""
 
 import numpy as np
 import pytest

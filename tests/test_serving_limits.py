@@ -153,7 +153,44 @@ def test_serve_gives_uvicorn_its_keep_alive_timeout_and_a_bound_on_connections(g
                          "33", "--request-timeout", "12", "--prefix-cache-mb", "0"]) == 0
     finally:
         signal.signal(signal.SIGTERM, handler)
-    assert seen["timeout_keep_alive"] == 7 and seen["limit_concurrency"] == 33
+    # uvicorn's own bound counts idle keep-alive connections too: a backstop behind the server's 33 requests
+    assert seen["timeout_keep_alive"] == 7 and seen["limit_concurrency"] == 2 * 33
+
+
+def test_requests_past_max_connections_get_an_openai_503_and_health_still_answers():
+    """Two requests in flight under a limit of one: the second is refused in OpenAI's shape (uvicorn's own
+    limit would answer in plain text), /health is answered, and the first finishes."""
+    import httpx
+
+    from selfspec.serving.app import _Guard
+    from selfspec.serving.metrics import Metrics
+
+    release = asyncio.Event()
+
+    async def slow(scope, receive, send):  # a request that holds its place until released
+        if scope["path"] == "/slow":
+            await release.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async def scenario():
+        guard = _Guard(slow, Metrics(), max_requests=1)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=guard), base_url="http://x") as client:
+            first = asyncio.create_task(client.get("/slow"))
+            while guard.in_flight < 1:
+                await asyncio.sleep(0.01)
+            refused = await client.post("/v1/completions", json={})
+            health = await client.get("/health")
+            release.set()
+            return refused, health, await first, guard.in_flight
+
+    refused, health, first, in_flight = asyncio.run(scenario())
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+    error = refused.json()["error"]
+    assert error["code"] == "overloaded" and error["type"] == "server_error"
+    assert "--max-connections" in error["message"]
+    assert health.status_code == 200 and first.status_code == 200 and first.text == "ok"
+    assert in_flight == 0
 
 
 # -- 4. nothing heavy on the event loop ---------------------------------------------------------------

@@ -66,9 +66,9 @@ _COLUMNS_MAX_ROWS = 8
 # the per-operation path, its products in the few-row kernel); "passes", a decoding pass over several
 # blocks runs them in one compiled call (see `FastLlamaBlocks.run_range`; off: block by block);
 # "rounds", the engine's greedy rounds run in compiled calls: the early-exit drafts in one
-# (`FastLlamaBlocks.draft_loop`), the verification in another (`verify_greedy`; off: from Python, step
-# by step); "decode", a call's greedy rounds of one row at a fixed k run in one compiled call
-# (`FastLlamaBlocks.greedy_rounds`: the host does not return to Python between rounds; off: each round
+# (`backends.CpuKernelsBackend.draft_loop`), the verification in another (`verify_greedy`; off: from
+# Python, step by step); "decode", a call's greedy rounds of one row at a fixed k run in one compiled call
+# (`CpuKernelsBackend.greedy_rounds`: the host does not return to Python between rounds; off: each round
 # as the calls before).
 KERNEL_LEVELS = kernels.KERNEL_LEVELS
 KernelSettings = kernels.KernelSettings

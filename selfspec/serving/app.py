@@ -60,6 +60,10 @@ CLIENT_GONE = 499  # the status logged and counted for a request whose client hu
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
 
 
+# uvicorn's own limit, a backstop behind `_Guard`'s: it counts idle keep-alive connections too
+CONNECTIONS_PER_REQUEST = 2
+
+
 def _error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
@@ -69,18 +73,34 @@ class _Guard:
     (`request.state.request_id`, the `x-request-id` header), counts its status in the metrics (by
     endpoint; "other" for any other path), and answers an exception the application let through with a
     500 in OpenAI's shape that names the id, the traceback logged under it. An exception after the
-    response started (a stream) is logged and ends the connection."""
+    response started (a stream) is logged and ends the connection. More than `max_requests` requests at
+    once get a 503 in OpenAI's shape (uvicorn's own limit, past it, answers in plain text); /health is
+    always answered, so a supervisor still sees the server up."""
 
-    def __init__(self, app, metrics: Metrics):
-        self.app, self.metrics = app, metrics
+    def __init__(self, app, metrics: Metrics, max_requests: int):
+        self.app, self.metrics, self.max_requests = app, metrics, max_requests
+        self.in_flight = 0  # HTTP requests being served (the event loop's one thread counts them)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        self.in_flight += 1
+        try:
+            await self._serve(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+
+    async def _serve(self, scope, receive, send):
         request_id = new_request_id()
         scope.setdefault("state", {})["request_id"] = request_id
         status = None
+        app = self.app
+        if self.in_flight > self.max_requests and scope.get("path") != "/health":
+            busy = APIError(503, f"the server serves at most {self.max_requests} requests at once "
+                                 f"(--max-connections); retry later", kind="server_error", code="overloaded",
+                            headers={"retry-after": "1"})
+            app = _error_response(busy)
 
         async def send_with_id(message):
             nonlocal status
@@ -91,7 +111,7 @@ class _Guard:
             await send(message)
 
         try:
-            await self.app(scope, receive, send_with_id)
+            await app(scope, receive, send_with_id)
         except Exception:  # noqa: BLE001 - the client gets the id, the log gets the traceback
             logger.exception("request %s (%s %s) failed", request_id, scope.get("method"), scope.get("path"))
             if status is None:
@@ -124,7 +144,7 @@ def create_app(generator, model_name: str, options: AppOptions | None = None) ->
                   openapi_url=None)
     app.state.scheduler, app.state.metrics = handlers.scheduler, handlers.metrics
     app.state.max_model_len = handlers.max_model_len
-    app.add_middleware(_Guard, metrics=handlers.metrics)
+    app.add_middleware(_Guard, metrics=handlers.metrics, max_requests=handlers.options.max_connections)
     app.exception_handler(APIError)(handlers.api_error)
     app.exception_handler(StarletteHTTPException)(handlers.http_error)
     app.exception_handler(RequestValidationError)(handlers.validation_error)
@@ -515,9 +535,10 @@ def serve(options: ServeOptions) -> None:
     serve it until interrupted. The key comes from `api_key` or $SELFSPEC_API_KEY. Prompts prefill
     through a prefix cache of `prefix_cache_mb` MiB (0: none), so requests that share a system turn
     or an instruction compute it once. request_timeout: see `create_app`; keep_alive_timeout: an idle
-    connection's seconds (uvicorn's `timeout_keep_alive`); max_connections: the connections and
-    requests uvicorn takes at once (its `limit_concurrency`; beyond: a 503). A limit out of range is a
-    UserError when the options are made, before the model loads.
+    connection's seconds (uvicorn's `timeout_keep_alive`); max_connections: the requests served at once
+    (beyond: a 503 in OpenAI's shape, `_Guard`), uvicorn taking twice as many connections (its
+    `limit_concurrency`: idle keep-alive connections count there; beyond, its plain 503). A limit out
+    of range is a UserError when the options are made, before the model loads.
 
         serve(ServeOptions(model="runs/demo/model", port=8000))
     """
@@ -551,4 +572,5 @@ def serve(options: ServeOptions) -> None:
     # handler it found; a no-op one lets the command return, so a stop on request exits 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
     uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=options.grace,
-                timeout_keep_alive=options.keep_alive_timeout, limit_concurrency=options.max_connections)
+                timeout_keep_alive=options.keep_alive_timeout,
+                limit_concurrency=CONNECTIONS_PER_REQUEST * options.max_connections)

@@ -15,7 +15,7 @@ from ..options import CopyOverride, DecodeOverrides, DrafterOverride, Options, o
 
 REQUEST_TIMEOUT = 30.0  # seconds a request's body may take to arrive, and its preparation on the pool
 KEEP_ALIVE_TIMEOUT = 5.0  # seconds an idle keep-alive connection stays open (uvicorn's default)
-MAX_CONNECTIONS = 256  # concurrent connections and requests uvicorn takes (beyond: its plain 503)
+MAX_CONNECTIONS = 256  # requests served at once (beyond: a 503 in OpenAI's shape)
 GRACE_SECONDS = 30.0  # what a request in flight gets to finish when the server is told to stop
 
 
@@ -47,7 +47,8 @@ class ServerLimits(Options):
     keep_alive_timeout: float = KEEP_ALIVE_TIMEOUT
     """seconds an idle keep-alive connection stays open (default: 5)"""
     max_connections: int = MAX_CONNECTIONS
-    """connections and requests served at once; beyond, uvicorn answers 503 (default: 256)"""
+    """requests served at once; beyond, a 503 (/health is always answered; uvicorn takes twice as many
+    connections, idle keep-alive ones included) (default: 256)"""
     default_max_tokens: int = option(256, cli=False)
     """a chat request's max_tokens when it names none (less where the context has less room)"""
 
