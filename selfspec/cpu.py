@@ -36,6 +36,16 @@ def keep_freed_memory() -> bool:
         (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1), (_M_TOP_PAD, 1 << 30)))
 
 
+def release_freed_memory() -> bool:
+    """Return the heap's free pages to the kernel now (glibc's `malloc_trim`, every arena; Linux only),
+    whatever `keep_freed_memory` set: a long-running process calls it when idle, so that one peak (a
+    request's huge grammar) does not stay resident. Whether it ran (False off glibc)."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    return True
+
+
 def has_bf16_units() -> bool | None:
     """Whether this CPU computes bf16 natively (x86 AVX512-BF16 or AMX, Arm BF16); None off Linux.
 

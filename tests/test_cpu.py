@@ -62,3 +62,12 @@ def test_loading_leaves_the_callers_thread_without_an_openmp_team(tmp_path):
     assert _workers_added("from selfspec.cpu import on_a_thread_that_ends\n"
                           "on_a_thread_that_ends(lambda: torch.ones(1 << 22).add_(1))") == 1
     assert _workers_added(f"from selfspec.checkpoint import load_tuned\nload_tuned({str(path)!r})") == 1
+
+
+def test_release_freed_memory_runs_on_glibc():
+    import platform
+
+    from selfspec.cpu import release_freed_memory
+
+    on_glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+    assert release_freed_memory() is on_glibc

@@ -631,3 +631,18 @@ def test_a_grammar_past_the_engines_limits_is_a_user_error(tokenizer):
     generator = SelfSpecGenerator(make_model("llama", tokenizer), tokenizer, drafter="ngram")
     with pytest.raises(UserError, match="grew past what the grammar engine can follow"):
         generator.generate([prompt_ids(tokenizer)], max_new_tokens=40, json_schema=schema)
+
+
+def test_a_constraint_compiled_once_is_kept_unless_it_is_huge(tokenizer):
+    """The server compiles a request's grammar as it checks it and the decoding thread reuses it; a huge
+    one (a 20,000-value enum compiles to hundreds of MiB) is not kept past its use."""
+    from selfspec.decoding.grammar import COMPILED_KEPT_CHARS
+
+    gen = SelfSpecGenerator(make_model("llama", tokenizer), tokenizer, drafter="ngram")
+    grammars = gen.grammar_tokenizer()
+    small = Constraint.of(PERSON)
+    assert grammars.compiled(small) is grammars.compiled(small)
+    values = [f"value {i}" for i in range(COMPILED_KEPT_CHARS // 8)]
+    huge = Constraint.of({"type": "string", "enum": values})
+    assert len(huge.text) > COMPILED_KEPT_CHARS
+    assert grammars.compiled(huge) is not grammars.compiled(huge)

@@ -40,6 +40,9 @@ from ..errors import UserError
 JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 INSTALL = "pip install 'selfspec[structured]' (or pip install llguidance)"
 COMPILED_KEPT = 64  # compiled constraints a `GrammarTokenizer` keeps (`GrammarTokenizer.compiled`)
+# The longest constraint text kept compiled: a huge enum or key list compiles to a matcher of hundreds of
+# MiB, which a cache of 64 would hold on to; such a constraint compiles again where it is used.
+COMPILED_KEPT_CHARS = 16 << 10
 
 
 def _llguidance():
@@ -171,8 +174,9 @@ class GrammarTokenizer:
 
     def compiled(self, constraint: Constraint):
         """`constraint`'s compiled matcher, shared: the caller takes `deep_copy`s and never feeds it.
-        The last `COMPILED_KEPT` are kept, so that a constraint compiled once (by the server, on a
-        worker thread, as it checks a request) is not compiled again by every batch that decodes it.
+        The last `COMPILED_KEPT` are kept (those of at most `COMPILED_KEPT_CHARS` characters), so that a
+        constraint compiled once (by the server, on a worker thread, as it checks a request) is not
+        compiled again by every batch that decodes it.
         Thread-safe; a UserError as `matcher`'s."""
         with self._compiled_lock:
             found = self._compiled.get(constraint)
@@ -180,6 +184,8 @@ class GrammarTokenizer:
                 self._compiled.move_to_end(constraint)
                 return found
         made = self.matcher(constraint)  # outside the lock: a large grammar compiles for a while
+        if len(constraint.text) > COMPILED_KEPT_CHARS:
+            return made
         with self._compiled_lock:
             self._compiled[constraint] = made
             self._compiled.move_to_end(constraint)
