@@ -20,6 +20,7 @@ whose rows are not whole 32-value blocks stays f32.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -47,6 +48,9 @@ def check_gguf_exportable(model, tokenizer_dir: str | Path, gguf_type: str) -> N
     GGUF for llama.cpp at `gguf_type`; before anything is written, so a refusal leaves no files."""
     if gguf_type not in GGUF_TYPES:
         raise UserError(f"--gguf-type must be one of {', '.join(GGUF_TYPES)}, got {gguf_type!r}")
+    if importlib.util.find_spec("gguf") is None:
+        raise UserError("writing GGUF files needs the gguf package: pip install 'selfspec[gguf]' "
+                        "(or pip install gguf)")
     config = model.config
     family = config.model_type
     if family not in _ARCHITECTURES:

@@ -155,16 +155,26 @@ def _members(hint) -> list:
 def _converter(members: list):
     """The argparse `type` of a flag whose field holds `members`: int or float where that is all it
     holds (as a list's items too); None (the text as typed) where it may hold a string."""
-    items = []
+    items, words = [], []
     for member in members:
         origin = typing.get_origin(member)
         if origin in (list, tuple, collections.abc.Sequence):
             items += [arg for arg in typing.get_args(member) if arg is not Ellipsis]
-        elif origin is not Literal:
+        elif origin is Literal:
+            words += [arg for arg in typing.get_args(member) if isinstance(arg, str)]
+        else:
             items.append(member)
     if str in items or not items:
         return None
-    return int if all(item is int for item in items) else float if float in items else None
+    number = int if all(item is int for item in items) else float if float in items else None
+    if number is None or not words:
+        return number
+
+    def number_or_word(text: str):  # `int | Literal["auto"]`: "auto" as typed, else the number
+        return text if text in words else number(text)
+
+    number_or_word.__name__ = f"{number.__name__} or {' / '.join(words)}"  # argparse's "invalid ... value"
+    return number_or_word
 
 
 def add_cli_args(parser: argparse.ArgumentParser, cls) -> argparse.ArgumentParser:
@@ -220,7 +230,8 @@ def to_cli_args(options: Options) -> list[str]:
     for field in cli_fields(type(options)):
         value, spec, name = getattr(options, field.name), flag_of(field), flag_name(field)
         if spec.positional:
-            argv += [str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)]
+            if value is not None:  # an optional positional left out
+                argv += [str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)]
         elif field.default is not MISSING and value == field.default:
             continue
         elif isinstance(value, bool):

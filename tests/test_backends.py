@@ -18,7 +18,7 @@ from helpers import FAMILIES, kernels_unavailable, low_alpha_model, tiny_model
 
 from selfspec.backends import BACKENDS, CpuKernelsBackend, ReferenceBackend, StaticBackend, make_backend
 from selfspec.data import train_tokenizer
-from selfspec.decoding import DecodeSettings, SelfSpecGenerator
+from selfspec.decoding import DecodeSettings, NewRow, SelfSpecGenerator
 from selfspec.errors import UserError
 from selfspec.model import DecoderView, kernels
 
@@ -118,12 +118,24 @@ def test_the_reference_runs_no_compiled_call_and_the_cpu_kernels_do():
                 return lambda *args: (calls.append(name), function(*args))[1]
         return Counting()
 
+    def stepped(backend):  # a row that joins a running batch is prefilled too
+        gen = SelfSpecGenerator(model, exit_layer=2, num_speculations=3, backend=backend)
+        engine = gen.engine(eos_token_id=[])
+        engine.add(NewRow(PROMPTS[0], max_new_tokens=NEW))
+        engine.step()
+        engine.add(NewRow(PROMPTS[1], max_new_tokens=NEW))
+        while not engine.done:
+            engine.step()
+        return engine.output().sequences
+
     for backend, expect_calls in (("reference", False), ("cpu_kernels", True)):
         calls.clear()
         with kernels.wrapped(counted):
             _decode(model, backend, "early_exit", 3, 1, False)
+            joined = stepped(backend)
         assert bool(calls) == expect_calls, (backend, sorted(set(calls)))
     assert "greedy_rounds" in calls  # the declared capability, fused rounds, ran
+    assert joined == stepped("reference")
 
 
 def test_make_backend_picks_and_refuses():
@@ -147,4 +159,5 @@ def test_a_generator_runs_on_the_backend_it_names():
     assert SelfSpecGenerator(model, exit_layer=2, static_passes="eager").backend.name == "static"
     with torch.inference_mode():
         gen = SelfSpecGenerator(model, exit_layer=2, backend="static")
-        assert gen.static_passes == "eager"  # caches in buckets, as under static_passes="eager"
+        assert gen.backend.mode == "eager" and gen.backend.pools_caches  # caches in buckets, reused
+        assert gen.backend.max_pass_positions == 16

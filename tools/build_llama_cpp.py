@@ -125,6 +125,7 @@ def build(version: str = DEFAULT_VERSION, sdist: str | None = None, jobs: int | 
     if built(version) and not force:
         return bin_dir(version)
     cmake, compiler, generator = _find_tools()
+    (root / "build.json").unlink(missing_ok=True)  # a rebuild stopped halfway is no finished build
     archive = _find_sdist(sdist, version, cache_root())
     source = root / "src"
     _extract(archive, source)
@@ -152,7 +153,9 @@ def build(version: str = DEFAULT_VERSION, sdist: str | None = None, jobs: int | 
     stamp = {"version": version, "sdist": str(archive), "targets": list(TARGETS), "jobs": jobs,
              "seconds": round(time.monotonic() - start, 1), "compiler": compiler, "generator": generator}
     # The stamp is written last, so an interrupted build is never taken for a finished one.
-    (root / "build.json").write_text(json.dumps(stamp, indent=2) + "\n")
+    tmp = root / "build.json.tmp"
+    tmp.write_text(json.dumps(stamp, indent=2) + "\n")
+    os.replace(tmp, root / "build.json")
     return destination
 
 

@@ -275,10 +275,11 @@ def main() -> None:
     mean = statistics.mean(r["tokens"] for r in results["plain"])
     print(f"\nmean reply {mean:.0f} tokens")
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"target": str(target), "draft": str(draft),
-                                                   "prompts": args.prompts, "max_tokens": args.max_tokens,
-                                                   "threads": args.threads, "configurations": configs,
-                                                   "summary": summary, "results": results}, indent=1) + "\n")
+        from selfspec.files import write_json_atomic
+
+        write_json_atomic(args.json_out, {"target": str(target), "draft": str(draft), "prompts": args.prompts,
+                                          "max_tokens": args.max_tokens, "threads": args.threads,
+                                          "configurations": configs, "summary": summary, "results": results})
 
 
 def _one(directory: Path | None, pattern: str) -> Path:

@@ -22,8 +22,8 @@ The backends:
 - `static` (`StaticBackend`): every decoding pass at fixed shapes ("eager"), through `torch.compile`
   ("compile") or captured as CUDA graphs ("graph"); the GPU's path.
 
-`make_backend(view, name)` picks one; "auto" is `cpu_kernels` where the kernels run (a CPU with a
-compiler), `reference` elsewhere.
+`make_backend(view, name)` picks one; "auto" is `cpu_kernels` on a CPU (each of its calls declines where
+the kernels did not build), `reference` elsewhere.
 """
 
 from __future__ import annotations

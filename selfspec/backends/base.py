@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..model.view import DecoderView
@@ -28,7 +29,7 @@ class FusedDrafts:
     exit_layer: int = 0
     head: tuple | None = None
     eta: float = 0.0
-    history: torch.Tensor | None = None
+    history: np.ndarray | None = None
     min_ngram: int = 0
     max_ngram: int = 0
     copy_length: int = 0
@@ -37,20 +38,23 @@ class FusedDrafts:
         """(history, min_ngram, max_ngram, copy_length) as the kernels take them, or None without copies."""
         if self.history is None:
             return None
-        return self.history, self.min_ngram, self.max_ngram, self.copy_length
+        return torch.from_numpy(self.history), self.min_ngram, self.max_ngram, self.copy_length
 
 
 class Backend:
     """The protocol (and the reference behaviour: every operation declined, see the module docstring).
 
     view: the model's `DecoderView`. A backend is made per generator; `name` says which it is,
-    `fused_rounds` whether `greedy_rounds` may run. Arguments follow the engine's round: `cache` a
+    `fused_rounds` whether `greedy_rounds` may run, `max_pass_positions` and `pools_caches` what
+    the engine must respect of its passes and caches. Arguments follow the engine's round: `cache` a
     `decoding.KVCache` with the round's positions announced, `positions` (B, T) those positions, `head`
     a draft head's tensors (`DraftHead.tensors()`: weight (V', D), bias or None, ids (V',) or None, V),
     `eta` η (0: never stop)."""
 
-    name = "reference"
-    fused_rounds = False
+    name = "base"
+    fused_rounds = False  # the capability `greedy_rounds`
+    max_pass_positions: int | None = None  # the most positions one pass takes (a round's k + 1); None: any
+    pools_caches = False  # whether caches are made through `capacity`/`allocate` and kept for the next call
 
     def __init__(self, view: DecoderView):
         self.view = view

@@ -64,9 +64,11 @@ class CpuKernelsBackend(Backend):
         return drafts, hidden
 
     def draft_choice(self, hidden, head, allowed=None, eta=0.0):
+        if self.adapter is None or not self.adapter.uses_fast():  # train mode, eager or flash attention
+            return None
         fast = self._fast
         made = kernels.draft_choice() if kernels.settings().runs("products") else None
-        if made is None or fast is None or fast.head is None or torch.is_grad_enabled():
+        if made is None or fast.head is None or torch.is_grad_enabled():
             return None
         weight, bias, ids, vocab = head
         if hidden.device.type != "cpu" or hidden.dtype not in (torch.float32, torch.bfloat16) or any(
@@ -75,7 +77,7 @@ class CpuKernelsBackend(Backend):
             return None
         norm, eps = fast.head[:2]
         drafts, top = made(hidden.contiguous(), norm, eps, weight, bias, ids, vocab, allowed, eta)
-        return drafts, eta <= 0 or not bool((top < eta).all())  # the engine's `_unsure`, negated
+        return drafts, eta <= 0 or not bool((top < eta).all())  # `RoundPasses.unsure`, negated
 
     def draft_step(self, exit_layer, tokens, cache, positions, head, exit_block=None, allowed=None, eta=0.0):
         return self._draft_step(exit_layer, tokens, cache, positions, head, exit_block, allowed, eta)
@@ -90,6 +92,8 @@ class CpuKernelsBackend(Backend):
             return None
         slots, cos, sin = place
         norm = self._fast.head
+        if norm is None:  # a hooked or quantised LM head: the head stays the model's own
+            return None
         call = self._round_call(kernels.verify_greedy, start, end, cos, sin, (norm[2], norm[3]))
         if call is None:
             return None

@@ -7,7 +7,7 @@ from torch import nn
 from ..errors import UserError
 from ..model.adapters import LlamaFamilyAdapter
 from .base import STATIC_MODES, Backend
-from .static_passes import StaticPasses
+from .static_passes import WIDTH, StaticPasses
 
 
 class StaticBackend(Backend):
@@ -26,6 +26,8 @@ class StaticBackend(Backend):
     backend's plain decoding, in bf16 too (every pass on the same number of rows)."""
 
     name = "static"
+    max_pass_positions = WIDTH  # every pass is padded to this many positions
+    pools_caches = True  # captured passes are specific to the cache buffers' shapes and addresses
 
     def __init__(self, view, mode: str = "eager"):
         super().__init__(view)

@@ -29,7 +29,6 @@ import numpy as np
 import torch
 
 from ..backends import FusedDrafts
-from ..backends.static_passes import WIDTH as STATIC_WIDTH
 from ..errors import UserError
 from ..model.fast import fixed_width
 from .grammar import GrammarBatch
@@ -142,17 +141,23 @@ class Engine:
     def step(self) -> list[RoundOutput]:
         """One round for every running row (a compiled call of several for a lone greedy row on the CPU
         kernels): what each emitted. Starts the batch first, and lets the rows added since join."""
-        if self.b is None:
-            self.start()
-        if self.joining:
-            self._join()
-        if self.cancelled:
-            self._drop_cancelled()
+        # the backend's switches for this thread, a joining row's prefill included; a low-precision
+        # model's rounds at one width
+        with self.gen.backend.active():
+            if self.b is None:
+                self.start()
+            if self.joining:
+                self._join()
+            if self.cancelled:
+                self._drop_cancelled()
+            if not self.b.rows.size:
+                return []
+            return self._step()
+
+    def _step(self) -> list[RoundOutput]:
+        """`step`'s round over the running rows, under the backend's switches."""
         b = self.b
-        if not b.rows.size:
-            return []
-        # a low-precision model: every pass at one width; the backend's switches for this thread
-        with fixed_width(self.gen.fixed_width), self.gen.backend.active():
+        with fixed_width(self.gen.fixed_width):
             rows = b.rows
             fused = self._fused_rounds(rows)
             tokens, emit, finished, done = fused if fused is not None else self._round(rows)
@@ -297,7 +302,9 @@ class Engine:
         """One round from Python: draft, verify, accept; (tokens, emit, finished, `RoundCounts`)."""
         gen, policy, b, stats = self.gen, self.policy, self.b, self.stats
         plan = policy.plan(rows)
-        cap = self.k_max if gen.static_passes is None else min(self.k_max, STATIC_WIDTH - 1)
+        cap = self.k_max
+        if gen.backend.max_pass_positions is not None:  # a round's k + 1 positions in one pass
+            cap = min(cap, gen.backend.max_pass_positions - 1)
         limit = gen.view.max_positions
         if limit is not None:  # no draft beyond the last position the model has (GPT-2's table)
             cap = min(cap, limit - 1 - int(b.lengths.max()))

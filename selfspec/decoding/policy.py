@@ -31,7 +31,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from ..backends import FusedDrafts
 from ..errors import UserError
@@ -249,7 +248,7 @@ class CopyPolicy(DraftPolicy):
 
     def fused_drafts(self, row):
         copy_length = self.copy_controller.next_k()
-        history = torch.tensor(self.indexes[row].tokens, dtype=torch.long)  # (t,), the pending token last
+        history = np.array(self.indexes[row].tokens, dtype=np.int64)  # (t,), the pending token last
         return FusedDrafts(k=self.early_exit.next_k(), history=history,
                            min_ngram=self.ngram.min_ngram, max_ngram=self.ngram.max_ngram,
                            copy_length=copy_length)

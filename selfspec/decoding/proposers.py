@@ -15,6 +15,7 @@ goes to the verification (`verification.py`), which is the same for every propos
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,6 +23,7 @@ import torch
 
 from .batch import Batch, joined, width
 from .grammar import apply_mask
+from .ngram import TokenText
 from .passes import RoundPasses
 from .policy import DraftPlan, DraftPolicy, Segment
 
@@ -168,11 +170,11 @@ class ForcedProposer:
 
 
 class CopyProposer:
-    """Copies from the row's context (the policy's n-gram index); `text` gives the tokenizer's
+    """Copies from the row's context (the policy's n-gram index); `token_text()` gives the tokenizer's
     `TokenText` (or None), which under a grammar cuts a copy where the context's clause ends."""
 
-    def __init__(self, text):
-        self.text = text
+    def __init__(self, token_text: Callable[[], TokenText | None]):
+        self.token_text = token_text
 
     def propose(self, b: Batch, draft: Draft, policy: DraftPolicy, room: int) -> np.ndarray:
         """A copy (B, r <= room) to follow the drafts so far (`DraftPolicy.copy_after`); under a grammar
@@ -188,7 +190,7 @@ class CopyProposer:
         closer (`TokenText.closers`: `",`, `"}`, `"`, `,`, `}`, the first each row allows). A value
         copied from the prompt ends where its clause does (`Charles Dixon, 89` -> `Charles Dixon",`),
         and the forced key after it follows in the same round. (B, r') the drafts to add."""
-        text = self.text()
+        text = self.token_text()
         end = text.clause_end(copy) if text is not None else None
         if end is None:
             copy = copy[:, :b.grammar.admit(copy)]
@@ -210,9 +212,9 @@ class CopyProposer:
 class RoundDrafter:
     """A round's drafts as the policy plans them, from the three proposers (module docstring)."""
 
-    def __init__(self, passes: RoundPasses, text):
+    def __init__(self, passes: RoundPasses, token_text: Callable[[], TokenText | None]):
         self.early_exit = EarlyExitProposer(passes)
-        self.copies = CopyProposer(text)
+        self.copies = CopyProposer(token_text)
         self.forced = ForcedProposer()
 
     def draft(self, b: Batch, plan: DraftPlan, policy: DraftPolicy, cap: int) -> Draft:

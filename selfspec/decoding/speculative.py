@@ -116,7 +116,8 @@ class SelfSpecGenerator:
     static_passes: None, or run every decoding pass of up to `static_passes.WIDTH` positions (plain
         steps, drafts, verifications; rounds are capped to that many) at fixed shapes, the path for
         CUDA graphs (`backends.static`): "eager" as written, "compile" through `torch.compile`
-        (CUDA graphs on a GPU). The cache is then kept per batch size and length bucket and reused.
+        (CUDA graphs on a GPU), "graph" each pass captured as a CUDA graph (`backends.graphs`,
+        emulated off CUDA). The cache is then kept per batch size and length bucket and reused.
         Llama-family models only; greedy output equals plain decoding's with the same setting.
     backend: how the round's passes run (`selfspec.backends`): "reference" (torch operations, the
         oracle), "cpu_kernels" (selfspec's compiled CPU calls), "static" (fixed shapes; `static_passes`
@@ -138,10 +139,9 @@ class SelfSpecGenerator:
         self.view = DecoderView(model)
         self.backend = make_backend(self.view, backend, static_passes)
         self.passes = RoundPasses(self.view, self.backend)
-        self.drafter = RoundDrafter(self.passes, lambda: self.token_text)  # the proposers
+        self.drafter = RoundDrafter(self.passes, token_text=lambda: self.token_text)  # the proposers
         self.verifier = Verifier(self.passes)
-        # the static backend's mode: caches then come in buckets, reused across calls
-        self.static_passes = getattr(self.backend, "mode", None)
+        self.static_passes = static_passes  # as given (the backend knows its mode)
         self._static_buffers: dict[tuple, tuple] = {}  # (layers, rows, capacity) -> a cache's buffers
         # bf16/fp16: every decoding pass at one width (`model.fast.fixed_width`), so that a position
         # gets the same rounding alone (plain) as among k + 1 (verification); fp32 needs no help.
@@ -473,12 +473,13 @@ class SelfSpecGenerator:
             b.cache.write_slots(row, 0, *one.cache.read_slots(0, 0, len(tokens)))
 
     def _cache(self, layers: int, rows: int, capacity: int, pooled: bool = True) -> KVCache:
-        """An empty cache of at least `capacity` slots per row. With static passes, its buffers made at
-        once, at a power-of-two capacity, and (`pooled`: a call's own batch, not rows joining it) one
-        set per batch size and capacity kept and written again by the next call: captured passes are
-        specific to the shapes and, under CUDA graphs, to the addresses of the buffers they write (the
-        old slots are stale, hidden). So a generator with static passes decodes one call at a time."""
-        if self.static_passes is None:
+        """An empty cache of at least `capacity` slots per row. On a backend that pools caches (static
+        passes), its buffers made at once, at the backend's capacity bucket, and (`pooled`: a call's own
+        batch, not rows joining it) one set per batch size and capacity kept and written again by the
+        next call: captured passes are specific to the shapes and, under CUDA graphs, to the addresses of
+        the buffers they write (the old slots are stale, hidden). So such a generator decodes one call at
+        a time."""
+        if not self.backend.pools_caches:
             return KVCache(layers, rows, capacity)
         capacity = self.backend.capacity(capacity)
         key = (layers, rows, capacity)

@@ -78,14 +78,14 @@ class Verifier:
         if not draft.hiddens and b.exit_block is None:  # a whole-model call
             positions = self.passes.place(b, 0, draft.k + 1)["positions"]
             return self.passes.backend.verify_greedy(0, num_layers, b.cache, positions, draft.tokens,
-                                              tokens=draft.tail, allowed=allowed)
+                                                     tokens=draft.tail, allowed=allowed)
         if draft.tail.shape[1]:  # through blocks [0, E) from Python: an exit block writes its cache there
             draft.hiddens.append(self.passes.run(b, draft.tail, done, b.exit_layer))
             draft.tail = draft.tail[:, :0]
         hidden = joined(draft.hiddens)  # (B, k+1, D)
         positions = self.passes.place(b, 0, draft.k + 1)["positions"]
         return self.passes.backend.verify_greedy(b.exit_layer, num_layers, b.cache, positions, draft.tokens,
-                                          hidden=hidden, allowed=allowed)
+                                                 hidden=hidden, allowed=allowed)
 
 
 __all__ = ["Verifier"]

@@ -61,7 +61,7 @@ ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health",
 
 
 # uvicorn's own limit, a backstop behind `_Guard`'s: it counts idle keep-alive connections too
-CONNECTIONS_PER_REQUEST = 2
+UVICORN_LIMIT_FACTOR = 2
 
 
 def _error_response(error: APIError) -> JSONResponse:
@@ -573,4 +573,4 @@ def serve(options: ServeOptions) -> None:
     signal.signal(signal.SIGTERM, lambda *_: None)
     uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=options.grace,
                 timeout_keep_alive=options.keep_alive_timeout,
-                limit_concurrency=CONNECTIONS_PER_REQUEST * options.max_connections)
+                limit_concurrency=UVICORN_LIMIT_FACTOR * options.max_connections)
