@@ -312,7 +312,8 @@ def load_tuned(path: str | Path, device: str = "auto", dtype: str = "auto",
                settings: DecodeSettings | None = None,
                *, exit_layer: int | None = None, num_speculations=None, drafter: str | None = None,
                draft_vocab_size: int | None = None, stop_below: float | None = None,
-               min_ngram: int | None = None, overlap: bool | None = None, static_passes: str | None = None):
+               min_ngram: int | None = None, overlap: bool | None = None, static_passes: str | None = None,
+               backend: str | None = None):
     """Load a checkpoint as a `SelfSpecGenerator` ready for lossless fast generation.
 
     A tuned checkpoint decodes with `settings`, by default its own (what `selfspec eval sweep
@@ -323,8 +324,8 @@ def load_tuned(path: str | Path, device: str = "auto", dtype: str = "auto",
     warning says so. The keywords
     override single fields (None keeps them; draft_vocab_size 0: the whole head). device: "auto" is
     CUDA when there is one, else the CPU. static_passes: "compile" runs the decoding passes at fixed
-    shapes through `torch.compile`, CUDA graphs on a GPU ("eager": the same passes uncompiled); see
-    `SelfSpecGenerator`.
+    shapes through `torch.compile`, CUDA graphs on a GPU ("eager": the same passes uncompiled); backend:
+    "reference", "cpu_kernels" or "static" (None or "auto": the default); see `SelfSpecGenerator`.
     """
     import torch
 
@@ -367,7 +368,7 @@ def load_tuned(path: str | Path, device: str = "auto", dtype: str = "auto",
     tokenizer = (load_tokenizer(str(path)) if not local or (Path(path) / "tokenizer_config.json").is_file()
                  else None)
     return SelfSpecGenerator(model, tokenizer, settings, token_counts=counts, exit_adapters=adapters,
-                             format_settings=formats, static_passes=static_passes)
+                             format_settings=formats, static_passes=static_passes, backend=backend)
 
 
 def checkpoint_adapters(path: str | Path, model, meta: dict | None = None) -> dict:

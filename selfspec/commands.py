@@ -275,7 +275,7 @@ def generate(options: GenerateOptions, batch: list[str] | None = None) -> list[s
     gen = load_tuned(model_dir, exit_layer=options.exit_layer, num_speculations=options.num_speculations,
                      drafter=options.drafter, draft_vocab_size=options.draft_vocab_size,
                      stop_below=options.stop_below, overlap=options.overlap,
-                     static_passes=options.static_passes)
+                     static_passes=options.static_passes, backend=options.backend)
     tokenizer = gen.tokenizer
     if tokenizer is None:
         raise UserError(f"{model_dir} has no tokenizer; "

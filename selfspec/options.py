@@ -315,8 +315,13 @@ class ConstraintOptions(Options):
 
 @dataclass(frozen=True, kw_only=True)
 class StaticPassesOption(Options):
-    """The engine's decoding passes at fixed shapes (`SelfSpecGenerator(static_passes=...)`)."""
+    """How the engine runs its passes: the backend (`SelfSpecGenerator(backend=...)`) and the static
+    passes' mode (`static_passes=...`)."""
 
+    backend: Literal["auto", "reference", "cpu_kernels", "static"] = "auto"
+    """how the round's passes run: reference = torch operations (the oracle, any device); cpu_kernels =
+    selfspec's compiled CPU calls; static = fixed shapes (see --static-passes); auto: static with
+    --static-passes, else cpu_kernels on a CPU and reference elsewhere"""
     static_passes: Literal["eager", "compile", "graph"] | None = None
     """run every decoding pass at fixed shapes: graph = each pass (a round's k drafts, its verification)
     captured as one CUDA graph; compile = torch.compile, CUDA graphs on a GPU (Llama family; first calls

@@ -77,6 +77,12 @@ def test_generate_on_static_passes_prints_what_the_default_passes_print(tiny_ckp
     default = capsys.readouterr().out.split("\n[")[0]
     assert cli.main([*argv, "--static-passes", "eager"]) == 0
     assert capsys.readouterr().out.split("\n[")[0] == default
+    for backend in ("reference", "cpu_kernels"):  # --backend: the oracle prints the same text
+        assert cli.main([*argv, "--backend", backend]) == 0
+        assert capsys.readouterr().out.split("\n[")[0] == default
+    with pytest.raises(SystemExit):  # argparse's one line
+        cli.main([*argv, "--backend", "gpu"])
+    assert "invalid choice: 'gpu'" in capsys.readouterr().err
 
 
 def test_a_benchmark_of_no_prompts_is_a_one_line_error_that_writes_nothing(tiny_ckpt, tmp_path, capsys):

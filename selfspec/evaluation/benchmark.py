@@ -79,7 +79,7 @@ def run_benchmark(checkpoint: LoadedCheckpoint, prompts: list[list[int]], option
         raise UserError("--candidates are judged against plain decoding: keep plain in --methods")
     run = make_runner(checkpoint, max_new_tokens=options.max_new_tokens, keep_eos=options.keep_eos,
                       profile=options.profile, static_passes=options.static_passes,
-                      prefix_cache=options.prefix_cache)
+                      backend=options.backend, prefix_cache=options.prefix_cache)
     run.share_prefixes(prompts)
     generator = run.generator
     named = {f"{drafter} cell {i + 1}": (drafter, generator.settings_for(cell), sweep_speedup)

@@ -193,17 +193,17 @@ def check_methods(methods, batch_size: int) -> None:
 
 
 def make_runner(checkpoint: LoadedCheckpoint, *, max_new_tokens: int = 128, keep_eos: bool = False,
-                profile: bool = False, static_passes: str | None = None,
+                profile: bool = False, static_passes: str | None = None, backend: str | None = None,
                 prefix_cache: bool = False) -> _Runner:
     """The engine over the checkpoint's model and a runner of every method: the engine methods at
     `method_settings`, always `max_new_tokens` new tokens unless `keep_eos`, profiling their rounds with
-    `profile` (`decoding.profile`), on static passes with `static_passes`, prefilling through a
+    `profile` (`decoding.profile`), on `backend` (static passes with `static_passes`), prefilling through a
     `PrefixCache` with `prefix_cache`."""
     # check_cache=False as in the sweep: a timed run does no per-round bookkeeping
     generator = SelfSpecGenerator(checkpoint.model, checkpoint.tokenizer, checkpoint.settings,
                                   token_counts=checkpoint.token_counts,
                                   exit_adapters=checkpoint.exit_adapters, check_cache=False,
-                                  static_passes=static_passes,
+                                  static_passes=static_passes, backend=backend,
                                   prefix_cache=PrefixCache() if prefix_cache else None)
     settings = {m: generator.settings_for(s)
                 for m, s in method_settings(generator.settings, checkpoint.fastest).items()}
