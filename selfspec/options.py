@@ -37,7 +37,6 @@ from dataclasses import MISSING, dataclass
 from typing import Any, Literal
 
 from .decoding import DRAFTERS, parse_num_speculations
-from .errors import UserError
 
 
 @dataclass(frozen=True)
@@ -328,14 +327,6 @@ class StaticPassesOption(Options):
     capture or compile)"""
 
 
-def at_least(least: int, **values) -> None:
-    """A UserError naming the flags (`max_new_tokens` -> --max-new-tokens) of the values below `least`."""
-    bad = {name: value for name, value in values.items() if value is not None and value < least}
-    if bad:
-        flags = [f"--{name.replace('_', '-')} ({value})" for name, value in bad.items()]
-        raise UserError(f"{', '.join(flags)} must be >= {least}")
-
-
 __all__ = ["ConstraintOptions", "CopyOverride", "DecodeOverrides", "DrafterOverride", "Flag", "Options",
-           "StaticPassesOption", "add_cli_args", "at_least", "cli_fields", "field_doc", "flag_name",
+           "StaticPassesOption", "add_cli_args", "cli_fields", "field_doc", "flag_name",
            "from_cli_args", "option", "to_cli_args"]

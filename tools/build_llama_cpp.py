@@ -21,7 +21,6 @@ the sdist cannot be found.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -30,6 +29,8 @@ import tarfile
 import tempfile
 import time
 from pathlib import Path
+
+from selfspec.files import write_json_atomic
 
 DEFAULT_VERSION = "0.3.36"
 # The binaries the comparison uses: the OpenAI-compatible server (which drafts with --model-draft
@@ -153,9 +154,7 @@ def build(version: str = DEFAULT_VERSION, sdist: str | None = None, jobs: int | 
     stamp = {"version": version, "sdist": str(archive), "targets": list(TARGETS), "jobs": jobs,
              "seconds": round(time.monotonic() - start, 1), "compiler": compiler, "generator": generator}
     # The stamp is written last, so an interrupted build is never taken for a finished one.
-    tmp = root / "build.json.tmp"
-    tmp.write_text(json.dumps(stamp, indent=2) + "\n")
-    os.replace(tmp, root / "build.json")
+    write_json_atomic(root / "build.json", stamp)
     return destination
 
 

@@ -179,8 +179,13 @@ class CopyProposer:
     def propose(self, b: Batch, draft: Draft, policy: DraftPolicy, room: int) -> np.ndarray:
         """A copy (B, r <= room) to follow the drafts so far (`DraftPolicy.copy_after`); under a grammar
         `closed` (cut where it refuses, closed where the clause ends). r = 0: none."""
-        copy = policy.copy_after(b.rows, draft.host_tokens())[:, :room]
+        copy = policy.copy_after(b.rows, draft.host_tokens())
         b.lap("policy")
+        return self.fit(b, copy, room)
+
+    def fit(self, b: Batch, copy: np.ndarray, room: int) -> np.ndarray:
+        """A copy (B, r) cut to `room` drafts and, under a grammar, `closed`."""
+        copy = copy[:, :room]
         return self.closed(b, copy) if copy.shape[1] and b.grammar is not None else copy
 
     def closed(self, b: Batch, copy: np.ndarray) -> np.ndarray:
@@ -290,9 +295,7 @@ class RoundDrafter:
                     break
                 copy = self.copies.propose(b, draft, policy, min(cap - draft.k, room))
             else:
-                copy = copy[:, :min(cap - draft.k, room)]
-                if copy.shape[1] and b.grammar is not None:
-                    copy = self.copies.closed(b, copy)
+                copy = self.copies.fit(b, copy, min(cap - draft.k, room))
             if not copy.shape[1]:
                 break
             draft.add("copy", torch.as_tensor(copy, device=device))
