@@ -308,8 +308,8 @@ def test_the_draft_choice_is_the_argmax_of_the_draft_heads_masked_logits(few_row
     pass) picks what `DraftHead.logits` + `apply_mask` + argmax pick, ties by the lower token id even
     where a trimmed head lists the higher first; a mask whose tokens all lie outside the trimmed ids
     gives the first allowed (`apply_mask`'s uniform row); `top` is the softmax's top probability (η's)."""
+    from selfspec.backends import kernels as round_kernels
     from selfspec.decoding.grammar import apply_mask
-    from selfspec.model import kernels
 
     torch.manual_seed(0)
     vocab, width, rows = 512, 37, 8
@@ -343,7 +343,7 @@ def test_the_draft_choice_is_the_argmax_of_the_draft_heads_masked_logits(few_row
         if mask is not None:
             logits = apply_mask(logits, mask)
         logits = logits.float()
-        got, top = kernels.draft_choice()(h, norm, 1e-5, weight, b, ids, vocab, mask, 0.5)
+        got, top = round_kernels.draft_choice()(h, norm, 1e-5, weight, b, ids, vocab, mask, 0.5)
         expected = logits.argmax(-1)
         # the norm's sum runs in another order than torch's, which only a near-tie could tell (none here)
         assert torch.equal(got, expected), (got, expected)
@@ -352,8 +352,9 @@ def test_the_draft_choice_is_the_argmax_of_the_draft_heads_masked_logits(few_row
             assert got[1] == 7 and got[2] == 450
             if trimmed:
                 assert top[2] == 1.0  # one allowed token
-    none, zeros = kernels.draft_choice()(h, norm, 1e-5, weight, b, ids, vocab, None, 0.0)
-    assert torch.equal(none, kernels.draft_choice()(h, norm, 1e-5, weight, b, ids, vocab, None, 0.5)[0])
+    choose = round_kernels.draft_choice()
+    none, zeros = choose(h, norm, 1e-5, weight, b, ids, vocab, None, 0.0)
+    assert torch.equal(none, choose(h, norm, 1e-5, weight, b, ids, vocab, None, 0.5)[0])
     assert not zeros.any()  # eta 0: no probabilities computed
 
 
@@ -437,7 +438,7 @@ def test_the_kernel_is_off_on_request_and_a_failed_build_falls_back_with_a_warni
     monkeypatch.setattr("shutil.which", lambda name: "/usr/bin/" + name)
 
     def broken(**_):
-        raise RuntimeError("Error building extension 'selfspec_few_rows'\nthe compiler's output")
+        raise RuntimeError("Error building extension 'selfspec_kernels'\nthe compiler's output")
 
     monkeypatch.setattr("torch.utils.cpp_extension.load", broken)
     with pytest.warns(UserWarning, match="did not build.*uses MKL's products"):
@@ -450,7 +451,7 @@ def test_a_lock_left_by_a_killed_build_is_removed_before_building(fresh_kernel_l
     """torch waits forever on its build lock; selfspec builds under a lock of its own (released by the
     OS when a process dies), and any lock of torch's found while holding it is stale: removed."""
     kernels = fresh_kernel_lookup
-    build = tmp_path / "py3_cpu" / "selfspec_few_rows"
+    build = tmp_path / "py3_cpu" / "selfspec_kernels"
     build.mkdir(parents=True)
     (build / "lock").touch()
     monkeypatch.delenv("SELFSPEC_KERNELS", raising=False)

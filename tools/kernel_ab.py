@@ -5,16 +5,20 @@ a pass's blocks in one compiled call.
     python tools/kernel_ab.py --model runs/smollm2/base --exit-layer 10 --repeats 30
     python tools/kernel_ab.py --model runs/smollm2/base --exit-layer 10 --dtype bfloat16
     python tools/kernel_ab.py --model runs/smollm2/base --exit-layer 8 --wide 9 16 24 32 48
-    git show HEAD~1:selfspec/model/kernels/few_rows.cpp > /tmp/before.cpp
-    python tools/kernel_ab.py --model runs/smollm2/base --exit-layer 10 --against /tmp/before.cpp
+    mkdir -p /tmp/before && git archive HEAD~1 selfspec | tar -x -C /tmp/before
+    python tools/kernel_ab.py --model runs/smollm2/base --exit-layer 10 --against /tmp/before
 
 Builds the roofline's cache of 256 positions, then times each pass (plain step, draft step, verification
 of 2, 4 and 5 positions through blocks [E, N) and the head, the whole model on 5 positions, and on each
 `--wide` count of positions) in each arm (`selfspec.model.fast.kernels_up_to` None, products, blocks,
 passes), rotating which goes first, after 3 untimed rounds. Prints the medians, each as a share of the
 read bandwidth (a 512 MiB sum timed once a round) and in plain steps of its own arm, and the speedups.
-`--against FILE` builds another version of `few_rows.cpp` beside the package's and adds its one-call pass
-as a fifth arm (a kernel change measured side by side). Run it with the machine to itself.
+`--against PATH` builds another version of the kernels beside the package's and adds its one-call pass
+as a fifth arm (a kernel change measured side by side): PATH is a folder holding another revision's
+`selfspec/` (its `model/kernels/few_rows.cpp`, `few_rows.h` and `backends/kernels/rounds.cpp`, built
+together as the package's are; a revision from before the decoding calls moved to `rounds.cpp` has its
+whole extension in `few_rows.cpp`), or one .cpp file that is a whole extension (`git show
+REV:selfspec/model/kernels/few_rows.cpp > FILE`, for such a revision). Run it with the machine to itself.
 """
 
 from __future__ import annotations
@@ -32,6 +36,21 @@ from selfspec.evaluation.timing import Passes, load_model
 from selfspec.model import DecoderView, fast, kernels
 
 
+def against_sources(path: Path) -> list[Path]:
+    """The sources of `--against PATH`: PATH where it is one .cpp file; in a folder holding a revision's
+    `selfspec/`, the extension's sources there, or its `few_rows.cpp` alone where the revision is from
+    before the decoding calls moved to `rounds.cpp` (that file was the whole extension)."""
+    if path.is_file():
+        return [path]
+    files = kernels.sources(path / "selfspec")
+    if all(file.is_file() for file in files):
+        return files
+    if files[0].is_file():
+        return files[:1]
+    raise SystemExit(f"error: --against {path}: no {files[0]}; unpack a revision there with "
+                     f"`git archive REV selfspec | tar -x -C {path}`")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
@@ -41,17 +60,15 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--wide", type=int, nargs="*", default=[], metavar="M",
                         help="also time the whole model on M positions (a wide verification, a batch)")
-    parser.add_argument("--against", metavar="FILE",
-                        help="another few_rows.cpp: its block kernels as a fourth arm")
+    parser.add_argument("--against", metavar="PATH",
+                        help="another revision's kernels: a folder holding its selfspec/, or one .cpp "
+                             "file of a whole extension; its one-call pass as a fifth arm")
     args = parser.parse_args()
     if kernels.few_rows_linear() is None:
         raise SystemExit("error: selfspec's kernel is not available here (needs a C++ compiler, ninja, AVX2)")
-    if args.against and not Path(args.against).is_file():
-        raise SystemExit(f"error: --against {args.against}: no such file; write one with "
-                         f"`git show REV:selfspec/model/kernels/few_rows.cpp > FILE`")
     modules = {}  # arm -> the extension it runs (the package's where absent)
     if args.against:
-        modules["against"] = kernels.build(Path(args.against), "selfspec_few_rows_against")
+        modules["against"] = kernels.build(against_sources(Path(args.against)), "selfspec_kernels_against")
     lm, _ = load_model(args.model, None, args.dtype)
     view = DecoderView(lm)
     n, e = view.num_layers, args.exit_layer

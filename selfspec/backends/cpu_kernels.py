@@ -1,16 +1,18 @@
-"""The CPU kernels backend: each round operation in one compiled call (`model/kernels`), fused rounds too.
+"""The CPU kernels backend: each round operation in one compiled call (`backends/kernels`: the decoding
+calls, built into one extension with the model's passes, `model/kernels`), fused rounds too.
 
 A small model's decoding step on a CPU is bound by the host's work between tensor operations, not by
 arithmetic, so the round's operations run as compiled calls: the early exit's k drafts in one
-(`kernels.draft_loop`: embedding row, `blocks_pass` over [0, E), final norm, draft head, argmax and η
-per step, then the last draft's pass), a step whose drafts need the host between steps (a grammar's
-mask and forced tokens, copies, an exit block) in one (`kernels.draft_step`), the choice from exit
-states in one (`kernels.draft_choice`), the verification in one (`kernels.verify_greedy`), and many
-greedy rounds of one row in one (`kernels.greedy_rounds`, the declared capability `fused_rounds`). Each
-call is the reference's operations in the same order, so the same bits, without the Python between
-them; each declines, having run nothing, where it does not apply (the kernels off or missing, weights
-off the CPU, a window that cuts a slot, a layer without a buffer yet, hooks on the embedding, a family
-without plain blocks such as GPT-2), and the engine runs that part as torch operations.
+(`round_kernels.draft_loop`: embedding row, `blocks_pass` over [0, E), final norm, draft head, argmax
+and η per step, then the last draft's pass), a step whose drafts need the host between steps (a
+grammar's mask and forced tokens, copies, an exit block) in one (`round_kernels.draft_step`), the
+choice from exit states in one (`round_kernels.draft_choice`), the verification in one
+(`round_kernels.verify_greedy`), and many greedy rounds of one row in one
+(`round_kernels.greedy_rounds`, the declared capability `fused_rounds`). Each call is the reference's
+operations in the same order, so the same bits, without the Python between them; each declines,
+having run nothing, where it does not apply (the kernels off or missing, weights off the CPU, a window
+that cuts a slot, a layer without a buffer yet, hooks on the embedding, a family without plain blocks
+such as GPT-2), and the engine runs that part as torch operations.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from torch import nn
 from ..model import kernels
 from ..model.adapters import LlamaFamilyAdapter
 from ..model.fast import hooked
+from . import kernels as round_kernels
 from .base import Backend, FusedDrafts
 
 
@@ -49,7 +52,7 @@ class CpuKernelsBackend(Backend):
             return None
         slots, cos, sin = place
         weight, bias, ids, vocab = head
-        call = self._round_call(kernels.draft_loop, 0, exit_layer, cos, sin, (weight, bias))
+        call = self._round_call(round_kernels.draft_loop, 0, exit_layer, cos, sin, (weight, bias))
         if call is None:
             return None
         made, blocks, embed, cos, sin = call
@@ -67,7 +70,7 @@ class CpuKernelsBackend(Backend):
         if self.adapter is None or not self.adapter.uses_fast():  # train mode, eager or flash attention
             return None
         fast = self._fast
-        made = kernels.draft_choice() if kernels.settings().runs("products") else None
+        made = round_kernels.draft_choice() if kernels.settings().runs("products") else None
         if made is None or fast.head is None or torch.is_grad_enabled():
             return None
         weight, bias, ids, vocab = head
@@ -94,7 +97,7 @@ class CpuKernelsBackend(Backend):
         norm = self._fast.head
         if norm is None:  # a hooked or quantised LM head: the head stays the model's own
             return None
-        call = self._round_call(kernels.verify_greedy, start, end, cos, sin, (norm[2], norm[3]))
+        call = self._round_call(round_kernels.verify_greedy, start, end, cos, sin, (norm[2], norm[3]))
         if call is None:
             return None
         made, blocks, embed, cos, sin = call
@@ -123,7 +126,7 @@ class CpuKernelsBackend(Backend):
         last += k + 1 if overlap else 0
         cos, sin = adapter.rope_rows(adapter.embedding.weight[:1, None], last)
         weight, bias, ids, vocab = drafts.head
-        call = self._round_call(kernels.greedy_rounds, 0, num_layers, cos, sin, (weight, bias))
+        call = self._round_call(round_kernels.greedy_rounds, 0, num_layers, cos, sin, (weight, bias))
         if call is None:
             return None
         made, blocks, embed, cos, sin = call
@@ -166,7 +169,7 @@ class CpuKernelsBackend(Backend):
             if extra_slots is None:
                 return None
         weight, bias, ids, vocab = head
-        call = self._round_call(kernels.draft_step, 0, exit_layer, cos, sin, (weight, bias))
+        call = self._round_call(round_kernels.draft_step, 0, exit_layer, cos, sin, (weight, bias))
         if call is None:
             return None
         made, blocks, embed, cos, sin = call

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from ..backends import kernels as round_kernels
 from ..checkpoint import (
     META_FILE,
     read_meta,
@@ -46,7 +47,7 @@ from ..decoding import ADAPTIVE_K, DRAFTERS, DecodeSettings, SelfSpecGenerator
 from ..decoding.settings import FIELDS
 from ..errors import UserError
 from ..metrics import predicted_speedup
-from ..model import DecoderView, kernels
+from ..model import DecoderView
 from ..model import num_layers as count_layers
 from .costs import pooled_costs, source_summary, weight_cost, weights_in_cache
 from .diagnosis import summary
@@ -126,10 +127,11 @@ def confirm_candidates(rows: list[dict], confirm: int) -> list[dict]:
 
 
 def overlap_applies(device, structured: bool) -> bool:
-    """Whether overlapped rounds can run: on the CPU with its compiled rounds (`kernels.greedy_rounds`)
-    and two threads or more, without a grammar (constrained rounds run from Python)."""
+    """Whether overlapped rounds can run: on the CPU with its compiled rounds
+    (`backends.kernels.greedy_rounds`) and two threads or more, without a grammar (constrained rounds run
+    from Python)."""
     return (torch.device(device).type == "cpu" and not structured and torch.get_num_threads() >= 2
-            and kernels.greedy_rounds() is not None)
+            and round_kernels.greedy_rounds() is not None)
 
 
 def settings_of(row: dict) -> DecodeSettings:

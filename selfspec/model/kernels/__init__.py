@@ -3,6 +3,11 @@ attention of a few queries, each computed alone in a fixed order, a Llama-family
 positions as two calls around the cache write (built from those two), and a range of blocks with their
 cache writes in one call.
 
+The extension also holds the decoding algorithm's calls that run these (drafts, η, the verification,
+n-gram copies, fused rounds): `selfspec/backends/kernels/rounds.cpp`, which includes `few_rows.h`; their
+accessors are `selfspec.backends.kernels`. This module builds the extension from both sources
+(`SOURCES`) and holds it (`extension()`) with its settings; it imports nothing of the backends.
+
 Built on first use with torch's own extension builder (a C++ compiler and ninja; AVX2 + FMA;
 OpenMP, so that `at::parallel_for` spreads the rows over torch's own threads) and
 cached by torch under `TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`). Where it cannot be
@@ -40,8 +45,12 @@ try:
 except ImportError:  # not POSIX: no compiler setup the kernel supports either
     fcntl = None
 
-_SOURCE = Path(__file__).with_name("few_rows.cpp")
-_NAME = "selfspec_few_rows"
+# The extension's sources, relative to the package's folder: the model's passes, and the decoding calls
+# on them (which define the extension's module)
+SOURCES = ("model/kernels/few_rows.cpp", "backends/kernels/rounds.cpp")
+_PACKAGE = Path(__file__).parents[2]
+# its build folder under torch's build root (not the one-source extension's, `selfspec_few_rows`)
+_NAME = "selfspec_kernels"
 
 # The compiled paths of `fast`, each on top of the one before (see `KernelSettings.level`)
 KERNEL_LEVELS = ("products", "blocks", "passes", "rounds", "decode")
@@ -187,70 +196,29 @@ def blocks_pass() -> tuple[type, Callable] | None:
     return None if module is None else (module.Block, module.blocks_pass)
 
 
-def draft_loop() -> Callable | None:
-    """The compiled `draft_loop(blocks, embed, token, keys, values, start, cos, sin, norm, eps, head, bias,
-    ids, vocab, k, eta) -> [drafts (B, s), hidden (B, s + 1, D)]` (greedy early-exit drafts: k steps of
-    `blocks_pass` over blocks [0, E), the draft head and the argmax, stopping below eta; [] where
-    `blocks_pass` declines), or None where the kernels are not available."""
-    module = extension()
-    return None if module is None else module.draft_loop
+def sources(root: Path = _PACKAGE) -> list[Path]:
+    """The extension's sources under `root`, a folder laid out as the package's (the package's own by
+    default; `tools/kernel_ab.py --against` passes another revision's)."""
+    return [root / source for source in SOURCES]
 
 
-def draft_choice() -> Callable | None:
-    """The compiled `draft_choice(h (B, D), norm, eps, head (V', D), bias, ids, vocab, allowed, eta) ->
-    [draft (B,), top (B,)]` (greedy drafts from exit states: the final norm, the draft head, a grammar's
-    mask (B, V) and the first maximum by token id in one pass, with each draft's probability for η
-    where eta > 0), or None where the kernels are not available."""
-    module = extension()
-    return None if module is None else module.draft_choice
-
-
-def draft_step() -> Callable | None:
-    """The compiled `draft_step(blocks, extra, embed, tokens, keys, values, start, cos, sin, mask_value, norm,
-    eps, head, bias, ids, vocab, allowed, eta, row_starts) -> [draft (B,), hidden (B, T, D), sure (1,)]`
-    (one greedy early-exit step: `blocks_pass` over blocks [0, E), then the exit blocks `extra`, the
-    draft head, a grammar's mask and the argmax; [] where `blocks_pass` declines), or None where the
-    kernels are not available."""
-    module = extension()
-    return None if module is None else module.draft_step
-
-
-def verify_greedy() -> Callable | None:
-    """The compiled `verify_greedy(blocks, hidden, tokens, embed, keys, values, start, cos, sin, mask_value,
-    norm, eps, head, bias, drafts, allowed) -> [decided (B, T + 1)]` (the target's pass, head,
-    a grammar's masks, argmax and accepted prefix; [] where `blocks_pass` declines), or None where the
-    kernels are not available."""
-    module = extension()
-    return None if module is None else module.verify_greedy
-
-
-def greedy_rounds() -> Callable | None:
-    """The compiled `greedy_rounds(blocks, exit_layer, embed, keys, values, start, token, cos, sin,
-    mask_value, norm, eps, head, bias, draft_head, draft_bias, ids, vocab, k, eta, eos, max_tokens,
-    max_rounds, history, min_ngram, max_ngram, copy_limit, overlap) -> [tokens (t,), rounds (R, 5), seconds
-    (R, 2)]` (one row's greedy rounds at a fixed k: `draft_loop` and `verify_greedy` each round; with
-    `history` a copy of up to copy_limit tokens first, else a plain step (k = 0) or the early exit's
-    drafts, a copy after them where they make one; with `overlap` a round's verification beside the
-    next round's drafts, on two threads; the kept tokens cut at an eos and max_tokens; [] where
-    `blocks_pass` declines), or None where the kernels are not available."""
-    module = extension()
-    return None if module is None else module.greedy_rounds
-
-
-def build(source: Path, name: str):
-    """Compile `source` as the extension `name` with the kernels' flags (torch caches the build under
-    `name`); raises what the build raises. `tools/kernel_ab.py --against` builds a second version with it."""
+def build(files: list[Path], name: str):
+    """Compile `files` (`sources()`, or one file that is the whole extension) as the extension `name`
+    with the kernels' flags; raises what the build raises. torch caches the build under `name`, and ninja
+    rebuilds what changed (a header through the compiler's dependency files). `tools/kernel_ab.py
+    --against` builds a second version with it."""
     from torch.utils import cpp_extension
 
-    return cpp_extension.load(name=name, sources=[str(source)],
+    return cpp_extension.load(name=name, sources=[str(file) for file in files],
                               extra_cflags=["-O3", "-funroll-loops", "-mavx2", "-mfma", "-fopenmp"],
                               extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def extension():
     """The compiled extension (as the settings' `wrap` makes it), or None where the kernels are not
-    available. The accessors above take their functions from it; a function without an accessor
-    (`masked_target`, which `verify_greedy` runs) is reached through it."""
+    available. The accessors above and the decoding calls' (`selfspec.backends.kernels`) take their
+    functions from it; a function without an accessor (`masked_target`, which `verify_greedy` runs) is
+    reached through it."""
     module = _built()
     wrap = settings().wrap
     return module if module is None or wrap is None else wrap(module)
@@ -279,7 +247,7 @@ def _built():
             if not any(root.glob(f"*/{_NAME}/{_NAME}.so")):
                 print("selfspec: building its CPU kernels for decoding (once per machine, about a minute)",
                       file=sys.stderr, flush=True)
-            module = build(_SOURCE, _NAME)
+            module = build(sources(), _NAME)
     except Exception as error:
         first = str(error).splitlines()[0] if str(error) else ""
         warnings.warn(f"selfspec's CPU kernels did not build ({type(error).__name__}: {first}); decoding "
@@ -288,7 +256,6 @@ def _built():
     return module
 
 
-__all__ = ["KERNEL_LEVELS", "KernelSettings", "block_halves", "blocks_pass", "build", "cpu_has_avx2_fma",
-           "draft_choice", "draft_loop", "draft_step", "extension", "few_queries_attention",
-           "few_rows_linear", "greedy_rounds", "look_again", "requested", "settings", "using",
-           "verify_greedy", "wrapped"]
+__all__ = ["KERNEL_LEVELS", "KernelSettings", "SOURCES", "block_halves", "blocks_pass", "build",
+           "cpu_has_avx2_fma", "extension", "few_queries_attention", "few_rows_linear", "look_again",
+           "requested", "settings", "sources", "using", "wrapped"]

@@ -1,0 +1,78 @@
+"""The decoding algorithm's compiled CPU calls (`rounds.cpp`): a round's greedy early-exit drafts in
+one call, a draft step, the draft's choice from exit states (with η's probability), the greedy
+verification, one row's greedy rounds with their n-gram copies, and those copies' tables alone. Each is
+the engine's operations in the same order, so the same bits, without the Python between them;
+`CpuKernelsBackend` (`cpu_kernels.py`) calls them.
+
+They run the model's passes (`model/kernels/few_rows.cpp`, whose `few_rows.h` they include) and are
+built into one extension with them by `model.kernels`, which holds it with its settings: each accessor
+below takes its function from `model.kernels.extension()` (so `kernels.wrapped` wraps these too), or
+returns None where the kernels are not available.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ...model import kernels
+
+
+def draft_loop() -> Callable | None:
+    """The compiled `draft_loop(blocks, embed, token, keys, values, start, cos, sin, norm, eps, head, bias,
+    ids, vocab, k, eta) -> [drafts (B, s), hidden (B, s + 1, D)]` (greedy early-exit drafts: k steps of
+    `blocks_pass` over blocks [0, E), the draft head and the argmax, stopping below eta; [] where
+    `blocks_pass` declines), or None where the kernels are not available."""
+    module = kernels.extension()
+    return None if module is None else module.draft_loop
+
+
+def draft_choice() -> Callable | None:
+    """The compiled `draft_choice(h (B, D), norm, eps, head (V', D), bias, ids, vocab, allowed, eta) ->
+    [draft (B,), top (B,)]` (greedy drafts from exit states: the final norm, the draft head, a grammar's
+    mask (B, V) and the first maximum by token id in one pass, with each draft's probability for η
+    where eta > 0), or None where the kernels are not available."""
+    module = kernels.extension()
+    return None if module is None else module.draft_choice
+
+
+def draft_step() -> Callable | None:
+    """The compiled `draft_step(blocks, extra, embed, tokens, keys, values, start, cos, sin, mask_value, norm,
+    eps, head, bias, ids, vocab, allowed, eta, row_starts) -> [draft (B,), hidden (B, T, D), sure (1,)]`
+    (one greedy early-exit step: `blocks_pass` over blocks [0, E), then the exit blocks `extra`, the
+    draft head, a grammar's mask and the argmax; [] where `blocks_pass` declines), or None where the
+    kernels are not available."""
+    module = kernels.extension()
+    return None if module is None else module.draft_step
+
+
+def verify_greedy() -> Callable | None:
+    """The compiled `verify_greedy(blocks, hidden, tokens, embed, keys, values, start, cos, sin, mask_value,
+    norm, eps, head, bias, drafts, allowed) -> [decided (B, T + 1)]` (the target's pass, head,
+    a grammar's masks, argmax and accepted prefix; [] where `blocks_pass` declines), or None where the
+    kernels are not available."""
+    module = kernels.extension()
+    return None if module is None else module.verify_greedy
+
+
+def greedy_rounds() -> Callable | None:
+    """The compiled `greedy_rounds(blocks, exit_layer, embed, keys, values, start, token, cos, sin,
+    mask_value, norm, eps, head, bias, draft_head, draft_bias, ids, vocab, k, eta, eos, max_tokens,
+    max_rounds, history, min_ngram, max_ngram, copy_limit, overlap) -> [tokens (t,), rounds (R, 5), seconds
+    (R, 2)]` (one row's greedy rounds at a fixed k: `draft_loop` and `verify_greedy` each round; with
+    `history` a copy of up to copy_limit tokens first, else a plain step (k = 0) or the early exit's
+    drafts, a copy after them where they make one; with `overlap` a round's verification beside the
+    next round's drafts, on two threads; the kept tokens cut at an eos and max_tokens; [] where
+    `blocks_pass` declines), or None where the kernels are not available."""
+    module = kernels.extension()
+    return None if module is None else module.greedy_rounds
+
+
+def ngram_tables() -> type | None:
+    """The compiled `NGramTables(tokens, min_ngram, max_ngram)` (a list of ints; `.extend(tokens)`,
+    `.propose(limit, extra=[]) -> list`): the copy drafter `greedy_rounds` runs, `ngram.NGramIndex`'s
+    token n-gram tables and lookup (no text matches), or None where the kernels are not available."""
+    module = kernels.extension()
+    return None if module is None else module.NGramTables
+
+
+__all__ = ["draft_choice", "draft_loop", "draft_step", "greedy_rounds", "ngram_tables", "verify_greedy"]

@@ -1,0 +1,688 @@
+// The decoding algorithm's compiled calls on the CPU: greedy early-exit drafts (`draft_choice`,
+// `draft_loop`, `draft_step`) with η's stopping rule (`sure`), the greedy verification (`verify_greedy`,
+// under a grammar's masks `masked_target`), the n-gram copies (`NGramTables`) and one row's greedy rounds
+// in one call (`greedy_rounds`). Each is the engine's operations in the same order, so the same bits,
+// without the Python between them; `selfspec/backends/cpu_kernels.py` (`CpuKernelsBackend`) calls them.
+//
+// They run the model's passes (selfspec/model/kernels/few_rows.cpp, through few_rows.h), compiled with
+// this file into one extension (`selfspec.model.kernels.build`), whose module this file defines: the
+// model's passes, then these.
+
+#include "../../model/kernels/few_rows.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <map>
+#include <memory>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+// The greedy draft of each row of exit states h (B, D), in one pass over the draft head and no tensor
+// operations: the final norm (`rms_norm_row`), the head's logits (`rows_block`'s dot products, rounded
+// to the dtype, + bias in the dtype), a grammar's mask `allowed` (B, V) bool where given (refused
+// tokens out; a row whose allowed tokens are all outside a trimmed head's ids falls back, as
+// `apply_allowed` makes it, to the uniform distribution over the allowed tokens), and the first maximum
+// by token id (argmax over the whole vocabulary, -inf outside the ids), instead of some twenty tensor
+// operations (the norm's, the scatter into the whole vocabulary, softmax, max, argmax), each
+// dispatched and allocated apart. `top` gets each row's probability of its draft (the softmax of its
+// allowed logits at the maximum, 1 / Σ exp(l - max), summed in fp32): what η compares. The norm's and
+// the sum's orders are not torch's, so every path that drafts greedily chooses with this function
+// (`CpuKernelsBackend.draft_choice` in selfspec/backends/cpu_kernels.py for the step from Python), and
+// they all draft alike.
+template <typename T>
+void choose_drafts(const T* h, int64_t batch, int64_t d, const T* norm, float eps, const T* head, const T* bias,
+                   const int64_t* ids, int64_t rows, int64_t vocab, const bool* allowed, int64_t* token,
+                   float* top) {
+  std::vector<float> normed(batch * d), row(d);
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t i = 0; i < d; ++i) row[i] = static_cast<float>(h[b * d + i]);
+    rms_norm_row<T>(row.data(), norm, eps, normed.data() + b * d, d);
+  }
+  std::unique_ptr<T[]> logits(new T[batch * rows]);  // (B, V'), written before read
+  products<T>(batch, normed.data(), {{head, logits.get(), rows}}, d);
+  constexpr float kNone = -std::numeric_limits<float>::infinity();
+  std::vector<float> values((rows + 7) / 8 * 8, kNone);  // one row's logits, refused ones -inf, 8-lane padded
+  for (int64_t b = 0; b < batch; ++b) {
+    const bool* allow = allowed ? allowed + b * vocab : nullptr;
+    int64_t choice = -1;
+    float best = kNone;
+    for (int64_t j = 0; j < rows; ++j) {
+      const int64_t id = ids ? ids[j] : j;
+      if (allow && !allow[id]) {
+        values[j] = kNone;
+        continue;
+      }
+      float v = static_cast<float>(logits[b * rows + j]);
+      if (bias) v = held<T>(v + static_cast<float>(bias[j]));
+      values[j] = v;
+      // argmax's choice: the first NaN, else the first maximum, first by token id (a trimmed head's
+      // rows are in frequency order)
+      const bool better = std::isnan(best) ? std::isnan(v) && id < choice
+                                           : std::isnan(v) || v > best || (v == best && v > kNone && id < choice);
+      if (choice < 0 ? v > kNone || std::isnan(v) : better) {
+        best = v;
+        choice = id;
+      }
+    }
+    if (choice < 0) {  // nothing finite: uniform over the allowed tokens (every token without a mask)
+      int64_t count = 0;
+      for (int64_t id = vocab - 1; id >= 0; --id)
+        if (!allow || allow[id]) {
+          choice = id;
+          ++count;
+        }
+      token[b] = std::max<int64_t>(choice, 0);
+      if (top) top[b] = count ? 1.f / static_cast<float>(count) : 0.f;
+      continue;
+    }
+    token[b] = choice;
+    if (!top) continue;
+    if (std::isnan(best)) {
+      top[b] = best;
+      continue;
+    }
+    __m256 sum = _mm256_setzero_ps();  // Σ exp(l - max) in 8 lanes; refused and padded entries add 0
+    const __m256 shift = _mm256_set1_ps(best);
+    for (int64_t j = 0; j < rows; j += 8)
+      sum = _mm256_add_ps(sum, exp8(_mm256_sub_ps(_mm256_loadu_ps(values.data() + j), shift)));
+    top[b] = 1.f / hsum(sum);
+  }
+}
+
+// `choose_drafts` on exit states h (B, D) with the final norm `norm` and the draft head `head` (V', D)
+// (+ `bias`; `ids` (V',) the token ids of a trimmed head's rows, else V' = V), a grammar's masks
+// `allowed` (B, V) bool or none, all in h's dtype. Returns {draft (B,) int64, top (B,) fp32: each
+// draft's probability, zeros for eta <= 0 (not computed)}.
+std::vector<torch::Tensor> draft_choice(const torch::Tensor& h, const torch::Tensor& norm, double eps,
+                                        const torch::Tensor& head, const c10::optional<torch::Tensor>& bias,
+                                        const c10::optional<torch::Tensor>& ids, int64_t vocab,
+                                        const c10::optional<torch::Tensor>& allowed, double eta) {
+  TORCH_CHECK(h.dim() == 2 && head.dim() == 2 && head.size(1) == h.size(1), "h (B, D) and head (V', D)");
+  TORCH_CHECK(h.scalar_type() == head.scalar_type() && norm.scalar_type() == head.scalar_type() &&
+                  (!bias.has_value() || bias->scalar_type() == head.scalar_type()),
+              "h, norm, head and bias in one dtype");
+  TORCH_CHECK(h.is_contiguous() && head.is_contiguous() && norm.is_contiguous(), "contiguous h, norm and head");
+  const int64_t batch = h.size(0), rows = head.size(0), d = h.size(1);
+  const int64_t full = ids.has_value() ? vocab : rows;
+  TORCH_CHECK(!ids.has_value() || (ids->numel() == rows && ids->scalar_type() == torch::kLong), "ids (V',) int64");
+  TORCH_CHECK(!allowed.has_value() || (allowed->dim() == 2 && allowed->size(0) == batch && allowed->size(1) == full),
+              "allowed (B, V)");
+  auto token = torch::empty({batch}, torch::kLong);
+  auto top = torch::zeros({batch}, torch::kFloat32);
+  const auto held_ids = ids.has_value() ? ids->contiguous() : torch::Tensor();
+  const auto mask = allowed.has_value() ? allowed->to(torch::kBool).contiguous() : torch::Tensor();
+  auto run = [&](const auto* hp) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(hp)>>;
+    choose_drafts<T>(hp, batch, d, norm.data_ptr<T>(), static_cast<float>(eps), head.data_ptr<T>(),
+                     bias.has_value() ? bias->data_ptr<T>() : nullptr,
+                     ids.has_value() ? held_ids.data_ptr<int64_t>() : nullptr, rows, full,
+                     allowed.has_value() ? mask.data_ptr<bool>() : nullptr, token.data_ptr<int64_t>(),
+                     eta > 0 ? top.data_ptr<float>() : nullptr);
+  };
+  if (h.scalar_type() == torch::kFloat32) {
+    run(h.data_ptr<float>());
+  } else {
+    TORCH_CHECK(h.scalar_type() == torch::kBFloat16, "float32 or bfloat16");
+    run(h.data_ptr<at::BFloat16>());
+  }
+  return {token, top};
+}
+
+// Whether some row's draft puts eta on its top token (`top` (B,) from `draft_choice`): the engine's
+// `RoundPasses.unsure` negated (a NaN is not below eta); always for eta <= 0.
+bool sure(const torch::Tensor& top, double eta) {
+  if (eta <= 0) return true;
+  const float* p = top.data_ptr<float>();
+  for (int64_t b = 0; b < top.numel(); ++b)
+    if (!(p[b] < eta)) return true;
+  return false;
+}
+
+// Greedy early-exit drafting in one call: the engine's draft loop (`EarlyExitProposer.propose` at a round's
+// start, through `CpuKernelsBackend.draft_loop` in selfspec/backends/cpu_kernels.py) without the Python
+// between its steps.
+// Step i runs input i at slot start + i through blocks [0, E) (`blocks_pass`, the cache written; input 0
+// is `token` (B,), input i > 0 the draft of step i - 1), then, for i < k, the final norm, the draft head
+// and the argmax on its exit state (`draft_choice`) give draft i + 1. With eta > 0, a step where no row's
+// draft puts eta on its top token (`sure`) drafts nothing and ends the loop. Every row sees every slot up
+// to its own (no window): rows at the same slots with no mask, rows at their own (`row_starts` (B,): row
+// b's input i at slot row_starts[b] + i) through `causal_mask`.
+// embed (V, D): the embedding table; cos, sin (B, k + 1, hd): the rotary of each row's k + 1 slots.
+// Returns {drafts (B, s) int64, hidden (B, s + 1, D)}: s <= k drafts and the exit states of the s + 1
+// inputs that ran (the last draft included, the verification's first position, unless eta stopped the
+// loop before drafting it); an empty vector, nothing computed, where `blocks_pass` declines.
+// `stop`, where given, is asked before each step after the first: true ends the loop at once and
+// returns an empty vector (the caller no longer wants the drafts; see `greedy_rounds`' overlap).
+std::vector<torch::Tensor> draft_loop_until(const std::vector<const Block*>& blocks, const torch::Tensor& embed,
+                                            const torch::Tensor& token, const std::vector<torch::Tensor>& keys,
+                                            const std::vector<torch::Tensor>& values, int64_t start,
+                                            const torch::Tensor& cos, const torch::Tensor& sin,
+                                            const torch::Tensor& norm, double eps, const torch::Tensor& head,
+                                            const c10::optional<torch::Tensor>& bias,
+                                            const c10::optional<torch::Tensor>& ids, int64_t vocab, int64_t k,
+                                            double eta, const c10::optional<torch::Tensor>& row_starts,
+                                            double mask_value, const std::function<bool()>& stop) {
+  TORCH_CHECK(token.dim() == 1 && token.scalar_type() == torch::kLong, "token (B,) int64");
+  TORCH_CHECK(cos.dim() == 3 && cos.size(0) == token.size(0) && cos.size(1) >= k + 1 && sin.sizes() == cos.sizes(),
+              "cos and sin (B, k + 1, hd)");
+  const int64_t batch = token.size(0);
+  auto firsts = first_slots(batch, 1, start, std::numeric_limits<int64_t>::max() / 2, row_starts);
+  TORCH_CHECK(!firsts.empty(), "row_starts >= 0");
+  const int64_t last_first = *std::max_element(firsts.begin(), firsts.end());
+  std::vector<torch::Tensor> drafts, states;
+  torch::Tensor input = token;
+  for (int64_t i = 0; i <= k; ++i) {
+    if (i > 0 && stop && stop()) return {};
+    const auto hidden = embed.index_select(0, input).unsqueeze(1);  // (B, 1, D)
+    c10::optional<torch::Tensor> mask, step_starts;
+    if (row_starts.has_value()) {  // (B, 1, S): each row up to its own slot
+      mask = causal_mask(firsts, 1, last_first + i + 1, mask_value);
+      step_starts = *row_starts + i;
+    }
+    const auto out = blocks_pass(blocks, hidden, keys, values, start + i,
+                                 (row_starts.has_value() ? last_first : start) + i + 1, mask,
+                                 cos.narrow(1, i, 1).contiguous(), sin.narrow(1, i, 1).contiguous(), step_starts);
+    for (auto& first : firsts) ++first;
+    if (!out.has_value()) {
+      TORCH_CHECK(i == 0, "blocks_pass declined after its first step");
+      return {};
+    }
+    states.push_back(*out);
+    if (i == k) break;
+    const auto chosen = draft_choice(out->select(1, 0).contiguous(), norm, eps, head, bias, ids, vocab,
+                                     c10::nullopt, eta);  // {draft (B,), top (B,)}
+    if (!sure(chosen[1], eta)) break;
+    input = chosen[0];
+    drafts.push_back(input.unsqueeze(1));
+  }
+  auto made = drafts.empty() ? torch::empty({token.size(0), 0}, token.options()) : torch::cat(drafts, 1);
+  return {made, torch::cat(states, 1)};
+}
+
+// `draft_loop_until` without a stop: the engine's draft loop.
+std::vector<torch::Tensor> draft_loop(const std::vector<const Block*>& blocks, const torch::Tensor& embed,
+                                      const torch::Tensor& token, const std::vector<torch::Tensor>& keys,
+                                      const std::vector<torch::Tensor>& values, int64_t start,
+                                      const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& norm,
+                                      double eps, const torch::Tensor& head, const c10::optional<torch::Tensor>& bias,
+                                      const c10::optional<torch::Tensor>& ids, int64_t vocab, int64_t k,
+                                      double eta, const c10::optional<torch::Tensor>& row_starts,
+                                      double mask_value) {
+  return draft_loop_until(blocks, embed, token, keys, values, start, cos, sin, norm, eps, head, bias, ids, vocab, k,
+                          eta, row_starts, mask_value, nullptr);
+}
+
+// Where a pass of T = `length` positions writes and what it sees: kv_length (the slots attended: past
+// the last row's last position) and the additive mask (B, T, kv_length) of rows at slots start .. (row b
+// at row_starts[b] ..; query t sees slots up to its own, `causal_mask`), none for one position of
+// aligned rows, which sees every slot.
+std::pair<int64_t, c10::optional<torch::Tensor>> pass_mask(int64_t batch, int64_t length, int64_t start,
+                                                          const c10::optional<torch::Tensor>& row_starts,
+                                                          double mask_value) {
+  const auto firsts = first_slots(batch, length, start, std::numeric_limits<int64_t>::max() / 2, row_starts);
+  TORCH_CHECK(!firsts.empty(), "row_starts >= 0");
+  const int64_t kv_length = *std::max_element(firsts.begin(), firsts.end()) + length;
+  if (length == 1 && !row_starts.has_value()) return {kv_length, c10::nullopt};
+  return {kv_length, causal_mask(firsts, length, kv_length, mask_value)};
+}
+
+// Logits (n, V) with every token a grammar's mask `allowed` (n, V) bool refuses at -inf, as
+// `grammar.apply_mask`: a row left with nothing finite becomes uniform (0) over the allowed tokens.
+torch::Tensor apply_allowed(const torch::Tensor& logits, const torch::Tensor& allowed) {
+  const auto masked = logits.masked_fill(allowed.logical_not(), -std::numeric_limits<float>::infinity());
+  const auto empty = torch::isfinite(masked).any(-1, true).logical_not();
+  return torch::where(empty.logical_and(allowed), torch::zeros({}, logits.options()), masked);
+}
+
+// One greedy early-exit draft step in one call, for the rounds whose drafts need the host between
+// steps (a grammar's mask, its forced tokens, copies) or an exit block: the T inputs `tokens` (B, T) at
+// slots start .. start + T - 1 (row b at row_starts[b] .. where rows sit at different slots) through
+// blocks [0, E) (`blocks`, the cache written; query t sees slots up to its own), then through the exit
+// blocks `extra` on block E's output (each writing its own cache layer: `keys`/`values` hold the E
+// blocks' buffers, then the extra blocks'), then the final norm, the draft head, a grammar's mask
+// `allowed` (B, V) bool where given and the argmax on the last input's state (`draft_choice`). The same
+// calls in the same order as the engine's Python step, so the same bits.
+// Returns {draft (B,) int64, hidden (B, T, D) after block E (the verification's input there), sure
+// (1,) bool: some row's draft puts `eta` on its top token (`sure`)}; with `choose` false the pass only,
+// {hidden, the exit states (B, T, D) the draft head reads} (a verification's tail behind an exit block,
+// which needs no draft); or an empty vector, nothing computed, where `blocks_pass` declines.
+std::vector<torch::Tensor> draft_step(const std::vector<const Block*>& blocks, const std::vector<const Block*>& extra,
+                                      const torch::Tensor& embed, const torch::Tensor& tokens,
+                                      const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
+                                      int64_t start, const torch::Tensor& cos, const torch::Tensor& sin,
+                                      double mask_value, const torch::Tensor& norm, double eps,
+                                      const torch::Tensor& head, const c10::optional<torch::Tensor>& bias,
+                                      const c10::optional<torch::Tensor>& ids, int64_t vocab,
+                                      const c10::optional<torch::Tensor>& allowed, double eta,
+                                      const c10::optional<torch::Tensor>& row_starts, bool choose) {
+  TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == torch::kLong, "tokens (B, T) int64");
+  const size_t depth = blocks.size();
+  TORCH_CHECK(keys.size() == depth + extra.size() && values.size() == keys.size(),
+              "a key and a value buffer per block, the exit blocks' last");
+  const int64_t batch = tokens.size(0), length = tokens.size(1);
+  const auto [kv_length, mask] = pass_mask(batch, length, start, row_starts, mask_value);
+  const std::vector<torch::Tensor> block_keys(keys.begin(), keys.begin() + depth),
+      block_values(values.begin(), values.begin() + depth), extra_keys(keys.begin() + depth, keys.end()),
+      extra_values(values.begin() + depth, values.end());
+  if (!blocks_fit(extra, extra_keys, extra_values, batch, kv_length, embed.scalar_type())) return {};
+  const auto input = embed.index_select(0, tokens.reshape(-1)).view({batch, length, -1});
+  const auto hidden = blocks_pass(blocks, input, block_keys, block_values, start, kv_length, mask, cos, sin,
+                                  row_starts);
+  if (!hidden.has_value()) return {};
+  auto features = *hidden;
+  if (!extra.empty()) {
+    const auto out = blocks_pass(extra, features, extra_keys, extra_values, start, kv_length, mask, cos, sin,
+                                 row_starts);
+    TORCH_CHECK(out.has_value(), "the exit blocks declined after blocks [0, E) ran");  // checked above
+    features = *out;
+  }
+  if (!choose) return {*hidden, features};
+  const auto chosen = draft_choice(features.select(1, length - 1).contiguous(), norm, eps, head, bias, ids, vocab,
+                                   allowed, eta);  // {draft (B,), top (B,)}
+  return {chosen[0], *hidden, torch::full({1}, sure(chosen[1], eta), torch::kBool)};
+}
+
+// The greedy target of each row of h (n, D) under a grammar's masks `allowed` (n, V) bool: the argmax of
+// `head_logits` after `apply_allowed`, bf16 widened first. A row whose mask allows at most V / 8 tokens (a
+// forced token, a digit, the end of a value: about half of a JSON reply's positions) computes only the logits
+// of its allowed tokens, each the dot product `rows_block` computes (the same order, rounded to the dtype,
+// the bias added as torch adds it), and takes the first maximum among them as argmax does; the others run the
+// whole head together. So the same tokens, without reading or multiplying the head's refused rows: a plain
+// step under a grammar whose next token is forced skips the head's read.
+torch::Tensor masked_target(const torch::Tensor& h, const torch::Tensor& norm, double eps, const torch::Tensor& head,
+                            const c10::optional<torch::Tensor>& bias, const torch::Tensor& allowed) {
+  const int64_t rows = h.size(0), vocab = head.size(0), k = head.size(1);
+  TORCH_CHECK(allowed.dim() == 2 && allowed.size(0) == rows && allowed.size(1) == vocab, "allowed (n, V)");
+  const auto mask = allowed.to(torch::kBool).contiguous();
+  const auto counts = mask.sum(-1).to(torch::kLong);
+  const int64_t* count = counts.data_ptr<int64_t>();
+  std::vector<int64_t> wide, narrow;
+  for (int64_t r = 0; r < rows; ++r) (count[r] > 0 && count[r] * 8 <= vocab ? narrow : wide).push_back(r);
+  auto target = torch::empty({rows}, torch::kLong);
+  int64_t* out = target.data_ptr<int64_t>();
+  if (!wide.empty()) {
+    const auto index = torch::tensor(wide, torch::kLong);
+    auto logits = apply_allowed(head_logits(h.index_select(0, index), norm, eps, head, bias),
+                                mask.index_select(0, index));
+    if (logits.scalar_type() != torch::kFloat32) logits = logits.to(torch::kFloat32);
+    const auto best = logits.argmax(-1).contiguous();
+    const int64_t* chosen = best.data_ptr<int64_t>();
+    for (size_t i = 0; i < wide.size(); ++i) out[wide[i]] = chosen[i];
+  }
+  if (narrow.empty()) return target;
+  // the normalised rows as `head_logits` computes them, in fp32 as `few_rows_linear` reads them
+  const auto normed = final_norm(h, norm, eps).to(torch::kFloat32).contiguous();
+  const bool* allow = mask.data_ptr<bool>();
+  auto run = [&](const auto* w) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(w)>>;
+    const T* b = bias.has_value() ? bias->data_ptr<T>() : nullptr;
+    for (const int64_t r : narrow) {
+      float best = 0.f;
+      int64_t choice = -1;
+      bool finite = false, nan = false;
+      for (int64_t j = 0; j < vocab; ++j) {
+        if (!allow[r * vocab + j]) continue;
+        T logit;
+        rows_block<1, T>(normed.data_ptr<float>() + r * k, w + j * k, &logit, 1, k, 0, 1);
+        float value = static_cast<float>(logit);
+        if (b) value = static_cast<float>(static_cast<T>(value + static_cast<float>(b[j])));
+        if (std::isnan(value)) {  // argmax takes the first NaN
+          choice = j;
+          nan = true;
+          break;
+        }
+        finite = finite || std::isfinite(value);
+        if (choice < 0 || value > best) {
+          best = value;
+          choice = j;
+        }
+      }
+      // nothing finite: `apply_allowed` makes the row uniform (0) over the allowed tokens, the first wins
+      if (!finite && !nan) {
+        for (int64_t j = 0; j < vocab; ++j)
+          if (allow[r * vocab + j]) {
+            choice = j;
+            break;
+          }
+      }
+      out[r] = choice;
+    }
+  };
+  if (head.scalar_type() == torch::kFloat32) {
+    run(head.data_ptr<float>());
+  } else {
+    TORCH_CHECK(head.scalar_type() == torch::kBFloat16, "head float32 or bfloat16");
+    run(head.data_ptr<at::BFloat16>());
+  }
+  return target;
+}
+
+// Greedy verification in one call: the target's pass over blocks [first, last) on T positions at slots start
+// .. start + T - 1 (row b at row_starts[b] .. where rows sit at different slots; query t sees slots up to its
+// own: `causal_mask`, whose `mask_value` beyond is the engine's mask's, its dtype's lowest value; one
+// position of aligned rows sees every slot, with no mask), the final norm and LM head (`head_logits`), a
+// grammar's masks `allowed` (B, T, V) bool where given (as `grammar.apply_mask`: refused tokens at -inf, a
+// row left with nothing finite uniform over the allowed ones), the argmax (bf16 widened first) and the
+// accepted prefix: the leading run of drafts equal to the target's argmax, as `sampling.accept_greedy`
+// computes it. The pass's input: `hidden` (B, T, D), or the embedding rows of `tokens` (B, T) (a plain step:
+// blocks [0, N)). drafts (B, T - 1) int64; cos, sin (B, T, hd). Returns {decided (B, T + 1) int64: the tokens
+// (B, T), then each row's accepted count}, one tensor for the engine's one host read a round, or an empty
+// vector, nothing computed, where `blocks_pass` declines.
+std::vector<torch::Tensor> verify_greedy(const std::vector<const Block*>& blocks,
+                                         const c10::optional<torch::Tensor>& hidden,
+                                         const c10::optional<torch::Tensor>& tokens, const torch::Tensor& embed,
+                                         const std::vector<torch::Tensor>& keys,
+                                         const std::vector<torch::Tensor>& values, int64_t start,
+                                         const torch::Tensor& cos, const torch::Tensor& sin, double mask_value,
+                                         const torch::Tensor& norm, double eps, const torch::Tensor& head,
+                                         const c10::optional<torch::Tensor>& bias, const torch::Tensor& drafts,
+                                         const c10::optional<torch::Tensor>& allowed,
+                                         const c10::optional<torch::Tensor>& row_starts) {
+  TORCH_CHECK(hidden.has_value() != tokens.has_value(), "hidden or tokens, one of them");
+  const torch::Tensor input = hidden.has_value() ? *hidden : embed.index_select(0, tokens->reshape(-1))
+                                                                 .view({tokens->size(0), tokens->size(1), -1});
+  const int64_t batch = input.size(0), length = input.size(1);
+  TORCH_CHECK(drafts.dim() == 2 && drafts.size(0) == batch && drafts.size(1) == length - 1, "drafts (B, T - 1)");
+  const auto [kv_length, mask] = pass_mask(batch, length, start, row_starts, mask_value);
+  const auto out = blocks_pass(blocks, input, keys, values, start, kv_length, mask, cos, sin, row_starts);
+  if (!out.has_value()) return {};
+  torch::Tensor target;
+  if (allowed.has_value()) {
+    target = masked_target(out->reshape({batch * length, -1}), norm, eps, head, bias,
+                           allowed->reshape({batch * length, -1})).view({batch, length});
+  } else {
+    auto logits = head_logits(out->reshape({batch * length, -1}), norm, eps, head, bias);
+    if (logits.scalar_type() != torch::kFloat32) logits = logits.to(torch::kFloat32);
+    target = logits.argmax(-1).view({batch, length});
+  }
+  const auto accepted = drafts.eq(target.narrow(1, 0, length - 1)).to(torch::kInt).cumprod(1).sum(1);
+  return {torch::cat({target, accepted.to(torch::kLong).unsqueeze(1)}, 1)};
+}
+
+// A row's copy drafter, `ngram.NGramIndex` on tokens: the row's token sequence and, per n in
+// [min_ngram, max_ngram], each n-gram's latest following position, extended with every token appended, so
+// a lookup is one probe per n. (The index's text matches, which only constrained decoding makes, are not
+// here: the rounds in one call run without a grammar.) `greedy_rounds` copies with it.
+struct NGramTables {
+  int64_t min_ngram = 1, max_ngram = 0;
+  std::vector<int64_t> seq;
+  std::vector<std::map<std::vector<int64_t>, int64_t>> tables;
+
+  NGramTables() = default;
+  NGramTables(int64_t min_ngram, int64_t max_ngram)
+      : min_ngram(min_ngram), max_ngram(max_ngram), tables(max_ngram - min_ngram + 1) {}
+
+  // Appends `count` tokens and indexes the n-grams that end just before each new position
+  void extend(const int64_t* tokens, int64_t count) {
+    const size_t first = seq.size();
+    seq.insert(seq.end(), tokens, tokens + count);
+    for (size_t follow = std::max<size_t>(first, 1); follow < seq.size(); ++follow)
+      for (int64_t n = min_ngram; n <= max_ngram && n <= static_cast<int64_t>(follow); ++n)
+        tables[n - min_ngram][std::vector<int64_t>(seq.begin() + follow - n, seq.begin() + follow)] =
+            static_cast<int64_t>(follow);
+  }
+
+  // `NGramIndex.propose`: the longest suffix of the sequence followed by `extra` (drafts not yet
+  // accepted) first, the copy of `limit` tokens from the sequence and `extra`, around the period; none
+  // where no suffix of min_ngram tokens or more occurred before.
+  std::vector<int64_t> propose(int64_t limit, const std::vector<int64_t>& extra) const {
+    std::vector<int64_t> copy, joined;
+    if (!extra.empty()) {
+      joined = seq;
+      joined.insert(joined.end(), extra.begin(), extra.end());
+    }
+    const auto& text = extra.empty() ? seq : joined;
+    const auto length = static_cast<int64_t>(text.size());
+    for (int64_t n = std::min(max_ngram, length - 1); n >= min_ngram; --n) {
+      const auto& table = tables[n - min_ngram];
+      const auto found = table.find(std::vector<int64_t>(text.end() - n, text.end()));
+      if (found != table.end()) {
+        const int64_t follow = found->second, period = length - follow;
+        for (int64_t i = 0; i < limit; ++i) copy.push_back(text[follow + i % period]);
+        break;
+      }
+    }
+    return copy;
+  }
+};
+
+// Greedy decoding rounds of one row in one call: the engine's loop of rounds (`SelfSpecGenerator.generate`
+// at a fixed k, or copies at a fixed copy length) without returning to Python between them. Between two
+// passes the host has only this loop to run, not the Python of a round (some 200 calls, each slowed by
+// caches that the pass before flushed with the weights). A round from pending token `token` at slot n
+// (`start` in the first): for k > 0, `draft_loop` over blocks [0, E) (E = `exit_layer`, drafts with the
+// draft head `draft_head`, `draft_bias`, `ids`, `vocab`, stopping below eta), then `verify_greedy` over
+// blocks [E, N) on the exit states of its s + 1 inputs; for k = 0 a plain step, `verify_greedy` over
+// blocks [0, N) on the token. The same calls as the engine's compiled rounds, so the same bits. With
+// `history` (the row's tokens so far, the pending one last), a round first looks for a copy of up to
+// `copy_limit` tokens that followed the longest suffix of min_ngram..max_ngram tokens seen before
+// (`NGramTables`, `ngram.NGramIndex.propose`'s lookup, its tables built here and extended with every kept
+// token), verified from the embedding over [0, N); without one, k = 0 (the `ngram` drafter) takes a plain
+// step and k > 0 (the `hybrid`) drafts with the early exit, and when η did not stop those drafts, a copy
+// that their tokens make possible follows them (the engine's `copy_after`), through blocks [0, E) before
+// the verification over [E, N) of them all. The row keeps the accepted drafts and the target's next token,
+// cut after an eos (`eos` (n_eos,) int64) and at `max_tokens` tokens in all; the last kept token is the
+// next round's pending token at slot n + kept: the rollback is only that, the rejected slots are
+// overwritten later. With `overlap`, a round whose k early-exit drafts ran (no
+// copy after them) verifies on one thread while another drafts the next round ahead (see below): the
+// drafts a fresh draft_loop would make from the same token at the same slot, each pass on one thread.
+// Ends after an eos, at max_tokens or after `max_rounds` rounds. blocks, keys, values: all N blocks and
+// their buffers (1, Hkv, capacity, hd); cos, sin (L, hd): the rotary table, rows by slot (L > the last
+// slot written). Returns {tokens (t,) int64: every kept token, rounds (R, 5) int64: per round its
+// early-exit drafts, copied drafts (after them), accepted count, kept tokens and whether its drafts were
+// made ahead (`overlap`), seconds (R, 2) float64: per round its draft and verification seconds}; an
+// empty vector, nothing computed, where `blocks_pass` declines.
+std::vector<torch::Tensor> greedy_rounds(const std::vector<const Block*>& blocks, int64_t exit_layer,
+                                         const torch::Tensor& embed, const std::vector<torch::Tensor>& keys,
+                                         const std::vector<torch::Tensor>& values, int64_t start, int64_t token,
+                                         const torch::Tensor& cos, const torch::Tensor& sin, double mask_value,
+                                         const torch::Tensor& norm, double eps, const torch::Tensor& head,
+                                         const c10::optional<torch::Tensor>& bias, const torch::Tensor& draft_head,
+                                         const c10::optional<torch::Tensor>& draft_bias,
+                                         const c10::optional<torch::Tensor>& ids, int64_t vocab, int64_t k,
+                                         double eta, const torch::Tensor& eos, int64_t max_tokens,
+                                         int64_t max_rounds, const c10::optional<torch::Tensor>& history,
+                                         int64_t min_ngram, int64_t max_ngram, int64_t copy_limit, bool overlap) {
+  using Clock = std::chrono::steady_clock;
+  const bool copying = history.has_value();
+  const int64_t reach = k + (copying ? copy_limit : 0);  // the most drafts a round verifies
+  const int64_t num_blocks = static_cast<int64_t>(blocks.size());
+  TORCH_CHECK(keys.size() == blocks.size() && values.size() == blocks.size(), "a key and a value buffer a block");
+  TORCH_CHECK(0 < exit_layer && exit_layer <= num_blocks && k >= 0, "0 < exit_layer <= N and k >= 0");
+  TORCH_CHECK(!copying || (1 <= min_ngram && min_ngram <= max_ngram && copy_limit >= 1), "n-gram settings");
+  TORCH_CHECK(cos.dim() == 2 && sin.sizes() == cos.sizes() && cos.size(0) > start + max_tokens + reach,
+              "cos and sin (L, hd), L past the last slot a round writes");
+  const std::vector<const Block*> low(blocks.begin(), blocks.begin() + exit_layer),
+      high(blocks.begin() + exit_layer, blocks.end());
+  const std::vector<torch::Tensor> low_keys(keys.begin(), keys.begin() + exit_layer),
+      low_values(values.begin(), values.begin() + exit_layer), high_keys(keys.begin() + exit_layer, keys.end()),
+      high_values(values.begin() + exit_layer, values.end());
+  const auto eos_held = eos.to(torch::kLong).contiguous();
+  const int64_t* eos_ids = eos_held.data_ptr<int64_t>();
+  const int64_t num_eos = eos_held.numel();
+  const auto longs = torch::TensorOptions().dtype(torch::kLong);
+  // the rotary rows of `count` slots from `first`, (1, count, hd) as the engine's calls get them
+  const auto rows = [](const torch::Tensor& table, int64_t first, int64_t count) {
+    return table.narrow(0, first, count).unsqueeze(0).contiguous();
+  };
+  const auto since = [](Clock::time_point then) { return std::chrono::duration<double>(Clock::now() - then).count(); };
+  // the copy drafter: the row's tokens and their n-gram tables (`NGramIndex`)
+  NGramTables ngrams = copying ? NGramTables(min_ngram, max_ngram) : NGramTables();
+  const auto propose = [&](const std::vector<int64_t>& extra) { return ngrams.propose(copy_limit, extra); };
+  if (copying) {
+    const auto held = history->to(torch::kLong).contiguous();
+    ngrams.extend(held.data_ptr<int64_t>(), held.numel());
+    TORCH_CHECK(!ngrams.seq.empty() && ngrams.seq.back() == token, "history ends with the pending token");
+  }
+  std::vector<int64_t> kept, record;
+  std::vector<double> seconds;
+  int64_t slot = start;
+  const int64_t capacity = std::min(keys[0].size(2), cos.size(0));  // slots a pass may write below
+  // the next round's drafts, made during this round's verification (`overlap`): {drafts (1, k), exit
+  // states (1, k + 1, D)} from the exit's own guess of the target's next token, `guess`
+  std::vector<torch::Tensor> ahead;
+  int64_t guess = -1, ahead_slot = -1;
+  for (int64_t round = 0; round < max_rounds && static_cast<int64_t>(kept.size()) < max_tokens; ++round) {
+    const auto began = Clock::now();
+    const auto made_ahead = std::move(ahead);
+    ahead.clear();
+    bool reused = false;
+    const auto pending = torch::full({1}, token, longs);
+    std::vector<torch::Tensor> verified;
+    int64_t early = 0, copied = 0, drafted = 0;  // early-exit drafts, then copied ones
+    double draft_seconds = 0.0;
+    auto copy = copying ? propose({}) : std::vector<int64_t>{};
+    if (copying && (k == 0 || !copy.empty())) {  // a copy (or a plain step), verified from the embedding
+      copied = drafted = static_cast<int64_t>(copy.size());
+      draft_seconds = since(began);
+      copy.insert(copy.begin(), token);
+      const auto input = torch::tensor(copy, longs).view({1, drafted + 1});
+      verified = verify_greedy(blocks, c10::nullopt, input, embed, keys, values, slot, rows(cos, slot, drafted + 1),
+                               rows(sin, slot, drafted + 1), mask_value, norm, eps, head, bias,
+                               input.narrow(1, 1, drafted), c10::nullopt, c10::nullopt);
+    } else if (k > 0) {
+      // the drafts made ahead during the last round's verification, if it kept them all and its next token
+      // was their guess (this round's pending token at the slot they start from)
+      reused = !made_ahead.empty() && token == guess && slot == ahead_slot;
+      const auto drafts = reused ? made_ahead
+                                : draft_loop(low, embed, pending, low_keys, low_values, slot, rows(cos, slot, k + 1),
+                                             rows(sin, slot, k + 1), norm, eps, draft_head, draft_bias, ids, vocab,
+                                             k, eta, c10::nullopt, mask_value);
+      if (drafts.empty()) {
+        TORCH_CHECK(round == 0, "blocks_pass declined after the first round");
+        return {};
+      }
+      early = drafted = drafts[0].size(1);
+      torch::Tensor states = drafts[1], tokens = drafts[0];  // (1, s + 1, D), (1, s)
+      if (copying && early == k) {  // η did not stop the drafts: a copy their tokens make possible
+        const auto held = tokens.contiguous();
+        const auto tail = propose(std::vector<int64_t>(held.data_ptr<int64_t>(), held.data_ptr<int64_t>() + early));
+        copied = static_cast<int64_t>(tail.size());
+        if (copied) {  // its tokens through blocks [0, E), where the drafts' exit states come from
+          const auto input = torch::tensor(tail, longs).view({1, copied});
+          const int64_t first = slot + early + 1;
+          const auto [kv_length, mask] = pass_mask(1, copied, first, c10::nullopt, mask_value);
+          const auto out = blocks_pass(low, embed.index_select(0, input.view({-1})).unsqueeze(0), low_keys,
+                                       low_values, first, kv_length, mask, rows(cos, first, copied),
+                                       rows(sin, first, copied), c10::nullopt);
+          TORCH_CHECK(out.has_value(), "blocks_pass declined a copy after the drafts");
+          states = torch::cat({states, *out}, 1);
+          tokens = torch::cat({tokens, input}, 1);
+          drafted += copied;
+        }
+      }
+      draft_seconds = since(began);
+      const auto verify = [&] {
+        return verify_greedy(high, states, c10::nullopt, embed, high_keys, high_values, slot,
+                             rows(cos, slot, drafted + 1), rows(sin, slot, drafted + 1), mask_value, norm, eps,
+                             head, bias, tokens, c10::nullopt, c10::nullopt);
+      };
+      const int64_t next = slot + drafted + 1;  // the next round's slot if every draft is accepted
+      if (overlap && early == k && !copied && next + k < capacity) {
+        // The verification (blocks [E, N)) on one thread while the other drafts the next round (blocks
+        // [0, E), slots from `next`) from the exit's guess of the target's token after the last draft:
+        // the two write different blocks' caches, and ATen runs the `parallel_for`s nested in this pair
+        // serially, so each pass runs on its task's thread (no second OpenMP team). The drafts are kept
+        // when the target accepts every draft and its next token is the guess; the drafting stops as
+        // soon as the verification says they will not be.
+        std::atomic<int> verdict{-1};  // -1 while verifying; then whether every draft was accepted
+        std::atomic<int64_t> bonus{-1};  // the target's token after the last draft, once verified
+        guess = -1;
+        ahead_slot = next;
+        at::parallel_for(0, 2, 1, [&](int64_t first, int64_t last) {
+          for (int64_t task = first; task < last; ++task) {
+            if (task == 0) {
+              verified = verify();
+              if (verified.empty()) {
+                verdict = 0;
+                continue;
+              }
+              const int64_t* decided = verified[0].data_ptr<int64_t>();
+              bonus = decided[drafted];
+              verdict = decided[drafted + 1] == drafted ? 1 : 0;
+              continue;
+            }
+            const auto chosen = draft_choice(states.select(1, early).contiguous(), norm, eps, draft_head, draft_bias,
+                                             ids, vocab, c10::nullopt, eta);
+            if (!sure(chosen[1], eta)) continue;
+            guess = chosen[0].item<int64_t>();
+            const std::function<bool()> stop = [&] {
+              const int v = verdict.load();
+              return v == 0 || (v == 1 && bonus.load() != guess);
+            };
+            ahead = draft_loop_until(low, embed, chosen[0], low_keys, low_values, next, rows(cos, next, k + 1),
+                                     rows(sin, next, k + 1), norm, eps, draft_head, draft_bias, ids, vocab, k, eta,
+                                     c10::nullopt, mask_value, stop);
+          }
+        });
+      } else {
+        verified = verify();
+      }
+    } else {
+      verified = verify_greedy(blocks, c10::nullopt, pending.view({1, 1}), embed, keys, values, slot,
+                               rows(cos, slot, 1), rows(sin, slot, 1), mask_value, norm, eps, head, bias,
+                               torch::empty({1, 0}, longs), c10::nullopt, c10::nullopt);
+    }
+    if (verified.empty()) {
+      TORCH_CHECK(round == 0 && (k == 0 || copying), "blocks_pass declined after the first pass");
+      return {};
+    }
+    const auto decided = verified[0].contiguous();  // (1, s + 2): the target's s + 1 tokens, the accepted count
+    const int64_t* tokens = decided.data_ptr<int64_t>();
+    const int64_t accepted = tokens[drafted + 1];
+    int64_t keep = std::min(accepted + 1, max_tokens - static_cast<int64_t>(kept.size()));
+    bool ended = false;
+    for (int64_t i = 0; i < keep && !ended; ++i) {
+      if (std::find(eos_ids, eos_ids + num_eos, tokens[i]) != eos_ids + num_eos) {
+        keep = i + 1;
+        ended = true;
+      }
+    }
+    kept.insert(kept.end(), tokens, tokens + keep);
+    if (copying) ngrams.extend(tokens, keep);
+    token = tokens[keep - 1];
+    slot += keep;
+    record.insert(record.end(), {early, copied, accepted, keep, reused});
+    seconds.insert(seconds.end(), {draft_seconds, since(began) - draft_seconds});
+    if (ended) break;
+  }
+  const auto count = static_cast<int64_t>(record.size()) / 5;
+  return {torch::tensor(kept, longs), torch::tensor(record, longs).view({count, 5}),
+          torch::tensor(seconds, torch::TensorOptions().dtype(torch::kDouble)).view({count, 2})};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  bind_passes(module);
+  // Tensors only, no Python objects: other Python threads may run meanwhile
+  module.def("draft_loop", &draft_loop, "greedy early-exit drafts: k steps of blocks [0, E), head, argmax",
+             pybind11::call_guard<pybind11::gil_scoped_release>());
+  module.def("draft_choice", &draft_choice, "greedy drafts from exit states: final norm, draft head, mask, argmax",
+             pybind11::call_guard<pybind11::gil_scoped_release>());
+  module.def("draft_step", &draft_step, "one greedy draft step: blocks [0, E), exit blocks, head, mask, argmax",
+             pybind11::call_guard<pybind11::gil_scoped_release>());
+  module.def("masked_target", &masked_target, "the greedy target under a grammar's masks, narrow rows alone",
+             pybind11::call_guard<pybind11::gil_scoped_release>());
+  module.def("verify_greedy", &verify_greedy, "greedy verification: the pass, the head, the accepted prefix",
+             pybind11::call_guard<pybind11::gil_scoped_release>());
+  module.def("greedy_rounds", &greedy_rounds, "greedy rounds of one row: drafts, verification, what it keeps",
+             pybind11::call_guard<pybind11::gil_scoped_release>());
+  // `greedy_rounds`' copy drafter on its own, for the test that holds it to `ngram.NGramIndex`
+  pybind11::class_<NGramTables>(module, "NGramTables", pybind11::module_local())
+      .def(pybind11::init([](const std::vector<int64_t>& tokens, int64_t min_ngram, int64_t max_ngram) {
+             TORCH_CHECK(1 <= min_ngram && min_ngram <= max_ngram, "1 <= min_ngram <= max_ngram");
+             NGramTables tables(min_ngram, max_ngram);
+             tables.extend(tokens.data(), static_cast<int64_t>(tokens.size()));
+             return tables;
+           }),
+           "the tables of a sequence of tokens, n-grams of min_ngram..max_ngram tokens")
+      .def("extend", [](NGramTables& self, const std::vector<int64_t>& tokens) {
+             self.extend(tokens.data(), static_cast<int64_t>(tokens.size()));
+           }, "append tokens, indexing the n-grams that end before each")
+      .def("propose", &NGramTables::propose, "up to `limit` tokens copied after the longest matching suffix",
+           pybind11::arg("limit"), pybind11::arg("extra") = std::vector<int64_t>{});
+}
