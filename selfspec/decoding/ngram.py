@@ -177,3 +177,44 @@ class NGramIndex:
                 return []
             return ([first] + self.tokens[token + 1:token + limit])[:limit]
         return []
+
+
+class RowIndexes:
+    """Every row's `NGramIndex` in one decode call, by the caller's row index: where a call's copies come
+    from. `add` the rows' prompts in row order, `extend` them with what they emit; `copies` gives the
+    running rows' copies as one draft."""
+
+    def __init__(self, config: NGramConfig, text: TokenText | None = None):
+        self.config, self.text = config, text
+        self.indexes: list[NGramIndex] = []
+
+    def add(self, prompts: list[list[int]]) -> None:
+        """Rows with these prompts join, after the rows so far."""
+        self.indexes += [NGramIndex(p, self.config, self.text) for p in prompts]
+
+    def extend(self, rows: np.ndarray, tokens: np.ndarray, emit: np.ndarray) -> None:
+        """Row rows[s] emitted tokens[s, :emit[s]]."""
+        for slot, row in enumerate(rows):
+            self.indexes[row].extend(tokens[slot, :emit[slot]])
+
+    def history(self, row: int) -> np.ndarray:
+        """(t,) the row's tokens so far, the pending token last."""
+        return np.array(self.indexes[row].tokens, dtype=np.int64)
+
+    def copies(self, rows: np.ndarray, limit: int, extra: np.ndarray | None = None) -> np.ndarray:
+        """The copies (B, r) of the rows `rows` (batch order), up to `limit` tokens each, after the drafts
+        `extra` (B, j) where given (`NGramIndex.propose`), r the longest; rows with a shorter one (or
+        none) fill up with their last token: any deterministic draft is lossless (one-hot q), a filler
+        just tends to be rejected. (B, 0) when no row has a match."""
+        proposals = [self.indexes[row].propose(limit, () if extra is None else extra[slot])[0]
+                     for slot, row in enumerate(rows)]
+        r = max(len(p) for p in proposals)
+        if r == 0:
+            return np.zeros((len(rows), 0), dtype=np.int64)
+        last = [self.indexes[row].tokens[-1] if extra is None or not len(extra[slot]) else extra[slot][-1]
+                for slot, row in enumerate(rows)]
+        return np.array([p + [p[-1] if p else end] * (r - len(p)) for p, end in zip(proposals, last)],
+                        dtype=np.int64)
+
+
+__all__ = ["NGramConfig", "NGramIndex", "RowIndexes", "TokenText"]

@@ -35,7 +35,7 @@ import numpy as np
 from ..backends import FusedDrafts
 from ..errors import UserError
 from .controller import Controller, FixedK, WindowRule, make_controller
-from .ngram import NGramConfig, NGramIndex
+from .ngram import NGramConfig, RowIndexes
 
 DRAFTERS = ("early_exit", "ngram", "hybrid")
 COPY_WINDOW = 16  # copy rounds the copy length's α is taken over: copying comes and goes with the text
@@ -94,7 +94,8 @@ class DraftPolicy:
         (`ngram.TokenText`), or not (None)."""
 
     def add(self, prompts: list[list[int]]) -> None:
-        """More rows join the call (`generate(admit=...)`): their ids follow the rows so far, in order."""
+        """More rows join the call (`Engine.add` after the first step): their ids follow the rows so far,
+        in order."""
 
     def plan(self, rows: np.ndarray) -> DraftPlan:
         """The draft of the next round for the running rows `rows` (caller row indices, batch order)."""
@@ -184,43 +185,28 @@ class CopyPolicy(DraftPolicy):
         self.k_max = early_exit.k_max + self.copy_controller.k_max
         self.copies = True
         self.copies_after_early_exit = early_exit.k_max > 0
-        self.indexes: list[NGramIndex] = []
         self.text = None
+        self.context = RowIndexes(ngram)  # every row's n-gram index, from `start` on
 
     def match_text(self, text):
         self.text = text
 
     def start(self, prompts):
-        self.indexes = [NGramIndex(p, self.ngram, self.text) for p in prompts]
+        self.context = RowIndexes(self.ngram, self.text)
+        self.context.add(prompts)
 
     def add(self, prompts):
-        self.indexes += [NGramIndex(p, self.ngram, self.text) for p in prompts]
+        self.context.add(prompts)
 
     def observe(self, rows, tokens, emit):
-        for slot, row in enumerate(rows):
-            self.indexes[row].extend(tokens[slot, :emit[slot]])
-
-    def _copies(self, rows, extra=None) -> np.ndarray:
-        """The copies (B, r) of the running rows, r the longest; rows with a shorter one (or none)
-        fill up with their last token: any deterministic draft is lossless (one-hot q), a filler
-        just tends to be rejected. (B, 0) when no row has a match."""
-        limit = self.copy_controller.next_k()
-        proposals = [self.indexes[row].propose(limit, () if extra is None else extra[slot])[0]
-                     for slot, row in enumerate(rows)]
-        r = max(len(p) for p in proposals)
-        if r == 0:
-            return np.zeros((len(rows), 0), dtype=np.int64)
-        last = [self.indexes[row].tokens[-1] if extra is None or not len(extra[slot]) else extra[slot][-1]
-                for slot, row in enumerate(rows)]
-        return np.array([p + [p[-1] if p else end] * (r - len(p)) for p, end in zip(proposals, last)],
-                        dtype=np.int64)
+        self.context.extend(rows, tokens, emit)
 
     def plan(self, rows):
-        copied = self._copies(rows)
+        copied = self.context.copies(rows, self.copy_controller.next_k())
         return DraftPlan(copied, 0 if copied.shape[1] else self.early_exit.next_k())
 
     def copy_after(self, rows, drafted):
-        return self._copies(rows, drafted)
+        return self.context.copies(rows, self.copy_controller.next_k(), drafted)
 
     def copy_limit(self):
         return self.copy_controller.next_k()
@@ -248,8 +234,7 @@ class CopyPolicy(DraftPolicy):
 
     def fused_drafts(self, row):
         copy_length = self.copy_controller.next_k()
-        history = np.array(self.indexes[row].tokens, dtype=np.int64)  # (t,), the pending token last
-        return FusedDrafts(k=self.early_exit.next_k(), history=history,
+        return FusedDrafts(k=self.early_exit.next_k(), history=self.context.history(row),
                            min_ngram=self.ngram.min_ngram, max_ngram=self.ngram.max_ngram,
                            copy_length=copy_length)
 

@@ -1,9 +1,15 @@
-"""Proposers: where a round's drafts come from, each behind `propose`, and the round's `Draft`.
+"""Proposers: where a round's drafts come from, each behind one method, and the round's `Draft`.
+
+Every proposer implements `Proposer.propose(state, room) -> int`: up to `room` drafts at the next draft
+positions, appended to the round's `RoundState` (its `Draft`, and the tokens not yet through blocks
+[0, E)) with the rows' grammars told; how many it added (0: none).
 
 - `EarlyExitProposer`: the model's first E blocks, final norm and draft head (trimmed or behind an exit
-  adapter), one draft at a time (`propose`) or the round's k in one backend call (`propose_all`);
-- `CopyProposer`: a copy from the row's context (the policy's n-gram index, `DraftPolicy.copy_after`),
-  under a grammar cut where the grammar refuses and closed where the context's clause ends;
+  adapter): the round's drafts in one backend call at its start where the backend has one, else one
+  draft a step;
+- `CopyProposer`: a copy from the row's context (at the round's start the plan's, after drafts the
+  policy's, `DraftPolicy.copy_after`), within the round's copy length, under a grammar cut where the
+  grammar refuses and closed where the context's clause ends;
 - `ForcedProposer`: a grammar's forced tokens (certain once the drafts before them are accepted).
 
 `RoundDrafter` composes them into one round as the policy plans it (`DraftPlan`): the free drafts first
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -74,6 +81,43 @@ class Draft:
         return sum(part.shape[1] for part in self.parts)
 
 
+@dataclass
+class RoundState:
+    """One round's drafting as the proposers see it: what each reads, and the draft each extends.
+
+    b: the running rows; policy: the call's `DraftPolicy` (the copies and their length come from it);
+    plan: its `DraftPlan` of the round; cap: the most drafts the round holds; draft: the drafts so far;
+    unrun: tokens (B, r) each, in position order, not yet through blocks [0, E) (the pending token first):
+    the early exit runs them before its next draft, the verification those left (`Draft.tail`).
+    """
+
+    b: Batch
+    policy: DraftPolicy
+    plan: DraftPlan
+    cap: int
+    draft: Draft = field(default_factory=Draft)
+    unrun: list = field(default_factory=list)
+
+    @property
+    def room(self) -> int:
+        """The drafts the round may still add."""
+        return self.cap - self.draft.k
+
+    def add(self, source: str, tokens: torch.Tensor) -> None:
+        """Drafts (B, r) from `source` at the next positions, not yet through blocks [0, E)."""
+        self.draft.add(source, tokens)
+        self.unrun.append(tokens)
+
+
+class Proposer(Protocol):
+    """A source of drafts (the module docstring)."""
+
+    def propose(self, state: RoundState, room: int) -> int:
+        """Up to `room` drafts at the next draft positions, appended to `state` with the rows' grammars
+        told; how many (0: none here; from the early exit, η stopped the round: `Draft.stopped`)."""
+        ...
+
+
 class EarlyExitProposer:
     """Drafts of the early exit: blocks [0, E), the final norm and the draft head, each draft the next
     one's input; greedy drafts through the backend's calls where it has them, so that every path
@@ -82,26 +126,56 @@ class EarlyExitProposer:
     def __init__(self, passes: RoundPasses):
         self.passes = passes
 
-    def propose_all(self, b: Batch, draft: Draft, k: int) -> bool:
+    def propose(self, state: RoundState, room: int) -> int:
+        """At the round's start, where the backend drafts in one call (greedy, no grammar, no exit block:
+        `Batch.loop_head`), all `room` drafts in it (`_loop`); else one draft (`_one`), after which the
+        caller adds the free drafts it makes possible and asks again. 0: η stopped the round."""
+        if not state.draft.k and state.b.loop_head is not None:
+            drafted = self._loop(state, room)
+            if drafted is not None:
+                return drafted
+        return self._one(state)
+
+    def _loop(self, state: RoundState, k: int) -> int | None:
         """The round's k greedy drafts in one backend call (`Backend.draft_loop`), the same drafts and
-        cache as k calls of `propose`, without the Python between the steps. Its last pass through
-        blocks [0, E) runs the last draft (which the verification would run first), so the draft time
-        holds it. Whether it ran (else nothing was run)."""
+        cache as k calls of `_one`, without the Python between the steps. Its last pass through blocks
+        [0, E) runs the last draft (which the verification would run first), so the draft time holds
+        it. The drafts made (fewer than k: η stopped the round), or None: the backend declined, nothing
+        run."""
+        b, draft = state.b, state.draft
         place = self.passes.place(b, 0, k + 1)
         out = self.passes.backend.draft_loop(b.exit_layer, b.pending_dev, b.cache, place["positions"],
                                              b.loop_head, k, b.stop_below)
         if out is None:
-            return False
+            return None
         drafts, hidden = out  # (B, s), (B, s + 1, D)
         if drafts.shape[1]:
             draft.add("early_exit", drafts)
         draft.hiddens.append(hidden)
         draft.stopped = drafts.shape[1] < k
-        draft.tail = drafts[:, :0]
+        state.unrun.clear()  # the pending token and every draft ran through blocks [0, E)
         b.lap("draft passes")
-        return True
+        return drafts.shape[1]
 
-    def propose(self, b: Batch, draft: Draft, unrun: list, allowed: torch.Tensor | None):
+    def _one(self, state: RoundState) -> int:
+        """One draft at the next draft position, among what the rows' grammars allow (their mask applies
+        to q too), told to the grammars; 1, or 0 when η stopped the round."""
+        b = state.b
+        allowed = None
+        if b.grammar is not None:
+            allowed = b.grammar.mask()  # (B, V)
+            b.lap("grammar")
+        token = self._choose(b, state.draft, state.unrun, allowed)
+        if token is None:
+            return 0
+        state.add("early_exit", token[:, None])
+        b.lap("draft choice")
+        if b.grammar is not None:
+            b.grammar.admit(token[:, None].cpu().numpy())
+            b.lap("grammar")
+        return 1
+
+    def _choose(self, b: Batch, draft: Draft, unrun: list, allowed: torch.Tensor | None):
         """One draft (B,) at the next draft position: the tokens `unrun` (B, r) each, not yet through
         blocks [0, E), run first (`unrun` emptied, their exit states kept in `draft.hiddens`), then the
         head on the last one's exit state, masked by a grammar's `allowed` (B, V) where given. None when
@@ -142,7 +216,7 @@ class EarlyExitProposer:
         return None
 
     def _step(self, b: Batch, draft: Draft, unrun: list, allowed: torch.Tensor | None):
-        """`propose`'s greedy step in one backend call (`Backend.draft_step`): the tokens `unrun` through
+        """`_choose`'s greedy step in one backend call (`Backend.draft_step`): the tokens `unrun` through
         blocks [0, E) and the exit block, the draft head, the mask `allowed` and the argmax, as the step
         from Python does them. (draft (B,), sure: some row's draft reaches η), the exit states appended
         to `draft`; or None, nothing run."""
@@ -161,32 +235,52 @@ class EarlyExitProposer:
 class ForcedProposer:
     """A grammar's forced tokens: the tokens every continuation the grammar allows begins with."""
 
-    @staticmethod
-    def propose(b: Batch, room: int) -> np.ndarray | None:
-        """Up to `room` forced tokens (B, r) of the rows' grammars at the drafts so far, or None."""
-        forced = b.grammar.forced(room)
+    def propose(self, state: RoundState, room: int) -> int:
+        """Up to `room` forced tokens of the rows' grammars after the drafts so far (consumed by them);
+        none where the call drafts no forced tokens (`Batch.forced`)."""
+        b = state.b
+        if not b.forced:
+            return 0
+        forced = b.grammar.forced(room)  # (B, r)
         b.lap("grammar")
-        return forced
+        if forced is None or not forced.shape[1]:
+            return 0
+        state.add("forced", torch.as_tensor(forced, device=b.steps.device))
+        b.lap("draft choice")
+        return forced.shape[1]
 
 
 class CopyProposer:
-    """Copies from the row's context (the policy's n-gram index); `token_text()` gives the tokenizer's
-    `TokenText` (or None), which under a grammar cuts a copy where the context's clause ends."""
+    """Copies from the row's context (the policy's, `DraftPolicy.copy_after`); `token_text()` gives the
+    tokenizer's `TokenText` (or None), which under a grammar cuts a copy where the context's clause ends."""
 
     def __init__(self, token_text: Callable[[], TokenText | None]):
         self.token_text = token_text
 
-    def propose(self, b: Batch, draft: Draft, policy: DraftPolicy, room: int) -> np.ndarray:
-        """A copy (B, r <= room) to follow the drafts so far (`DraftPolicy.copy_after`); under a grammar
-        `closed` (cut where it refuses, closed where the clause ends). r = 0: none."""
-        copy = policy.copy_after(b.rows, draft.host_tokens())
-        b.lap("policy")
-        return self.fit(b, copy, room)
-
-    def fit(self, b: Batch, copy: np.ndarray, room: int) -> np.ndarray:
-        """A copy (B, r) cut to `room` drafts and, under a grammar, `closed`."""
+    def propose(self, state: RoundState, room: int) -> int:
+        """A copy of up to `room` drafts, within what the round may still copy (`DraftPolicy.copy_limit`
+        less its copies so far): at the round's first position the plan's (`DraftPlan.copied`, looked up
+        as the round was planned), after drafts the policy's copy after them (asked only of a policy that
+        can copy there: it reads the drafts on the host); under a grammar `closed`."""
+        b, draft, policy = state.b, state.draft, state.policy
+        limit = policy.copy_limit()
+        if limit is not None:
+            room = min(room, limit - sum(s.length for s in draft.segments if s.source == "copy"))
+        if not draft.k:
+            copy = state.plan.copied
+        elif policy.copies if b.grammar is not None else policy.copies_after_early_exit:
+            copy = policy.copy_after(b.rows, draft.host_tokens())
+            b.lap("policy")
+        else:
+            return 0
         copy = copy[:, :room]
-        return self.closed(b, copy) if copy.shape[1] and b.grammar is not None else copy
+        if copy.shape[1] and b.grammar is not None:
+            copy = self.closed(b, copy)
+        if not copy.shape[1]:
+            return 0
+        state.add("copy", torch.as_tensor(copy, device=b.steps.device))
+        b.lap("draft choice")
+        return copy.shape[1]
 
     def closed(self, b: Batch, copy: np.ndarray) -> np.ndarray:
         """A copy (B, r) under a grammar, consumed by the rows' drafting matchers, cut at the first token
@@ -215,7 +309,8 @@ class CopyProposer:
 
 
 class RoundDrafter:
-    """A round's drafts as the policy plans them, from the three proposers (module docstring)."""
+    """A round's drafts as the policy plans them, from the three proposers (module docstring), each asked
+    through `Proposer.propose` alone."""
 
     def __init__(self, passes: RoundPasses, token_text: Callable[[], TokenText | None]):
         self.early_exit = EarlyExitProposer(passes)
@@ -223,88 +318,48 @@ class RoundDrafter:
         self.forced = ForcedProposer()
 
     def draft(self, b: Batch, plan: DraftPlan, policy: DraftPolicy, cap: int) -> Draft:
-        """The round's drafts, at most `cap`: first the free ones (a grammar's forced tokens, then
-        `plan.copied` (B, m) copied tokens, see `free_drafts`), then up to `plan.extend` early-exit
-        drafts, one at a time, each followed by the free drafts it makes possible: under a grammar its
-        forced tokens (the early exit then goes on after them); when the policy turns the rest of the
-        round into a copy (`policy.copy_after`), the copy ends it. Tokens without an exit hidden state
-        yet (the pending token, copied and forced drafts) run through blocks [0, E) together, in one
-        parallel pass, when the early exit next needs their state; an early-exit draft keeps its own
-        step's."""
-        draft = Draft()
-        unrun = [b.pending_dev[:, None]]  # (B, r) each: tokens not yet through blocks [0, E), in order
-        copied = self.free_drafts(b, draft, unrun, policy, cap, plan.copied)
-        extend = 0 if copied and not plan.num_copied else plan.extend  # a copy found on the way ends it
-        if extend and not draft.k and b.loop_head is not None and self.early_exit.propose_all(
-                b, draft, min(extend, cap)):
-            # a policy that copies after early-exit drafts looks once, after them all (the step-by-step
-            # loop looks after each): other drafts, the same output
-            if policy.copies_after_early_exit and not draft.stopped and draft.k < cap:
-                unrun = []
-                self.free_drafts(b, draft, unrun, policy, cap)
-                if unrun:
-                    draft.tail = joined(unrun)
-            return draft
-        for _ in range(extend):
-            if draft.k >= cap:
+        """The round's drafts, at most `cap`: first the free ones (a grammar's forced tokens, then the
+        plan's copy, see `free_drafts`), then up to `plan.extend` early-exit drafts, each followed by the
+        free drafts it makes possible: under a grammar its forced tokens (the early exit then goes on
+        after them); when the policy turns the rest of the round into a copy (`DraftPolicy.copy_after`),
+        the copy ends it. Where the early exit drafts the round in one backend call, a policy that copies
+        after early-exit drafts looks once, after them all (the step-by-step loop looks after each): other
+        drafts, the same output. Tokens without an exit hidden state yet (the pending token, copied and
+        forced drafts) run through blocks [0, E) together, in one parallel pass, when the early exit next
+        needs their state; an early-exit draft keeps its own step's."""
+        state = RoundState(b, policy, plan, cap, unrun=[b.pending_dev[:, None]])
+        copied = self.free_drafts(state)
+        left = 0 if copied and not plan.num_copied else plan.extend  # a copy found on the way ends it
+        while left and state.room > 0:
+            drafted = self.early_exit.propose(state, min(left, state.room))
+            if not drafted or state.draft.stopped:  # η stopped the round
                 break
-            allowed = None
-            if b.grammar is not None:  # the draft picks among what the grammar allows: q is masked too
-                allowed = b.grammar.mask()  # (B, V)
-                b.lap("grammar")
-            token = self.early_exit.propose(b, draft, unrun, allowed)
-            if token is None:  # η stopped the round
-                break
-            draft.add("early_exit", token[:, None])
-            unrun.append(token[:, None])
-            b.lap("draft choice")
-            if b.grammar is not None:
-                b.grammar.admit(token[:, None].cpu().numpy())
-                b.lap("grammar")
-            if draft.k < cap and (b.forced or policy.copies_after_early_exit):
-                if self.free_drafts(b, draft, unrun, policy, cap):  # a copy ends the round
-                    break
+            left -= drafted
+            if state.room > 0 and (b.forced or policy.copies_after_early_exit) and self.free_drafts(state):
+                break  # a copy ends the round
         # The drafts after the last pass through blocks [0, E) are the verification's first part; when
         # η stopped the round every token already had that pass (B, 0), even with no early-exit draft.
-        draft.tail = joined(unrun) if unrun else b.pending_dev[:, None][:, :0]
+        draft = state.draft
+        draft.tail = joined(state.unrun) if state.unrun else b.pending_dev[:, None][:, :0]
         b.lap("draft choice")
         return draft
 
-    def free_drafts(self, b: Batch, draft: Draft, unrun: list, policy: DraftPolicy, cap: int,
-                    copy: np.ndarray | None = None) -> bool:
-        """Drafts that take no model call, appended to `draft` and `unrun`: a grammar's forced tokens,
-        then a copy (`copy` (B, r), or the copy proposer's after the drafts so far), cut at the first
-        token every row's grammar refuses; under a grammar, forced tokens and copies alternate while
-        either finds something, the round's copies `policy.copy_limit()` tokens in all: each copied
-        draft is verified at a cost, and a chain of copies is rarely accepted to its end (a forced
-        token is certain once the drafts before it are accepted). Whether a copy was added."""
+    def free_drafts(self, state: RoundState) -> bool:
+        """Drafts that take no model call, appended to `state`: a grammar's forced tokens, then a copy
+        (`CopyProposer.propose`); under a grammar, forced tokens and copies alternate while copies are
+        found, the round's copies `policy.copy_limit()` tokens in all: each copied draft is verified at a
+        cost, and a chain of copies is rarely accepted to its end (a forced token is certain once the
+        drafts before it are accepted). Whether a copy was added."""
         copied = False
-        limit = policy.copy_limit()
-        room = cap if limit is None else limit - sum(s.length for s in draft.segments if s.source == "copy")
-        device = b.steps.device
-        while draft.k < cap:
-            forced = self.forced.propose(b, cap - draft.k) if b.forced else None
-            if forced is not None and forced.shape[1]:
-                draft.add("forced", torch.as_tensor(forced, device=device))
-                unrun.append(draft.parts[-1])
-                copy = None  # the copy was looked up before the forced tokens
-                b.lap("draft choice")
-            if copy is None:  # the proposer reads the drafts on the host: ask only a policy that can copy
-                if not draft.k or not (policy.copies if b.grammar is not None
-                                       else policy.copies_after_early_exit):
-                    break
-                copy = self.copies.propose(b, draft, policy, min(cap - draft.k, room))
-            else:
-                copy = self.copies.fit(b, copy, min(cap - draft.k, room))
-            if not copy.shape[1]:
+        while state.room > 0:
+            self.forced.propose(state, state.room)
+            if not self.copies.propose(state, state.room):
                 break
-            draft.add("copy", torch.as_tensor(copy, device=device))
-            unrun.append(draft.parts[-1])
-            b.lap("draft choice")
-            copied, copy, room = True, None, room - copy.shape[1]
-            if b.grammar is None:  # unconstrained, one copy ends the free drafts
+            copied = True
+            if state.b.grammar is None:  # unconstrained, one copy ends the free drafts
                 break
         return copied
 
 
-__all__ = ["CopyProposer", "Draft", "EarlyExitProposer", "ForcedProposer", "RoundDrafter"]
+__all__ = ["CopyProposer", "Draft", "EarlyExitProposer", "ForcedProposer", "Proposer", "RoundDrafter",
+           "RoundState"]
