@@ -3,7 +3,8 @@
 accelerate 1.15 cannot shard on a CPU (`accelerate/state.py`, `AcceleratorState.__init__` keeps a FSDP
 plugin only for MULTI_GPU-like device types; CPU processes are MULTI_CPU, which is plain DDP: see
 docs/scaling.md), so `tests/fsdp_train.py` applies torch's `fully_shard` itself to the loop's own
-objective, one FSDP unit per decoder block as `selfspec/recipes/accelerate/fsdp.yaml` asks.
+objective, one FSDP unit per decoder block as `selfspec/recipes/accelerate/fsdp.yaml` asks; the frozen teacher
+(`early_exit.teacher: frozen`) goes through the loop's own `place_teacher`, which shards it the same way.
 """
 
 import json
@@ -22,6 +23,7 @@ from selfspec.checkpoint import read_meta
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "fsdp_train.py"
+FROZEN = "early_exit.teacher=frozen"  # the recipe's teacher is `self`: a frozen copy is what FSDP must shard
 
 
 def _run(cmd: list[str]) -> None:
@@ -38,7 +40,9 @@ def _torchrun(*args) -> None:
 
 @pytest.mark.slow
 def test_two_fsdp_processes_equal_one_plain_process_and_resume_bit_for_bit(tiny_run, tmp_path):
-    """Rank 1 is even given another seed: `LayerDropout.synchronize` makes it skip rank 0's blocks.
+    """Rank 1 is even given another seed: `LayerDropout.synchronize` makes it skip rank 0's blocks. The
+    exits learn from a frozen teacher, which each process holds one shard of (its parameter elements
+    sum to the teacher's, 28,816 of 57,632 each) and whose logits are the unsharded teacher's bits.
 
     Tolerance: losses within rel 1e-5, final weights within atol 1e-5; the resume from the sharded state
     at step 2 ends on the uninterrupted run's bits. The plain run sums its gradient as the 2 processes
@@ -48,8 +52,8 @@ def test_two_fsdp_processes_equal_one_plain_process_and_resume_bit_for_bit(tiny_
     """
     model = tiny_run["model"]
     plain, sharded, resumed = tmp_path / "plain", tmp_path / "fsdp", tmp_path / "resumed"
-    _run([sys.executable, str(WORKER), str(model), str(plain), "--plain"])
-    _torchrun(model, sharded, "--save-at", 2, "--seed-per-rank")
+    _run([sys.executable, str(WORKER), str(model), str(plain), "--plain", FROZEN])
+    _torchrun(model, sharded, "--save-at", 2, "--seed-per-rank", FROZEN)
 
     one = json.loads((plain / "losses.json").read_text())
     two = json.loads((sharded / "losses.json").read_text())
@@ -62,6 +66,16 @@ def test_two_fsdp_processes_equal_one_plain_process_and_resume_bit_for_bit(tiny_
     for rank in (0, 1):
         assert json.loads((sharded / f"blocks-{rank}.json").read_text()) == ran, rank
     assert any(len(blocks) < 4 for blocks in ran.values()), ran
+
+    # The frozen teacher is sharded like the student, its forwards done: each process holds only its
+    # shard, and its logits are the whole teacher's to the bit.
+    whole = json.loads((plain / "teacher-0.json").read_text())
+    assert not whole["sharded"] and whole["local_elements"] == whole["total_elements"]
+    shards = [json.loads((sharded / f"teacher-{rank}.json").read_text()) for rank in (0, 1)]
+    assert all(s["sharded"] and s["logits_equal"] for s in shards), shards
+    assert all(s["total_elements"] == whole["total_elements"] for s in shards), shards
+    assert sum(s["local_elements"] for s in shards) == whole["total_elements"], shards
+    assert all(s["local_elements"] < whole["total_elements"] for s in shards), shards
 
     reference = load_file(plain / "model" / "model.safetensors")
     start = load_file(model / "model.safetensors")
@@ -77,7 +91,7 @@ def test_two_fsdp_processes_equal_one_plain_process_and_resume_bit_for_bit(tiny_
     # Resume from the sharded state at step 2 (each rank reads its shards): the same bits at step 4.
     resumed.mkdir()
     (resumed / "state-2").symlink_to(sharded / "state-2", target_is_directory=True)
-    _torchrun(model, resumed, "--resume-at", 2, "--seed-per-rank")
+    _torchrun(model, resumed, "--resume-at", 2, "--seed-per-rank", FROZEN)
     assert sorted(json.loads((resumed / "losses.json").read_text())) == ["3", "4"]
     again = load_file(resumed / "model" / "model.safetensors")
     for name, value in full.items():

@@ -23,6 +23,22 @@ from .early_exit import ExitCurriculum, TrimmedVocab, early_exit_loss, layer_wei
 from .layer_dropout import LayerDropout, apply_block
 
 
+class FrozenTeacher(nn.Module):
+    """The frozen teacher's logits (B, T) -> (B, T, V) as one module's forward: `model` (a copy of the
+    original model, eval mode, no gradients) run through `DecoderView`, as the student's blocks are.
+
+    One module whose forward is the whole pass is what FSDP shards (`training.loop.shard_teacher`):
+    its root hooks gather the embedding, final norm and head for the pass, each block's hooks that
+    block's weights, and a sharded teacher computes the very logits of an unsharded one."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return DecoderView(self.model)(input_ids)
+
+
 class SelfSpecObjective(nn.Module):
     """loss = final_weight · CE(final layer, labels) + weight · Σ_l w_l · exit_loss(layer l), under
     layer dropout.
@@ -35,7 +51,8 @@ class SelfSpecObjective(nn.Module):
     layer_dropout: per-block skip sampler, or None for no dropout.
     total_steps: the run's length, which the gradual curriculum is laid out over.
     frozen_model: the teacher of `teacher: frozen` for a full fine-tune (the original model, without
-        dropout); under LoRA the base with adapters disabled is the teacher, so the weights are never
+        dropout), kept as a `FrozenTeacher` (`frozen_model`, a plain attribute: neither trained nor
+        saved); under LoRA the base with adapters disabled is the teacher, so the weights are never
         copied.
     seed: draws the positions of `token_fraction` < 1 (a pure function of seed and step).
     exit_vocab: exit losses over V' ids plus "other" (`TrimmedVocab`, which `early_exit.draft_vocab_size`
@@ -64,7 +81,10 @@ class SelfSpecObjective(nn.Module):
         self.curriculum = (ExitCurriculum(ee.curriculum, self.exit_layers, total_steps, ee.rotation_period)
                            if self.exit_layers else None)
         self.seed = seed
-        # A plain attribute, not a submodule: the frozen teacher is neither trained nor saved.
+        # A plain attribute, not a submodule: the frozen teacher is neither trained nor saved, and what
+        # prepares the student (DDP, FSDP) leaves it alone (`training.loop.shard_teacher` shards it).
+        if frozen_model is not None and not isinstance(frozen_model, FrozenTeacher):
+            frozen_model = FrozenTeacher(frozen_model)
         self.__dict__["frozen_model"] = frozen_model
         if ee.teacher == "frozen" and frozen_model is None and not hasattr(model, "disable_adapter"):
             raise UserError("early_exit.teacher = 'frozen' needs frozen_model for a full fine-tune "
@@ -208,7 +228,7 @@ class SelfSpecObjective(nn.Module):
             return own_logits.detach()
         with torch.no_grad():
             if self.frozen_model is not None:
-                return DecoderView(self.frozen_model)(input_ids)
+                return self.frozen_model(input_ids)
             # LoRA: the base model is the original weights with the adapters switched off.
             with self.model.disable_adapter() if hasattr(self.model, "disable_adapter") else nullcontext():
                 return DecoderView(self.model)(input_ids)
