@@ -193,6 +193,19 @@ class GrammarTokenizer:
                 self._compiled.popitem(last=False)
         return made
 
+    @property
+    def kept(self) -> int:
+        """How many compiled constraints are kept for reuse."""
+        return len(self._compiled)
+
+    def forget_compiled(self) -> int:
+        """Drop every kept compiled constraint (an idle server: a short schema, `^a{1000000}$`, can hold
+        tens of MiB, and what is idle should not); returns how many were kept."""
+        with self._compiled_lock:
+            kept = len(self._compiled)
+            self._compiled.clear()
+        return kept
+
 
 class GrammarBatch:
     """The grammar state of a batch's rows (None for a row without a constraint) through the rounds.
@@ -222,8 +235,8 @@ class GrammarBatch:
         self.add(constraints)
 
     def add(self, constraints: list[Constraint | None]) -> None:
-        """Rows joining the batch (`generate(admit=...)`), after the others: their caller rows follow the
-        last one's."""
+        """Rows joining the batch (`Engine.add` after the first step), after the others: their caller
+        rows follow the last one's."""
         for c in constraints:
             if c is not None and c not in self.compiled:
                 self.compiled[c] = self.tokenizer.compiled(c)

@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..cpu import release_freed_memory
 from ..decoding import Constraint, NewRow
 from ..decoding.engine import ADAPT_ROUNDS
 from ..errors import UserError
@@ -365,9 +364,10 @@ class Scheduler:
         """The oldest job and the waiting jobs that can decode with it (None when closing)."""
         with self.ready:
             if not self.queue and not self.closing:
-                # idle: the freed memory of the last wave (a huge grammar's matchers, say) goes back to
-                # the kernel, which `cpu.keep_freed_memory` would keep for the process's next peak
-                release_freed_memory()
+                # idle: the kept compiled grammars and the freed memory of the last wave (a huge grammar's
+                # matchers, say) go back to the kernel, which `cpu.keep_freed_memory` would keep for the
+                # process's next peak
+                self.generator.release_memory()
             while not self.queue and not self.closing:
                 self.ready.wait()
             if self.closing:
