@@ -6,10 +6,11 @@
     reply = gen.chat([{"role": "user", "content": "Hi!"}]).texts[0]   # instruct models
 """
 
-from .checkpoint import load_tuned, save_tuned
-from .decoding import DecodeSettings, GenerationOutput, SelfSpecGenerator
+from .checkpoint import Provenance, load_tuned, save_tuned
+from .decoding import DecodeSettings, GenerationConfig, GenerationOutput, SelfSpecGenerator
 
 __version__ = "0.1.0"
 
-__all__ = ["DecodeSettings", "GenerationOutput", "SelfSpecGenerator", "load_tuned", "save_tuned",
+__all__ = ["DecodeSettings", "GenerationConfig", "GenerationOutput", "Provenance", "SelfSpecGenerator",
+           "load_tuned", "save_tuned",
            "__version__"]

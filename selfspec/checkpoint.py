@@ -34,6 +34,7 @@ read by `read_settings` and written by `save_tuned` and `write_settings` only:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import time
 import warnings
@@ -56,18 +57,34 @@ class CheckpointError(UserError):
     """A directory that is not a usable selfspec checkpoint; the message says why and what to do."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Provenance:
+    """Where a checkpoint came from, as its selfspec.json records it.
+
+    kind: "tuned" (trained by selfspec) or "base" (imported or pretrained, its exit untrained);
+    base_model: the model it was fine-tuned from; training: the run's configuration; metrics: its final
+    figures; exit_choice: how E and k were chosen among the candidate exits (`metrics.choose_exit`);
+    token_counts_source: what the token counts for a trimmed draft head were counted on.
+    """
+
+    kind: str = "tuned"
+    base_model: str | None = None
+    training: dict = dataclasses.field(default_factory=dict)
+    metrics: dict = dataclasses.field(default_factory=dict)
+    exit_choice: dict | None = None
+    token_counts_source: str | None = None
+
+
 def save_tuned(path: str | Path, model, tokenizer=None, *, settings: DecodeSettings,
-               base_model: str | None = None, training: dict | None = None, metrics: dict | None = None,
-               kind: str = "tuned", state_dict: dict | None = None, token_counts=None,
-               token_counts_source: str | None = None, exit_choice: dict | None = None,
+               provenance: Provenance | None = None, state_dict: dict | None = None, token_counts=None,
                exit_adapter=None, dtype=None) -> Path:
     """Save model (safetensors) + tokenizer + selfspec.json into `path`, atomically.
 
     settings: how the checkpoint decodes by default (`DecodeSettings`, E set; a fine-tune with a
-    trimmed exit loss stores the V' its exit was trained on). state_dict: the weights to write when
+    trimmed exit loss stores the V' its exit was trained on). provenance: where it came from
+    (`Provenance`; default a tuned checkpoint with no record). state_dict: the weights to write when
     the module's own are sharded (FSDP); default its own. token_counts: (V,) token frequencies (of
-    the training data) for a trimmed draft head, and token_counts_source what they were counted on.
-    exit_choice: how E and k were chosen among the candidate exits (`metrics.choose_exit`).
+    the training data) for a trimmed draft head.
     exit_adapter: an `ExitAdapter` trained for `settings.exit_layer`, saved beside the model.
     dtype: the torch dtype the weights and the exit adapter are written at, which config.json then
     names (a run that trained float32 master copies of a 16-bit model saves that model's dtype);
@@ -77,7 +94,7 @@ def save_tuned(path: str | Path, model, tokenizer=None, *, settings: DecodeSetti
     so a crash leaves either the old checkpoint or the new one, never a mixture. A PEFT model is
     merged into plain weights first (the saved model needs no peft to load).
     """
-    path = Path(path)
+    path, provenance = Path(path), provenance or Provenance()
     num_layers = count_layers(model)
     if settings.exit_layer is None or not 1 <= settings.exit_layer <= num_layers:
         raise CheckpointError(f"exit_layer = {settings.exit_layer} is outside 1..{num_layers} for this model")
@@ -97,19 +114,20 @@ def save_tuned(path: str | Path, model, tokenizer=None, *, settings: DecodeSetti
             config.save_pretrained(staging)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
-        meta = {"format_version": FORMAT_VERSION, "kind": kind, **settings.to_json(),
-                "base_model": base_model,
-                "training": training or {}, "metrics": metrics or {},
+        meta = {"format_version": FORMAT_VERSION, "kind": provenance.kind, **settings.to_json(),
+                "base_model": provenance.base_model,
+                "training": provenance.training, "metrics": provenance.metrics,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         if token_counts is not None:
-            meta["token_counts"] = _write_token_counts(staging, token_counts, token_counts_source)
+            meta["token_counts"] = _write_token_counts(staging, token_counts, provenance.token_counts_source)
         if exit_adapter is not None:
             save_exit_adapter(exit_adapter, staging, dtype)
             meta["exit_adapter"] = {"exit_layer": settings.exit_layer, "file": ADAPTER_FILE,
                                     **exit_adapter.shape}
-        if exit_choice is not None:
-            meta["exit_choice"] = {**exit_choice,
-                                   "candidates": {str(e): v for e, v in exit_choice["candidates"].items()}}
+        choice = provenance.exit_choice
+        if choice is not None:
+            candidates = {str(e): v for e, v in choice["candidates"].items()}
+            meta["exit_choice"] = {**choice, "candidates": candidates}
         write_json_atomic(staging / META_FILE, meta)
     return path
 
@@ -309,11 +327,8 @@ def draft_vocab(path: str | Path, size: int | None):
 
 
 def load_tuned(path: str | Path, device: str = "auto", dtype: str = "auto",
-               settings: DecodeSettings | None = None,
-               *, exit_layer: int | None = None, num_speculations=None, drafter: str | None = None,
-               draft_vocab_size: int | None = None, stop_below: float | None = None,
-               min_ngram: int | None = None, overlap: bool | None = None, static_passes: str | None = None,
-               backend: str | None = None):
+               settings: DecodeSettings | None = None, *, backend: str | None = None,
+               static_passes: str | None = None, **overrides):
     """Load a checkpoint as a `SelfSpecGenerator` ready for lossless fast generation.
 
     A tuned checkpoint decodes with `settings`, by default its own (what `selfspec eval sweep
@@ -321,8 +336,9 @@ def load_tuned(path: str | Path, device: str = "auto", dtype: str = "auto",
     the caller sets nothing (`format_settings`). Any other Hugging Face causal LM (a directory
     without selfspec.json, or a hub id) loads too: it decodes with `settings` or the keywords, else
     with copies from the context (the drafter that is never slower than plain decoding), and a
-    warning says so. The keywords
-    override single fields (None keeps them; draft_vocab_size 0: the whole head). device: "auto" is
+    warning says so. Other keywords override single fields, as `DecodeSettings.override` takes them
+    (exit_layer, num_speculations, drafter, draft_vocab_size, stop_below, min_ngram, overlap; None keeps
+    a field; draft_vocab_size 0: the whole head). device: "auto" is
     CUDA when there is one, else the CPU. static_passes: "compile" runs the decoding passes at fixed
     shapes through `torch.compile`, CUDA graphs on a GPU ("eager": the same passes uncompiled); backend:
     "reference", "cpu_kernels" or "static" (None or "auto": the default); see `SelfSpecGenerator`.
@@ -337,18 +353,15 @@ def load_tuned(path: str | Path, device: str = "auto", dtype: str = "auto",
                               f"DecodeSettings, got {settings!r}; pass the other fields as keywords")
     tuned = (Path(path) / META_FILE).is_file()
     meta = read_meta(path) if tuned else {}
-    untold = not tuned and settings is None and exit_layer is None and drafter is None
-    told = settings is not None or any(v is not None for v in (exit_layer, num_speculations, drafter,
-                                                                draft_vocab_size, stop_below, min_ngram,
-                                                                overlap))
+    told = settings is not None or any(v is not None for v in overrides.values())
+    untold = (not tuned and settings is None
+              and all(overrides.get(name) is None for name in ("exit_layer", "drafter")))
     # a sweep's settings for constrained calls count only when the caller set nothing
     formats = format_settings(path, meta) if tuned and not told else {}
     if settings is None:  # the checkpoint's own; a plain model's: copies, or the early exit when told
         settings = (read_settings(path, meta) if tuned
                     else DecodeSettings(drafter="ngram" if untold else "early_exit"))
-    settings = settings.override(
-        exit_layer=exit_layer, num_speculations=num_speculations, drafter=drafter,
-        draft_vocab_size=draft_vocab_size, stop_below=stop_below, min_ngram=min_ngram, overlap=overlap)
+    settings = settings.override(**overrides)
     counts = token_counts_for(path, max([settings.draft_vocab_size,
                                          *(s.draft_vocab_size for s in formats.values())]))
     if device == "auto":

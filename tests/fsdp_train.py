@@ -14,7 +14,9 @@ apart: AdamW's first step moves a weight by lr * g / (|g| + eps), so a gradient 
 rounding difference of 1e-10 into 1e-5 in the weight, and how the rounding falls depends on the CPU's
 kernels (AVX2 or AVX-512). OUT gets
 `losses.json` (the step losses, the mean over processes), `blocks-<rank>.json` (the blocks each step ran
-on that process), `model/` (a full checkpoint through
+on that process), with `early_exit.teacher=frozen` `teacher-<rank>.json` (the frozen teacher, sharded
+like the student by the loop's `place_teacher`: the parameter elements this process holds, the
+total, and whether its logits equal the unsharded teacher's), `model/` (a full checkpoint through
 `save_tuned`) and, with --save-at N, the sharded state at step N in `state-N/` (torch.distributed.checkpoint),
 which --resume-at N loads before step N + 1.
 """
@@ -26,6 +28,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -34,7 +37,7 @@ from selfspec.config import load_config
 from selfspec.decoding import DecodeSettings
 from selfspec.model import DecoderView
 from selfspec.model.loading import load_causal_lm, load_tokenizer
-from selfspec.training.loop import build_objective
+from selfspec.training.loop import build_objective, place_teacher
 
 GLOBAL_BATCH = 4  # rows per optimizer step, over all processes
 BLOCK = 32  # tokens per row
@@ -73,6 +76,12 @@ def main(argv: list[str]) -> None:
     model = load_causal_lm(args.model, "float32", "sdpa")
     view = DecoderView(model)
     objective = build_objective(model, cfg, view.num_layers, cfg.exit_layer)
+    teacher = objective.frozen_model  # early_exit.teacher=frozen: a copy of the model, sharded below
+    data = batches(view.lm_head.weight.shape[0], args.steps)
+    probe = data[0, rank::world]
+    if teacher is not None:
+        with torch.no_grad():
+            unsharded = teacher(probe)  # this process's first rows through the whole teacher
     if not args.plain:
         from torch.distributed.fsdp import fully_shard
 
@@ -80,6 +89,8 @@ def main(argv: list[str]) -> None:
         for block in view.layers:  # the units fsdp.yaml names (fsdp_transformer_layer_cls_to_wrap)
             fully_shard(block)
         fully_shard(objective)
+        if teacher is not None:
+            place_teacher(teacher, _accelerate_fsdp2(world))  # the loop's own placement: `shard_teacher`
     else:
         for block in view.layers:  # the autograd node fully_shard puts on each unit's inputs
             block.register_forward_pre_hook(_through_one_node, with_kwargs=True)
@@ -99,7 +110,6 @@ def main(argv: list[str]) -> None:
     if args.resume_at:
         _load_state(objective, optimizer, args.out / f"state-{args.resume_at}")
         start = args.resume_at
-    data = batches(view.lm_head.weight.shape[0], args.steps)
     losses = {}
     objective.train()
     for step in range(start, args.steps):
@@ -121,6 +131,8 @@ def main(argv: list[str]) -> None:
             _save_state(objective, optimizer, args.out / f"state-{step + 1}")
     _save_model(objective, model, args, cfg, rank)
     (args.out / f"blocks-{rank}.json").write_text(json.dumps(ran))
+    if teacher is not None:
+        _report_teacher(teacher, probe, unsharded, args.out / f"teacher-{rank}.json")
     if rank == 0:
         (args.out / "losses.json").write_text(json.dumps(losses))
     if not args.plain:
@@ -179,6 +191,34 @@ def _through_one_node(module, args, kwargs):
     return tuple(args), kwargs
 
 
+def _accelerate_fsdp2(world: int) -> SimpleNamespace:
+    """What `place_teacher` reads of an `Accelerator` under fsdp.yaml (FSDP2), which accelerate 1.16 will
+    not build on a CPU: a device mesh over the processes with accelerate's name for the sharded
+    dimension, and the plugin's offload policy (none)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import OffloadPolicy
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard_cp",))
+    return SimpleNamespace(is_fsdp2=True, torch_device_mesh=mesh,
+                           parallelism_config=SimpleNamespace(fsdp_dim_names=["dp_shard_cp"]),
+                           state=SimpleNamespace(fsdp_plugin=SimpleNamespace(cpu_offload=OffloadPolicy())))
+
+
+def _report_teacher(teacher, probe: torch.Tensor, unsharded: torch.Tensor, path: Path) -> None:
+    """What this process's teacher holds after training, its forwards done: the parameter elements
+    stored here (a shard's, `to_local`) and the teacher's total; and whether its logits on `probe`
+    are, to the bit, those the whole teacher gave before sharding."""
+    from torch.distributed.tensor import DTensor
+
+    params = list(teacher.parameters())
+    local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params)
+    with torch.no_grad():
+        logits = teacher(probe)
+    path.write_text(json.dumps({"local_elements": local, "total_elements": sum(p.numel() for p in params),
+                                "sharded": any(isinstance(p, DTensor) for p in params),
+                                "logits_equal": torch.equal(logits, unsharded)}))
+
+
 def _save_state(objective, optimizer, path: Path) -> None:
     """The sharded state: each process writes its own shards (torch.distributed.checkpoint), plus the
     layer dropout's generator (the same on every rank after `synchronize`)."""
@@ -206,7 +246,7 @@ def _load_state(objective, optimizer, path: Path) -> None:
 def _save_model(objective, model, args, cfg, rank: int) -> None:
     """A full checkpoint (`save_tuned`) from the gathered weights: every process takes part in the
     gather, the first one writes."""
-    from selfspec.checkpoint import save_tuned
+    from selfspec.checkpoint import Provenance, save_tuned
 
     state_dict = None
     if not args.plain:
@@ -218,7 +258,7 @@ def _save_model(objective, model, args, cfg, rank: int) -> None:
     if rank == 0:
         save_tuned(args.out / "model", model, load_tokenizer(args.model), state_dict=state_dict,
                    settings=DecodeSettings(exit_layer=cfg.exit_layer, num_speculations=2),
-                   metrics={"processes": int(os.environ.get("WORLD_SIZE", 1))})
+                   provenance=Provenance(metrics={"processes": int(os.environ.get("WORLD_SIZE", 1))}))
 
 
 if __name__ == "__main__":

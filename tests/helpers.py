@@ -163,3 +163,30 @@ def chat_generator(tiny_run: dict, **kwargs):
     tokenizer.chat_template = CHATML
     model = AutoModelForCausalLM.from_pretrained(tiny_run["model"]).eval()
     return SelfSpecGenerator(model, tokenizer, exit_layer=2, num_speculations=3, drafter="hybrid", **kwargs)
+
+
+def step_joining(generator, first: list, schedule: dict, **engine_kwargs):
+    """Continuous batching through the stepped engine (`generator.engine(**engine_kwargs)`): the requests
+    `first` (`NewRow`s) start the batch, schedule[r]'s rows are added before step r (0-based, after the
+    batch started, so they join it apart), and the engine is stepped until no row runs and none was
+    added. Returns (the `GenerationOutput`, per step its `RoundOutput`s)."""
+    engine = generator.engine(**engine_kwargs)
+    for row in first:
+        engine.add(row)
+    engine.start()
+    steps = []
+    while True:
+        for row in schedule.get(len(steps), []):
+            engine.add(row)
+        if engine.done:
+            return engine.output(), steps
+        steps.append(engine.step())
+
+
+def streamed(steps) -> dict:
+    """Each row's tokens as the steps emitted them (`step_joining`'s steps): {row: tokens}."""
+    seen: dict = {}
+    for outputs in steps:
+        for out in outputs:
+            seen.setdefault(out.row, []).extend(out.tokens)
+    return seen

@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from selfspec.checkpoint import (
     CheckpointError,
+    Provenance,
     draft_vocab,
     read_meta,
     read_token_counts,
@@ -22,7 +23,8 @@ from selfspec.decoding import DecodeSettings
 def test_save_writes_safetensors_meta_and_loads_with_auto_model(tmp_path):
     model = tiny_model("qwen3")
     path = save_tuned(tmp_path / "ckpt", model, settings=DecodeSettings(exit_layer=2, num_speculations=5),
-                      base_model="base", training={"seed": 1}, metrics={"val/loss": 1.5})
+                      provenance=Provenance(base_model="base", training={"seed": 1},
+                                            metrics={"val/loss": 1.5}))
     assert (path / "model.safetensors").is_file()
     meta = read_meta(path)
     assert meta["exit_layer"] == 2 and meta["num_speculations"] == 5 and meta["base_model"] == "base"

@@ -8,7 +8,7 @@ import pytest
 from helpers import CHATML
 from transformers import AutoModelForCausalLM
 
-from selfspec.checkpoint import save_tuned
+from selfspec.checkpoint import Provenance, save_tuned
 from selfspec.cli import main
 from selfspec.data import ChatDataError, load_chat_corpus
 from selfspec.data.chat import pack_chat_dataset
@@ -22,7 +22,8 @@ def chat_ckpt(tiny_run, tmp_path_factory):
     tokenizer = type(tiny_run["tokenizer"]).from_pretrained(tiny_run["model"])
     tokenizer.chat_template = CHATML
     model = AutoModelForCausalLM.from_pretrained(tiny_run["model"]).eval()
-    save_tuned(root / "model", model, tokenizer, settings=DecodeSettings(exit_layer=2), kind="base")
+    save_tuned(root / "model", model, tokenizer, settings=DecodeSettings(exit_layer=2),
+               provenance=Provenance(kind="base"))
     prompts = root / "prompts.txt"
     prompts.write_text("".join(f"def f{i}(x):\n" for i in range(7)))
     return {"dir": root / "model", "model": model, "tokenizer": tokenizer, "prompts": prompts}

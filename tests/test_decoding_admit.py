@@ -1,4 +1,4 @@
-"""Continuous batching (`generate(admit=...)`): rows that join a running call at a round boundary
+"""Continuous batching (`Engine.add` between steps): rows that join a running call at a round boundary
 decode exactly what they decode alone, and the rows already running are not disturbed, for every
 drafter, rows at any positions, a cache that must grow, a batch that emptied before they came, and
 rows under a grammar."""
@@ -6,7 +6,7 @@ rows under a grammar."""
 import numpy as np
 import pytest
 import torch
-from helpers import FAMILIES, low_alpha_model, reference_greedy
+from helpers import FAMILIES, low_alpha_model, reference_greedy, step_joining, streamed
 
 from selfspec.decoding import DecodeSettings, NewRow, SelfSpecGenerator
 from selfspec.errors import UserError
@@ -21,14 +21,10 @@ SETTINGS = {"plain": DecodeSettings(num_speculations=0),
             "hybrid": DecodeSettings(drafter="hybrid", exit_layer=1, num_speculations=2)}
 
 
-def _admit(schedule: dict):
-    """An `admit` that hands over schedule[r] before round r (0-based), and counts its calls."""
-    calls = []
 
-    def admit():
-        calls.append(len(calls))
-        return schedule.get(len(calls) - 1, [])
-    return admit, calls
+
+def _rows(prompts, max_new_tokens, seeds=None):
+    return [NewRow(p, max_new_tokens, None if seeds is None else seeds[i]) for i, p in enumerate(prompts)]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -39,56 +35,45 @@ def test_rows_joining_at_round_boundaries_decode_what_they_decode_alone(family):
     expected = ([reference_greedy(model, p, NEW) for p in FIRST]
                 + [reference_greedy(model, r.prompt, r.max_new_tokens) for r in later])
     for name, settings in SETTINGS.items():
-        admit, calls = _admit(LATER)
-        seen = {}
-
-        def on_tokens(rows, tokens, emit, finished, counts, seen=seen):
-            for slot, row in enumerate(rows):
-                seen.setdefault(int(row), []).extend(tokens[slot, :emit[slot]].tolist())
-
-        out = generator.generate(FIRST, max_new_tokens=NEW, eos_token_id=[], settings=settings, admit=admit,
-                                 on_tokens=on_tokens)
+        out, steps = step_joining(generator, _rows(FIRST, NEW), LATER, settings=settings, eos_token_id=[])
         assert out.sequences == expected, (family, name)
+        seen = streamed(steps)
         assert [seen[row] for row in range(len(expected))] == expected  # streamed under their own rows
-        assert len(calls) > max(LATER)
+        assert len(steps) > max(LATER)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2"])
 def test_a_row_joins_a_lone_row_that_runs_several_rounds_a_call(family):
-    """With `callback_rounds` a lone row runs several rounds in one compiled call between two asks of
-    `admit`; a row given at the next ask joins, and both decode what they decode alone."""
+    """With `rounds_per_step` a lone row runs several rounds in one compiled call a step; a row added
+    before the next step joins, and both decode what they decode alone."""
     model = low_alpha_model(family)
     generator = SelfSpecGenerator(model, exit_layer=2)
     prompt, later = [5, 17, 33, 5, 17, 33, 8, 5, 17], NewRow([40, 3, 9], NEW)
     expected = [reference_greedy(model, prompt, 3 * NEW), reference_greedy(model, later.prompt, NEW)]
     for name in ("early_exit", "ngram"):
-        admit, calls = _admit({3: [later]})
-        seen = {}
-
-        def on_tokens(rows, tokens, emit, finished, counts, seen=seen):
-            for slot, row in enumerate(rows):
-                seen.setdefault(int(row), []).append(int(counts.passes[slot]))
-
-        out = generator.generate([prompt], max_new_tokens=3 * NEW, eos_token_id=[], settings=SETTINGS[name],
-                                 admit=admit, on_tokens=on_tokens, callback_rounds=8)
+        out, steps = step_joining(generator, _rows([prompt], 3 * NEW), {3: [later]}, settings=SETTINGS[name],
+                                  eos_token_id=[], rounds_per_step=8)
         assert out.sequences == expected, (family, name)
+        seen = {}
+        for outputs in steps:
+            for o in outputs:
+                seen.setdefault(o.row, []).append(o.passes)
         assert seen[0][0] == seen[1][0] == 1  # a row's first round alone
         assert (max(seen[0]) > 1) == (family != "gpt2"), (family, name)  # GPT-2: no compiled rounds
 
 
 def test_a_row_may_join_after_every_other_row_finished():
-    """admit is asked once more after the last row ends: a row given then decodes; the call ends when
-    none comes."""
+    """A row added after the last running row ended decodes at the next step; the engine is done when
+    none is added."""
     model = low_alpha_model("llama")
     generator = SelfSpecGenerator(model, exit_layer=2)
     late = NewRow([9, 8, 7, 6], NEW)
-    first = reference_greedy(model, FIRST[0], 2)  # 2 rounds at k = 0: admit asked before rounds 0, 1, 2
-    admit, calls = _admit({2: [late]})
-    out = generator.generate([FIRST[0]], max_new_tokens=2, eos_token_id=[], num_speculations=0, admit=admit)
+    first = reference_greedy(model, FIRST[0], 2)  # 2 rounds at k = 0: steps 0 and 1
+    plain = DecodeSettings(exit_layer=2, num_speculations=0)
+    out, _ = step_joining(generator, _rows([FIRST[0]], 2), {2: [late]}, settings=plain, eos_token_id=[])
     assert out.sequences == [first, reference_greedy(model, late.prompt, NEW)]
-    admit, calls = _admit({3: [late]})
-    out = generator.generate([FIRST[0]], max_new_tokens=2, eos_token_id=[], num_speculations=0, admit=admit)
-    assert out.sequences == [first] and len(calls) == 3
+    out, steps = step_joining(generator, _rows([FIRST[0]], 2), {3: [late]}, settings=plain, eos_token_id=[])
+    assert out.sequences == [first] and len(steps) == 2
 
 
 def test_a_seeded_sampled_row_draws_the_same_tokens_whenever_it_joins():
@@ -98,9 +83,8 @@ def test_a_seeded_sampled_row_draws_the_same_tokens_whenever_it_joins():
     alone = generator.generate([row.prompt], max_new_tokens=NEW, temperature=0.9, seed=[1234],
                                eos_token_id=[], num_speculations=2)
     for start in (0, 1, 4):
-        admit, _ = _admit({start: [row]})
-        out = generator.generate(FIRST, max_new_tokens=NEW, temperature=0.9, seed=[7, 8], eos_token_id=[],
-                                 num_speculations=2, admit=admit)
+        out, _ = step_joining(generator, _rows(FIRST, NEW, seeds=[7, 8]), {start: [row]}, temperature=0.9,
+                              eos_token_id=[], settings=DecodeSettings(exit_layer=2, num_speculations=2))
         assert out.sequences[2] == alone.sequences[0], start
 
 
@@ -115,15 +99,11 @@ def test_a_batch_over_draft_max_rows_takes_plain_steps_and_decodes_the_same(name
     later = [row for rows in LATER.values() for row in rows]
     expected = ([reference_greedy(model, p, NEW) for p in prompts]
                 + [reference_greedy(model, r.prompt, r.max_new_tokens) for r in later])
-    rounds = []  # (running rows, drafts verified in the round, summed over its rows)
-
-    def on_tokens(running, tokens, emit, finished, counts):
-        rounds.append((len(running), int(counts.drafted.sum())))
-
-    admit, _ = _admit(LATER)
-    out = generator.generate(prompts, max_new_tokens=NEW, eos_token_id=[], settings=SETTINGS[name],
-                             admit=admit, on_tokens=on_tokens, draft_max_rows=2)
+    out, steps = step_joining(generator, _rows(prompts, NEW), LATER, settings=SETTINGS[name], eos_token_id=[],
+                              draft_max_rows=2)
     assert out.sequences == expected
+    # (running rows, drafts verified in the round, summed over its rows)
+    rounds = [(len(outputs), sum(o.drafted for o in outputs)) for outputs in steps]
     assert all(drafted == 0 for running, drafted in rounds if running > 2), rounds
     assert sum(drafted for running, drafted in rounds if running <= 2) > 0, rounds
     assert max(running for running, _ in rounds) > 2
@@ -154,31 +134,20 @@ def test_rows_under_a_grammar_join_a_constrained_call_and_bad_rows_are_refused()
     prompt = prompt_ids(tokenizer)
     constraint = Constraint.of(json_schema=PERSON)
     expected, _ = constrained_reference(model, tokenizer, prompt, constraint, 40)
-    admit, _ = _admit({2: [NewRow(prompt, 40, constraint=constraint), NewRow(prompt[:5], 6)]})
-    out = generator.generate([prompt], max_new_tokens=40, json_schema=PERSON, num_speculations=3,
-                             eos_token_id=[], admit=admit)
+    joining = {2: [NewRow(prompt, 40, constraint=constraint), NewRow(prompt[:5], 6)]}
+    settings = DecodeSettings(exit_layer=2, num_speculations=3)
+    out, _ = step_joining(generator, [NewRow(prompt, 40, constraint=constraint)], joining, settings=settings,
+                          eos_token_id=[], structured=True)
     assert out.sequences[0] == out.sequences[1] == expected
     assert out.complete[:2] == [True, True] and out.complete[2] is True  # the free row: no grammar to finish
     free = generator.generate([prompt[:5]], max_new_tokens=6, eos_token_id=[], num_speculations=3)
     assert out.sequences[2] == free.sequences[0]
 
-    admit, _ = _admit({0: [NewRow(prompt, 5, constraint=constraint)]})
     with pytest.raises(UserError, match="only join a call that has a grammar"):
-        generator.generate([prompt], max_new_tokens=5, admit=admit)
+        step_joining(generator, _rows([prompt], 5), {0: [NewRow(prompt, 5, constraint=constraint)]})
     for bad in (NewRow([], 5), NewRow(prompt, 0)):
-        admit, _ = _admit({1: [bad]})
         with pytest.raises(UserError, match="needs a prompt and max_new_tokens"):
-            generator.generate([prompt], max_new_tokens=5, admit=admit)
-    with pytest.raises(UserError, match="admit and streamer"):
-        generator.generate([prompt], max_new_tokens=5, admit=lambda: [], streamer=_NoStreamer())
-
-
-class _NoStreamer:
-    def put(self, value):
-        pass
-
-    def end(self):
-        pass
+            step_joining(generator, _rows([prompt], 5), {1: [bad]})
 
 
 def _json_tokenizer(train_tokenizer):

@@ -1,4 +1,4 @@
-"""The compiled round (`Backend.draft_loop` and `verify_greedy`, `kernels.draft_loop` and
+"""The compiled round (`Backend.draft_loop` and `verify_greedy`, `round_kernels.draft_loop` and
 `verify_greedy`): a round's greedy early-exit drafts in one call draft exactly what the step-by-step
 Python loop drafts, leave the same cache, stop below η at the same step; the verification in one call
 accepts what the Python path accepts; the output stays plain greedy's, for every family, batch, k and
@@ -8,10 +8,10 @@ one row's rounds in one call (`Backend.greedy_rounds`) decode and count what tho
 import numpy as np
 import pytest
 import torch
-from helpers import FAMILIES, kernels_unavailable, low_alpha_model, reference_greedy, tiny_model
+from helpers import FAMILIES, kernels_unavailable, low_alpha_model, reference_greedy, step_joining, tiny_model
 
-import selfspec.model.kernels as kernels
-from selfspec.decoding import DecodeSettings, SelfSpecGenerator
+import selfspec.backends.kernels as round_kernels
+from selfspec.decoding import DecodeSettings, NewRow, SelfSpecGenerator
 from selfspec.model import fast
 
 NEW = 14
@@ -24,7 +24,7 @@ BATCHES = {
 
 def _count(monkeypatch, name: str) -> list:
     """Whether each call of the compiled function `name` ran (its accessor wrapped)."""
-    made = getattr(kernels, name)()
+    made = getattr(round_kernels, name)()
     if made is None:
         kernels_unavailable()
     calls = []
@@ -34,7 +34,7 @@ def _count(monkeypatch, name: str) -> list:
         calls.append(bool(out))
         return out
 
-    monkeypatch.setattr(kernels, name, lambda: counted)
+    monkeypatch.setattr(round_kernels, name, lambda: counted)
     return calls
 
 
@@ -270,30 +270,26 @@ def test_overlapped_rounds_keep_the_drafts_tokens_and_statistics_of_rounds_one_a
 
 
 def test_a_caller_that_watches_rounds_gets_one_round_per_call(rounds_calls):
-    """A callback (the server's), a streamer or stop strings see every round: one round per call, the
-    same output, each callback told the round's counts; with `callback_rounds` a lone row's first round
-    runs alone and the rest in calls of that many rounds, the counts summing to the call's statistics;
-    a batch of several rows runs round by round (its last row alone in one call)."""
+    """A stepped engine (the server's), a streamer or stop strings see every round: one round per call,
+    the same output, each step's outputs telling the round's counts; with `rounds_per_step` a lone row's
+    first round runs alone and the rest in calls of that many rounds, the counts summing to the call's
+    statistics; a batch of several rows runs round by round (its last row alone in one call)."""
     model = low_alpha_model("llama")
     generator = SelfSpecGenerator(model, exit_layer=2)
     prompt = BATCHES["one"][0]
     want = reference_greedy(model, prompt, 3 * NEW)
-    for callback_rounds in (1, 4):
-        seen = []
-
-        def on_tokens(rows, tokens, emit, finished, counts, seen=seen):
-            assert tokens.shape == (1, int(emit[0]))
-            seen.append(counts)
-
+    for rounds_per_step in (1, 4):
         rounds_calls.clear()
-        out = generator.generate([prompt], max_new_tokens=3 * NEW, eos_token_id=[], num_speculations=3,
-                                 on_tokens=on_tokens, callback_rounds=callback_rounds)
+        out, steps = step_joining(generator, [NewRow(prompt, 3 * NEW)], {}, eos_token_id=[],
+                                  settings=generator.settings.override(num_speculations=3),
+                                  rounds_per_step=rounds_per_step)
         assert out.sequences == [want]
-        passes = [int(c.passes[0]) for c in seen]
+        seen = [outputs[0] for outputs in steps]
+        passes = [o.passes for o in seen]
         assert len(seen) == len(rounds_calls) and sum(passes) == out.stats.rounds
-        assert passes[0] == 1 and max(passes) == callback_rounds and len(seen) > 2
-        assert sum(int(c.drafted[0]) for c in seen) == out.stats.early_exit.drafted
-        assert sum(int(c.accepted[0]) for c in seen) == out.stats.early_exit.accepted
+        assert passes[0] == 1 and max(passes) == rounds_per_step and len(seen) > 2
+        assert sum(o.drafted for o in seen) == out.stats.early_exit.drafted
+        assert sum(o.accepted for o in seen) == out.stats.early_exit.accepted
     rounds_calls.clear()
     generator.generate([prompt], max_new_tokens=NEW, eos_token_id=[], num_speculations=3)
     assert rounds_calls == [True]  # the whole call in one
@@ -385,18 +381,17 @@ def test_the_copy_drafters_rounds_in_one_call_copy_and_accept_what_its_rounds_do
     out = generator.generate([prompt], max_new_tokens=40, eos_token_id=[], drafter="ngram")
     assert out.sequences == [expected]
     assert (len(rounds_calls) - calls == -(-out.stats.rounds // ADAPT_ROUNDS)) == (family != "gpt2")
-    calls = len(rounds_calls)  # a caller that watches each round: the copies run from Python
-    watched = generator.generate([prompt], max_new_tokens=40, eos_token_id=[], drafter="ngram",
-                                 on_tokens=lambda *_: None)
+    calls = len(rounds_calls)  # a caller that steps each round: the copies run from Python
+    copies = generator.settings.override(drafter="ngram")
+    watched, _ = step_joining(generator, [NewRow(prompt, 40)], {}, eos_token_id=[], settings=copies)
     assert watched.sequences == [expected]
     assert len(rounds_calls) == calls
-    # one that takes several rounds a callback: the first round alone, then calls of several
-    seen = []
-    batched = generator.generate([prompt], max_new_tokens=40, eos_token_id=[], drafter="ngram",
-                                 on_tokens=lambda *args: seen.append(args[4]), callback_rounds=ADAPT_ROUNDS)
+    # one that takes several rounds a step: the first round alone, then calls of several
+    batched, steps = step_joining(generator, [NewRow(prompt, 40)], {}, eos_token_id=[], settings=copies,
+                                  rounds_per_step=ADAPT_ROUNDS)
     assert batched.sequences == [expected]
-    assert (len(rounds_calls) - calls == len(seen)) == (family != "gpt2")
-    assert sum(int(c.drafted[0]) for c in seen) == batched.stats.copy.drafted
+    assert (len(rounds_calls) - calls == len(steps)) == (family != "gpt2")
+    assert sum(outputs[0].drafted for outputs in steps) == batched.stats.copy.drafted
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2"])

@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType, GGUFReader, quants
 from helpers import tiny_model
 
 from selfspec import cli
-from selfspec.checkpoint import save_tuned
+from selfspec.checkpoint import Provenance, save_tuned
 from selfspec.decoding import DecodeSettings
 from selfspec.errors import UserError
 from selfspec.export import export_draft
@@ -185,7 +185,7 @@ def test_the_export_says_what_a_separate_draft_engine_should_get(tmp_path, tiny_
     model = tiny_model("llama", vocab_size=len(tokenizer))
     adapter = ExitBlock.from_model(model, [3])
     save_tuned(tmp_path / "tuned", model, tokenizer, exit_adapter=adapter,
-               metrics={"val/top1_agreement@2": 0.9},
+               provenance=Provenance(metrics={"val/top1_agreement@2": 0.9}),
                settings=DecodeSettings(exit_layer=E, num_speculations=2))
     assert cli.main(["export", str(tmp_path / "tuned"), "--draft", str(tmp_path / "export")]) == 0
     info = json.loads((tmp_path / "export" / "export.json").read_text())

@@ -10,7 +10,7 @@ import pytest
 from helpers import CHATML, assert_shape
 from transformers import AutoModelForCausalLM
 
-from selfspec.checkpoint import read_meta, save_tuned
+from selfspec.checkpoint import Provenance, read_meta, save_tuned
 from selfspec.cli import main
 from selfspec.decoding import DecodeSettings
 from selfspec.errors import UserError
@@ -30,7 +30,7 @@ def chat_ckpt(tiny_run, tmp_path_factory):
     tokenizer.chat_template = CHATML
     model = AutoModelForCausalLM.from_pretrained(tiny_run["model"]).eval()
     save_tuned(root / "model", model, tokenizer, settings=DecodeSettings(exit_layer=2, num_speculations=3),
-               kind="base")
+               provenance=Provenance(kind="base"))
     questions = root / "questions.jsonl"
     rows = [{"question_id": 1, "category": "writing", "turns": ["def add(a, b):", "now def sub(a, b):"]},
             {"question_id": 2, "category": "writing", "turns": ["import os"]},
@@ -207,7 +207,7 @@ def test_the_command_writes_its_tables_and_plot(chat_ckpt, tmp_path):
 def test_the_sweep_times_a_suites_first_turns_and_records_them(chat_ckpt, tmp_path):
     checkpoint = tmp_path / "model"
     save_tuned(checkpoint, chat_ckpt["model"], chat_ckpt["tokenizer"], settings=DecodeSettings(exit_layer=2),
-               kind="base")
+               provenance=Provenance(kind="base"))
     assert main(["eval", "sweep", "--model", str(checkpoint), "--questions", str(chat_ckpt["questions"]),
                  "--exit-layers", "2", "--ks", "2", "--drafters", "early_exit,ngram", "--max-new-tokens", "8",
                  "--repeats", "1", "--out", str(tmp_path / "sweep"), "--write-back"]) == 0

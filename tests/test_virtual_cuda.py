@@ -5,12 +5,13 @@ compiled round calls then took CUDA tensors.)"""
 
 import pytest
 import torch
-from helpers import FAMILIES, low_alpha_model, reference_greedy, same_tokens
-from test_decoding_admit import LATER, SETTINGS, _admit
+from helpers import FAMILIES, low_alpha_model, reference_greedy, same_tokens, step_joining
+from test_decoding_admit import LATER, SETTINGS
 from test_decoding_grammar import DRAFTERS, PERSON, constrained_reference, make_model, prompt_ids, tokenizer  # noqa: F401
 from virtual_cuda import Event, VirtualCuda
 
 from selfspec import SelfSpecGenerator
+from selfspec.decoding import NewRow
 from selfspec.decoding.grammar import Constraint
 from selfspec.decoding.ngram import NGramConfig
 from selfspec.decoding.prefix import PrefixCache
@@ -103,8 +104,7 @@ def test_the_servers_path_on_virtual_cuda_joining_rows_and_a_prefix_cache(family
         generator = SelfSpecGenerator(model, exit_layer=2, prefix_cache=cache)
         for name, settings in SETTINGS.items():
             for draft_max_rows in (None, 2):
-                admit, _ = _admit(LATER)
-                out = generator.generate(first, max_new_tokens=NEW, eos_token_id=[], settings=settings,
-                                         admit=admit, draft_max_rows=draft_max_rows)
+                out, _ = step_joining(generator, [NewRow(p, NEW) for p in first], LATER, eos_token_id=[],
+                                      settings=settings, draft_max_rows=draft_max_rows)
                 assert out.sequences == expected, (family, name, draft_max_rows)
         assert cache.hit_tokens > 0

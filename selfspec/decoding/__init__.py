@@ -5,6 +5,7 @@ from .cache import CacheLengthError, KVCache
 from .controller import Controller, CostModelRule, FixedK, WindowRule, make_controller
 from .draft_head import DraftHead
 from .engine import CallOptions, Engine
+from .generation import GenerationConfig
 from .grammar import Constraint
 from .ngram import NGramConfig
 from .outputs import GenerationOutput, GenerationStats, NewRow, RoundCounts, RoundOutput
@@ -16,6 +17,7 @@ from .speculative import SelfSpecGenerator
 __all__ = ["ADAPTIVE_K", "DRAFTERS", "PLAIN", "CallOptions", "DecodeSettings", "Engine", "RoundOutput",
            "parse_num_speculations", "CacheLengthError",
            "Constraint", "Controller", "CostModelRule", "DraftHead", "DraftPlan", "DraftPolicy",
-           "FixedK", "GenerationOutput", "GenerationStats", "KVCache", "NGramConfig", "NewRow",
+           "FixedK", "GenerationConfig", "GenerationOutput", "GenerationStats", "KVCache", "NGramConfig",
+           "NewRow",
            "RoundCounts", "SamplingParams", "SelfSpecGenerator", "WindowRule", "accept_greedy",
            "accept_sampled", "make_controller", "make_policy", "residual_probs"]

@@ -15,9 +15,10 @@ running batch at the next step's round boundary (prefilled apart, in a cache of 
 tokens do not depend on when it joined (greedy; a sampled row draws from its own seed). `cancel` ends a
 row before the next round (its tokens so far stay). A step is one round for every running row, or
 for a lone greedy row that the CPU kernels run, one compiled call of several rounds.
-`SelfSpecGenerator.generate` is a loop over these three calls, its streamer and `on_tokens` adapters
-around them. The engine drives the generator's round machinery (`_round`, `_start`, `_join`, ...), which
-stays the generator's: one algorithm, whichever caller steps it.
+`SelfSpecGenerator.generate` is a loop over these calls, its streamer and stop strings adapters around
+them; `SelfSpecGenerator.engine` makes one to step yourself (the server's scheduler does). The engine
+drives the generator's round machinery (`_round`, `_start`, `_join`, ...), which stays the generator's:
+one algorithm, whichever caller steps it.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ class CallOptions:
     generator's tokenizer); seed: the first rows' seeds (an int: seed + row; a list; None: drawn, 0 for
     greedy rows), a request's own seed wins; grammar: whether rows carry output constraints;
     draft_max_rows: a greedy round of more rows drafts nothing (None: every round drafts);
-    callback_rounds: a caller that reads every step (a server) lets a lone row run this many rounds in
+    rounds_per_step: a caller that reads every step (a server) lets a lone row run this many rounds in
     one compiled call (its first round alone, so its first token comes at once), None: no such caller;
     watched: a caller that reads every round (a streamer, stop strings): one round per call;
     profile: time each part of every round (`GenerationStats.profile`).
@@ -85,20 +86,17 @@ class CallOptions:
     seed: int | list | None = None
     grammar: bool = False
     draft_max_rows: int | None = None
-    callback_rounds: int | None = None
+    rounds_per_step: int | None = None
     watched: bool = False
     profile: bool = False
 
 
 class Engine:
     """A decode call that the caller steps (module docstring). generator: the `SelfSpecGenerator`;
-    policy: the call's `DraftPolicy` (`SelfSpecGenerator._resolve`); options: `CallOptions`; on_round:
-    None, or called inside each step with the round's (rows, tokens, emit, finished, `RoundCounts`)
-    before the rows that finish leave the batch; it may return a (B,) bool array of rows to end now
-    (how `generate(on_tokens=...)` keeps its contract)."""
+    policy: the call's `DraftPolicy` (`SelfSpecGenerator._resolve`); options: `CallOptions`."""
 
-    def __init__(self, generator, policy: DraftPolicy, options: CallOptions, on_round=None):
-        self.gen, self.policy, self.options, self.on_round = generator, policy, options, on_round
+    def __init__(self, generator, policy: DraftPolicy, options: CallOptions):
+        self.gen, self.policy, self.options = generator, policy, options
         self.stats = GenerationStats(exit_layer=options.settings.exit_layer,
                                      num_layers=generator.view.num_layers)
         self.requests: list[NewRow] = []  # every row's request, in the order of `add`
@@ -170,10 +168,6 @@ class Engine:
             b.lap("other")
             self.policy.observe(rows, tokens, emit)
             b.lap("policy")
-            if self.on_round is not None:
-                cancel = self.on_round(rows, tokens, emit, finished, done)
-                if cancel is not None:
-                    finished = finished | np.asarray(cancel, dtype=bool)
             outputs = [RoundOutput(int(row), tokens[slot, :emit[slot]].tolist(), bool(finished[slot]),
                                    int(done.passes[slot]), int(done.drafted[slot]), int(done.accepted[slot]))
                        for slot, row in enumerate(rows)]
@@ -236,13 +230,13 @@ class Engine:
 
     def _plan_calls(self) -> None:
         """How many rounds a compiled call may run: one for a caller that reads every round, the
-        callback's rounds for one that reads every step, a fixed k to the row's end, an adaptive one
+        rounds_per_step for one that steps the engine itself, a fixed k to the row's end, an adaptive one
         `ADAPT_ROUNDS` (its controller takes every round's counts between calls)."""
         options, policy = self.options, self.policy
         self.fixed = policy.fixed
         most = int(self.limits.max())
-        rounds = (1 if options.watched else max(1, options.callback_rounds)
-                  if options.callback_rounds is not None else most if self.fixed else ADAPT_ROUNDS)
+        rounds = (1 if options.watched else max(1, options.rounds_per_step)
+                  if options.rounds_per_step is not None else most if self.fixed else ADAPT_ROUNDS)
         self.rounds_per_call = rounds if self.fixed else min(rounds, ADAPT_ROUNDS)
         self.one_call = self.gen._rounds_in_one_call(self.b, policy, self.rounds_per_call)
 
@@ -287,7 +281,7 @@ class Engine:
         remaining = int(self.limits[row] - self.counts[row])
         reach = drafts.k + drafts.copy_length  # the most drafts a round verifies
         # a row's first round alone: its first token reaches the caller without delay
-        watched = self.options.callback_rounds is not None
+        watched = self.options.rounds_per_step is not None
         most = 1 if watched and not self.counts[row] else self.rounds_per_call
         limit = gen.view.max_positions
         if limit is not None and int(b.lengths[0]) + remaining + reach >= limit:

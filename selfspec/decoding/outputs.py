@@ -1,5 +1,5 @@
 """What a decode returns: `GenerationOutput` and its `GenerationStats`, a step's `RoundOutput` per row, a
-request (`NewRow`) and the counts behind a callback's tokens (`RoundCounts`). Types only: the engine
+request (`NewRow`) and the counts behind a step's tokens (`RoundCounts`). Types only: the engine
 (`engine.py`) and the generator (`speculative.py`) both speak them."""
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ class GenerationOutput:
 
 
 class RoundCounts(NamedTuple):
-    """What the rounds behind one `on_tokens` call did, per running row (B,) each: the rounds (one full
+    """What the rounds behind one `Engine.step` did, per running row (B,) each: the rounds (one full
     pass each), the drafts they verified, and how many of those were accepted."""
 
     passes: np.ndarray
@@ -122,8 +122,8 @@ class RoundCounts(NamedTuple):
 
 @dataclass(frozen=True)
 class NewRow:
-    """A request: a prompt for `Engine.add` (or one joining a running `generate` call at a round
-    boundary, `generate(admit=...)`): its token ids, its own token limit, its seed (None: the call's
+    """A request: a prompt for `Engine.add` (before the first step, or joining the running rows at the
+    next step's round boundary): its token ids, its own token limit, its seed (None: the call's
     seeds for its first rows, 0 for a greedy row joining later, one drawn for a sampled one) and its
     output constraint (a `grammar.Constraint`, only in a call that has a grammar)."""
 

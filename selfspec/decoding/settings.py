@@ -53,9 +53,9 @@ class DecodeSettings:
     ngram: the copy settings of "ngram" and "hybrid".
     overlap: verify a round on one thread while another drafts the next round from the exit's guess of
         the target's next token (kept when the target accepts every draft and that guess): greedy,
-        one row, the CPU kernels' rounds in one call (`kernels.greedy_rounds`). Each pass then runs on
-        one thread, so it pays where one thread runs a pass nearly as fast as all of them (a small
-        model on a few cores); the same drafts, tokens and statistics either way.
+        one row, the CPU kernels' rounds in one call (`backends.kernels.greedy_rounds`). Each pass then
+        runs on one thread, so it pays where one thread runs a pass nearly as fast as all of them (a
+        small model on a few cores); the same drafts, tokens and statistics either way.
     """
 
     drafter: str = "early_exit"
@@ -98,16 +98,19 @@ class DecodeSettings:
 
     def override(self, *, drafter: str | None = None, exit_layer: int | None = None, num_speculations=None,
                  draft_vocab_size: int | None = None, stop_below: float | None = None,
-                 min_ngram: int | None = None, overlap: bool | None = None) -> DecodeSettings:
+                 ngram: NGramConfig | None = None, min_ngram: int | None = None,
+                 overlap: bool | None = None) -> DecodeSettings:
         """A copy with the given fields changed; None keeps a field. `min_ngram` moves the copy
-        threshold (and raises `max_ngram` to it when needed; `max_copy` stays)."""
+        threshold (and raises `max_ngram` to it when needed; `max_copy` stays) of `ngram`, the copy
+        settings (`NGramConfig`)."""
         changes = {name: value for name, value in (("drafter", drafter), ("exit_layer", exit_layer),
                                                    ("num_speculations", num_speculations),
                                                    ("draft_vocab_size", draft_vocab_size),
-                                                   ("stop_below", stop_below), ("overlap", overlap))
+                                                   ("stop_below", stop_below), ("ngram", ngram),
+                                                   ("overlap", overlap))
                    if value is not None}
         if min_ngram is not None:
-            old = self.ngram
+            old = changes.get("ngram", self.ngram)
             try:
                 changes["ngram"] = NGramConfig(max(old.max_ngram, min_ngram), min_ngram, old.max_copy)
             except ValueError as exc:

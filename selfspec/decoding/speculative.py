@@ -29,7 +29,7 @@ runs its rounds in compiled calls of many rounds where the kernels apply (`Backe
 the same passes, so the same tokens, without the host's Python between them; the statistics and the
 policy then take the rounds' counts. A fixed k runs to the row's end in one call; an adaptive k (or
 copy length) changes between calls of `ADAPT_ROUNDS` rounds; a call that streams or stops at strings
-runs one round per call, and one with callbacks (`on_tokens`, `admit`: the server) `callback_rounds`.
+runs one round per call, and a stepped engine's (`engine(rounds_per_step=...)`: the server) that many.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from ..backends import FusedDrafts, make_backend
+from ..cpu import release_freed_memory
 from ..errors import UserError
 from ..model import DecoderView
 from .batch import Batch
@@ -50,8 +51,9 @@ from .cache import KVCache
 from .controller import Controller
 from .draft_head import DraftHead, frequent_tokens
 from .engine import CallOptions, Engine
+from .generation import GenerationConfig
 from .grammar import GrammarBatch, GrammarTokenizer, constraints_for_rows
-from .ngram import NGramConfig, TokenText
+from .ngram import TokenText
 from .outputs import GenerationOutput, GenerationStats, NewRow, RoundCounts, RoundOutput
 from .passes import RoundPasses
 from .policy import DraftPlan, DraftPolicy, Segment
@@ -99,18 +101,16 @@ class SelfSpecGenerator:
 
     model: the (tuned) causal LM, in eval mode; tokenizer: optional, needed for string prompts and
         stop strings; settings: the default `DecodeSettings` of `generate` (drafter, E, k, V', copy
-        settings); the keywords exit_layer, num_speculations, drafter, draft_vocab_size, stop_below
-        and ngram override its fields (`SelfSpecGenerator(model, exit_layer=4)` is the early exit at E = 4,
-        k = "auto"). E = N drafts with the whole model (every draft accepted, useful as a check).
+        settings); keywords override its fields as `DecodeSettings.override` takes them (exit_layer,
+        num_speculations, drafter, draft_vocab_size, stop_below, ngram, min_ngram, overlap):
+        `SelfSpecGenerator(model, exit_layer=4)` is the early exit at E = 4, k = "auto". E = N drafts
+        with the whole model (every draft accepted, useful as a check).
     token_counts: (V,) token frequencies that rank the V' ids of a trimmed draft head (needed for
         draft_vocab_size > 0; see `draft_head.py`); exit_adapters: {E: adapter} trained for those
         exits (`model.exit_adapter`: an `ExitAdapter`, or an `ExitBlock` with a KV cache of its own
         at cache layer N), applied to the exit's hidden states before the draft head (verification
         never reads them); check_cache: assert after every round that each layer's cache length
-        equals the sequence length; fixed_width: run every decoding pass's products and attention
-        on a fixed number of rows (`model.fast.fixed_width`; default: for bf16/fp16 models), which
-        makes speculative output equal plain output in low precision too (Llama-family blocks;
-        GPT-2's are Hugging Face's own and are not covered); format_settings: {constraint kind:
+        equals the sequence length (a timed run sets False); format_settings: {constraint kind:
         settings}, the default of a `generate` call whose constrained rows all have that kind
         ("json_schema", "regex", "lark"), as a sweep on such prompts stored it.
     static_passes: None, or run every decoding pass of up to `static_passes.WIDTH` positions (plain
@@ -126,16 +126,16 @@ class SelfSpecGenerator:
     prefix_cache: a `PrefixCache` (`prefix.py`), or None: prompts prefill through it, a chunk per
         pass, reusing the chunks earlier calls computed; a prompt decodes to the same bits whether
         its chunks were cached or not (not always the bits of a prefill without one).
+
+    A bf16/fp16 model runs every decoding pass's products and attention on a fixed number of rows
+    (`fixed_width`, `model.fast.fixed_width`), which makes speculative output equal plain output in low
+    precision too (Llama-family blocks; GPT-2's are Hugging Face's own and are not covered).
     """
 
-    def __init__(self, model, tokenizer=None, settings: DecodeSettings | None = None, *,
-                 exit_layer: int | None = None, num_speculations=None, drafter: str | None = None,
-                 draft_vocab_size: int | None = None, stop_below: float | None = None,
-                 ngram: NGramConfig | None = None, token_counts=None,
-                 exit_adapters: dict | None = None, check_cache: bool = True,
-                 fixed_width: bool | None = None, format_settings: dict | None = None,
-                 static_passes: str | None = None, prefix_cache: PrefixCache | None = None,
-                 backend: str | None = None):
+    def __init__(self, model, tokenizer=None, settings: DecodeSettings | None = None, *, token_counts=None,
+                 exit_adapters: dict | None = None, format_settings: dict | None = None,
+                 backend: str | None = None, static_passes: str | None = None,
+                 prefix_cache: PrefixCache | None = None, check_cache: bool = True, **overrides):
         self.view = DecoderView(model)
         self.backend = make_backend(self.view, backend, static_passes)
         self.passes = RoundPasses(self.view, self.backend)
@@ -145,20 +145,16 @@ class SelfSpecGenerator:
         self._static_buffers: dict[tuple, tuple] = {}  # (layers, rows, capacity) -> a cache's buffers
         # bf16/fp16: every decoding pass at one width (`model.fast.fixed_width`), so that a position
         # gets the same rounding alone (plain) as among k + 1 (verification); fp32 needs no help.
-        self.fixed_width = (self.view.dtype in (torch.bfloat16, torch.float16) if fixed_width is None
-                            else fixed_width)
+        self.fixed_width = self.view.dtype in (torch.bfloat16, torch.float16)
         self.tokenizer = tokenizer
-        settings = (settings or DecodeSettings()).override(
-            exit_layer=exit_layer, num_speculations=num_speculations, drafter=drafter,
-            draft_vocab_size=draft_vocab_size, stop_below=stop_below)
+        settings = (settings or DecodeSettings()).override(**overrides)
         self.token_counts = token_counts
         self.exit_adapters = dict(exit_adapters or {})
         self.check_cache = check_cache
         self.prefix_cache = prefix_cache
         self._heads: dict[tuple[int, int], DraftHead] = {}  # (E, V') -> its draft head, built once
         self._grammar_tokenizer: GrammarTokenizer | None = None
-        self.settings = self.settings_for(settings if ngram is None
-                                          else dataclasses.replace(settings, ngram=ngram))
+        self.settings = self.settings_for(settings)
         self.format_settings = {kind: self.settings_for(s) for kind, s in (format_settings or {}).items()}
 
     @property
@@ -220,104 +216,55 @@ class SelfSpecGenerator:
 
     # -- generation ----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def generate(self, input_ids, attention_mask=None, max_new_tokens: int = 128, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, num_speculations=None, drafter=None,
-                 eos_token_id=None, stop_strings=None, seed=None, streamer=None,
-                 settings: DecodeSettings | None = None, json_schema=None, regex=None,
-                 grammar=None, profile: bool = False, on_tokens=None, admit=None,
-                 callback_rounds: int = 1, draft_max_rows: int | None = None) -> GenerationOutput:
+    def generate(self, input_ids, attention_mask=None, config: GenerationConfig | None = None, *,
+                 settings: DecodeSettings | None = None, streamer=None, **overrides) -> GenerationOutput:
         """Generate up to `max_new_tokens` tokens per prompt; the result is exactly the full model's.
 
         input_ids: a list of token lists (any lengths), one token list, a (B, T) tensor with an
             optional `attention_mask` (left or right padding), or strings when a tokenizer is set.
-        temperature/top_k/top_p: 0 = greedy; the same processing applies to draft and target.
-        settings: how to draft (`DecodeSettings`); None uses the generator's. num_speculations and
-            drafter override its k and drafter: k an int (0: plain decoding, whatever the drafter:
-            no copies either), "auto" (cost model), "window" (the articles' rule) or a
-            `Controller`; drafter "early_exit", "ngram" or "hybrid" (see `policy.py`), or a
-            `DraftPolicy` that plans the rounds itself.
-        eos_token_id: int or list; None = the model's own (generation config, then config, then
-            tokenizer); [] = never stop at eos. The eos token is included in the output.
-        stop_strings: strings that end a row once its decoded output contains one (needs a
-            tokenizer); the token completing it is the last one kept.
-        seed: int (row i uses seed + i), a list of per-row seeds, or None (drawn from torch's global
-            generator). Each row's numbers depend only on its own seed and positions, so with a fixed
-            k a row's result does not depend on its batch-mates; a batch-shared adaptive k changes
-            where rounds end and thus which numbers are used, never the distribution.
+        config: what the call asks for (`GenerationConfig`: token limit, sampling, seeds, eos, stop
+            strings, structured output, ...); keywords named as its fields override it, as in Hugging
+            Face's `generate(**kwargs)`. settings: how to draft (`DecodeSettings`); None: the
+            generator's, or under one kind of output constraint its `format_settings` entry.
         streamer: an object with Hugging Face's streamer interface (`put(token_ids)`, `end()`), e.g.
-            `transformers.TextStreamer`. As in Hugging Face's generate, `put` first receives the
-            prompt (the first row's), then the accepted tokens of each round as they are decided, then
-            `end()` is called. The rows of a batch stream one after another in row order: row 0 live,
-            each later row's tokens held back until the rows before it have finished.
-        json_schema/regex/grammar: structured output (needs `selfspec[structured]` and a fast
-            tokenizer): a JSON schema (dict or JSON text), a regex or a Lark grammar the output must
-            follow, one for every row or a list with one per row (None: that row is free). The
-            output is then exactly constrained decoding's: the target's tokens masked by the grammar
-            (see `grammar.py`). A row ends when its grammar is complete; `GenerationOutput.complete`
-            says which rows' outputs are (False: max_new_tokens cut it first).
-        profile: time each part of every round (`profile.PARTS`) into `GenerationStats.profile`.
-        on_tokens: called after every round with `(rows, tokens, emit, finished, counts)`: the
-            caller's row index of each running row (B,), the round's tokens (B, w) of which each row
-            keeps its first `emit` (B,), which rows end with this round (B,) bool, and the
-            `RoundCounts` behind them. It may return a (B,) bool array of rows to end now (a server's
-            cancelled request, a limit the caller keeps per row); their tokens so far stay in the
-            output. Every row streams live, unlike `streamer`.
-        admit: continuous batching: called before every round with no argument, it returns the
-            `NewRow`s that join the batch now (an empty list: none). They are prefilled apart and
-            decode with the others from this round on, with their own `max_new_tokens`; their caller
-            rows follow the prompts' (and the rows joined before them). Their tokens reach
-            `on_tokens` and the output. A row's tokens do not depend on when it joined (greedy; a
-            sampled row draws from its own seed). The call ends when no row runs and none joins.
-        callback_rounds: with `on_tokens` or `admit`, the rounds a lone row may run in one compiled call
-            between two callbacks (its first round always alone, so its first token comes at once): more
-            rounds cost less host time, but rows wait longer to join and tokens arrive in bursts.
-        draft_max_rows: a greedy round of more running rows than this drafts nothing (a plain step);
-            0: no greedy round drafts; None: every round drafts. Where a pass costs about in proportion
-            to its rows times k + 1 positions (a CPU past a few positions), a rejected draft costs what
-            a kept token does and a batch decodes faster plainly. Greedy only, so the output is the
-            same either way; a sampled row's tokens then still do not depend on its batch-mates (a
-            plain step draws other numbers than a round).
+            `transformers.TextStreamer`: `put` first receives the prompt (the first row's), then the
+            accepted tokens of each round as they are decided, then `end()` is called. A batch's rows
+            stream one after another: row 0 live, each later row's tokens held back until the rows
+            before it have finished. To follow every row live, or to let rows join and leave, step the
+            decode yourself (`engine`).
         """
+        config = (config or GenerationConfig()).with_overrides(overrides)
         prompts = self._prompts(input_ids, attention_mask)
-        constraints = constraints_for_rows(len(prompts), json_schema, regex, grammar)
+        constraints = constraints_for_rows(len(prompts), config.json_schema, config.regex, config.grammar)
         kinds = {c.kind for c in constraints or () if c is not None}
         if settings is None and len(kinds) == 1 and kinds <= self.format_settings.keys():
             settings = self.format_settings[kinds.pop()]  # the format's own fastest
-        settings, policy = self._resolve(settings, drafter, num_speculations)
+        settings, policy = self._resolve(settings, config.drafter, config.num_speculations)
         if self.view.model.training:
             warnings.warn("the model is in training mode (dropout on): outputs will not match eval mode",
                           stacklevel=2)
-        if admit is not None and streamer is not None:
-            raise UserError("admit and streamer do not go together: follow joined rows with on_tokens")
-        stops = self._stop_strings(stop_strings)
-        sampling = SamplingParams(temperature, top_k, top_p)
-        options = CallOptions(settings, sampling, self._eos_ids(eos_token_id),
-                              tuple(stops or ()), seed, constraints is not None, draft_max_rows,
-                              callback_rounds if on_tokens is not None or admit is not None else None,
-                              streamer is not None or bool(stops), profile)
-        engine = Engine(self, policy, options, on_round=on_tokens)
+        stops = tuple(self._stop_strings(config.stop_strings) or ())
+        options = CallOptions(settings, SamplingParams(config.temperature, config.top_k, config.top_p),
+                              self._eos_ids(config.eos_token_id), stops, config.seed,
+                              grammar=constraints is not None, draft_max_rows=config.draft_max_rows,
+                              watched=streamer is not None or bool(stops), profile=config.profile)
+        engine = Engine(self, policy, options)
         stream = _RowOrderStream(streamer, prompts) if streamer is not None else None
-        if max_new_tokens <= 0:
-            if stream:
-                stream.end()
-            texts = [""] * len(prompts) if self.tokenizer else None
-            return GenerationOutput([[] for _ in prompts], engine.stats, texts,
-                                    None if constraints is None else [c is None for c in constraints])
-        for row, prompt in enumerate(prompts):
-            engine.add(NewRow(prompt, max_new_tokens, constraint=None if constraints is None
-                              else constraints[row]))
-        engine.start()
-        while True:  # finished rows leave the batch, admitted ones join it
-            for row in (admit() or []) if admit is not None else []:
-                engine.add(row)
-            if engine.done:
-                break
-            outputs = engine.step()
-            if stream:
-                stream.feed(outputs)
+        if config.max_new_tokens > 0:
+            for row, prompt in enumerate(prompts):
+                engine.add(NewRow(prompt, config.max_new_tokens,
+                                  constraint=None if constraints is None else constraints[row]))
+            while not engine.done:
+                outputs = engine.step()
+                if stream:
+                    stream.feed(outputs)
         if stream:
             stream.end()
-        return engine.output()
+        if config.max_new_tokens > 0:
+            return engine.output()
+        return GenerationOutput([[] for _ in prompts], engine.stats,
+                                [""] * len(prompts) if self.tokenizer else None,
+                                None if constraints is None else [c is None for c in constraints])
 
     def engine(self, settings: DecodeSettings | None = None, *, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, eos_token_id=None, structured: bool = False, rounds_per_step: int = 1,
@@ -331,7 +278,7 @@ class SelfSpecGenerator:
         settings, policy = self._resolve(settings, None, None)
         sampling = SamplingParams(temperature, top_k, top_p)
         options = CallOptions(settings, sampling, self._eos_ids(eos_token_id), grammar=structured,
-                              callback_rounds=rounds_per_step, draft_max_rows=draft_max_rows)
+                              rounds_per_step=rounds_per_step, draft_max_rows=draft_max_rows)
         return Engine(self, policy, options)
 
     def chat(self, messages, **kwargs) -> GenerationOutput:
@@ -378,6 +325,13 @@ class SelfSpecGenerator:
             self._grammar_tokenizer = GrammarTokenizer(self.tokenizer, self.view.vocab_size,
                                                        self._eos_ids(None).tolist())
         return self._grammar_tokenizer
+
+    def release_memory(self) -> None:
+        """Forget what is kept only for reuse (compiled constraints) and return the heap's free pages to
+        the kernel (`cpu.release_freed_memory`): what a server does when it falls idle."""
+        if self._grammar_tokenizer is not None:
+            self._grammar_tokenizer.forget_compiled()
+        release_freed_memory()
 
     def _check_positions(self, prompt_length: int, max_new_tokens: int) -> None:
         """A UserError when a prompt and its token limit pass the model's positions."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError
@@ -10,6 +11,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from ..errors import UserError
 from .pages import onto_huge_pages
+
+if TYPE_CHECKING:
+    from ..config import ArchConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -26,19 +30,17 @@ def resolve_dtype(name: str, device: torch.device | str = "cpu") -> torch.dtype 
     return DTYPES[name]
 
 
-def build_llama(vocab_size: int, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
-                intermediate_size: int, max_position_embeddings: int = 2048, rope_theta: float = 10000.0,
-                tie_word_embeddings: bool = True, bos_token_id: int | None = None,
-                eos_token_id: int | None = None, pad_token_id: int | None = None,
-                attn_implementation: str = "sdpa", seed: int = 0) -> LlamaForCausalLM:
-    """A freshly initialised Llama-architecture model (deterministic for `seed`)."""
+def build_llama(arch: ArchConfig, tokenizer, attn_implementation: str = "sdpa",
+                seed: int = 0) -> LlamaForCausalLM:
+    """A freshly initialised Llama-architecture model of `arch`'s shape (`config.ArchConfig`), with
+    `tokenizer`'s vocabulary and special tokens (deterministic for `seed`)."""
     config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
-        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, intermediate_size=intermediate_size,
-        max_position_embeddings=max_position_embeddings, rope_parameters={"rope_type": "default",
-                                                                          "rope_theta": rope_theta},
-        tie_word_embeddings=tie_word_embeddings, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
+        vocab_size=len(tokenizer), hidden_size=arch.hidden_size, num_hidden_layers=arch.num_layers,
+        num_attention_heads=arch.num_heads, num_key_value_heads=arch.num_kv_heads,
+        intermediate_size=arch.intermediate_size, max_position_embeddings=arch.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": arch.rope_theta},
+        tie_word_embeddings=arch.tie_word_embeddings, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )
     config._attn_implementation = attn_implementation
     with torch.random.fork_rng(devices=[]):

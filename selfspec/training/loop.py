@@ -30,7 +30,7 @@ from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from .. import data as data_lib
 from ..agreement import exit_layer_metrics
-from ..checkpoint import CheckpointError, read_meta, save_tuned
+from ..checkpoint import CheckpointError, Provenance, read_meta, save_tuned
 from ..config import RunConfig, default_exit_layer, to_dict
 from ..cpu import has_bf16_units
 from ..decoding import DecodeSettings
@@ -45,7 +45,7 @@ from .early_exit import TrimmedVocab
 from .features import exit_features
 from .launch import check_launch, check_wrap_classes
 from .layer_dropout import LayerDropout
-from .objective import SelfSpecObjective
+from .objective import FrozenTeacher, SelfSpecObjective
 
 STATE_DIR = "state"  # inside output_dir: one accelerate save_state per step-N folder, and LATEST
 LATEST = "latest"  # inside STATE_DIR: the name of the newest complete state (written last, atomically)
@@ -136,15 +136,7 @@ def build_model_and_tokenizer(cfg: RunConfig, corpus):
             data_lib.stdlib_tokenizer_dir(cfg.data.cache_path, cfg.data.tokenizer_vocab_size, cfg.seed)
             if cfg.data.source == "stdlib" else Path(cfg.output_dir) / "tokenizer")
         tokenizer = data_lib.load_or_train_tokenizer(corpus, tokenizer_dir, cfg.data.tokenizer_vocab_size)
-        arch = cfg.model.arch
-        model = build_llama(
-            vocab_size=len(tokenizer), hidden_size=arch.hidden_size, num_layers=arch.num_layers,
-            num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads,
-            intermediate_size=arch.intermediate_size,
-            max_position_embeddings=arch.max_position_embeddings, rope_theta=arch.rope_theta,
-            tie_word_embeddings=arch.tie_word_embeddings, bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-            attn_implementation=cfg.model.attn_implementation, seed=cfg.seed)
+        model = build_llama(cfg.model.arch, tokenizer, cfg.model.attn_implementation, seed=cfg.seed)
     else:
         model = load_causal_lm(cfg.model.name_or_path, cfg.model.dtype, cfg.model.attn_implementation)
         tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.name_or_path)
@@ -196,6 +188,40 @@ def hold_in_fp32(module: torch.nn.Module) -> None:
             param.data = param.data.float()
 
 
+def shard_teacher(teacher: FrozenTeacher, mesh=None, offload_policy=None) -> None:
+    """Shard the frozen teacher in place as FSDP2 shards the student (`fully_shard`, from the bottom
+    up: every decoder block its own unit, then the teacher as the root, whose unit holds the rest:
+    embedding, final norm, head), so that each of n processes holds 1/n of it.
+
+    Its forward all-gathers a unit's weights before the unit runs and frees them after it: the root's
+    too (`reshard_after_forward` given, not FSDP's default, which keeps a root's weights for the
+    backward; nothing runs backward through the teacher). The gathered weights are the teacher's
+    own bits, so its logits are those of the unsharded teacher. No mixed-precision policy: the
+    teacher keeps its dtype and computes under the same autocast as unsharded.
+
+    mesh: the student's device mesh (None: FSDP's default, every process); offload_policy: the
+    student's (`CPUOffloadPolicy` keeps the shards in host memory)."""
+    from torch.distributed.fsdp import OffloadPolicy, fully_shard
+
+    kwargs = dict(mesh=mesh, reshard_after_forward=True, offload_policy=offload_policy or OffloadPolicy())
+    for block in DecoderView(teacher.model).layers:
+        fully_shard(block, **kwargs)
+    fully_shard(teacher, **kwargs)
+
+
+def place_teacher(teacher: FrozenTeacher, accelerator: Accelerator) -> None:
+    """The frozen teacher on the run's device: under accelerate's FSDP2 sharded like the student
+    (`shard_teacher`, on the mesh and with the offload the student gets), else whole on every process
+    (one process, DDP; FSDP1 and DeepSpeed ZeRO-3 shard only the prepared student: docs/scaling.md)."""
+    if not accelerator.is_fsdp2:
+        teacher.to(accelerator.device)
+        return
+    mesh = accelerator.torch_device_mesh
+    if mesh is not None:  # the dimensions accelerate shards the student over (`fsdp2_prepare_model`)
+        mesh = mesh[tuple(accelerator.parallelism_config.fsdp_dim_names)]
+    shard_teacher(teacher, mesh, accelerator.state.fsdp_plugin.cpu_offload)
+
+
 def build_objective(model, cfg: RunConfig, num_layers: int, exit_layer: int,
                     token_counts=None) -> SelfSpecObjective:
     """The training module for `cfg`: layer dropout + early-exit losses around `model`.
@@ -215,7 +241,7 @@ def build_objective(model, cfg: RunConfig, num_layers: int, exit_layer: int,
         ee = dataclasses.replace(ee, teacher="self")
     frozen = None
     if layers and ee.teacher == "frozen" and not cfg.lora.enabled:
-        frozen = copy.deepcopy(model).eval().requires_grad_(False)
+        frozen = FrozenTeacher(copy.deepcopy(model)).eval().requires_grad_(False)
     vocab = None
     if layers and ee.draft_vocab_size is not None:
         vocab_size = DecoderView(model).lm_head.weight.shape[0]
@@ -373,7 +399,7 @@ def _setup(cfg: RunConfig, output_dir: Path) -> _Run:
         train_blocks = _cached_features(cfg, accelerator, model, train_blocks, exit_layer)
         feature_seconds = time.perf_counter() - feature_start
     if objective.frozen_model is not None:
-        objective.frozen_model.to(accelerator.device)
+        place_teacher(objective.frozen_model, accelerator)
     objective, optimizer, loader, scheduler, trainable = _prepared(cfg, accelerator, objective, train_blocks)
     return _Run(cfg, output_dir, accelerator, objective, optimizer, scheduler, loader, trainable, tokenizer,
                 train_blocks, val_blocks, exit_layer, token_counts, weights_dtype,
@@ -548,22 +574,21 @@ def _finish(run: _Run, kind: str, seconds: float) -> TrainResult:
         k = choice["num_speculations"] if choice else cfg.num_speculations
         settings = DecodeSettings(exit_layer=exit_layer, num_speculations=k,
                                   draft_vocab_size=cfg.early_exit.draft_vocab_size)
+        provenance = Provenance(
+            kind=kind, base_model=None if cfg.model.from_scratch else cfg.model.name_or_path,
+            training=to_dict(cfg), exit_choice=choice,
+            token_counts_source=f"training data ({cfg.data.source}, train split)",
+            metrics={**final, "steps": run.step, "tokens_seen": run.tokens,
+                     "train_seconds": round(seconds, 1),
+                     "feature_seconds": round(run.feature_seconds, 1),
+                     "processes": accelerator.num_processes,
+                     # ZeRO-3 leaves each rank's parameters empty: count the gathered weights
+                     "parameters": (sum(v.numel() for v in state_dict.values()) if state_dict
+                                    else sum(p.numel() for p in inner.parameters()))})
         save_tuned(model_dir, inner, run.tokenizer, state_dict=state_dict, settings=settings,
+                   provenance=provenance, token_counts=run.token_counts,
                    dtype=run.weights_dtype,  # float32 master copies (ours, FSDP's) rounded back
-                   token_counts=run.token_counts,
-                   token_counts_source=f"training data ({cfg.data.source}, train split)",
-                   exit_choice=choice,
-                   exit_adapter=accelerator.unwrap_model(objective).exit_adapter,
-                   base_model=None if cfg.model.from_scratch else cfg.model.name_or_path,
-                   training=to_dict(cfg),
-                   metrics={**final, "steps": run.step, "tokens_seen": run.tokens,
-                            "train_seconds": round(seconds, 1),
-                            "feature_seconds": round(run.feature_seconds, 1),
-                            "processes": accelerator.num_processes,
-                            # ZeRO-3 leaves each rank's parameters empty: count the gathered weights
-                            "parameters": (sum(v.numel() for v in state_dict.values()) if state_dict
-                                           else sum(p.numel() for p in inner.parameters()))},
-                   kind=kind)
+                   exit_adapter=accelerator.unwrap_model(objective).exit_adapter)
     accelerator.wait_for_everyone()  # every rank may read the saved model after this (finetune.py does)
     accelerator.end_training()
     return TrainResult(run.output_dir, model_dir, run.step, run.tokens, seconds, final)
