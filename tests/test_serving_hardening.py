@@ -327,6 +327,43 @@ def test_a_body_over_the_limit_is_a_413_before_the_rest_of_it_arrives(generator)
         server.should_exit = True
 
 
+def answer_to_whole_body(port: int, head: bytes, body: bytes) -> bytes:
+    """Send `head` and all of `body` (as a client that writes its whole request before it reads) and
+    read the answer until the server closes; b"" when the connection was reset before an answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        try:
+            sock.sendall(head + body)
+        except OSError:  # the server answered and closed before the rest: read what it said
+            pass
+        answer = b""
+        try:
+            while part := sock.recv(65536):
+                answer += part
+        except ConnectionResetError:
+            pass
+    return answer
+
+
+def test_a_client_that_sends_its_whole_oversized_body_reads_the_413(generator):
+    """A client that writes its whole oversized body before it reads (as most do), declared or chunked,
+    still reads the 413 in OpenAI's shape, each time of several."""
+    port = free_port()
+    server = run_in_thread(create_app(generator, NAME, AppOptions(max_body_bytes=1000)), port)
+    body = b'{"model": "tiny", "prompt": "' + b"x" * (4 << 20) + b'"}'
+    heads = {"declared": b"Content-Length: %d\r\n\r\n" % len(body),
+             "chunked": b"Transfer-Encoding: chunked\r\n\r\n"}
+    try:
+        for kind, head in heads.items():
+            sent = body if kind == "declared" else f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\n\r\n"
+            for _ in range(5):
+                start = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                         b"Content-Type: application/json\r\n")
+                answer = answer_to_whole_body(port, start + head, sent)
+                assert answer.startswith(b"HTTP/1.1 413 "), (kind, answer[:80])
+                assert b"request_too_large" in answer
+    finally:
+        server.should_exit = True
+
 # -- 4. every error in OpenAI's shape; no internal text ---------------------------------------------
 
 def test_404_405_and_the_docs_pages_answer_in_openais_shape(client):
@@ -475,3 +512,30 @@ def test_max_model_len_caps_the_prompt_and_max_tokens_together(generator):
         # no max_tokens: the default (256) where the context has room for it, else the room left
         r = client.post("/v1/chat/completions", json={**chat(), "max_tokens": None})
         assert r.status_code == 200 and r.json()["usage"]["total_tokens"] <= limit
+
+
+def test_a_row_cancelled_before_its_wave_fails_is_counted_once(generator, monkeypatch):
+    """A client leaves mid-wave (its row ends "cancelled" at a round boundary), then a poisoned row
+    joins and the wave fails: the cancelled row is counted once, and not decoded again."""
+    ids = [generator.chat_prompt([{"role": "user", "content": name}]) for name in ("def a(x):", "poison",
+                                                                                   "def b(y):")]
+    calls = poison(generator, monkeypatch, [ids[1]])
+    scheduler = Scheduler(generator, max_batch=8)  # not started: the test runs the wave itself
+    kept, bad, gone = Job(ids[0], 12), Job(ids[1], 8), Job(ids[2], 12)
+    for job in (kept, bad, gone):
+        job._send = lambda *event: None
+    take, arrived = kept.take, []
+
+    def leave_then_poison(tokens, *args):  # on the decode thread, after the first round
+        if not arrived:
+            arrived.append(True)
+            gone.cancelled = True
+            scheduler.submit(bad)
+        return take(tokens, *args)
+
+    kept.take = leave_then_poison
+    scheduler._decode([kept, gone])
+    assert len(calls) > 1 and scheduler.retried_waves >= 1
+    assert gone.finish_reason == "cancelled" and scheduler.cancelled_rows == 1
+    assert all(gone.prompt not in started for started in calls[1:])  # not decoded again
+    assert kept.tokens == alone(generator, kept.prompt, kept.max_tokens) and bad.finish_reason == "error"

@@ -475,6 +475,7 @@ class Scheduler:
         (`Job.restart`) fail too. Every split is logged with the request ids; the row that fails alone
         with its traceback."""
         left = []
+        self.cancelled_rows += sum(job.finish_reason == "cancelled" for job in wave)  # left before it failed
         for job in wave:
             if job.finish_reason is not None:
                 continue
