@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 
 # mallopt parameters (glibc's malloc.h)
-_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_MAX = -1, -2, -4
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -2, -4, -8
 
 
 def keep_freed_memory() -> bool:
@@ -34,6 +34,17 @@ def keep_freed_memory() -> bool:
     # No mmap for big blocks, no trimming of the heap top, and grow it in 1 GiB steps.
     return all(libc.mallopt(param, value) == 1 for param, value in (
         (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1), (_M_TOP_PAD, 1 << 30)))
+
+
+def one_heap() -> bool:
+    """Serve the allocations of every thread started from now on from glibc's one main heap (Linux only):
+    memory that a worker thread frees (a request's grammar compiled and dropped) is then reused by
+    every thread and goes back to the kernel with `release_freed_memory`, where a heap per thread keeps
+    much of it resident. For a server, whose threads allocate little beside the decoding thread's
+    tensors. Whether the setting was applied (False off glibc)."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt(_M_ARENA_MAX, 1) == 1
 
 
 def release_freed_memory() -> bool:

@@ -71,3 +71,20 @@ def test_release_freed_memory_runs_on_glibc():
 
     on_glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
     assert release_freed_memory() is on_glibc
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only")
+@pytest.mark.parametrize("one", [True, False])
+def test_after_one_heap_a_new_threads_allocations_come_from_the_main_heap(one):
+    """glibc's malloc_stats lists its arenas: a thread started after `one_heap` allocates from arena 0
+    alone; without it (the control), from an arena of its own."""
+    code = ("import ctypes, threading\n"
+            "from selfspec.cpu import one_heap\n"
+            f"assert one_heap() if {one} else True\n"
+            "libc = ctypes.CDLL('libc.so.6')\n"
+            "libc.malloc.restype = ctypes.c_void_p\n"
+            "thread = threading.Thread(target=lambda: libc.malloc(1000))\n"
+            "thread.start(); thread.join()\n"
+            "libc.malloc_stats()\n")
+    stats = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stderr
+    assert "Arena 0:" in stats and ("Arena 1:" in stats) is not one

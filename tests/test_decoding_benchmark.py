@@ -13,7 +13,7 @@ from selfspec.decoding import DecodeSettings
 from selfspec.evaluation.benchmark import run_benchmark, to_markdown, write_report
 from selfspec.evaluation.options import BenchmarkRun
 from selfspec.evaluation.results import BenchmarkReport
-from selfspec.evaluation.timing import METHODS, LoadedCheckpoint
+from selfspec.evaluation.timing import DEFAULT_METHODS, METHODS, LoadedCheckpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,7 +26,7 @@ def test_benchmark_report(tmp_path):
     checkpoint = LoadedCheckpoint(model, settings, token_counts=ranking_counts(range(48), 96))
     report = run_benchmark(checkpoint, [repeats, [9, 10]],
                            BenchmarkRun(max_new_tokens=10, repeats=2, warmup=1))
-    assert set(report["methods"]) == set(METHODS)
+    assert set(report["methods"]) == set(DEFAULT_METHODS)
     assert_shape(report, BenchmarkReport)
     assert (report["settings"]["hybrid"]["draft_vocab_size"] == 48
             and report["settings"]["ngram"]["ngram"]["min_ngram"] == 2)
@@ -150,7 +150,7 @@ def test_batched_benchmark_decodes_rows_together():
     # plain, the early exit and Hugging Face's batched greedy decoding give the same rows
     assert batched["batch_size"] == 2 and batched["greedy_outputs_identical"]
     assert sum(batched["cost_model"]["accepted_histogram"]) > 0 and "batch 2" in to_markdown(batched)
-    with pytest.raises(ValueError, match="decodes batch 1 only; leave hf_early_exit, hf_prompt_lookup out"):
+    with pytest.raises(ValueError, match="batch 1 only; leave hf_early_exit, hf_prompt_lookup, hf_draft out"):
         BenchmarkRun(batch_size=2, methods=METHODS)  # refused as the options are made
 
 
@@ -168,6 +168,27 @@ def test_eval_speedup_end_to_end(tiny_run, tmp_path):
     assert (report["greedy_outputs_identical"]
             and report["settings"]["early_exit"]["num_speculations"] == "auto")
     assert (tmp_path / "out" / "benchmark.md").is_file()
+
+
+def test_eval_speedup_times_the_exported_draft_in_hugging_faces_assisted_generation(tiny_run, tmp_path):
+    """`--methods hf_draft --draft DIR`: the exit exported as a draft model assists Hugging Face's
+    generate, its tokens equal to Hugging Face's greedy and the engine's plain; without --draft, one line."""
+    from selfspec.cli import main
+    from selfspec.export import export_draft
+
+    draft = export_draft(tiny_run["model"], tmp_path / "draft", exit_layer=2)
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(["def f(x):", "import os\n"]))
+    common = ["eval", "speedup", "--model", str(tiny_run["model"]), "--exit-layer", "2",
+              "--prompts", str(prompts), "--max-new-tokens", "12", "--repeats", "1", "--warmup", "0"]
+    assert main([*common, "--methods", "plain,hf_greedy,hf_draft", "--draft", str(draft),
+                 "--out", str(tmp_path / "out")]) == 0
+    report = json.loads((tmp_path / "out" / "benchmark.json").read_text())
+    assert report["identical"]["hf_draft"] and report["identical"]["hf_greedy"]
+    assert report["speedups"]["hf_draft_over_hf_greedy"] > 0 and report["draft"] == str(draft)
+    assert "assistant_model = the exported draft" in (tmp_path / "out" / "benchmark.md").read_text()
+    with pytest.raises(ValueError, match="--methods hf_draft needs --draft DIR"):
+        BenchmarkRun(methods="plain,hf_draft")
 
 
 def test_prompts_from_a_corpus_test_split(tiny_run, tmp_path):

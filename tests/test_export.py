@@ -122,3 +122,34 @@ def test_tied_heads_and_per_layer_windows_export_as_they_decode(tmp_path, overri
     ids = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad(), kernels_up_to(None):
         assert torch.equal(draft(ids).logits, _exit_logits(model, None, ids))
+
+
+def test_doctor_on_an_exported_draft_measures_its_acceptance_against_the_target(tmp_path, tokenizer,  # noqa: F811
+                                                                                 capsys):
+    """`selfspec doctor DRAFT`: α is the draft's top token against the target's greedy reply. A draft that
+    is the whole model (E = 3 of 4 blocks, the exit block a copy of block 3) agrees on every token; two
+    random blocks do not. The verdict follows α and the draft's cost in weights read."""
+    from selfspec.evaluation.doctor import doctor
+    from selfspec.evaluation.options import DoctorOptions
+
+    model = tiny_model("llama", vocab_size=len(tokenizer))
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(["def f(x):", "import os\n"]))
+    alphas = {}
+    for name, exit_layer, block in (("whole", 3, ExitBlock.from_model(model, [3])), ("half", 2, None)):
+        save_tuned(tmp_path / name, model, tokenizer, exit_adapter=block,
+                   settings=DecodeSettings(exit_layer=exit_layer, num_speculations=2))
+        draft = export_draft(tmp_path / name, tmp_path / f"{name}-draft")
+        with kernels_up_to(None):
+            result = doctor(DoctorOptions(model=str(draft), prompts=str(prompts), max_new_tokens=12,
+                                          out=str(tmp_path / f"{name}-doctor")))
+        figures = result["figures"]
+        assert figures["tokens"] == 24 and figures["exit_layer"] == exit_layer
+        assert json.loads((tmp_path / f"{name}-doctor" / "doctor.json").read_text())["figures"] == figures
+        alphas[name] = figures["alpha"]
+        if figures["num_speculations"]:
+            assert figures["predicted_speedup"] > 1 and "verdict: up to" in result["diagnosis"][-1]
+        else:
+            assert "no k beats plain decoding" in result["diagnosis"][-1]
+    assert alphas["whole"] == 1.0 and alphas["half"] < 1.0
+    assert "acceptance: α = 1.000 over 24" in capsys.readouterr().out

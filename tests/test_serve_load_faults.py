@@ -25,7 +25,8 @@ from selfspec.serving.options import ServeOptions
 MAX_TOKENS = 6
 ROW_KEYS = {"class", "requests", "statuses", "server_errors", "plain_errors", "unexpected", "failures",
             "good", "good_failed", "good_changed", "health_p50", "health_p99", "health_failed",
-            "waiting_after", "seconds", "resident_before", "resident_after"}
+            "waiting_after", "seconds", "resident_before", "resident_peak", "resident_after",
+            "prefix_cache_after"}
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +68,7 @@ def test_every_fault_class_answers_in_openais_shape_and_leaves_good_replies_unch
     for row in rows:
         assert set(row) == ROW_KEYS and row["requests"] > 0
         assert sum(row["statuses"].values()) == row["requests"]
-        assert row["resident_before"] > 0 and row["resident_after"] > 0
+        assert row["resident_before"] > 0 and row["resident_after"] > 0 and row["prefix_cache_after"] >= 0
         assert row["good"] == 2 and row["good_changed"] == 0 and row["good_failed"] == 0, row
         assert row["plain_errors"] == 0 and row["health_failed"] == 0, row  # every error OpenAI's JSON
         # no 5xx; every status the one the class expects (a 4xx for the malformed ones)

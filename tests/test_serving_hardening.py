@@ -539,3 +539,34 @@ def test_a_row_cancelled_before_its_wave_fails_is_counted_once(generator, monkey
     assert gone.finish_reason == "cancelled" and scheduler.cancelled_rows == 1
     assert all(gone.prompt not in started for started in calls[1:])  # not decoded again
     assert kept.tokens == alone(generator, kept.prompt, kept.max_tokens) and bad.finish_reason == "error"
+
+
+def test_memory_goes_back_once_the_server_is_idle_not_between_busy_waves(generator, monkeypatch):
+    """The freed memory of a wave, or of a grammar compiled off the decoding thread, is released once
+    the queue stays empty for IDLE_RELEASE_SECONDS: once per idle spell, and not at all by a server that
+    did nothing."""
+    import time
+
+    from selfspec.serving import scheduler as scheduling
+
+    monkeypatch.setattr(scheduling, "IDLE_RELEASE_SECONDS", 0.3)
+    scheduler = Scheduler(generator, max_batch=4)
+    scheduler.start()
+    try:
+        time.sleep(0.5)
+        assert scheduler.releases == 0  # idle from the start: nothing was freed
+        jobs = [Job(generator.chat_prompt([{"role": "user", "content": f"def f{i}(x):"}]), 6)
+                for i in range(3)]
+        for job in jobs:
+            scheduler.submit(job)
+        deadline = time.time() + 60
+        while any(job.finish_reason is None for job in jobs) and time.time() < deadline:
+            time.sleep(0.01)
+        assert scheduler.releases == 0  # not yet: the queue has been empty for less than 0.3 s
+        time.sleep(0.8)
+        assert scheduler.releases == 1  # once, after the idle spell
+        scheduler.memory_freed()  # a grammar compiled on the worker pool
+        time.sleep(0.8)
+        assert scheduler.releases == 2
+    finally:
+        scheduler.stop()

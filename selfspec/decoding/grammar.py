@@ -452,15 +452,25 @@ class HFGrammarProcessor:
         allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :scores.shape[-1]]
         return apply_mask(scores, torch.from_numpy(allowed.view(np.bool_)))
 
+    def completed(self, sequence: torch.Tensor) -> list[int]:
+        """The generated tokens of `sequence` (1, prompt + generated) up to where they complete the
+        grammar: assisted generation accepts a round's tokens past that point before its stopping
+        criterion looks, tokens a constrained decoder never emits."""
+        self._follow(sequence)
+        generated = sequence[0, self.prompt_length:].tolist()
+        return generated[:len(self.seen)] if self.matcher.is_stopped() else generated
+
     def stopping(self):
-        """A stopping criterion: True once the generated tokens complete the grammar."""
+        """A stopping criterion: True once the generated tokens complete the grammar (a prefix of them,
+        under assisted generation, which may accept tokens past it in one round: `completed`)."""
         from transformers import StoppingCriteria
 
         processor = self
 
         class _Complete(StoppingCriteria):
             def __call__(self, input_ids, scores, **kwargs):
-                done = processor._follow(input_ids) and processor.matcher.is_stopped()
+                processor._follow(input_ids)  # consumes up to the first token the grammar refuses
+                done = processor.matcher.is_stopped()
                 return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
 
         return _Complete()

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import warnings
 from collections.abc import Sequence
 
@@ -327,10 +328,14 @@ class SelfSpecGenerator:
         return self._grammar_tokenizer
 
     def release_memory(self) -> None:
-        """Forget what is kept only for reuse (compiled constraints) and return the heap's free pages to
-        the kernel (`cpu.release_freed_memory`): what a server does when it falls idle."""
+        """Forget what is kept only for reuse (compiled constraints), collect the garbage cycles and
+        return the heap's free pages to the kernel (`cpu.release_freed_memory`): what a server does when
+        it falls idle. The collection first: a refused grammar's exception holds the frames that hold
+        its matcher (tens of MiB for `^a{1000000}$`) in a cycle, which an idle process, allocating
+        nothing, would not collect."""
         if self._grammar_tokenizer is not None:
             self._grammar_tokenizer.forget_compiled()
+        gc.collect()
         release_freed_memory()
 
     def _check_positions(self, prompt_length: int, max_new_tokens: int) -> None:

@@ -17,6 +17,10 @@ at its own `DecodeSettings`, see `timing.method_settings`):
 - ``hf_prompt_lookup``: `model.generate(prompt_lookup_num_tokens=10)`, Hugging Face's prompt lookup
   decoding: drafts copied from the context by n-gram matching, free to propose, verified by the full
   model (batch 1 only). The tool a user would otherwise pick for code and other repetitive text.
+- ``hf_draft`` (with `--draft DIR`): `model.generate(assistant_model=draft)`, the exit exported as a
+  separate draft model (`selfspec export --draft`) in Hugging Face's assisted generation, at its own
+  draft-length schedule: what a user serving with Hugging Face gets from a selfspec-tuned exit
+  (batch 1 only; its own cache, so no KV reuse).
 
 Timing: `warmup` untimed passes, then `repeats` rounds; inside a round every prompt is decoded by
 every method, the method order rotating from round to round (interleaved, so drift in clocks or
@@ -79,7 +83,7 @@ def run_benchmark(checkpoint: LoadedCheckpoint, prompts: list[list[int]], option
         raise UserError("--candidates are judged against plain decoding: keep plain in --methods")
     run = make_runner(checkpoint, max_new_tokens=options.max_new_tokens, keep_eos=options.keep_eos,
                       profile=options.profile, static_passes=options.static_passes,
-                      backend=options.backend, prefix_cache=options.prefix_cache)
+                      backend=options.backend, prefix_cache=options.prefix_cache, draft=options.draft)
     run.share_prefixes(prompts)
     generator = run.generator
     named = {f"{drafter} cell {i + 1}": (drafter, generator.settings_for(cell), sweep_speedup)
@@ -115,7 +119,8 @@ SPEEDUPS = (("hybrid", "hf_prompt_lookup"), ("hybrid", "plain"), ("hybrid", "ear
             ("hybrid", "ngram"), ("ngram", "hf_prompt_lookup"), ("ngram", "plain"),
             ("early_exit", "plain"), ("early_exit", "hf_early_exit"), ("early_exit", "hf_prompt_lookup"),
             ("plain", "hf_greedy"), ("early_exit", "hf_greedy"), ("hf_early_exit", "hf_greedy"),
-            ("hf_prompt_lookup", "hf_greedy"))  # the report's "a_over_b" ratios, where both ran
+            ("hf_prompt_lookup", "hf_greedy"), ("hf_draft", "hf_greedy"), ("hf_draft", "hf_early_exit"),
+            ("early_exit", "hf_draft"))  # the report's "a_over_b" ratios, where both ran
 
 
 def _report(options: BenchmarkRun, run, timings: Timings, num_prompts: int) -> dict:
@@ -128,7 +133,7 @@ def _report(options: BenchmarkRun, run, timings: Timings, num_prompts: int) -> d
               "device": str(run.device), "dtype": str(view.dtype).replace("torch.", ""),
               "num_layers": view.num_layers,
               "settings": {m: settings[m].to_json() for m in methods if m in ENGINE_METHODS},
-              "methods": {}}
+              "draft": options.draft if "hf_draft" in methods else None, "methods": {}}
     for method in methods:
         report["methods"][method] = {"tokens_per_second": statistics.median(rates[method]),
                                      "tokens_per_second_all": rates[method]}
@@ -193,6 +198,8 @@ def _describe_setting(method: str, settings: dict) -> str:
         return f"prompt_lookup_num_tokens = {PROMPT_LOOKUP_TOKENS}"
     if method == "hf_early_exit" and "early_exit" in settings:
         return f"E = {settings['early_exit']['exit_layer']}"
+    if method == "hf_draft":
+        return "assistant_model = the exported draft"
     return DecodeSettings.from_json(settings[method]).describe() if method in settings else ""
 
 

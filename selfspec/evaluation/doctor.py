@@ -9,17 +9,31 @@ per-round overhead, context, prefill (from a benchmark's figures; this short pro
 and the verdict.
 
     selfspec doctor runs/smollm2/base --exit-layer 10
+
+On an exported draft (`selfspec export MODEL --draft DIR`: a directory with export.json) it says what a
+separate-draft engine (llama.cpp's --model-draft, Hugging Face's assistant_model, vLLM's draft_model)
+should get from it (`draft_probe`): α measured by the draft itself against its target's greedy replies,
+and from it and the draft's cost in weights read the best k and the speedup bound.
+
+    selfspec doctor runs/demo/export --num-prompts 8 --max-new-tokens 128
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 from pathlib import Path
 
+import torch
+
 from ..checkpoint import resolve_settings
+from ..decoding import DecodeSettings
 from ..errors import UserError
+from ..export import EXPORT_FILE
 from ..files import write_json_atomic
+from ..metrics import optimal_num_speculations, speedup_simple
 from ..model import DecoderView
+from ..model.loading import load_causal_lm
 from .costs import cost_model, weight_cost, weights_in_cache
 from .diagnosis import diagnose
 from .options import DoctorOptions
@@ -37,6 +51,8 @@ def doctor(options: DoctorOptions) -> DoctorResult:
     written as doctor.json into `options.out` when given). E and k default to the checkpoint's (k = 3
     when it has none or an adaptive one)."""
     model = options.model
+    if (Path(model) / EXPORT_FILE).is_file():
+        return _report(options, draft_probe(options))
     settings, _, counts = resolve_settings(model, exit_layer=options.exit_layer,
                                            num_speculations=options.num_speculations)
     if settings.exit_layer is None:
@@ -59,12 +75,61 @@ def doctor(options: DoctorOptions) -> DoctorResult:
     lines = diagnose(figures)
     print(f"selfspec doctor: {model} (E = {settings.exit_layer} of {view.num_layers}, k = {k}; "
           f"{len(chosen)} prompts x {options.max_new_tokens} tokens)")
-    print("\n".join(lines))
-    result = {"figures": figures, "diagnosis": lines}
+    return _report(options, {"figures": figures, "diagnosis": lines})
+
+
+def _report(options: DoctorOptions, result: DoctorResult) -> DoctorResult:
+    """Print the diagnosis and write doctor.json into `options.out` when given."""
+    print("\n".join(result["diagnosis"]))
     if options.out:
         Path(options.out).mkdir(parents=True, exist_ok=True)
         write_json_atomic(Path(options.out) / "doctor.json", result)
     return result
+
+
+def draft_probe(options: DoctorOptions) -> DoctorResult:
+    """What a separate-draft engine should get from the exported draft `options.model`: its target (the
+    export's source) decodes the prompts greedily (plain, under each prompt's grammar), the draft reads
+    prompt and reply in one pass, and α is how often its top token is the target's next one (the
+    acceptance of greedy verification, unmasked: under a grammar a lower bound). With the draft's cost c
+    in weights read (`export.separate_draft_estimate`): the best k and E(k, α) / (1 + k·c), an upper
+    bound (each engine's per-round overhead left out)."""
+    export = Path(options.model)
+    meta = json.loads((export / EXPORT_FILE).read_text())
+    target = Path(meta["source"])
+    if not target.is_dir():
+        raise UserError(f"{export} was exported from {target}, which is not there; run selfspec doctor from "
+                        f"the directory the export ran in")
+    plain = DecodeSettings(exit_layer=meta["exit_layer"], num_speculations=0)
+    checkpoint = load_checkpoint(str(target), plain, device=options.device, dtype=options.dtype)
+    view = DecoderView(checkpoint.model)
+    dtype = str(view.dtype).removeprefix("torch.")
+    draft = load_causal_lm(str(export), dtype=dtype, device=view.device).eval()
+    chosen = read_prompts(checkpoint.tokenizer, options.prompts, options.corpus, options.num_prompts)
+    run = make_runner(checkpoint, max_new_tokens=options.max_new_tokens)
+    agreed = scored = 0
+    for prompt in chosen:
+        (reply,), _ = run("plain", [prompt])
+        ids = list(getattr(prompt, "ids", prompt))
+        with torch.inference_mode():
+            logits = draft(torch.tensor([ids + reply], device=view.device)).logits[0]
+        guesses = logits[len(ids) - 1:len(ids) + len(reply) - 1].argmax(-1).tolist()
+        agreed += sum(g == t for g, t in zip(guesses, reply))
+        scored += len(reply)
+    alpha, cost = agreed / max(1, scored), meta["separate_draft"]["draft_cost"]
+    k, speedup = optimal_num_speculations(alpha, cost, 8, speedup_simple)
+    stored = meta["separate_draft"]["acceptance"]
+    figures = {"exit_layer": meta["exit_layer"], "exit_blocks": meta["exit_blocks"],
+               "num_layers": meta["num_layers"], "alpha": alpha, "alpha_held_out": stored, "draft_cost": cost,
+               "num_speculations": k, "predicted_speedup": speedup, "tokens": scored}
+    held_out = f" (the checkpoint's held-out: {stored:.2f})" if stored is not None else ""
+    lines = [f"selfspec doctor: {export}, a draft of {meta['exit_layer']} + {meta['exit_blocks']} blocks for "
+             f"{target}'s {meta['num_layers']} ({len(chosen)} prompts x {options.max_new_tokens} tokens)",
+             f"- acceptance: α = {alpha:.3f} over {scored} of the target's greedy tokens{held_out}",
+             f"- draft cost: c = {cost:.2f} of a target step (its own KV cache: no reuse of the target's)",
+             f"- verdict: up to {speedup:.2f}x at k = {k} in a separate-draft engine" if k else
+             f"- verdict: no k beats plain decoding at α = {alpha:.2f} and c = {cost:.2f}"]
+    return {"figures": figures, "diagnosis": lines}
 
 
 def _figures(options: DoctorOptions, view: DecoderView, settings, timings) -> dict:
@@ -104,4 +169,4 @@ def _figures(options: DoctorOptions, view: DecoderView, settings, timings) -> di
     }
 
 
-__all__ = ["PROBE", "doctor"]
+__all__ = ["PROBE", "doctor", "draft_probe"]

@@ -24,7 +24,7 @@ from ..options import (
     option,
 )
 from .prompts import SUITES  # noqa: F401 - named in docstrings
-from .timing import METHODS, check_methods
+from .timing import DEFAULT_METHODS, METHODS, check_methods  # noqa: F401 - METHODS: named in a docstring
 
 
 def k_list(value: str) -> list:
@@ -113,15 +113,18 @@ class TimingOptions(Options):
 class MethodOptions(Options):
     """Which decoding methods (`timing.METHODS`), and how many prompts each call decodes."""
 
-    methods: str | tuple[str, ...] = METHODS
-    """comma-separated subset of {METHODS}"""
+    methods: str | tuple[str, ...] = DEFAULT_METHODS
+    """comma-separated subset of {METHODS} (default: all but hf_draft)"""
     batch_size: int = 1
-    """prompts per generate call (Hugging Face's assisted methods, hf_early_exit and hf_prompt_lookup,
-    decode batch 1 only)"""
+    """prompts per generate call (Hugging Face's assisted methods, hf_early_exit, hf_prompt_lookup and
+    hf_draft, decode batch 1 only)"""
+    draft: str | None = None
+    """an exported draft's directory (`selfspec export MODEL --draft DIR`), for the hf_draft method:
+    Hugging Face's generate(assistant_model=draft)"""
 
     def check(self):
         self._normalize(methods=name_list(self.methods))
-        check_methods(self.methods, self.batch_size)
+        check_methods(self.methods, self.batch_size, self.draft)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -43,6 +43,7 @@ class BenchmarkReport(TypedDict):
     dtype: str
     num_layers: int
     settings: dict[str, dict]  # engine method -> `DecodeSettings.to_json()`
+    draft: str | None  # hf_draft's exported draft (None when hf_draft did not run)
     methods: dict[str, MethodResult]
     speedups: dict[str, float]  # "a_over_b" -> ratio of medians
     reference: str  # the method every output is compared with (plain when measured)

@@ -56,6 +56,7 @@ from ..decoding.settings import PLAIN
 from ..errors import UserError
 from ..options import to_cli_args
 from ..serving.options import ServeOptions
+from ..serving.scheduler import IDLE_RELEASE_SECONDS
 from .options import ServeLoadOptions
 from .paired import median_interval
 from .prompts import read_prompts
@@ -63,6 +64,7 @@ from .report import publish, pyplot, save_figure
 from .results import ServeLoadReport
 
 KEY = "serve-load"
+SETTLE_SECONDS = IDLE_RELEASE_SECONDS + 0.5  # after a fault class: the server has released what it freed
 ARMS = ("selfspec", "plain")
 PLAIN_FLAGS = {"drafter": "early_exit", "num_speculations": 0}  # `selfspec serve` without drafting
 STARTUP_POLLS = 3000  # looks at /health, 0.1 s apart at least, before a server that never answers fails
@@ -256,12 +258,13 @@ def fault_run(url: str, prompts: list[str], reference: list[str], total: int, ma
         results = list(pool.map(send, plan))
     bad = [(k, code) for k, code, _ in results if k != "good"]
     good = [right for k, _, right in results if k == "good"]
+    after = _resident_bytes(pid)
+    rows = fault_classes(url, prompts, reference, max_tokens, pid, classes=classes, good=max(2, total // 8),
+                         scale=scale) if classes != [] else []
     return {"requests": total, "bad": len(bad), "bad_refused_4xx": sum(400 <= c < 500 for _, c in bad),
             "bad_codes": sorted({f"{k}: {c}" for k, c in bad}), "good": len(good),
-            "good_ok": sum(good),
-            "resident_before": before, "resident_after": _resident_bytes(pid),
-            "classes": fault_classes(url, prompts, reference, max_tokens, pid, classes=classes,
-                                     good=max(2, total // 8), scale=scale) if classes != [] else []}
+            "good_ok": sum(good), "resident_before": before, "resident_after": after,
+            "resident_end": rows[-1]["resident_after"] if rows else after, "classes": rows}
 
 
 # -- fault classes: hostile traffic of one kind beside good requests ----------------------------------
@@ -573,10 +576,37 @@ def _expected(expect: str, status: int | str) -> bool:
     return {"4xx": 400 <= status < 500, "2xx": 200 <= status < 300, "any": status < 500}[expect]
 
 
+def _queue_drained(base: str) -> int | None:
+    """The server's waiting requests once none are left (the abandoned ones gone or decoded), or after
+    10 s; None when /health did not answer."""
+    waiting = None
+    for _ in range(100):
+        try:
+            waiting = httpx.get(f"{base}/health", timeout=10).json().get("waiting")
+        except (httpx.HTTPError, ValueError):
+            return None
+        if not waiting:
+            return waiting
+        time.sleep(0.1)
+    return waiting
+
+
+def _prefix_cache_bytes(base: str) -> int | None:
+    """The bytes of keys and values the server's prefix cache holds (its /metrics), a cache bounded by
+    --prefix-cache-mb that a server's resident memory includes; None when /metrics did not answer."""
+    try:
+        text = httpx.get(f"{base}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).text
+    except httpx.HTTPError:
+        return None
+    return next((int(float(line.split()[1])) for line in text.splitlines()
+                 if line.startswith("selfspec_prefix_cache_bytes ")), None)
+
+
 def _fault_class(name: str, url: str, prompts: list[str], reference: list[str], good: int, max_tokens: int,
-                 pid: int, scale: float) -> dict:
+                 pid: int, scale: float, settle: float) -> dict:
     """Fault class `name`'s hostile requests, `good` good ones (streamed and not, in turn) and a /health
-    probe, all at once; the class's row."""
+    probe, all at once; the class's row. The server's resident memory before, right after, and
+    `settle` seconds later (it releases what it freed once idle: `IDLE_RELEASE_SECONDS`)."""
     port = httpx.URL(url).port
     base = url.removesuffix("/v1")
     attacks = _attacks(name, scale, max_tokens)
@@ -627,15 +657,9 @@ def _fault_class(name: str, url: str, prompts: list[str], reference: list[str], 
         finally:
             done.set()
         seconds, health_codes = health.result()
-    waiting = None
-    for _ in range(100):  # the queue after the class: the abandoned requests gone (or decoded), 10 s at most
-        try:
-            waiting = httpx.get(f"{base}/health", timeout=10).json().get("waiting")
-        except (httpx.HTTPError, ValueError):
-            break
-        if not waiting:
-            break
-        time.sleep(0.1)
+    waiting = _queue_drained(base)
+    peak = _resident_bytes(pid)
+    time.sleep(settle)
     statuses: dict[str, int] = {}
     for status, _ in results:
         statuses[str(status)] = statuses.get(str(status), 0) + 1
@@ -652,19 +676,23 @@ def _fault_class(name: str, url: str, prompts: list[str], reference: list[str], 
             "health_p50": _percentile(seconds, 0.5), "health_p99": _percentile(seconds, 0.99),
             "health_failed": sum(c != 200 for c in health_codes), "waiting_after": waiting,
             "seconds": time.perf_counter() - start,
-            "resident_before": before, "resident_after": _resident_bytes(pid)}
+            "resident_before": before, "resident_peak": peak, "resident_after": _resident_bytes(pid),
+            "prefix_cache_after": _prefix_cache_bytes(base)}
 
 
 def fault_classes(url: str, prompts: list[str], reference: list[str], max_tokens: int, pid: int = 0, *,
-                  classes: list[str] | None = None, good: int = 4, scale: float = 1.0) -> list[dict]:
+                  classes: list[str] | None = None, good: int = 4, scale: float = 1.0,
+                  settle: float = SETTLE_SECONDS) -> list[dict]:
     """Each fault class in turn (`classes`; None: all of FAULT_CLASSES) beside `good` good requests and
-    a /health probe; one row per class (`_fault_class`). `scale` shrinks the counts and sizes (tests)."""
+    a /health probe; one row per class (`_fault_class`, its memory read again after `settle` idle
+    seconds). `scale` shrinks the counts and sizes (tests)."""
     names = list(FAULT_CLASSES) if classes is None else classes
     unknown = [c for c in names if c not in FAULT_CLASSES]
     if unknown:
         raise UserError(f"no fault class {', '.join(map(repr, unknown))}; the classes: "
                         f"{', '.join(FAULT_CLASSES)}")
-    return [_fault_class(name, url, prompts, reference, good, max_tokens, pid, scale) for name in names]
+    return [_fault_class(name, url, prompts, reference, good, max_tokens, pid, scale, settle)
+            for name in names]
 
 
 def to_markdown(report: dict) -> str:
@@ -698,7 +726,9 @@ def to_markdown(report: dict) -> str:
                       f"{fault['bad']} bad ones refused with a 4xx ({', '.join(fault['bad_codes'])}); "
                       f"{fault['good_ok']} of "
                       f"{fault['good']} good ones answered; resident memory "
-                      f"{fault['resident_before'] / 2**20:.0f} -> {fault['resident_after'] / 2**20:.0f} MiB."]
+                      f"{fault['resident_before'] / 2**20:.0f} -> {fault['resident_after'] / 2**20:.0f} MiB"
+                      + (f", after every fault class, idle: {fault['resident_end'] / 2**20:.0f} MiB."
+                         if fault.get("classes") else ".")]
         lines += fault_table(fault.get("classes") or [])
     return "\n".join(lines) + "\n"
 
@@ -710,16 +740,21 @@ def fault_table(rows: list[dict]) -> list[str]:
     lines = ["", "Fault classes, each beside good requests and a /health probe (statuses of the hostile "
                  "requests; \"hung up\": the client closed first, as the class does):", "",
              "| class | hostile | statuses | 5xx | plain-text errors | unexpected | good changed / failed "
-             "| /health p50 / p99 (ms) | RSS before -> after (MiB) |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+             "| /health p50 / p99 (ms) | RSS before -> right after -> idle (MiB) | prefix cache (MiB) |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
         statuses = ", ".join(f"{k} ×{v}" for k, v in row["statuses"].items())
         lines.append(f"| {row['class']} | {row['requests']} | {statuses} | {row['server_errors']} | "
                      f"{row['plain_errors']} | {row['unexpected']} | "
                      f"{row['good_changed']} / {row['good_failed']} "
                      f"of {row['good']} | {row['health_p50'] * 1e3:.1f} / {row['health_p99'] * 1e3:.1f} | "
-                     f"{row['resident_before'] / 2**20:.0f} -> {row['resident_after'] / 2**20:.0f} |")
+                     f"{row['resident_before'] / 2**20:.0f} -> {row['resident_peak'] / 2**20:.0f} -> "
+                     f"{row['resident_after'] / 2**20:.0f} | {_mib(row['prefix_cache_after'])} |")
     return lines
+
+
+def _mib(count: int | None) -> str:
+    return "" if count is None else f"{count / 2**20:.0f}"
 
 
 def plot(report: dict, path: Path) -> Path:

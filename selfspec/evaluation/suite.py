@@ -68,7 +68,8 @@ def run_suite(checkpoint: LoadedCheckpoint, questions: list[Question], options: 
     if not questions or options.max_new_tokens < 1 or options.repeats < 1:
         raise UserError(f"the suite needs a question ({len(questions)}), max_new_tokens >= 1 "
                         f"({options.max_new_tokens}) and repeats >= 1 ({options.repeats})")
-    run = make_runner(checkpoint, max_new_tokens=options.max_new_tokens, keep_eos=not options.no_eos)
+    run = make_runner(checkpoint, max_new_tokens=options.max_new_tokens, keep_eos=not options.no_eos,
+                      draft=options.draft)
     start = time.perf_counter()
     turns = _time_turns(run, checkpoint.tokenizer, questions, options, progress)
     view, timings = run.generator.view, turns.timings

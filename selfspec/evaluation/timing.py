@@ -38,9 +38,11 @@ from ..model.loading import load_causal_lm, load_tokenizer
 from ..model.view import DecoderView
 from .prompts import Structured
 
-METHODS = ("plain", "early_exit", "ngram", "hybrid", "hf_greedy", "hf_early_exit", "hf_prompt_lookup")
+METHODS = ("plain", "early_exit", "ngram", "hybrid", "hf_greedy", "hf_early_exit", "hf_prompt_lookup",
+           "hf_draft")
+DEFAULT_METHODS = METHODS[:-1]  # hf_draft needs an exported draft (`--draft`)
 ENGINE_METHODS = ("plain", *DRAFTERS)  # selfspec's engine; each drafter is a method of its own name
-HF_BATCH1_METHODS = ("hf_early_exit", "hf_prompt_lookup")  # Hugging Face's assisted generation: batch 1 only
+HF_BATCH1_METHODS = ("hf_early_exit", "hf_prompt_lookup", "hf_draft")  # Hugging Face's assisted generation
 PROMPT_LOOKUP_TOKENS = 10  # Hugging Face's documented example value
 
 
@@ -106,8 +108,9 @@ class _Runner:
     """Runs one method on one batch: returns the generated tokens and, for the engine, its stats."""
 
     def __init__(self, generator: SelfSpecGenerator, settings: dict[str, DecodeSettings], max_new_tokens: int,
-                 keep_eos: bool, profile: bool = False):
+                 keep_eos: bool, profile: bool = False, draft=None):
         self.generator, self.model, self.settings = generator, generator.model, settings
+        self.draft = draft  # hf_draft's assistant model (an exported draft), or None
         self.shared: dict[tuple, int] = {}  # prompt -> positions it shares with another (`share_prefixes`)
         self.engine_calls = self.cached_tokens = 0  # the engine's calls, and the positions they loaded
         self.max_new_tokens, self.profile = max_new_tokens, profile
@@ -174,13 +177,18 @@ class _Runner:
             kwargs["assistant_early_exit"] = self.settings["early_exit"].exit_layer
         elif method == "hf_prompt_lookup":
             kwargs["prompt_lookup_num_tokens"] = PROMPT_LOOKUP_TOKENS
+        elif method == "hf_draft":  # a separate draft model, at Hugging Face's own draft-length schedule
+            kwargs["assistant_model"] = self.draft
         with torch.inference_mode():
             out = self.model.generate(ids, **kwargs)
+        if constraints[0] is not None:
+            return [processor.completed(out)], None
         return out[:, ids.shape[1]:].tolist(), None
 
 
-def check_methods(methods, batch_size: int) -> None:
-    """Every method known, and batch 1 for Hugging Face's assisted generation; else a UserError."""
+def check_methods(methods, batch_size: int, draft: str | None = None) -> None:
+    """Every method known, a draft for hf_draft, and batch 1 for Hugging Face's assisted generation;
+    else a UserError."""
     for method in methods:
         if method not in METHODS:
             raise UserError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
@@ -190,15 +198,19 @@ def check_methods(methods, batch_size: int) -> None:
     if batch_size > 1 and batch1_only:
         raise UserError(f"Hugging Face's assisted generation decodes batch 1 only; "
                         f"leave {', '.join(batch1_only)} out of --methods for --batch-size > 1")
+    if "hf_draft" in methods and draft is None:
+        raise UserError("--methods hf_draft needs --draft DIR: a draft written by `selfspec export MODEL "
+                        "--draft DIR`")
 
 
 def make_runner(checkpoint: LoadedCheckpoint, *, max_new_tokens: int = 128, keep_eos: bool = False,
                 profile: bool = False, static_passes: str | None = None, backend: str | None = None,
-                prefix_cache: bool = False) -> _Runner:
+                prefix_cache: bool = False, draft: str | None = None) -> _Runner:
     """The engine over the checkpoint's model and a runner of every method: the engine methods at
     `method_settings`, always `max_new_tokens` new tokens unless `keep_eos`, profiling their rounds with
     `profile` (`decoding.profile`), on `backend` (static passes with `static_passes`), prefilling through a
-    `PrefixCache` with `prefix_cache`."""
+    `PrefixCache` with `prefix_cache`; `draft`: an exported draft's directory, hf_draft's assistant model,
+    loaded on the model's device at its dtype."""
     # check_cache=False as in the sweep: a timed run does no per-round bookkeeping
     generator = SelfSpecGenerator(checkpoint.model, checkpoint.tokenizer, checkpoint.settings,
                                   token_counts=checkpoint.token_counts,
@@ -207,7 +219,12 @@ def make_runner(checkpoint: LoadedCheckpoint, *, max_new_tokens: int = 128, keep
                                   prefix_cache=PrefixCache() if prefix_cache else None)
     settings = {m: generator.settings_for(s)
                 for m, s in method_settings(generator.settings, checkpoint.fastest).items()}
-    return _Runner(generator, settings, max_new_tokens, keep_eos, profile)
+    assistant = None
+    if draft is not None:
+        view = generator.view
+        assistant = load_causal_lm(draft, dtype=str(view.dtype).removeprefix("torch."), device=view.device,
+                                   huge_pages=True).eval()
+    return _Runner(generator, settings, max_new_tokens, keep_eos, profile, assistant)
 
 
 @dataclass
@@ -360,5 +377,6 @@ def measure_passes(view: DecoderView, exit_layer: int, context: int = 256, posit
     return report
 
 
-__all__ = ["ENGINE_METHODS", "METHODS", "Passes", "Timings", "check_methods", "constraint_keywords",
-           "interleaved_rates", "load_model", "make_runner", "measure_passes", "method_settings"]
+__all__ = ["DEFAULT_METHODS", "ENGINE_METHODS", "METHODS", "Passes", "Timings", "check_methods",
+           "constraint_keywords", "interleaved_rates", "load_model", "make_runner", "measure_passes",
+           "method_settings"]

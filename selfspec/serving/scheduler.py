@@ -267,6 +267,9 @@ def default_draft_max_rows(generator) -> int | None:
 STREAM_SECONDS = 0.02
 CALL_SECONDS = 0.04  # a lone row's compiled call when the scheduler sizes it (`Scheduler.call_rounds`)
 MAX_CALL_ROUNDS = 256
+# How long the queue stays empty before the memory freed since the last wave or grammar goes back to the
+# kernel: not between two waves of a busy server, where the next wave would fault the pages in again.
+IDLE_RELEASE_SECONDS = 0.5
 
 
 class Scheduler:
@@ -300,6 +303,8 @@ class Scheduler:
         self.active: list[Job] = []  # the wave being decoded
         self.cancelled_rows = 0  # requests whose client went away (or shutdown ended them), queued or not
         self.joined = 0  # jobs that joined a wave already decoding
+        self.freed = False  # memory was freed (a wave, a grammar compiled) since the last release
+        self.releases = 0  # idle releases of memory (`_release_when_idle`)
 
     def start(self) -> None:
         # in a copy of the starter's context: it decodes with the kernel settings in force here
@@ -363,13 +368,11 @@ class Scheduler:
     def _next_wave(self) -> list[Job] | None:
         """The oldest job and the waiting jobs that can decode with it (None when closing)."""
         with self.ready:
-            if not self.queue and not self.closing:
-                # idle: the kept compiled grammars and the freed memory of the last wave (a huge grammar's
-                # matchers, say) go back to the kernel, which `cpu.keep_freed_memory` would keep for the
-                # process's next peak
-                self.generator.release_memory()
             while not self.queue and not self.closing:
-                self.ready.wait()
+                if not self.freed:
+                    self.ready.wait()
+                elif not self.ready.wait(IDLE_RELEASE_SECONDS) and not self.queue and not self.closing:
+                    self._release_when_idle()
             if self.closing:
                 return None
             first = self.queue[0]
@@ -384,6 +387,26 @@ class Scheduler:
                     wave.append(job)
                     self.queue.remove(job)
             return wave
+
+    def memory_freed(self) -> None:
+        """Note that memory was freed off the decoding thread (a request's grammar compiled, or refused,
+        on the worker pool): the scheduler releases it once it has been idle `IDLE_RELEASE_SECONDS`."""
+        with self.ready:
+            self.freed = True
+            self.ready.notify()
+
+    def _release_when_idle(self) -> None:
+        """Idle for `IDLE_RELEASE_SECONDS` (the lock held): the kept compiled grammars and the freed
+        memory of the last waves (a huge grammar's matchers, say) go back to the kernel, which
+        `cpu.keep_freed_memory` would keep for the process's next peak; the lock is let go meanwhile, so
+        that requests are taken as it runs."""
+        self.freed = False
+        self.ready.release()
+        try:
+            self.generator.release_memory()
+        finally:
+            self.ready.acquire()
+        self.releases += 1
 
     def _drop(self, job: Job) -> None:
         """A waiting job whose client went away leaves the queue (the lock held)."""
@@ -401,6 +424,7 @@ class Scheduler:
                     for job in wave:
                         if job.finish_reason is None:
                             job.fail()
+                self.freed = True
 
     def _decode(self, wave: list[Job], admitting: bool = True) -> None:
         """Decode `wave` on one engine (`decoding.Engine`), stepped here: jobs of its kind join it at
