@@ -31,6 +31,14 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from .cpu import one_heap
+
+if sys.argv[1:2] == ["serve"]:
+    # Before the imports below: one of them (pyarrow, under `datasets`) starts a thread that makes a
+    # second glibc heap, which the server's threads would then be dealt out to, and a second heap's
+    # free top is never returned to the kernel (`cpu.one_heap`).
+    one_heap()
+
 from . import commands, demo, recipes
 from .commands import (
     DistillOptions,

@@ -41,7 +41,9 @@ def one_heap() -> bool:
     memory that a worker thread frees (a request's grammar compiled and dropped) is then reused by
     every thread and goes back to the kernel with `release_freed_memory`, where a heap per thread keeps
     much of it resident. For a server, whose threads allocate little beside the decoding thread's
-    tensors. Whether the setting was applied (False off glibc)."""
+    tensors. Call it before any other thread allocates: a heap made before stays, later threads are dealt
+    out among the heaps there are, and the free top of a heap other than the main one is never returned.
+    Whether the setting was applied (False off glibc)."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt(_M_ARENA_MAX, 1) == 1

@@ -137,6 +137,15 @@ def main(argv: list[str]) -> None:
         (args.out / "losses.json").write_text(json.dumps(losses))
     if not args.plain:
         dist.destroy_process_group()
+        # Every output is written: leave without the interpreter's finalization. In it, a gloo worker
+        # thread that still releases the last all-gather's tensors must take the GIL to drop their Python
+        # objects, which a finalizing interpreter refuses by ending the thread, and the C++ unwind through
+        # the work's destructor aborts the process ("terminate called without an active exception",
+        # a core's backtrace: ~AsyncAllgatherWork -> decref_pyobject -> take_gil -> pthread_exit; about
+        # 1 run in 25 of this worker; pytorch#179291 describes it).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _plain_step(objective, batch: torch.Tensor, step: int, shares: int, current: dict) -> torch.Tensor:

@@ -88,3 +88,16 @@ def test_after_one_heap_a_new_threads_allocations_come_from_the_main_heap(one):
             "libc.malloc_stats()\n")
     stats = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stderr
     assert "Arena 0:" in stats and ("Arena 1:" in stats) is not one
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only")
+@pytest.mark.parametrize("command", ["serve", "train"])
+def test_selfspec_serve_keeps_one_heap_through_the_clis_imports(command):
+    """The CLI's imports start a library's thread (pyarrow's, under `datasets`) that makes a second glibc
+    heap; `selfspec serve` asks for one heap before them, so none is made. The control: another command."""
+    code = ("import ctypes, sys\n"
+            f"sys.argv = ['selfspec', '{command}']\n"
+            "import selfspec.cli\n"
+            "ctypes.CDLL('libc.so.6').malloc_stats()\n")
+    stats = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stderr
+    assert "Arena 0:" in stats and ("Arena 1:" in stats) is (command != "serve")

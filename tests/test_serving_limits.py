@@ -9,6 +9,7 @@ import asyncio
 import json
 import signal
 import socket
+import threading
 import time
 
 import pytest
@@ -251,11 +252,14 @@ def test_the_cheap_checks_come_before_any_heavy_work(generator, heavy_calls):
 
 
 def test_a_requests_grammar_is_compiled_once_not_again_by_each_wave(generator, monkeypatch):
-    compiles = []
+    """Once, and on a thread that ends (not a pool thread, which would keep the stack a deep schema's
+    compilation recursed through)."""
+    compiles, threads = [], []
     matcher = GrammarTokenizer.matcher
 
     def counting(self, constraint):
         compiles.append(constraint)
+        threads.append(threading.current_thread())
         return matcher(self, constraint)
 
     monkeypatch.setattr(GrammarTokenizer, "matcher", counting)
@@ -266,7 +270,8 @@ def test_a_requests_grammar_is_compiled_once_not_again_by_each_wave(generator, m
     with TestClient(create_app(generator, NAME)) as client:
         r = client.post("/v1/chat/completions", json=body)
         assert r.status_code == 200, r.text
-        assert len(compiles) == 1  # on the worker pool as the request was checked; the wave reused it
+        assert len(compiles) == 1  # off the event loop as the request was checked; the wave reused it
+        assert not threads[0].is_alive() and not threads[0].name.startswith("selfspec-prep")
         # an idle server forgets it (a short schema can compile to tens of MiB): the next one compiles anew
         assert until(lambda: generator.grammar_tokenizer().kept == 0)
         r = client.post("/v1/chat/completions", json=body)
