@@ -99,7 +99,8 @@ def on_a_thread_that_ends(fn, *args, **kwargs):
     thread (its copies run in parallel) and then decoded on another thread (a server's decode loop, a
     web framework's worker) decoded the embedded default 2.4× slower than on one thread. The team of a
     thread that ends goes with it, so loading here leaves the caller's thread without one, and
-    whichever thread decodes first owns the only team.
+    whichever thread decodes first owns the only team. Its stack goes back too: the megabytes a deep
+    recursion touched (a grammar's compilation) do not stay resident in a long-lived thread.
     """
     result: list = []
 

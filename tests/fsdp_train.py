@@ -141,8 +141,8 @@ def main(argv: list[str]) -> None:
         # thread that still releases the last all-gather's tensors must take the GIL to drop their Python
         # objects, which a finalizing interpreter refuses by ending the thread, and the C++ unwind through
         # the work's destructor aborts the process ("terminate called without an active exception",
-        # a core's backtrace: ~AsyncAllgatherWork -> decref_pyobject -> take_gil -> pthread_exit; about
-        # 1 run in 25 of this worker; pytorch#179291 describes it).
+        # a core's backtrace: ~AsyncAllgatherWork -> decref_pyobject -> take_gil -> pthread_exit; 5 of
+        # 147 resumed runs of this worker; pytorch#179291 describes it).
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
