@@ -13,7 +13,7 @@ from virtual_cuda import VirtualCuda
 
 from selfspec.backends import graphs
 from selfspec.backends.graphs import CapturedPass, HostReadInCapture, _Graph
-from selfspec.decoding import SelfSpecGenerator
+from selfspec.decoding import NewRow, SelfSpecGenerator
 from selfspec.decoding.grammar import Constraint
 
 PROMPTS = [[5, 17, 33, 2, 71, 8, 5, 17, 33], [40, 3]]
@@ -170,3 +170,39 @@ def test_graphs_on_the_emulated_cuda_device_are_plain_greedy():
             out = generator.generate(PROMPTS, max_new_tokens=NEW, drafter=drafter, num_speculations=k,
                                      eos_token_id=[])
             assert out.sequences == expected, (drafter, k)
+
+
+def _captures(generator) -> int:
+    return sum(fn.captures for fn in generator.backend.passes._functions.values())
+
+
+def test_a_batch_whose_rows_leave_and_join_replays_the_graphs_of_its_sizes():
+    """The server's batch changes as requests finish, join and are cancelled: the pool keeps one set of
+    buffers per capacity, a batch of B rows on its first B rows, so a pass captured for B rows is replayed
+    whenever B rows decode again, rather than captured for each new composition of the batch."""
+    model = low_alpha_model("llama")
+    generator = SelfSpecGenerator(model, exit_layer=2, static_passes="graph", num_speculations=3)
+    prompts = [*PROMPTS, [11, 12, 13, 14, 15, 16, 17]]
+    lengths = (12, 5, 9)  # the rows finish at different rounds: the batch goes 3 -> 2 -> 1 rows
+
+    def serve() -> list[list[int]]:
+        engine = generator.engine(eos_token_id=[])
+        rows = [engine.add(NewRow(p, n)) for p, n in zip(prompts, lengths)]
+        engine.step()
+        late = engine.add(NewRow(PROMPTS[1], 6))  # joins the running batch at the next step
+        gone = engine.add(NewRow(PROMPTS[0], 30))
+        engine.step()
+        engine.cancel(gone)
+        while not engine.done:
+            engine.step()
+        sequences = engine.output().sequences
+        assert sequences[:3] == [reference_greedy(model, p, n) for p, n in zip(prompts, lengths)]
+        assert sequences[late] == reference_greedy(model, PROMPTS[1], 6)
+        assert sequences[gone] == reference_greedy(model, PROMPTS[0], 30)[:len(sequences[gone])]
+        return sequences
+
+    first = serve()  # grows the batch's buffers to its most rows (5): the next call captures on those once
+    assert serve() == first
+    captured = _captures(generator)
+    assert serve() == first
+    assert _captures(generator) == captured  # every batch size's graphs replayed, none captured again

@@ -529,3 +529,33 @@ def test_a_server_process_that_cannot_start_is_one_clear_error(tmp_path):
             with server_process(ServeOptions(model=str(tmp_path / "no-model"), **flags), log):
                 pass
         assert "no-model" in log.read_text() and "unrecognized" not in log.read_text()
+
+
+def test_a_server_on_captured_passes_replies_as_its_engine_does_alone(tiny_run):
+    """`selfspec serve --static-passes graph`: requests of different lengths join and leave one running
+    batch (its cache moved onto the pool's buffers of each batch size, `CachePool.home`), and each
+    client gets what the same engine gives its request alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    generator = chat_generator(tiny_run, prefix_cache=PrefixCache(chunk=4), static_passes="graph")
+    port, app = free_port(), create_app(generator, NAME, AppOptions(api_key="k", max_batch=4))
+    server = run_in_thread(app, port)
+    try:
+        client = openai_client({"url": f"http://127.0.0.1:{port}/v1"})
+        asks = [(f"def task_{i}(x):", 4 + 3 * i) for i in range(6)]
+
+        def ask(prompt_and_length):
+            prompt, length = prompt_and_length
+            return client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": prompt}],
+                                                  temperature=0, max_tokens=length).choices[0].message.content
+
+        with ThreadPoolExecutor(6) as pool:
+            replies = list(pool.map(ask, asks))
+    finally:
+        server.should_exit = True
+    assert app.state.scheduler.largest_wave > 1
+    cold = chat_generator(tiny_run, prefix_cache=PrefixCache(chunk=4), static_passes="graph")
+    for (prompt, length), reply in zip(asks, replies):
+        cold.prefix_cache.clear()
+        assert reply == generator.tokenizer.decode(alone(cold, prompt, max_tokens=length),
+                                                   skip_special_tokens=True)

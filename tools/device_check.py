@@ -122,6 +122,8 @@ def stage_lossless(c: Check) -> None:
                 verdict = "lossless" if not s_bad else f"NOT lossless ({', '.join(s_bad)})"
                 text.append(f"static {mode}: {verdict}"
                             f"{'' if s_plain == plain else ' (its plain differs from eager plain)'}")
+                if mode == "graph":
+                    text.append(_changing_batch(s, prompts, new))
         c.verdict("lossless", f"{family}: " + "; ".join(text))
 
 
@@ -214,6 +216,33 @@ def _eager_shape(c: Check, name: str) -> None:
     if c.real_cuda:
         del model, gen
         torch.cuda.empty_cache()
+
+
+def _changing_batch(gen, prompts: list, new: int) -> str:
+    """A server's batch on captured passes: rows that finish at different rounds and one that joins,
+    decoded three times; each row against its plain greedy alone, and the graphs the third call
+    captured (none: every batch size's graphs are kept on the pool's buffers, `CachePool`)."""
+    from selfspec.decoding import NewRow
+
+    def once():  # k fixed: an adaptive k follows the measured times, and the batch's sizes with it
+        engine = gen.engine(gen.settings.override(num_speculations=3), eos_token_id=[])
+        for i, p in enumerate(prompts):
+            engine.add(NewRow(p, new - 4 * i))
+        engine.step()
+        engine.add(NewRow(prompts[0], new // 2))  # joins the running batch
+        while not engine.done:
+            engine.step()
+        return engine.output().sequences
+
+    captures = lambda: sum(fn.captures for fn in gen.backend.passes._functions.values())
+    once(), once()
+    before = captures()
+    got = once()
+    repeated = captures() - before
+    want = [gen.generate([p], max_new_tokens=n, num_speculations=0, eos_token_id=[]).sequences[0]
+            for p, n in [*((p, new - 4 * i) for i, p in enumerate(prompts)), (prompts[0], new // 2)]]
+    return (f"a changing batch {'lossless' if got == want else 'NOT lossless'}, "
+            f"{repeated} captures when it repeats")
 
 
 def stage_graphs(c: Check) -> None:

@@ -232,3 +232,68 @@ def _widened(buffer: torch.Tensor | None, template: torch.Tensor, rows: int, cap
     if buffer is not None:
         out[:, :, :buffer.shape[2]] = buffer
     return out
+
+
+class CachePool:
+    """Key/value buffers kept from one decode call to the next, for a backend whose passes are captured
+    (static passes, `Backend.pools_caches`): a captured pass is specific to the shapes and, under CUDA
+    graphs, to the addresses of the buffers it writes.
+
+    One set of buffers per role, layers and capacity, its rows a power of two; a cache of B rows gets the
+    set's first B rows, views at the set's own address whatever B is. So a pass captured for B rows is
+    replayed whenever a cache of that role has B rows again: the running batch ("batch") whether it
+    started with them or rows left or joined it (`home`), rows prefilled before they join it
+    ("joining"), a row prefilled alone through the prefix cache ("row"). A server's changing batch
+    captures once per batch size and capacity, not once per composition. Each role's cache is in use
+    by one call at a time; the slots left from earlier calls are stale, hidden by each cache's lengths.
+
+    allocate: gives a `KVCache` its buffers (the backend's `allocate`: every layer the passes write).
+    """
+
+    def __init__(self, allocate):
+        self._allocate = allocate
+        self._sets: dict[tuple, tuple[list, list]] = {}  # (role, layers, capacity) -> (keys, values)
+
+    def cache(self, layers: int, rows: int, capacity: int, role: str = "batch") -> KVCache:
+        """An empty cache of `rows` rows on the pool's buffers of `role` (their first `rows` rows)."""
+        keys, values = self._set(role, layers, rows, capacity)
+        return KVCache(layers, rows, capacity,
+                       buffers=([_rows(k, rows) for k in keys], [_rows(v, rows) for v in values]))
+
+    def home(self, cache: KVCache) -> None:
+        """Move the running batch's `cache` onto the pool's "batch" buffers of its layers and capacity
+        (copied: a batch whose rows left or joined holds new tensors), so that its passes find the
+        addresses they were captured on.
+        A layer the set lacks (one written only through `update`, an exit block's) gets a buffer there."""
+        keys, values = self._set("batch", cache.num_layers, cache.batch_size, cache.capacity)
+        for mine, pooled in ((cache.keys, keys), (cache.values, values)):
+            for layer, buffer in enumerate(mine):
+                if buffer is None:
+                    continue
+                if pooled[layer] is None:
+                    pooled[layer] = buffer.new_zeros((_set_rows(cache.batch_size, keys), *buffer.shape[1:]))
+                view = _rows(pooled[layer], cache.batch_size)
+                if view.data_ptr() != buffer.data_ptr():
+                    view.copy_(buffer)
+                    mine[layer] = view
+
+    def _set(self, role: str, layers: int, rows: int, capacity: int) -> tuple[list, list]:
+        """The set for (role, layers, capacity) with at least `rows` rows: made, or grown to the next
+        power of two (the old one dropped: its captured passes keep it until they are dropped in turn)."""
+        held = self._sets.get((role, layers, capacity))
+        if held is not None and _set_rows(rows, held[0]) >= rows:
+            return held
+        empty = KVCache(layers, 1 << max(rows - 1, 0).bit_length(), capacity)
+        self._allocate(empty)
+        self._sets[(role, layers, capacity)] = held = (empty.keys, empty.values)
+        return held
+
+
+def _set_rows(rows: int, buffers: list) -> int:
+    """How many rows a pooled set's buffers hold (a layer's, any that has one), else the bucket for `rows`."""
+    held = next((b for b in buffers if b is not None), None)
+    return held.shape[0] if held is not None else 1 << max(rows - 1, 0).bit_length()
+
+
+def _rows(buffer: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+    return None if buffer is None else buffer[:rows]

@@ -48,7 +48,7 @@ from ..cpu import release_freed_memory
 from ..errors import UserError
 from ..model import DecoderView
 from .batch import Batch
-from .cache import KVCache
+from .cache import CachePool, KVCache
 from .controller import Controller
 from .draft_head import DraftHead, frequent_tokens
 from .engine import CallOptions, Engine
@@ -143,7 +143,8 @@ class SelfSpecGenerator:
         self.drafter = RoundDrafter(self.passes, token_text=lambda: self.token_text)  # the proposers
         self.verifier = Verifier(self.passes)
         self.static_passes = static_passes  # as given (the backend knows its mode)
-        self._static_buffers: dict[tuple, tuple] = {}  # (layers, rows, capacity) -> a cache's buffers
+        # a backend whose passes are captured writes the same buffers from call to call (`CachePool`)
+        self._pool = CachePool(self.backend.allocate) if self.backend.pools_caches else None
         # bf16/fp16: every decoding pass at one width (`model.fast.fixed_width`), so that a position
         # gets the same rounding alone (plain) as among k + 1 (verification); fp32 needs no help.
         self.fixed_width = self.view.dtype in (torch.bfloat16, torch.float16)
@@ -360,12 +361,14 @@ class SelfSpecGenerator:
                  for row in joining]
         capacity = max(b.cache.capacity, max(len(p) + r.max_new_tokens for p, r in zip(prompts, joining))
                        + k_max + 1)
-        # a cache of their own: b's may be the pool's (`_cache`)
-        new = self._start(prompts, b.sampling, seeds, settings, capacity, pooled=False)
+        # a cache of their own (b's may be the pool's, `_cache`), moved onto b's after
+        new = self._start(prompts, b.sampling, seeds, settings, capacity, role="joining")
         policy.add(prompts)
         if b.grammar is not None:
             b.grammar.add(constraints)
         b.cache.add_rows(new.cache)
+        if self._pool is not None:
+            self._pool.home(b.cache)
         b.rows = np.concatenate([b.rows, first + np.arange(len(joining))])
         b.lengths = np.concatenate([b.lengths, new.lengths])
         b.pending_host = np.concatenate([b.pending_host, new.pending_host])
@@ -376,13 +379,13 @@ class SelfSpecGenerator:
         return len(joining)
 
     def _start(self, prompts, sampling, seed, settings: DecodeSettings, capacity: int,
-               grammars: GrammarBatch | None = None, forced: bool = False, pooled: bool = True) -> Batch:
+               grammars: GrammarBatch | None = None, forced: bool = False, role: str = "batch") -> Batch:
         """Allocate the cache and prefill every prompt token but the last (the first pending token)."""
         device, rows = self.view.device, len(prompts)
         exit_block = self.exit_block(settings)
         head = self.draft_head(settings)
         extra_layers = 0 if exit_block is None else exit_block.cache_layers
-        b = Batch(cache=self._cache(self.view.num_layers + extra_layers, rows, capacity, pooled),
+        b = Batch(cache=self._cache(self.view.num_layers + extra_layers, rows, capacity, role),
                    sampling=sampling, exit_layer=settings.exit_layer, head=head, exit_block=exit_block,
                    loop_head=(head.tensors() if sampling.greedy and grammars is None and exit_block is None
                               and not settings.is_plain else None),
@@ -413,7 +416,7 @@ class SelfSpecGenerator:
             return
         cache = self.prefix_cache
         one = b if len(b.rows) == 1 else dataclasses.replace(
-            b, cache=self._cache(b.cache.num_layers, 1, b.cache.capacity, pooled=False), rows=np.arange(1),
+            b, cache=self._cache(b.cache.num_layers, 1, b.cache.capacity, "row"), rows=np.arange(1),
             lengths=np.zeros(1, dtype=np.int64), pending_host=b.pending_host[row:row + 1],
             seeds_host=b.seeds_host[row:row + 1], _shared=None)
         if one is not b:
@@ -431,23 +434,15 @@ class SelfSpecGenerator:
         if one is not b:
             b.cache.write_slots(row, 0, *one.cache.read_slots(0, 0, len(tokens)))
 
-    def _cache(self, layers: int, rows: int, capacity: int, pooled: bool = True) -> KVCache:
+    def _cache(self, layers: int, rows: int, capacity: int, role: str = "batch") -> KVCache:
         """An empty cache of at least `capacity` slots per row. On a backend that pools caches (static
-        passes), its buffers made at once, at the backend's capacity bucket, and (`pooled`: a call's own
-        batch, not rows joining it) one set per batch size and capacity kept and written again by the
-        next call: captured passes are specific to the shapes and, under CUDA graphs, to the addresses of
-        the buffers they write (the old slots are stale, hidden). So such a generator decodes one call at
-        a time."""
-        if not self.backend.pools_caches:
+        passes), at the backend's capacity bucket on the pool's buffers of its `role` (`CachePool`: the
+        call's own "batch", rows "joining" it, a "row" prefilled alone), which the next call writes
+        again: captured passes are specific to the shapes and, under CUDA graphs, to the addresses of
+        the buffers they write. So such a generator decodes one call at a time."""
+        if self._pool is None:
             return KVCache(layers, rows, capacity)
-        capacity = self.backend.capacity(capacity)
-        key = (layers, rows, capacity)
-        cache = KVCache(layers, rows, capacity, buffers=self._static_buffers.get(key) if pooled else None)
-        if not pooled or key not in self._static_buffers:
-            self.backend.allocate(cache)
-        if pooled:
-            self._static_buffers.setdefault(key, (tuple(cache.keys), tuple(cache.values)))
-        return cache
+        return self._pool.cache(layers, rows, self.backend.capacity(capacity), role)
 
     def _advance(self, b: Batch, tokens: np.ndarray, emit: np.ndarray, keep: np.ndarray) -> None:
         """Keep each row's emitted tokens (the last becomes pending, the cache rolls back to the rest),
@@ -457,13 +452,15 @@ class SelfSpecGenerator:
         b.cache.rollback(b.lengths)
         self._keep_rows(b, keep)
 
-    @staticmethod
-    def _keep_rows(b: Batch, keep: np.ndarray) -> None:
-        """Only the rows `keep` (B,) bool stay in the batch (finished or cancelled ones leave)."""
+    def _keep_rows(self, b: Batch, keep: np.ndarray) -> None:
+        """Only the rows `keep` (B,) bool stay in the batch (finished or cancelled ones leave), their
+        cache back on the pool's buffers where the backend pools them."""
         if not keep.all():
             b.rows, b.lengths, b.pending_host, b.seeds_host = (
                 b.rows[keep], b.lengths[keep], b.pending_host[keep], b.seeds_host[keep])
             b.cache.select_rows(np.nonzero(keep)[0])
+            if self._pool is not None:
+                self._pool.home(b.cache)
             if b.grammar is not None:
                 b.grammar.select_rows(np.nonzero(keep)[0])
         b.upload(b.steps.device)

@@ -559,7 +559,8 @@ def serve(options: ServeOptions) -> None:
     options = replace(options, api_key=options.api_key or os.environ.get("SELFSPEC_API_KEY") or None)
     model, host, port = options.model, options.host, options.port
     prefix_cache = prefix_cache_of(options.prefix_cache_mb)
-    generator = load_tuned(model, device=options.device, dtype=options.dtype,
+    generator = load_tuned(model, device=options.device, dtype=options.dtype, backend=options.backend,
+                           static_passes=options.static_passes,
                            **{k: v for k, v in options.overrides().items() if v is not None})
     generator.prefix_cache = prefix_cache
     if generator.tokenizer is None:

@@ -11,7 +11,7 @@ from typing import Literal
 
 from ..decoding.prefix import prefix_cache_of
 from ..errors import UserError
-from ..options import CopyOverride, DecodeOverrides, DrafterOverride, Options, option
+from ..options import CopyOverride, DecodeOverrides, DrafterOverride, Options, StaticPassesOption, option
 
 REQUEST_TIMEOUT = 30.0  # seconds a request's body may take to arrive, and its preparation on the pool
 KEEP_ALIVE_TIMEOUT = 5.0  # seconds an idle keep-alive connection stays open (uvicorn's default)
@@ -84,7 +84,7 @@ class AppOptions(ServerLimits):
 
 
 @dataclass(frozen=True, kw_only=True)
-class ServeOptions(AppOptions, DecodeOverrides, DrafterOverride, CopyOverride):
+class ServeOptions(AppOptions, DecodeOverrides, DrafterOverride, CopyOverride, StaticPassesOption):
     """`selfspec serve` (`app.serve`)."""
 
     model: str = option(positional=True)
