@@ -2,8 +2,9 @@
 
 The reference runs each round as torch operations (MKL's products, every compiled call declined); the
 CPU kernels backend runs the same rounds as compiled calls and fused rounds, the static backend every
-pass at fixed shapes. The matrix covers each family with each drafter, and across the cases k, the
-batch size, greedy and sampled decoding (same seeds, so the same random numbers) and a JSON schema.
+pass at fixed shapes, as written and captured as graphs (the same rounds exactly). The matrix covers
+each family with each drafter, and across the cases k, the batch size, greedy and sampled decoding (same
+seeds, so the same random numbers) and a JSON schema.
 """
 
 from __future__ import annotations
@@ -42,9 +43,10 @@ def _outcome(out) -> tuple:
             s.plain_steps, [(part.drafted, part.accepted) for part in (s.copy, s.forced, s.early_exit)])
 
 
-def _decode(model, backend: str, drafter: str, k: int, rows: int, sampled: bool) -> tuple:
+def _decode(model, backend: str, drafter: str, k: int, rows: int, sampled: bool,
+            static_passes: str | None = None) -> tuple:
     settings = DecodeSettings(drafter=drafter, exit_layer=2, num_speculations=k)
-    gen = SelfSpecGenerator(model, settings=settings, backend=backend)
+    gen = SelfSpecGenerator(model, settings=settings, backend=backend, static_passes=static_passes)
     sampling = {"temperature": 0.8, "top_k": 20, "seed": 11} if sampled else {}
     return _outcome(gen.generate(PROMPTS[:rows], max_new_tokens=NEW, eos_token_id=[], **sampling))
 
@@ -59,7 +61,10 @@ def test_every_backend_decodes_as_the_reference(family, drafter, k, rows, sample
     model = low_alpha_model(family)
     expected = _decode(model, "reference", drafter, k, rows, sampled)
     for backend in _backends(family):
-        got, want = _decode(model, backend, drafter, k, rows, sampled), expected
+        got = outcome = _decode(model, backend, drafter, k, rows, sampled)
+        want = expected
+        if backend == "static":  # its passes captured as graphs: the same rounds, drafts and tokens
+            assert _decode(model, backend, drafter, k, rows, sampled, static_passes="graph") == outcome
         if drafter != "early_exit" and (backend == "static" or not sampled):
             # where a backend schedules copies otherwise, the drafts may differ (the tokens never): its
             # compiled draft loop looks for a copy once, after the early exit's drafts (the reference, after
@@ -94,13 +99,15 @@ def test_every_backend_decodes_as_the_reference_under_a_json_schema(family, draf
     settings = DecodeSettings(drafter=drafter, exit_layer=2, num_speculations=3)
     sampling = {"temperature": 0.8, "seed": 5} if sampled else {}
 
-    def decode(backend):
-        gen = SelfSpecGenerator(model, tokenizer, settings=settings, backend=backend)
+    def decode(backend, static_passes=None):
+        gen = SelfSpecGenerator(model, tokenizer, settings=settings, backend=backend,
+                                static_passes=static_passes)
         return _outcome(gen.generate([prompt, prompt[3:]], max_new_tokens=40, json_schema=PERSON, **sampling))
 
     expected = decode("reference")
     for backend in _backends(family):
         assert decode(backend) == expected, backend
+    assert decode("static", static_passes="graph") == expected
 
 
 def test_the_reference_runs_no_compiled_call_and_the_cpu_kernels_do():

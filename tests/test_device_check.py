@@ -43,15 +43,32 @@ def test_the_embedded_stage_dry_runs_pretraining_the_exit_and_decoding(tmp_path)
     device_check.stage_embedded(device_check.Check(tmp_path, tiny=True, device="cpu"))
     lines = _verdicts(tmp_path, "embedded")
     assert len(lines) == 6 and sum("lossless against its own plain" in line for line in lines) == 3
+    assert "(keeps its updates)" in next(line for line in lines if "GPU recipe settings" in line)
 
 
 def test_the_driver_refuses_an_unknown_stage_in_one_line(tmp_path, capsys):
     assert device_check.main(["--out", str(tmp_path), "--only", "env,warp"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == "unknown stage 'warp': choose among env, lossless, shapes, graphs, embedded"
+    assert err == "unknown stage 'warp': choose among env, lossless, shapes, graphs, embedded, zero2"
 
 
-def test_the_stage_limits_fit_eight_minutes():
-    assert sum(device_check.STAGES.values()) <= 8 * 60
+def test_the_stages_run_within_eight_minutes_and_one_with_no_time_left_is_skipped(tmp_path, monkeypatch):
+    """Each stage runs under min(its limit, what is left of the budget): the first five's limits fit the 8
+    minutes, ZeRO-2 (last) runs on what they left; a stage with nothing left says so in its verdict."""
+    assert device_check.BUDGET == 8 * 60
+    assert sum(v for k, v in device_check.STAGES.items() if k != "zero2") <= device_check.BUDGET
     assert set(device_check.STAGES) == set(device_check.STAGE_FUNCTIONS)
+    assert list(device_check.STAGES)[-1] == "zero2"
+    assert device_check.main(["--out", str(tmp_path / "run"), "--only", "env", "--tiny"]) == 0
+    assert _verdicts(tmp_path / "run", "env")[-1].startswith("env       stage ok in ")  # its own process
+    monkeypatch.setattr(device_check, "BUDGET", 0)
+    assert device_check.main(["--out", str(tmp_path), "--only", "env,zero2", "--tiny"]) == 1
+    verdicts = (tmp_path / "verdicts.txt").read_text()
+    assert "env       stage SKIPPED: no time left" in verdicts and "zero2     stage SKIPPED" in verdicts
+
+
+def test_the_zero2_stage_says_why_it_cannot_run_here(tmp_path):
+    device_check.stage_zero2(device_check.Check(tmp_path, tiny=True, device="cpu"))
+    (line,) = _verdicts(tmp_path, "zero2")
+    assert "skipped: " in line and ("deepspeed does not import" in line or "no CUDA device" in line)
     sys.modules.pop("device_check", None)

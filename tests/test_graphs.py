@@ -187,7 +187,8 @@ def test_a_batch_whose_rows_leave_and_join_replays_the_graphs_of_its_sizes():
 
     def serve() -> list[list[int]]:
         engine = generator.engine(eos_token_id=[])
-        rows = [engine.add(NewRow(p, n)) for p, n in zip(prompts, lengths)]
+        for p, n in zip(prompts, lengths):
+            engine.add(NewRow(p, n))
         engine.step()
         late = engine.add(NewRow(PROMPTS[1], 6))  # joins the running batch at the next step
         gone = engine.add(NewRow(PROMPTS[0], 30))
@@ -206,3 +207,25 @@ def test_a_batch_whose_rows_leave_and_join_replays_the_graphs_of_its_sizes():
     captured = _captures(generator)
     assert serve() == first
     assert _captures(generator) == captured  # every batch size's graphs replayed, none captured again
+
+
+@pytest.mark.parametrize("drafter, k, syncs", [("early_exit", 0, 1), ("early_exit", 4, 1), ("ngram", 3, 1),
+                                               ("hybrid", 2, 2)])
+def test_a_round_on_graphs_reads_the_device_once(drafter, k, syncs):
+    """One host sync a round (the verification's decided tokens, `Engine._round`), counted on the
+    emulated device as the reads a longer decode adds per round it adds, so the call's own start is
+    left out. The hybrid reads twice: its copy after the early exit's drafts looks them up in the
+    host's n-gram index (`CopyProposer.propose`) before the verification is launched."""
+    model = low_alpha_model("llama")
+    with VirtualCuda() as device:
+        device.module(model)
+        generator = SelfSpecGenerator(model, exit_layer=2, static_passes="graph")
+        reads, rounds = [], []
+        for new in (4, 8, 24):  # the first captures
+            before = device.host_reads
+            out = generator.generate([PROMPTS[0]], max_new_tokens=new, drafter=drafter, num_speculations=k,
+                                     eos_token_id=[])
+            reads.append(device.host_reads - before)
+            rounds.append(out.stats.rounds)
+    assert rounds[2] > rounds[1]
+    assert (reads[2] - reads[1]) / (rounds[2] - rounds[1]) <= syncs, (reads, rounds)

@@ -6,7 +6,7 @@ Inside `VirtualCuda()`, a tensor moved to "cuda" (`.cuda()`, `.to("cuda")`, a fa
 - an operation given tensors of both devices raises (CPU scalars, 0-dim, may join CUDA tensors;
   indexing, `copy_` and `index_put_` cross devices);
 - `.numpy()` of a CUDA tensor raises, `.cpu()` copies, and host reads (`.cpu()`, `.item()`,
-  `.tolist()`, `int()`, `bool()`) complete the work queued so far;
+  `.tolist()`, `int()`, `bool()`) complete the work queued so far, counted (`host_reads`: the syncs);
 - `torch.cuda.Event` times with `perf_counter`, and `elapsed_time` raises unless a host read or
   `synchronize` came after both events were recorded (CUDA's "device not ready");
 - selfspec's compiled CPU kernels raise when given a CUDA tensor.
@@ -36,9 +36,11 @@ _HOST_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__int__, tor
 
 
 class _Queue:
-    """Events recorded so far, and how many of them a host read has completed."""
+    """Events recorded so far, how many of them a host read has completed, and the host reads (each a
+    wait for the device: what a round's budget of syncs counts)."""
     recorded = 0
     completed = 0
+    reads = 0
 
 
 class Event:
@@ -65,6 +67,7 @@ class Event:
 
 def _host_read() -> None:
     _Queue.completed = _Queue.recorded
+    _Queue.reads += 1
 
 
 class VirtualCuda(TorchFunctionMode):
@@ -90,6 +93,11 @@ class VirtualCuda(TorchFunctionMode):
         out = super().__exit__(*exc)
         self._patches.close()
         return out
+
+    @property
+    def host_reads(self) -> int:
+        """Host reads of device values so far (`.cpu()`, `.item()`, `synchronize()`, ...): the syncs."""
+        return _Queue.reads
 
     def on_cuda(self, t) -> bool:
         if not isinstance(t, torch.Tensor):

@@ -7,8 +7,12 @@
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
 #     transformers huggingface-hub kernels httpx2 httpcore2 truststore hf-xet tokenizers datasets dill \
-#     multiprocess tomlkit
-# Then run it carrying .whl (about 25 MiB):  bash tools/device_run.sh [STAGES]   (default: every stage)
+#     multiprocess tomlkit hjson==3.1.0 pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 \
+#     typing-inspection==0.4.2
+# and DeepSpeed for the zero2 stage, built here without its compiled ops (JIT there; 2 MiB):
+#   pip download --no-deps --no-binary=:all: deepspeed==0.19.8 -d /tmp/ds &&
+#   DS_BUILD_OPS=0 pip wheel --no-deps --no-build-isolation /tmp/ds/deepspeed-0.19.8.tar.gz -w .whl
+# Then run it carrying .whl (about 30 MiB):  bash tools/device_run.sh [STAGES]   (default: every stage)
 set -o pipefail
 OUT=${OUT:-runs/device}
 mkdir -p "$OUT"
