@@ -39,12 +39,19 @@ def exact_distributions(model, params: SamplingParams):
     return first.double().numpy(), second.double().numpy()
 
 
-def sample_runs(model, setting: str, exit_layer: int = 1, stop_below: float = 0.0):
+def sample_runs(model, setting: str, exit_layer: int = 1, stop_below: float = 0.0, static_passes=None,
+                runs: int = RUNS, chunk: int = RUNS):
+    """`runs` seeded runs (row seeds 0 .. runs - 1) in batches of `chunk` rows (a row's draws never
+    depend on its batch-mates): the tokens (runs, 2) and the last batch's statistics."""
     temperature, top_k, top_p, k = SETTINGS[setting]
-    out = SelfSpecGenerator(model, exit_layer=exit_layer, stop_below=stop_below).generate(
-        [PROMPT] * RUNS, max_new_tokens=2, temperature=temperature, top_k=top_k, top_p=top_p,
-        num_speculations=k, seed=0, eos_token_id=[])
-    return np.array(out.sequences), out.stats  # (RUNS, 2)
+    generator = SelfSpecGenerator(model, exit_layer=exit_layer, stop_below=stop_below,
+                                  static_passes=static_passes)
+    tokens = []
+    for first in range(0, runs, chunk):
+        out = generator.generate([PROMPT] * chunk, max_new_tokens=2, temperature=temperature, top_k=top_k,
+                                 top_p=top_p, num_speculations=k, seed=first, eos_token_id=[])
+        tokens += out.sequences
+    return np.array(tokens), out.stats  # (runs, 2)
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
@@ -66,13 +73,30 @@ def test_stopping_below_eta_keeps_the_target_distribution(model):
     assert chi_square_p(tokens[:, 1], second) > P_MIN
 
 
-def test_the_same_test_rejects_an_unclipped_residual(model, monkeypatch):
-    def unclipped(p, q):  # the bug: max(0, p − q) written as p − q (it sums to ~0: garbage or p)
-        residual = p - q
-        total = residual.sum(-1, keepdim=True)
-        return torch.where(total > 0, residual / total.clamp_min(torch.finfo(residual.dtype).tiny), p)
+@pytest.mark.parametrize("bug", [False, True])
+def test_the_graph_backends_sampled_rounds_match_the_target_distribution(model, bug, monkeypatch):
+    """Static passes captured as graphs draw the drafts and decide the round on the device
+    (`draft_loop_sampled`, `verify_sampled`): the same test passes there, and fails on its own copy of
+    the acceptance with the residual unclipped (the test reaches that path, not a fallback). 4,000 runs:
+    every static pass is 16 positions wide, a plain step's 16 times the work on a CPU."""
+    from selfspec.backends import static_passes
+    if bug:
+        monkeypatch.setattr(static_passes, "residual_probs", _unclipped)
+    first, second = exact_distributions(model, SamplingParams(1.0, 0, 1.0))
+    tokens, stats = sample_runs(model, "t1_k2", static_passes="graph", runs=4000, chunk=1000)
+    assert stats.acceptance_rate < 0.7 and stats.rounds > 0
+    fits = chi_square_p(tokens[:, 0], first) > P_MIN, chi_square_p(tokens[:, 1], second) > P_MIN
+    assert fits == ((False, False) if bug else (True, True))
 
-    monkeypatch.setattr(sampling, "residual_probs", unclipped)
+
+def _unclipped(p, q):  # the bug: max(0, p − q) written as p − q (it sums to ~0: garbage or p)
+    residual = p - q
+    total = residual.sum(-1, keepdim=True)
+    return torch.where(total > 0, residual / total.clamp_min(torch.finfo(residual.dtype).tiny), p)
+
+
+def test_the_same_test_rejects_an_unclipped_residual(model, monkeypatch):
+    monkeypatch.setattr(sampling, "residual_probs", _unclipped)
     first, second = exact_distributions(model, SamplingParams(1.0))
     tokens, _ = sample_runs(model, "t1_k2")
     assert chi_square_p(tokens[:, 0], first) < P_MIN

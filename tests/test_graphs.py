@@ -83,18 +83,26 @@ def _graph_calls(generator):
 
 
 @pytest.mark.parametrize("k", [1, 4])
-def test_a_round_is_at_most_two_graph_launches(k):
-    """The k drafts and the last draft's pass are one graph, the verification another: every round of
-    early-exit drafts replays exactly those two; the prompts' prefill is one `run` each."""
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_round_is_at_most_two_graph_launches(k, sampled):
+    """The k drafts and the last draft's pass are one graph, the verification with its acceptance
+    another: every round of early-exit drafts replays exactly those two, greedy or sampled (each draft
+    drawn on the device with its row's numbers); the prompts' prefill is one `run` each."""
     model = low_alpha_model("llama")
     generator = SelfSpecGenerator(model, exit_layer=2, static_passes="graph")
+    sampling = {"temperature": 0.9, "seed": 3} if sampled else {}
+    eager = SelfSpecGenerator(model, exit_layer=2, static_passes="eager")
     for prompt in PROMPTS:
-        out = generator.generate([prompt], max_new_tokens=NEW, eos_token_id=[], num_speculations=k)
-        assert out.sequences == [reference_greedy(model, prompt, NEW)]
+        call = {"max_new_tokens": NEW, "eos_token_id": [], "num_speculations": k, **sampling}
+        out = generator.generate([prompt], **call)
+        want = (eager.generate([prompt], **call).sequences if sampled
+                else [reference_greedy(model, prompt, NEW)])
+        assert out.sequences == want
     counts = _graph_calls(generator)
-    rounds = counts["verify"]
-    assert counts["draft_loop"] == rounds and counts.get("draft", 0) == 0  # one loop graph per round
-    assert counts["run"] == len(PROMPTS)  # the prefills (prompts of at most WIDTH positions)
+    loop, verify = ("draft_loop_sampled", "verify_sampled") if sampled else ("draft_loop", "verify")
+    rounds = counts[verify]
+    assert counts[loop] == rounds and counts.get("draft", 0) == 0  # one loop graph per round
+    assert counts["run"] == len(PROMPTS) and sum(counts.values()) == 2 * rounds + len(PROMPTS)
     assert out.stats.early_exit.accepted > 0
 
 
@@ -113,8 +121,8 @@ class _Operations(TorchFunctionMode):
         return out
 
 
-@pytest.mark.parametrize("k", [0, 4])
-def test_a_round_on_graphs_runs_at_most_twenty_operations_beside_its_graphs(k, monkeypatch):
+@pytest.mark.parametrize("k, sampling", [(0, {}), (4, {}), (4, {"temperature": 0.9, "seed": 3})])
+def test_a_round_on_graphs_runs_at_most_twenty_operations_beside_its_graphs(k, sampling, monkeypatch):
     """The issue's budget for the graph backend: at most 2 graph launches and 20 other operations per
     round (the round's bookkeeping: positions, acceptance, rollback), where the passes as written run
     hundreds (a tiny model's 4 blocks; a real model's eager count grows with its blocks)."""
@@ -132,10 +140,11 @@ def test_a_round_on_graphs_runs_at_most_twenty_operations_beside_its_graphs(k, m
     counts = {}
     for mode in ("eager", "graph"):
         generator = SelfSpecGenerator(model, exit_layer=2, static_passes=mode)
-        generator.generate([PROMPTS[0]], max_new_tokens=4, num_speculations=k, eos_token_id=[])  # captures
+        call = {"num_speculations": k, "eos_token_id": [], **sampling}
+        generator.generate([PROMPTS[0]], max_new_tokens=4, **call)  # captures
         counter.count = 0
         with counter:
-            out = generator.generate([PROMPTS[0]], max_new_tokens=24, num_speculations=k, eos_token_id=[])
+            out = generator.generate([PROMPTS[0]], max_new_tokens=24, **call)
         counts[mode] = counter.count / out.stats.rounds  # the prompt's prefill shared among the rounds
     assert counts["graph"] <= 20, counts
     assert counts["eager"] > 10 * counts["graph"], counts

@@ -55,6 +55,7 @@ class Backend:
     fused_rounds = False  # the capability `greedy_rounds`
     max_pass_positions: int | None = None  # the most positions one pass takes (a round's k + 1); None: any
     pools_caches = False  # whether caches are made through `capacity`/`allocate` and kept for the next call
+    verifies_sampled = False  # whether `verify_sampled` may run (else the engine verifies sampled rounds)
 
     def __init__(self, view: DecoderView):
         self.view = view
@@ -78,6 +79,15 @@ class Backend:
         when no row's draft puts `eta` on its top token. positions (B, k + 1). Returns (drafts (B, s),
         exit states (B, s + 1, D): every input that ran, the last draft included unless η stopped
         first), the cache holding those s + 1 positions at blocks [0, exit_layer); or None."""
+        return None
+
+    def draft_loop_sampled(self, exit_layer: int, token: torch.Tensor, cache, positions: torch.Tensor,
+                           head: tuple, k: int, eta: float, sampling, seeds: torch.Tensor):
+        """`draft_loop` for sampled decoding: each draft drawn from the draft head's distribution as
+        `sampling` (a `SamplingParams`) processes it, with the rows' random numbers (`seeds` (B,),
+        `sampling.uniforms`' DRAFT stream at the position the draft takes), as the engine's own step
+        draws it (`RoundPasses.pick`). Returns (drafts (B, s), their distributions (B, s, V): the q the
+        verification accepts against, exit states (B, s + 1, D)); or None."""
         return None
 
     def draft_step(self, exit_layer: int, tokens: torch.Tensor, cache, positions: torch.Tensor, head: tuple,
@@ -110,6 +120,15 @@ class Backend:
         the argmax and the accepted prefix of `drafts` (B, T - 1), as `sampling.accept_greedy`. The
         input: `hidden` (B, T, D), or `tokens` (B, T) embedded (start = 0). Returns decided (B, T + 1):
         the tokens (B, T), then each row's accepted count; or None."""
+        return None
+
+    def verify_sampled(self, start: int, end: int, cache, positions: torch.Tensor, drafts: torch.Tensor,
+                       q: torch.Tensor, sampling, seeds: torch.Tensor, hidden: torch.Tensor | None = None,
+                       tokens: torch.Tensor | None = None, allowed: torch.Tensor | None = None):
+        """`verify_greedy` for sampled decoding: the same pass, then the target's probabilities as
+        `sampling` processes them and `sampling.accept_sampled`'s rule against the drafts' distributions
+        `q` (B, T - 1, V), with the rows' random numbers (`seeds` (B,); ACCEPT and TARGET streams at the
+        positions decided, each slot's position + 1). Returns decided (B, T + 1); or None."""
         return None
 
     def greedy_rounds(self, token: int, cache, start: int, drafts: FusedDrafts, eos: torch.Tensor,

@@ -15,10 +15,10 @@ class StaticBackend(Backend):
     positions (plain steps, drafts, verifications; the engine caps rounds to that many) runs at one
     shape against the whole cache, mode "eager" as written, "compile" through `torch.compile` (CUDA
     graphs on a GPU), "graph" captured as CUDA graphs by `graphs.CapturedPass` (a round's k drafts one
-    graph, its verification another). The draft loop and the verification run here; the passes the
-    engine runs itself (prefill, an exit block's, a sampled round's) go through the runner installed on
-    the model's adapter. Caches are made at power-of-two capacities with their buffers at once, so a
-    captured pass finds the same shapes and addresses again.
+    graph, its verification another, greedy or sampled). The draft loop and the verification run here;
+    the passes the engine runs itself (prefill, an exit block's, a draft under a grammar) go through the
+    runner installed on the model's adapter. Caches are made at power-of-two capacities with their buffers
+    at once, so a captured pass finds the same shapes and addresses again.
 
     Llama-family models with plain blocks, SDPA attention and a rotary table only (a UserError
     otherwise). Its passes round differently from the CPU kernels' (products are `F.linear`, attention
@@ -28,6 +28,7 @@ class StaticBackend(Backend):
     name = "static"
     max_pass_positions = WIDTH  # every pass is padded to this many positions
     pools_caches = True  # captured passes are specific to the cache buffers' shapes and addresses
+    verifies_sampled = True
 
     def __init__(self, view, mode: str = "eager"):
         super().__init__(view)
@@ -61,6 +62,18 @@ class StaticBackend(Backend):
         if not self.adapter.uses_fast():
             return None
         return self.passes.verify_greedy(start, end, hidden, tokens, cache, drafts, allowed)
+
+    def draft_loop_sampled(self, exit_layer, token, cache, positions, head, k, eta, sampling, seeds):
+        if not self.adapter.uses_fast():
+            return None
+        return self.passes.draft_loop_sampled(exit_layer, token, cache, head, k, eta, sampling, seeds)
+
+    def verify_sampled(self, start, end, cache, positions, drafts, q, sampling, seeds, hidden=None,
+                       tokens=None, allowed=None):
+        if not self.adapter.uses_fast():
+            return None
+        return self.passes.verify_sampled(start, end, hidden, tokens, cache, drafts, q, sampling, seeds,
+                                          allowed)
 
 
 __all__ = ["StaticBackend"]

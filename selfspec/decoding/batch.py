@@ -32,7 +32,7 @@ class Batch:
     exit_layer: int  # E of this call's early exit
     head: DraftHead  # its draft head (trimmed to V', behind an MLP exit adapter, or the model's own)
     exit_block: object  # the attending exit adapter the drafts read (`ExitBlock`, KV at layers N..), or None
-    loop_head: tuple | None  # the head as the compiled draft loop reads it (`DraftHead.tensors`), or None
+    loop_head: tuple | None  # the head as a backend's draft loop reads it (`DraftHead.tensors`), or None
     step_head: tuple | None  # the same for the compiled draft step (greedy early-exit drafts), or None
     stop_below: float  # η: stop a round's early-exit drafts when no row's top draft probability reaches it
     overlap: bool  # a compiled call's rounds verify while the next round drafts (`DecodeSettings.overlap`)

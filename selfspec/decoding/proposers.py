@@ -40,7 +40,8 @@ class Draft:
     """One round's draft, read by its verification (`Verifier.verify`).
 
     parts: the drafted tokens in position order, (B, r) each; q: how each was drafted, per part
-    ("copy", tokens (B, r)) or per early-exit token ("early_exit", its draft logits (B, V));
+    ("copy", tokens (B, r)), per early-exit token ("early_exit", its draft logits (B, V)), or for a
+    backend's sampled draft loop ("q", the drafts' distributions (B, r, V));
     segments: the runs of positions per source; hiddens: exit hidden states (B, t, D) of the
     positions n .. that already ran through blocks [0, E); tail: the tokens (B, t) at positions
     n + len(hiddens' positions) .. n + k that still need that pass (the verification runs them
@@ -127,7 +128,7 @@ class EarlyExitProposer:
         self.passes = passes
 
     def propose(self, state: RoundState, room: int) -> int:
-        """At the round's start, where the backend drafts in one call (greedy, no grammar, no exit block:
+        """At the round's start, where the backend drafts in one call (no grammar, no exit block:
         `Batch.loop_head`), all `room` drafts in it (`_loop`); else one draft (`_one`), after which the
         caller adds the free drafts it makes possible and asks again. 0: η stopped the round."""
         if not state.draft.k and state.b.loop_head is not None:
@@ -137,20 +138,30 @@ class EarlyExitProposer:
         return self._one(state)
 
     def _loop(self, state: RoundState, k: int) -> int | None:
-        """The round's k greedy drafts in one backend call (`Backend.draft_loop`), the same drafts and
-        cache as k calls of `_one`, without the Python between the steps. Its last pass through blocks
-        [0, E) runs the last draft (which the verification would run first), so the draft time holds
-        it. The drafts made (fewer than k: η stopped the round), or None: the backend declined, nothing
-        run."""
-        b, draft = state.b, state.draft
+        """The round's k drafts in one backend call (`Backend.draft_loop`, or `draft_loop_sampled`), the
+        same drafts and cache as k calls of `_one`, without the Python between the steps. Its last pass
+        through blocks [0, E) runs the last draft (which the verification would run first), so the draft
+        time holds it. The drafts made (fewer than k: η stopped the round), or None: the backend declined,
+        nothing run."""
+        b, draft, backend = state.b, state.draft, self.passes.backend
         place = self.passes.place(b, 0, k + 1)
-        out = self.passes.backend.draft_loop(b.exit_layer, b.pending_dev, b.cache, place["positions"],
-                                             b.loop_head, k, b.stop_below)
+        if b.sampling.greedy:
+            out = backend.draft_loop(b.exit_layer, b.pending_dev, b.cache, place["positions"], b.loop_head, k,
+                                     b.stop_below)
+            q = None
+        else:  # each draft drawn with the row's numbers from q, which the verification accepts against
+            out = backend.draft_loop_sampled(b.exit_layer, b.pending_dev, b.cache, place["positions"],
+                                             b.loop_head, k, b.stop_below, b.sampling, b.seeds_dev)
+            if out is not None:
+                drafts, q, hidden = out
+                out = drafts, hidden
         if out is None:
             return None
         drafts, hidden = out  # (B, s), (B, s + 1, D)
         if drafts.shape[1]:
             draft.add("early_exit", drafts)
+            if q is not None:
+                draft.q.append(("q", q))
         draft.hiddens.append(hidden)
         draft.stopped = drafts.shape[1] < k
         state.unrun.clear()  # the pending token and every draft ran through blocks [0, E)

@@ -387,7 +387,7 @@ class SelfSpecGenerator:
         extra_layers = 0 if exit_block is None else exit_block.cache_layers
         b = Batch(cache=self._cache(self.view.num_layers + extra_layers, rows, capacity, role),
                    sampling=sampling, exit_layer=settings.exit_layer, head=head, exit_block=exit_block,
-                   loop_head=(head.tensors() if sampling.greedy and grammars is None and exit_block is None
+                   loop_head=(head.tensors() if grammars is None and exit_block is None
                               and not settings.is_plain else None),
                    step_head=head.tensors() if sampling.greedy and not settings.is_plain else None,
                    stop_below=settings.stop_below, overlap=settings.overlap, grammar=grammars, forced=forced,

@@ -38,11 +38,11 @@ class Verifier:
         if b.grammar is not None:  # (B, k+1, V): the grammar's masks at each drafted prefix
             allowed = b.grammar.verification_masks(draft.host_tokens())
             b.lap("grammar")
-        if b.sampling.greedy:  # the verification may run in one compiled call
-            out = self._in_one_call(b, draft, done, allowed)
-            if out is not None:
-                b.lap("verification pass")
-                return out
+        # the verification may run in one call of the backend (its pass, head, masks and acceptance)
+        out = self._in_one_call(b, draft, done, allowed)
+        if out is not None:
+            b.lap("verification pass")
+            return out
         if not draft.hiddens:  # no early-exit draft: every block at once
             hidden = self.passes.run(b, draft.tail, 0, num_layers)  # (B, k+1, D)
         else:
@@ -56,36 +56,47 @@ class Verifier:
         b.lap("verification pass")
         if b.sampling.greedy:
             return decided(*accept_greedy(draft.tokens, p_logits))
-        # q: one-hot for copied and forced drafts (deterministic given the context), the early exit's
-        # processed (and masked) distribution for its own drafts.
-        vocab = p_logits.shape[-1]
-        q = torch.cat([p_logits[:, :0], *(sampling.copied_probs(part, vocab) if source == "copy"
-                                          else b.sampling.probs(part)[:, None]
-                                          for source, part in draft.q)], 1)  # (B, k, V)
         positions = b.lengths_dev[:, None] + b.steps[1:k + 2]  # (B, k+1): positions n+1 .. n+k+1
-        return decided(*accept_sampled(draft.tokens, q, b.sampling.probs(p_logits),
+        return decided(*accept_sampled(draft.tokens, self._q(b, draft), b.sampling.probs(p_logits),
                                        uniforms(b.seeds_dev, positions[:, :k], ACCEPT),
                                        uniforms(b.seeds_dev, positions, TARGET)))
 
+    def _q(self, b: Batch, draft: Draft) -> torch.Tensor:
+        """The drafts' distributions (B, k, V): one-hot for copied and forced drafts (deterministic given
+        the context), the early exit's processed (and masked) distribution for its own drafts (given as
+        "q" by a backend's draft loop)."""
+        vocab = self.view.vocab_size
+        parts = [sampling.copied_probs(part, vocab) if source == "copy" else part if source == "q"
+                 else b.sampling.probs(part)[:, None] for source, part in draft.q]
+        return joined(parts) if parts else torch.zeros((len(b.rows), 0, vocab), device=b.steps.device)
+
     def _in_one_call(self, b: Batch, draft: Draft, done: int, allowed: torch.Tensor | None):
-        """`verify` of a greedy round in one compiled call (`Backend.verify_greedy`): the draft's
-        tail through blocks [0, E) first when it has one (from Python), then the target's pass, its head,
-        the grammar's masks `allowed` (B, k + 1, V) when given, the argmax and the accepted prefix; a
-        round without early-exit drafts (a plain step, a copy, forced tokens) as one whole-model call,
-        unless an exit block must see its positions (then blocks [0, E) run from Python first).
-        decided (B, k+2) as `verify`'s, or None with nothing run but the tail."""
-        num_layers = self.view.num_layers
-        if not draft.hiddens and b.exit_block is None:  # a whole-model call
+        """`verify` in one call of the backend (`Backend.verify_greedy`, or `verify_sampled` with the
+        drafts' q): the draft's tail through blocks [0, E) first when it has one (from Python), then the
+        target's pass, its head, the grammar's masks `allowed` (B, k + 1, V) when given and the
+        acceptance; a round without early-exit drafts (a plain step, a copy, forced tokens) as one
+        whole-model call, unless an exit block must see its positions (then blocks [0, E) run from
+        Python first). decided (B, k+2) as `verify`'s, or None with nothing run but the tail."""
+        num_layers, backend = self.view.num_layers, self.passes.backend
+        greedy = b.sampling.greedy
+        if not (greedy or backend.verifies_sampled):
+            return None
+        q = None if greedy else self._q(b, draft)
+
+        def call(start: int, **source):
             positions = self.passes.place(b, 0, draft.k + 1)["positions"]
-            return self.passes.backend.verify_greedy(0, num_layers, b.cache, positions, draft.tokens,
-                                                     tokens=draft.tail, allowed=allowed)
+            if greedy:
+                return backend.verify_greedy(start, num_layers, b.cache, positions, draft.tokens,
+                                             allowed=allowed, **source)
+            return backend.verify_sampled(start, num_layers, b.cache, positions, draft.tokens, q, b.sampling,
+                                          b.seeds_dev, allowed=allowed, **source)
+
+        if not draft.hiddens and b.exit_block is None:  # a whole-model call
+            return call(0, tokens=draft.tail)
         if draft.tail.shape[1]:  # through blocks [0, E) from Python: an exit block writes its cache there
             draft.hiddens.append(self.passes.run(b, draft.tail, done, b.exit_layer))
             draft.tail = draft.tail[:, :0]
-        hidden = joined(draft.hiddens)  # (B, k+1, D)
-        positions = self.passes.place(b, 0, draft.k + 1)["positions"]
-        return self.passes.backend.verify_greedy(b.exit_layer, num_layers, b.cache, positions, draft.tokens,
-                                                 hidden=hidden, allowed=allowed)
+        return call(b.exit_layer, hidden=joined(draft.hiddens))  # (B, k+1, D)
 
 
 __all__ = ["Verifier"]
