@@ -30,6 +30,7 @@ def test_the_decoding_stages_dry_run_on_the_emulated_device(tmp_path):
     assert all("NOT" not in line for line in lossless) and all("static graph: lossless" in line
                                                                for line in lossless[:4])
     assert all("a changing batch lossless, 0 captures when it repeats" in line for line in lossless[:4])
+    assert all("sampled equal to the passes as written" in line for line in lossless[:4])
     assert len(_verdicts(tmp_path, "shapes")) == 3
     graphs = _verdicts(tmp_path, "graphs")
     assert len(graphs) == 1 and "k=4 lossless" in graphs[0]
