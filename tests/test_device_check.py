@@ -66,6 +66,7 @@ def test_the_stages_run_within_eight_minutes_and_one_with_no_time_left_is_skippe
     assert device_check.main(["--out", str(tmp_path), "--only", "env,zero2", "--tiny"]) == 1
     verdicts = (tmp_path / "verdicts.txt").read_text()
     assert "env       stage SKIPPED: no time left" in verdicts and "zero2     stage SKIPPED" in verdicts
+    assert device_check.main(["--out", str(tmp_path), "--only", "zero2", "--tiny"]) == 0  # optional
 
 
 def test_the_zero2_stage_says_why_it_cannot_run_here(tmp_path):

@@ -11,9 +11,9 @@ at capture, and every tensor it returns is rewritten by the next replay. So a `C
 - copies the outputs out after each replay: the caller may keep them across replays (the draft loop of
   the eager static path keeps every step's);
 - captures one graph per argument signature (shapes, dtypes, the static buffers' addresses), all graphs
-  of one pass drawing on one memory pool, and keeps the `KEPT` most recently used: a cache made for
-  rows that join a running batch has buffers of its own, so its graphs are used for that call only, and
-  an unbounded set would hold their buffers forever.
+  of one pass drawing on one memory pool, and keeps the `KEPT` most recently used: the engine's
+  `CachePool` keeps addresses per batch size and capacity, but a pool set that grows leaves the old
+  set's graphs unused, and an unbounded set would hold their buffers forever.
 
 Off CUDA the same object emulates the graph, so the semantics are tested without a GPU: the capture
 runs the pass once with host reads refused (a capture cannot read the device), and a replay runs it
@@ -30,7 +30,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-KEPT = 16  # graphs kept per pass, least recently used dropped first (a pooled cache's stay in use)
+KEPT = 16  # graphs kept per pass, least recently used dropped first (those in use stay)
 _HOST_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__int__, torch.Tensor.__float__,
                torch.Tensor.__bool__, torch.Tensor.__index__, torch.Tensor.cpu, torch.Tensor.numpy}
 

@@ -18,15 +18,17 @@ function of fixed shapes:
 - the draft loop is k calls of one draft step, each feeding its argmax to the next on the device; η
   is read once after the loop (the steps past it ran for nothing, their keys stale and hidden).
 
-Three functions per block range, made once each (`_made`): `run` (blocks [start, end) on hidden
+Functions per block range, made once each (`_made`): `run` (blocks [start, end) on hidden
 states: a pass the engine runs from Python), `verify` (+ final norm, LM head, a grammar's masks,
 argmax and the accepted prefix), `draft_step` (embedding, blocks [0, E), final norm, draft head,
-argmax, top probability). In "eager" mode they run as written (any device: the tests' reference);
+argmax, top probability), `draft_loop` (k draft steps and the last draft's pass), and for sampled
+decoding `draft_loop_sampled` and `verify_sampled` (each draft drawn, and the round accepted, with the
+rows' counter-based random numbers). In "eager" mode they run as written (any device: the tests' reference);
 in "compile" mode through `torch.compile(fullgraph=True, dynamic=False)`, with CUDA graphs
 (`mode="reduce-overhead"`) on a GPU, the cache's buffers and the weights marked as static addresses
-so that graph replays write the cache in place. The engine keeps one cache per batch size and
-capacity bucket while static passes are on (`SelfSpecGenerator(static_passes=...)`), so a second
-`generate` reuses the captured graphs.
+so that graph replays write the cache in place. The engine keeps its caches' buffers in a
+`decoding.cache.CachePool` while static passes are on (`SelfSpecGenerator(static_passes=...)`), so a
+second `generate`, and a batch whose rows left or joined, reuse the captured graphs.
 
 Only the Llama family's plain blocks (`fast.FastLlamaBlocks`) with a table-driven rotary; products
 are `F.linear`, attention is written out in float32 (as `fast._fixed_attention`), so these passes
@@ -61,7 +63,7 @@ class StaticPasses:
         if mode not in STATIC_MODES:
             raise ValueError(f"static passes mode must be one of {STATIC_MODES}, got {mode!r}")
         self.fast, self.embedding, self.windows, self.rope, self.mode = fast, embedding, windows, rope, mode
-        self._functions: dict = {}  # (kind, start, end, head id) -> the function, compiled once
+        self._functions: dict = {}  # (kind, start, end, masked, head id, steps, sampling) -> the function
         self._static: set[int] = set()  # data_ptrs already marked as static addresses
 
     # -- what the engine calls ---------------------------------------------------------------------
@@ -308,10 +310,11 @@ def _copied_out(graph: Callable) -> Callable:
 
 def _accept_padded(drafts: torch.Tensor, q: torch.Tensor, p: torch.Tensor, u_accept: torch.Tensor,
                    u_target: torch.Tensor) -> torch.Tensor:
-    """`sampling.accept_sampled` on a static pass's W columns: drafts (B, k) and q (B, k, V) padded to
-    W - 1, p (B, W, V), u_accept (B, W - 1), u_target (B, W). The same decisions column for column: a
-    padded draft is never accepted, and column k draws the bonus from p itself. Returns decided
-    (B, k + 2): the tokens (B, k + 1), then each row's accepted count."""
+    """`sampling.accept_sampled` on a static pass's W columns: drafts (B, k) padded to W - 1 and q
+    (B, k, V) to W columns (zero past the drafts), p (B, W, V), u_accept (B, W - 1), u_target (B, W).
+    The same decisions column for column: a padded draft is never accepted, and column k draws the
+    bonus from p itself. Returns decided (B, k + 2): the tokens (B, k + 1), then each row's accepted
+    count."""
     k, width = drafts.shape[1], p.shape[1]
     live = torch.arange(width, device=p.device) < k  # (W,): the round's drafts' columns
     padded = F.pad(drafts, (0, width - 1 - k))  # (B, W - 1)
