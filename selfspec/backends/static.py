@@ -28,7 +28,6 @@ class StaticBackend(Backend):
     name = "static"
     max_pass_positions = WIDTH  # every pass is padded to this many positions
     pools_caches = True  # captured passes are specific to the cache buffers' shapes and addresses
-    verifies_sampled = True
 
     def __init__(self, view, mode: str = "eager"):
         super().__init__(view)
@@ -41,6 +40,7 @@ class StaticBackend(Backend):
             raise UserError(f"static passes need a Llama-family model with plain blocks, SDPA attention and "
                             f"a rotary table ({view.config.model_type} here): leave static_passes unset")
         self.mode = mode
+        self.verifies_sampled = mode != "compile"  # compiled passes keep sampled rounds on the engine's path
         self.adapter = adapter
         weight = adapter.embedding.weight
         self.passes = StaticPasses(fast, weight, adapter.windows,
