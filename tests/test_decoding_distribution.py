@@ -13,7 +13,8 @@ import pytest
 import torch
 from helpers import P_MIN, chi_square_p, sharp_llama
 
-from selfspec.decoding import SamplingParams, SelfSpecGenerator, sampling
+from selfspec import sampling
+from selfspec.decoding import SamplingParams, SelfSpecGenerator
 
 RUNS = 20_000
 PROMPT = [7, 21, 40]

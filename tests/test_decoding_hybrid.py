@@ -14,7 +14,8 @@ from helpers import (
     tiny_model,
 )
 
-from selfspec.decoding import SelfSpecGenerator, sampling
+from selfspec import sampling
+from selfspec.decoding import SelfSpecGenerator
 from selfspec.decoding.controller import FixedK
 from selfspec.decoding.draft_head import DraftHead, coverage, frequent_tokens
 from selfspec.decoding.ngram import NGramConfig, NGramIndex

@@ -7,8 +7,8 @@ from helpers import P_MIN, chi_square_p
 from scipy import stats
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from selfspec.decoding import sampling
-from selfspec.decoding.sampling import (
+from selfspec import sampling
+from selfspec.sampling import (
     ACCEPT,
     DRAFT,
     TARGET,

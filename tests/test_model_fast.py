@@ -266,8 +266,8 @@ def test_the_greedy_target_under_masks_reads_only_the_allowed_rows_of_narrow_mas
     masked logits of the whole head, for masks that allow one token (forced), a few, exactly V / 8 (the
     widest computed alone), one more (the whole head), all, tokens that tie (the first wins) and
     tokens whose logits are all -inf (the first allowed, as `apply_mask` makes the row uniform)."""
-    from selfspec.decoding.grammar import apply_mask
     from selfspec.model import kernels
+    from selfspec.sampling import apply_mask
 
     torch.manual_seed(0)
     vocab, width = 512, 37
@@ -309,7 +309,7 @@ def test_the_draft_choice_is_the_argmax_of_the_draft_heads_masked_logits(few_row
     where a trimmed head lists the higher first; a mask whose tokens all lie outside the trimmed ids
     gives the first allowed (`apply_mask`'s uniform row); `top` is the softmax's top probability (η's)."""
     from selfspec.backends import kernels as round_kernels
-    from selfspec.decoding.grammar import apply_mask
+    from selfspec.sampling import apply_mask
 
     torch.manual_seed(0)
     vocab, width, rows = 512, 37, 8

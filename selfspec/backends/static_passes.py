@@ -42,8 +42,18 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ..decoding.sampling import ACCEPT, DRAFT, TARGET, SamplingParams, residual_probs, sample, uniforms
 from ..model.fast import FIXED_WIDTH, FastLlamaBlocks, _Block, apply_rotary, rms_norm
+from ..sampling import (
+    ACCEPT,
+    DRAFT,
+    TARGET,
+    RowSampling,
+    accept_greedy,
+    accept_sampled,
+    apply_mask,
+    sample,
+    uniforms,
+)
 from .base import STATIC_MODES
 from .graphs import CapturedPass
 
@@ -132,18 +142,20 @@ class StaticPasses:
         return (torch.stack(drafts[:count], 1) if count else token[:, None][:, :0]), hidden
 
     def draft_loop_sampled(self, exit_layer: int, token: torch.Tensor, cache, head: tuple, k: int, eta: float,
-                           sampling: SamplingParams, seeds: torch.Tensor):
+                           sampling: RowSampling, seeds: torch.Tensor):
         """`Backend.draft_loop_sampled` on static passes: `draft_loop`'s k steps with each draft drawn from
         the processed draft distribution by the row's own random numbers (`sampling.uniforms`, stream
-        DRAFT, at the position the draft takes), on the device: one graph in "graph" mode. Returns
+        DRAFT, at the position the draft takes), on the device: one graph in "graph" mode, whatever the
+        rows' settings (`sampling`, each row's, taken as tensors). Returns
         (drafts (B, s), their distributions q (B, s, V), exit states (B, s + 1, D)); None where it does not
         apply (the "compile" mode: its sampled rounds run as before)."""
         slots = self._slots(cache, 0, exit_layer, slice(0, k + 1))
         if slots is None or self.mode == "compile" or not k:
             return None
         keys, values, _, cos, sin = slots
-        loop = self._made("draft_loop_sampled", 0, exit_layer, head=head, steps=k, sampling=sampling)
-        drafts, q, tops, hidden = loop(token, keys, values, cache.positions[:, :k + 1], cos, sin, seeds)
+        loop = self._made("draft_loop_sampled", 0, exit_layer, head=head, steps=k)
+        drafts, q, tops, hidden = loop(token, keys, values, cache.positions[:, :k + 1], cos, sin, seeds,
+                                       *sampling.tensors())
         count = k
         if eta:  # the first step where no row's draft reaches η ends the drafts: the round's one η read
             count = int((tops >= eta).any(1).cpu().int().cumprod(0).sum())
@@ -151,7 +163,7 @@ class StaticPasses:
         return drafts[:, :count], q[:, :count], hidden[:, :count + 1]
 
     def verify_sampled(self, start: int, end: int, hidden: torch.Tensor | None, tokens: torch.Tensor | None,
-                       cache, drafts: torch.Tensor, q: torch.Tensor, sampling: SamplingParams,
+                       cache, drafts: torch.Tensor, q: torch.Tensor, sampling: RowSampling,
                        seeds: torch.Tensor, allowed: torch.Tensor | None):
         """`Backend.verify_sampled` on static passes: the target's pass, head, masks, processed
         probabilities and `sampling.accept_sampled`'s rule with the rows' random numbers, in one pass of
@@ -163,8 +175,8 @@ class StaticPasses:
         source = _pad(tokens) if hidden is None else _pad(hidden)
         if allowed is not None:
             allowed = _pad(allowed.to(source.device))
-        verify = self._made("verify_sampled", start, end, masked=allowed is not None, sampling=sampling)
-        out = verify(source, *slots, drafts, q, seeds, allowed)
+        verify = self._made("verify_sampled", start, end, masked=allowed is not None)
+        out = verify(source, *slots, drafts, q, seeds, allowed, *sampling.tensors())
         cache.written(start, end)
         return out
 
@@ -199,8 +211,8 @@ class StaticPasses:
                 self._static.add(t.data_ptr())
 
     def _made(self, kind: str, start: int, end: int, head: tuple | None = None, masked: bool = False,
-              steps: int = 0, sampling: SamplingParams | None = None):
-        key = (kind, start, end, masked, None if head is None else id(head[0]), steps, sampling)
+              steps: int = 0):
+        key = (kind, start, end, masked, None if head is None else id(head[0]), steps)
         if key not in self._functions:
             blocks = self.fast.blocks[start:end]
             windows = self.windows[start:end]
@@ -210,20 +222,26 @@ class StaticPasses:
                 def function(hidden, keys, values, positions, cos, sin):
                     return _blocks(blocks, windows, hidden, keys, values, positions, cos, sin)
             elif kind == "verify_sampled":
-                def function(source, keys, values, positions, cos, sin, drafts, q, seeds, allowed):
+                def function(source, keys, values, positions, cos, sin, drafts, q, seeds, allowed, *rows):
                     hidden = embedding[source] if source.dim() == 2 else source
                     hidden = _blocks(blocks, windows, hidden, keys, values, positions, cos, sin)
                     logits = F.linear(rms_norm(hidden, norm, eps), head_weight, head_bias)  # (B, W, V)
                     if allowed is not None:
-                        logits = _apply_mask(logits, allowed)
-                    # the token at slot position j is decided for position j + 1
-                    return _accept_padded(drafts, q, sampling.probs(logits),
-                                          uniforms(seeds, positions[:, :-1] + 1, ACCEPT),
-                                          uniforms(seeds, positions + 1, TARGET))
+                        logits = apply_mask(logits, allowed)
+                    # the k drafts padded to the pass's W - 1 columns, never accepted past the k; the
+                    # token at slot position j is decided for position j + 1
+                    k = drafts.shape[1]
+                    p = RowSampling.captured(rows).probs(logits)
+                    tokens, accepted = accept_sampled(
+                        F.pad(drafts, (0, WIDTH - 1 - k)), F.pad(q, (0, 0, 0, WIDTH - 1 - k)), p,
+                        uniforms(seeds, positions[:, :-1] + 1, ACCEPT),
+                        uniforms(seeds, positions + 1, TARGET), live=k)
+                    return torch.cat([tokens[:, :k + 1], accepted[:, None].to(tokens.dtype)], 1)
             elif kind == "draft_loop_sampled":
                 weight, bias, ids, vocab = head
 
-                def function(token, keys, values, positions, cos, sin, seeds):
+                def function(token, keys, values, positions, cos, sin, seeds, *rows):
+                    sampling = RowSampling.captured(rows)
                     drafts, qs, tops, hiddens = [], [], [], []
                     for i in range(steps + 1):  # positions (B, steps + 1): step i at column i
                         hidden = embedding[token][:, None].expand(-1, WIDTH, -1)  # (B, W, D)
@@ -240,7 +258,7 @@ class StaticPasses:
                         token = sample(probs, uniforms(seeds, positions[:, i:i + 1] + 1, DRAFT)[:, 0])
                         drafts.append(token)
                         qs.append(probs)
-                        tops.append(probs.max(-1).values)
+                        tops.append(sampling.top_probability(full))
                     # (B, steps) drafts, (B, steps, V) their q, (steps, B) top probabilities, exit states
                     return (torch.stack(drafts, 1), torch.stack(qs, 1), torch.stack(tops),
                             torch.stack(hiddens, 1))
@@ -250,10 +268,8 @@ class StaticPasses:
                     hidden = _blocks(blocks, windows, hidden, keys, values, positions, cos, sin)
                     logits = F.linear(rms_norm(hidden, norm, eps), head_weight, head_bias)  # (B, W, V)
                     if allowed is not None:
-                        logits = _apply_mask(logits, allowed)
-                    targets = logits.float().argmax(-1)  # (B, W)
-                    accepted = (drafts == targets[:, :-1]).int().cumprod(1).sum(1)  # (B,)
-                    return targets, accepted
+                        logits = apply_mask(logits, allowed)
+                    return accept_greedy(drafts, logits)  # (B, W) targets, (B,) accepted
             else:
                 weight, bias, ids, _ = head
 
@@ -308,41 +324,12 @@ def _copied_out(graph: Callable) -> Callable:
     return call
 
 
-def _accept_padded(drafts: torch.Tensor, q: torch.Tensor, p: torch.Tensor, u_accept: torch.Tensor,
-                   u_target: torch.Tensor) -> torch.Tensor:
-    """`sampling.accept_sampled` on a static pass's W columns: drafts (B, k) padded to W - 1 and q
-    (B, k, V) to W columns (zero past the drafts), p (B, W, V), u_accept (B, W - 1), u_target (B, W).
-    The same decisions column for column: a padded draft is never accepted, and column k draws the
-    bonus from p itself. Returns decided (B, k + 2): the tokens (B, k + 1), then each row's accepted
-    count."""
-    k, width = drafts.shape[1], p.shape[1]
-    live = torch.arange(width, device=p.device) < k  # (W,): the round's drafts' columns
-    padded = F.pad(drafts, (0, width - 1 - k))  # (B, W - 1)
-    q = F.pad(q, (0, 0, 0, width - k))  # (B, W, V), zero past the drafts
-    p_draft = p[:, :-1].gather(-1, padded[..., None])[..., 0]  # (B, W - 1)
-    q_draft = q[:, :-1].gather(-1, padded[..., None])[..., 0]
-    accepted = ((u_accept * q_draft < p_draft) & live[:-1]).int().cumprod(1).sum(1)
-    fallback = torch.where(live[None, :, None], residual_probs(p, q), p)  # residual at a draft's column
-    corrections = sample(fallback, u_target)  # (B, W)
-    keep = torch.arange(width, device=p.device) < accepted[:, None]  # the accepted drafts' columns
-    tokens = torch.where(keep, F.pad(padded, (0, 1)), corrections)[:, :k + 1]
-    return torch.cat([tokens, accepted[:, None].to(tokens.dtype)], 1)
-
-
 def _pad(x: torch.Tensor) -> torch.Tensor:
     """x (B, T, ...) with T < WIDTH padded to WIDTH rows by copies of its last row."""
     extra = WIDTH - x.shape[1]
     if not extra:
         return x
     return torch.cat([x, x[:, -1:].expand(-1, extra, *x.shape[2:])], 1)
-
-
-def _apply_mask(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """`grammar.apply_mask` (the target's logits at -inf where the grammar refuses; a row without an
-    allowed finite value uniform over the mask), inside the pass."""
-    masked = logits.masked_fill(~allowed, float("-inf"))
-    empty = ~torch.isfinite(masked).any(-1, keepdim=True)
-    return torch.where(empty & allowed, torch.zeros((), dtype=logits.dtype, device=logits.device), masked)
 
 
 def _blocks(blocks: list[_Block], windows: tuple, hidden: torch.Tensor, keys: list, values: list,

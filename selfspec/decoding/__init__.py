@@ -1,6 +1,7 @@
 """Self-speculative decoding: KV cache with rollback, sampling rules, the draft/verify loop, adaptive k,
 drafts copied from the context (n-grams) and a trimmed draft head."""
 
+from ..sampling import SamplingParams, accept_greedy, accept_sampled, residual_probs
 from .cache import CacheLengthError, KVCache
 from .controller import Controller, CostModelRule, FixedK, WindowRule, make_controller
 from .draft_head import DraftHead
@@ -10,7 +11,6 @@ from .grammar import Constraint
 from .ngram import NGramConfig
 from .outputs import GenerationOutput, GenerationStats, NewRow, RoundCounts, RoundOutput
 from .policy import DRAFTERS, DraftPlan, DraftPolicy, make_policy
-from .sampling import SamplingParams, accept_greedy, accept_sampled, residual_probs
 from .settings import ADAPTIVE_K, PLAIN, DecodeSettings, parse_num_speculations
 from .speculative import SelfSpecGenerator
 

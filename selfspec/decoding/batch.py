@@ -13,11 +13,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..sampling import RowSampling, SamplingParams
 from .cache import KVCache
 from .draft_head import DraftHead
 from .grammar import GrammarBatch
 from .profile import no_lap
-from .sampling import SamplingParams
 
 
 @dataclass
@@ -28,16 +28,17 @@ class Batch:
     """
 
     cache: KVCache
-    sampling: SamplingParams
+    params: list[SamplingParams]  # each row's sampling settings, on the host
+    sampling: RowSampling  # the same as device tensors (`RowSampling.of(params)`), remade when rows change
     exit_layer: int  # E of this call's early exit
     head: DraftHead  # its draft head (trimmed to V', behind an MLP exit adapter, or the model's own)
     exit_block: object  # the attending exit adapter the drafts read (`ExitBlock`, KV at layers N..), or None
     loop_head: tuple | None  # the head as a backend's draft loop reads it (`DraftHead.tensors`), or None
-    step_head: tuple | None  # the same for the compiled draft step (greedy early-exit drafts), or None
+    step_head: tuple | None  # the same for the compiled draft step (early-exit drafts), or None
     stop_below: float  # η: stop a round's early-exit drafts when no row's top draft probability reaches it
     overlap: bool  # a compiled call's rounds verify while the next round drafts (`DecodeSettings.overlap`)
     grammar: GrammarBatch | None  # the rows' grammars (structured output), or None
-    forced: bool  # draft the grammar's forced tokens (every drafter but plain decoding)
+    forced: bool  # the call may draft a grammar's forced tokens (every drafter but plain decoding)
     steps: torch.Tensor  # arange(capacity) on the device, to build positions
     rows: np.ndarray  # (B,) the caller's row index of each batch slot
     lengths: np.ndarray  # (B,) positions the cache holds = position of the pending token
@@ -48,6 +49,47 @@ class Batch:
     seeds_dev: torch.Tensor = None
     _shared: np.ndarray = None  # on CPU: (3, B), the memory the three device tensors are views of
     lap: object = no_lap  # `RoundProfile.lap` of a profiled call: charges the time since the last lap
+
+    @property
+    def greedy_head(self) -> tuple | None:
+        """`step_head` where every row is greedy (the compiled draft step and choice take the argmax)."""
+        return self.step_head if self.sampling.all_greedy else None
+
+    @property
+    def forces(self) -> bool:
+        """Whether this round drafts the grammars' forced tokens: a call that may, rows under a grammar,
+        and every row greedy. A sampled row's drafts must depend on that row alone, so that it draws what
+        it draws alone (its seed's tokens), and a row without forced tokens would fill their columns
+        with drafts of its own; greedy rows keep their tokens whatever their drafts."""
+        return self.forced and self.grammar is not None and self.sampling.all_greedy
+
+    @property
+    def loop_drafts(self) -> bool:
+        """Whether a round's early-exit drafts may run in one backend call: a head it reads, no grammar
+        (whose masks come from the host between drafts)."""
+        return self.loop_head is not None and self.grammar is None
+
+    def keep_rows(self, keep: np.ndarray) -> None:
+        """Only the slots `keep` (B,) bool stay: every per-row array, the cache's rows and the grammars'."""
+        index = np.nonzero(keep)[0]
+        self.rows, self.lengths, self.pending_host, self.seeds_host = (
+            self.rows[keep], self.lengths[keep], self.pending_host[keep], self.seeds_host[keep])
+        self.params = [self.params[i] for i in index]
+        self.sampling = self.sampling.select(torch.from_numpy(index).to(self.steps.device), self.params)
+        self.cache.select_rows(index)
+        if self.grammar is not None:
+            self.grammar.select_rows(index)
+
+    def add_rows(self, new: Batch) -> None:
+        """`new`'s rows after these (rows joining a running batch): every per-row array and the cache's
+        rows (the caller grows the grammars, whose rows may come without one)."""
+        self.cache.add_rows(new.cache)
+        self.rows = np.concatenate([self.rows, new.rows])
+        self.lengths = np.concatenate([self.lengths, new.lengths])
+        self.pending_host = np.concatenate([self.pending_host, new.pending_host])
+        self.seeds_host = np.concatenate([self.seeds_host, new.seeds_host])
+        self.params = self.params + new.params
+        self.sampling = RowSampling.of(self.params, self.steps.device)
 
     def upload(self, device) -> None:
         """Refresh the device copies. On CPU they are views of one host array, written in place: no

@@ -23,6 +23,7 @@ one algorithm, whichever caller steps it.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -32,11 +33,11 @@ import torch
 from ..backends import FusedDrafts
 from ..errors import UserError
 from ..model.fast import fixed_width
+from ..sampling import SamplingParams
 from .grammar import GrammarBatch
 from .outputs import GenerationOutput, GenerationStats, NewRow, RoundCounts, RoundOutput
 from .policy import DraftPolicy
 from .profile import RoundProfile
-from .sampling import SamplingParams
 from .settings import DecodeSettings
 
 # A grammar's forced tokens a round may draft beyond the policy's k: they cost no model call, and a
@@ -68,10 +69,11 @@ class _Clock:
 class CallOptions:
     """What one decode fixes for all its rows.
 
-    settings: how to draft (`DecodeSettings`); sampling: temperature, top-k, top-p; eos: the token ids
-    (n,) that end a row; stops: strings that end a row (the token completing one is kept; needs the
-    generator's tokenizer); seed: the first rows' seeds (an int: seed + row; a list; None: drawn, 0 for
-    greedy rows), a request's own seed wins; grammar: whether rows carry output constraints;
+    settings: how to draft (`DecodeSettings`); sampling: temperature, top-k, top-p of rows that bring
+    none (`NewRow.sampling`); eos: the token ids (n,) that end a row; stops: strings that end a row that
+    brings none (the token completing one is kept; needs the generator's tokenizer); seed: the first
+    rows' seeds (an int: seed + row; a list; None: drawn, 0 for greedy rows), a request's own seed wins;
+    grammar: whether the rows start under output constraints (a row that brings one later opens them);
     draft_max_rows: a greedy round of more rows drafts nothing (None: every round drafts);
     rounds_per_step: a caller that reads every step (a server) lets a lone row run this many rounds in
     one compiled call (its first round alone, so its first token comes at once), None: no such caller;
@@ -109,8 +111,9 @@ class Engine:
         self.b = None  # the running rows (`batch.Batch`), once started
         self.laps = None  # the profile's laps (`profile`), from the first round on
         self.clock = _Clock(generator.view.device)
-        forced = options.grammar and not options.settings.is_plain
-        self.forced, self.k_max = forced, policy.k_max + (FORCED_PER_ROUND if forced else 0)
+        # a grammar's forced tokens may join any round once a row brings a constraint: room for them
+        self.k_max = policy.k_max + (0 if options.settings.is_plain else FORCED_PER_ROUND)
+        self.stops: list[tuple[str, ...]] = []  # each row's stop strings
         self.wall = time.perf_counter()
 
     # -- the three calls ---------------------------------------------------------------------------
@@ -118,9 +121,13 @@ class Engine:
         """Queue a request; returns its row. It joins at the next step (or starts with the first)."""
         if not request.prompt or request.max_new_tokens < 1:
             raise UserError("a request needs a prompt and max_new_tokens >= 1")
-        if request.constraint is not None and not self.options.grammar:
-            raise UserError("a row with an output constraint can only join a call that has a grammar")
+        request = dataclasses.replace(  # the call's settings where the request brings none
+            request, sampling=request.sampling or self.options.sampling,
+            stop_strings=self.options.stops if request.stop_strings is None else tuple(request.stop_strings))
+        if request.stop_strings and self.gen.tokenizer is None:
+            raise UserError("stop strings need a tokenizer: SelfSpecGenerator(model, tokenizer, ...)")
         self.requests.append(request)
+        self.stops.append(request.stop_strings)
         if self.b is not None:
             self.joining.append(request)
         return len(self.requests) - 1
@@ -161,9 +168,9 @@ class Engine:
             tokens, emit, finished, done = fused if fused is not None else self._round(rows)
             slots, cols = np.nonzero(np.arange(tokens.shape[1]) < emit[:, None])
             self.generated[rows[slots], self.counts[rows[slots]] + cols] = tokens[slots, cols]
-            if self.options.stops:
-                finished |= self.gen._cut_at_stop_strings(self.options.stops, self.generated, rows,
-                                                          self.counts[rows], emit)
+            if any(self.stops[row] for row in rows):
+                finished |= self.gen._cut_at_stop_strings([self.stops[row] for row in rows], self.generated,
+                                                          rows, self.counts[rows], emit)
             self.counts[rows] += emit
             b.lap("other")
             self.policy.observe(rows, tokens, emit)
@@ -207,20 +214,16 @@ class Engine:
         for request in requests:
             gen._check_positions(len(request.prompt), request.max_new_tokens)
         prompts = [list(r.prompt) for r in requests]
-        grammars = (GrammarBatch(gen.grammar_tokenizer(), [r.constraint for r in requests]) if options.grammar
-                    else None)
-        # under a grammar a reply spells what it copies with other tokens than the prompt (a value
-        # after a quote, not a space): copies match the text there too. Not elsewhere: the compiled
-        # rounds (no grammar) copy on tokens, and every path must draft alike.
-        self.policy.match_text(gen.token_text if grammars is not None else None)
+        params = [r.sampling for r in requests]
         self.policy.start(prompts)
         seed = options.seed
         if any(r.seed is not None for r in requests):
-            drawn = gen._seeds(seed, len(requests), options.sampling.greedy)
+            drawn = gen._seeds(seed, len(requests), all(p.greedy for p in params))
             seed = [drawn[i] if r.seed is None else r.seed for i, r in enumerate(requests)]
         capacity = max(len(p) + r.max_new_tokens for p, r in zip(prompts, requests)) + self.k_max + 1
-        self.b = gen._start(prompts, options.sampling, seed, options.settings, capacity=capacity,
-                            grammars=grammars, forced=self.forced)
+        self.b = gen._start(prompts, params, seed, options.settings, capacity=capacity)
+        if options.grammar or any(r.constraint is not None for r in requests):
+            self._open_grammars()
         self._grow(len(requests))
         self.stats.prefill_time = time.perf_counter() - self.wall
         if options.profile:
@@ -250,6 +253,19 @@ class Engine:
         self.generated = np.pad(self.generated, ((0, rows), (0, width - self.generated.shape[1])))
         self.counts = np.concatenate([self.counts, np.zeros(rows, dtype=np.int64)])
 
+    def _open_grammars(self) -> None:
+        """The rows' grammars from now on (`GrammarBatch`: None for a row without a constraint), opened
+        when the first row that brings one starts or joins: drafts then take the grammar's masks and
+        forced tokens, and copies match on the text too (a reply spells what it copies with other tokens
+        than the prompt: a value after a quote, not a space). Not without one: the compiled rounds copy
+        on tokens, and every path must draft alike."""
+        gen, b = self.gen, self.b
+        started = len(self.requests) - len(self.joining)
+        grammars = GrammarBatch(gen.grammar_tokenizer(), [r.constraint for r in self.requests[:started]])
+        grammars.select_rows(b.rows)  # the running rows' slots (caller rows ascending)
+        b.grammar = grammars
+        self.policy.match_text(gen.token_text)
+
     def _drop_cancelled(self) -> None:
         """Cancelled rows leave the batch before the round (one cancelled while waiting to join has
         joined first: its prefill is the only work it costs)."""
@@ -259,6 +275,8 @@ class Engine:
             self.gen._keep_rows(self.b, keep)
 
     def _join(self) -> None:
+        if self.b.grammar is None and any(r.constraint is not None for r in self.joining):
+            self._open_grammars()
         joining, self.joining = self.joining, []
         first = len(self.requests) - len(joining)
         self.gen._join(self.b, joining, first, self.policy, self.options.settings, self.k_max)
@@ -268,13 +286,14 @@ class Engine:
     def _plain(self, rows: np.ndarray) -> bool:
         """A greedy round of more rows than `draft_max_rows` drafts nothing (a plain step)."""
         most = self.options.draft_max_rows
-        return most is not None and len(rows) > most and self.b.sampling.greedy
+        return most is not None and len(rows) > most and self.b.sampling.all_greedy
 
     def _fused_rounds(self, rows: np.ndarray):
         """A lone row's rounds in one compiled call (`SelfSpecGenerator._greedy_rounds`), or None."""
-        if not (self.one_call and len(rows) == 1):
+        b = self.b
+        if not (self.one_call and len(rows) == 1 and b.sampling.all_greedy and b.grammar is None):
             return None
-        gen, b, row = self.gen, self.b, int(rows[0])
+        gen, row = self.gen, int(rows[0])
         drafts = self.policy.fused_drafts(row)
         if self._plain(rows):  # draft_max_rows = 0: plain steps, in the same compiled call
             drafts = FusedDrafts(k=0)
@@ -296,7 +315,7 @@ class Engine:
         """One round from Python: draft, verify, accept; (tokens, emit, finished, `RoundCounts`)."""
         gen, policy, b, stats = self.gen, self.policy, self.b, self.stats
         plan = policy.plan(rows)
-        cap = self.k_max
+        cap = policy.k_max + (FORCED_PER_ROUND if b.forces else 0)
         if gen.backend.max_pass_positions is not None:  # a round's k + 1 positions in one pass
             cap = min(cap, gen.backend.max_pass_positions - 1)
         limit = gen.view.max_positions

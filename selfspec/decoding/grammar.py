@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from ..errors import UserError
+from ..sampling import apply_mask
 
 # JSON as `json.dumps` writes it: ", " and ": ", no other whitespace. Models write JSON this way
 # more often than any other spacing, and a compact grammar forces more of the output. A schema's
@@ -392,16 +393,6 @@ class GrammarBatch:
         return torch.from_numpy(allowed.view(np.bool_))
 
 
-def apply_mask(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Logits (..., V) with every token `mask` (..., V, bool) disallows at -inf. A row whose logits
-    keep no allowed finite value (a trimmed draft head outside the mask) becomes uniform over the
-    mask, so a draft is always one the grammar allows."""
-    mask = mask.to(logits.device)
-    masked = logits.masked_fill(~mask, float("-inf"))
-    empty = ~torch.isfinite(masked).any(-1, keepdim=True)  # no host read: a where on every call
-    return torch.where(empty & mask, torch.zeros((), dtype=logits.dtype, device=logits.device), masked)
-
-
 class HFGrammarProcessor:
     """The same grammar for Hugging Face's `generate`, batch 1: a logits processor that masks the
     scores by llguidance's mask after the tokens generated so far, and a stopping criterion that
@@ -492,4 +483,4 @@ def read_constraint(json_schema: str | None = None, regex: str | None = None,
 
 
 __all__ = ["Constraint", "GrammarBatch", "GrammarTokenizer", "HFGrammarProcessor", "INSTALL",
-           "JSON_DEFAULTS", "apply_mask", "constraints_for_rows", "read_constraint"]
+           "JSON_DEFAULTS", "constraints_for_rows", "read_constraint"]

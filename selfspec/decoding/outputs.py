@@ -10,6 +10,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..metrics import AcceptanceStats
+from ..sampling import SamplingParams
 from .grammar import Constraint
 
 SOURCES = ("copy", "forced", "early_exit")  # where a draft comes from (`GenerationStats.by_source`)
@@ -124,13 +125,17 @@ class RoundCounts(NamedTuple):
 class NewRow:
     """A request: a prompt for `Engine.add` (before the first step, or joining the running rows at the
     next step's round boundary): its token ids, its own token limit, its seed (None: the call's
-    seeds for its first rows, 0 for a greedy row joining later, one drawn for a sampled one) and its
-    output constraint (a `grammar.Constraint`, only in a call that has a grammar)."""
+    seeds for its first rows, 0 for a greedy row joining later, one drawn for a sampled one), its
+    output constraint (a `grammar.Constraint`, or None), its sampling (`SamplingParams`: temperature,
+    top-k, top-p; None: the call's) and its stop strings (None: the call's). Rows of one batch may
+    each ask for other settings (vLLM's per-request `SamplingParams`): each gets what it gets alone."""
 
     prompt: list[int]
     max_new_tokens: int
     seed: int | None = None
     constraint: Constraint | None = None
+    sampling: SamplingParams | None = None
+    stop_strings: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ import torch
 
 from ..backends import Backend
 from ..model import DecoderView
+from ..sampling import DRAFT, greedy_tokens, sample, uniforms
 from .batch import Batch
-from .sampling import DRAFT, greedy_tokens, sample, uniforms
 
 
 class RoundPasses:
@@ -58,8 +58,9 @@ class RoundPasses:
         return self.view.run_layers(hidden, b.exit_layer, end, b.cache, context=context), features
 
     def pick(self, b: Batch, logits: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """Draft token (B,) from draft logits (B, V) for the token at `position` (B, 1)."""
-        if b.sampling.greedy:
+        """Draft token (B,) from draft logits (B, V) for the token at `position` (B, 1): each row's argmax
+        or its draw by its own settings (a greedy row's one-hot distribution draws its argmax)."""
+        if b.sampling.all_greedy:
             return greedy_tokens(logits)
         return sample(b.sampling.probs(logits), uniforms(b.seeds_dev, position, DRAFT)[:, 0])
 
@@ -67,8 +68,8 @@ class RoundPasses:
     def unsure(b: Batch, logits: torch.Tensor) -> bool:
         """Whether every row's draft distribution (B, V) puts less than η on its most likely token
         (Kangaroo's stopping rule). It reads only the draft, so the output stays the target's."""
-        probs = torch.softmax(logits.float(), -1) if b.sampling.greedy else b.sampling.probs(logits)
-        return bool((probs.max(-1).values < b.stop_below).all())  # one small host read per draft step
+        top = b.sampling.top_probability(logits)
+        return bool((top < b.stop_below).all())  # one small host read per draft step
 
 
 __all__ = ["RoundPasses"]

@@ -28,8 +28,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from ..sampling import apply_mask
 from .batch import Batch, joined, width
-from .grammar import apply_mask
 from .ngram import TokenText
 from .passes import RoundPasses
 from .policy import DraftPlan, DraftPolicy, Segment
@@ -131,7 +131,7 @@ class EarlyExitProposer:
         """At the round's start, where the backend drafts in one call (no grammar, no exit block:
         `Batch.loop_head`), all `room` drafts in it (`_loop`); else one draft (`_one`), after which the
         caller adds the free drafts it makes possible and asks again. 0: η stopped the round."""
-        if not state.draft.k and state.b.loop_head is not None:
+        if not state.draft.k and state.b.loop_drafts:
             drafted = self._loop(state, room)
             if drafted is not None:
                 return drafted
@@ -145,7 +145,7 @@ class EarlyExitProposer:
         nothing run."""
         b, draft, backend = state.b, state.draft, self.passes.backend
         place = self.passes.place(b, 0, k + 1)
-        if b.sampling.greedy:
+        if b.sampling.all_greedy:
             out = backend.draft_loop(b.exit_layer, b.pending_dev, b.cache, place["positions"], b.loop_head, k,
                                      b.stop_below)
             q = None
@@ -191,7 +191,7 @@ class EarlyExitProposer:
         blocks [0, E), run first (`unrun` emptied, their exit states kept in `draft.hiddens`), then the
         head on the last one's exit state, masked by a grammar's `allowed` (B, V) where given. None when
         η stopped the round (no row's draft reaches it; `draft.stopped` set)."""
-        step = self._step(b, draft, unrun, allowed) if unrun and b.step_head is not None else None
+        step = self._step(b, draft, unrun, allowed) if unrun and b.greedy_head is not None else None
         if step is not None:  # one backend call: pass, exit block, head, mask, argmax, η
             token, sure = step
             unrun.clear()
@@ -202,8 +202,8 @@ class EarlyExitProposer:
         draft.hiddens.append(hidden)  # (B, r, D), as features
         unrun.clear()
         # greedy: the backend's own choice where it has one, so every path drafts alike
-        chosen = (passes.backend.draft_choice(features[:, -1], b.step_head, allowed, b.stop_below)
-                  if b.step_head is not None else None)
+        chosen = (passes.backend.draft_choice(features[:, -1], b.greedy_head, allowed, b.stop_below)
+                  if b.greedy_head is not None else None)
         if chosen is not None:
             token, sure = chosen
             b.lap("draft passes")
@@ -233,7 +233,7 @@ class EarlyExitProposer:
         to `draft`; or None, nothing run."""
         tokens = joined(unrun)  # (B, r)
         place = self.passes.place(b, draft.k + 1 - tokens.shape[1], tokens.shape[1])
-        out = self.passes.backend.draft_step(b.exit_layer, tokens, b.cache, place["positions"], b.step_head,
+        out = self.passes.backend.draft_step(b.exit_layer, tokens, b.cache, place["positions"], b.greedy_head,
                                              b.exit_block, allowed, b.stop_below)
         if out is None:
             return None
@@ -248,9 +248,9 @@ class ForcedProposer:
 
     def propose(self, state: RoundState, room: int) -> int:
         """Up to `room` forced tokens of the rows' grammars after the drafts so far (consumed by them);
-        none where the call drafts no forced tokens (`Batch.forced`)."""
+        none where the round drafts no forced tokens (`Batch.forces`)."""
         b = state.b
-        if not b.forced:
+        if not b.forces:
             return 0
         forced = b.grammar.forced(room)  # (B, r)
         b.lap("grammar")
@@ -346,7 +346,7 @@ class RoundDrafter:
             if not drafted or state.draft.stopped:  # η stopped the round
                 break
             left -= drafted
-            if state.room > 0 and (b.forced or policy.copies_after_early_exit) and self.free_drafts(state):
+            if state.room > 0 and (b.forces or policy.copies_after_early_exit) and self.free_drafts(state):
                 break  # a copy ends the round
         # The drafts after the last pass through blocks [0, E) are the verification's first part; when
         # η stopped the round every token already had that pass (B, 0), even with no early-exit draft.

@@ -47,6 +47,7 @@ from ..backends import FusedDrafts, make_backend
 from ..cpu import release_freed_memory
 from ..errors import UserError
 from ..model import DecoderView
+from ..sampling import RowSampling, SamplingParams
 from .batch import Batch
 from .cache import CachePool, KVCache
 from .controller import Controller
@@ -61,7 +62,6 @@ from .policy import DraftPlan, DraftPolicy, Segment
 from .prefix import PrefixCache
 from .profile import RoundProfile
 from .proposers import RoundDrafter
-from .sampling import SamplingParams
 from .settings import DecodeSettings
 from .verification import Verifier
 
@@ -354,47 +354,46 @@ class SelfSpecGenerator:
         capacity they need) and grammars. Returns how many joined."""
         for row in joining:  # `Engine.add` checked the rest
             self._check_positions(len(row.prompt), row.max_new_tokens)
-        constraints = [row.constraint for row in joining]
         prompts = [list(row.prompt) for row in joining]
-        greedy = b.sampling.greedy
-        seeds = [(0 if greedy else int(torch.randint(0, 2**31 - 1, ()))) if row.seed is None else row.seed
-                 for row in joining]
+        params = [row.sampling for row in joining]
+        seeds = [(0 if p.greedy else int(torch.randint(0, 2**31 - 1, ()))) if row.seed is None else row.seed
+                 for p, row in zip(params, joining)]
         capacity = max(b.cache.capacity, max(len(p) + r.max_new_tokens for p, r in zip(prompts, joining))
                        + k_max + 1)
         # a cache of their own (b's may be the pool's, `_cache`), moved onto b's after
-        new = self._start(prompts, b.sampling, seeds, settings, capacity, role="joining")
+        new = self._start(prompts, params, seeds, settings, capacity, role="joining")
+        new.rows = first + np.arange(len(joining))
         policy.add(prompts)
         if b.grammar is not None:
-            b.grammar.add(constraints)
-        b.cache.add_rows(new.cache)
+            b.grammar.add([row.constraint for row in joining])
+        b.add_rows(new)
         if self._pool is not None:
             self._pool.home(b.cache)
-        b.rows = np.concatenate([b.rows, first + np.arange(len(joining))])
-        b.lengths = np.concatenate([b.lengths, new.lengths])
-        b.pending_host = np.concatenate([b.pending_host, new.pending_host])
-        b.seeds_host = np.concatenate([b.seeds_host, new.seeds_host])
         if b.steps.numel() < b.cache.capacity:
             b.steps = torch.arange(b.cache.capacity, device=b.steps.device)
         b.upload(b.steps.device)
         return len(joining)
 
-    def _start(self, prompts, sampling, seed, settings: DecodeSettings, capacity: int,
-               grammars: GrammarBatch | None = None, forced: bool = False, role: str = "batch") -> Batch:
-        """Allocate the cache and prefill every prompt token but the last (the first pending token)."""
+    def _start(self, prompts, params: list[SamplingParams], seed, settings: DecodeSettings, capacity: int,
+               role: str = "batch") -> Batch:
+        """Allocate the cache and prefill every prompt token but the last (the first pending token);
+        params: each row's sampling settings."""
         device, rows = self.view.device, len(prompts)
         exit_block = self.exit_block(settings)
         head = self.draft_head(settings)
         extra_layers = 0 if exit_block is None else exit_block.cache_layers
         b = Batch(cache=self._cache(self.view.num_layers + extra_layers, rows, capacity, role),
-                   sampling=sampling, exit_layer=settings.exit_layer, head=head, exit_block=exit_block,
-                   loop_head=(head.tensors() if grammars is None and exit_block is None
-                              and not settings.is_plain else None),
-                   step_head=head.tensors() if sampling.greedy and not settings.is_plain else None,
-                   stop_below=settings.stop_below, overlap=settings.overlap, grammar=grammars, forced=forced,
+                   params=list(params), sampling=RowSampling.of(params, device),
+                   exit_layer=settings.exit_layer, head=head, exit_block=exit_block,
+                   loop_head=head.tensors() if exit_block is None and not settings.is_plain else None,
+                   step_head=head.tensors() if not settings.is_plain else None,
+                   stop_below=settings.stop_below, overlap=settings.overlap, grammar=None,
+                   forced=not settings.is_plain,
                    steps=torch.arange(capacity, device=device), rows=np.arange(rows),
                    lengths=np.zeros(rows, dtype=np.int64),
                    pending_host=np.array([p[-1] for p in prompts], dtype=np.int64),
-                   seeds_host=np.array(self._seeds(seed, rows, sampling.greedy), dtype=np.int64))
+                   seeds_host=np.array(self._seeds(seed, rows, all(p.greedy for p in params)),
+                                       dtype=np.int64))
         b.upload(device)
         width = max(len(p) for p in prompts) - 1
         if self.prefix_cache is not None:
@@ -418,7 +417,8 @@ class SelfSpecGenerator:
         one = b if len(b.rows) == 1 else dataclasses.replace(
             b, cache=self._cache(b.cache.num_layers, 1, b.cache.capacity, "row"), rows=np.arange(1),
             lengths=np.zeros(1, dtype=np.int64), pending_host=b.pending_host[row:row + 1],
-            seeds_host=b.seeds_host[row:row + 1], _shared=None)
+            seeds_host=b.seeds_host[row:row + 1], params=b.params[row:row + 1],
+            sampling=RowSampling.of(b.params[row:row + 1], self.view.device), _shared=None)
         if one is not b:
             one.upload(self.view.device)
         layout = cache.layout(self.view.model, b.exit_block, one.cache.num_layers)
@@ -456,21 +456,17 @@ class SelfSpecGenerator:
         """Only the rows `keep` (B,) bool stay in the batch (finished or cancelled ones leave), their
         cache back on the pool's buffers where the backend pools them."""
         if not keep.all():
-            b.rows, b.lengths, b.pending_host, b.seeds_host = (
-                b.rows[keep], b.lengths[keep], b.pending_host[keep], b.seeds_host[keep])
-            b.cache.select_rows(np.nonzero(keep)[0])
+            b.keep_rows(keep)
             if self._pool is not None:
                 self._pool.home(b.cache)
-            if b.grammar is not None:
-                b.grammar.select_rows(np.nonzero(keep)[0])
         b.upload(b.steps.device)
 
     def _rounds_in_one_call(self, b: Batch, policy: DraftPolicy, rounds_per_call: int) -> bool:
         """Whether a row's rounds may run several in one call of the backend (`_greedy_rounds`): a backend
-        with fused rounds, greedy, unconstrained, no exit block, a policy whose rounds fuse
-        (`DraftPolicy.fuses`), and early-exit drafts only with a head the compiled draft loop reads."""
-        if (not self.backend.fused_rounds or not b.sampling.greedy or b.grammar is not None
-                or b.exit_block is not None):
+        with fused rounds, no exit block, a policy whose rounds fuse (`DraftPolicy.fuses`), and early-exit
+        drafts only with a head the compiled draft loop reads. A round asks besides that its batch is one
+        greedy row without a grammar (`Engine._fused_rounds`): rows join and leave."""
+        if not self.backend.fused_rounds or b.exit_block is not None:
             return False
         return policy.fuses(rounds_per_call) and (not policy.drafts_early_exit or b.loop_head is not None)
 
@@ -538,14 +534,17 @@ class SelfSpecGenerator:
         return emit, hit_eos | (counts + emit >= max_new_tokens)
 
     def _cut_at_stop_strings(self, stops, generated, rows, counts, emit) -> np.ndarray:
-        """Shorten `emit` (in place) to end at the token completing a stop string; the slots that stop."""
+        """Shorten `emit` (in place) to end at the token completing one of its row's stop strings (`stops`,
+        a tuple per slot); the slots that stop."""
         stopped = np.zeros(len(emit), dtype=bool)
         for slot, row in enumerate(rows):
+            if not stops[slot]:
+                continue
             tokens = generated[row, :counts[slot] + emit[slot]].tolist()
-            if not any(s in self.tokenizer.decode(tokens) for s in stops):
+            if not any(s in self.tokenizer.decode(tokens) for s in stops[slot]):
                 continue
             for end in range(counts[slot] + 1, len(tokens) + 1):
-                if any(s in self.tokenizer.decode(tokens[:end]) for s in stops):
+                if any(s in self.tokenizer.decode(tokens[:end]) for s in stops[slot]):
                     emit[slot] = end - counts[slot]
                     stopped[slot] = True
                     break

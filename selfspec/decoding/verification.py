@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import torch
 
-from . import sampling
+from .. import sampling
+from ..sampling import ACCEPT, TARGET, accept_greedy, accept_sampled, apply_mask, uniforms
 from .batch import Batch, decided, joined
-from .grammar import apply_mask
 from .passes import RoundPasses
 from .proposers import Draft
-from .sampling import ACCEPT, TARGET, accept_greedy, accept_sampled, uniforms
 
 
 class Verifier:
@@ -54,7 +53,7 @@ class Verifier:
         if allowed is not None:  # the target at each drafted prefix, masked by the grammar there
             p_logits = apply_mask(p_logits, allowed)
         b.lap("verification pass")
-        if b.sampling.greedy:
+        if b.sampling.all_greedy:
             return decided(*accept_greedy(draft.tokens, p_logits))
         positions = b.lengths_dev[:, None] + b.steps[1:k + 2]  # (B, k+1): positions n+1 .. n+k+1
         return decided(*accept_sampled(draft.tokens, self._q(b, draft), b.sampling.probs(p_logits),
@@ -78,7 +77,7 @@ class Verifier:
         whole-model call, unless an exit block must see its positions (then blocks [0, E) run from
         Python first). decided (B, k+2) as `verify`'s, or None with nothing run but the tail."""
         num_layers, backend = self.view.num_layers, self.passes.backend
-        greedy = b.sampling.greedy
+        greedy = b.sampling.all_greedy
         if not (greedy or backend.verifies_sampled):
             return None
         q = None if greedy else self._q(b, draft)

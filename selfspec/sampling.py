@@ -1,0 +1,291 @@
+"""Logits processing, per-row random numbers, and the accept/reject rule of speculative decoding: the
+arithmetic every decoding path shares, the engine's rounds (`selfspec.decoding`) and the backends' passes
+(`selfspec.backends`, which capture it) alike. Pure tensor functions of the model's logits; it imports
+nothing of the package's but its errors.
+
+Lossless speculative sampling (Leviathan et al. 2023; Chen et al. 2023): a draft token d drawn from
+the draft distribution q is accepted with probability min(1, p(d)/q(d)), where p is the target
+distribution; on rejection a replacement is drawn from the residual max(0, p − q), normalised; if
+every draft of the round is accepted, a bonus token is drawn from the target's next distribution.
+Every emitted token is then distributed exactly as the target model's. Two conditions make that
+true here:
+
+- p and q come out of the same processing (`RowSampling.probs`: temperature, then top-k, then
+  top-p, each row by its own request's settings), so sampling the target alone would draw from
+  exactly that p;
+- the random numbers are fresh for every decision. They come from a counter-based generator
+  (`uniforms`): a hash of (row seed, position of the token being decided, stream). A row's draws
+  therefore never depend on its batch-mates, need no per-row generator objects, and stay on the
+  device. A position that is drafted again after a rejection reuses its numbers, which is sound:
+  the tokens kept so far are a function of the numbers of earlier positions only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .errors import UserError
+
+# Streams of random numbers: one per kind of decision taken for the token at a position.
+DRAFT, ACCEPT, TARGET = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How logits become a distribution, identically for the draft and the target.
+
+    temperature: 0 means greedy (argmax); otherwise logits are divided by it.
+    top_k: keep the k largest logits (0: all).
+    top_p: keep the smallest set of most likely tokens whose mass reaches top_p (1.0: all).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise UserError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise UserError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def process(self, logits: torch.Tensor) -> torch.Tensor:
+        """(..., V) logits -> float32 logits, filtered tokens at -inf (temperature, top-k, top-p): one
+        row's `RowSampling.process`."""
+        return RowSampling.of([self], logits.device).process(logits)
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """(..., V) logits -> (..., V) float32 probabilities after processing."""
+        return self.process(logits).softmax(-1)
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    """Each row's `SamplingParams` as device tensors (B,), so that rows with other settings share a batch
+    and one captured pass serves every setting (vLLM's per-request sampling).
+
+    temperature: float32, 1 on greedy rows (their logits are left as they are); top_k: int64, 0 off;
+    top_p: float32, 1 off; greedy: bool, the rows that take the argmax (their distribution one-hot, so
+    that speculative sampling's rule accepts exactly the drafts the argmax would: `accept_sampled` on
+    one-hot p and q is `accept_greedy`). Host facts: all_greedy, whether every row is greedy (the
+    batch then takes the greedy paths); any_greedy, whether some row is; filters, whether the
+    top-k/top-p pass runs at all. A captured pass takes the tensors alone (`tensors`, `captured`) and
+    assumes both passes may be needed, so that one graph serves every setting. A row's processed logits
+    do not depend on its batch-mates: rows whose settings filter nothing keep every logit bit for bit
+    whether the pass runs or not.
+    """
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    greedy: torch.Tensor
+    all_greedy: bool
+    any_greedy: bool
+    filters: bool
+
+    @classmethod
+    def of(cls, params: Sequence[SamplingParams], device) -> RowSampling:
+        """The rows' settings `params` (one per row) on `device`."""
+        return cls(torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device),
+                   torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
+                   torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+                   torch.tensor([p.greedy for p in params], device=device), **_facts(params))
+
+    def select(self, keep: torch.Tensor, params: Sequence[SamplingParams]) -> RowSampling:
+        """The rows `keep` (indices on the device) of these settings, `params` theirs on the host."""
+        return RowSampling(self.temperature[keep], self.top_k[keep], self.top_p[keep], self.greedy[keep],
+                           **_facts(params))
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """(temperature, top_k, top_p, greedy): what a captured pass takes as inputs."""
+        return self.temperature, self.top_k, self.top_p, self.greedy
+
+    @classmethod
+    def captured(cls, tensors: tuple[torch.Tensor, ...]) -> RowSampling:
+        """`tensors()` back into settings inside a captured pass, which samples and holds every path
+        (the filters, greedy rows' one-hot) whatever the rows ask: one graph for every setting."""
+        return cls(*tensors, all_greedy=False, any_greedy=True, filters=True)
+
+    def process(self, logits: torch.Tensor) -> torch.Tensor:
+        """(B, ..., V) logits -> float32 logits, each row divided by its temperature, then its top-k and
+        top-p filters (tokens at -inf). Greedy rows keep their logits (see `probs`)."""
+        logits = logits.float() / _rows(self.temperature, logits)  # x / 1 is x: greedy rows unchanged
+        if not self.filters:
+            return logits
+        vocab = logits.shape[-1]
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        # top-k: the k-th largest logit stays with everything at or above it (k = 0: every logit)
+        k = torch.where((self.top_k > 0) & (self.top_k < vocab), self.top_k, vocab) - 1
+        kth = sorted_logits.gather(-1, _rows(k, logits).expand(*logits.shape[:-1], 1))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+        # top-p: drop a token when the more likely tokens already reach top_p (the first one always
+        # stays); a row with top_p = 1 drops nothing, whatever its probabilities' rounding
+        sorted_probs = sorted_logits.softmax(-1)
+        top_p = _rows(self.top_p, logits)
+        drop = (sorted_probs.cumsum(-1) - sorted_probs >= top_p) & (top_p < 1.0)
+        drop |= sorted_logits == float("-inf")  # top-k's cut
+        return logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """(B, ..., V) logits -> (B, ..., V) float32 probabilities after processing; a greedy row's is
+        one-hot at its argmax (`greedy_tokens`)."""
+        probs = self.process(logits).softmax(-1)
+        if not self.any_greedy:
+            return probs
+        one_hot = F.one_hot(greedy_tokens(logits), logits.shape[-1]).to(probs.dtype)
+        return torch.where(_rows(self.greedy, logits), one_hot, probs)
+
+    def top_probability(self, logits: torch.Tensor) -> torch.Tensor:
+        """(B, ..., V) draft logits -> (B, ...) the probability of each row's most likely draft, what η
+        (Kangaroo's stopping rule) compares: the softmax's on a greedy row, the processed
+        distribution's on a sampled one."""
+        raw = logits.float()
+        if self.all_greedy:
+            return raw.softmax(-1).max(-1).values
+        processed = self.process(logits)
+        return torch.where(_rows(self.greedy, logits), raw, processed).softmax(-1).max(-1).values
+
+
+def _facts(params: Sequence[SamplingParams]) -> dict:
+    """`RowSampling`'s host facts of the rows' settings."""
+    greedy = [p.greedy for p in params]
+    return {"all_greedy": all(greedy), "any_greedy": any(greedy),
+            "filters": any(p.top_k > 0 or p.top_p < 1.0 for p in params if not p.greedy)}
+
+
+def _rows(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A per-row (B,) tensor (or a scalar) shaped to broadcast against `like` (B, ..., V)."""
+    return x.reshape(x.shape + (1,) * (like.dim() - x.dim()))
+
+
+# -- counter-based random numbers ------------------------------------------------------------------
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2^32 for x in [0, 2^32), split in 16-bit halves so int64 never overflows."""
+    high = (((x >> 16) * c) & 0xFFFF) << 16
+    return (high + (x & 0xFFFF) * c) & _MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (Wellons' "lowbias32"), on int64 tensors holding 32-bit values."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def uniforms(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:
+    """Uniform numbers in [0, 1) (float64, 32 random bits) keyed by (row seed, position, stream).
+
+    seeds: (B,) int64, one per row; positions: (B, T) int64 positions of the tokens being decided;
+    stream: DRAFT, ACCEPT or TARGET. Same key, same number; any key change gives an unrelated one.
+    """
+    seeds = seeds.to(torch.int64)[:, None]
+    h = _mix32((seeds & _MASK32) ^ 0x9E3779B9)
+    h = _mix32(h ^ ((seeds >> 32) & _MASK32) ^ 0x85EBCA6B)
+    h = _mix32(h ^ (positions.to(torch.int64) & _MASK32))
+    h = _mix32(h ^ (0xC2B2AE35 + stream))
+    return h.double() * 2.0**-32
+
+
+def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: (..., V) probabilities (need not sum to 1) and (...) uniforms -> (...) ids.
+
+    Never returns a zero-probability token: the cumulative sum is taken in float64 and the result
+    is clamped to the last token with positive probability.
+    """
+    cdf = probs.double().cumsum(-1)  # (..., V)
+    target = (u * cdf[..., -1])[..., None]
+    index = torch.searchsorted(cdf, target, right=True)[..., 0]
+    vocab = probs.shape[-1]
+    last_positive = vocab - 1 - (probs > 0).flip(-1).int().argmax(-1)
+    return torch.minimum(index, last_positive)
+
+
+def residual_probs(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """max(0, p − q) normalised over the vocabulary; p itself where that is all zero (p ≤ q everywhere)."""
+    residual = (p - q).clamp_min(0)
+    total = residual.sum(-1, keepdim=True)
+    return torch.where(total > 0, residual / total.clamp_min(torch.finfo(residual.dtype).tiny), p)
+
+
+# -- the accept/reject rule ------------------------------------------------------------------------
+def copied_probs(copied: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The draft distribution q of copied drafts (B, m): one-hot (B, m, V), since a copy is a
+    deterministic function of the context. With it `accept_sampled` accepts a copied token x with
+    probability p(x) and on rejection draws from p with x removed, renormalised."""
+    return F.one_hot(copied, vocab_size).float()
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(-1)`, the same ids. bf16/fp16 logits on CPU are widened to fp32 first (exactly,
+    so ties and NaNs pick the same index): torch's CPU argmax over a low-precision dtype is slower
+    than the widening and an fp32 argmax together (docs/performance.md)."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.bfloat16, torch.float16):
+        logits = logits.float()
+    return logits.argmax(-1)
+
+
+def accept_greedy(drafts: torch.Tensor, target_logits: torch.Tensor):
+    """Greedy verification: accept drafts while they equal the target's argmax.
+
+    drafts: (B, k); target_logits: (B, k+1, V), position i predicting the token after draft i
+    (position 0: after the pending token). Returns (tokens (B, k+1), accepted (B,)): a row emits
+    tokens[:accepted + 1], its accepted drafts (equal to the argmax) then the target's own token.
+    """
+    tokens = greedy_tokens(target_logits)  # (B, k+1)
+    matches = drafts == tokens[:, :-1]  # (B, k)
+    accepted = matches.int().cumprod(1).sum(1)  # length of the leading run of matches
+    return tokens, accepted
+
+
+def accept_sampled(drafts: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
+                   u_accept: torch.Tensor, u_target: torch.Tensor, live: int | None = None):
+    """Speculative sampling: accept draft i with probability min(1, p_i(d)/q_i(d)).
+
+    drafts: (B, k) drawn from q (B, k, V); p: (B, k+1, V) target probabilities; u_accept (B, k) and
+    u_target (B, k+1) uniforms. The first rejected position is replaced by a draw from the residual
+    max(0, p − q) normalised; after k acceptances the bonus token is drawn from p_k. Returns
+    (tokens (B, k+1), accepted (B,)) like `accept_greedy`. live: the drafts' columns that hold drafts
+    (None: all k), the rest padding of a fixed-shape pass: never accepted, and the column after the
+    last live one draws the bonus from p itself, so the decisions are those of the live drafts alone.
+    """
+    k = drafts.shape[1]
+    columns = torch.arange(k + 1, device=drafts.device)
+    real = columns < (k if live is None else live)  # (k+1,): the columns of real drafts
+    p_draft = p[:, :k].gather(-1, drafts[..., None])[..., 0]  # (B, k)
+    q_draft = q.gather(-1, drafts[..., None])[..., 0]  # (B, k), > 0: d was drawn from q
+    # u < p/q, without dividing
+    accepted = ((u_accept * q_draft < p_draft) & real[:k]).int().cumprod(1).sum(1)
+    # What the target emits at each position if the round stops there: the residual after a
+    # rejection at a draft's column, the bonus from p past the drafts. Drawn for all positions, kept
+    # at `accepted`.
+    fallback = torch.where(real[:, None], residual_probs(p, F.pad(q, (0, 0, 0, 1))), p)  # (B, k+1, V)
+    corrections = sample(fallback, u_target)  # (B, k+1)
+    keep_draft = columns < accepted[:, None]
+    tokens = torch.where(keep_draft, F.pad(drafts, (0, 1)), corrections)
+    return tokens, accepted
+
+
+def apply_mask(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Logits (..., V) with every token `mask` (..., V, bool) disallows at -inf (a grammar's). A row
+    whose logits keep no allowed finite value (a trimmed draft head outside the mask) becomes uniform
+    over the mask, so a draft is always one the grammar allows."""
+    if mask.device != logits.device:  # a host mask (the grammar's); a captured pass's is on the device
+        mask = mask.to(logits.device)
+    masked = logits.masked_fill(~mask, float("-inf"))
+    empty = ~torch.isfinite(masked).any(-1, keepdim=True)  # no host read: a where on every call
+    return torch.where(empty & mask, torch.zeros((), dtype=logits.dtype, device=logits.device), masked)
