@@ -75,7 +75,8 @@ class RowSampling:
     and one captured pass serves every setting (vLLM's per-request sampling).
 
     temperature: float32, 1 on greedy rows (their logits are left as they are); top_k: int64, 0 off;
-    top_p: float32, 1 off; greedy: bool, the rows that take the argmax (their distribution one-hot, so
+    top_p: float32, 1 off; greedy: bool, the rows that take the argmax; seeds: int64, each row's seed of
+    its counter-based random numbers (`uniforms`) (their distribution one-hot, so
     that speculative sampling's rule accepts exactly the drafts the argmax would: `accept_sampled` on
     one-hot p and q is `accept_greedy`). Host facts: all_greedy, whether every row is greedy (the
     batch then takes the greedy paths); any_greedy, whether some row is; filters, whether the
@@ -89,26 +90,30 @@ class RowSampling:
     top_k: torch.Tensor
     top_p: torch.Tensor
     greedy: torch.Tensor
+    seeds: torch.Tensor
     all_greedy: bool
     any_greedy: bool
     filters: bool
 
     @classmethod
-    def of(cls, params: Sequence[SamplingParams], device) -> RowSampling:
-        """The rows' settings `params` (one per row) on `device`."""
-        return cls(torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device),
-                   torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
-                   torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-                   torch.tensor([p.greedy for p in params], device=device), **_facts(params))
+    def of(cls, params: Sequence[SamplingParams], device, seeds: Sequence[int] | None = None) -> RowSampling:
+        """The rows' settings `params` and `seeds` (one each per row; None: zeros) on `device`: made when
+        rows start, join or leave, not every round."""
+        rows = [[1.0 if p.greedy else p.temperature for p in params], [p.top_k for p in params],
+                [p.top_p for p in params], [p.greedy for p in params]]
+        settings = torch.tensor(rows, dtype=torch.float64).to(device)  # exact for each value held
+        seeds = torch.tensor([0] * len(params) if seeds is None else list(seeds), dtype=torch.int64)
+        return cls(settings[0].float(), settings[1].long(), settings[2].float(), settings[3].bool(),
+                   seeds.to(device), **_facts(params))
 
     def select(self, keep: torch.Tensor, params: Sequence[SamplingParams]) -> RowSampling:
         """The rows `keep` (indices on the device) of these settings, `params` theirs on the host."""
         return RowSampling(self.temperature[keep], self.top_k[keep], self.top_p[keep], self.greedy[keep],
-                           **_facts(params))
+                           self.seeds[keep], **_facts(params))
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        """(temperature, top_k, top_p, greedy): what a captured pass takes as inputs."""
-        return self.temperature, self.top_k, self.top_p, self.greedy
+        """(temperature, top_k, top_p, greedy, seeds): what a captured pass takes as inputs."""
+        return self.temperature, self.top_k, self.top_p, self.greedy, self.seeds
 
     @classmethod
     def captured(cls, tensors: tuple[torch.Tensor, ...]) -> RowSampling:

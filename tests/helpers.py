@@ -155,14 +155,15 @@ def kernels_unavailable() -> None:
 
 def chat_generator(tiny_run: dict, **kwargs):
     """The servers' tests' generator: the tiny run's model with a ChatML template, the hybrid drafter at
-    E = 2, k = 3; `kwargs` go to `SelfSpecGenerator` (a prefix cache, say)."""
+    E = 2, k = 3; `kwargs` go to `SelfSpecGenerator` (a prefix cache, another drafter, say)."""
     from transformers import AutoModelForCausalLM
 
     from selfspec.decoding import SelfSpecGenerator
     tokenizer = type(tiny_run["tokenizer"]).from_pretrained(tiny_run["model"])
     tokenizer.chat_template = CHATML
     model = AutoModelForCausalLM.from_pretrained(tiny_run["model"]).eval()
-    return SelfSpecGenerator(model, tokenizer, exit_layer=2, num_speculations=3, drafter="hybrid", **kwargs)
+    kwargs = {"drafter": "hybrid", **kwargs}
+    return SelfSpecGenerator(model, tokenizer, exit_layer=2, num_speculations=3, **kwargs)
 
 
 def step_joining(generator, first: list, schedule: dict, **engine_kwargs):

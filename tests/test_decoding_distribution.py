@@ -77,12 +77,12 @@ def test_stopping_below_eta_keeps_the_target_distribution(model):
 @pytest.mark.parametrize("bug", [False, True])
 def test_the_graph_backends_sampled_rounds_match_the_target_distribution(model, bug, monkeypatch):
     """Static passes captured as graphs draw the drafts and decide the round on the device
-    (`draft_loop_sampled`, `verify_sampled`): the same test passes there, and fails on its own copy of
-    the acceptance with the residual unclipped (the test reaches that path, not a fallback). 4,000 runs:
-    every static pass is 16 positions wide, a plain step's 16 times the work on a CPU."""
-    from selfspec.backends import static_passes
+    (`draft_loop_sampled`, `verify_sampled`): the same test passes there, and fails with the residual
+    unclipped in the acceptance those passes capture (`sampling.accept_sampled`, the one every path
+    runs). 4,000 runs: every static pass is 16 positions wide, a plain step's 16 times the work on a
+    CPU."""
     if bug:
-        monkeypatch.setattr(static_passes, "residual_probs", _unclipped)
+        monkeypatch.setattr(sampling, "residual_probs", _unclipped)
     first, second = exact_distributions(model, SamplingParams(1.0, 0, 1.0))
     tokens, stats = sample_runs(model, "t1_k2", static_passes="graph", runs=4000, chunk=1000)
     assert stats.acceptance_rate < 0.7 and stats.rounds > 0

@@ -252,12 +252,12 @@ def test_a_copy_ends_where_its_clause_does_closed_as_the_grammar_allows(tokenize
     grammar = GrammarBatch(gen.grammar_tokenizer(), [Constraint.of(schema)])
     opening = tokenizer('{"name": "')["input_ids"]
     assert grammar.admit(np.array([opening])) == len(opening)
-    closed = gen.drafter.copies.closed(SimpleNamespace(grammar=grammar, lap=no_lap), copy)
+    closed = gen.runner.drafter.copies.closed(SimpleNamespace(grammar=grammar, lap=no_lap), copy)
     assert closed.shape[1] == end + 1 and tokenizer.decode(closed[0]).startswith('Maria Lopez"')
     assert '"age": ' in tokenizer.decode(grammar.forced(8)[0])  # the drafts went to the matcher
     grammar = GrammarBatch(gen.grammar_tokenizer(), [Constraint.of(regex="[A-Za-z ]+[0-9]*")])
     batch = SimpleNamespace(grammar=grammar, lap=no_lap)
-    assert gen.drafter.copies.closed(batch, copy).tolist() == copy[:, :end].tolist()
+    assert gen.runner.drafter.copies.closed(batch, copy).tolist() == copy[:, :end].tolist()
 
 
 def test_forced_runs_are_drafted_without_model_calls(tokenizer):

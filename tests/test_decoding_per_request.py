@@ -80,8 +80,8 @@ def test_a_graph_serves_every_setting(model, tokenizer):
     prompt = tokenizer("def f(x):")["input_ids"]
 
     def captures(sampling: SamplingParams) -> int:
-        generator.generate([prompt], max_new_tokens=12, temperature=sampling.temperature, top_k=sampling.top_k,
-                           top_p=sampling.top_p, seed=5, eos_token_id=[])
+        generator.generate([prompt], max_new_tokens=12, temperature=sampling.temperature,
+                           top_k=sampling.top_k, top_p=sampling.top_p, seed=5, eos_token_id=[])
         return sum(f.captures for key, f in generator.backend.passes._functions.items()
                    if key[0].endswith("sampled"))
 

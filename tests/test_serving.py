@@ -365,10 +365,9 @@ def test_a_lone_request_gets_the_same_tokens_however_many_rounds_a_call(generato
 
 
 def test_a_request_that_arrives_mid_decode_joins_the_running_batch(generator):
-    """Continuous batching: a job submitted while another decodes joins it at a round boundary (no wait
-    for the wave to end) and both get what they get alone; a job of another kind (sampled) waits for
-    the next wave, and no job behind it overtakes it. The two arrive right after the first's first
-    round (which runs alone), while it decodes."""
+    """Continuous batching: jobs submitted while another decodes join it at a round boundary (no wait
+    for the wave to end), whatever they ask (a sampled one too), and the greedy ones get what they get
+    alone. The two arrive right after the first's first round (which runs alone), while it decodes."""
     scheduler = Scheduler(generator, max_batch=4)
     scheduler.start()
     try:
@@ -390,14 +389,76 @@ def test_a_request_that_arrives_mid_decode_joins_the_running_batch(generator):
         deadline = time.time() + 120
         while any(job.finish_reason is None for job in (first, second, third)) and time.time() < deadline:
             time.sleep(0.01)
-        # joined counts rows admitted into a running generate call: the second ran beside the first
-        # (which may still end first, at its eos); the sampled third waited for that wave to end
-        assert scheduler.joined == 1
-        assert max(first.finished, second.finished) < third.first_token
+        # joined counts rows admitted into a running decode: both ran beside the first
+        assert scheduler.joined == 2 and scheduler.largest_wave == 3 and len(third.tokens) == 6
         for job in (first, second):
             assert job.tokens == generator.generate([job.prompt], max_new_tokens=job.max_tokens).sequences[0]
     finally:
         scheduler.stop()
+
+
+SETTINGS = [{"temperature": 0}, {"temperature": 0.8}, {"temperature": 1.0, "top_k": 5},
+            {"temperature": 0.7, "top_p": 0.9}]
+
+
+@pytest.fixture(scope="module")
+def early_exit(tiny_run):
+    """The tiny model's early exit at a fixed k: a sampled row's rounds depend on that row alone, so it
+    draws its seed's tokens in any batch (copies fill a row's shorter copy with drafts of its own)."""
+    return chat_generator(tiny_run, drafter="early_exit")
+
+
+def test_requests_with_four_settings_decode_in_one_batch_each_as_alone(early_exit):
+    scheduler = Scheduler(early_exit, max_batch=8)
+    contents = ["def f(x):", "import os", "class A:", "while True:"]
+    jobs = [Job(early_exit.chat_prompt([{"role": "user", "content": contents[i % 4]}]), max_tokens=12,
+                seed=20 + i, **SETTINGS[(i + i // 4) % 4]) for i in range(8)]
+    for job in jobs:  # all queued before the loop starts: one wave of 8 rows
+        scheduler.submit(job)
+    scheduler.start()
+    try:
+        deadline = time.time() + 120
+        while any(job.finish_reason is None for job in jobs) and time.time() < deadline:
+            time.sleep(0.01)
+    finally:
+        scheduler.stop()
+    assert scheduler.largest_wave == 8 and len({job.sampling for job in jobs}) == 4
+    for job in jobs:
+        s = job.sampling
+        expected = early_exit.generate([job.prompt], max_new_tokens=12, temperature=s.temperature,
+                                       top_k=s.top_k, top_p=s.top_p, seed=job.seed).sequences[0]
+        assert job.tokens == expected, s
+
+
+def test_concurrent_clients_with_their_own_settings_share_the_batch_over_http(early_exit):
+    """8 clients at once through uvicorn, four settings among them: each reply is the request's alone,
+    and the server's /metrics shows rows decoded together."""
+    port, app = free_port(), create_app(early_exit, NAME, AppOptions(max_batch=8))
+    server = run_in_thread(app, port)
+    try:
+        bodies = [chat(f"def f{i}(x):", max_tokens=48, seed=40 + i, **SETTINGS[i % 4]) for i in range(8)]
+        replies = [None] * 8
+
+        def ask(i):
+            replies[i] = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=bodies[i],
+                                    timeout=120).json()
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for body, reply in zip(bodies, replies):
+            settings = {k: body[k] for k in ("temperature", "top_k", "top_p") if k in body}
+            expected = alone(early_exit, body["messages"][0]["content"], 48, seed=body["seed"], **settings)
+            assert reply["choices"][0]["message"]["content"] == early_exit.tokenizer.decode(
+                expected, skip_special_tokens=True), body
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        (largest,) = [float(line.split()[1]) for line in metrics.splitlines()
+                      if line.startswith("selfspec_largest_batch ")]
+        assert largest >= 2
+    finally:
+        server.should_exit = True
 
 
 def test_a_client_that_leaves_mid_stream_frees_its_row(live, monkeypatch):

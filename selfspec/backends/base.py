@@ -82,12 +82,13 @@ class Backend:
         return None
 
     def draft_loop_sampled(self, exit_layer: int, token: torch.Tensor, cache, positions: torch.Tensor,
-                           head: tuple, k: int, eta: float, sampling, seeds: torch.Tensor):
+                           head: tuple, k: int, eta: float, sampling):
         """`draft_loop` for sampled decoding: each draft drawn from the draft head's distribution as
         `sampling` (the rows' own settings, a `sampling.RowSampling`) processes it, with the rows' random
-        numbers (`seeds` (B,), `sampling.uniforms`' DRAFT stream at the position the draft takes), as the
-        engine's own step draws it (`RoundPasses.pick`). Returns (drafts (B, s), their distributions
-        (B, s, V): the q the verification accepts against, exit states (B, s + 1, D)); or None."""
+        numbers (their `sampling.seeds`, `sampling.uniforms`' DRAFT stream at the position the draft
+        takes), as the engine's own step draws it (`RoundPasses.pick`). Returns (drafts (B, s), their
+        distributions (B, s, V): the q the verification accepts against, exit states (B, s + 1, D));
+        or None."""
         return None
 
     def draft_step(self, exit_layer: int, tokens: torch.Tensor, cache, positions: torch.Tensor, head: tuple,
@@ -123,11 +124,11 @@ class Backend:
         return None
 
     def verify_sampled(self, start: int, end: int, cache, positions: torch.Tensor, drafts: torch.Tensor,
-                       q: torch.Tensor, sampling, seeds: torch.Tensor, hidden: torch.Tensor | None = None,
+                       q: torch.Tensor, sampling, hidden: torch.Tensor | None = None,
                        tokens: torch.Tensor | None = None, allowed: torch.Tensor | None = None):
         """`verify_greedy` for sampled decoding: the same pass, then the target's probabilities as
         `sampling` (a `sampling.RowSampling`) processes them and `sampling.accept_sampled`'s rule against
-        the drafts' distributions `q` (B, T - 1, V), with the rows' random numbers (`seeds` (B,); ACCEPT
+        the drafts' distributions `q` (B, T - 1, V), with the rows' random numbers (their seeds; ACCEPT
         and TARGET streams at the positions decided, each slot's position + 1). Returns decided
         (B, T + 1); or None."""
         return None

@@ -63,17 +63,16 @@ class StaticBackend(Backend):
             return None
         return self.passes.verify_greedy(start, end, hidden, tokens, cache, drafts, allowed)
 
-    def draft_loop_sampled(self, exit_layer, token, cache, positions, head, k, eta, sampling, seeds):
+    def draft_loop_sampled(self, exit_layer, token, cache, positions, head, k, eta, sampling):
         if not self.adapter.uses_fast():
             return None
-        return self.passes.draft_loop_sampled(exit_layer, token, cache, head, k, eta, sampling, seeds)
+        return self.passes.draft_loop_sampled(exit_layer, token, cache, head, k, eta, sampling)
 
-    def verify_sampled(self, start, end, cache, positions, drafts, q, sampling, seeds, hidden=None,
-                       tokens=None, allowed=None):
+    def verify_sampled(self, start, end, cache, positions, drafts, q, sampling, hidden=None, tokens=None,
+                       allowed=None):
         if not self.adapter.uses_fast():
             return None
-        return self.passes.verify_sampled(start, end, hidden, tokens, cache, drafts, q, sampling, seeds,
-                                          allowed)
+        return self.passes.verify_sampled(start, end, hidden, tokens, cache, drafts, q, sampling, allowed)
 
 
 __all__ = ["StaticBackend"]

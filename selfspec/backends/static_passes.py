@@ -142,7 +142,7 @@ class StaticPasses:
         return (torch.stack(drafts[:count], 1) if count else token[:, None][:, :0]), hidden
 
     def draft_loop_sampled(self, exit_layer: int, token: torch.Tensor, cache, head: tuple, k: int, eta: float,
-                           sampling: RowSampling, seeds: torch.Tensor):
+                           sampling: RowSampling):
         """`Backend.draft_loop_sampled` on static passes: `draft_loop`'s k steps with each draft drawn from
         the processed draft distribution by the row's own random numbers (`sampling.uniforms`, stream
         DRAFT, at the position the draft takes), on the device: one graph in "graph" mode, whatever the
@@ -154,7 +154,7 @@ class StaticPasses:
             return None
         keys, values, _, cos, sin = slots
         loop = self._made("draft_loop_sampled", 0, exit_layer, head=head, steps=k)
-        drafts, q, tops, hidden = loop(token, keys, values, cache.positions[:, :k + 1], cos, sin, seeds,
+        drafts, q, tops, hidden = loop(token, keys, values, cache.positions[:, :k + 1], cos, sin,
                                        *sampling.tensors())
         count = k
         if eta:  # the first step where no row's draft reaches η ends the drafts: the round's one η read
@@ -164,7 +164,7 @@ class StaticPasses:
 
     def verify_sampled(self, start: int, end: int, hidden: torch.Tensor | None, tokens: torch.Tensor | None,
                        cache, drafts: torch.Tensor, q: torch.Tensor, sampling: RowSampling,
-                       seeds: torch.Tensor, allowed: torch.Tensor | None):
+                       allowed: torch.Tensor | None):
         """`Backend.verify_sampled` on static passes: the target's pass, head, masks, processed
         probabilities and `sampling.accept_sampled`'s rule with the rows' random numbers, in one pass of
         fixed shapes (a graph per k: the drafts padded inside it, never accepted past the k). decided
@@ -176,7 +176,7 @@ class StaticPasses:
         if allowed is not None:
             allowed = _pad(allowed.to(source.device))
         verify = self._made("verify_sampled", start, end, masked=allowed is not None)
-        out = verify(source, *slots, drafts, q, seeds, allowed, *sampling.tensors())
+        out = verify(source, *slots, drafts, q, allowed, *sampling.tensors())
         cache.written(start, end)
         return out
 
@@ -222,7 +222,8 @@ class StaticPasses:
                 def function(hidden, keys, values, positions, cos, sin):
                     return _blocks(blocks, windows, hidden, keys, values, positions, cos, sin)
             elif kind == "verify_sampled":
-                def function(source, keys, values, positions, cos, sin, drafts, q, seeds, allowed, *rows):
+                def function(source, keys, values, positions, cos, sin, drafts, q, allowed, *rows):
+                    sampling = RowSampling.captured(rows)
                     hidden = embedding[source] if source.dim() == 2 else source
                     hidden = _blocks(blocks, windows, hidden, keys, values, positions, cos, sin)
                     logits = F.linear(rms_norm(hidden, norm, eps), head_weight, head_bias)  # (B, W, V)
@@ -231,16 +232,15 @@ class StaticPasses:
                     # the k drafts padded to the pass's W - 1 columns, never accepted past the k; the
                     # token at slot position j is decided for position j + 1
                     k = drafts.shape[1]
-                    p = RowSampling.captured(rows).probs(logits)
                     tokens, accepted = accept_sampled(
-                        F.pad(drafts, (0, WIDTH - 1 - k)), F.pad(q, (0, 0, 0, WIDTH - 1 - k)), p,
-                        uniforms(seeds, positions[:, :-1] + 1, ACCEPT),
-                        uniforms(seeds, positions + 1, TARGET), live=k)
+                        F.pad(drafts, (0, WIDTH - 1 - k)), F.pad(q, (0, 0, 0, WIDTH - 1 - k)),
+                        sampling.probs(logits), uniforms(sampling.seeds, positions[:, :-1] + 1, ACCEPT),
+                        uniforms(sampling.seeds, positions + 1, TARGET), live=k)
                     return torch.cat([tokens[:, :k + 1], accepted[:, None].to(tokens.dtype)], 1)
             elif kind == "draft_loop_sampled":
                 weight, bias, ids, vocab = head
 
-                def function(token, keys, values, positions, cos, sin, seeds, *rows):
+                def function(token, keys, values, positions, cos, sin, *rows):
                     sampling = RowSampling.captured(rows)
                     drafts, qs, tops, hiddens = [], [], [], []
                     for i in range(steps + 1):  # positions (B, steps + 1): step i at column i
@@ -255,7 +255,8 @@ class StaticPasses:
                             (sub.shape[0], vocab), float("-inf")).index_copy(-1, ids, sub)
                         probs = sampling.probs(full)
                         # draft i takes position positions[:, i] + 1, drawn with that position's numbers
-                        token = sample(probs, uniforms(seeds, positions[:, i:i + 1] + 1, DRAFT)[:, 0])
+                        u = uniforms(sampling.seeds, positions[:, i:i + 1] + 1, DRAFT)[:, 0]
+                        token = sample(probs, u)
                         drafts.append(token)
                         qs.append(probs)
                         tops.append(sampling.top_probability(full))

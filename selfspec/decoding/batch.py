@@ -43,11 +43,10 @@ class Batch:
     rows: np.ndarray  # (B,) the caller's row index of each batch slot
     lengths: np.ndarray  # (B,) positions the cache holds = position of the pending token
     pending_host: np.ndarray  # (B,) the last emitted token, not yet run through the model
-    seeds_host: np.ndarray  # (B,) per-row random streams
-    lengths_dev: torch.Tensor = None  # (B,) device copies of the three arrays above
+    seeds_host: np.ndarray  # (B,) per-row random streams (on the device in `sampling.seeds`)
+    lengths_dev: torch.Tensor = None  # (B,) device copies of `lengths` and `pending_host`
     pending_dev: torch.Tensor = None
-    seeds_dev: torch.Tensor = None
-    _shared: np.ndarray = None  # on CPU: (3, B), the memory the three device tensors are views of
+    _shared: np.ndarray = None  # on CPU: (2, B), the memory the two device tensors are views of
     lap: object = no_lap  # `RoundProfile.lap` of a profiled call: charges the time since the last lap
 
     @property
@@ -89,18 +88,18 @@ class Batch:
         self.pending_host = np.concatenate([self.pending_host, new.pending_host])
         self.seeds_host = np.concatenate([self.seeds_host, new.seeds_host])
         self.params = self.params + new.params
-        self.sampling = RowSampling.of(self.params, self.steps.device)
+        self.sampling = RowSampling.of(self.params, self.steps.device, self.seeds_host)
 
     def upload(self, device) -> None:
         """Refresh the device copies. On CPU they are views of one host array, written in place: no
         tensor is made per round (a round reads them before the next upload)."""
         rows = len(self.lengths)
         if device.type != "cpu" or self._shared is None or self._shared.shape[1] != rows:
-            both = torch.from_numpy(np.stack([self.lengths, self.pending_host, self.seeds_host])).to(device)
+            both = torch.from_numpy(np.stack([self.lengths, self.pending_host])).to(device)
             self._shared = both.numpy() if device.type == "cpu" else None
-            self.lengths_dev, self.pending_dev, self.seeds_dev = both[0], both[1], both[2]
+            self.lengths_dev, self.pending_dev = both[0], both[1]
             return
-        self._shared[0], self._shared[1], self._shared[2] = self.lengths, self.pending_host, self.seeds_host
+        self._shared[0], self._shared[1] = self.lengths, self.pending_host
 
 
 def decided(tokens: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:

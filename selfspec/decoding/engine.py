@@ -3,7 +3,7 @@
 One decode call's state (its `Batch`, policy, statistics and every row's tokens so far), advanced a
 round at a time by the caller:
 
-    engine = Engine(generator, policy, CallOptions(settings, sampling, eos))
+    engine = Engine(runner, policy, CallOptions(settings, sampling, eos))
     row = engine.add(NewRow(prompt, max_new_tokens=64))
     while not engine.done:
         for out in engine.step():          # per running row: its new tokens, finished, drafts, accepted
@@ -17,8 +17,8 @@ row before the next round (its tokens so far stay). A step is one round for ever
 for a lone greedy row that the CPU kernels run, one compiled call of several rounds.
 `SelfSpecGenerator.generate` is a loop over these calls, its streamer and stop strings adapters around
 them; `SelfSpecGenerator.engine` makes one to step yourself (the server's scheduler does). The engine
-drives the generator's round machinery (`_round`, `_start`, `_join`, ...), which stays the generator's:
-one algorithm, whichever caller steps it.
+owns the decode's state and steps the model's `Runner` (`runner.py`: start, join, round, advance), the
+one algorithm whichever caller steps it.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from .grammar import GrammarBatch
 from .outputs import GenerationOutput, GenerationStats, NewRow, RoundCounts, RoundOutput
 from .policy import DraftPolicy
 from .profile import RoundProfile
+from .runner import Runner
 from .settings import DecodeSettings
 
 # A grammar's forced tokens a round may draft beyond the policy's k: they cost no model call, and a
@@ -71,7 +72,7 @@ class CallOptions:
 
     settings: how to draft (`DecodeSettings`); sampling: temperature, top-k, top-p of rows that bring
     none (`NewRow.sampling`); eos: the token ids (n,) that end a row; stops: strings that end a row that
-    brings none (the token completing one is kept; needs the generator's tokenizer); seed: the first
+    brings none (the token completing one is kept; needs the runner's tokenizer); seed: the first
     rows' seeds (an int: seed + row; a list; None: drawn, 0 for greedy rows), a request's own seed wins;
     grammar: whether the rows start under output constraints (a row that brings one later opens them);
     draft_max_rows: a greedy round of more rows drafts nothing (None: every round drafts);
@@ -94,13 +95,13 @@ class CallOptions:
 
 
 class Engine:
-    """A decode call that the caller steps (module docstring). generator: the `SelfSpecGenerator`;
+    """A decode call that the caller steps (module docstring). runner: the model's `Runner`;
     policy: the call's `DraftPolicy` (`SelfSpecGenerator._resolve`); options: `CallOptions`."""
 
-    def __init__(self, generator, policy: DraftPolicy, options: CallOptions):
-        self.gen, self.policy, self.options = generator, policy, options
+    def __init__(self, runner: Runner, policy: DraftPolicy, options: CallOptions):
+        self.runner, self.policy, self.options = runner, policy, options
         self.stats = GenerationStats(exit_layer=options.settings.exit_layer,
-                                     num_layers=generator.view.num_layers)
+                                     num_layers=runner.view.num_layers)
         self.requests: list[NewRow] = []  # every row's request, in the order of `add`
         self.joining: list[NewRow] = []  # added since the batch started, joining at the next step
         self.generated = np.zeros((0, 0), dtype=np.int64)  # (rows, most tokens) each row's tokens so far
@@ -110,7 +111,7 @@ class Engine:
         self.cancelled: set[int] = set()
         self.b = None  # the running rows (`batch.Batch`), once started
         self.laps = None  # the profile's laps (`profile`), from the first round on
-        self.clock = _Clock(generator.view.device)
+        self.clock = _Clock(runner.view.device)
         # a grammar's forced tokens may join any round once a row brings a constraint: room for them
         self.k_max = policy.k_max + (0 if options.settings.is_plain else FORCED_PER_ROUND)
         self.stops: list[tuple[str, ...]] = []  # each row's stop strings
@@ -124,7 +125,7 @@ class Engine:
         request = dataclasses.replace(  # the call's settings where the request brings none
             request, sampling=request.sampling or self.options.sampling,
             stop_strings=self.options.stops if request.stop_strings is None else tuple(request.stop_strings))
-        if request.stop_strings and self.gen.tokenizer is None:
+        if request.stop_strings and self.runner.tokenizer is None:
             raise UserError("stop strings need a tokenizer: SelfSpecGenerator(model, tokenizer, ...)")
         self.requests.append(request)
         self.stops.append(request.stop_strings)
@@ -148,7 +149,7 @@ class Engine:
         kernels): what each emitted. Starts the batch first, and lets the rows added since join."""
         # the backend's switches for this thread, a joining row's prefill included; a low-precision
         # model's rounds at one width
-        with self.gen.backend.active():
+        with self.runner.backend.active():
             if self.b is None:
                 self.start()
             if self.joining:
@@ -162,14 +163,14 @@ class Engine:
     def _step(self) -> list[RoundOutput]:
         """`step`'s round over the running rows, under the backend's switches."""
         b = self.b
-        with fixed_width(self.gen.fixed_width):
+        with fixed_width(self.runner.fixed_width):
             rows = b.rows
             fused = self._fused_rounds(rows)
             tokens, emit, finished, done = fused if fused is not None else self._round(rows)
             slots, cols = np.nonzero(np.arange(tokens.shape[1]) < emit[:, None])
             self.generated[rows[slots], self.counts[rows[slots]] + cols] = tokens[slots, cols]
             if any(self.stops[row] for row in rows):
-                finished |= self.gen._cut_at_stop_strings([self.stops[row] for row in rows], self.generated,
+                finished |= self.runner.cut_at_stop_strings([self.stops[row] for row in rows], self.generated,
                                                           rows, self.counts[rows], emit)
             self.counts[rows] += emit
             b.lap("other")
@@ -178,22 +179,22 @@ class Engine:
             outputs = [RoundOutput(int(row), tokens[slot, :emit[slot]].tolist(), bool(finished[slot]),
                                    int(done.passes[slot]), int(done.drafted[slot]), int(done.accepted[slot]))
                        for slot, row in enumerate(rows)]
-            self.gen._advance(b, tokens, emit, keep=~finished)
+            self.runner.advance(b, tokens, emit, keep=~finished)
             b.lap("rollback")
-            if self.gen.check_cache:
+            if self.runner.check_cache:
                 b.cache.check(self.prompt_lengths[b.rows] - 1 + self.counts[b.rows])
                 b.lap("other")
         return outputs
 
     def output(self) -> GenerationOutput:
         """Every row's tokens and the call's statistics, as `generate` returns them."""
-        stats, gen = self.stats, self.gen
+        stats, runner = self.stats, self.runner
         stats.fold_rounds()
         stats.generated_tokens = int(self.counts.sum())
         stats.total_time = time.perf_counter() - self.wall
         stats.profile = None if self.laps is None else self.laps.seconds
         sequences = [self.generated[row, :self.counts[row]].tolist() for row in range(len(self.counts))]
-        texts = [gen.tokenizer.decode(s) for s in sequences] if gen.tokenizer is not None else None
+        texts = [runner.tokenizer.decode(s) for s in sequences] if runner.tokenizer is not None else None
         grammars = None if self.b is None else self.b.grammar
         if grammars is None:
             return GenerationOutput(sequences, stats, texts)
@@ -204,24 +205,24 @@ class Engine:
     @torch.inference_mode()
     def start(self) -> None:
         """Prefill the rows added so far, together: the batch the steps decode."""
-        with self.gen.backend.active():
+        with self.runner.backend.active():
             self._start()
 
     def _start(self) -> None:
-        gen, options, requests = self.gen, self.options, self.requests
+        runner, options, requests = self.runner, self.options, self.requests
         if not requests:
             raise UserError("an engine starts with at least one request: add one first")
         for request in requests:
-            gen._check_positions(len(request.prompt), request.max_new_tokens)
+            runner.check_positions(len(request.prompt), request.max_new_tokens)
         prompts = [list(r.prompt) for r in requests]
         params = [r.sampling for r in requests]
         self.policy.start(prompts)
         seed = options.seed
         if any(r.seed is not None for r in requests):
-            drawn = gen._seeds(seed, len(requests), all(p.greedy for p in params))
+            drawn = runner.seeds(seed, len(requests), all(p.greedy for p in params))
             seed = [drawn[i] if r.seed is None else r.seed for i, r in enumerate(requests)]
         capacity = max(len(p) + r.max_new_tokens for p, r in zip(prompts, requests)) + self.k_max + 1
-        self.b = gen._start(prompts, params, seed, options.settings, capacity=capacity)
+        self.b = runner.start(prompts, params, seed, options.settings, capacity=capacity)
         if options.grammar or any(r.constraint is not None for r in requests):
             self._open_grammars()
         self._grow(len(requests))
@@ -241,7 +242,7 @@ class Engine:
         rounds = (1 if options.watched else max(1, options.rounds_per_step)
                   if options.rounds_per_step is not None else most if self.fixed else ADAPT_ROUNDS)
         self.rounds_per_call = rounds if self.fixed else min(rounds, ADAPT_ROUNDS)
-        self.one_call = self.gen._rounds_in_one_call(self.b, policy, self.rounds_per_call)
+        self.one_call = self.runner.fuses(self.b, policy, self.rounds_per_call)
 
     def _grow(self, rows: int) -> None:
         """Room in the per-row arrays for `rows` more rows (the newest requests)."""
@@ -259,12 +260,12 @@ class Engine:
         forced tokens, and copies match on the text too (a reply spells what it copies with other tokens
         than the prompt: a value after a quote, not a space). Not without one: the compiled rounds copy
         on tokens, and every path must draft alike."""
-        gen, b = self.gen, self.b
+        runner, b = self.runner, self.b
         started = len(self.requests) - len(self.joining)
-        grammars = GrammarBatch(gen.grammar_tokenizer(), [r.constraint for r in self.requests[:started]])
+        grammars = GrammarBatch(runner.grammar_tokenizer(), [r.constraint for r in self.requests[:started]])
         grammars.select_rows(b.rows)  # the running rows' slots (caller rows ascending)
         b.grammar = grammars
-        self.policy.match_text(gen.token_text)
+        self.policy.match_text(runner.token_text)
 
     def _drop_cancelled(self) -> None:
         """Cancelled rows leave the batch before the round (one cancelled while waiting to join has
@@ -272,14 +273,14 @@ class Engine:
         keep = ~np.isin(self.b.rows, list(self.cancelled))
         self.cancelled.clear()  # gone from the batch: a row never comes back
         if not keep.all():
-            self.gen._keep_rows(self.b, keep)
+            self.runner.keep_rows(self.b, keep)
 
     def _join(self) -> None:
         if self.b.grammar is None and any(r.constraint is not None for r in self.joining):
             self._open_grammars()
         joining, self.joining = self.joining, []
         first = len(self.requests) - len(joining)
-        self.gen._join(self.b, joining, first, self.policy, self.options.settings, self.k_max)
+        self.runner.join(self.b, joining, first, self.policy, self.options.settings, self.k_max)
         self._grow(len(joining))
         self.b.lap("other")
 
@@ -293,7 +294,7 @@ class Engine:
         b = self.b
         if not (self.one_call and len(rows) == 1 and b.sampling.all_greedy and b.grammar is None):
             return None
-        gen, row = self.gen, int(rows[0])
+        runner, row = self.runner, int(rows[0])
         drafts = self.policy.fused_drafts(row)
         if self._plain(rows):  # draft_max_rows = 0: plain steps, in the same compiled call
             drafts = FusedDrafts(k=0)
@@ -302,10 +303,10 @@ class Engine:
         # a row's first round alone: its first token reaches the caller without delay
         watched = self.options.rounds_per_step is not None
         most = 1 if watched and not self.counts[row] else self.rounds_per_call
-        limit = gen.view.max_positions
+        limit = runner.view.max_positions
         if limit is not None and int(b.lengths[0]) + remaining + reach >= limit:
             return None
-        fused = gen._greedy_rounds(b, drafts, self.options.eos, remaining, most, self.stats, self.policy,
+        fused = runner.fused_rounds(b, drafts, self.options.eos, remaining, most, self.stats, self.policy,
                                    self.laps)
         if fused is None:  # the kernels declined: rounds from Python from now on
             self.one_call = False
@@ -313,19 +314,19 @@ class Engine:
 
     def _round(self, rows: np.ndarray):
         """One round from Python: draft, verify, accept; (tokens, emit, finished, `RoundCounts`)."""
-        gen, policy, b, stats = self.gen, self.policy, self.b, self.stats
+        runner, policy, b, stats = self.runner, self.policy, self.b, self.stats
         plan = policy.plan(rows)
         cap = policy.k_max + (FORCED_PER_ROUND if b.forces else 0)
-        if gen.backend.max_pass_positions is not None:  # a round's k + 1 positions in one pass
-            cap = min(cap, gen.backend.max_pass_positions - 1)
-        limit = gen.view.max_positions
+        if runner.backend.max_pass_positions is not None:  # a round's k + 1 positions in one pass
+            cap = min(cap, runner.backend.max_pass_positions - 1)
+        limit = runner.view.max_positions
         if limit is not None:  # no draft beyond the last position the model has (GPT-2's table)
             cap = min(cap, limit - 1 - int(b.lengths.max()))
         if self._plain(rows):
             cap = 0  # a plain step: see draft_max_rows
         plan = plan.truncate(cap)
         b.lap("policy")
-        decided, (start, drafted, verified), draft = gen._round(b, plan, policy, self.clock, cap)
+        decided, (start, drafted, verified), draft = runner.round(b, plan, policy, self.clock, cap)
         stats.stopped_below_eta += draft.stopped
         host = decided.cpu().numpy()  # the round's one host sync
         tokens, accepted = host[:, :-1], host[:, -1]
@@ -334,11 +335,11 @@ class Engine:
         draft_time, verify_time = clock.seconds(start, drafted), clock.seconds(drafted, verified)
         if not draft.segments:  # a plain step, also one whose E blocks ran before η stopped the draft
             draft_time, verify_time = 0.0, draft_time + verify_time
-        gen._record(stats, draft.segments, accepted, draft_time, verify_time)
+        runner.record(stats, draft.segments, accepted, draft_time, verify_time)
         b.lap("statistics")
         policy.update(draft.segments, accepted, draft_time, verify_time)
         b.lap("policy")
-        emit, finished = gen._emit_counts(tokens, accepted, self.counts[rows], self.limits[rows],
+        emit, finished = runner.emit_counts(tokens, accepted, self.counts[rows], self.limits[rows],
                                           self.options.eos)
         done = RoundCounts(np.ones(len(rows), dtype=np.int64),
                            np.full(len(rows), tokens.shape[1] - 1, dtype=np.int64), accepted)

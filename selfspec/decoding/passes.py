@@ -62,7 +62,7 @@ class RoundPasses:
         or its draw by its own settings (a greedy row's one-hot distribution draws its argmax)."""
         if b.sampling.all_greedy:
             return greedy_tokens(logits)
-        return sample(b.sampling.probs(logits), uniforms(b.seeds_dev, position, DRAFT)[:, 0])
+        return sample(b.sampling.probs(logits), uniforms(b.sampling.seeds, position, DRAFT)[:, 0])
 
     @staticmethod
     def unsure(b: Batch, logits: torch.Tensor) -> bool:

@@ -151,7 +151,7 @@ class EarlyExitProposer:
             q = None
         else:  # each draft drawn with the row's numbers from q, which the verification accepts against
             out = backend.draft_loop_sampled(b.exit_layer, b.pending_dev, b.cache, place["positions"],
-                                             b.loop_head, k, b.stop_below, b.sampling, b.seeds_dev)
+                                             b.loop_head, k, b.stop_below, b.sampling)
             if out is not None:
                 drafts, q, hidden = out
                 out = drafts, hidden

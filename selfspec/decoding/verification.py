@@ -57,8 +57,8 @@ class Verifier:
             return decided(*accept_greedy(draft.tokens, p_logits))
         positions = b.lengths_dev[:, None] + b.steps[1:k + 2]  # (B, k+1): positions n+1 .. n+k+1
         return decided(*accept_sampled(draft.tokens, self._q(b, draft), b.sampling.probs(p_logits),
-                                       uniforms(b.seeds_dev, positions[:, :k], ACCEPT),
-                                       uniforms(b.seeds_dev, positions, TARGET)))
+                                       uniforms(b.sampling.seeds, positions[:, :k], ACCEPT),
+                                       uniforms(b.sampling.seeds, positions, TARGET)))
 
     def _q(self, b: Batch, draft: Draft) -> torch.Tensor:
         """The drafts' distributions (B, k, V): one-hot for copied and forced drafts (deterministic given
@@ -88,7 +88,7 @@ class Verifier:
                 return backend.verify_greedy(start, num_layers, b.cache, positions, draft.tokens,
                                              allowed=allowed, **source)
             return backend.verify_sampled(start, num_layers, b.cache, positions, draft.tokens, q, b.sampling,
-                                          b.seeds_dev, allowed=allowed, **source)
+                                          allowed=allowed, **source)
 
         if not draft.hiddens and b.exit_block is None:  # a whole-model call
             return call(0, tokens=draft.tail)

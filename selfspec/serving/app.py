@@ -176,6 +176,7 @@ class _Handlers:
         self.scheduler = Scheduler(generator, max_batch=options.max_batch, max_queue=options.max_queue,
                                    rounds_per_call=options.rounds_per_call, draft_max_rows=draft_max_rows,
                                    on_wave=self.metrics.wave_done)
+        self.metrics.largest_batch.set_function(lambda: self.scheduler.largest_wave)
         self.drafter = generator.settings.drafter
         self.pool: list[ThreadPoolExecutor] = []  # the worker pool, made at the lifespan's start or first use
 

@@ -34,6 +34,9 @@ class Metrics:
         self.queue = Gauge("selfspec_queue_depth", "requests waiting for a wave", registry=r)
         self.wave = Histogram("selfspec_wave_size", "requests decoded together",
                               buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
+        # every request joins the running batch whatever it asks (its own sampling, seed, schema)
+        self.largest_batch = Gauge("selfspec_largest_batch", "the most requests decoded in one round since "
+                                   "start", registry=r)
         self.first_token = Histogram("selfspec_time_to_first_token_seconds", "submit to the first token",
                                      buckets=LATENCY_BUCKETS, registry=r)
         self.latency = Histogram("selfspec_request_latency_seconds", "submit to the last token",

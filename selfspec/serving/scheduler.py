@@ -1,13 +1,13 @@
 """One decode loop for every request: jobs wait in a bounded queue and decode together, joining the
 batch at round boundaries (continuous batching).
 
-A wave is one `Engine` (`decoding.engine`) that this loop steps: it starts with the waiting jobs that can
-decode together (the same sampling parameters, temperature, top-k, top-p, since the engine samples a
-batch with one setting; all under a JSON schema or none), as many as `max_batch`, whose prompts and token
-limits fit the model's positions together. Before every step jobs that arrived since and fit the wave
-join it, prefilled apart, up to `max_batch` running rows. Rows accept different numbers of drafts each
-round, and a row's tokens do not depend on the other rows nor on when it joined (greedy; sampled rows
-each draw from their own seed). After every step each job takes its row's new tokens (`RoundOutput`),
+A wave is one `Engine` (`decoding.engine`) that this loop steps: it starts with the waiting jobs, as many
+as `max_batch` whose prompts and token limits fit the model's positions together, whatever each asks
+(every request brings its own sampling settings, seed and JSON schema or none: `NewRow`). Before every
+step jobs that arrived since join it, prefilled apart, up to `max_batch` running rows. Rows accept
+different numbers of drafts each round, and a row's tokens do not depend on the other rows nor on when
+it joined (greedy; sampled rows each draw from their own seed where their rounds depend on them alone:
+the early exit at a fixed k). After every step each job takes its row's new tokens (`RoundOutput`),
 streams the text it can already show, and when it is done (its own `max_tokens`, a stop string, or a
 client that went away) its row is cancelled, leaving before the next round. The wave ends when no row
 runs and no job can join; the next waiting job starts the next.
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..decoding import Constraint, NewRow
+from ..decoding import Constraint, NewRow, SamplingParams
 from ..decoding.engine import ADAPT_ROUNDS
 from ..errors import UserError
 
@@ -149,22 +149,18 @@ class Job:
                              f"top_p {self.top_p}")
 
     @property
-    def sampling(self) -> tuple:
+    def sampling(self) -> SamplingParams:
         """The sampling parameters as the engine takes them (greedy: one setting)."""
         if self.temperature < GREEDY_BELOW:
-            return (0.0, 0, 1.0)
-        return (self.temperature, self.top_k, self.top_p)
-
-    @property
-    def kind(self) -> tuple:
-        """The wave key: jobs decode together only with the same sampling parameters, and all under a
-        schema or none (a grammar changes how the whole batch drafts)."""
-        return self.sampling, self.schema is not None
+            return SamplingParams()
+        return SamplingParams(self.temperature, self.top_k, self.top_p)
 
     def row(self) -> NewRow:
-        """This job as a request to the wave's engine (`Engine.add`)."""
+        """This job as a request to the wave's engine (`Engine.add`): its prompt, limit, seed, schema and
+        sampling settings, its own whatever its batch-mates ask."""
         return NewRow(self.prompt, self.max_tokens, self.draw if self.seed is None else self.seed,
-                      None if self.schema is None else Constraint.of(json_schema=self.schema))
+                      None if self.schema is None else Constraint.of(json_schema=self.schema),
+                      sampling=self.sampling)
 
     def _send(self, *event) -> None:
         if self.loop is not None:
@@ -234,7 +230,7 @@ class Job:
         False when it cannot be resumed exactly: a sampled row that has streamed text (its retry draws
         the same numbers, but a batch of other rows may place its rounds elsewhere, and so its tokens).
         A greedy row's tokens are the same in any batch: the text already sent is not sent again."""
-        if self.sampling[0] and self.sent:
+        if not self.sampling.greedy and self.sent:
             return False
         self.tokens, self.passes, self.drafted, self.accepted = [], 0, 0, 0
         return True
@@ -366,7 +362,7 @@ class Scheduler:
         self.round_seconds = per_round if old is None else 0.7 * old + 0.3 * per_round
 
     def _next_wave(self) -> list[Job] | None:
-        """The oldest job and the waiting jobs that can decode with it (None when closing)."""
+        """The oldest waiting jobs that fit the model's positions together (None when closing)."""
         with self.ready:
             while not self.queue and not self.closing:
                 if not self.freed:
@@ -375,12 +371,11 @@ class Scheduler:
                     self._release_when_idle()
             if self.closing:
                 return None
-            first = self.queue[0]
             wave = []
             for job in list(self.queue):
                 fits = self.limit is None or (max(len(j.prompt) for j in [*wave, job])
                                               + max(j.max_tokens for j in [*wave, job]) <= self.limit)
-                joins = len(wave) < self.max_batch and job.kind == first.kind and fits
+                joins = len(wave) < self.max_batch and fits
                 if job.cancelled:
                     self._drop(job)
                 elif joins:
@@ -427,17 +422,14 @@ class Scheduler:
                 self.freed = True
 
     def _decode(self, wave: list[Job], admitting: bool = True) -> None:
-        """Decode `wave` on one engine (`decoding.Engine`), stepped here: jobs of its kind join it at
-        round boundaries while `admitting`, a job whose client went away or whose text ended (a stop
+        """Decode `wave` on one engine (`decoding.Engine`), stepped here: waiting jobs join it at round
+        boundaries while `admitting`, a job whose client went away or whose text ended (a stop
         string) is cancelled; when a step fails, `_isolate` finds the failing row."""
         self.largest_wave = max(self.largest_wave, len(wave))
         self.active = wave
-        temperature, top_k, top_p = wave[0].sampling
         failure, out = None, None
         try:
-            engine = self.generator.engine(temperature=temperature, top_k=top_k, top_p=top_p,
-                                           structured=any(job.schema is not None for job in wave),
-                                           rounds_per_step=self.call_rounds(),
+            engine = self.generator.engine(rounds_per_step=self.call_rounds(),
                                            draft_max_rows=self.draft_max_rows)
             jobs = {engine.add(job.row()): job for job in wave}  # the engine's row -> its job
             last = None  # when the previous step returned, while one row decodes alone
@@ -473,8 +465,8 @@ class Scheduler:
 
     def _admitted(self, wave: list[Job]) -> list[Job]:
         """The waiting jobs that join the wave now (appended to it), oldest first, while fewer than
-        max_batch rows run: up to the first of another kind (it starts the next wave: nothing overtakes it
-        for long)."""
+        max_batch rows run: up to the first that does not fit the model's positions (it starts the next
+        wave: nothing overtakes it for long)."""
         running = sum(job.finish_reason is None for job in wave)
         joining = []
         with self.ready:
@@ -482,7 +474,7 @@ class Scheduler:
                 if job.cancelled:
                     self._drop(job)
                     continue
-                if (running + len(joining) >= self.max_batch or self.closing or job.kind != wave[0].kind
+                if (running + len(joining) >= self.max_batch or self.closing
                         or (self.limit is not None and len(job.prompt) + job.max_tokens > self.limit)):
                     break
                 self.queue.remove(job)
