@@ -91,7 +91,7 @@ def test_bf16_static_speculative_output_equals_static_plain_output(mode):
     the fixed width that other bf16 passes need."""
     model = low_alpha_model("llama").to(torch.bfloat16)
     generator = SelfSpecGenerator(model, exit_layer=2, static_passes=mode)
-    generator.fixed_width = False
+    generator.runner.fixed_width = False
     prompts = BATCHES["ragged"]
     plain = generator.generate(prompts, max_new_tokens=24, eos_token_id=[], num_speculations=0)
     for k in (2, 5):
@@ -106,8 +106,8 @@ def test_the_cache_buffers_are_kept_per_batch_size_and_length_bucket(monkeypatch
     model = low_alpha_model("llama")
     generator = SelfSpecGenerator(model, exit_layer=2, static_passes="eager")
     made = []
-    cache = generator._cache
-    monkeypatch.setattr(generator, "_cache", lambda *args: made.append(cache(*args)) or made[-1])
+    cache = generator.runner.new_cache
+    monkeypatch.setattr(generator.runner, "new_cache", lambda *args: made.append(cache(*args)) or made[-1])
     prompts = BATCHES["one"]
     first = generator.generate(prompts, max_new_tokens=NEW, eos_token_id=[], num_speculations=3)
     again = generator.generate(prompts, max_new_tokens=NEW - 3, eos_token_id=[], num_speculations=3)

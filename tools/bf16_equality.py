@@ -47,7 +47,7 @@ def main() -> None:
     print("|---|---:|---:|---|")
     results = {}
     for fixed in (True, False):
-        generator.fixed_width = fixed
+        generator.runner.fixed_width = fixed
         plain = [generator.generate([p], max_new_tokens=args.max_new_tokens, num_speculations=0,
                                     eos_token_id=[]).sequences[0] for p in prompts]
         for name, method in METHODS.items():

@@ -18,12 +18,14 @@ function of fixed shapes:
 - the draft loop is k calls of one draft step, each feeding its argmax to the next on the device; η
   is read once after the loop (the steps past it ran for nothing, their keys stale and hidden).
 
-Functions per block range, made once each (`_made`): `run` (blocks [start, end) on hidden
-states: a pass the engine runs from Python), `verify` (+ final norm, LM head, a grammar's masks,
-argmax and the accepted prefix), `draft_step` (embedding, blocks [0, E), final norm, draft head,
-argmax, top probability), `draft_loop` (k draft steps and the last draft's pass), and for sampled
-decoding `draft_loop_sampled` and `verify_sampled` (each draft drawn, and the round accepted, with the
-rows' counter-based random numbers). In "eager" mode they run as written (any device: the tests' reference);
+Functions per block range, made once each (`_made`, one maker per kind in `_KINDS`): `run` (blocks
+[start, end) on hidden states: a pass the engine runs from Python), `verify` (+ final norm, LM head, a
+grammar's masks and `sampling.accept_greedy`), `draft_step` (embedding, blocks [0, E), final norm, draft
+head, argmax, top probability), `draft_loop` (k draft steps and the last draft's pass), and for sampled
+decoding `draft_loop_sampled` and `verify_sampled` (each draft drawn, and the round accepted by
+`sampling.accept_sampled`, with each row's own settings and counter-based random numbers, taken as
+tensors: one function for every setting). The acceptance, the masks and the sampling are the
+engine's own functions (`selfspec.sampling`), captured here, not copies. In "eager" mode they run as written (any device: the tests' reference);
 in "compile" mode through `torch.compile(fullgraph=True, dynamic=False)`, with CUDA graphs
 (`mode="reduce-overhead"`) on a GPU, the cache's buffers and the weights marked as static addresses
 so that graph replays write the cache in place. The engine keeps its caches' buffers in a
@@ -38,6 +40,7 @@ round differently from the CPU kernels' (a decode is all static or all not).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -212,90 +215,13 @@ class StaticPasses:
 
     def _made(self, kind: str, start: int, end: int, head: tuple | None = None, masked: bool = False,
               steps: int = 0):
+        """The function of pass `kind` over blocks [start, end) (`_KINDS`), made once per key and run as
+        the mode says (as written, compiled, or captured as a graph)."""
         key = (kind, start, end, masked, None if head is None else id(head[0]), steps)
         if key not in self._functions:
-            blocks = self.fast.blocks[start:end]
-            windows = self.windows[start:end]
-            norm, eps, head_weight, head_bias = self.fast.head
-            embedding = self.embedding
-            if kind == "run":
-                def function(hidden, keys, values, positions, cos, sin):
-                    return _blocks(blocks, windows, hidden, keys, values, positions, cos, sin)
-            elif kind == "verify_sampled":
-                def function(source, keys, values, positions, cos, sin, drafts, q, allowed, *rows):
-                    sampling = RowSampling.captured(rows)
-                    hidden = embedding[source] if source.dim() == 2 else source
-                    hidden = _blocks(blocks, windows, hidden, keys, values, positions, cos, sin)
-                    logits = F.linear(rms_norm(hidden, norm, eps), head_weight, head_bias)  # (B, W, V)
-                    if allowed is not None:
-                        logits = apply_mask(logits, allowed)
-                    # the k drafts padded to the pass's W - 1 columns, never accepted past the k; the
-                    # token at slot position j is decided for position j + 1
-                    k = drafts.shape[1]
-                    tokens, accepted = accept_sampled(
-                        F.pad(drafts, (0, WIDTH - 1 - k)), F.pad(q, (0, 0, 0, WIDTH - 1 - k)),
-                        sampling.probs(logits), uniforms(sampling.seeds, positions[:, :-1] + 1, ACCEPT),
-                        uniforms(sampling.seeds, positions + 1, TARGET), live=k)
-                    return torch.cat([tokens[:, :k + 1], accepted[:, None].to(tokens.dtype)], 1)
-            elif kind == "draft_loop_sampled":
-                weight, bias, ids, vocab = head
-
-                def function(token, keys, values, positions, cos, sin, *rows):
-                    sampling = RowSampling.captured(rows)
-                    drafts, qs, tops, hiddens = [], [], [], []
-                    for i in range(steps + 1):  # positions (B, steps + 1): step i at column i
-                        hidden = embedding[token][:, None].expand(-1, WIDTH, -1)  # (B, W, D)
-                        hidden = _blocks(blocks, windows, hidden, keys, values,
-                                         positions[:, i:i + 1].expand(-1, WIDTH).contiguous(), cos, sin)[:, 0]
-                        hiddens.append(hidden)
-                        if i == steps:  # the last draft's pass: its exit state only
-                            break
-                        sub = F.linear(rms_norm(hidden, norm, eps), weight, bias)  # (B, V')
-                        full = sub if ids is None else sub.new_full(  # (B, V): -inf off a trimmed head's
-                            (sub.shape[0], vocab), float("-inf")).index_copy(-1, ids, sub)
-                        probs = sampling.probs(full)
-                        # draft i takes position positions[:, i] + 1, drawn with that position's numbers
-                        u = uniforms(sampling.seeds, positions[:, i:i + 1] + 1, DRAFT)[:, 0]
-                        token = sample(probs, u)
-                        drafts.append(token)
-                        qs.append(probs)
-                        tops.append(sampling.top_probability(full))
-                    # (B, steps) drafts, (B, steps, V) their q, (steps, B) top probabilities, exit states
-                    return (torch.stack(drafts, 1), torch.stack(qs, 1), torch.stack(tops),
-                            torch.stack(hiddens, 1))
-            elif kind == "verify":
-                def function(source, keys, values, positions, cos, sin, drafts, allowed):
-                    hidden = embedding[source] if source.dim() == 2 else source
-                    hidden = _blocks(blocks, windows, hidden, keys, values, positions, cos, sin)
-                    logits = F.linear(rms_norm(hidden, norm, eps), head_weight, head_bias)  # (B, W, V)
-                    if allowed is not None:
-                        logits = apply_mask(logits, allowed)
-                    return accept_greedy(drafts, logits)  # (B, W) targets, (B,) accepted
-            else:
-                weight, bias, ids, _ = head
-
-                def step(token, keys, values, positions, cos, sin):
-                    hidden = embedding[token][:, None].expand(-1, WIDTH, -1)  # (B, W, D)
-                    hidden = _blocks(blocks, windows, hidden, keys, values, positions, cos, sin)[:, 0]
-                    logits = F.linear(rms_norm(hidden, norm, eps), weight, bias).float()  # (B, V')
-                    top, pick = torch.softmax(logits, -1).max(-1)
-                    return (pick if ids is None else ids[pick]), top, hidden
-
-                if kind == "draft":
-                    function = step
-                else:  # "draft_loop": `steps` drafts then the last one's pass, the argmax fed on the device
-                    def function(token, keys, values, positions, cos, sin):
-                        drafts, tops, hiddens = [], [], []
-                        for i in range(steps + 1):  # positions (B, steps + 1): step i at column i
-                            token, top, hidden = step(token, keys, values,
-                                                      positions[:, i:i + 1].expand(-1, WIDTH).contiguous(),
-                                                      cos, sin)
-                            drafts.append(token)
-                            tops.append(top)
-                            hiddens.append(hidden)
-                        # (B, steps) drafts, (steps, B) their top probabilities, (B, steps + 1, D) states
-                        return (torch.stack(drafts[:steps], 1), torch.stack(tops[:steps]),
-                                torch.stack(hiddens, 1))
+            model = _Slice(self.fast.blocks[start:end], self.windows[start:end], *self.fast.head,
+                           self.embedding)
+            function = _KINDS[kind](model, head, steps)
             if self.mode == "graph":
                 function = CapturedPass(function, static=(1, 2), device=self.embedding.device)
             elif self.mode == "compile":
@@ -312,6 +238,129 @@ class StaticPasses:
         norm, _, head_weight, head_bias = self.fast.head
         blocks = [t for b in self.fast.blocks for t in b.tensors() if t is not None]
         return [t for t in (*blocks, norm, head_weight, head_bias, self.embedding) if t is not None]
+
+
+@dataclass(frozen=True)
+class _Slice:
+    """What a static pass reads of the model: blocks [start, end) with their attention windows, the final
+    norm (weight, eps) and LM head (weight, bias), and the token embedding table (V, D)."""
+
+    blocks: list
+    windows: tuple
+    norm: torch.Tensor
+    eps: float
+    head_weight: torch.Tensor
+    head_bias: torch.Tensor | None
+    embedding: torch.Tensor
+
+    def run(self, source, keys, values, positions, cos, sin) -> torch.Tensor:
+        """The blocks on `source`: token ids (B, W) embedded, or hidden states (B, W, D)."""
+        hidden = self.embedding[source] if source.dim() == 2 else source
+        return _blocks(self.blocks, self.windows, hidden, keys, values, positions, cos, sin)
+
+    def logits(self, hidden: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
+        """The final norm and LM head on hidden (B, W, D), a grammar's masks `allowed` (B, W, V) applied."""
+        logits = F.linear(rms_norm(hidden, self.norm, self.eps), self.head_weight, self.head_bias)
+        return logits if allowed is None else apply_mask(logits, allowed)
+
+    def one_position(self, token, keys, values, position, cos, sin) -> torch.Tensor:
+        """A draft step's pass: `token` (B,) at `position` (B, 1), the pass's W rows all that one
+        position (the same keys to the same slot); its hidden state (B, D) after the blocks."""
+        hidden = self.embedding[token][:, None].expand(-1, WIDTH, -1)  # (B, W, D)
+        return _blocks(self.blocks, self.windows, hidden, keys, values,
+                       position.expand(-1, WIDTH).contiguous(), cos, sin)[:, 0]
+
+
+def _run(model: _Slice, head, steps) -> Callable:
+    """Blocks on hidden states: a pass the engine runs from Python."""
+    def function(hidden, keys, values, positions, cos, sin):
+        return model.run(hidden, keys, values, positions, cos, sin)
+    return function
+
+
+def _verify(model: _Slice, head, steps) -> Callable:
+    """The greedy verification: the pass, the head, the masks, `accept_greedy` on drafts padded with -1
+    (never accepted) to W - 1 columns: (targets (B, W), accepted (B,))."""
+    def function(source, keys, values, positions, cos, sin, drafts, allowed):
+        logits = model.logits(model.run(source, keys, values, positions, cos, sin), allowed)  # (B, W, V)
+        return accept_greedy(drafts, logits)
+    return function
+
+
+def _verify_sampled(model: _Slice, head, steps) -> Callable:
+    """The sampled verification: the pass, the head, the masks, each row's processed probabilities and
+    `accept_sampled` on the k drafts padded to the pass's W - 1 columns (never accepted past the k),
+    with the rows' settings and seeds as tensors (`RowSampling.tensors`): decided (B, k + 2)."""
+    def function(source, keys, values, positions, cos, sin, drafts, q, allowed, *rows):
+        sampling = RowSampling.captured(rows)
+        logits = model.logits(model.run(source, keys, values, positions, cos, sin), allowed)  # (B, W, V)
+        k = drafts.shape[1]
+        # the token at slot position j is decided for position j + 1
+        tokens, accepted = accept_sampled(
+            F.pad(drafts, (0, WIDTH - 1 - k)), F.pad(q, (0, 0, 0, WIDTH - 1 - k)), sampling.probs(logits),
+            uniforms(sampling.seeds, positions[:, :-1] + 1, ACCEPT),
+            uniforms(sampling.seeds, positions + 1, TARGET), live=k)
+        return torch.cat([tokens[:, :k + 1], accepted[:, None].to(tokens.dtype)], 1)
+    return function
+
+
+def _draft_step(model: _Slice, head, steps) -> Callable:
+    """One greedy draft step: (draft (B,), its top probability (B,), the exit state (B, D))."""
+    weight, bias, ids, _ = head
+
+    def function(token, keys, values, positions, cos, sin):
+        hidden = model.one_position(token, keys, values, positions[:, :1], cos, sin)
+        logits = F.linear(rms_norm(hidden, model.norm, model.eps), weight, bias).float()  # (B, V')
+        top, pick = torch.softmax(logits, -1).max(-1)
+        return (pick if ids is None else ids[pick]), top, hidden
+    return function
+
+
+def _draft_loop(model: _Slice, head, steps) -> Callable:
+    """`steps` greedy draft steps then the last draft's pass, each argmax fed on, on the device: (drafts
+    (B, steps), top probabilities (steps, B), exit states (B, steps + 1, D))."""
+    step = _draft_step(model, head, steps)
+
+    def function(token, keys, values, positions, cos, sin):
+        drafts, tops, hiddens = [], [], []
+        for i in range(steps + 1):  # positions (B, steps + 1): step i at column i
+            token, top, hidden = step(token, keys, values, positions[:, i:i + 1], cos, sin)
+            drafts.append(token)
+            tops.append(top)
+            hiddens.append(hidden)
+        return torch.stack(drafts[:steps], 1), torch.stack(tops[:steps]), torch.stack(hiddens, 1)
+    return function
+
+
+def _draft_loop_sampled(model: _Slice, head, steps) -> Callable:
+    """`_draft_loop` with each draft drawn from each row's processed draft distribution by its own random
+    numbers: (drafts (B, steps), their q (B, steps, V), top probabilities (steps, B), exit states)."""
+    weight, bias, ids, vocab = head
+
+    def function(token, keys, values, positions, cos, sin, *rows):
+        sampling = RowSampling.captured(rows)
+        drafts, qs, tops, hiddens = [], [], [], []
+        for i in range(steps + 1):  # positions (B, steps + 1): step i at column i
+            hidden = model.one_position(token, keys, values, positions[:, i:i + 1], cos, sin)
+            hiddens.append(hidden)
+            if i == steps:  # the last draft's pass: its exit state only
+                break
+            sub = F.linear(rms_norm(hidden, model.norm, model.eps), weight, bias)  # (B, V')
+            full = sub if ids is None else sub.new_full(  # (B, V): -inf off a trimmed head's ids
+                (sub.shape[0], vocab), float("-inf")).index_copy(-1, ids, sub)
+            probs = sampling.probs(full)
+            # draft i takes position positions[:, i] + 1, drawn with that position's numbers
+            token = sample(probs, uniforms(sampling.seeds, positions[:, i:i + 1] + 1, DRAFT)[:, 0])
+            drafts.append(token)
+            qs.append(probs)
+            tops.append(sampling.top_probability(full))
+        return torch.stack(drafts, 1), torch.stack(qs, 1), torch.stack(tops), torch.stack(hiddens, 1)
+    return function
+
+
+# each pass's maker: (the model's slice, the draft head's tensors, draft steps) -> the function
+_KINDS = {"run": _run, "verify": _verify, "verify_sampled": _verify_sampled, "draft": _draft_step,
+          "draft_loop": _draft_loop, "draft_loop_sampled": _draft_loop_sampled}
 
 
 def _copied_out(graph: Callable) -> Callable:

@@ -1,35 +1,9 @@
-"""`SelfSpecGenerator`: self-speculative decoding with a shared KV cache, lossless, any batch size.
+"""`SelfSpecGenerator`: self-speculative decoding over a Hugging Face causal LM, lossless, any batch size.
 
-The draft model is the model's own first E blocks + its final norm + LM head. One round:
-
-1. draft k tokens, one at a time, through blocks [0, E), keeping each step's exit hidden state;
-2. verify: run the last draft through blocks [0, E), then blocks [E, N) once on the k + 1 kept
-   hidden states. Blocks [0, E) wrote their KV cache while drafting and are never run again on
-   those tokens;
-3. accept the longest prefix the target agrees with (`sampling.accept_greedy`/`accept_sampled`),
-   emit it plus the target's own next token, and roll every layer's cache back to what was kept.
-
-The output is exactly the full model's (greedy: token for token; sampling: in distribution), and
-k = 0 runs the very same code as plain decoding: one full forward per token on the same cache.
-
-State between rounds, per row: the cache holds n positions (the prompt and the tokens emitted so
-far, except the last), and the last emitted token is *pending* at position n. A round writes the
-pending token and the drafts at positions n .. n + k and keeps n + (tokens emitted) of them. The
-prefill runs every prompt token but the last, which is the first round's pending token, so the
-very first generated token is already drafted and verified.
-
-Batches run in lockstep rounds with one k; each row has its own positions, accepted length and
-cache length (`cache.KVCache`), and a finished row leaves the batch at the end of its round. The
-host reads the device once per round (the round's tokens and accepted counts), plus once per draft
-step for η (`stop_below`) and for drafters that copy; everything else the loop needs (positions,
-kv_length, cache lengths) is known on the host already.
-
-One row decoding greedily with early-exit drafts (or plain steps) or with copies only, unconstrained,
-runs its rounds in compiled calls of many rounds where the kernels apply (`Backend.greedy_rounds`):
-the same passes, so the same tokens, without the host's Python between them; the statistics and the
-policy then take the rounds' counts. A fixed k runs to the row's end in one call; an adaptive k (or
-copy length) changes between calls of `ADAPT_ROUNDS` rounds; a call that streams or stops at strings
-runs one round per call, and a stepped engine's (`engine(rounds_per_step=...)`: the server) that many.
+The facade a user holds: it loads nothing itself (`load_tuned` does), resolves what a call asks for
+(`generate(input_ids, config, **overrides)`, `chat`, a streamer, the drafting settings) and runs it as
+an `Engine` (`engine.py`) over the model's `Runner` (`runner.py`), which owns the round: drafts, one
+verification, the accepted prefix. `engine()` hands the caller a decode to step (a server's loop).
 """
 
 from __future__ import annotations
