@@ -183,7 +183,7 @@ def eval_blocks(model: str, data: DataOptions):
     """Held-out blocks of `data.split`, tokenized with the model's tokenizer: (input_ids (n, block_size),
     target_mask (n, block_size) for chat data, where only the assistant tokens count, else None)."""
     from . import data as data_lib
-    from .cache import cache_dir as user_cache_dir
+    from .files import cache_dir as user_cache_dir
     from .model.loading import load_tokenizer
 
     cache_dir = user_cache_dir()

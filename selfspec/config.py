@@ -25,8 +25,8 @@ from typing import Any, Literal
 import yaml
 
 from . import recipes
-from .cache import cache_dir
 from .errors import UserError
+from .files import cache_dir
 
 
 class ConfigError(UserError):
@@ -173,7 +173,7 @@ class DataConfig:
     """Column that holds the text."""
     cache_dir: str | None = None
     """Where built corpora, the embedded tokenizer, packed blocks and exit features are stored and
-    reused (default: the user cache directory, `selfspec.cache`)."""
+    reused (default: the user cache directory, `selfspec.files.cache_dir`)."""
     tokenizer_vocab_size: int = 4096
     """Vocabulary size when the embedded tokenizer has to be trained."""
     block_size: int = 256

@@ -1,4 +1,12 @@
-"""Atomic writes: a reader (or a process killed halfway) never sees half a file or half a directory.
+"""Where selfspec's files go, and how they are written.
+
+`cache_dir()`: where selfspec keeps what it builds once and reuses (corpora, the embedded tokenizer,
+packed data sets, cached exit features), so every command works from any directory:
+`$SELFSPEC_CACHE_DIR` when set, else `$XDG_CACHE_HOME/selfspec`, else `~/.cache/selfspec`. A recipe's
+`data.cache_dir` overrides it for one run. Outputs (models, reports) go elsewhere: `./runs` or the
+command's `--output-dir`.
+
+Atomic writes: a reader (or a process killed halfway) never sees half a file or half a directory.
 
 - `atomic_file`, `write_text_atomic` / `write_json_atomic`: a temp file beside the target, then a rename;
 - `atomic_directory`: build a directory in a temp sibling, then move it into place, replacing the
@@ -21,6 +29,16 @@ from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
+
+CACHE_ENV_VAR = "SELFSPEC_CACHE_DIR"
+
+
+def cache_dir() -> Path:
+    """The user's cache directory, read from the environment at each call (so a test or a launcher can
+    set it)."""
+    if os.environ.get(CACHE_ENV_VAR):
+        return Path(os.environ[CACHE_ENV_VAR])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "selfspec"
 
 
 @contextmanager

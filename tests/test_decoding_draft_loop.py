@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import FAMILIES, kernels_unavailable, low_alpha_model, reference_greedy, step_joining, tiny_model
 
-import selfspec.backends.kernels as round_kernels
+import selfspec.backends.cpu_rounds as round_kernels
 from selfspec.decoding import DecodeSettings, NewRow, SelfSpecGenerator
 from selfspec.model import fast
 

@@ -138,7 +138,7 @@ def test_static_passes_under_a_json_schema_equal_constrained_plain_decoding(fami
 
 
 def test_the_compiled_verification_applies_the_grammars_masks(tokenizer, monkeypatch):
-    import selfspec.backends.kernels as round_kernels
+    import selfspec.backends.cpu_rounds as round_kernels
     from selfspec.model import fast
 
     made = round_kernels.verify_greedy()
@@ -163,7 +163,7 @@ def test_the_compiled_draft_step_applies_the_grammars_masks(family, tokenizer, m
     """Under a grammar each early-exit draft step is one call (`round_kernels.draft_step`), with the mask
     llguidance gave before it, behind an exit block or not, with η or not: the drafts, the statistics
     and the output of the step from Python, and constrained plain decoding's output."""
-    import selfspec.backends.kernels as round_kernels
+    import selfspec.backends.cpu_rounds as round_kernels
     from selfspec.model import fast
     from selfspec.model.exit_adapter import ExitBlock
 

@@ -1,6 +1,6 @@
 """The compiled rounds' copies propose what the Python proposer proposes.
 
-`greedy_rounds` (selfspec/backends/kernels/rounds.cpp) copies with `NGramTables`: its tables are built
+`greedy_rounds` (selfspec/backends/cpu_rounds/rounds.cpp) copies with `NGramTables`: its tables are built
 from the row's history and extended with the kept tokens of every round, and each round looks up a copy
 after the sequence alone or, for the hybrid, after the sequence and the early exit's drafts (`extra`).
 The extension exposes that same struct (`round_kernels.ngram_tables()`), and these tests hold it to
@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from helpers import kernels_unavailable
 
-import selfspec.backends.kernels as round_kernels
+import selfspec.backends.cpu_rounds as round_kernels
 from selfspec.decoding.ngram import NGramConfig, NGramIndex
 
 CONFIGS = [(1, 1), (1, 3), (2, 2), (2, 3), (2, 5), (4, 6)]  # (min_ngram, max_ngram)

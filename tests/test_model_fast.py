@@ -308,7 +308,7 @@ def test_the_draft_choice_is_the_argmax_of_the_draft_heads_masked_logits(few_row
     pass) picks what `DraftHead.logits` + `apply_mask` + argmax pick, ties by the lower token id even
     where a trimmed head lists the higher first; a mask whose tokens all lie outside the trimmed ids
     gives the first allowed (`apply_mask`'s uniform row); `top` is the softmax's top probability (η's)."""
-    from selfspec.backends import kernels as round_kernels
+    from selfspec.backends import cpu_rounds as round_kernels
     from selfspec.sampling import apply_mask
 
     torch.manual_seed(0)

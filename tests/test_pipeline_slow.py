@@ -6,9 +6,9 @@ Slow (minutes): run with `python -m pytest -m slow`.
 import pytest
 
 from selfspec import load_tuned
-from selfspec.cache import cache_dir
 from selfspec.checkpoint import read_meta
 from selfspec.config import load_config
+from selfspec.files import cache_dir
 from selfspec.training.loop import train_or_reuse
 
 pytestmark = pytest.mark.slow

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from selfspec import recipes
-from selfspec.cache import cache_dir
 from selfspec.cli import main
 from selfspec.config import load_config, to_dict
+from selfspec.files import cache_dir
 from selfspec.training.loop import _trains_alike
 
 

@@ -6,7 +6,7 @@
 
 Training and evaluation build both on first use; this prints what they hold. It writes
 <cache>/stdlib/ (a save_to_disk DatasetDict plus meta.json) and
-<cache>/tokenizer-stdlib-v<vocab>-s<seed>/ (<cache>: `selfspec.cache`, or --out), then prints files,
+<cache>/tokenizer-stdlib-v<vocab>-s<seed>/ (<cache>: `selfspec.files.cache_dir`, or --out), then prints files,
 characters and tokens per split. Both are what `data.source: stdlib` in the recipes loads. Nothing is
 downloaded.
 """
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from selfspec import data
-from selfspec.cache import cache_dir
+from selfspec.files import cache_dir
 
 
 def count_tokens(texts: list[str], tokenizer) -> int:

@@ -39,7 +39,7 @@ TARGETS = ("llama-server", "llama-speculative", "llama-speculative-simple", "lla
 
 
 def cache_root() -> Path:
-    """`<selfspec cache>/llama.cpp`, computed like selfspec.cache.cache_dir without importing selfspec."""
+    """`<selfspec cache>/llama.cpp`, computed like selfspec.files.cache_dir without importing selfspec."""
     if os.environ.get("SELFSPEC_CACHE_DIR"):
         base = Path(os.environ["SELFSPEC_CACHE_DIR"])
     else:

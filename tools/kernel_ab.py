@@ -15,7 +15,7 @@ passes), rotating which goes first, after 3 untimed rounds. Prints the medians, 
 read bandwidth (a 512 MiB sum timed once a round) and in plain steps of its own arm, and the speedups.
 `--against PATH` builds another version of the kernels beside the package's and adds its one-call pass
 as a fifth arm (a kernel change measured side by side): PATH is a folder holding another revision's
-`selfspec/` (its `model/kernels/few_rows.cpp`, `few_rows.h` and `backends/kernels/rounds.cpp`, built
+`selfspec/` (its `model/kernels/few_rows.cpp`, `few_rows.h` and `backends/cpu_rounds/rounds.cpp`, built
 together as the package's are; a revision from before the decoding calls moved to `rounds.cpp` has its
 whole extension in `few_rows.cpp`), or one .cpp file that is a whole extension (`git show
 REV:selfspec/model/kernels/few_rows.cpp > FILE`, for such a revision). Run it with the machine to itself.

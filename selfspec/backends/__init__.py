@@ -17,7 +17,7 @@ The backends:
 
 - `reference` (`ReferenceBackend`): torch operations on any device, MKL's products on a CPU, every
   operation declined. It is the oracle every other backend is tested against, token for token.
-- `cpu_kernels` (`CpuKernelsBackend`): selfspec's compiled CPU kernels (`backends/kernels`, built
+- `cpu_kernels` (`CpuKernelsBackend`): selfspec's compiled CPU kernels (`backends/cpu_rounds`, built
   with the model's passes of `model/kernels`): each operation in one call, and fused rounds.
 - `static` (`StaticBackend`): every decoding pass at fixed shapes ("eager"), through `torch.compile`
   ("compile") or captured as CUDA graphs ("graph"); the GPU's path.

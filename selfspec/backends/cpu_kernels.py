@@ -1,4 +1,4 @@
-"""The CPU kernels backend: each round operation in one compiled call (`backends/kernels`: the decoding
+"""The CPU kernels backend: each round operation in one compiled call (`backends/cpu_rounds`: the decoding
 calls, built into one extension with the model's passes, `model/kernels`), fused rounds too.
 
 A small model's decoding step on a CPU is bound by the host's work between tensor operations, not by
@@ -26,7 +26,7 @@ from torch import nn
 from ..model import kernels
 from ..model.adapters import LlamaFamilyAdapter
 from ..model.fast import hooked
-from . import kernels as round_kernels
+from . import cpu_rounds as round_kernels
 from .base import Backend, FusedDrafts
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import datasets
 from transformers import PreTrainedTokenizerFast
 
-from ..cache import cache_dir as user_cache_dir
 from ..errors import UserError
+from ..files import cache_dir as user_cache_dir
 from .constants import SPLITS
 from .stdlib import build_stdlib_corpus
 from .tokenizer import load_or_train_tokenizer, stdlib_tokenizer_dir
@@ -25,7 +25,7 @@ def prepare_stdlib(
     """The embedded default: the stdlib corpus (``cache_dir/"stdlib"``) and its tokenizer.
 
     Both are built on first use and reused afterwards; ``rebuild`` rebuilds both. ``cache_dir``
-    defaults to the user cache directory (`selfspec.cache`).
+    defaults to the user cache directory (`selfspec.files.cache_dir`).
     """
     cache_dir = Path(cache_dir) if cache_dir is not None else user_cache_dir()
     corpus = build_stdlib_corpus(cache_dir / "stdlib", seed=seed, rebuild=rebuild)

@@ -417,7 +417,7 @@ class HFGrammarProcessor:
         self.prompt_length: int | None = None
         self.seen: list[int] = []
 
-    def _follow(self, input_ids: torch.Tensor) -> bool:
+    def follow(self, input_ids: torch.Tensor) -> bool:
         """Bring the matcher to `input_ids`' generated tokens; whether the grammar allows all of them."""
         if input_ids.shape[0] != 1:
             raise UserError("the Hugging Face grammar processor decodes batch 1 only")
@@ -436,7 +436,7 @@ class HFGrammarProcessor:
         return consumed == len(rest)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        if not self._follow(input_ids):
+        if not self.follow(input_ids):
             return scores
         bits = np.full((1, self.words), -1, dtype=np.int32)
         self.matcher.unsafe_compute_mask_ptr(bits.ctypes.data, self.words * 4)
@@ -447,7 +447,7 @@ class HFGrammarProcessor:
         """The generated tokens of `sequence` (1, prompt + generated) up to where they complete the
         grammar: assisted generation accepts a round's tokens past that point before its stopping
         criterion looks, tokens a constrained decoder never emits."""
-        self._follow(sequence)
+        self.follow(sequence)
         generated = sequence[0, self.prompt_length:].tolist()
         return generated[:len(self.seen)] if self.matcher.is_stopped() else generated
 
@@ -460,7 +460,7 @@ class HFGrammarProcessor:
 
         class _Complete(StoppingCriteria):
             def __call__(self, input_ids, scores, **kwargs):
-                processor._follow(input_ids)  # consumes up to the first token the grammar refuses
+                processor.follow(input_ids)  # consumes up to the first token the grammar refuses
                 done = processor.matcher.is_stopped()
                 return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
 

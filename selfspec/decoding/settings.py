@@ -53,7 +53,7 @@ class DecodeSettings:
     ngram: the copy settings of "ngram" and "hybrid".
     overlap: verify a round on one thread while another drafts the next round from the exit's guess of
         the target's next token (kept when the target accepts every draft and that guess): greedy,
-        one row, the CPU kernels' rounds in one call (`backends.kernels.greedy_rounds`). Each pass then
+        one row, the CPU kernels' rounds in one call (`backends.cpu_rounds.greedy_rounds`). Each pass then
         runs on one thread, so it pays where one thread runs a pass nearly as fast as all of them (a
         small model on a few cores); the same drafts, tokens and statistics either way.
     """

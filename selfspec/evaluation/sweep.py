@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from ..backends import kernels as round_kernels
+from ..backends import cpu_rounds as round_kernels
 from ..checkpoint import (
     META_FILE,
     read_meta,
@@ -128,7 +128,7 @@ def confirm_candidates(rows: list[dict], confirm: int) -> list[dict]:
 
 def overlap_applies(device, structured: bool) -> bool:
     """Whether overlapped rounds can run: on the CPU with its compiled rounds
-    (`backends.kernels.greedy_rounds`) and two threads or more, without a grammar (constrained rounds run
+    (`backends.cpu_rounds.greedy_rounds`) and two threads or more, without a grammar (constrained rounds run
     from Python)."""
     return (torch.device(device).type == "cpu" and not structured and torch.get_num_threads() >= 2
             and round_kernels.greedy_rounds() is not None)

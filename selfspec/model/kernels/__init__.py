@@ -4,8 +4,8 @@ positions as two calls around the cache write (built from those two), and a rang
 cache writes in one call.
 
 The extension also holds the decoding algorithm's calls that run these (drafts, η, the verification,
-n-gram copies, fused rounds): `selfspec/backends/kernels/rounds.cpp`, which includes `few_rows.h`; their
-accessors are `selfspec.backends.kernels`. This module builds the extension from both sources
+n-gram copies, fused rounds): `selfspec/backends/cpu_rounds/rounds.cpp`, which includes `few_rows.h`; their
+accessors are `selfspec.backends.cpu_rounds`. This module builds the extension from both sources
 (`SOURCES`) and holds it (`extension()`) with its settings; it imports nothing of the backends.
 
 Built on first use with torch's own extension builder (a C++ compiler and ninja; AVX2 + FMA;
@@ -47,7 +47,7 @@ except ImportError:  # not POSIX: no compiler setup the kernel supports either
 
 # The extension's sources, relative to the package's folder: the model's passes, and the decoding calls
 # on them (which define the extension's module)
-SOURCES = ("model/kernels/few_rows.cpp", "backends/kernels/rounds.cpp")
+SOURCES = ("model/kernels/few_rows.cpp", "backends/cpu_rounds/rounds.cpp")
 _PACKAGE = Path(__file__).parents[2]
 # its build folder under torch's build root (not the one-source extension's, `selfspec_few_rows`)
 _NAME = "selfspec_kernels"
@@ -216,7 +216,7 @@ def build(files: list[Path], name: str):
 
 def extension():
     """The compiled extension (as the settings' `wrap` makes it), or None where the kernels are not
-    available. The accessors above and the decoding calls' (`selfspec.backends.kernels`) take their
+    available. The accessors above and the decoding calls' (`selfspec.backends.cpu_rounds`) take their
     functions from it; a function without an accessor (`masked_target`, which `verify_greedy` runs) is
     reached through it."""
     module = _built()

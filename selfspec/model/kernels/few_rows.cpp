@@ -21,7 +21,7 @@
 // their cache writes, in one call.
 //
 // These are the model's passes. The decoding calls built on them (the drafts, η, the verification, the
-// n-gram copies and the fused rounds) are selfspec/backends/kernels/rounds.cpp, compiled into the same
+// n-gram copies and the fused rounds) are selfspec/backends/cpu_rounds/rounds.cpp, compiled into the same
 // extension, which defines its module; few_rows.h is what they use of this file.
 
 #include "few_rows.h"

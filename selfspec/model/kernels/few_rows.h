@@ -1,4 +1,4 @@
-// What selfspec's decoding calls (selfspec/backends/kernels/rounds.cpp, compiled into the same extension)
+// What selfspec's decoding calls (selfspec/backends/cpu_rounds/rounds.cpp, compiled into the same extension)
 // use of the model's passes (few_rows.cpp): the tensors of a block (`Block`), a range of blocks' pass with
 // its cache writes (`blocks_pass`) and what it checks, the target's head (`final_norm`, `head_logits`),
 // and the few-row products, exp and RMSNorm of one row that the draft head's choice and a grammar's
