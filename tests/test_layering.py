@@ -4,8 +4,8 @@ lower ones, and no module sits on an import cycle. Every import counts, the ones
     4  cli, commands, demo, the package's __init__ and __main__
     3  evaluation/        (may use training/: train_cost times a training step), serving/
     2  training/          (never evaluation/: what both need lives below)
-    1  agreement, data, checkpoint, backends/, decoding/, options
-    0  config, model/, metrics, cpu, files, errors, cache, recipes/
+    1  agreement, data, checkpoint, backends/, decoding/, options   (backends/ never imports decoding/)
+    0  config, model/, metrics, cpu, files, errors, sampling, recipes/
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "selfspec"
-FLOORS = {"config": 0, "model": 0, "metrics": 0, "cpu": 0, "files": 0, "errors": 0, "cache": 0, "recipes": 0,
+FLOORS = {"config": 0, "model": 0, "metrics": 0, "cpu": 0, "files": 0, "errors": 0, "sampling": 0, "recipes": 0,
           "agreement": 1, "data": 1, "checkpoint": 1, "export": 1, "export_gguf": 1, "backends": 1,
           "decoding": 1, "options": 1,
           "training": 2, "evaluation": 3, "serving": 3, "cli": 4, "commands": 4, "demo": 4, "__init__": 4,
@@ -130,6 +130,15 @@ def test_training_and_evaluation_point_one_way():
     evaluation = set().union(*(imported_units(f) for f in (PACKAGE / "evaluation").glob("*.py")))
     assert "evaluation" not in training
     assert "training" in evaluation  # train_cost times a training step: evaluation stands on training
+
+
+def test_backends_run_passes_below_the_round():
+    """The round (decoding/) imports the backends that run its passes, never the reverse: a backend
+    knows the model (model/) and the shared arithmetic (sampling), nothing of drafts or rounds."""
+    backends = set().union(*(imported_units(f) for f in (PACKAGE / "backends").rglob("*.py")))
+    assert backends <= {"backends", "model", "sampling", "errors", "cpu", "files"}, backends
+    decoding = set().union(*(imported_units(f) for f in (PACKAGE / "decoding").glob("*.py")))
+    assert "backends" in decoding
 
 
 def test_the_checker_sees_relative_absolute_and_lazy_imports(tmp_path):
