@@ -3,6 +3,7 @@
     python tools/round_ab.py --model runs/demo/model --exit-layer 6 --ks 2,3,4 --repeats 5
     python tools/round_ab.py --model runs/smollm2/base --exit-layer 10 --ks 3 --prompts json-extract
     python tools/round_ab.py --model runs/demo/model --ks 4 --batch-size 4 --ragged --python-level blocks
+    python tools/round_ab.py --model runs/smollm2/base --exit-layer 10 --ks "" --drafters ngram,hybrid
 
 Decodes the same prompts (batch 1, greedy) with plain decoding and the early exit at each k, each in
 three arms: `python` (`selfspec.model.fast.kernels_up_to("passes")`: the draft steps and the
@@ -39,7 +40,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--exit-layer", type=int, default=None, help="E (default: the checkpoint's)")
-    parser.add_argument("--ks", default="3", help="comma list of k")
+    parser.add_argument("--ks", default="3", help="comma list of k (\"\": none)")
+    parser.add_argument("--drafters", default="", help="comma list of drafters besides the early exit "
+                        "(ngram, hybrid: at the checkpoint's settings otherwise)")
     parser.add_argument("--prompts", default=None, help="a prompt file or json-extract (default: the corpus)")
     parser.add_argument("--corpus", default="stdlib")
     parser.add_argument("--num-prompts", type=int, default=8)
@@ -58,7 +61,9 @@ def main() -> None:
     prompts = read_prompts(tokenizer, args.prompts, args.corpus, args.num_prompts)
     cells = {"plain": settings.override(drafter="early_exit", num_speculations=0)}
     cells.update({f"k={k}": settings.override(drafter="early_exit", num_speculations=int(k))
-                  for k in args.ks.split(",")})
+                  for k in args.ks.split(",") if k})
+    cells.update({drafter: settings.override(drafter=drafter)
+                  for drafter in args.drafters.split(",") if drafter})
     names = [(arm, cell) for cell in cells for arm in ARMS]
 
     def run(name, batch):
