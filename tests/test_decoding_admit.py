@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import FAMILIES, low_alpha_model, reference_greedy, step_joining, streamed
 
-from selfspec.decoding import DecodeSettings, NewRow, SelfSpecGenerator
+from selfspec.decoding import DecodeSettings, NewRow, SamplingParams, SelfSpecGenerator
 from selfspec.errors import UserError
 
 NEW = 12
@@ -83,7 +83,8 @@ def test_a_seeded_sampled_row_draws_the_same_tokens_whenever_it_joins():
     alone = generator.generate([row.prompt], max_new_tokens=NEW, temperature=0.9, seed=[1234],
                                eos_token_id=[], num_speculations=2)
     for start in (0, 1, 4):
-        out, _ = step_joining(generator, _rows(FIRST, NEW, seeds=[7, 8]), {start: [row]}, temperature=0.9,
+        out, _ = step_joining(generator, _rows(FIRST, NEW, seeds=[7, 8]), {start: [row]},
+                              sampling=SamplingParams(temperature=0.9),
                               eos_token_id=[], settings=DecodeSettings(exit_layer=2, num_speculations=2))
         assert out.sequences[2] == alone.sequences[0], start
 
@@ -121,7 +122,7 @@ def test_draft_max_rows_leaves_sampled_rounds_drafting():
     assert out.sequences == generator.generate(FIRST + [[1, 2, 3]], **kwargs).sequences
 
 
-def test_rows_under_a_grammar_join_a_constrained_call_and_bad_rows_are_refused():
+def test_rows_under_a_grammar_join_any_call_and_bad_rows_are_refused():
     from test_decoding_grammar import PERSON, constrained_reference, make_model, prompt_ids
 
     from selfspec.data import train_tokenizer
@@ -143,8 +144,11 @@ def test_rows_under_a_grammar_join_a_constrained_call_and_bad_rows_are_refused()
     free = generator.generate([prompt[:5]], max_new_tokens=6, eos_token_id=[], num_speculations=3)
     assert out.sequences[2] == free.sequences[0]
 
-    with pytest.raises(UserError, match="only join a call that has a grammar"):
-        step_joining(generator, _rows([prompt], 5), {0: [NewRow(prompt, 5, constraint=constraint)]})
+    # a constrained row joins a call that started without a grammar (which it opens), at the default
+    # adaptive k: the exit's α counts its own drafts only, not the grammar's forced tokens
+    out, _ = step_joining(SelfSpecGenerator(model, tokenizer, exit_layer=2), _rows([prompt[:5]], 6),
+                          {0: [NewRow(prompt, 40, constraint=constraint)]}, eos_token_id=[])
+    assert out.sequences == [free.sequences[0], expected] and out.complete == [True, True]
     for bad in (NewRow([], 5), NewRow(prompt, 0)):
         with pytest.raises(UserError, match="needs a prompt and max_new_tokens"):
             step_joining(generator, _rows([prompt], 5), {1: [bad]})

@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # types only: the policy and controller import nothing of a call's request
+    from .controller import Controller
+    from .policy import DraftPolicy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,11 +55,11 @@ class GenerationConfig:
     seed: int | Sequence[int] | None = None
     eos_token_id: int | Sequence[int] | None = None
     stop_strings: str | Sequence[str] | None = None
-    num_speculations: Any = None
-    drafter: Any = None
-    json_schema: Any = None
-    regex: Any = None
-    grammar: Any = None
+    num_speculations: int | str | Controller | None = None
+    drafter: str | DraftPolicy | None = None
+    json_schema: dict | str | Sequence[dict | str | None] | None = None
+    regex: str | Sequence[str | None] | None = None
+    grammar: str | Sequence[str | None] | None = None
     draft_max_rows: int | None = None
     profile: bool = False
 

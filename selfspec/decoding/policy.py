@@ -149,9 +149,13 @@ class EarlyExitPolicy(DraftPolicy):
         return DraftPlan(np.zeros((len(rows), 0), dtype=np.int64), self.controller.next_k())
 
     def update(self, segments, accepted, draft_time, verify_time):
-        # the early exit's own drafts: a grammar's forced tokens cost no draft step
-        self.controller.update(sum(s.length for s in segments if s.source == "early_exit"), accepted,
-                               draft_time, verify_time)
+        # the early exit's own drafts and what it kept of them: a grammar's forced tokens cost no draft
+        # step and test nothing of the exit (counted as its own, they made α exceed 1)
+        own = [s for s in segments if s.source == "early_exit"]
+        if own:
+            reached = accepted >= own[0].start  # rows whose verifier tested the exit's first draft
+            accepted = sum(np.clip(accepted[reached] - s.start, 0, s.length) for s in own)
+        self.controller.update(sum(s.length for s in own), accepted, draft_time, verify_time)
 
     @property
     def drafts_early_exit(self):

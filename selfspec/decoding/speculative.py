@@ -218,19 +218,21 @@ class SelfSpecGenerator:
                                 [""] * len(prompts) if self.tokenizer else None,
                                 None if constraints is None else [c is None for c in constraints])
 
-    def engine(self, settings: DecodeSettings | None = None, *, temperature: float = 0.0, top_k: int = 0,
-               top_p: float = 1.0, eos_token_id=None, structured: bool = False, rounds_per_step: int = 1,
+    def engine(self, settings: DecodeSettings | None = None, *, sampling: SamplingParams | None = None,
+               eos_token_id=None, structured: bool = False, rounds_per_step: int = 1,
                draft_max_rows: int | None = None) -> Engine:
-        """A decode to step yourself (`engine.Engine`): `add(NewRow(prompt, max_new_tokens, seed))` returns
-        the row, `step()` runs a round and returns each running row's `RoundOutput`, `cancel(row)` ends
-        one, `output()` gives what `generate` returns. settings: how to draft (default the generator's);
-        structured: rows may carry output constraints (`NewRow.constraint`); rounds_per_step: a lone
-        greedy row's rounds per step where the CPU kernels run them in one call (its first step one
-        round); draft_max_rows: as `generate`'s."""
+        """A decode to step yourself (`engine.Engine`): `add(NewRow(prompt, max_new_tokens, seed, ...,
+        sampling=SamplingParams(...)))` returns the row, `step()` runs a round and returns each running
+        row's `RoundOutput`, `cancel(row)` ends one, `output()` gives what `generate` returns. Each row
+        brings its own sampling settings, seed, stop strings and constraint, or takes the engine's.
+        settings: how to draft (default the generator's); sampling: the rows' that bring none (None:
+        greedy); structured: the rows start under a grammar (a row that brings a constraint opens it);
+        rounds_per_step: a lone greedy row's rounds per step where the CPU kernels run them in one call
+        (its first step one round); draft_max_rows: as `generate`'s."""
         settings, policy = self._resolve(settings, None, None)
-        sampling = SamplingParams(temperature, top_k, top_p)
-        options = CallOptions(settings, sampling, self._eos_ids(eos_token_id), grammar=structured,
-                              rounds_per_step=rounds_per_step, draft_max_rows=draft_max_rows)
+        options = CallOptions(settings, sampling or SamplingParams(), self._eos_ids(eos_token_id),
+                              grammar=structured, rounds_per_step=rounds_per_step,
+                              draft_max_rows=draft_max_rows)
         return Engine(self.runner, policy, options)
 
     def chat(self, messages, **kwargs) -> GenerationOutput:
