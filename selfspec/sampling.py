@@ -98,16 +98,16 @@ class RowSampling:
     @classmethod
     def of(cls, params: Sequence[SamplingParams], device, seeds: Sequence[int] | None = None) -> RowSampling:
         """The rows' settings `params` and `seeds` (one each per row; None: zeros) on `device`: made when
-        rows start, join or leave, not every round."""
-        rows = [[1.0 if p.greedy else p.temperature for p in params], [p.top_k for p in params],
-                [p.top_p for p in params], [p.greedy for p in params]]
-        settings = torch.tensor(rows, dtype=torch.float64).to(device)  # exact for each value held
-        seeds = torch.tensor([0] * len(params) if seeds is None else list(seeds), dtype=torch.int64)
-        return cls(settings[0].float(), settings[1].long(), settings[2].float(), settings[3].bool(),
-                   seeds.to(device), **_facts(params))
+        rows start, join or leave, not every round, from two host tables (the floats, the integers)."""
+        temperatures = [1.0 if p.greedy else p.temperature for p in params]
+        floats = torch.tensor([temperatures, [p.top_p for p in params]], dtype=torch.float32, device=device)
+        ints = torch.tensor([[p.top_k for p in params], [p.greedy for p in params],
+                             [0] * len(params) if seeds is None else [int(s) for s in seeds]],
+                            dtype=torch.int64, device=device)
+        return cls(floats[0], ints[0], floats[1], ints[1] == 1, ints[2], **_facts(params))
 
-    def select(self, keep: torch.Tensor, params: Sequence[SamplingParams]) -> RowSampling:
-        """The rows `keep` (indices on the device) of these settings, `params` theirs on the host."""
+    def select(self, keep: list[int], params: Sequence[SamplingParams]) -> RowSampling:
+        """The rows `keep` (their indices) of these settings, `params` theirs on the host."""
         return RowSampling(self.temperature[keep], self.top_k[keep], self.top_p[keep], self.greedy[keep],
                            self.seeds[keep], **_facts(params))
 

@@ -27,7 +27,8 @@ decoding `draft_loop_sampled` and `verify_sampled` (each draft drawn, and the ro
 tensors: one function for every setting). The acceptance, the masks and the sampling are the
 engine's own functions (`selfspec.sampling`), captured here, not copies. In "eager" mode they run
 as written (any device: the tests' reference); in "compile" mode through
-`torch.compile(fullgraph=True, dynamic=False)`, with CUDA graphs (`mode="reduce-overhead"`) on a GPU, the cache's buffers and the weights marked as static addresses
+`torch.compile(fullgraph=True, dynamic=False)`, with CUDA graphs (`mode="reduce-overhead"`) on a GPU,
+the cache's buffers and the weights marked as static addresses
 so that graph replays write the cache in place. The engine keeps its caches' buffers in a
 `decoding.cache.CachePool` while static passes are on (`SelfSpecGenerator(static_passes=...)`), so a
 second `generate`, and a batch whose rows left or joined, reuse the captured graphs.

@@ -74,7 +74,8 @@ class Batch:
         self.rows, self.lengths, self.pending_host, self.seeds_host = (
             self.rows[keep], self.lengths[keep], self.pending_host[keep], self.seeds_host[keep])
         self.params = [self.params[i] for i in index]
-        self.sampling = self.sampling.select(torch.from_numpy(index).to(self.steps.device), self.params)
+        if index.size:  # an empty batch samples nothing
+            self.sampling = self.sampling.select(index.tolist(), self.params)
         self.cache.select_rows(index)
         if self.grammar is not None:
             self.grammar.select_rows(index)

@@ -124,7 +124,12 @@ class SelfSpecGenerator:
 
     @property
     def prefix_cache(self) -> PrefixCache | None:
+        """The prefix cache prompts prefill through (`Runner.prefix_cache`), or None; settable."""
         return self.runner.prefix_cache
+
+    @prefix_cache.setter
+    def prefix_cache(self, cache: PrefixCache | None) -> None:
+        self.runner.prefix_cache = cache
 
     @property
     def exit_adapters(self) -> dict:
