@@ -46,7 +46,10 @@ class Batch:
     seeds_host: np.ndarray  # (B,) per-row random streams (on the device in `sampling.seeds`)
     lengths_dev: torch.Tensor = None  # (B,) device copies of `lengths` and `pending_host`
     pending_dev: torch.Tensor = None
-    _shared: np.ndarray = None  # on CPU: (2, B), the memory the two device tensors are views of
+    _shared: np.ndarray = None  # (2, B): the host's lengths and pending tokens (pinned off the CPU)
+    _host: torch.Tensor = None  # the same memory as a tensor (on CPU the device copies are views of it)
+    _device: torch.Tensor = None  # (2, B) on the device: `lengths_dev`, `pending_dev` are its rows
+    _copied: object = None  # a `torch.cuda.Event` after the last copy from pinned memory, or None
     lap: object = no_lap  # `RoundProfile.lap` of a profiled call: charges the time since the last lap
 
     @property
@@ -92,15 +95,27 @@ class Batch:
         self.sampling = RowSampling.of(self.params, self.steps.device, self.seeds_host)
 
     def upload(self, device) -> None:
-        """Refresh the device copies. On CPU they are views of one host array, written in place: no
-        tensor is made per round (a round reads them before the next upload)."""
+        """Refresh the device copies (one host-to-device copy a round at most). On CPU they are views of
+        one host array, written in place. On CUDA the host array is pinned and copied without blocking
+        into device buffers kept while the batch keeps its size (the same addresses for captured
+        passes); the host waits for the last copy before it writes the array again, which costs
+        nothing after a round's read of the device (it follows the copy) and keeps a second upload
+        with no read between (the prefill's) from overwriting what the first still copies."""
         rows = len(self.lengths)
-        if device.type != "cpu" or self._shared is None or self._shared.shape[1] != rows:
-            both = torch.from_numpy(np.stack([self.lengths, self.pending_host])).to(device)
-            self._shared = both.numpy() if device.type == "cpu" else None
-            self.lengths_dev, self.pending_dev = both[0], both[1]
-            return
+        if self._shared is None or self._shared.shape[1] != rows:
+            pinned = device.type == "cuda" and torch.cuda.is_available()
+            host = torch.empty((2, rows), dtype=torch.int64, pin_memory=pinned)
+            self._shared = host.numpy()
+            both = host if device.type == "cpu" else torch.empty((2, rows), dtype=torch.int64, device=device)
+            self._host, self._device, self.lengths_dev, self.pending_dev = host, both, both[0], both[1]
+            self._copied = torch.cuda.Event() if pinned else None
+        elif self._copied is not None:
+            self._copied.synchronize()
         self._shared[0], self._shared[1] = self.lengths, self.pending_host
+        if self._device is not self._host:
+            self._device.copy_(self._host, non_blocking=True)
+            if self._copied is not None:
+                self._copied.record()
 
 
 def decided(tokens: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:

@@ -233,7 +233,7 @@ class Runner:
             lengths=np.zeros(1, dtype=np.int64), pending_host=b.pending_host[row:row + 1],
             seeds_host=b.seeds_host[row:row + 1], params=b.params[row:row + 1],
             sampling=RowSampling.of(b.params[row:row + 1], self.view.device, b.seeds_host[row:row + 1]),
-            _shared=None)
+            _shared=None, _host=None, _device=None, _copied=None)
         if one is not b:
             one.upload(self.view.device)
         layout = cache.layout(self.view.model, b.exit_block, one.cache.num_layers)
