@@ -1,0 +1,69 @@
+"""Old code against new, interleaved on one machine: `tools/engine_ab.py` run under each tree in turn.
+
+    git archive OLD | tar -x -C /tmp/old
+    python tools/tree_ab.py --trees /tmp/old . --model runs/demo/model --cells plain,stored --repeats 5
+
+Each repeat runs every tree once, in turn (each run its own process: a warm-up, then the timed cells),
+so a slow minute of the machine falls on both. Prints each cell's median tokens/s per tree, the last
+tree over the first (the median of the repeats' paired ratios, with the lowest and highest), and each
+tree's cells over its own `plain` when it ran. Run it with the machine to itself. Each tree builds its
+kernels once, in a folder of its own (`TORCH_EXTENSIONS_DIR`), before the first timed repeat.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).with_name("engine_ab.py")
+
+
+def run(tree: str, args: argparse.Namespace) -> dict:
+    """One `engine_ab.py` run under `tree`'s package: {cell: tokens/s}."""
+    env = dict(os.environ, PYTHONPATH=str(Path(tree).resolve()),
+               TORCH_EXTENSIONS_DIR=str(Path(args.extensions) / Path(tree).resolve().name))
+    command = [sys.executable, str(SCRIPT), "--cells", args.cells, "--prompts", str(args.prompts),
+               "--new-tokens", str(args.new_tokens)] + (["--model", args.model] if args.model else [])
+    out = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trees", nargs="+", required=True, help="package roots, the old first")
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--cells", default="plain,stored")
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--extensions", default="/tmp/tree_ab_extensions")
+    args = parser.parse_args()
+    for tree in args.trees:  # builds the kernels and warms the file cache: not timed
+        run(tree, argparse.Namespace(**{**vars(args), "prompts": 1, "new_tokens": 8}))
+    runs = {tree: [] for tree in args.trees}
+    for _ in range(args.repeats):
+        for tree in args.trees:
+            runs[tree].append(run(tree, args))
+    first, last = args.trees[0], args.trees[-1]
+    cells = args.cells.split(",")
+    print(f"{args.model or 'random Llama'}: {args.prompts} prompts x {args.new_tokens} tokens, "
+          f"median of {args.repeats} interleaved repeats")
+    print("| cell | " + " | ".join(f"{t} tok/s" for t in args.trees) + f" | {last} / {first} (low-high) |"
+          + ("".join(f" {t} x plain |" for t in args.trees) if "plain" in cells else ""))
+    print("|---|" + "---:|" * (len(args.trees) + 1 + (len(args.trees) if "plain" in cells else 0)))
+    for cell in cells:
+        medians = [statistics.median(r[cell] for r in runs[t]) for t in args.trees]
+        ratios = [b[cell] / a[cell] for a, b in zip(runs[first], runs[last])]
+        row = f"| {cell} | " + " | ".join(f"{m:.1f}" for m in medians)
+        row += f" | {statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f}) |"
+        if "plain" in cells:
+            row += "".join(f" {statistics.median(r[cell] / r['plain'] for r in runs[t]):.3f} |"
+                           for t in args.trees)
+        print(row)
+
+
+if __name__ == "__main__":
+    main()
