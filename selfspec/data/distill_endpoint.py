@@ -34,18 +34,23 @@ def distill_through_endpoint(generator, prompts: list[tuple], out_dir, options, 
     a previous run (see the module docstring).
 
     generator: MODEL in this process (a `SelfSpecGenerator` with its tokenizer), for the probe and the
-    prompts' tokens; options: a `ReplyOptions` that is also an `EndpointOptions` (`DistillOptions`).
-    Returns the summary of `distill_responses` with the probe's findings added.
+    prompts' tokens, or a function that loads it, called once the server has listed its models (a
+    mistyped address or key fails before a large model loads); options: a `ReplyOptions` that is also
+    an `EndpointOptions` (`DistillOptions`). Returns the summary of `distill_responses` with the probe's
+    findings added.
     """
-    if generator.tokenizer is None:
-        raise ChatDataError(f"{model_name} has no tokenizer; distill-data needs one to read the prompts")
     return asyncio.run(_distill(generator, prompts, out_dir, options, model_name, force, progress))
 
 
 async def _distill(generator, prompts, out_dir, options, model_name, force, progress) -> dict:
-    tokenizer, start = generator.tokenizer, time.perf_counter()
+    start = time.perf_counter()
     async with Endpoint(options) as server:
-        probe = await same_model(server, generator, model_name, options)
+        models = await server.models()
+        generator = generator() if callable(generator) else generator
+        tokenizer = generator.tokenizer
+        if tokenizer is None:
+            raise ChatDataError(f"{model_name} has no tokenizer; distill-data needs one to read the prompts")
+        probe = await same_model(server, models, generator, model_name, options)
         manifest = {**reply_manifest(model_name, tokenizer, options, prompts, f"server:{probe.server_model}"),
                     "endpoint": server.url, "token_ids": probe.token_ids, "probe_match": probe.match}
         replies = ReplyFile(out_dir, manifest, force)

@@ -3,12 +3,17 @@ loaded, its prompts, and the replies generated in this process or (`--endpoint`)
 
     distill_data(DistillOptions(model="runs/smollm2/base", out="runs/smollm2/distill", limit=256,
                                 endpoint="http://127.0.0.1:8000/v1"))
+    distill_data(recipe_options(cfg.data, cfg.model.name_or_path))   # a recipe's data.distill
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 from dataclasses import dataclass
+from pathlib import Path
 
+from ..config import ConfigError
 from ..decoding import DRAFTERS
 from ..options import option
 from .distill import ReplyOptions, distill_prompts, distill_responses
@@ -42,14 +47,17 @@ def distill_data(options: DistillOptions) -> dict:
     from .distill_endpoint import distill_through_endpoint
 
     pairs = distill_prompts(options.prompts)[:options.limit]
-    generator = load_tuned(options.model, drafter=options.drafter, num_speculations="auto")
+
+    def load():
+        return load_tuned(options.model, drafter=options.drafter, num_speculations="auto")
+
     if options.endpoint is None:
-        summary = distill_responses(generator, pairs, options.out, options, model_name=str(options.model),
+        summary = distill_responses(load(), pairs, options.out, options, model_name=str(options.model),
                                     force=options.force)
         where = ""
     else:
-        summary = distill_through_endpoint(generator, pairs, options.out, options,
-                                           model_name=str(options.model), force=options.force)
+        summary = distill_through_endpoint(load, pairs, options.out, options, model_name=str(options.model),
+                                           force=options.force)
         match = "exact" if summary["probe_exact"] else f"{summary['probe_match']:.1%} of tokens"
         where = (f" through {summary['endpoint']} ({summary['server_model']!r}: probe {match}, token ids "
                  f"{'from the server' if summary['token_ids'] == 'server' else 'tokenized'})")
@@ -57,3 +65,19 @@ def distill_data(options: DistillOptions) -> dict:
           f"{summary['tokens']:,} tokens in {summary['seconds']} s{where}); "
           f"{summary['skipped_long']} prompts over {options.max_prompt_tokens} tokens skipped")
     return summary
+
+
+def recipe_options(data, model: str) -> DistillOptions:
+    """The `DistillOptions` of a recipe's data section (`config.DataConfig`): its `distill` mapping, the
+    model `model`, the replies into the directory of `data.source`. An unknown or misplaced key is a
+    one-line `ConfigError` naming it."""
+    fields = sorted({f.name for f in dataclasses.fields(DistillOptions)} - {"model", "out"})
+    for key in data.distill:
+        if key in ("model", "out"):
+            raise ConfigError(f"data.distill.{key} is not set there: the model is model.name_or_path, the "
+                              f"replies go to the directory of data.source")
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f"did you mean 'data.distill.{close[0]}'?" if close else f"valid: {', '.join(fields)}"
+            raise ConfigError(f"unknown config key 'data.distill.{key}'; {hint}")
+    return DistillOptions(model=model, out=str(Path(data.source).parent), **data.distill)

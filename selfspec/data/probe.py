@@ -45,10 +45,11 @@ class ProbeResult:
     fingerprint: str  # a hash of the server's probe replies
 
 
-async def same_model(server: Endpoint, generator, model_name: str, options: EndpointOptions) -> ProbeResult:
-    """The server's model name and the probe's verdict (see the module docstring); an `EndpointError` of
-    one line when the server serves another model."""
-    name = await served_name(server, generator, model_name, options.server_model)
+async def same_model(server: Endpoint, models: list[dict], generator, model_name: str,
+                     options: EndpointOptions) -> ProbeResult:
+    """The server's model name and the probe's verdict (see the module docstring); `models`: the entries
+    of its /v1/models. An `EndpointError` of one line when the server serves another model."""
+    name = served_name(server.url, models, generator, model_name, options.server_model)
     replies, asks_ids = [], True
     for prompt in PROBE_PROMPTS:
         reply = None
@@ -82,25 +83,25 @@ def _probe_request(generator, name: str, prompt: str, ask_ids: bool) -> tuple[st
                         {"temperature": 0.0}, ask_ids=ask_ids)
 
 
-async def served_name(server: Endpoint, generator, model_name: str, wanted: str | None) -> str:
-    """The name to ask the server for: `wanted`, or the one model /v1/models lists (among several, the one
-    named like MODEL); refused when it is not listed, or when the server's vocabulary is another size."""
-    models = await server.models()
+def served_name(url: str, models: list[dict], generator, model_name: str, wanted: str | None) -> str:
+    """The name to ask the server for: `wanted`, or the one model `models` (its /v1/models) lists (among
+    several, the one named like MODEL); refused when it is not listed, or when the server's vocabulary is
+    another size."""
     ids = [m["id"] for m in models]
     if wanted is not None and wanted not in ids:
-        raise EndpointError(f"the server at {server.url} serves {_names(ids)}, not {wanted!r}; pass one of "
+        raise EndpointError(f"the server at {url} serves {_names(ids)}, not {wanted!r}; pass one of "
                             f"them to --server-model")
     if wanted is None:
         named = [i for i in ids if i.rstrip("/") in (model_name.rstrip("/"), Path(model_name).name)]
         if len(ids) != 1 and len(named) != 1:
-            raise EndpointError(f"the server at {server.url} serves {_names(ids)}; pass the one to use to "
+            raise EndpointError(f"the server at {url} serves {_names(ids)}; pass the one to use to "
                                 f"--server-model")
         wanted = ids[0] if len(ids) == 1 else named[0]
     meta = next(m for m in models if m["id"] == wanted).get("meta")
     n_vocab = meta.get("n_vocab") if isinstance(meta, dict) else None
     sizes = {len(generator.tokenizer), generator.view.config.vocab_size}
     if isinstance(n_vocab, int) and n_vocab not in sizes:
-        raise EndpointError(f"the server at {server.url} serves another model than {model_name}: "
+        raise EndpointError(f"the server at {url} serves another model than {model_name}: "
                             f"{wanted!r} has a vocabulary of {n_vocab} tokens, {model_name} of {max(sizes)}")
     return wanted
 
