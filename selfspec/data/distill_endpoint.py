@@ -36,14 +36,13 @@ def distill_through_endpoint(generator, prompts: list[tuple], out_dir, options, 
     generator: MODEL in this process (a `SelfSpecGenerator` with its tokenizer), for the probe and the
     prompts' tokens, or a function that loads it, called once the server has listed its models (a
     mistyped address or key fails before a large model loads); options: a `ReplyOptions` that is also
-    an `EndpointOptions` (`DistillOptions`). Returns the summary of `distill_responses` with the probe's
-    findings added.
+    an `EndpointOptions` (`DistillOptions`). Returns the summary of `distill_responses` (its seconds: the
+    replies', the probe's left out as the model's loading is there) with the probe's findings added.
     """
     return asyncio.run(_distill(generator, prompts, out_dir, options, model_name, force, progress))
 
 
 async def _distill(generator, prompts, out_dir, options, model_name, force, progress) -> dict:
-    start = time.perf_counter()
     async with Endpoint(options) as server:
         models = await server.models()
         generator = generator() if callable(generator) else generator
@@ -64,7 +63,7 @@ async def _distill(generator, prompts, out_dir, options, model_name, force, prog
                                     f"same command continues", exc.status) from None
         replies.finish([item[0] for item in prompts])
     return {"rows": len(replies.done), "new_rows": len(todo), "tokens": run.tokens, "skipped_long": skipped,
-            "seconds": round(time.perf_counter() - start, 1), "file": str(replies.path),
+            "seconds": round(time.perf_counter() - run.start, 1), "file": str(replies.path),
             "endpoint": server.url, "server_model": probe.server_model, "probe_match": probe.match,
             "probe_exact": probe.exact, "token_ids": probe.token_ids}
 
