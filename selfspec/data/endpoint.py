@@ -53,16 +53,16 @@ class EndpointOptions(Options):
     api_key: str | None = None
     """the server's API key (default: $OPENAI_API_KEY)"""
     concurrency: int = 16
-    """requests in flight at once"""
+    """requests in flight at once (default: 16)"""
     request_timeout: float = 600.0
-    """seconds one request may take before it is sent again"""
+    """seconds one request may take before it is sent again (default: 600)"""
     retries: int = 5
-    """times a request is sent again after a 429, a 5xx, a timeout or a dropped connection"""
+    """times a request is sent again after a 429, a 5xx, a timeout or a dropped connection (default: 5)"""
     server_model: str | None = None
     """the model's name on the server (default: the one its /v1/models lists)"""
     min_probe_match: float = 0.8
     """refuse a server whose greedy replies to two probe prompts agree with MODEL's on a smaller share of
-    tokens (a near match above it, e.g. a quantized copy, is a warning)"""
+    tokens (default: 0.8; a near match above it, e.g. a quantized copy, is a warning)"""
     backoff: float = option(1.0, cli=False)
     """seconds before the first retry, doubled for each next one"""
 
@@ -174,9 +174,9 @@ class Endpoint:
         await self.http.aclose()
 
     async def models(self) -> list[dict]:
-        """The entries of the server's /v1/models (each with its "id"), asked once: an address that
-        does not answer is an error at once."""
-        payload = await self._json("GET", "/models", None, "GET /models", retry=False)
+        """The entries of the server's /v1/models (each with its "id"): an address that does not answer is
+        an error at once (a server still loading, a 503, is asked again)."""
+        payload = await self._json("GET", "/models", None, "GET /models", reach_once=True)
         data = payload.get("data") if isinstance(payload, dict) else None
         if not isinstance(data, list) or not all(isinstance(m, dict) and isinstance(m.get("id"), str)
                                                  for m in data):
@@ -195,11 +195,12 @@ class Endpoint:
                                 f"not a completion ({_excerpt(json.dumps(payload))}); pass the address of an "
                                 f"OpenAI-compatible server") from None
 
-    async def _json(self, method: str, path: str, body: dict | None, what: str, retry: bool = True):
-        """The JSON body of a 2xx answer to `method path`; retried on a transient failure (`retry`)."""
+    async def _json(self, method: str, path: str, body: dict | None, what: str, reach_once: bool = False):
+        """The JSON body of a 2xx answer to `method path`, retried on a transient failure; `reach_once`: a
+        connection that fails is an error at once (a mistyped address)."""
         import httpx
 
-        tries = 1 + (self.options.retries if retry else 0)
+        tries = 1 + self.options.retries
         for attempt in range(tries):
             wait, failure = None, None
             try:
@@ -207,7 +208,7 @@ class Endpoint:
                                                   self.options.request_timeout)
             except (httpx.TransportError, asyncio.TimeoutError) as exc:
                 failure = _transport_failure(exc, self.options.request_timeout)
-                if not retry:
+                if reach_once:
                     raise EndpointError(f"cannot reach the server at {self.url} ({failure}); start it, or "
                                         f"pass its address to --endpoint") from None
             else:

@@ -1,6 +1,6 @@
 """Does the server serve MODEL? Checked before a single reply is asked for.
 
-    check = await same_model(server, generator, "runs/smollm2/base", options)
+    check = await same_model(server, await server.models(), generator, "runs/smollm2/base", options)
 
 First the server's `/v1/models`: the name to ask for (the one it lists, or `--server-model`), and where
 the server says it (llama.cpp does), the size of its vocabulary against MODEL's. Then a greedy probe:
@@ -16,8 +16,6 @@ that ask for them and returns ids (else the manifest says the text is tokenized 
 
 from __future__ import annotations
 
-import hashlib
-import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +40,6 @@ class ProbeResult:
     token_ids: str
     match: float
     exact: bool
-    fingerprint: str  # a hash of the server's probe replies
 
 
 async def same_model(server: Endpoint, models: list[dict], generator, model_name: str,
@@ -73,9 +70,7 @@ async def same_model(server: Endpoint, models: list[dict], generator, model_name
     share = matched / total if total else 1.0
     if not exact:
         _judge(server.url, model_name, share, difference, options.min_probe_match, (matched, total))
-    fingerprint = hashlib.sha256(json.dumps([[r.text, r.token_ids] for r in replies]).encode()).hexdigest()
-    return ProbeResult(name, with_ids, "server" if with_ids else "tokenized", round(share, 4), exact,
-                       fingerprint[:16])
+    return ProbeResult(name, with_ids, "server" if with_ids else "tokenized", round(share, 4), exact)
 
 
 def _probe_request(generator, name: str, prompt: str, ask_ids: bool) -> tuple[str, dict]:
