@@ -41,7 +41,6 @@ if sys.argv[1:2] == ["serve"]:
 
 from . import commands, demo, recipes
 from .commands import (
-    DistillOptions,
     DraftVocabOptions,
     ExportOptions,
     GateOptions,
@@ -49,6 +48,7 @@ from .commands import (
     ImportGGUFOptions,
     LayersOptions,
 )
+from .data.distill_job import DistillOptions, distill_data
 from .demo import DemoOptions
 from .errors import UserError
 from .evaluation import benchmark, doctor, roofline, suite, sweep
@@ -225,7 +225,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[tuple[str, ...], argparse.A
                  "assisted generation, vLLM's and llama.cpp's draft models)")
     command(("draft-vocab",), sub, commands.draft_vocab_counts, DraftVocabOptions,
             help="count token frequencies into a checkpoint (for a trimmed draft head)")
-    command(("distill-data",), sub, commands.distill_data, DistillOptions,
+    command(("distill-data",), sub, distill_data, DistillOptions,
             help="the model's own replies to chat prompts (cached, resumable), a chat .jsonl for the "
                  "fine-tune")
     command(("doctor",), sub, doctor.doctor, DoctorOptions,

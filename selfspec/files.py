@@ -10,7 +10,8 @@ Atomic writes: a reader (or a process killed halfway) never sees half a file or 
 
 - `atomic_file`, `write_text_atomic` / `write_json_atomic`: a temp file beside the target, then a rename;
 - `atomic_directory`: build a directory in a temp sibling, then move it into place, replacing the
-  previous one (used for checkpoints, corpora, tokenizers and packed data sets).
+  previous one (used for checkpoints, corpora, tokenizers and packed data sets);
+- `fault_point`: the kill-anywhere tests' one hook, which SIGKILLs the process at a named point.
 
 Pure standard library; imports nothing from the rest of the project.
 """
@@ -21,6 +22,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -39,6 +41,17 @@ def cache_dir() -> Path:
     if os.environ.get(CACHE_ENV_VAR):
         return Path(os.environ[CACHE_ENV_VAR])
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "selfspec"
+
+
+FAULT_ENV = "SELFSPEC_FAULT"  # test hook: the point where `fault_point` kills the process
+
+
+def fault_point(point: str) -> None:
+    """The one fault-injection hook, for the kill-anywhere tests: the process SIGKILLs itself where
+    `SELFSPEC_FAULT` names `point` (the training loop's `mid_step:N`, `saving:N`, `saved:N`; a
+    distillation's `distill_written:N`, its Nth reply of the run written)."""
+    if os.environ.get(FAULT_ENV) == point:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 @contextmanager

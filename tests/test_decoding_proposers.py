@@ -24,8 +24,8 @@ def test_every_proposer_has_the_one_signature():
 
 
 def _state(policy, rows: np.ndarray, cap: int) -> RoundState:
-    b = SimpleNamespace(rows=rows, grammar=None, forced=False, forces=False, steps=torch.arange(16), lap=no_lap,
-                        pending_dev=torch.full((len(rows),), 2))
+    b = SimpleNamespace(rows=rows, grammar=None, forced=False, forces=False, steps=torch.arange(16),
+                        lap=no_lap, pending_dev=torch.full((len(rows),), 2))
     return RoundState(b, policy, policy.plan(rows), cap, unrun=[b.pending_dev[:, None]])
 
 

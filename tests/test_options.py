@@ -147,7 +147,9 @@ def test_options_are_frozen():
 # The shape of the command layer: options objects instead of long parameter lists
 # --------------------------------------------------------------------------------------------------
 
-COMMAND_LAYER = ["cli.py", "commands.py", "options.py", "demo.py", "data/distill.py", "serving/app.py",
+COMMAND_LAYER = ["cli.py", "commands.py", "options.py", "demo.py", "data/distill.py", "data/distill_job.py",
+                 "data/distill_endpoint.py", "data/endpoint.py", "data/probe.py", "data/replies.py",
+                 "serving/app.py",
                  "serving/options.py", "training/loop.py", "training/early_exit.py",
                  *(str(p.relative_to(PACKAGE)) for p in sorted((PACKAGE / "evaluation").glob("*.py")))]
 MAX_PARAMETERS, MAX_LINES = 10, 80

@@ -206,13 +206,14 @@ def test_fault_injection_is_one_hook_that_fires_only_at_its_point(monkeypatch):
     import os
     import signal
 
+    from selfspec.files import FAULT_ENV
     from selfspec.training import loop
 
     killed = []
     monkeypatch.setattr(os, "kill", lambda pid, sig: killed.append((pid, sig)))
-    monkeypatch.delenv(loop.FAULT_ENV, raising=False)
+    monkeypatch.delenv(FAULT_ENV, raising=False)
     loop._fault("saving:4")
-    monkeypatch.setenv(loop.FAULT_ENV, "saving:4")
+    monkeypatch.setenv(FAULT_ENV, "saving:4")
     loop._fault("saving:2"), loop._fault("saved:4")
     assert killed == []
     loop._fault("saving:4")
@@ -403,7 +404,8 @@ def test_a_run_killed_anywhere_resumes_to_the_same_weights_bit_for_bit(tiny_run,
 
     from safetensors.torch import load_file
 
-    from selfspec.training.loop import FAULT_ENV, latest_state
+    from selfspec.files import FAULT_ENV
+    from selfspec.training.loop import latest_state
 
     def run(out, *flags, fault=None):
         env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}

@@ -60,7 +60,8 @@ def main() -> None:
         generator.generate([prompts[0]] * batch, max_new_tokens=16, eos_token_id=[], **cell)  # warm-up
         start, tokens = time.perf_counter(), 0
         for prompt in prompts:
-            out = generator.generate([prompt] * batch, max_new_tokens=args.new_tokens, eos_token_id=[], **cell)
+            out = generator.generate([prompt] * batch, max_new_tokens=args.new_tokens, eos_token_id=[],
+                                     **cell)
             tokens += sum(len(s) for s in out.sequences)
         rates[name] = tokens / (time.perf_counter() - start)
     print(json.dumps(rates))

@@ -49,9 +49,9 @@ class LlamaServer:
     starts it and waits until it answers /health; leaving stops it (by its pid) and keeps its log."""
 
     def __init__(self, binary: Path, model: Path, args: list[str], threads: int, context: int,
-                 log: Path, name: str = "llama-server"):
+                 log: Path, name: str = "llama-server", parallel: int = 1):
         self.binary, self.model, self.args, self.name = Path(binary), Path(model), list(args), name
-        self.threads, self.context, self.log = threads, context, Path(log)
+        self.threads, self.context, self.log, self.parallel = threads, context, Path(log), parallel
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
@@ -60,7 +60,7 @@ class LlamaServer:
         """The command line it runs."""
         return [str(self.binary), "--model", str(self.model), "--port", str(self.port), "--host", "127.0.0.1",
                 "--threads", str(self.threads), "--threads-batch", str(self.threads), "--ctx-size",
-                str(self.context), "--parallel", "1", "--no-webui", *self.args]
+                str(self.context), "--parallel", str(self.parallel), "--no-webui", *self.args]
 
     def __enter__(self) -> LlamaServer:
         self.log.parent.mkdir(parents=True, exist_ok=True)

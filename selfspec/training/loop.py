@@ -13,7 +13,6 @@ import dataclasses
 import json
 import os
 import shutil
-import signal
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -36,7 +35,7 @@ from ..cpu import has_bf16_units
 from ..decoding import DecodeSettings
 from ..decoding.draft_head import frequent_tokens
 from ..errors import UserError
-from ..files import write_json_atomic, write_text_atomic
+from ..files import fault_point, write_json_atomic, write_text_atomic
 from ..metrics import choose_exit, weight_draft_cost
 from ..model import DecoderView
 from ..model.exit_adapter import new_exit_adapter
@@ -49,7 +48,6 @@ from .objective import FrozenTeacher, SelfSpecObjective
 
 STATE_DIR = "state"  # inside output_dir: one accelerate save_state per step-N folder, and LATEST
 LATEST = "latest"  # inside STATE_DIR: the name of the newest complete state (written last, atomically)
-FAULT_ENV = "SELFSPEC_FAULT"  # test hook: "point:step" kills the process there (see `_fault`)
 FINAL_DIR = "model"  # the saved model inside output_dir
 
 
@@ -688,11 +686,10 @@ def _claim_output_dir(output_dir: Path, resume: bool, overwrite: bool) -> None:
 
 
 def _fault(point: str) -> None:
-    """The one fault-injection hook, for the kill-anywhere tests: the loop calls it at `mid_step:N`
-    (step N's gradients computed, its update not applied), `saving:N` (state N written, `latest` not
-    yet moved) and `saved:N`; the process SIGKILLs itself where `SELFSPEC_FAULT` names the point."""
-    if os.environ.get(FAULT_ENV) == point:
-        os.kill(os.getpid(), signal.SIGKILL)
+    """The loop's kill points for the kill-anywhere tests (`files.fault_point`): `mid_step:N` (step N's
+    gradients computed, its update not applied), `saving:N` (state N written, `latest` not yet moved)
+    and `saved:N`."""
+    fault_point(point)
 
 
 def evaluate(accelerator, objective, val_blocks, exit_layers, exit_layer, cfg) -> dict:
