@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..agreement import IGNORE_INDEX, shifted_labels
+from ..agreement import IGNORE_INDEX, exit_layer_metrics, shifted_labels
 from ..config import EarlyExitConfig
 from ..errors import UserError
 from ..model import DecoderView
@@ -182,6 +182,19 @@ class SelfSpecObjective(nn.Module):
             out["exit_loss"] = exit_loss.detach()
         out["loss"] = loss
         return out
+
+    def exit_metrics(self, blocks: torch.Tensor, layers: list[int], exit_layer: int, batch_size: int,
+                     reduce=None, target_mask: torch.Tensor | None = None) -> dict[int, dict[str, float]]:
+        """`agreement.exit_layer_metrics` of the model being trained at `layers`, the exit adapter read
+        at `exit_layer`, and the trimmed draft vocabulary: the evaluation. A method of the objective
+        because FSDP2 shards the objective's own weights (embedding, final norm, head: its root unit)
+        and gathers them only around a forward method: the training loop registers this one
+        (`torch.distributed.fsdp.register_fsdp_forward_method`)."""
+        adapter, vocab = self.exit_adapter, self.exit_vocab
+        return exit_layer_metrics(self.model, blocks, layers, batch_size=batch_size, reduce=reduce,
+                                  target_mask=target_mask,
+                                  exit_adapters=None if adapter is None else {exit_layer: adapter},
+                                  draft_vocab=None if vocab is None else vocab.token_ids)
 
     def _cached_exit_loss(self, exit_hidden: torch.Tensor, teacher_ids: torch.Tensor,
                           teacher_probs: torch.Tensor, target_mask: torch.Tensor | None = None) -> dict:
