@@ -421,7 +421,8 @@ def _accelerator(cfg: RunConfig, output_dir: Path) -> Accelerator:
         cpu=not has_accelerator(), gradient_accumulation_steps=cfg.optim.grad_accum,
         mixed_precision=_mixed_precision(cfg.mixed_precision),
         log_with=_trackers(cfg, output_dir), project_dir=str(output_dir), kwargs_handlers=plugin_kwargs,
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed))
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed,
+                                                  non_blocking=torch.cuda.is_available()))
     set_seed(cfg.seed)
     deepspeed = accelerator.state.deepspeed_plugin
     if deepspeed is not None:  # the recipe's clipping, not accelerate's fixed 1.0 for a config's "auto"
@@ -474,8 +475,11 @@ def _cached_features(cfg: RunConfig, accelerator: Accelerator, model, train_bloc
 def _prepared(cfg: RunConfig, accelerator: Accelerator, objective, train_blocks) -> tuple:
     """(objective, optimizer, loader, scheduler) prepared by the accelerator, and the trainable
     parameters; the layer dropout's draws registered for checkpointing and the trackers started."""
+    # pinned on a GPU: accelerate's copy of each batch (`non_blocking`, `_accelerator`) is then queued
+    # like a kernel rather than waiting for the device
     loader = DataLoader(train_blocks, batch_size=cfg.optim.batch_size, shuffle=True, drop_last=True,
-                        generator=torch.Generator().manual_seed(cfg.seed))
+                        generator=torch.Generator().manual_seed(cfg.seed),
+                        pin_memory=accelerator.device.type == "cuda")
     optimizer = torch.optim.AdamW([p for p in objective.parameters() if p.requires_grad], lr=cfg.optim.lr,
                                   betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay)
     # accelerate steps a prepared scheduler once per process for every optimizer step (its convention

@@ -17,6 +17,7 @@ from torch import nn
 
 from ..agreement import IGNORE_INDEX, exit_layer_metrics, shifted_labels
 from ..config import EarlyExitConfig
+from ..cpu import to_device
 from ..errors import UserError
 from ..model import DecoderView
 from .early_exit import ExitCurriculum, TrimmedVocab, early_exit_loss, layer_weights
@@ -141,9 +142,8 @@ class SelfSpecObjective(nn.Module):
         view, ee = self.view, self.early_exit
         batch = input_ids.shape[0]
         drop = None
-        if self.layer_dropout is not None:
-            drop = self.layer_dropout.sample(step, batch, training=self.training)  # (N, B)
-            drop = drop.to(input_ids.device)
+        if self.layer_dropout is not None:  # (N, B) on the host, where `apply_block` decides
+            drop = self.layer_dropout.sample(step, batch, training=self.training)
         active = self.curriculum.active(step) if self.exit_layers else []
 
         hidden = view.embed(input_ids)  # (B, T, D)
@@ -173,7 +173,7 @@ class SelfSpecObjective(nn.Module):
             exit_labels = labels if draft_mask is None else shifted_labels(input_ids, draft_mask)
             if ee.token_fraction < 1.0:
                 exits, teacher_logits, exit_labels = self._subsample(exits, teacher_logits, exit_labels, step)
-            weights = layer_weights(ee.scale, active, view.num_layers).to(hidden.device)
+            weights = layer_weights(ee.scale, active, view.num_layers)  # (L,) host floats
             exit_loss = early_exit_loss(exits, self._exit_head(), weights, kind=ee.kind,
                                         teacher_logits=teacher_logits, labels=exit_labels,
                                         temperature=ee.temperature, chunk_size=ee.chunk_size,
@@ -230,7 +230,7 @@ class SelfSpecObjective(nn.Module):
         batch, length = labels.shape
         count = max(1, math.ceil(self.early_exit.token_fraction * batch * length))
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        index = torch.randperm(batch * length, generator=generator)[:count].to(labels.device)  # (n,)
+        index = to_device(torch.randperm(batch * length, generator=generator)[:count], labels.device)  # (n,)
         exits = [h.flatten(0, 1)[index][None] for h in exits]  # each (1, n, D)
         if teacher_logits is not None:
             teacher_logits = teacher_logits.flatten(0, 1)[index][None]  # (1, n, V)
