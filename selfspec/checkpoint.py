@@ -340,8 +340,8 @@ def load_tuned(path: str | Path, device: str = "auto", dtype: str = "auto",
     warning says so. Other keywords override single fields, as `DecodeSettings.override` takes them
     (exit_layer, num_speculations, drafter, draft_vocab_size, stop_below, min_ngram, overlap; None keeps
     a field; draft_vocab_size 0: the whole head). device: "auto" is
-    CUDA when there is one, else the CPU. static_passes: "compile" runs the decoding passes at fixed
-    shapes through `torch.compile`, CUDA graphs on a GPU ("eager": the same passes uncompiled); backend:
+    CUDA when there is one, else the CPU. static_passes: "graph" runs the decoding passes at fixed
+    shapes captured as CUDA graphs ("eager": the same passes as written); backend:
     "reference", "cpu_kernels" or "static" (None or "auto": the default); see `SelfSpecGenerator`.
     """
     import torch
