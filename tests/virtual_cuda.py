@@ -13,6 +13,9 @@ Inside `VirtualCuda()`, a tensor moved to "cuda" (`.cuda()`, `.to("cuda")`, a fa
   queued so far, as CUDA's copy from pageable memory does and torch's blocking copy does, counted
   (`host_uploads`), except a `non_blocking=True` copy from pinned memory (`pin_memory()`, a factory's
   `pin_memory=True`), which is queued like a kernel: `syncs` is both counts;
+- each operation with a CUDA result counts as one kernel launch (`kernel_launches`), and a captured
+  pass's replay (`selfspec.backends.graphs`) as one graph launch (`graph_launches`), its own operations
+  not counted: what a GPU's host pays a launch each;
 - `torch.cuda.Event` times with `perf_counter`, and `elapsed_time` raises unless a host read or
   `synchronize` came after both events were recorded (CUDA's "device not ready");
 - selfspec's compiled CPU kernels raise when given a CUDA tensor.
@@ -35,6 +38,7 @@ _FACTORIES = {torch.zeros, torch.ones, torch.empty, torch.full, torch.arange, to
               torch.randn, torch.rand, torch.randint, torch.eye, torch.linspace, torch.empty_strided,
               torch.scalar_tensor, torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like,
               torch.rand_like, torch.randn_like}
+_ALLOCATIONS = {torch.empty, torch.empty_like, torch.empty_strided}  # memory only: no kernel
 _CROSS = {torch.Tensor.copy_, torch.Tensor.__getitem__, torch.Tensor.__setitem__, torch.Tensor.index_put_,
           torch.Tensor.index_put}
 _HOST_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__int__, torch.Tensor.__float__,
@@ -48,6 +52,9 @@ class _Queue:
     completed = 0
     reads = 0
     uploads = 0
+    kernels = 0
+    graphs = 0
+    in_replay = 0
 
 
 class Event:
@@ -94,6 +101,7 @@ class VirtualCuda(TorchFunctionMode):
         self._patches = contextlib.ExitStack()
 
     def __enter__(self):
+        from selfspec.backends import graphs
         from selfspec.model import kernels
 
         patch = self._patches.enter_context
@@ -102,6 +110,7 @@ class VirtualCuda(TorchFunctionMode):
         # foreach kernels (AdamW, clipping) group tensors by device: a CUDA tensor's group is CUDA's
         patch(_replaced(torch._C, "_group_tensors_by_device_and_dtype",
                         self._grouped(torch._C._group_tensors_by_device_and_dtype)))
+        patch(_replaced(graphs._Graph, "replay", _one_launch(graphs._Graph.replay)))
         # the kernels checked for this thread or task (and threads started with a copy of its context)
         patch(kernels.wrapped(lambda module: _CheckedKernels(module, self)))
         return super().__enter__()
@@ -120,6 +129,16 @@ class VirtualCuda(TorchFunctionMode):
     def host_uploads(self) -> int:
         """Copies to the device so far that waited for it: from pageable memory, or blocking."""
         return _Queue.uploads
+
+    @property
+    def kernel_launches(self) -> int:
+        """Operations with a CUDA result so far, outside graph replays: a kernel launch each."""
+        return _Queue.kernels
+
+    @property
+    def graph_launches(self) -> int:
+        """Replays of captured passes so far: a graph launch each."""
+        return _Queue.graphs
 
     @property
     def syncs(self) -> int:
@@ -228,6 +247,8 @@ class VirtualCuda(TorchFunctionMode):
             if device is not None and torch.device(device).type == "cuda":
                 if func in (torch.tensor, torch.as_tensor) and not self.on_cuda(args[0]):
                     _upload()  # host values copied up: through pageable memory
+                elif func not in _ALLOCATIONS and not _Queue.in_replay:
+                    _Queue.kernels += 1  # a fill, a range, random numbers: a kernel
                 return self._tag(func(*args, **{**kwargs, "device": "cpu"}))
             out = func(*args, **kwargs)
             if pin:
@@ -246,6 +267,8 @@ class VirtualCuda(TorchFunctionMode):
         out = func(*args, **kwargs)
         # a copy into, an index of or an assignment into a tensor stays on that tensor's device
         device_of_out = self.on_cuda(args[0]) if func in _CROSS else True in on
+        if device_of_out and not _Queue.in_replay and _launches_kernel(func, tensors, out):
+            _Queue.kernels += 1
         return self._tag(out) if device_of_out and out is not None else out
 
 
@@ -279,6 +302,30 @@ class _CheckedKernels:
                 raise RuntimeError(f"the CPU kernel {name} was given a CUDA tensor")
             return value(*args, **kwargs)
         return checked
+
+
+def _launches_kernel(func, inputs: list, out) -> bool:
+    """Whether an operation launches a kernel on CUDA: a write into a tensor does, a view of one (a
+    result on an input's memory: `view`, `detach`, a slice, `contiguous` of a contiguous one) does not."""
+    name = getattr(func, "__name__", "")
+    if func is torch.Tensor.__setitem__ or (name.endswith("_") and not name.startswith("__")) \
+            or name.startswith("__i"):
+        return True
+    if not isinstance(out, torch.Tensor):
+        return False
+    return out.untyped_storage().data_ptr() not in {t.untyped_storage().data_ptr() for t in inputs}
+
+
+def _one_launch(replay):
+    """A captured pass's replay as one graph launch: the operations it reruns are not launches."""
+    def counted(graph, args):
+        _Queue.graphs += 1
+        _Queue.in_replay += 1
+        try:
+            return replay(graph, args)
+        finally:
+            _Queue.in_replay -= 1
+    return counted
 
 
 @contextlib.contextmanager
