@@ -15,7 +15,7 @@ Inside `VirtualCuda()`, a tensor moved to "cuda" (`.cuda()`, `.to("cuda")`, a fa
   `pin_memory=True`), which is queued like a kernel: `syncs` is both counts;
 - each operation with a CUDA result counts as one kernel launch (`kernel_launches`), and a captured
   pass's replay (`selfspec.backends.graphs`) as one graph launch (`graph_launches`), its own operations
-  not counted: what a GPU's host pays a launch each;
+  not counted: what a GPU's host pays a launch each; captures are counted apart (`graph_captures`);
 - `torch.cuda.Event` times with `perf_counter`, and `elapsed_time` raises unless a host read or
   `synchronize` came after both events were recorded (CUDA's "device not ready");
 - selfspec's compiled CPU kernels raise when given a CUDA tensor.
@@ -54,6 +54,7 @@ class _Queue:
     uploads = 0
     kernels = 0
     graphs = 0
+    captures = 0
     in_replay = 0
 
 
@@ -111,6 +112,7 @@ class VirtualCuda(TorchFunctionMode):
         patch(_replaced(torch._C, "_group_tensors_by_device_and_dtype",
                         self._grouped(torch._C._group_tensors_by_device_and_dtype)))
         patch(_replaced(graphs._Graph, "replay", _one_launch(graphs._Graph.replay)))
+        patch(_replaced(graphs._Graph, "__init__", _counted_capture(graphs._Graph.__init__)))
         # the kernels checked for this thread or task (and threads started with a copy of its context)
         patch(kernels.wrapped(lambda module: _CheckedKernels(module, self)))
         return super().__enter__()
@@ -139,6 +141,11 @@ class VirtualCuda(TorchFunctionMode):
     def graph_launches(self) -> int:
         """Replays of captured passes so far: a graph launch each."""
         return _Queue.graphs
+
+    @property
+    def graph_captures(self) -> int:
+        """Captures of passes so far (each a warm-up run, counted in `kernel_launches`, and a graph)."""
+        return _Queue.captures
 
     @property
     def syncs(self) -> int:
@@ -314,6 +321,13 @@ def _launches_kernel(func, inputs: list, out) -> bool:
     if not isinstance(out, torch.Tensor):
         return False
     return out.untyped_storage().data_ptr() not in {t.untyped_storage().data_ptr() for t in inputs}
+
+
+def _counted_capture(capture):
+    def counted(graph, *args, **kwargs):
+        _Queue.captures += 1
+        capture(graph, *args, **kwargs)
+    return counted
 
 
 def _one_launch(replay):

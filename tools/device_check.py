@@ -723,22 +723,9 @@ def dry_run(out: Path) -> int:
     sys.path.insert(0, str(ROOT / "tests"))
     from virtual_cuda import VirtualCuda
 
-    from selfspec.backends import graphs
-    rows = []
     with VirtualCuda() as device:
         check = Check(out, size="narrow", emulator=device)
-        for name, function in STAGE_FUNCTIONS.items():
-            before = (device.kernel_launches, device.graph_launches, device.syncs)
-            captures = _count_captures(graphs)
-            start = time.perf_counter()
-            function(check)
-            row = {"stage": name, "kernel_launches": device.kernel_launches - before[0],
-                   "graph_launches": device.graph_launches - before[1], "syncs": device.syncs - before[2],
-                   "captures": captures(), "dry_run_seconds": round(time.perf_counter() - start, 1),
-                   "work_seconds": WORK[name][0], "work": WORK[name][1]}
-            row["modelled_seconds"] = round(LAUNCH_SECONDS * (row["kernel_launches"] + row["graph_launches"])
-                                            + CAPTURE_SECONDS * row["captures"] + row["work_seconds"], 1)
-            rows.append(row)
+        rows = [_modelled(device, name, function, check) for name, function in STAGE_FUNCTIONS.items()]
     total = sum(r["modelled_seconds"] for r in rows)
     model = {"rows": rows, "modelled_seconds": total, "target_seconds": TARGET, "budget_seconds": BUDGET}
     (out / "model.json").write_text(json.dumps(model, indent=1))
@@ -753,20 +740,18 @@ def dry_run(out: Path) -> int:
     return 0 if fits else 1
 
 
-def _count_captures(graphs):
-    """A counter of the captures from now on (each `_Graph` made), read (and stopped) by calling it."""
-    made = {"n": 0}
-    init = graphs._Graph.__init__
-
-    def counted(self, *args, **kwargs):
-        made["n"] += 1
-        init(self, *args, **kwargs)
-    graphs._Graph.__init__ = counted
-
-    def read() -> int:
-        graphs._Graph.__init__ = init
-        return made["n"]
-    return read
+def _modelled(device, name: str, function, check: Check) -> dict:
+    """One stage run on the emulated device: what it launched, captured and read, and its modelled time."""
+    before = (device.kernel_launches, device.graph_launches, device.graph_captures, device.syncs)
+    start = time.perf_counter()
+    function(check)
+    kernels, graphs, captures, syncs = (after - b for after, b in zip(
+        (device.kernel_launches, device.graph_launches, device.graph_captures, device.syncs), before))
+    work, basis = WORK[name]
+    seconds = LAUNCH_SECONDS * (kernels + graphs) + CAPTURE_SECONDS * captures + work
+    return {"stage": name, "kernel_launches": kernels, "graph_launches": graphs, "captures": captures,
+            "syncs": syncs, "dry_run_seconds": round(time.perf_counter() - start, 1), "work_seconds": work,
+            "work": basis, "modelled_seconds": round(seconds, 1)}
 
 
 # -- the driver ----------------------------------------------------------------------------------------
