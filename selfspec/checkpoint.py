@@ -77,7 +77,7 @@ class Provenance:
 
 def save_tuned(path: str | Path, model, tokenizer=None, *, settings: DecodeSettings,
                provenance: Provenance | None = None, state_dict: dict | None = None, token_counts=None,
-               exit_adapter=None, dtype=None) -> Path:
+               exit_adapter=None, dtype=None, adapter_state: dict | None = None) -> Path:
     """Save model (safetensors) + tokenizer + selfspec.json into `path`, atomically.
 
     settings: how the checkpoint decodes by default (`DecodeSettings`, E set; a fine-tune with a
@@ -85,7 +85,8 @@ def save_tuned(path: str | Path, model, tokenizer=None, *, settings: DecodeSetti
     (`Provenance`; default a tuned checkpoint with no record). state_dict: the weights to write when
     the module's own are sharded (FSDP); default its own. token_counts: (V,) token frequencies (of
     the training data) for a trimmed draft head.
-    exit_adapter: an `ExitAdapter` trained for `settings.exit_layer`, saved beside the model.
+    exit_adapter: an `ExitAdapter` trained for `settings.exit_layer`, saved beside the model;
+    adapter_state: its weights when its own are sharded (FSDP), default its own.
     dtype: the torch dtype the weights and the exit adapter are written at, which config.json then
     names (a run that trained float32 master copies of a 16-bit model saves that model's dtype);
     None: as they are.
@@ -121,7 +122,7 @@ def save_tuned(path: str | Path, model, tokenizer=None, *, settings: DecodeSetti
         if token_counts is not None:
             meta["token_counts"] = _write_token_counts(staging, token_counts, provenance.token_counts_source)
         if exit_adapter is not None:
-            save_exit_adapter(exit_adapter, staging, dtype)
+            save_exit_adapter(exit_adapter, staging, dtype, adapter_state)
             meta["exit_adapter"] = {"exit_layer": settings.exit_layer, "file": ADAPTER_FILE,
                                     **exit_adapter.shape}
         choice = provenance.exit_choice
@@ -339,8 +340,8 @@ def load_tuned(path: str | Path, device: str = "auto", dtype: str = "auto",
     warning says so. Other keywords override single fields, as `DecodeSettings.override` takes them
     (exit_layer, num_speculations, drafter, draft_vocab_size, stop_below, min_ngram, overlap; None keeps
     a field; draft_vocab_size 0: the whole head). device: "auto" is
-    CUDA when there is one, else the CPU. static_passes: "compile" runs the decoding passes at fixed
-    shapes through `torch.compile`, CUDA graphs on a GPU ("eager": the same passes uncompiled); backend:
+    CUDA when there is one, else the CPU. static_passes: "graph" runs the decoding passes at fixed
+    shapes captured as CUDA graphs ("eager": the same passes as written); backend:
     "reference", "cpu_kernels" or "static" (None or "auto": the default); see `SelfSpecGenerator`.
     """
     import torch

@@ -1,4 +1,5 @@
-"""CPU runtime settings that change speed, never results (and `sync_device`, for timing any device).
+"""CPU runtime settings that change speed, never results (and `sync_device`, for timing any device,
+and `to_device`, a host tensor sent up without waiting).
 
 Training and evaluation on CPU allocate and free (tokens, vocabulary) logits blocks of hundreds of
 megabytes every step (49,152 × 2,048 fp32 values are 400 MB). glibc serves such blocks with mmap and
@@ -137,3 +138,18 @@ def sync_device(device) -> None:
         torch.mps.synchronize()
     elif device.type == "xpu":
         torch.xpu.synchronize(device)
+
+
+def to_device(tensor, device):
+    """`tensor` (host memory) on `device`, without the host waiting for the device.
+
+    A copy to a GPU from pageable memory waits for every kernel queued before it (CUDA stages it
+    through pinned memory; torch's blocking copy synchronizes the stream): a sync, like a host read.
+    From pinned memory with `non_blocking=True` the copy is queued like a kernel, and torch's caching
+    host allocator keeps the pinned block until the copy has run. On the CPU `tensor` itself."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cpu" or tensor.device == device:
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)

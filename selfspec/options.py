@@ -321,10 +321,9 @@ class StaticPassesOption(Options):
     """how the round's passes run: reference = torch operations (the oracle, any device); cpu_kernels =
     selfspec's compiled CPU calls; static = fixed shapes (see --static-passes); auto: static with
     --static-passes, else cpu_kernels on a CPU and reference elsewhere"""
-    static_passes: Literal["eager", "compile", "graph"] | None = None
+    static_passes: Literal["eager", "graph"] | None = None
     """run every decoding pass at fixed shapes: graph = each pass (a round's k drafts, its verification)
-    captured as one CUDA graph; compile = torch.compile, CUDA graphs on a GPU (Llama family; first calls
-    capture or compile)"""
+    captured as one CUDA graph (Llama family; first calls capture); eager = the same passes as written"""
 
 
 __all__ = ["ConstraintOptions", "CopyOverride", "DecodeOverrides", "DrafterOverride", "Flag", "Options",

@@ -2,8 +2,11 @@
 the outputs of the previous one, so the engine copies them out; a host read inside a capture is refused;
 a new shape or a new static buffer is a new capture; a round of the static passes as graphs costs at
 most two graph launches (the draft loop, the verification) and equals the eager passes' output, greedy,
-sampled and under a grammar, on the CPU and on the emulated CUDA device."""
+sampled and under a grammar, on the CPU and on the emulated CUDA device. Inside a capture every operation
+whose output's shape or values depend on data on the host is refused (one test each), and a replay that
+would read another tensor or host value than its capture is refused too."""
 
+import numpy as np
 import pytest
 import torch
 from helpers import low_alpha_model, reference_greedy
@@ -12,7 +15,7 @@ from torch.overrides import TorchFunctionMode
 from virtual_cuda import VirtualCuda
 
 from selfspec.backends import graphs
-from selfspec.backends.graphs import CapturedPass, HostReadInCapture, _Graph
+from selfspec.backends.graphs import CapturedPass, HostReadInCapture, ReplayMismatch, _Graph
 from selfspec.decoding import NewRow, SelfSpecGenerator
 from selfspec.decoding.grammar import Constraint
 
@@ -61,16 +64,74 @@ def test_the_graphs_kept_are_bounded_the_least_recently_used_dropped():
     assert len(captured._graphs) == graphs.KEPT and captured.captures == graphs.KEPT + 5
 
 
-@pytest.mark.parametrize("body", [
-    lambda x: x * int(x.sum()),  # a host read
-    lambda x: x.to("cpu") + 1,  # a copy to the host
-    lambda x: x[x > 0],  # a boolean mask: a result sized by the data
-    lambda x: x.nonzero().float().sum() + x,
-    lambda x: x + torch.tensor([1.0, 2.0, 3.0]),  # made from host values at capture time
-])
+# every operation whose output's shape or values come from the host, or from data the host must read
+# first: a capture holds none of them (one case each)
+REFUSED = {
+    "item": lambda x: x * x.sum().item(),
+    "tolist": lambda x: x * x.tolist()[0],
+    "int": lambda x: x * int(x.sum()),
+    "bool": lambda x: x if bool(x.any()) else -x,
+    "to cpu": lambda x: x.to("cpu") + 1,
+    "cpu": lambda x: x.cpu() + 1,
+    "where(cond)": lambda x: torch.where(x > 0)[0].float().sum() + x,
+    "argwhere": lambda x: torch.argwhere(x > 0).float().sum() + x,
+    "nonzero": lambda x: x.nonzero().float().sum() + x,
+    "unique": lambda x: torch.unique(x).sum() + x,
+    "masked_select": lambda x: torch.masked_select(x, x > 0).sum() + x,
+    "boolean index": lambda x: x[x > 0].sum() + x,
+    "boolean index write": lambda x: x.clone().__setitem__(x > 0, 0.0) or x,
+    "repeat_interleave": lambda x: x.repeat_interleave(torch.ones(3, dtype=torch.long)) + x,
+    "repeat_interleave(repeats)": lambda x: torch.repeat_interleave(torch.ones(3, dtype=torch.long)) + x,
+    "bincount": lambda x: torch.bincount(x.long()).float().sum() + x,
+    "list index": lambda x: x[[0, 2, 1]] + x,
+    "tensor": lambda x: x + torch.tensor([1.0, 2.0, 3.0]),
+    "as_tensor": lambda x: x + torch.as_tensor([1.0, 2.0, 3.0]),
+    "from_numpy": lambda x: x + torch.from_numpy(np.ones(3, dtype=np.float32)),
+}
+
+
+@pytest.mark.parametrize("body", REFUSED.values(), ids=REFUSED.keys())
 def test_what_a_capture_cannot_hold_is_refused(body):
+    assert body(torch.ones(3)).shape == (3,)  # each runs as written
     with pytest.raises(HostReadInCapture, match="inside a captured pass"):
         CapturedPass(body, static=(), device=torch.device("cpu"))(torch.ones(3))
+    assert torch.from_numpy(np.zeros(1)).shape == (1,)  # refused inside the capture only
+
+
+def test_what_a_capture_can_hold_is_captured():
+    """Their fixed-shape forms: a three-argument where, repeat_interleave told its output size, a
+    tensor of indices, a mask applied by masked_fill."""
+    body = lambda x: (torch.where(x > 0, x, -x) + x.repeat_interleave(torch.ones(3, dtype=torch.long),
+                                                                     output_size=3)
+                      + x[torch.arange(3)] + x.masked_fill(x > 1, 0.0))
+    assert CapturedPass(body, static=(), device=torch.device("cpu"))(torch.ones(3)).tolist() == [4.0] * 3
+
+
+def test_a_replay_refuses_a_weight_moved_an_input_rebound_or_a_value_changed_after_capture():
+    """A real replay reads what its capture read: the emulation refuses to read anything else."""
+    weight = torch.nn.Parameter(torch.ones(3))
+    held = {"buffer": torch.zeros(3), "scale": 2.0}
+    body = lambda x: x * weight * held["scale"] + held["buffer"]
+    captured = CapturedPass(body, static=(), device=torch.device("cpu"))
+    assert captured(torch.ones(3)).tolist() == [2.0] * 3
+    assert captured(torch.full((3,), 2.0)).tolist() == [4.0] * 3  # new values in the same input: a replay
+    held["buffer"].add_(1)  # written in place: the captured address, read again
+    assert captured(torch.ones(3)).tolist() == [3.0] * 3
+    for change in (lambda: setattr(weight, "data", torch.full((3,), 5.0)),  # a weight moved
+                   lambda: held.__setitem__("buffer", torch.zeros(3)),  # an input rebound
+                   lambda: held.__setitem__("scale", 3.0)):  # a host value a graph froze at capture
+        captured = CapturedPass(body, static=(), device=torch.device("cpu"))
+        captured(torch.ones(3))
+        change()
+        with pytest.raises(ReplayMismatch, match="after capture"):
+            captured(torch.ones(3))
+    branch = {"on": True}
+    captured = CapturedPass(lambda x: x * 2 if branch["on"] else x.exp().log(), static=(),
+                            device=torch.device("cpu"))
+    captured(torch.ones(3))
+    branch["on"] = False
+    with pytest.raises(ReplayMismatch, match="another path"):
+        captured(torch.ones(3))
 
 
 def _graph_calls(generator):

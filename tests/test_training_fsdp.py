@@ -1,14 +1,21 @@
 """FSDP on CPU: 2 sharded processes equal 1 plain process at the same global batch, under layer dropout.
 
-accelerate 1.15 cannot shard on a CPU (`accelerate/state.py`, `AcceleratorState.__init__` keeps a FSDP
+accelerate 1.16 does not shard on a CPU (`accelerate/state.py`, `AcceleratorState.__init__` keeps a FSDP
 plugin only for MULTI_GPU-like device types; CPU processes are MULTI_CPU, which is plain DDP: see
-docs/scaling.md), so `tests/fsdp_train.py` applies torch's `fully_shard` itself to the loop's own
-objective, one FSDP unit per decoder block as `selfspec/recipes/accelerate/fsdp.yaml` asks; the frozen teacher
-(`early_exit.teacher: frozen`) goes through the loop's own `place_teacher`, which shards it the same way.
+docs/scaling.md). Two ways around it, both on gloo:
+- `selfspec train` itself under `accelerate launch --config_file fsdp.yaml`, through
+  `tests/accelerate_cpu.py`, which keeps accelerate's FSDP plugin on CPUs (the test harness only): the
+  loop's `prepare`, clipping, evaluation, state and saving as on GPUs;
+- `tests/fsdp_train.py`, which applies torch's `fully_shard` itself to the loop's own objective, one
+  FSDP unit per decoder block as `selfspec/recipes/accelerate/fsdp.yaml` asks, and reports what each
+  process holds of the frozen teacher (`early_exit.teacher: frozen`, sharded by the loop's own
+  `place_teacher`).
 """
 
+import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,9 +27,11 @@ from test_training_loop import free_port
 
 from selfspec import load_tuned
 from selfspec.checkpoint import read_meta
+from selfspec.recipes import find
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "fsdp_train.py"
+LAUNCHED = REPO / "tests" / "accelerate_cpu.py"  # `python -m selfspec`, accelerate's FSDP kept on CPUs
 FROZEN = "early_exit.teacher=frozen"  # the recipe's teacher is `self`: a frozen copy is what FSDP must shard
 
 
@@ -93,6 +102,89 @@ def test_two_fsdp_processes_equal_one_plain_process_and_resume_bit_for_bit(tiny_
     (resumed / "state-2").symlink_to(sharded / "state-2", target_is_directory=True)
     _torchrun(model, resumed, "--resume-at", 2, "--seed-per-rank", FROZEN)
     assert sorted(json.loads((resumed / "losses.json").read_text())) == ["3", "4"]
+    again = load_file(resumed / "model" / "model.safetensors")
+    for name, value in full.items():
+        assert torch.equal(again[name], value), name
+
+
+# `optim.grad_clip` 0.1 bites on every step (the gradients' norms are 0.3 to 1.1): a clip that
+# missed the parameters would show in the weights
+LOOP = ["data.block_size=32", "data.max_eval_blocks=4", "optim.max_steps=4", "optim.warmup_steps=1",
+        "optim.grad_clip=0.1", "early_exit.layers=2:4", "early_exit.token_fraction=1.0",
+        "layer_dropout.p_max=0.3", "layer_dropout.per_sample=false", "exit_layer=2", "eval_every=2",
+        "save_every=2", "log_with=[jsonl]"]
+
+
+def _selfspec_train(out: Path, processes: int, data: list[str], *extra: str, resume: bool = False,
+                    launch: str = "fsdp") -> None:
+    """`selfspec train --config demo_finetune` on one plain process, or as `accelerate launch
+    --config_file <launch>.yaml -m selfspec train` on `processes` gloo processes, at a global batch of 4."""
+    args = ["train", "--config", "demo_finetune", *data, *LOOP, f"optim.batch_size={4 // processes}",
+            f"output_dir={out}", *extra, *(["--resume"] if resume else [])]
+    if processes == 1:
+        _run([sys.executable, "-m", "selfspec", *args])
+        return
+    _run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+          str(find(f"accelerate/{launch}")), "--num_processes", str(processes), "--mixed_precision", "no",
+          "--main_process_port", str(free_port()), str(LAUNCHED), *args])
+
+
+def _curve(run: Path) -> dict:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {(r["step"], key): r[key] for r in rows for key in ("loss", "grad_norm", "val/loss") if key in r}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launch, trainable", [
+    ("fsdp", ["early_exit.teacher=frozen"]),  # every weight, and a frozen teacher sharded like the student
+    ("fsdp", ["lora.enabled=true"]),
+    ("fsdp", ["trainable=draft"]),  # blocks [0, E) only
+    # no block skipped: ZeRO-2's flat partitions give a skipped block a zero gradient, which AdamW's
+    # momentum then moves, where torch's AdamW leaves a parameter without gradient alone (docs/scaling.md)
+    ("zero2", ["layer_dropout.p_max=0"]),
+], ids=["fsdp-full", "fsdp-lora", "fsdp-draft", "zero2-full"])
+def test_selfspec_train_sharded_through_accelerate_equals_one_process_and_resumes_bit_for_bit(
+        tiny_run, tmp_path, launch, trainable):
+    """`accelerate launch --config_file fsdp.yaml -m selfspec train` (and zero2.yaml, where DeepSpeed is
+    installed: `pip install 'selfspec[deepspeed]'`) on 2 CPU processes: accelerate's FSDP2 shards the
+    objective, DeepSpeed ZeRO-2 its optimizer state (each process writes its own shard of the state),
+    and the run equals one plain process at the same global batch: losses, clipped gradient norms and
+    validation losses within rel 1e-5, the saved weights (LoRA merged) within atol 1e-5. Its state at
+    step 2, resumed on 2 processes, ends on the uninterrupted run's bits.
+
+    The loop used to clip the parameter list it collected before `prepare`, which FSDP2 replaces: a
+    full fine-tune then raised in accelerate's `clip_grad_norm_` (an `eq` of a Tensor and a DTensor)
+    and LoRA and `trainable: draft` clipped nothing (a norm of 0); its evaluation read the root unit's
+    weights past FSDP (an embedding of a DTensor), and LoRA's merge on the main process alone waited
+    for the other ranks' all-gathers."""
+    if launch == "zero2" and importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed (pip install 'selfspec[deepspeed]')")
+    data = [f"model.name_or_path={tiny_run['model']}", f"data.source={tiny_run['corpus']}",
+            f"data.cache_dir={tmp_path}/cache"]
+    plain, sharded, resumed = tmp_path / "plain", tmp_path / "sharded", tmp_path / "resumed"
+    _selfspec_train(plain, 1, data, *trainable)
+    _selfspec_train(sharded, 2, data, *trainable, launch=launch)
+    state = sharded / "state" / "step-00000002"
+    shards = ([p.name for p in (state / "pytorch_model_fsdp_0").glob("*.distcp")] if launch == "fsdp"
+              else [p.name for p in (state / "pytorch_model").glob("zero_pp_rank_*_optim_states.pt")])
+    assert len(shards) == 2, shards  # one per process
+    assert read_meta(sharded / "model")["metrics"]["processes"] == 2
+
+    one, two = _curve(plain), _curve(sharded)
+    assert set(one) == set(two) and {(s, "grad_norm") for s in (1, 2, 3, 4)} <= set(one)
+    for key in one:
+        assert two[key] == pytest.approx(one[key], rel=1e-5), key
+    reference, start = (load_file(d / "model.safetensors") for d in (plain / "model", tiny_run["model"]))
+    assert max(float((reference[n] - start[n]).abs().max()) for n in reference) > 100 * 1e-5  # it trained
+    full = load_file(sharded / "model" / "model.safetensors")
+    assert set(full) == set(reference)
+    for name, value in full.items():
+        torch.testing.assert_close(value, reference[name], rtol=0, atol=1e-5, msg=name)
+
+    shutil.copytree(sharded, resumed, ignore=shutil.ignore_patterns("model"))
+    (resumed / "metrics.jsonl").write_text("")
+    _selfspec_train(resumed, 2, data, *trainable, resume=True, launch=launch)
+    assert {k for k in _curve(resumed) if k[1] == "loss"} == {(3, "loss"), (4, "loss")}
     again = load_file(resumed / "model" / "model.safetensors")
     for name, value in full.items():
         assert torch.equal(again[name], value), name

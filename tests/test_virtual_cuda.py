@@ -48,6 +48,36 @@ def test_the_virtual_device_refuses_what_cuda_refuses():
     assert not torch.ones(1).is_cuda  # outside the block: the CPU again
 
 
+def test_the_virtual_device_counts_syncs_both_ways():
+    """A host read waits for the device; so does a copy up from pageable memory (and torch's blocking
+    copy): both are counted, and only a non-blocking copy from pinned memory is queued without a wait."""
+    with VirtualCuda() as device:
+        counts = lambda: (device.host_reads, device.host_uploads)
+        start = counts()
+        delta = lambda: tuple(b - a for a, b in zip(start, counts()))
+        x = torch.ones(4).cuda()
+        assert delta() == (0, 1)  # `.cuda()` of pageable memory
+        torch.tensor([1, 2], device="cuda"), torch.as_tensor([3.0], device="cuda"), torch.ones(2).to(x)
+        assert delta() == (0, 4)
+        x[torch.tensor([0, 2])]  # host indices go up
+        x.index_put_((torch.tensor([1]),), torch.zeros(1).cuda())
+        assert delta() == (0, 7)
+        x.copy_(torch.zeros(4))
+        assert delta() == (0, 8)
+        pinned = torch.arange(4.0).pin_memory()
+        assert pinned.is_pinned() and torch.zeros(2, pin_memory=True).is_pinned()
+        assert not torch.zeros(1).is_pinned()
+        up = pinned.to("cuda", non_blocking=True)
+        x.copy_(pinned, non_blocking=True)
+        assert up.is_cuda and x.tolist() == [0, 1, 2, 3] and delta() == (1, 8)  # only the tolist waited
+        pinned.to("cuda"), pinned.cuda()  # pinned but blocking: torch waits
+        assert delta() == (1, 10)
+        torch.zeros(3, device="cuda"), torch.full((2,), 7, device="cuda"), x * torch.tensor(2.0)
+        assert delta() == (1, 10)  # made on the device; a host scalar rides with the kernel
+        torch.zeros(4).copy_(x), x.cpu(), int(x[0]), torch.cuda.synchronize()
+        assert delta() == (5, 10) and device.syncs - sum(start) == 15
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_on_virtual_cuda_is_plain_greedy_for_every_drafter(family):
     model = low_alpha_model(family)

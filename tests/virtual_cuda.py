@@ -6,7 +6,16 @@ Inside `VirtualCuda()`, a tensor moved to "cuda" (`.cuda()`, `.to("cuda")`, a fa
 - an operation given tensors of both devices raises (CPU scalars, 0-dim, may join CUDA tensors;
   indexing, `copy_` and `index_put_` cross devices);
 - `.numpy()` of a CUDA tensor raises, `.cpu()` copies, and host reads (`.cpu()`, `.item()`,
-  `.tolist()`, `int()`, `bool()`) complete the work queued so far, counted (`host_reads`: the syncs);
+  `.tolist()`, `int()`, `bool()`, a `copy_` into host memory, `synchronize()`) complete the work queued
+  so far, counted (`host_reads`);
+- a copy from the host to the device (`.to("cuda")`, `.cuda()`, `torch.tensor(..., device="cuda")`, a
+  `copy_` from host memory, host tensors as indices or values of a CUDA tensor) waits for the work
+  queued so far, as CUDA's copy from pageable memory does and torch's blocking copy does, counted
+  (`host_uploads`), except a `non_blocking=True` copy from pinned memory (`pin_memory()`, a factory's
+  `pin_memory=True`), which is queued like a kernel: `syncs` is both counts;
+- each operation with a CUDA result counts as one kernel launch (`kernel_launches`), and a captured
+  pass's replay (`selfspec.backends.graphs`) as one graph launch (`graph_launches`), its own operations
+  not counted: what a GPU's host pays a launch each; captures are counted apart (`graph_captures`);
 - `torch.cuda.Event` times with `perf_counter`, and `elapsed_time` raises unless a host read or
   `synchronize` came after both events were recorded (CUDA's "device not ready");
 - selfspec's compiled CPU kernels raise when given a CUDA tensor.
@@ -29,6 +38,7 @@ _FACTORIES = {torch.zeros, torch.ones, torch.empty, torch.full, torch.arange, to
               torch.randn, torch.rand, torch.randint, torch.eye, torch.linspace, torch.empty_strided,
               torch.scalar_tensor, torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like,
               torch.rand_like, torch.randn_like}
+_ALLOCATIONS = {torch.empty, torch.empty_like, torch.empty_strided}  # memory only: no kernel
 _CROSS = {torch.Tensor.copy_, torch.Tensor.__getitem__, torch.Tensor.__setitem__, torch.Tensor.index_put_,
           torch.Tensor.index_put}
 _HOST_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__int__, torch.Tensor.__float__,
@@ -36,11 +46,16 @@ _HOST_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__int__, tor
 
 
 class _Queue:
-    """Events recorded so far, how many of them a host read has completed, and the host reads (each a
-    wait for the device: what a round's budget of syncs counts)."""
+    """Events recorded so far, how many of them a sync has completed, and the syncs (each a wait for
+    the device: what a round's budget counts): host reads and uploads from pageable memory."""
     recorded = 0
     completed = 0
     reads = 0
+    uploads = 0
+    kernels = 0
+    graphs = 0
+    captures = 0
+    in_replay = 0
 
 
 class Event:
@@ -53,7 +68,8 @@ class Event:
         _Queue.recorded += 1
         self.time, self.seq = time.perf_counter(), _Queue.recorded
 
-    def synchronize(self) -> None:
+    def synchronize(self) -> None:  # the host waits for the device: a sync
+        _Queue.reads += 1
         _Queue.completed = max(_Queue.completed, self.seq or 0)
 
     def query(self) -> bool:
@@ -70,6 +86,11 @@ def _host_read() -> None:
     _Queue.reads += 1
 
 
+def _upload() -> None:
+    _Queue.completed = _Queue.recorded
+    _Queue.uploads += 1
+
+
 class VirtualCuda(TorchFunctionMode):
     """The virtual device (module docstring). Use as a context manager; `module(model)` moves a model."""
 
@@ -77,14 +98,21 @@ class VirtualCuda(TorchFunctionMode):
         super().__init__()
         self._storages = {}  # data_ptr -> storage
         self._empty = {}  # id -> weakref: tagged tensors without memory (data_ptr 0)
+        self._pinned = {}  # data_ptr -> storage: host memory from `pin_memory`
         self._patches = contextlib.ExitStack()
 
     def __enter__(self):
+        from selfspec.backends import graphs
         from selfspec.model import kernels
 
         patch = self._patches.enter_context
         patch(_replaced(torch.cuda, "Event", Event))
         patch(_replaced(torch.cuda, "synchronize", lambda *a, **k: _host_read()))
+        # foreach kernels (AdamW, clipping) group tensors by device: a CUDA tensor's group is CUDA's
+        patch(_replaced(torch._C, "_group_tensors_by_device_and_dtype",
+                        self._grouped(torch._C._group_tensors_by_device_and_dtype)))
+        patch(_replaced(graphs._Graph, "replay", _one_launch(graphs._Graph.replay)))
+        patch(_replaced(graphs._Graph, "__init__", _counted_capture(graphs._Graph.__init__)))
         # the kernels checked for this thread or task (and threads started with a copy of its context)
         patch(kernels.wrapped(lambda module: _CheckedKernels(module, self)))
         return super().__enter__()
@@ -96,8 +124,55 @@ class VirtualCuda(TorchFunctionMode):
 
     @property
     def host_reads(self) -> int:
-        """Host reads of device values so far (`.cpu()`, `.item()`, `synchronize()`, ...): the syncs."""
+        """Host reads of device values so far (`.cpu()`, `.item()`, `synchronize()`, ...)."""
         return _Queue.reads
+
+    @property
+    def host_uploads(self) -> int:
+        """Copies to the device so far that waited for it: from pageable memory, or blocking."""
+        return _Queue.uploads
+
+    @property
+    def kernel_launches(self) -> int:
+        """Operations with a CUDA result so far, outside graph replays: a kernel launch each."""
+        return _Queue.kernels
+
+    @property
+    def graph_launches(self) -> int:
+        """Replays of captured passes so far: a graph launch each."""
+        return _Queue.graphs
+
+    @property
+    def graph_captures(self) -> int:
+        """Captures of passes so far (each a warm-up run, counted in `kernel_launches`, and a graph)."""
+        return _Queue.captures
+
+    @property
+    def syncs(self) -> int:
+        """Every wait for the device so far: host reads and waiting uploads."""
+        return _Queue.reads + _Queue.uploads
+
+    def _grouped(self, group):
+        def by_device(tensorlistlist, with_indices=False):
+            out = {}
+            for (device, dtype), value in group(tensorlistlist, with_indices).items():
+                first = next(t for t in value[0][0] if t is not None)
+                out[CUDA if self.on_cuda(first) else device, dtype] = value
+            return out
+        return by_device
+
+    def pinned(self, t) -> bool:
+        return isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in self._pinned
+
+    def _pin(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        self._pinned[storage.data_ptr()] = storage
+        return t
+
+    def _upload_from(self, src, non_blocking) -> None:
+        """A copy of `src` (host memory) to the device: a sync unless it is queued (pinned, non_blocking)."""
+        if not (non_blocking and self.pinned(src)):
+            _upload()
 
     def on_cuda(self, t) -> bool:
         if not isinstance(t, torch.Tensor):
@@ -128,6 +203,7 @@ class VirtualCuda(TorchFunctionMode):
 
     def _to(self, func, args, kwargs):
         src, target, rest = args[0], kwargs.pop("device", None), []
+        non_blocking = kwargs.get("non_blocking", False) or any(a is True for a in args[1:3])
         for a in args[1:]:
             if isinstance(a, (str, torch.device)) and target is None:
                 target = a
@@ -139,7 +215,9 @@ class VirtualCuda(TorchFunctionMode):
         to_cuda = self.on_cuda(src) if target is None else torch.device(target).type == "cuda"
         if to_cuda == self.on_cuda(src):
             return self._tag(out) if to_cuda else out
-        if not to_cuda:
+        if to_cuda:
+            self._upload_from(src, non_blocking)
+        else:
             _host_read()
         out = out.clone() if out is src else out
         return self._tag(out) if to_cuda else out
@@ -151,7 +229,16 @@ class VirtualCuda(TorchFunctionMode):
         if func == torch.Tensor.is_cuda.__get__:
             return self.on_cuda(args[0])
         if func is torch.Tensor.cuda:
-            return args[0] if self.on_cuda(args[0]) else self._tag(args[0].clone())
+            if self.on_cuda(args[0]):
+                return args[0]
+            self._upload_from(args[0], kwargs.get("non_blocking", False))
+            return self._tag(args[0].clone())
+        if func is torch.Tensor.pin_memory:
+            if self.on_cuda(args[0]):
+                raise RuntimeError("cannot pin 'torch.cuda.FloatTensor' only dense CPU tensors can be pinned")
+            return self._pin(args[0].clone())
+        if func is torch.Tensor.is_pinned:
+            return self.pinned(args[0])
         if func is torch.Tensor.cpu:
             if not self.on_cuda(args[0]):
                 return args[0]
@@ -163,10 +250,16 @@ class VirtualCuda(TorchFunctionMode):
             raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy the "
                             "tensor to host memory first.")
         if func in _FACTORIES:
-            device = kwargs.get("device")
+            device, pin = kwargs.get("device"), kwargs.pop("pin_memory", False)
             if device is not None and torch.device(device).type == "cuda":
+                if func in (torch.tensor, torch.as_tensor) and not self.on_cuda(args[0]):
+                    _upload()  # host values copied up: through pageable memory
+                elif func not in _ALLOCATIONS and not _Queue.in_replay:
+                    _Queue.kernels += 1  # a fill, a range, random numbers: a kernel
                 return self._tag(func(*args, **{**kwargs, "device": "cpu"}))
             out = func(*args, **kwargs)
+            if pin:
+                return self._pin(out)
             like = func.__name__.endswith("_like") and device is None and self.on_cuda(args[0])
             return self._tag(out) if like else out
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
@@ -176,10 +269,28 @@ class VirtualCuda(TorchFunctionMode):
                                f"devices, cuda:0 and cpu! ({getattr(func, '__name__', func)})")
         if func in _HOST_READS and True in on:
             _host_read()
+        if func in _CROSS and len(on) > 1:
+            self._copy_across(func, args, kwargs)
         out = func(*args, **kwargs)
         # a copy into, an index of or an assignment into a tensor stays on that tensor's device
         device_of_out = self.on_cuda(args[0]) if func in _CROSS else True in on
+        if device_of_out and not _Queue.in_replay and _launches_kernel(func, tensors, out):
+            _Queue.kernels += 1
         return self._tag(out) if device_of_out and out is not None else out
+
+
+    def _copy_across(self, func, args, kwargs) -> None:
+        """A copy between the devices inside `copy_` or an index: a host read into host memory, else an
+        upload of the host tensors (indices, values), which torch copies blocking."""
+        if not self.on_cuda(args[0]):
+            if not (kwargs.get("non_blocking", False) and self.pinned(args[0])):
+                _host_read()
+            return
+        source = args[1] if func is torch.Tensor.copy_ else None
+        if source is not None:
+            self._upload_from(source, kwargs.get("non_blocking", False) or (len(args) > 2 and args[2]))
+        else:
+            _upload()
 
 
 class _CheckedKernels:
@@ -198,6 +309,37 @@ class _CheckedKernels:
                 raise RuntimeError(f"the CPU kernel {name} was given a CUDA tensor")
             return value(*args, **kwargs)
         return checked
+
+
+def _launches_kernel(func, inputs: list, out) -> bool:
+    """Whether an operation launches a kernel on CUDA: a write into a tensor does, a view of one (a
+    result on an input's memory: `view`, `detach`, a slice, `contiguous` of a contiguous one) does not."""
+    name = getattr(func, "__name__", "")
+    if func is torch.Tensor.__setitem__ or (name.endswith("_") and not name.startswith("__")) \
+            or name.startswith("__i"):
+        return True
+    if not isinstance(out, torch.Tensor):
+        return False
+    return out.untyped_storage().data_ptr() not in {t.untyped_storage().data_ptr() for t in inputs}
+
+
+def _counted_capture(capture):
+    def counted(graph, *args, **kwargs):
+        _Queue.captures += 1
+        capture(graph, *args, **kwargs)
+    return counted
+
+
+def _one_launch(replay):
+    """A captured pass's replay as one graph launch: the operations it reruns are not launches."""
+    def counted(graph, args):
+        _Queue.graphs += 1
+        _Queue.in_replay += 1
+        try:
+            return replay(graph, args)
+        finally:
+            _Queue.in_replay -= 1
+    return counted
 
 
 @contextlib.contextmanager

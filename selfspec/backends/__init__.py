@@ -19,8 +19,8 @@ The backends:
   operation declined. It is the oracle every other backend is tested against, token for token.
 - `cpu_kernels` (`CpuKernelsBackend`): selfspec's compiled CPU kernels (`backends/cpu_rounds`, built
   with the model's passes of `model/kernels`): each operation in one call, and fused rounds.
-- `static` (`StaticBackend`): every decoding pass at fixed shapes ("eager"), through `torch.compile`
-  ("compile") or captured as CUDA graphs ("graph"); the GPU's path.
+- `static` (`StaticBackend`): every decoding pass at fixed shapes, as written ("eager") or captured as
+  CUDA graphs ("graph"); the GPU's path.
 
 `make_backend(view, name)` picks one; "auto" is `cpu_kernels` on a CPU (each of its calls declines where
 the kernels did not build), `reference` elsewhere.

@@ -11,7 +11,7 @@ import torch
 
 from ..model.view import DecoderView
 
-STATIC_MODES = ("eager", "compile", "graph")
+STATIC_MODES = ("eager", "graph")
 
 
 @dataclass(frozen=True)

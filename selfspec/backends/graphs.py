@@ -16,13 +16,19 @@ at capture, and every tensor it returns is rewritten by the next replay. So a `C
   set's graphs unused, and an unbounded set would hold their buffers forever.
 
 Off CUDA the same object emulates the graph, so the semantics are tested without a GPU: the capture
-runs the pass once with host reads refused (a capture cannot read the device), and a replay runs it
+runs the pass once refusing what a capture cannot hold (`_NoHostReads`: a host read, an operation whose
+output's shape or values come from the host or from data the host must read first), and a replay runs it
 again on the static inputs and writes its outputs into the same output buffers, which the caller then
-sees overwritten by the next replay unless it copied them (as `__call__` does).
+sees overwritten by the next replay unless it copied them (as `__call__` does). A real replay reruns
+the captured kernels on the captured addresses, not the Python: so the emulated replay records what
+each operation read (the addresses of the tensors made before the pass, its host values) and refuses
+a replay that reads anything else (`ReplayMismatch`: an input rebound, a weight moved, a host value
+changed after capture), which a GPU would have replayed silently with the old one.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -36,31 +42,113 @@ _HOST_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__int__, tor
 
 
 class HostReadInCapture(RuntimeError):
-    """A captured pass read a device value on the host (its replay could not)."""
+    """A captured pass read a device value on the host, or sized or filled a result from the host (its
+    replay could not)."""
 
 
-# what else a capture cannot hold: results whose size depends on the data (a host sync), tensors made
-# from host values (a host-to-device copy at capture time, not at replay)
-_DATA_SIZED = {torch.nonzero, torch.Tensor.nonzero, torch.masked_select, torch.Tensor.masked_select,
-               torch.unique, torch.Tensor.unique, torch.tensor, torch.as_tensor}
+class ReplayMismatch(RuntimeError):
+    """An emulated replay read another tensor or host value than its capture: a real replay would read
+    the captured one."""
+
+
+# results whose size depends on the data (a host sync), tensors made from host values (a host-to-device
+# copy at capture time, not at replay)
+_DATA_SIZED = {torch.nonzero, torch.Tensor.nonzero, torch.argwhere, torch.Tensor.argwhere,
+               torch.masked_select, torch.Tensor.masked_select, torch.unique, torch.Tensor.unique,
+               torch.unique_consecutive, torch.Tensor.unique_consecutive, torch.bincount,
+               torch.Tensor.bincount,
+               torch.tensor, torch.as_tensor}
+_INDEXING = {torch.Tensor.__getitem__, torch.Tensor.__setitem__, torch.Tensor.index_put_,
+             torch.Tensor.index_put, torch.index_put}
+
+
+def _refused(func, args: tuple, kwargs: dict) -> str | None:
+    """Why a capture cannot hold `func(*args, **kwargs)`, or None."""
+    name = getattr(func, "__name__", str(func))
+    if func in _HOST_READS or func in _DATA_SIZED:
+        return name
+    if func is torch.Tensor.to and any(isinstance(a, (str, torch.device)) and torch.device(a).type == "cpu"
+                                       for a in (*args[1:], kwargs.get("device")) if a is not None):
+        return "a copy to the CPU"
+    if func is torch.where and len(args) + len(kwargs) == 1:
+        return "torch.where(condition)"
+    if func in (torch.repeat_interleave, torch.Tensor.repeat_interleave) and "output_size" not in kwargs and (
+            len(args) == 1 or isinstance(args[1] if len(args) > 1 else kwargs.get("repeats"), torch.Tensor)):
+        return "repeat_interleave with tensor repeats (no output_size)"
+    if func in _INDEXING:
+        index = args[1] if len(args) > 1 else kwargs.get("indices")
+        for i in index if isinstance(index, tuple) else (index,):
+            if isinstance(i, torch.Tensor) and i.dtype == torch.bool:
+                return "a boolean mask as an index"
+            if isinstance(i, list):
+                return "a list as an index (a host tensor made and copied up at capture)"
+    return None
+
+
+def _from_numpy_refused(*_args, **_kwargs):
+    raise HostReadInCapture("from_numpy inside a captured pass: host memory, read at capture only")
 
 
 class _NoHostReads(TorchFunctionMode):
-    """Refuses what a CUDA graph capture cannot do: a host read of a tensor's value, a result sized by the
-    data, a tensor made from host values, a copy to the CPU, a boolean mask as an index."""
+    """Refuses what a CUDA graph capture cannot do (`_refused`), and records each operation's `trace`:
+    the tensors it read that were made before the pass (by address) and its host values, what a
+    replay must read again."""
+
+    def __init__(self):
+        super().__init__()
+        self.trace: list[tuple] = []
+        self._made: set[int] = set()  # storages of tensors made inside the pass
+        self._outside: set[int] = set()  # storages of tensors made before it (inputs, weights, buffers)
+
+    def __enter__(self):
+        self._numpy = contextlib.ExitStack()  # `from_numpy` takes no tensor: no mode sees it
+        self._numpy.enter_context(_replaced(torch, "from_numpy", _from_numpy_refused))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        out = super().__exit__(*exc)
+        self._numpy.close()
+        return out
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        to_cpu = func is torch.Tensor.to and any(
-            (isinstance(a, (str, torch.device)) and torch.device(a).type == "cpu")
-            for a in (*args[1:], kwargs.get("device")) if a is not None)
-        mask_index = func is torch.Tensor.__getitem__ and any(
-            isinstance(i, torch.Tensor) and i.dtype == torch.bool
-            for i in (args[1] if isinstance(args[1], tuple) else (args[1],)))
-        if func in _HOST_READS or func in _DATA_SIZED or to_cpu or mask_index:
-            raise HostReadInCapture(f"{getattr(func, '__name__', func)} inside a captured pass: a graph "
-                                    f"replays device work of fixed shapes only; do it before or after")
-        return func(*args, **kwargs)
+        reason = _refused(func, args, kwargs)
+        if reason is not None:
+            raise HostReadInCapture(f"{reason} inside a captured pass: a graph replays device work of fixed "
+                                    f"shapes only; do it before or after")
+        name = getattr(func, "__name__", str(func))
+        if name != "__get__":  # attribute reads (shape, device) are not work
+            self.trace.append((name, *map(self._read, tree_flatten((args, kwargs))[0])))
+        out = func(*args, **kwargs)
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and _storage(t) not in self._outside:
+                self._made.add(_storage(t))
+        return out
+
+    def _read(self, leaf):
+        """What a replay must read again: a tensor made before the pass at its address, one made inside
+        it by shape, a host value as it is."""
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        storage = _storage(leaf)
+        if storage in self._made:
+            return ("made", tuple(leaf.shape), leaf.dtype)
+        self._outside.add(storage)
+        return ("at", leaf.data_ptr(), tuple(leaf.shape), leaf.dtype)
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+@contextlib.contextmanager
+def _replaced(owner, name: str, value):
+    before = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, before)
 
 
 class CapturedPass:
@@ -118,8 +206,9 @@ class _Graph:
             with torch.cuda.graph(self.graph, pool=pool):
                 self.outputs = fn(*self.inputs)
         else:
-            with _NoHostReads():
+            with _NoHostReads() as capture:
                 self.outputs = fn(*self.inputs)
+            self.trace = capture.trace
 
     def replay(self, args: tuple):
         for i, a in enumerate(args):
@@ -128,8 +217,24 @@ class _Graph:
         if self.real:
             self.graph.replay()
         else:  # the emulation: the same work on the same buffers, the outputs rewritten in place
-            with _NoHostReads():
+            with _NoHostReads() as replay:
                 fresh = self.fn(*self.inputs)
+            _same_reads(self.trace, replay.trace)
             for old, new in zip(tree_flatten(self.outputs)[0], tree_flatten(fresh)[0]):
                 old.copy_(new)
         return self.outputs
+
+
+def _same_reads(captured: list[tuple], replayed: list[tuple]) -> None:
+    """Refuse a replay that ran other operations or read other tensors or host values than its capture
+    (`ReplayMismatch`)."""
+    ops = lambda trace: [step[0] for step in trace]
+    if ops(captured) != ops(replayed):
+        raise ReplayMismatch(f"a captured pass ran {len(replayed)} operations at replay, {len(captured)} at "
+                             f"capture, not the same: its Python took another path (a CUDA graph replays "
+                             f"the captured one)")
+    for step, (then, now) in enumerate(zip(captured, replayed)):
+        if then != now:
+            raise ReplayMismatch(f"operation {step} ({then[0]}) of a captured pass read {now[1:]} at replay, "
+                                 f"{then[1:]} at capture: a tensor rebound or moved, or a host value "
+                                 f"changed, after capture (a CUDA graph replays what it captured)")

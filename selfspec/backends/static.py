@@ -1,4 +1,4 @@
-"""The static backend: every decoding pass at fixed shapes, for `torch.compile` and CUDA graphs."""
+"""The static backend: every decoding pass at fixed shapes, for CUDA graphs."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from .static_passes import WIDTH, StaticPasses
 class StaticBackend(Backend):
     """`Backend` on `StaticPasses` (`static_passes.py`): each pass of up to `static_passes.WIDTH`
     positions (plain steps, drafts, verifications; the engine caps rounds to that many) runs at one
-    shape against the whole cache, mode "eager" as written, "compile" through `torch.compile` (CUDA
-    graphs on a GPU), "graph" captured as CUDA graphs by `graphs.CapturedPass` (a round's k drafts one
-    graph, its verification another, greedy or sampled). The draft loop and the verification run here;
-    the passes the engine runs itself (prefill, an exit block's, a draft under a grammar) go through the
-    runner installed on the model's adapter. Caches are made at power-of-two capacities with their buffers
-    at once, so a captured pass finds the same shapes and addresses again.
+    shape against the whole cache, mode "eager" as written, "graph" captured as CUDA graphs by
+    `graphs.CapturedPass` (a round's k drafts one graph, its verification another, greedy or sampled).
+    The draft loop and the verification run here; the passes the engine runs itself (prefill, an exit
+    block's, a draft under a grammar) go through the runner installed on the model's adapter. Caches are
+    made at power-of-two capacities with their buffers at once, so a captured pass finds the same shapes
+    and addresses again.
 
     Llama-family models with plain blocks, SDPA attention and a rotary table only (a UserError
     otherwise). Its passes round differently from the CPU kernels' (products are `F.linear`, attention
@@ -28,9 +28,13 @@ class StaticBackend(Backend):
     name = "static"
     max_pass_positions = WIDTH  # every pass is padded to this many positions
     pools_caches = True  # captured passes are specific to the cache buffers' shapes and addresses
+    verifies_sampled = True  # sampled rounds in two passes of their own (draft loop, verification)
 
     def __init__(self, view, mode: str = "eager"):
         super().__init__(view)
+        if mode == "compile":  # removed: inductor's CUDA graphs skipped the passes' in-place cache writes
+            raise UserError("static_passes 'compile' was removed: torch.compile left the passes uncaptured "
+                            "on a GPU (its CUDA graphs skip inputs written in place); use 'graph'")
         if mode not in STATIC_MODES:
             raise UserError(f"static_passes must be one of {', '.join(STATIC_MODES)} or None, got {mode!r}")
         adapter = view.adapter
@@ -40,7 +44,6 @@ class StaticBackend(Backend):
             raise UserError(f"static passes need a Llama-family model with plain blocks, SDPA attention and "
                             f"a rotary table ({view.config.model_type} here): leave static_passes unset")
         self.mode = mode
-        self.verifies_sampled = mode != "compile"  # compiled passes keep sampled rounds on the engine's path
         self.adapter = adapter
         weight = adapter.embedding.weight
         self.passes = StaticPasses(fast, weight, adapter.windows,

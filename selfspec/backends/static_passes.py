@@ -1,4 +1,4 @@
-"""Static-shaped decoding passes for CUDA graphs and `torch.compile`: `StaticPasses`.
+"""Static-shaped decoding passes for CUDA graphs: `StaticPasses`.
 
 On a GPU a small model's decoding step is a few hundred kernel launches, each a few µs of CPU time
 whatever the arithmetic, so a round of k draft steps and a verification costs its launches, not its
@@ -26,10 +26,11 @@ decoding `draft_loop_sampled` and `verify_sampled` (each draft drawn, and the ro
 `sampling.accept_sampled`, with each row's own settings and counter-based random numbers, taken as
 tensors: one function for every setting). The acceptance, the masks and the sampling are the
 engine's own functions (`selfspec.sampling`), captured here, not copies. In "eager" mode they run
-as written (any device: the tests' reference); in "compile" mode through
-`torch.compile(fullgraph=True, dynamic=False)`, with CUDA graphs (`mode="reduce-overhead"`) on a GPU,
-the cache's buffers and the weights marked as static addresses
-so that graph replays write the cache in place. The engine keeps its caches' buffers in a
+as written (any device: the tests' reference); in "graph" mode each is captured per argument
+signature as one CUDA graph (`graphs.CapturedPass`, emulated off CUDA), the cache's buffers written in
+place by every replay. (A "compile" mode through `torch.compile(mode="reduce-overhead")` was removed:
+inductor skipped CUDA graphs for these passes, which write their inputs in place, so it never captured
+them.) The engine keeps its caches' buffers in a
 `decoding.cache.CachePool` while static passes are on (`SelfSpecGenerator(static_passes=...)`), so a
 second `generate`, and a batch whose rows left or joined, reuse the captured graphs.
 
@@ -69,7 +70,7 @@ class StaticPasses:
 
     fast: the model's `FastLlamaBlocks` (blocks and the plain final norm + LM head); embedding: the
     token embedding table (V, D); windows: each block's attention window (None: full); rope: maps a
-    capacity to the rotary table (cos, sin), (L >= capacity, hd) each; mode: "eager" or "compile".
+    capacity to the rotary table (cos, sin), (L >= capacity, hd) each; mode: "eager" or "graph".
     """
 
     def __init__(self, fast: FastLlamaBlocks, embedding: torch.Tensor, windows: tuple,
@@ -78,7 +79,6 @@ class StaticPasses:
             raise ValueError(f"static passes mode must be one of {STATIC_MODES}, got {mode!r}")
         self.fast, self.embedding, self.windows, self.rope, self.mode = fast, embedding, windows, rope, mode
         self._functions: dict = {}  # (kind, start, end, masked, head id, steps, sampling) -> the function
-        self._static: set[int] = set()  # data_ptrs already marked as static addresses
 
     # -- what the engine calls ---------------------------------------------------------------------
     def run(self, start: int, end: int, hidden: torch.Tensor, cache) -> torch.Tensor | None:
@@ -152,9 +152,9 @@ class StaticPasses:
         DRAFT, at the position the draft takes), on the device: one graph in "graph" mode, whatever the
         rows' settings (`sampling`, each row's, taken as tensors). Returns
         (drafts (B, s), their distributions q (B, s, V), exit states (B, s + 1, D)); None where it does not
-        apply (the "compile" mode: its sampled rounds run as before)."""
+        apply."""
         slots = self._slots(cache, 0, exit_layer, slice(0, k + 1))
-        if slots is None or self.mode == "compile" or not k:
+        if slots is None or not k:
             return None
         keys, values, _, cos, sin = slots
         loop = self._made("draft_loop_sampled", 0, exit_layer, head=head, steps=k)
@@ -174,7 +174,7 @@ class StaticPasses:
         fixed shapes (a graph per k: the drafts padded inside it, never accepted past the k). decided
         (B, T + 1); None where it does not apply."""
         slots = self._slots(cache, start, end, slice(0, drafts.shape[1] + 1))
-        if slots is None or self.mode == "compile":
+        if slots is None:
             return None
         source = _pad(tokens) if hidden is None else _pad(hidden)
         if allowed is not None:
@@ -203,21 +203,12 @@ class StaticPasses:
         if slots is None:
             return None
         keys, values = slots[0], slots[1]
-        if self.mode == "compile" and keys[0].is_cuda:
-            self._mark_static([*keys, *values])
         return (keys, values, _pad(cache.positions[:, columns]), *self.rope(cache.capacity))
-
-    def _mark_static(self, tensors) -> None:
-        """CUDA graphs replay fixed addresses: tell dynamo these buffers are written in place there."""
-        for t in tensors:
-            if t.data_ptr() not in self._static:
-                torch._dynamo.mark_static_address(t)
-                self._static.add(t.data_ptr())
 
     def _made(self, kind: str, start: int, end: int, head: tuple | None = None, masked: bool = False,
               steps: int = 0):
         """The function of pass `kind` over blocks [start, end) (`_KINDS`), made once per key and run as
-        the mode says (as written, compiled, or captured as a graph)."""
+        the mode says (as written, or captured as a graph)."""
         key = (kind, start, end, masked, None if head is None else id(head[0]), steps)
         if key not in self._functions:
             model = _Slice(self.fast.blocks[start:end], self.windows[start:end], *self.fast.head,
@@ -225,20 +216,8 @@ class StaticPasses:
             function = _KINDS[kind](model, head, steps)
             if self.mode == "graph":
                 function = CapturedPass(function, static=(1, 2), device=self.embedding.device)
-            elif self.mode == "compile":
-                if self.embedding.is_cuda:
-                    self._mark_static(self._weights())
-                function = torch.compile(function, fullgraph=True, dynamic=False,
-                                         mode="reduce-overhead" if self.embedding.is_cuda else None)
-                if self.embedding.is_cuda:
-                    function = _copied_out(function)
             self._functions[key] = function
         return self._functions[key]
-
-    def _weights(self) -> list[torch.Tensor]:
-        norm, _, head_weight, head_bias = self.fast.head
-        blocks = [t for b in self.fast.blocks for t in b.tensors() if t is not None]
-        return [t for t in (*blocks, norm, head_weight, head_bias, self.embedding) if t is not None]
 
 
 @dataclass(frozen=True)
@@ -362,17 +341,6 @@ def _draft_loop_sampled(model: _Slice, head, steps) -> Callable:
 # each pass's maker: (the model's slice, the draft head's tensors, draft steps) -> the function
 _KINDS = {"run": _run, "verify": _verify, "verify_sampled": _verify_sampled, "draft": _draft_step,
           "draft_loop": _draft_loop, "draft_loop_sampled": _draft_loop_sampled}
-
-
-def _copied_out(graph: Callable) -> Callable:
-    """A CUDA-graph function whose outputs the caller may keep: a replay writes its outputs into the
-    same static buffers, so the next replay would overwrite what the previous returned (the draft loop
-    keeps every step's token and hidden state). Each call starts a new graph step and copies out."""
-    def call(*args):
-        torch.compiler.cudagraph_mark_step_begin()
-        out = graph(*args)
-        return tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
-    return call
 
 
 def _pad(x: torch.Tensor) -> torch.Tensor:

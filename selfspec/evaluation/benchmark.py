@@ -320,7 +320,7 @@ def speedup(options: BenchmarkOptions) -> BenchmarkReport:
     Structured output: `json_schema`/`grammar` (files) or `regex` constrain every reply, and
     `prompts="json-extract"` takes the extraction prompts, each under its own schema.
     profile: add the round profile of every engine method (where its rounds' time goes).
-    static_passes: "compile" (or "eager") runs the engine's passes at fixed shapes, CUDA graphs on a GPU.
+    static_passes: "graph" (or "eager") runs the engine's passes at fixed shapes, as CUDA graphs.
     candidates: also time every cell the last sweep re-timed (`checkpoint.sweep_candidates`) and say
     whether each drafter's stored cell is still its fastest.
     prefix_cache: the engine's methods prefill through a prefix cache holding each prompt's prefix

@@ -120,16 +120,19 @@ def new_exit_adapter(kind: str, model: nn.Module, exit_layer: int, size: int | N
     return ExitAdapter(width, size or 2 * width).to(view.device)
 
 
-def save_exit_adapter(adapter: nn.Module, directory: str | Path, dtype=None) -> None:
-    """Write the adapter's weights into `directory` (a checkpoint being staged), its floating tensors
-    at `dtype` where given (a run's float32 master copies at the model's dtype)."""
+def save_exit_adapter(adapter: nn.Module, directory: str | Path, dtype=None,
+                      state: dict | None = None) -> None:
+    """Write the adapter's weights (`state`, default its own) into `directory` (a checkpoint being
+    staged), its floating tensors at `dtype` where given (a run's float32 master copies at the model's
+    dtype)."""
     from safetensors.torch import save_file
 
     def stored(tensor):
         tensor = tensor.detach()
         return (tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor).contiguous()
 
-    save_file({k: stored(v) for k, v in adapter.state_dict().items()}, str(Path(directory) / ADAPTER_FILE))
+    state = adapter.state_dict() if state is None else state
+    save_file({k: stored(v) for k, v in state.items()}, str(Path(directory) / ADAPTER_FILE))
 
 
 def load_exit_adapter(directory: str | Path, shape: dict, model: nn.Module, device=None,

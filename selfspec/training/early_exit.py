@@ -310,9 +310,8 @@ def early_exit_loss(
     teacher_flat, labels_flat = _flat_targets(kind, teacher_logits, labels, temperature, vocab)
     if labels_flat is None:
         n_valid = hiddens[0].shape[0] * hiddens[0].shape[1]
-    else:
-        n_valid = int((labels_flat != ignore_index).sum())
-    n_valid = max(n_valid, 1)
+    else:  # counted on the device, with no host read; divided in float64 as the host would
+        n_valid = (labels_flat != ignore_index).sum().clamp(min=1).double()
 
     def chunk_loss(h: torch.Tensor, t: tuple | None, y: torch.Tensor | None) -> torch.Tensor:
         # The (chunk, V) logits live only inside this call (and again in its recomputation).
@@ -332,6 +331,7 @@ def early_exit_loss(
             else:
                 part = chunk_loss(h_flat[rows], t_chunk, y_chunk)
             exit_sum = part if exit_sum is None else exit_sum + part
-        term = exit_sum * (weight / n_valid)
+        scale = weight / n_valid
+        term = exit_sum * (scale.to(exit_sum.dtype) if torch.is_tensor(scale) else scale)
         total = term if total is None else total + term
     return total

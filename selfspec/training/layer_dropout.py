@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import DepthCurve, StepSchedule, check_choice
+from ..cpu import to_device
 from ..errors import UserError
 
 
@@ -109,6 +110,8 @@ def apply_block(
 ) -> torch.Tensor:
     """Run ``block_fn`` on ``hidden`` (B, T, D) except for the rows where ``drop_rows`` (B,) is True.
 
+    ``drop_rows`` is the sampler's host tensor: the decisions below are the host's, no device read.
+
     - all rows dropped: return ``hidden`` unchanged without calling ``block_fn`` (compute saved);
     - no row dropped: return ``block_fn(hidden)``;
     - some rows dropped: run the block on the whole batch and keep the dropped rows' input with
@@ -116,13 +119,14 @@ def apply_block(
     """
     if drop_rows.shape != hidden.shape[:1]:
         raise ValueError(f"drop_rows must have shape ({hidden.shape[0]},), got {tuple(drop_rows.shape)}")
-    # drop_rows comes from the CPU generator: deciding all/none there costs no device sync.
+    if drop_rows.device.type != "cpu":
+        raise ValueError("drop_rows must be the sampler's host tensor: a device one costs a sync a test")
     if bool(drop_rows.all()):
         return hidden
     if not bool(drop_rows.any()):
         return block_fn(hidden)
     out = block_fn(hidden)  # (B, T, D)
-    keep_input = drop_rows.to(hidden.device).view(-1, *([1] * (hidden.dim() - 1)))  # (B, 1, 1)
+    keep_input = to_device(drop_rows, hidden.device).view(-1, *([1] * (hidden.dim() - 1)))  # (B, 1, 1)
     return torch.where(keep_input, hidden, out)
 
 

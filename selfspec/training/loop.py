@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -23,12 +24,12 @@ import torch
 from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataParallelKwargs, PartialState
 from accelerate.tracking import GeneralTracker
 from accelerate.utils import set_seed
+from torch.distributed.fsdp import register_fsdp_forward_method
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
-from transformers import get_cosine_with_min_lr_schedule_with_warmup
+from transformers import AutoModelForCausalLM, get_cosine_with_min_lr_schedule_with_warmup
 
 from .. import data as data_lib
-from ..agreement import exit_layer_metrics
 from ..checkpoint import CheckpointError, Provenance, read_meta, save_tuned
 from ..config import RunConfig, default_exit_layer, to_dict
 from ..cpu import has_bf16_units
@@ -418,7 +419,8 @@ def _accelerator(cfg: RunConfig, output_dir: Path) -> Accelerator:
         cpu=not has_accelerator(), gradient_accumulation_steps=cfg.optim.grad_accum,
         mixed_precision=_mixed_precision(cfg.mixed_precision),
         log_with=_trackers(cfg, output_dir), project_dir=str(output_dir), kwargs_handlers=plugin_kwargs,
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed))
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed,
+                                                  non_blocking=torch.cuda.is_available()))
     set_seed(cfg.seed)
     deepspeed = accelerator.state.deepspeed_plugin
     if deepspeed is not None:  # the recipe's clipping, not accelerate's fixed 1.0 for a config's "auto"
@@ -471,11 +473,13 @@ def _cached_features(cfg: RunConfig, accelerator: Accelerator, model, train_bloc
 def _prepared(cfg: RunConfig, accelerator: Accelerator, objective, train_blocks) -> tuple:
     """(objective, optimizer, loader, scheduler) prepared by the accelerator, and the trainable
     parameters; the layer dropout's draws registered for checkpointing and the trackers started."""
+    # pinned on a GPU: accelerate's copy of each batch (`non_blocking`, `_accelerator`) is then queued
+    # like a kernel rather than waiting for the device
     loader = DataLoader(train_blocks, batch_size=cfg.optim.batch_size, shuffle=True, drop_last=True,
-                        generator=torch.Generator().manual_seed(cfg.seed))
-    trainable = [p for p in objective.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
-                                  weight_decay=cfg.optim.weight_decay)
+                        generator=torch.Generator().manual_seed(cfg.seed),
+                        pin_memory=accelerator.device.type == "cuda")
+    optimizer = torch.optim.AdamW([p for p in objective.parameters() if p.requires_grad], lr=cfg.optim.lr,
+                                  betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay)
     # accelerate steps a prepared scheduler once per process for every optimizer step (its convention
     # for per-process schedules), so the schedule is laid out in process-steps.
     scale = accelerator.num_processes
@@ -483,6 +487,9 @@ def _prepared(cfg: RunConfig, accelerator: Accelerator, objective, train_blocks)
         optimizer, num_warmup_steps=cfg.optim.warmup_steps * scale,
         num_training_steps=cfg.optim.max_steps * scale, min_lr_rate=cfg.optim.min_lr_ratio)
     objective, optimizer, loader, scheduler = accelerator.prepare(objective, optimizer, loader, scheduler)
+    # What `prepare` made: FSDP2 replaces every parameter (its shards), so the list to clip is read here.
+    trainable = [p for p in objective.parameters() if p.requires_grad]
+    register_fsdp_forward_method(objective_inner(objective), "exit_metrics")  # a no-op unless FSDP2
     dropout = objective_inner(objective).layer_dropout
     if dropout is not None:
         dropout.synchronize()  # rank 0's draws on every rank, whatever seed a machine was given
@@ -553,22 +560,13 @@ def _finish(run: _Run, kind: str, seconds: float) -> TrainResult:
     accelerator.log({**final, "tokens": run.tokens}, step=run.step)
     model_dir = run.output_dir / FINAL_DIR
     accelerator.wait_for_everyone()
-    state_dict = None
-    if not cfg.lora.enabled:
-        # Full weights on the main process: under FSDP and ZeRO-3 each rank holds only a shard, and
-        # get_state_dict gathers them (it must run on every rank; ZeRO-3 through DeepSpeed's own
-        # consolidation, which zero3.yaml's zero3_save_16bit_model turns on). LoRA models are merged from
-        # their modules instead (sharded LoRA saving is not supported yet).
-        prefix = "model."
-        state_dict = {k[len(prefix):]: v for k, v in accelerator.get_state_dict(objective).items()
-                      if k.startswith(prefix)}
+    saved, state_dict, adapter_state = _weights_to_save(run)
     choice = exit_choice(objective_inner(objective), final) if cfg.choose_exit else None
     exit_layer = choice["exit_layer"] if choice else run.exit_layer
     if choice:
         accelerator.print(f"exit chosen on the validation split: E = {exit_layer}, "
                           f"k = {choice['num_speculations']}, predicted {choice['predicted_speedup']:.2f}x")
     if accelerator.is_main_process:
-        inner = accelerator.unwrap_model(objective).model
         k = choice["num_speculations"] if choice else cfg.num_speculations
         settings = DecodeSettings(exit_layer=exit_layer, num_speculations=k,
                                   draft_vocab_size=cfg.early_exit.draft_vocab_size)
@@ -582,14 +580,40 @@ def _finish(run: _Run, kind: str, seconds: float) -> TrainResult:
                      "processes": accelerator.num_processes,
                      # ZeRO-3 leaves each rank's parameters empty: count the gathered weights
                      "parameters": (sum(v.numel() for v in state_dict.values()) if state_dict
-                                    else sum(p.numel() for p in inner.parameters()))})
-        save_tuned(model_dir, inner, run.tokenizer, state_dict=state_dict, settings=settings,
+                                    else sum(p.numel() for p in saved.parameters()))})
+        save_tuned(model_dir, saved, run.tokenizer, state_dict=state_dict, settings=settings,
                    provenance=provenance, token_counts=run.token_counts,
                    dtype=run.weights_dtype,  # float32 master copies (ours, FSDP's) rounded back
-                   exit_adapter=accelerator.unwrap_model(objective).exit_adapter)
+                   exit_adapter=accelerator.unwrap_model(objective).exit_adapter, adapter_state=adapter_state)
     accelerator.wait_for_everyone()  # every rank may read the saved model after this (finetune.py does)
     accelerator.end_training()
     return TrainResult(run.output_dir, model_dir, run.step, run.tokens, seconds, final)
+
+
+def _weights_to_save(run: _Run) -> tuple:
+    """(model, its state dict or None, the exit adapter's or None): what the main process saves.
+
+    Under FSDP and ZeRO-3 each rank holds only a shard, and `get_state_dict` gathers the full weights on
+    the main process (every rank takes part; ZeRO-3 through DeepSpeed's own consolidation, which
+    zero3.yaml's zero3_save_16bit_model turns on). LoRA is merged by peft from modules: under FSDP2 a
+    plain copy of the model on the main process holds the gathered weights for it (its own modules hold
+    shards); under DDP and one process the model itself (sharded LoRA under ZeRO-3 is not supported)."""
+    cfg, accelerator, objective = run.cfg, run.accelerator, run.objective
+    model = accelerator.unwrap_model(objective).model
+    if cfg.lora.enabled and not accelerator.is_fsdp2:
+        return model, None, None
+    full = accelerator.get_state_dict(objective)
+    if not accelerator.is_main_process:
+        return model, None, None
+    weights = {k[len("model."):]: v for k, v in full.items() if k.startswith("model.")}
+    adapter = {k[len("exit_adapter."):]: v for k, v in full.items() if k.startswith("exit_adapter.")}
+    if not cfg.lora.enabled:
+        return model, weights, adapter or None
+    with torch.device("meta"):  # no memory: the gathered tensors are assigned to it
+        plain = apply_lora(AutoModelForCausalLM.from_config(model.get_base_model().config), cfg,
+                           run.exit_layer)
+    plain.load_state_dict(weights, assign=True)
+    return plain, None, adapter or None
 
 
 def exit_choice(objective: SelfSpecObjective, metrics: dict) -> dict:
@@ -694,24 +718,17 @@ def _fault(point: str) -> None:
 
 def evaluate(accelerator, objective, val_blocks, exit_layers, exit_layer, cfg) -> dict:
     """Validation metrics per candidate layer (and the final layer), averaged over all processes."""
-    model = objective_inner(objective).model
     ids, mask = data_lib.block_tensors(val_blocks)
     rows = slice(accelerator.process_index, None, accelerator.num_processes)
     layers = sorted(set(exit_layers) | {exit_layer})
-    inner = objective_inner(objective)
-    adapter, vocab = inner.exit_adapter, inner.exit_vocab
-    report = exit_layer_metrics(model, ids[rows], layers, batch_size=cfg.optim.batch_size,
-                                reduce=accelerator.reduce, target_mask=None if mask is None else mask[rows],
-                                exit_adapters=None if adapter is None else {exit_layer: adapter},
-                                draft_vocab=None if vocab is None else vocab.token_ids)
+    metrics = functools.partial(objective_inner(objective).exit_metrics, ids[rows], layers, exit_layer,
+                                cfg.optim.batch_size, accelerator.reduce)
+    report = metrics(None if mask is None else mask[rows])
     num_layers = max(report)
     out = {"val/loss": report[num_layers]["loss"], "val/perplexity": report[num_layers]["perplexity"]}
     drafted = data_lib.draft_mask(val_blocks)
     if drafted is not None:  # the exits on the tokens they will draft (a grammar forces the rest)
-        drafted_report = exit_layer_metrics(
-            model, ids[rows], layers, batch_size=cfg.optim.batch_size, reduce=accelerator.reduce,
-            target_mask=drafted[rows], exit_adapters=None if adapter is None else {exit_layer: adapter},
-            draft_vocab=None if vocab is None else vocab.token_ids)
+        drafted_report = metrics(drafted[rows])
     for layer in layers:
         if layer == num_layers:
             continue

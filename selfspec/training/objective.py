@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..agreement import IGNORE_INDEX, shifted_labels
+from ..agreement import IGNORE_INDEX, exit_layer_metrics, shifted_labels
 from ..config import EarlyExitConfig
+from ..cpu import to_device
 from ..errors import UserError
 from ..model import DecoderView
 from .early_exit import ExitCurriculum, TrimmedVocab, early_exit_loss, layer_weights
@@ -141,9 +142,8 @@ class SelfSpecObjective(nn.Module):
         view, ee = self.view, self.early_exit
         batch = input_ids.shape[0]
         drop = None
-        if self.layer_dropout is not None:
-            drop = self.layer_dropout.sample(step, batch, training=self.training)  # (N, B)
-            drop = drop.to(input_ids.device)
+        if self.layer_dropout is not None:  # (N, B) on the host, where `apply_block` decides
+            drop = self.layer_dropout.sample(step, batch, training=self.training)
         active = self.curriculum.active(step) if self.exit_layers else []
 
         hidden = view.embed(input_ids)  # (B, T, D)
@@ -173,7 +173,7 @@ class SelfSpecObjective(nn.Module):
             exit_labels = labels if draft_mask is None else shifted_labels(input_ids, draft_mask)
             if ee.token_fraction < 1.0:
                 exits, teacher_logits, exit_labels = self._subsample(exits, teacher_logits, exit_labels, step)
-            weights = layer_weights(ee.scale, active, view.num_layers).to(hidden.device)
+            weights = layer_weights(ee.scale, active, view.num_layers)  # (L,) host floats
             exit_loss = early_exit_loss(exits, self._exit_head(), weights, kind=ee.kind,
                                         teacher_logits=teacher_logits, labels=exit_labels,
                                         temperature=ee.temperature, chunk_size=ee.chunk_size,
@@ -182,6 +182,19 @@ class SelfSpecObjective(nn.Module):
             out["exit_loss"] = exit_loss.detach()
         out["loss"] = loss
         return out
+
+    def exit_metrics(self, blocks: torch.Tensor, layers: list[int], exit_layer: int, batch_size: int,
+                     reduce=None, target_mask: torch.Tensor | None = None) -> dict[int, dict[str, float]]:
+        """`agreement.exit_layer_metrics` of the model being trained at `layers`, the exit adapter read
+        at `exit_layer`, and the trimmed draft vocabulary: the evaluation. A method of the objective
+        because FSDP2 shards the objective's own weights (embedding, final norm, head: its root unit)
+        and gathers them only around a forward method: the training loop registers this one
+        (`torch.distributed.fsdp.register_fsdp_forward_method`)."""
+        adapter, vocab = self.exit_adapter, self.exit_vocab
+        return exit_layer_metrics(self.model, blocks, layers, batch_size=batch_size, reduce=reduce,
+                                  target_mask=target_mask,
+                                  exit_adapters=None if adapter is None else {exit_layer: adapter},
+                                  draft_vocab=None if vocab is None else vocab.token_ids)
 
     def _cached_exit_loss(self, exit_hidden: torch.Tensor, teacher_ids: torch.Tensor,
                           teacher_probs: torch.Tensor, target_mask: torch.Tensor | None = None) -> dict:
@@ -217,7 +230,7 @@ class SelfSpecObjective(nn.Module):
         batch, length = labels.shape
         count = max(1, math.ceil(self.early_exit.token_fraction * batch * length))
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        index = torch.randperm(batch * length, generator=generator)[:count].to(labels.device)  # (n,)
+        index = to_device(torch.randperm(batch * length, generator=generator)[:count], labels.device)  # (n,)
         exits = [h.flatten(0, 1)[index][None] for h in exits]  # each (1, n, D)
         if teacher_logits is not None:
             teacher_logits = teacher_logits.flatten(0, 1)[index][None]  # (1, n, V)
