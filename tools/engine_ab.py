@@ -55,7 +55,7 @@ def main() -> None:
     generator, prompts = _random_model() if args.model is None else _checkpoint(args.model, args.prompts)
     rates = {}
     for name in args.cells.split(","):
-        cell = dict(CELLS.get(name) or {"num_speculations": int(name.removeprefix("k="))})
+        cell = dict(CELLS[name] if name in CELLS else {"num_speculations": int(name.removeprefix("k="))})
         batch = cell.pop("batch", 1)
         generator.generate([prompts[0]] * batch, max_new_tokens=16, eos_token_id=[], **cell)  # warm-up
         start, tokens = time.perf_counter(), 0
