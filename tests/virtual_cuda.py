@@ -68,9 +68,11 @@ class Event:
         _Queue.recorded += 1
         self.time, self.seq = time.perf_counter(), _Queue.recorded
 
-    def synchronize(self) -> None:  # the host waits for the device: a sync
-        _Queue.reads += 1
-        _Queue.completed = max(_Queue.completed, self.seq or 0)
+    def synchronize(self) -> None:
+        """The host waits for the work before the event: a sync, unless a sync since has completed it."""
+        if self.seq is not None and self.seq > _Queue.completed:
+            _Queue.reads += 1
+            _Queue.completed = self.seq
 
     def query(self) -> bool:
         return self.seq is not None and self.seq <= _Queue.completed
