@@ -720,9 +720,11 @@ def dry_run(out: Path) -> int:
     """Every stage on the emulated CUDA device at the GPU run's depths and counts, narrow: its kernel and
     graph launches and captures counted, then modelled as launches x 24 µs + captures x 50 ms + `WORK`.
     Prints the table, writes DIR/model.json; 0 when the modelled minutes fit `TARGET`."""
+    import torch
     sys.path.insert(0, str(ROOT / "tests"))
     from virtual_cuda import VirtualCuda
 
+    torch.set_num_threads(1)  # narrow passes: a second thread only waits for the first (counts are alike)
     with VirtualCuda() as device:
         check = Check(out, size="narrow", emulator=device)
         rows = [_modelled(device, name, function, check) for name, function in STAGE_FUNCTIONS.items()]
