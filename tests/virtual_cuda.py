@@ -20,7 +20,8 @@ Inside `VirtualCuda()`, a tensor moved to "cuda" (`.cuda()`, `.to("cuda")`, a fa
   `synchronize` came after both events were recorded (CUDA's "device not ready");
 - selfspec's compiled CPU kernels raise when given a CUDA tensor.
 What it cannot show: CUDA's own kernels and numerics. Tags live on storages (a view shares its
-base's device); tagged storages are kept alive so that no CPU tensor reuses their address.
+base's device), held by weak references: memory freed is untagged, so a CPU tensor that reuses its
+address is a CPU tensor, and a long emulation holds no more memory than the same run on the CPU.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import time
 import weakref
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
@@ -68,9 +70,11 @@ class Event:
         _Queue.recorded += 1
         self.time, self.seq = time.perf_counter(), _Queue.recorded
 
-    def synchronize(self) -> None:  # the host waits for the device: a sync
-        _Queue.reads += 1
-        _Queue.completed = max(_Queue.completed, self.seq or 0)
+    def synchronize(self) -> None:
+        """The host waits for the work before the event: a sync, unless a sync since has completed it."""
+        if self.seq is not None and self.seq > _Queue.completed:
+            _Queue.reads += 1
+            _Queue.completed = self.seq
 
     def query(self) -> bool:
         return self.seq is not None and self.seq <= _Queue.completed
@@ -96,9 +100,9 @@ class VirtualCuda(TorchFunctionMode):
 
     def __init__(self):
         super().__init__()
-        self._storages = {}  # data_ptr -> storage
+        self._storages = {}  # data_ptr -> StorageWeakRef of the storage there
         self._empty = {}  # id -> weakref: tagged tensors without memory (data_ptr 0)
-        self._pinned = {}  # data_ptr -> storage: host memory from `pin_memory`
+        self._pinned = {}  # data_ptr -> StorageWeakRef: host memory from `pin_memory`
         self._patches = contextlib.ExitStack()
 
     def __enter__(self):
@@ -162,11 +166,11 @@ class VirtualCuda(TorchFunctionMode):
         return by_device
 
     def pinned(self, t) -> bool:
-        return isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in self._pinned
+        return isinstance(t, torch.Tensor) and _alive(self._pinned, t.untyped_storage().data_ptr())
 
     def _pin(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
-        self._pinned[storage.data_ptr()] = storage
+        self._pinned[storage.data_ptr()] = StorageWeakRef(storage)
         return t
 
     def _upload_from(self, src, non_blocking) -> None:
@@ -179,7 +183,7 @@ class VirtualCuda(TorchFunctionMode):
             return False
         ptr = t.untyped_storage().data_ptr()
         if ptr:
-            return ptr in self._storages
+            return _alive(self._storages, ptr)
         ref = self._empty.get(id(t))
         return ref is not None and ref() is t
 
@@ -188,7 +192,7 @@ class VirtualCuda(TorchFunctionMode):
             if isinstance(t, torch.Tensor):
                 storage = t.untyped_storage()
                 if storage.data_ptr():
-                    self._storages[storage.data_ptr()] = storage
+                    self._storages[storage.data_ptr()] = StorageWeakRef(storage)
                 else:
                     self._empty[id(t)] = weakref.ref(t)
         return out
@@ -309,6 +313,17 @@ class _CheckedKernels:
                 raise RuntimeError(f"the CPU kernel {name} was given a CUDA tensor")
             return value(*args, **kwargs)
         return checked
+
+
+def _alive(tags: dict, ptr: int) -> bool:
+    """Whether `tags` holds the memory at `ptr`: tagged, and not freed since (its tag then dropped)."""
+    ref = tags.get(ptr)
+    if ref is None:
+        return False
+    if ref.expired():
+        del tags[ptr]
+        return False
+    return True
 
 
 def _launches_kernel(func, inputs: list, out) -> bool:
