@@ -230,7 +230,9 @@ def test_a_server_that_dies_or_answers_html_mid_run_is_one_line_and_loses_nothin
     assert re.search(says, error), error
     kept = (out / RESPONSES).read_text().splitlines()
     assert f"; {len(kept)} replies are kept in {out / RESPONSES}, and the same command continues" in error
-    assert 4 <= len(kept) < 12 and all(line in in_process.splitlines() for line in kept)
+    # four prompts are answered before the fault; two in flight, so one of them may come after the prompt
+    # that failed, and the file keeps its replies in the prompts' order: at least three
+    assert 3 <= len(kept) < 12 and all(line in in_process.splitlines() for line in kept)
     _distill(chat_model, served, out)  # the same model's other server finishes it
     assert (out / RESPONSES).read_text() == in_process
 
