@@ -279,23 +279,28 @@ def test_a_batch_whose_rows_leave_and_join_replays_the_graphs_of_its_sizes():
     assert _captures(generator) == captured  # every batch size's graphs replayed, none captured again
 
 
-@pytest.mark.parametrize("drafter, k, syncs", [("early_exit", 0, 1), ("early_exit", 4, 1), ("ngram", 3, 1),
-                                               ("hybrid", 2, 2)])
-def test_a_round_on_graphs_reads_the_device_once(drafter, k, syncs):
-    """One host sync a round (the verification's decided tokens, `Engine._round`), counted on the
-    emulated device as the reads a longer decode adds per round it adds, so the call's own start is
-    left out. The hybrid reads twice: its copy after the early exit's drafts looks them up in the
-    host's n-gram index (`CopyProposer.propose`) before the verification is launched."""
+@pytest.mark.parametrize("static", [None, "graph"])
+@pytest.mark.parametrize("drafter, k, reads, uploads", [("early_exit", 0, 1, 0), ("early_exit", 4, 1, 0),
+                                                        ("ngram", 3, 1, 1), ("hybrid", 2, 2, 2)])
+def test_a_round_reads_the_device_once_and_uploads_without_waiting(static, drafter, k, reads, uploads):
+    """Host syncs a round, counted on the emulated device as the syncs a longer decode adds per round it
+    adds, so the call's own start is left out. Reads: the verification's decided tokens
+    (`Engine._round`); the hybrid's copy after the early exit's drafts reads them too, once a round, to
+    look them up in the host's n-gram index (`CopyProposer.propose`). Uploads: the lengths and pending
+    tokens go up from pinned memory without blocking (`Batch.upload`), so a round uploads with a wait
+    only the copies it drafts."""
     model = low_alpha_model("llama")
     with VirtualCuda() as device:
         device.module(model)
-        generator = SelfSpecGenerator(model, exit_layer=2, static_passes="graph")
-        reads, rounds = [], []
+        generator = SelfSpecGenerator(model, exit_layer=2, static_passes=static)
+        counts, rounds = [], []
         for new in (4, 8, 24):  # the first captures
-            before = device.host_reads
+            before = device.host_reads, device.host_uploads
             out = generator.generate([PROMPTS[0]], max_new_tokens=new, drafter=drafter, num_speculations=k,
                                      eos_token_id=[])
-            reads.append(device.host_reads - before)
+            counts.append((device.host_reads - before[0], device.host_uploads - before[1]))
             rounds.append(out.stats.rounds)
-    assert rounds[2] > rounds[1]
-    assert (reads[2] - reads[1]) / (rounds[2] - rounds[1]) <= syncs, (reads, rounds)
+    added = rounds[2] - rounds[1]
+    assert added > 0
+    assert (counts[2][0] - counts[1][0]) / added <= reads, (counts, rounds)
+    assert (counts[2][1] - counts[1][1]) / added <= uploads, (counts, rounds)

@@ -103,7 +103,7 @@ class Batch:
         with no read between (the prefill's) from overwriting what the first still copies."""
         rows = len(self.lengths)
         if self._shared is None or self._shared.shape[1] != rows:
-            pinned = device.type == "cuda" and torch.cuda.is_available()
+            pinned = device.type == "cuda"
             host = torch.empty((2, rows), dtype=torch.int64, pin_memory=pinned)
             self._shared = host.numpy()
             both = host if device.type == "cpu" else torch.empty((2, rows), dtype=torch.int64, device=device)

@@ -333,9 +333,9 @@ class RoundDrafter:
         plan's copy, see `free_drafts`), then up to `plan.extend` early-exit drafts, each followed by the
         free drafts it makes possible: under a grammar its forced tokens (the early exit then goes on
         after them); when the policy turns the rest of the round into a copy (`DraftPolicy.copy_after`),
-        the copy ends it. Where the early exit drafts the round in one backend call, a policy that copies
-        after early-exit drafts looks once, after them all (the step-by-step loop looks after each): other
-        drafts, the same output. Tokens without an exit hidden state yet (the pending token, copied and
+        the copy ends it. A policy that copies after early-exit drafts looks once, after the last of
+        them (one host read of the drafts), whether the backend drafts the round in one call or step by
+        step. Tokens without an exit hidden state yet (the pending token, copied and
         forced drafts) run through blocks [0, E) together, in one parallel pass, when the early exit next
         needs their state; an early-exit draft keeps its own step's."""
         state = RoundState(b, policy, plan, cap, unrun=[b.pending_dev[:, None]])
@@ -346,7 +346,11 @@ class RoundDrafter:
             if not drafted or state.draft.stopped:  # η stopped the round
                 break
             left -= drafted
-            if state.room > 0 and (b.forces or policy.copies_after_early_exit) and self.free_drafts(state):
+            # Under a grammar the free drafts follow each early-exit draft (its forced tokens are certain);
+            # a copy after early-exit drafts is looked up once, after the last: one host read of the
+            # drafts a round, and a backend that drafts the round in one call drafts alike.
+            looks = b.forces or (policy.copies_after_early_exit and not left)
+            if state.room > 0 and looks and self.free_drafts(state):
                 break  # a copy ends the round
         # The drafts after the last pass through blocks [0, E) are the verification's first part; when
         # η stopped the round every token already had that pass (B, 0), even with no early-exit draft.
