@@ -1,6 +1,6 @@
 """The `selfspec` console script: argparse runs each subcommand's one plain function with its options.
 
-Each command's options are a frozen dataclass whose fields are its flags (`selfspec.options`: a field's
+Each command's options are a frozen dataclass whose fields are its flags (`selfspec.flags`: a field's
 type, default and docstring make the flag), and the table in `_parser` maps each command's words onto
 its function and that dataclass; `main` parses the flags into the dataclass and calls the function with
 it. The functions and their options live where their work does.
@@ -60,9 +60,9 @@ from .evaluation.options import (
     SuiteOptions,
     SweepOptions,
 )
-from .options import Options, add_cli_args, from_cli_args, option
+from .flags import Options, add_cli_args, from_cli_args, option
 from .serving.options import ServeOptions
-from .training import commands as training
+from .training import runs as training
 
 # --------------------------------------------------------------------------------------------------
 # The options of the commands that live here
@@ -168,13 +168,13 @@ def _recipes(options: RecipesOptions) -> None:
 
 
 def _pretrain(options: PretrainOptions) -> None:
-    """`selfspec pretrain` (`training.commands.pretrain`)."""
+    """`selfspec pretrain` (`training.runs.pretrain`)."""
     training.pretrain(options.config, list(options.overrides), options.resume, options.force,
                       options.output_dir)
 
 
 def _finetune(options: FinetuneOptions) -> None:
-    """`selfspec train` (`training.commands.finetune`)."""
+    """`selfspec train` (`training.runs.finetune`)."""
     training.finetune(options.config, list(options.overrides), options.resume, options.force,
                       options.output_dir)
 

@@ -1,5 +1,5 @@
 """The package's commands as plain functions, each called with its options (a frozen dataclass whose
-fields are the command's flags, `selfspec.options`) by the CLI (`cli.py`), the demo (`demo.py`) and
+fields are the command's flags, `selfspec.flags`) by the CLI (`cli.py`), the demo (`demo.py`) and
 anyone's script: agreement per exit layer, the perplexity gate, token counts for a trimmed draft head,
 generation and distillation data; and the export and the GGUF import. (The speed benchmark and the
 sweep are `evaluation.benchmark.speedup` and `evaluation.sweep.sweep`.)
@@ -20,10 +20,10 @@ from .errors import UserError
 from .export import describe, export_draft
 from .export_gguf import GGUF_TYPES
 from .files import write_json_atomic
-from .options import ConstraintOptions, DecodeOverrides, DrafterOverride, Options, StaticPassesOption, option
+from .flags import ConstraintOptions, DecodeOverrides, DrafterOverride, Options, StaticPassesOption, option
 
 # --------------------------------------------------------------------------------------------------
-# The commands' options (`selfspec.options`: each field is a flag, its docstring the flag's help)
+# The commands' options (`selfspec.flags`: each field is a flag, its docstring the flag's help)
 # --------------------------------------------------------------------------------------------------
 
 

@@ -27,7 +27,7 @@ from .decoding import DRAFTERS
 from .evaluation.benchmark import speedup
 from .evaluation.options import BenchmarkOptions, SweepOptions
 from .evaluation.sweep import sweep
-from .options import Options, option
+from .flags import Options, option
 
 DEFAULT_BASE_CONFIG = "embedded_base"
 DEFAULT_FINETUNE_CONFIG = "demo_finetune"

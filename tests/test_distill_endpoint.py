@@ -364,7 +364,7 @@ def test_a_model_without_a_chat_template_is_distilled_through_text_completions(t
 def test_a_recipe_names_the_endpoint_in_its_data_section(chat_model, served, in_process, tmp_path):
     """`data.distill` (distill-data's options by name) makes `selfspec train` distill into `data.source`
     first; a key distill-data lacks, or a source that is not a responses.jsonl, is one line."""
-    from selfspec.training.commands import distill_first
+    from selfspec.training.runs import distill_first
 
     source = tmp_path / "distill" / RESPONSES
     cfg = load_config("smollm2-135m_chat", [

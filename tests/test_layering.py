@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "selfspec"
 FLOORS = {"config": 0, "model": 0, "metrics": 0, "cpu": 0, "files": 0, "errors": 0, "sampling": 0,
           "recipes": 0,
           "agreement": 1, "data": 1, "checkpoint": 1, "export": 1, "export_gguf": 1, "backends": 1,
-          "decoding": 1, "options": 1,
+          "decoding": 1, "flags": 1,
           "training": 2, "evaluation": 3, "serving": 3, "cli": 4, "commands": 4, "demo": 4, "__init__": 4,
           "__main__": 4}
 

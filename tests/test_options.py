@@ -1,5 +1,5 @@
 """Each option is declared once, as a field of its command's options dataclass, and the CLI is derived
-from it (`selfspec.options`): every flag of every command is one field, argparse holds no default of its
+from it (`selfspec.flags`): every flag of every command is one field, argparse holds no default of its
 own, the flags make the options back, and a bad value is one line whether it came from a flag or from
 Python. The shape the commands keep: no parameter list over 10 and no function over 80 lines (the
 CLI's table of commands aside)."""
@@ -18,7 +18,7 @@ from selfspec import cli
 from selfspec.commands import ExportOptions, GenerateOptions, ImportGGUFOptions
 from selfspec.errors import UserError
 from selfspec.evaluation.options import BenchmarkOptions, SweepGrid, SweepOptions
-from selfspec.options import add_cli_args, cli_fields, field_doc, flag_name, from_cli_args, to_cli_args
+from selfspec.flags import add_cli_args, cli_fields, field_doc, flag_name, from_cli_args, to_cli_args
 from selfspec.serving.options import AppOptions, ServeOptions
 
 PACKAGE = Path(__file__).resolve().parents[1] / "selfspec"
@@ -147,7 +147,7 @@ def test_options_are_frozen():
 # The shape of the command layer: options objects instead of long parameter lists
 # --------------------------------------------------------------------------------------------------
 
-COMMAND_LAYER = ["cli.py", "commands.py", "options.py", "demo.py", "data/distill.py", "data/distill_job.py",
+COMMAND_LAYER = ["cli.py", "commands.py", "flags.py", "demo.py", "data/distill.py", "data/distill_job.py",
                  "data/distill_endpoint.py", "data/endpoint.py", "data/probe.py", "data/replies.py",
                  "serving/app.py",
                  "serving/options.py", "training/loop.py", "training/early_exit.py",

@@ -62,7 +62,7 @@ def test_a_trained_run_is_reused_wherever_the_cache_lives():
 @pytest.mark.parametrize("command", ["train", "pretrain"])
 def test_the_training_commands_take_a_recipe_overrides_and_an_output_dir(command, tmp_path, monkeypatch):
     """What the commands hand the loop: the recipe, then the overrides, then --output-dir."""
-    from selfspec.training import commands
+    from selfspec.training import runs as commands
 
     class Handed(Exception):
         pass

@@ -164,7 +164,7 @@ def test_requests_past_max_connections_get_an_openai_503_and_health_still_answer
     import httpx
 
     from selfspec.serving.app import _Guard
-    from selfspec.serving.metrics import Metrics
+    from selfspec.serving.prometheus import Metrics
 
     release = asyncio.Event()
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from ..errors import UserError
-from ..options import Options
+from ..flags import Options
 from .chat import ChatDataError, load_chat_corpus
 from .questions import read_prompt_file, read_questions
 from .replies import RESPONSES, ReplyFile

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..config import ConfigError
 from ..decoding import DRAFTERS
-from ..options import option
+from ..flags import option
 from .distill import ReplyOptions, distill_prompts, distill_responses
 from .endpoint import EndpointOptions
 

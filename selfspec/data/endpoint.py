@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from ..errors import UserError
-from ..options import Options, option
+from ..flags import Options, option
 
 RETRIED = (408, 429, 500, 502, 503, 504)  # statuses a request is sent again after
 CONNECT_TIMEOUT = 10.0  # seconds to open a connection: an address that answers nothing fails fast

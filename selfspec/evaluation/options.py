@@ -1,4 +1,4 @@
-"""The evaluation commands' options, each flag declared once (`selfspec.options`): the groups they share
+"""The evaluation commands' options, each flag declared once (`selfspec.flags`): the groups they share
 (which prompts, how long and how often they are timed, which methods, where the model runs, which
 suite questions) and each command's own options, built from them.
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from ..decoding import ADAPTIVE_K, DRAFTERS  # noqa: F401 - DRAFTERS: named in a docstring
 from ..decoding.prefix import prefix_cache_of
 from ..errors import UserError
-from ..options import (
+from ..flags import (
     ConstraintOptions,
     CopyOverride,
     DecodeOverrides,

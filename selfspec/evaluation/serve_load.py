@@ -54,7 +54,7 @@ from ..decoding import SelfSpecGenerator
 from ..decoding.prefix import prefix_cache_of
 from ..decoding.settings import PLAIN
 from ..errors import UserError
-from ..options import to_cli_args
+from ..flags import to_cli_args
 from ..serving.options import ServeOptions
 from ..serving.scheduler import IDLE_RELEASE_SECONDS
 from .options import ServeLoadOptions

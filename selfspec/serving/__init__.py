@@ -5,7 +5,7 @@
 
 - `protocol.py`: the request bodies (pydantic) and OpenAI-shaped errors;
 - `scheduler.py`: one decode loop shared by every request; requests are batched into waves;
-- `metrics.py`: the Prometheus metrics of `/metrics`;
+- `prometheus.py`: the Prometheus metrics of `/metrics`;
 - `app.py`: the FastAPI application (`create_app`) and the command (`serve`).
 
 Needs the optional extra `selfspec[serve]` (FastAPI, uvicorn, prometheus-client).

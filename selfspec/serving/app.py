@@ -41,8 +41,8 @@ from starlette.requests import ClientDisconnect
 from ..cpu import on_a_thread_that_ends, one_heap
 from ..decoding.prefix import prefix_cache_of
 from ..errors import UserError
-from .metrics import Metrics
 from .options import AppOptions, ServeOptions
+from .prometheus import Metrics
 from .protocol import APIError, ChatRequest, CompletionRequest, parse
 from .scheduler import (
     Job,

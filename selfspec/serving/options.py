@@ -1,4 +1,4 @@
-"""The server's options, each flag declared once (`selfspec.options`): `AppOptions`, what `create_app`
+"""The server's options, each flag declared once (`selfspec.flags`): `AppOptions`, what `create_app`
 takes (its limits and its key), and `ServeOptions`, the `selfspec serve` command's (the application's
 options, the checkpoint, where to listen, the decode settings it overrides). Importing this module
 needs none of the server's extra (FastAPI, uvicorn), so the CLI reads the flags without it.
@@ -11,7 +11,7 @@ from typing import Literal
 
 from ..decoding.prefix import prefix_cache_of
 from ..errors import UserError
-from ..options import CopyOverride, DecodeOverrides, DrafterOverride, Options, StaticPassesOption, option
+from ..flags import CopyOverride, DecodeOverrides, DrafterOverride, Options, StaticPassesOption, option
 
 REQUEST_TIMEOUT = 30.0  # seconds a request's body may take to arrive, and its preparation on the pool
 KEEP_ALIVE_TIMEOUT = 5.0  # seconds an idle keep-alive connection stays open (uvicorn's default)
