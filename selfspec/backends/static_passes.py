@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..model.fast import FIXED_WIDTH, FastLlamaBlocks, _Block, apply_rotary, rms_norm
+from ..model.fast import FIXED_WIDTH, FastLlamaBlocks, _Block, attention_inputs, mlp_half, rms_norm
 from ..sampling import (
     ACCEPT,
     DRAFT,
@@ -373,18 +373,12 @@ def _blocks(blocks: list[_Block], windows: tuple, hidden: torch.Tensor, keys: li
 
 def _block(b: _Block, hidden: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
            positions: torch.Tensor, mask: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """One Llama-family block (as `fast.run_block`'s tensor path) on hidden (B, W, D); its keys and
-    values scattered into the cache at `positions` (B, W); attention in float32 over every slot under
-    `mask` (B, 1, W, S)."""
+    """One Llama-family block on hidden (B, W, D): the halves before and after attention are the fast
+    path's own (`fast.attention_inputs`, `fast.mlp_half`); its keys and values scattered into the cache
+    at `positions` (B, W), and attention in float32 over every slot under `mask` (B, 1, W, S): fixed
+    shapes, which a CUDA graph replays."""
     batch, width, _ = hidden.shape
-    x = rms_norm(hidden, b.norm1, b.eps1)
-    q = F.linear(x, b.wq, b.bq).view(batch, width, -1, b.head_dim)
-    k = F.linear(x, b.wk, b.bk).view(batch, width, -1, b.head_dim)
-    v = F.linear(x, b.wv, b.bv).view(batch, width, -1, b.head_dim).transpose(1, 2)
-    if b.q_norm is not None:
-        q, k = rms_norm(q, *b.q_norm), rms_norm(k, *b.k_norm)
-    q = apply_rotary(q.transpose(1, 2), cos, sin)  # (B, Hq, W, hd)
-    k = apply_rotary(k.transpose(1, 2), cos, sin)  # (B, Hkv, W, hd)
+    q, k, v = attention_inputs(b, hidden, cos, sin, F.linear)  # (B, Hq, W, hd), (B, Hkv, W, hd) twice
     index = positions[:, None, :, None].expand(-1, k.shape[1], -1, b.head_dim)
     keys.scatter_(2, index, k.to(keys.dtype))
     values.scatter_(2, index, v.to(values.dtype))
@@ -397,6 +391,4 @@ def _block(b: _Block, hidden: torch.Tensor, keys: torch.Tensor, values: torch.Te
     attn = torch.matmul(torch.softmax(scores, -1), values.float()).to(hidden.dtype)  # (B, Hkv, g·W, hd)
     attn = attn.reshape(batch, kv_heads * groups, width, b.head_dim).transpose(1, 2)  # (B, W, Hq, hd)
     hidden = hidden + F.linear(attn.reshape(batch, width, -1), b.wo, b.bo)
-    x = rms_norm(hidden, b.norm2, b.eps2)
-    return hidden + F.linear(b.act(F.linear(x, b.w_gate, b.b_gate)) * F.linear(x, b.w_up, b.b_up),
-                             b.w_down, b.b_down)
+    return mlp_half(b, hidden, F.linear)

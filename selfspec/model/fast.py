@@ -605,26 +605,36 @@ def run_block(b: _Block, index: int, hidden: torch.Tensor, mask: torch.Tensor | 
         # tensor path
         attn = _attention(q.to(hidden.dtype), k, v, mask, b)
         hidden = hidden + linear(attn, b.wo, b.bo)
-        return _mlp_half(b, hidden)
-    batch, length, _ = hidden.shape
-    x = rms_norm(hidden, b.norm1, b.eps1)
-    q = linear(x, b.wq, b.bq).view(batch, length, -1, b.head_dim)
-    k = linear(x, b.wk, b.bk).view(batch, length, -1, b.head_dim)
-    v = linear(x, b.wv, b.bv).view(batch, length, -1, b.head_dim).transpose(1, 2)
-    if b.q_norm is not None:
-        q, k = rms_norm(q, *b.q_norm), rms_norm(k, *b.k_norm)
-    cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, hd): one angle per position, all heads
-    q = apply_rotary(q.transpose(1, 2), cos, sin)  # (B, Hq, T, hd)
-    k = apply_rotary(k.transpose(1, 2), cos, sin)  # (B, Hkv, T, hd)
+        return mlp_half(b, hidden)
+    q, k, v = attention_inputs(b, hidden, cos[:, None], sin[:, None])  # one angle per position, all heads
     if cache is not None:
         k, v = cache.update(k, v, index)  # (B, Hkv, S, hd): every slot the layer holds
     attn = _attention(q, k, v, mask, b)  # (B, T, Hq·hd)
     hidden = hidden + linear(attn, b.wo, b.bo)
-    return _mlp_half(b, hidden)
+    return mlp_half(b, hidden)
 
 
-def _mlp_half(b: _Block, hidden: torch.Tensor) -> torch.Tensor:
-    """RMSNorm -> SwiGLU MLP -> residual."""
+def attention_inputs(b: _Block, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     product=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A block's first half before attention on hidden (B, T, D): RMSNorm -> q/k/v projections ->
+    (Qwen3's q and k norms) -> rotary with cos, sin (B, 1, T, hd). q (B, Hq, T, hd), k and v
+    (B, Hkv, T, hd). `product`: the matrix product (`linear` by default; the static passes give
+    `F.linear`, which a CUDA graph captures)."""
+    product = product or linear
+    batch, length, _ = hidden.shape
+    x = rms_norm(hidden, b.norm1, b.eps1)
+    q = product(x, b.wq, b.bq).view(batch, length, -1, b.head_dim)
+    k = product(x, b.wk, b.bk).view(batch, length, -1, b.head_dim)
+    v = product(x, b.wv, b.bv).view(batch, length, -1, b.head_dim).transpose(1, 2)
+    if b.q_norm is not None:
+        q, k = rms_norm(q, *b.q_norm), rms_norm(k, *b.k_norm)
+    return apply_rotary(q.transpose(1, 2), cos, sin), apply_rotary(k.transpose(1, 2), cos, sin), v
+
+
+def mlp_half(b: _Block, hidden: torch.Tensor, product=None) -> torch.Tensor:
+    """A block's second half after attention's residual: RMSNorm -> SwiGLU MLP -> residual
+    (`product` as in `attention_inputs`)."""
+    product = product or linear
     x = rms_norm(hidden, b.norm2, b.eps2)
-    mlp = b.act(linear(x, b.w_gate, b.b_gate)) * linear(x, b.w_up, b.b_up)
-    return hidden + linear(mlp, b.w_down, b.b_down)
+    mlp = b.act(product(x, b.w_gate, b.b_gate)) * product(x, b.w_up, b.b_up)
+    return hidden + product(mlp, b.w_down, b.b_down)
