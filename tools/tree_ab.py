@@ -4,7 +4,8 @@
     python tools/tree_ab.py --trees /tmp/old . --model runs/demo/model --cells plain,stored --repeats 5
 
 Each repeat runs every tree once, in turn (each run its own process: a warm-up, then the timed cells),
-so a slow minute of the machine falls on both. Prints each cell's median tokens/s per tree, the last
+the order rotated from repeat to repeat, so a slow minute of the machine, or a tree's place in the
+turn, falls on both. Prints each cell's median tokens/s per tree, the last
 tree over the first (the median of the repeats' paired ratios, with the lowest and highest), and each
 tree's cells over its own `plain` when it ran. Run it with the machine to itself. Each tree builds its
 kernels once, in a folder of its own (`TORCH_EXTENSIONS_DIR`), before the first timed repeat.
@@ -44,8 +45,9 @@ def main() -> None:
     for tree in args.trees:  # builds the kernels and warms the file cache: not timed
         run(tree, argparse.Namespace(**{**vars(args), "prompts": 1, "new_tokens": 8}))
     runs = {tree: [] for tree in args.trees}
-    for _ in range(args.repeats):
-        for tree in args.trees:
+    for repeat in range(args.repeats):  # the order rotates: no tree always runs first (or last)
+        shift = repeat % len(args.trees)
+        for tree in args.trees[shift:] + args.trees[:shift]:
             runs[tree].append(run(tree, args))
     first, last = args.trees[0], args.trees[-1]
     cells = args.cells.split(",")
