@@ -286,8 +286,8 @@ class Runner:
         return policy.fuses(rounds_per_call) and (not policy.drafts_early_exit or b.loop_head is not None)
 
     def fused_rounds(self, b: Batch, drafts: FusedDrafts, eos: np.ndarray, max_tokens: int,
-                       max_rounds: int, stats: GenerationStats, policy: DraftPolicy,
-                       laps: RoundProfile | None):
+                     max_rounds: int, stats: GenerationStats, policy: DraftPolicy,
+                     laps: RoundProfile | None):
         """Up to `max_rounds` rounds of the batch's one row in one call of the backend
         (`Backend.greedy_rounds`), drafting as `drafts` says (the policy's k and copies), each round
         recorded in `stats` and shown to `policy` as the rounds from Python record them: (tokens (1, t)
@@ -324,7 +324,7 @@ class Runner:
 
     @staticmethod
     def record(stats: GenerationStats, segments: list[Segment], accepted: np.ndarray, draft_time: float,
-                verify_time: float) -> None:
+               verify_time: float) -> None:
         k = sum(s.length for s in segments)
         stats.log_round(segments, accepted, k)
         if k:
