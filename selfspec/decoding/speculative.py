@@ -78,8 +78,7 @@ class SelfSpecGenerator:
         draft_vocab_size > 0; see `draft_head.py`); exit_adapters: {E: adapter} trained for those
         exits (`model.exit_adapter`: an `ExitAdapter`, or an `ExitBlock` with a KV cache of its own
         at cache layer N), applied to the exit's hidden states before the draft head (verification
-        never reads them); check_cache: assert after every round that each layer's cache length
-        equals the sequence length (a timed run sets False); format_settings: {constraint kind:
+        never reads them); format_settings: {constraint kind:
         settings}, the default of a `generate` call whose constrained rows all have that kind
         ("json_schema", "regex", "lark"), as a sweep on such prompts stored it.
     static_passes: None, or run every decoding pass of up to `static_passes.WIDTH` positions (plain
@@ -104,7 +103,7 @@ class SelfSpecGenerator:
     def __init__(self, model, tokenizer=None, settings: DecodeSettings | None = None, *, token_counts=None,
                  exit_adapters: dict | None = None, format_settings: dict | None = None,
                  backend: str | None = None, static_passes: str | None = None,
-                 prefix_cache: PrefixCache | None = None, check_cache: bool = True, **overrides):
+                 prefix_cache: PrefixCache | None = None, **overrides):
         view = DecoderView(model)
         self.tokenizer, self.view = tokenizer, view
         self.backend = make_backend(view, backend, static_passes)
@@ -113,7 +112,7 @@ class SelfSpecGenerator:
         # the round machinery, one per model: its caches, draft heads and compiled grammars are reused
         self.runner = Runner(view, self.backend, tokenizer, self._eos_ids(None).tolist(),
                              token_counts=token_counts, exit_adapters=exit_adapters,
-                             prefix_cache=prefix_cache, check_cache=check_cache)
+                             prefix_cache=prefix_cache)
         settings = (settings or DecodeSettings()).override(**overrides)
         self.settings = self.settings_for(settings)
         self.format_settings = {kind: self.settings_for(s) for kind, s in (format_settings or {}).items()}
@@ -130,6 +129,16 @@ class SelfSpecGenerator:
     @prefix_cache.setter
     def prefix_cache(self, cache: PrefixCache | None) -> None:
         self.runner.prefix_cache = cache
+
+    @property
+    def check_cache(self) -> bool:
+        """Whether every round asserts that each layer's cache length equals the sequence length (on by
+        default; a timed run turns it off: `Runner.check_cache`); settable."""
+        return self.runner.check_cache
+
+    @check_cache.setter
+    def check_cache(self, check: bool) -> None:
+        self.runner.check_cache = check
 
     @property
     def exit_adapters(self) -> dict:

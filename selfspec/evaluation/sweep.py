@@ -175,7 +175,8 @@ def run_sweep(checkpoint: LoadedCheckpoint, prompts: list[list[int]], exit_layer
     generator = SelfSpecGenerator(checkpoint.model, checkpoint.tokenizer,
                                   settings=base.override(exit_layer=base.exit_layer or exit_layers[0]),
                                   token_counts=checkpoint.token_counts,
-                                  exit_adapters=checkpoint.exit_adapters, check_cache=False)
+                                  exit_adapters=checkpoint.exit_adapters)
+    generator.check_cache = False  # a timed run does no per-round bookkeeping
 
     def run(setting: DecodeSettings, batch):
         keywords = constraint_keywords([p.constraint if isinstance(p, Structured) else None for p in batch])

@@ -211,12 +211,12 @@ def make_runner(checkpoint: LoadedCheckpoint, *, max_new_tokens: int = 128, keep
     `profile` (`decoding.profile`), on `backend` (static passes with `static_passes`), prefilling through a
     `PrefixCache` with `prefix_cache`; `draft`: an exported draft's directory, hf_draft's assistant model,
     loaded on the model's device at its dtype."""
-    # check_cache=False as in the sweep: a timed run does no per-round bookkeeping
     generator = SelfSpecGenerator(checkpoint.model, checkpoint.tokenizer, checkpoint.settings,
                                   token_counts=checkpoint.token_counts,
-                                  exit_adapters=checkpoint.exit_adapters, check_cache=False,
+                                  exit_adapters=checkpoint.exit_adapters,
                                   static_passes=static_passes, backend=backend,
                                   prefix_cache=PrefixCache() if prefix_cache else None)
+    generator.check_cache = False  # as in the sweep: a timed run does no per-round bookkeeping
     settings = {m: generator.settings_for(s)
                 for m, s in method_settings(generator.settings, checkpoint.fastest).items()}
     assistant = None
