@@ -263,8 +263,8 @@ def test_rollback_assertion_fires_when_a_cache_is_left_one_position_too_long(mon
     monkeypatch.setattr(KVCache, "rollback", one_too_long)
     with pytest.raises(CacheLengthError, match="layer 3 holds"):
         generator.generate(PROMPTS, max_new_tokens=4, eos_token_id=[])
-    SelfSpecGenerator(model, exit_layer=2, num_speculations=3, check_cache=False).generate(
-        PROMPTS, max_new_tokens=4, eos_token_id=[])  # switched off: no check
+    generator.check_cache = False  # switched off: no check
+    generator.generate(PROMPTS, max_new_tokens=4, eos_token_id=[])
 
 
 def test_stats_are_consistent():

@@ -57,7 +57,8 @@ def main() -> None:
     settings, _, counts = resolve_settings(args.model, exit_layer=args.exit_layer)
     lm, tokenizer = load_model(args.model)
     generator = SelfSpecGenerator(lm, tokenizer, settings, token_counts=counts,
-                                  exit_adapters=checkpoint_adapters(args.model, lm), check_cache=False)
+                                  exit_adapters=checkpoint_adapters(args.model, lm))
+    generator.check_cache = False  # a timed run does no per-round bookkeeping
     prompts = read_prompts(tokenizer, args.prompts, args.corpus, args.num_prompts)
     cells = {"plain": settings.override(drafter="early_exit", num_speculations=0)}
     cells.update({f"k={k}": settings.override(drafter="early_exit", num_speculations=int(k))

@@ -81,12 +81,12 @@ class Runner:
     tokenizer: for stop strings, grammars and copies matched on text (None: none of those); eos: the
     ids that end a row by default (the grammars' end); token_counts, exit_adapters: as
     `SelfSpecGenerator`'s (the draft heads' V' ranking, the adapters trained for exits); prefix_cache:
-    a `PrefixCache` prompts prefill through, or None; check_cache: check every layer's cache length
-    after every round."""
+    a `PrefixCache` prompts prefill through, or None. `check_cache` (True until a caller sets it
+    False, as a timed run does): check every layer's cache length after every round."""
 
     def __init__(self, view: DecoderView, backend: Backend, tokenizer=None, eos: list[int] | None = None, *,
                  token_counts=None, exit_adapters: dict | None = None,
-                 prefix_cache: PrefixCache | None = None, check_cache: bool = True):
+                 prefix_cache: PrefixCache | None = None):
         self.view, self.backend, self.tokenizer, self.eos = view, backend, tokenizer, list(eos or [])
         self.passes = RoundPasses(view, backend)
         self.drafter = RoundDrafter(self.passes, token_text=lambda: self.token_text)  # the proposers
@@ -99,7 +99,7 @@ class Runner:
         self.token_counts = token_counts
         self.exit_adapters = dict(exit_adapters or {})
         self.prefix_cache = prefix_cache
-        self.check_cache = check_cache
+        self.check_cache = True
         self._heads: dict[tuple[int, int], DraftHead] = {}  # (E, V') -> its draft head, built once
         self._grammar_tokenizer: GrammarTokenizer | None = None
 
