@@ -166,6 +166,23 @@ def chat_generator(tiny_run: dict, **kwargs):
     return SelfSpecGenerator(model, tokenizer, exit_layer=2, num_speculations=3, **kwargs)
 
 
+def chat_checkpoint(tiny_run: dict, root, prompts: list[str]) -> dict:
+    """The tiny run's model with a ChatML template saved as a checkpoint at ROOT/model (exit layer 2), and
+    a prompt file ROOT/prompts.txt of `prompts`, one a line: {dir, model, tokenizer, prompts, root}."""
+    from transformers import AutoModelForCausalLM
+
+    from selfspec.checkpoint import Provenance, save_tuned
+    from selfspec.decoding import DecodeSettings
+    tokenizer = type(tiny_run["tokenizer"]).from_pretrained(tiny_run["model"])
+    tokenizer.chat_template = CHATML
+    model = AutoModelForCausalLM.from_pretrained(tiny_run["model"]).eval()
+    save_tuned(root / "model", model, tokenizer, settings=DecodeSettings(exit_layer=2),
+               provenance=Provenance(kind="base"))
+    (root / "prompts.txt").write_text("".join(f"{prompt}\n" for prompt in prompts))
+    return {"dir": root / "model", "model": model, "tokenizer": tokenizer, "prompts": root / "prompts.txt",
+            "root": root}
+
+
 def step_joining(generator, first: list, schedule: dict, **engine_kwargs):
     """Continuous batching through the stepped engine (`generator.engine(**engine_kwargs)`): the requests
     `first` (`NewRow`s) start the batch, schedule[r]'s rows are added before step r (0-based, after the

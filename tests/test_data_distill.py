@@ -5,28 +5,18 @@ import json
 
 import datasets
 import pytest
-from helpers import CHATML
-from transformers import AutoModelForCausalLM
+from helpers import CHATML, chat_checkpoint
 
-from selfspec.checkpoint import Provenance, save_tuned
 from selfspec.cli import main
 from selfspec.data import ChatDataError, load_chat_corpus
 from selfspec.data.chat import pack_chat_dataset
 from selfspec.data.distill import RESPONSES, ReplyOptions, distill_prompts, distill_responses
-from selfspec.decoding import DecodeSettings, SelfSpecGenerator
+from selfspec.decoding import SelfSpecGenerator
 
 
 @pytest.fixture(scope="module")
 def chat_ckpt(tiny_run, tmp_path_factory):
-    root = tmp_path_factory.mktemp("distill")
-    tokenizer = type(tiny_run["tokenizer"]).from_pretrained(tiny_run["model"])
-    tokenizer.chat_template = CHATML
-    model = AutoModelForCausalLM.from_pretrained(tiny_run["model"]).eval()
-    save_tuned(root / "model", model, tokenizer, settings=DecodeSettings(exit_layer=2),
-               provenance=Provenance(kind="base"))
-    prompts = root / "prompts.txt"
-    prompts.write_text("".join(f"def f{i}(x):\n" for i in range(7)))
-    return {"dir": root / "model", "model": model, "tokenizer": tokenizer, "prompts": prompts}
+    return chat_checkpoint(tiny_run, tmp_path_factory.mktemp("distill"), [f"def f{i}(x):" for i in range(7)])
 
 
 def _generator(chat_ckpt):

@@ -18,17 +18,16 @@ import sys
 
 import pytest
 import torch
-from helpers import CHATML
+from helpers import chat_checkpoint
 from transformers import AutoModelForCausalLM
 
-from selfspec.checkpoint import Provenance, save_tuned
 from selfspec.cli import main
 from selfspec.config import ConfigError, load_config
 from selfspec.data.distill import RESPONSES, ReplyOptions, distill_prompts, distill_responses
 from selfspec.data.distill_endpoint import distill_through_endpoint
 from selfspec.data.distill_job import DistillOptions, recipe_options
 from selfspec.data.endpoint import EndpointError, EndpointOptions, parse_completion
-from selfspec.decoding import DecodeSettings, SelfSpecGenerator
+from selfspec.decoding import SelfSpecGenerator
 from selfspec.errors import UserError
 from selfspec.evaluation.serve_load import KEY, _free_port, server_process
 from selfspec.files import FAULT_ENV
@@ -44,15 +43,8 @@ PROBE_REQUESTS = 3
 @pytest.fixture(scope="module")
 def chat_model(tiny_run, tmp_path_factory):
     """The tiny Llama with a chat template, saved as a checkpoint; a prompt file of 12 prompts."""
-    root = tmp_path_factory.mktemp("distill_endpoint")
-    tokenizer = type(tiny_run["tokenizer"]).from_pretrained(tiny_run["model"])
-    tokenizer.chat_template = CHATML
-    model = AutoModelForCausalLM.from_pretrained(tiny_run["model"]).eval()
-    save_tuned(root / "model", model, tokenizer, settings=DecodeSettings(exit_layer=2),
-               provenance=Provenance(kind="base"))
-    prompts = root / "prompts.txt"
-    prompts.write_text("".join(f"def f{i}(x): return x + {i}\n" for i in range(12)))
-    return {"dir": root / "model", "model": model, "tokenizer": tokenizer, "prompts": prompts, "root": root}
+    return chat_checkpoint(tiny_run, tmp_path_factory.mktemp("distill_endpoint"),
+                           [f"def f{i}(x): return x + {i}" for i in range(12)])
 
 
 @pytest.fixture(scope="module")
