@@ -206,17 +206,16 @@ def test_fault_injection_is_one_hook_that_fires_only_at_its_point(monkeypatch):
     import os
     import signal
 
-    from selfspec.files import FAULT_ENV
-    from selfspec.training import loop
+    from selfspec.files import FAULT_ENV, fault_point
 
     killed = []
     monkeypatch.setattr(os, "kill", lambda pid, sig: killed.append((pid, sig)))
     monkeypatch.delenv(FAULT_ENV, raising=False)
-    loop._fault("saving:4")
+    fault_point("saving:4")
     monkeypatch.setenv(FAULT_ENV, "saving:4")
-    loop._fault("saving:2"), loop._fault("saved:4")
+    fault_point("saving:2"), fault_point("saved:4")
     assert killed == []
-    loop._fault("saving:4")
+    fault_point("saving:4")
     assert killed == [(os.getpid(), signal.SIGKILL)]
 
 

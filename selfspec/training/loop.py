@@ -521,7 +521,7 @@ def _train_step(run: _Run, stream) -> dict:
         with accelerator.accumulate(run.objective):
             out = run.objective(**batch, step=run.step)
             accelerator.backward(out["loss"])
-            _fault(f"mid_step:{run.step + 1}")
+            fault_point(f"mid_step:{run.step + 1}")  # gradients computed, no update yet
             if accelerator.sync_gradients and cfg.optim.grad_clip > 0:
                 # DeepSpeed clips inside its step (gradient_clipping) and reports the norm as a float, or
                 # None before its first step
@@ -674,9 +674,9 @@ def save_state(accelerator: Accelerator, state_dir: Path, step: int) -> None:
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         write_json_atomic(target / "progress.json", {"step": step})
-        _fault(f"saving:{step}")
+        fault_point(f"saving:{step}")  # state written, `latest` not yet moved
         write_text_atomic(state_dir / LATEST, target.name + "\n")
-        _fault(f"saved:{step}")
+        fault_point(f"saved:{step}")
         for old in state_dir.glob("step-*"):
             if old != target:
                 shutil.rmtree(old, ignore_errors=True)
@@ -707,13 +707,6 @@ def _claim_output_dir(output_dir: Path, resume: bool, overwrite: bool) -> None:
             if path.name != FINAL_DIR:  # the model is replaced atomically at the end, never deleted first
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
     PartialState().wait_for_everyone()
-
-
-def _fault(point: str) -> None:
-    """The loop's kill points for the kill-anywhere tests (`files.fault_point`): `mid_step:N` (step N's
-    gradients computed, its update not applied), `saving:N` (state N written, `latest` not yet moved)
-    and `saved:N`."""
-    fault_point(point)
 
 
 def evaluate(accelerator, objective, val_blocks, exit_layers, exit_layer, cfg) -> dict:
