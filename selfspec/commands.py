@@ -20,7 +20,15 @@ from .errors import UserError
 from .export import describe, export_draft
 from .export_gguf import GGUF_TYPES
 from .files import write_json_atomic
-from .flags import ConstraintOptions, DecodeOverrides, DrafterOverride, Options, StaticPassesOption, option
+from .flags import (
+    ConstraintOptions,
+    DecodeOverrides,
+    DrafterOverride,
+    Options,
+    SamplingOptions,
+    StaticPassesOption,
+    option,
+)
 
 # --------------------------------------------------------------------------------------------------
 # The commands' options (`selfspec.flags`: each field is a flag, its docstring the flag's help)
@@ -82,7 +90,8 @@ class DraftVocabOptions(DataOptions):
 
 
 @dataclass(frozen=True, kw_only=True)
-class GenerateOptions(DecodeOverrides, DrafterOverride, ConstraintOptions, StaticPassesOption):
+class GenerateOptions(DecodeOverrides, DrafterOverride, ConstraintOptions, StaticPassesOption,
+                      SamplingOptions):
     """`selfspec generate` (`generate`)."""
 
     model: str = option(positional=True)
@@ -93,14 +102,6 @@ class GenerateOptions(DecodeOverrides, DrafterOverride, ConstraintOptions, Stati
     """a file of prompts run as one batch: one per line, or .jsonl with a "prompt" field"""
     max_new_tokens: int = 64
     """new tokens per prompt"""
-    temperature: float = 0.0
-    """0: greedy"""
-    top_k: int = 0
-    """sample from the k most likely tokens (0: all)"""
-    top_p: float = 1.0
-    """nucleus sampling mass"""
-    seed: int | None = None
-    """the sampling seed"""
     chat: bool = False
     """apply the tokenizer's chat template (instruct models)"""
     eos: tuple[int, ...] | None = option(None, append=True)
@@ -283,9 +284,9 @@ def generate(options: GenerateOptions, batch: list[str] | None = None) -> list[s
         print(batch[0], end="", flush=True)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=chat) if live else None
     eos = [] if options.no_eos else None if options.eos is None else list(options.eos)
-    out = gen.generate(ids, max_new_tokens=options.max_new_tokens, temperature=options.temperature,
-                       top_k=options.top_k, top_p=options.top_p, seed=options.seed, eos_token_id=eos,
-                       stop_strings=list(options.stop or []) or None, streamer=streamer,
+    out = gen.generate(ids, max_new_tokens=options.max_new_tokens, eos_token_id=eos,
+                       **options.sampling_keywords(), stop_strings=list(options.stop or []) or None,
+                       streamer=streamer,
                        **(constraint.keywords() if constraint else {}))
     texts = [tokenizer.decode(seq, skip_special_tokens=chat) for seq in out.sequences]
     if not live:

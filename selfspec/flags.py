@@ -37,6 +37,7 @@ from dataclasses import MISSING, dataclass
 from typing import Any, Literal
 
 from .decoding import DRAFTERS, parse_num_speculations
+from .sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -313,6 +314,33 @@ class ConstraintOptions(Options):
 
 
 @dataclass(frozen=True, kw_only=True)
+class SamplingOptions(Options):
+    """How a command's decodes sample: `sampling.SamplingParams` and the seed of its random numbers."""
+
+    temperature: float = 0.0
+    """0: greedy; else sample at this temperature (an OpenAI client that sends none gets 1.0)"""
+    top_k: int = 0
+    """sample from the k most likely tokens (0: all)"""
+    top_p: float = 1.0
+    """nucleus sampling: the smallest set of most likely tokens whose mass reaches it (1: all)"""
+    seed: int | None = None
+    """the seed of the sampled rows' random numbers (row i: seed + i; default 0 where a command times or
+    compares decodes, else drawn)"""
+
+    def check(self):
+        self.sampling()  # a bad value is a one-line UserError
+
+    def sampling(self) -> SamplingParams:
+        """The fields as `SamplingParams`."""
+        return SamplingParams(self.temperature, self.top_k, self.top_p)
+
+    def sampling_keywords(self, seed: int | None = None) -> dict:
+        """`generate`'s keywords for these settings (`seed` where the options give none)."""
+        return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p,
+                "seed": self.seed if self.seed is not None else seed}
+
+
+@dataclass(frozen=True, kw_only=True)
 class StaticPassesOption(Options):
     """How the engine runs its passes: the backend (`SelfSpecGenerator(backend=...)`) and the static
     passes' mode (`static_passes=...`)."""
@@ -327,5 +355,5 @@ class StaticPassesOption(Options):
 
 
 __all__ = ["ConstraintOptions", "CopyOverride", "DecodeOverrides", "DrafterOverride", "Flag", "Options",
-           "StaticPassesOption", "add_cli_args", "cli_fields", "field_doc", "flag_name",
+           "SamplingOptions", "StaticPassesOption", "add_cli_args", "cli_fields", "field_doc", "flag_name",
            "from_cli_args", "option", "to_cli_args"]

@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -32,6 +33,10 @@ from .errors import UserError
 
 # Streams of random numbers: one per kind of decision taken for the token at a position.
 DRAFT, ACCEPT, TARGET = 0, 1, 2
+# The logits a row's top-k/top-p filters look among on the CPU, unless its top-k asks for more: a
+# partial selection (`topk`) instead of a sort of the whole vocabulary; a top-p cut past them (a flat
+# distribution) sorts after all.
+CANDIDATES = 256
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,13 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    def describe(self) -> str:
+        """'greedy', or the settings that sample, e.g. 'temperature 0.8, top-p 0.95' (reports' words)."""
+        if self.greedy:
+            return "greedy"
+        return ", ".join([f"temperature {self.temperature:g}"] + [f"top-k {self.top_k}"] * (self.top_k > 0)
+                         + [f"top-p {self.top_p:g}"] * (self.top_p < 1))
+
     def process(self, logits: torch.Tensor) -> torch.Tensor:
         """(..., V) logits -> float32 logits, filtered tokens at -inf (temperature, top-k, top-p): one
         row's `RowSampling.process`."""
@@ -80,8 +92,9 @@ class RowSampling:
     that speculative sampling's rule accepts exactly the drafts the argmax would: `accept_sampled` on
     one-hot p and q is `accept_greedy`). Host facts: all_greedy, whether every row is greedy (the
     batch then takes the greedy paths); any_greedy, whether some row is; filters, whether the
-    top-k/top-p pass runs at all. A captured pass takes the tensors alone (`tensors`, `captured`) and
-    assumes both passes may be needed, so that one graph serves every setting. A row's processed logits
+    top-k/top-p pass runs at all; max_top_k, the largest top-k asked; in_capture, whether these are a
+    captured pass's (no host reads then). A captured pass takes the tensors alone (`tensors`, `captured`)
+    and assumes both passes may be needed, so that one graph serves every setting. A row's processed logits
     do not depend on its batch-mates: rows whose settings filter nothing keep every logit bit for bit
     whether the pass runs or not.
     """
@@ -94,6 +107,8 @@ class RowSampling:
     all_greedy: bool
     any_greedy: bool
     filters: bool
+    max_top_k: int = 0
+    in_capture: bool = False
 
     @classmethod
     def of(cls, params: Sequence[SamplingParams], device, seeds: Sequence[int] | None = None) -> RowSampling:
@@ -119,7 +134,7 @@ class RowSampling:
     def captured(cls, tensors: tuple[torch.Tensor, ...]) -> RowSampling:
         """`tensors()` back into settings inside a captured pass, which samples and holds every path
         (the filters, greedy rows' one-hot) whatever the rows ask: one graph for every setting."""
-        return cls(*tensors, all_greedy=False, any_greedy=True, filters=True)
+        return cls(*tensors, all_greedy=False, any_greedy=True, filters=True, in_capture=True)
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:
         """(B, ..., V) logits -> float32 logits, each row divided by its temperature, then its top-k and
@@ -128,18 +143,45 @@ class RowSampling:
         if not self.filters:
             return logits
         vocab = logits.shape[-1]
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        if logits.device.type == "cpu" and not self.in_capture:  # a host read costs nothing: few candidates
+            out = self._filter(logits, min(vocab, max(CANDIDATES, self.max_top_k)))
+            if out is not None:
+                return out
+        return self._filter(logits, vocab)
+
+    def _filter(self, logits: torch.Tensor, candidates: int) -> torch.Tensor | None:
+        """`process`'s top-k and top-p on temperature-scaled logits (B, ..., V), found among each row's
+        `candidates` largest logits (all V: a full sort; fewer: `topk`, no sort of the vocabulary). With
+        fewer than V, None (nothing returned) where some row's top-p cut may lie past its candidates:
+        their mass, by the full distribution, stays below its top_p."""
+        vocab = logits.shape[-1]
+        if candidates < vocab:
+            sorted_logits, order = torch.topk(logits, candidates, dim=-1)  # (B, ..., C), descending
+        else:
+            sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         # top-k: the k-th largest logit stays with everything at or above it (k = 0: every logit)
-        k = torch.where((self.top_k > 0) & (self.top_k < vocab), self.top_k, vocab) - 1
-        kth = sorted_logits.gather(-1, _rows(k, logits).expand(*logits.shape[:-1], 1))
+        top_k = _rows(self.top_k, logits)
+        has_k = (top_k > 0) & (top_k < vocab)
+        kth = sorted_logits.gather(-1, (torch.where(has_k, top_k, vocab) - 1).clamp_max(candidates - 1)
+                                   .expand(*logits.shape[:-1], 1))
         sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
         # top-p: drop a token when the more likely tokens already reach top_p (the first one always
-        # stays); a row with top_p = 1 drops nothing, whatever its probabilities' rounding
-        sorted_probs = sorted_logits.softmax(-1)
+        # stays), by the distribution after top-k; a row with top_p = 1 drops nothing, whatever its
+        # probabilities' rounding
+        total = logits.logsumexp(-1, keepdim=True)  # the normaliser of a row without top-k
+        if self.max_top_k:  # a row with top-k: its kept candidates'
+            total = torch.where(has_k, sorted_logits.logsumexp(-1, keepdim=True), total)
+        sorted_probs = (sorted_logits - total).exp()
         top_p = _rows(self.top_p, logits)
-        drop = (sorted_probs.cumsum(-1) - sorted_probs >= top_p) & (top_p < 1.0)
-        drop |= sorted_logits == float("-inf")  # top-k's cut
-        return logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+        before = sorted_probs.cumsum(-1) - sorted_probs
+        if candidates < vocab and bool(((before[..., -1:] + sorted_probs[..., -1:] < top_p)
+                                        & (top_p < 1.0) & ~has_k).any()):
+            return None
+        keep = ~((before >= top_p) & (top_p < 1.0)) & (sorted_logits > float("-inf"))
+        kept = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, order, keep)
+        # rows that filter nothing keep every logit (a candidate set holds only some)
+        kept |= ~(has_k | (top_p < 1.0))
+        return logits.masked_fill(~kept, float("-inf"))
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """(B, ..., V) logits -> (B, ..., V) float32 probabilities after processing; a greedy row's is
@@ -149,6 +191,14 @@ class RowSampling:
             return probs
         one_hot = F.one_hot(greedy_tokens(logits), logits.shape[-1]).to(probs.dtype)
         return torch.where(_rows(self.greedy, logits), one_hot, probs)
+
+    def uniforms(self, positions: torch.Tensor, stream: int) -> torch.Tensor:
+        """The rows' random numbers (`uniforms`) at `positions` (B, T): on the CPU outside a captured pass
+        in numpy's uint32 arithmetic (`_host_uniforms`, a handful of vectorised operations), elsewhere as
+        tensor operations on the device. Both give the same numbers bit for bit."""
+        if positions.device.type == "cpu" and not self.in_capture:
+            return torch.from_numpy(_host_uniforms(self.seeds.numpy(), positions.numpy(), stream))
+        return uniforms(self.seeds, positions, stream)
 
     def top_probability(self, logits: torch.Tensor) -> torch.Tensor:
         """(B, ..., V) draft logits -> (B, ...) the probability of each row's most likely draft, what η
@@ -165,7 +215,8 @@ def _facts(params: Sequence[SamplingParams]) -> dict:
     """`RowSampling`'s host facts of the rows' settings."""
     greedy = [p.greedy for p in params]
     return {"all_greedy": all(greedy), "any_greedy": any(greedy),
-            "filters": any(p.top_k > 0 or p.top_p < 1.0 for p in params if not p.greedy)}
+            "filters": any(p.top_k > 0 or p.top_p < 1.0 for p in params if not p.greedy),
+            "max_top_k": max((p.top_k for p in params), default=0)}
 
 
 def _rows(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -197,6 +248,8 @@ def uniforms(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch
 
     seeds: (B,) int64, one per row; positions: (B, T) int64 positions of the tokens being decided;
     stream: DRAFT, ACCEPT or TARGET. Same key, same number; any key change gives an unrelated one.
+    Tensor operations on the device (a captured pass keeps them); `RowSampling.uniforms` takes the
+    host's faster way where it can.
     """
     seeds = seeds.to(torch.int64)[:, None]
     h = _mix32((seeds & _MASK32) ^ 0x9E3779B9)
@@ -204,6 +257,27 @@ def uniforms(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch
     h = _mix32(h ^ (positions.to(torch.int64) & _MASK32))
     h = _mix32(h ^ (0xC2B2AE35 + stream))
     return h.double() * 2.0**-32
+
+
+def _host_mix32(x: np.ndarray) -> np.ndarray:
+    """`_mix32` on uint32 arrays, whose products wrap mod 2^32 by themselves."""
+    x = x ^ (x >> np.uint32(16))
+    x = x * np.uint32(0x7FEB352D)
+    x = x ^ (x >> np.uint32(15))
+    x = x * np.uint32(0x846CA68B)
+    return x ^ (x >> np.uint32(16))
+
+
+def _host_uniforms(seeds: np.ndarray, positions: np.ndarray, stream: int) -> np.ndarray:
+    """`uniforms` in numpy: seeds (B,) and positions (B, T) int64 -> (B, T) float64, the same bits."""
+    seeds = seeds.astype(np.int64)[:, None]
+    low = (seeds & _MASK32).astype(np.uint32)
+    high = ((seeds >> 32) & _MASK32).astype(np.uint32)
+    h = _host_mix32(low ^ np.uint32(0x9E3779B9))
+    h = _host_mix32(h ^ high ^ np.uint32(0x85EBCA6B))
+    h = _host_mix32(h ^ (positions.astype(np.int64) & _MASK32).astype(np.uint32))
+    h = _host_mix32(h ^ np.uint32((0xC2B2AE35 + stream) & _MASK32))
+    return h.astype(np.float64) * 2.0**-32
 
 
 def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

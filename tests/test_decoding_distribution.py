@@ -41,12 +41,14 @@ def exact_distributions(model, params: SamplingParams):
 
 
 def sample_runs(model, setting: str, exit_layer: int = 1, stop_below: float = 0.0, static_passes=None,
-                runs: int = RUNS, chunk: int = RUNS):
+                runs: int = RUNS, chunk: int = RUNS, backend: str | None = None):
     """`runs` seeded runs (row seeds 0 .. runs - 1) in batches of `chunk` rows (a row's draws never
-    depend on its batch-mates): the tokens (runs, 2) and the last batch's statistics."""
+    depend on its batch-mates): the tokens (runs, 2) and the last batch's statistics. backend: None the
+    default (on the CPU the compiled calls, which sample each row in C++), "reference" the torch rule of
+    `selfspec.sampling`."""
     temperature, top_k, top_p, k = SETTINGS[setting]
     generator = SelfSpecGenerator(model, exit_layer=exit_layer, stop_below=stop_below,
-                                  static_passes=static_passes)
+                                  static_passes=static_passes, backend=backend)
     tokens = []
     for first in range(0, runs, chunk):
         out = generator.generate([PROMPT] * chunk, max_new_tokens=2, temperature=temperature, top_k=top_k,
@@ -55,11 +57,12 @@ def sample_runs(model, setting: str, exit_layer: int = 1, stop_below: float = 0.
     return np.array(tokens), out.stats  # (runs, 2)
 
 
+@pytest.mark.parametrize("backend", [None, "reference"])
 @pytest.mark.parametrize("setting", list(SETTINGS))
-def test_first_and_second_token_match_the_target_distribution(model, setting):
+def test_first_and_second_token_match_the_target_distribution(model, setting, backend):
     temperature, top_k, top_p, _ = SETTINGS[setting]
     first, second = exact_distributions(model, SamplingParams(temperature, top_k, top_p))
-    tokens, stats = sample_runs(model, setting)
+    tokens, stats = sample_runs(model, setting, backend=backend)
     assert stats.acceptance_rate < 0.7  # a poor draft: many rejections, the residual matters
     assert chi_square_p(tokens[:, 0], first) > P_MIN
     assert chi_square_p(tokens[:, 1], second) > P_MIN
@@ -97,9 +100,11 @@ def _unclipped(p, q):  # the bug: max(0, p − q) written as p − q (it sums to
 
 
 def test_the_same_test_rejects_an_unclipped_residual(model, monkeypatch):
+    """On the reference backend, whose rounds run `selfspec.sampling`'s rule (the compiled calls' own
+    expression of it is held to it round for round by tests/test_decoding_draft_loop.py)."""
     monkeypatch.setattr(sampling, "residual_probs", _unclipped)
     first, second = exact_distributions(model, SamplingParams(1.0))
-    tokens, _ = sample_runs(model, "t1_k2")
+    tokens, _ = sample_runs(model, "t1_k2", backend="reference")
     assert chi_square_p(tokens[:, 0], first) < P_MIN
     assert chi_square_p(tokens[:, 1], second) < P_MIN
 

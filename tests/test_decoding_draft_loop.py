@@ -11,7 +11,7 @@ import torch
 from helpers import FAMILIES, kernels_unavailable, low_alpha_model, reference_greedy, step_joining, tiny_model
 
 import selfspec.backends.cpu_rounds as round_kernels
-from selfspec.decoding import DecodeSettings, NewRow, SelfSpecGenerator
+from selfspec.decoding import DecodeSettings, NewRow, SamplingParams, SelfSpecGenerator
 from selfspec.model import fast
 
 NEW = 14
@@ -446,3 +446,79 @@ def test_the_hybrids_rounds_in_one_call_draft_and_accept_what_its_rounds_do(fami
                 assert ran == (family != "gpt2"), case
                 seen.update(each_sources)
     assert {("copy",), ("early_exit",), ("early_exit", "copy")} <= seen  # every kind of round ran
+
+
+SAMPLINGS = [SamplingParams(temperature=0.8, top_k=20), SamplingParams(temperature=1.0, top_p=0.9),
+             SamplingParams(temperature=0.7)]
+
+
+def _stepped(generator, prompt, settings, sampling, seed):
+    """Each round of a stepped engine (one round a step): (tokens, drafted, accepted) per round."""
+    engine = generator.engine(settings, rounds_per_step=1, eos_token_id=[])
+    engine.add(NewRow(prompt, NEW, seed=seed, sampling=sampling))
+    rounds = []
+    while not engine.done:
+        rounds += [(out.tokens, out.drafted, out.accepted) for out in engine.step()]
+    return rounds
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2"])
+def test_a_sampled_rows_rounds_in_one_call_draw_what_its_rounds_from_python_draw(family, rounds_calls):
+    """One sampled row at a fixed k (0: plain steps), η on and off, a trimmed head, overlapped rounds (the
+    next round drafted ahead from the exit's most likely token, kept when the target drew it): its rounds
+    in one compiled call (`greedy_rounds` with the row's sampling), round by round in the compiled draft loop
+    and verification (`draft_loop_sampled`, `verify_sampled`) and round by round in torch operations
+    (`selfspec.sampling`'s rule) draw the same tokens from the same drafts: per round its tokens, drafts
+    and accepted drafts, and the call's statistics. GPT-2 runs its rounds from Python throughout."""
+    model = low_alpha_model(family)
+    prompt = BATCHES["one"][0]
+    counts = np.arange(96)[::-1].copy()
+    generator = SelfSpecGenerator(model, exit_layer=2, token_counts=counts)
+    ahead = 0  # rounds whose drafts were made ahead, in the overlapped calls
+    cases = [(0, 0.0, 0, False), (1, 0.0, 0, False), (3, 0.0, 0, False), (3, 0.15, 0, False),
+             (4, 0.0, 40, False), (1, 0.0, 0, True), (2, 0.0, 40, True)]
+    for k, eta, vocab, overlap in cases:
+        settings = DecodeSettings(exit_layer=2, num_speculations=k, stop_below=eta, draft_vocab_size=vocab,
+                                  overlap=overlap)
+        for seed, sampling in enumerate(SAMPLINGS):
+            keywords = dict(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                            seed=seed, settings=settings, max_new_tokens=NEW, eos_token_id=[])
+            outs, rounds = [], []
+            for level in ("decode", "rounds", "passes"):  # one call, each round's calls, torch's sampling
+                with fast.kernels_up_to(level):
+                    outs.append(generator.generate([prompt], **keywords))
+                    rounds.append(_stepped(generator, prompt, settings, sampling, seed))
+            case = (family, k, eta, vocab, overlap, sampling)
+            assert outs[0].sequences == outs[1].sequences == outs[2].sequences, case
+            assert _stats(outs[0]) == _stats(outs[1]) == _stats(outs[2]), case
+            assert rounds[0] == rounds[1] == rounds[2], case
+            assert [t for r in rounds[0] for t in r[0]] == outs[0].sequences[0], case
+            ahead += outs[0].stats.drafted_ahead
+    assert any(rounds_calls) == (family != "gpt2")
+    assert (ahead > 0) == (family != "gpt2")
+
+
+def test_one_sampled_row_keeps_its_greedy_batch_mates_on_the_compiled_round(monkeypatch):
+    """7 greedy rows and 1 sampled one: every round's drafts and verification are one compiled call each
+    (`draft_loop_sampled`, `verify_sampled`: the greedy rows take their argmax inside them), no round
+    falls back to torch operations, and each row decodes what it decodes alone (greedy rows plain
+    greedy's tokens, the sampled row its seed's)."""
+    loops, verifications = _count(monkeypatch, "draft_loop_sampled"), _count(monkeypatch, "verify_sampled")
+    model = low_alpha_model("llama")
+    generator = SelfSpecGenerator(model, exit_layer=2, num_speculations=3)
+    prompts = [[5 + i, 17, 33, 2 + i, 71, 8] for i in range(8)]
+    sampled = SamplingParams(temperature=0.8, top_p=0.95)
+    engine = generator.engine(eos_token_id=[])
+    for i, prompt in enumerate(prompts):
+        engine.add(NewRow(prompt, NEW, seed=i, sampling=sampled if i == 7 else SamplingParams()))
+    sampled_rounds = 0  # the rounds the sampled row ran in (the batch greedy after it finishes)
+    while not engine.done:
+        sampled_rounds += any(out.row == 7 for out in engine.step())
+    out = engine.output()
+    for i, prompt in enumerate(prompts[:7]):
+        assert out.sequences[i] == reference_greedy(model, prompt, NEW), i
+    alone = generator.generate([prompts[7]], max_new_tokens=NEW, eos_token_id=[], temperature=0.8, top_p=0.95,
+                               seed=7)
+    assert out.sequences[7] == alone.sequences[0]
+    assert all(loops) and all(verifications)
+    assert len(loops) == len(verifications) == sampled_rounds > 1

@@ -140,3 +140,62 @@ def test_accept_rule_with_an_unclipped_residual_is_rejected(monkeypatch):
     p, q = _distributions()
     tokens, _ = _speculative_first_tokens(200_000, 2, p, q)
     assert chi_square_p(tokens[:, 0].numpy(), p[0].numpy()) < 1e-6
+
+
+@pytest.mark.parametrize("scale", [0.3, 3.0, 12.0])  # flat (the nucleus passes the candidates) to sharp
+def test_filters_among_candidates_keep_what_a_full_sort_keeps(scale):
+    """On the CPU top-k and top-p look among each row's `CANDIDATES` largest logits (no sort of the
+    vocabulary); the kept tokens are those a full sort keeps, and a flat row whose nucleus passes the
+    candidates falls back to the sort: the Hugging Face warpers agree either way."""
+    vocab = 4 * sampling.CANDIDATES
+    logits = torch.randn(6, 2, vocab, generator=torch.Generator().manual_seed(1)) * scale
+    params = [SamplingParams(0.8, 0, 0.95), SamplingParams(1.0, 50, 1.0), SamplingParams(0.7, 20, 0.9),
+              SamplingParams(1.0, 0, 1.0), SamplingParams(), SamplingParams(0.3, 600, 0.5)]
+    rows = sampling.RowSampling.of(params, "cpu", list(range(6)))
+    scaled = logits / rows.temperature[:, None, None]
+    full = rows._filter(scaled, vocab)
+    few = rows._filter(scaled, sampling.CANDIDATES)
+    assert few is None if scale == 0.3 else torch.equal(few, full)
+    processed = rows.process(logits)
+    assert torch.equal(processed, full)
+    for row, p in enumerate(params):
+        if p.greedy:
+            continue
+        theirs = TemperatureLogitsWarper(p.temperature)(None, logits[row].clone())
+        theirs = TopKLogitsWarper(p.top_k)(None, theirs) if p.top_k else theirs
+        theirs = TopPLogitsWarper(p.top_p)(None, theirs) if p.top_p < 1 else theirs
+        assert torch.equal(torch.isinf(processed[row]), torch.isinf(theirs)), p
+
+
+def test_the_hosts_random_numbers_are_the_devices_bit_for_bit():
+    """`RowSampling.uniforms` on the CPU hashes in numpy; a captured pass (`RowSampling.captured`) and
+    any device run `uniforms`' tensor operations: the same numbers, 64-bit and negative seeds included."""
+    seeds = [0, 1, -3, 2**31 - 1, 2**40 + 7, -2**63, 2**63 - 1]
+    rows = sampling.RowSampling.of([SamplingParams(1.0)] * len(seeds), "cpu", seeds)
+    positions = torch.randint(0, 2**40, (len(seeds), 9), generator=torch.Generator().manual_seed(0))
+    for stream in (DRAFT, ACCEPT, TARGET):
+        host = rows.uniforms(positions, stream)
+        assert torch.equal(host, uniforms(rows.seeds, positions, stream))
+        assert torch.equal(host, sampling.RowSampling.captured(rows.tensors()).uniforms(positions, stream))
+
+
+def test_the_compiled_rows_sampling_is_selfspecs_rule():
+    """The compiled calls' own expression of the rules (`backends/cpu_rounds/rounds.cpp`: `row_probs`,
+    `uniform`): each row's processed distribution equal to `RowSampling.probs` within fp32 rounding, with
+    the same support, and the random numbers bit for bit."""
+    from selfspec.model import kernels
+
+    module = kernels.extension()
+    if module is None:
+        pytest.skip("the CPU kernels are not built here")
+    params = [SamplingParams(0.8, 0, 0.95), SamplingParams(1.0, 50, 1.0), SamplingParams(0.7, 20, 0.9),
+              SamplingParams(1.0, 0, 1.0), SamplingParams(), SamplingParams(0.3, 0, 0.5)]
+    rows = sampling.RowSampling.of(params, "cpu", [3, 1, 2**40 + 5, -7, 0, 9])
+    for scale in (0.5, 4.0, 10.0):
+        logits = torch.randn(6, 4096, generator=torch.Generator().manual_seed(2)) * scale
+        ours, theirs = rows.probs(logits), module.row_probs(logits, list(rows.tensors()))
+        assert torch.equal(ours > 0, theirs > 0)
+        assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-7)
+    for seed, position, stream in [(3, 10, DRAFT), (2**40 + 5, 99, ACCEPT), (-7, 2**33 + 1, TARGET)]:
+        assert module.uniform(seed, position, stream) == uniforms(torch.tensor([seed]),
+                                                                  torch.tensor([[position]]), stream).item()

@@ -545,3 +545,53 @@ def test_the_benchmark_runs_each_drafter_at_the_fastest_setting_the_sweep_stored
     # a flag sets every method alike
     settings, stored, _ = resolve_settings(ckpt, exit_layer=2)
     assert stored == {} and settings.exit_layer == 2
+
+
+def test_the_eval_commands_measure_sampled_decoding_and_the_sweep_stores_a_sampled_pick(tiny_run, tmp_path,
+                                                                                        capsys):
+    """`eval speedup` and `eval sweep` take the sampling flags (`SamplingOptions`, declared once): every
+    method samples alike, the reports say how, sampled outputs are not compared token for token (they
+    are draws), and a sampled sweep's write-back goes under `formats.sampled`, which `load_tuned` then
+    decodes sampled calls with while greedy calls keep the checkpoint's own."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from selfspec import load_tuned
+    from selfspec.checkpoint import read_meta, save_tuned
+    from selfspec.decoding import SAMPLED
+    from selfspec.evaluation.sweep import write_back_fastest
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_run["model"])
+    ckpt = save_tuned(tmp_path / "tuned", model, tiny_run["tokenizer"],
+                      settings=DecodeSettings(exit_layer=2, num_speculations=3))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def f(x):\nimport os\n")
+    sampled = ["--temperature", "0.8", "--top-p", "0.95", "--seed", "3"]
+    assert main(["eval", "speedup", "--model", str(ckpt), "--prompts", str(prompts), "--max-new-tokens", "6",
+                 "--repeats", "1", "--warmup", "0", "--methods", "plain,early_exit,hf_greedy",
+                 "--out", str(tmp_path / "bench"), *sampled]) == 0
+    report = json.loads((tmp_path / "bench" / "benchmark.json").read_text())
+    assert report["sampling"] == "temperature 0.8, top-p 0.95" and "identical" not in report
+    assert 0 <= report["sources"]["early_exit"]["early_exit"]["acceptance_rate"] <= 1  # the sampled α
+    assert "temperature 0.8, top-p 0.95" in (tmp_path / "bench" / "benchmark.md").read_text()
+    assert main(["eval", "sweep", "--model", str(ckpt), "--prompts", str(prompts), "--exit-layers", "1,2",
+                 "--ks", "1,2", "--max-new-tokens", "6", "--repeats", "1", "--warmup", "0", "--confirm", "0",
+                 "--out", str(tmp_path / "sweep"), *sampled]) == 0
+    sweep = json.loads((tmp_path / "sweep" / "sweep.json").read_text())
+    assert sweep["sampling"] == "temperature 0.8, top-p 0.95" and sweep["all_identical_to_plain"] is None
+    assert all(row["identical_to_plain"] is None for row in sweep["grid"])
+    capsys.readouterr()
+    pick = DecodeSettings(exit_layer=1, num_speculations=2)
+    entry = _entry(pick, 1.4)
+    assert write_back_fastest(str(ckpt), {"best": entry, "fastest_per_drafter": {"early_exit": entry}},
+                              tmp_path / "sweep.json", constraint_kind=SAMPLED)
+    assert read_meta(ckpt)["formats"][SAMPLED]["settings"] == pick.to_json()
+    generator = load_tuned(ckpt)
+    assert generator.settings == DecodeSettings(exit_layer=2, num_speculations=3)  # greedy calls: its own
+    out = generator.generate(["def f(x):"], max_new_tokens=8, temperature=0.8, seed=1, eos_token_id=[])
+    assert out.stats.k_rounds.keys() <= {2} and out.stats.k_rounds  # sampled calls: the sampled pick
+    greedy = generator.generate(["def f(x):"], max_new_tokens=8, eos_token_id=[])
+    assert greedy.stats.k_rounds.keys() <= {3}
+    assert main(["eval", "speedup", "--model", str(ckpt), "--temperature", "-1"]) == 2
+    assert "temperature must be >= 0" in capsys.readouterr().err

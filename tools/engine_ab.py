@@ -5,14 +5,20 @@ alternates the trees and takes the medians).
     python tools/engine_ab.py --model runs/demo/model --cells plain,stored
     python tools/engine_ab.py --model runs/smollm2/base --cells plain,ngram --new-tokens 64
 
-Cells: `plain` (k = 0), `stored` (the checkpoint's own settings: its stored pick), `ngram` (copies),
-`hybrid`, `k=N` (the early exit at k = N), `batch4` (the stored settings, 4 rows). Batch 1, greedy, fp32;
-each cell is warmed up first, then timed over the prompts. Only `load_tuned` and `generate` are used, so
-the script runs against older trees of the package too.
+Cells: `plain` (k = 0), `stored` (the checkpoint's own settings: its stored pick; sampled, its sampled
+pick where it has one), `ngram` (copies), `hybrid`, `early_exit` (each drafter at the stored E, k and V'),
+`k=N` (the stored drafter at k = N), `batch4` (the stored settings, 4 rows), each greedy, or sampled with
+a suffix: `plain@t0.8p0.95` (temperature 0.8, top-p 0.95, seed 0), `stored@t0.3`, `stored@t1k50`.
+Rows of their own settings in one batch, through the engine API (`engine().add(NewRow(...))`, the
+stored settings): `rows8` (8 greedy rows), `mixed8` (7 greedy + 1 at temperature 0.8, top-p 0.95),
+`sampled8` (8 rows at temperature 0.8, top-p 0.95, seeds 0..7). fp32; each cell is warmed up first, then
+timed over the prompts. Only `load_tuned`, `generate` and the engine API are used, so the script runs
+against older trees of the package too.
 """
 
 import argparse
 import json
+import re
 import sysconfig
 import time
 from pathlib import Path
@@ -20,7 +26,7 @@ from pathlib import Path
 import torch
 
 CELLS = {"plain": dict(num_speculations=0), "ngram": dict(drafter="ngram"), "hybrid": dict(drafter="hybrid"),
-         "stored": {}, "batch4": dict(batch=4)}
+         "early_exit": dict(drafter="early_exit"), "stored": {}, "batch4": dict(batch=4)}
 
 
 def _random_model():
@@ -45,6 +51,33 @@ def _checkpoint(path: str, count: int):
     return generator, [generator.tokenizer(text)["input_ids"] for text in chunks]
 
 
+def sampling(suffix: str) -> dict:
+    """`generate`'s sampling keywords of a cell's suffix: t<temperature>[p<top_p>][k<top_k>]."""
+    found = dict(re.findall(r"([tpk])([0-9.]+)", suffix))
+    return {"temperature": float(found.get("t", 0)), "top_p": float(found.get("p", 1)),
+            "top_k": int(found.get("k", 0)), "seed": 0}
+
+
+ROWS = {"rows8": [""] * 8, "mixed8": [""] * 7 + ["t0.8p0.95"], "sampled8": ["t0.8p0.95"] * 8}
+
+
+def rows_rate(generator, prompts: list, suffixes: list[str], new_tokens: int) -> float:
+    """Tokens/s of one batch of rows through the engine API, each row its own sampling (`suffixes`)."""
+    from selfspec.decoding import NewRow, SamplingParams
+
+    engine = generator.engine(eos_token_id=[])
+    start = time.perf_counter()
+    for i, suffix in enumerate(suffixes):
+        keywords = sampling(suffix) if suffix else {"seed": 0}
+        seed = keywords.pop("seed") + i
+        engine.add(NewRow(prompts[i % len(prompts)], new_tokens, seed=seed,
+                          sampling=SamplingParams(**keywords)))
+    tokens = 0
+    while not engine.done:
+        tokens += sum(len(out.tokens) for out in engine.step())
+    return tokens / (time.perf_counter() - start)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="a checkpoint (default: a random Llama)")
@@ -55,7 +88,14 @@ def main() -> None:
     generator, prompts = _random_model() if args.model is None else _checkpoint(args.model, args.prompts)
     rates = {}
     for name in args.cells.split(","):
-        cell = dict(CELLS[name] if name in CELLS else {"num_speculations": int(name.removeprefix("k="))})
+        if name in ROWS:
+            rows_rate(generator, prompts, ROWS[name], 16)  # warm-up
+            rates[name] = rows_rate(generator, prompts, ROWS[name], args.new_tokens)
+            continue
+        base, _, suffix = name.partition("@")
+        cell = dict(CELLS[base] if base in CELLS else {"num_speculations": int(base.removeprefix("k="))})
+        if suffix:
+            cell.update(sampling(suffix))
         batch = cell.pop("batch", 1)
         generator.generate([prompts[0]] * batch, max_new_tokens=16, eos_token_id=[], **cell)  # warm-up
         start, tokens = time.perf_counter(), 0

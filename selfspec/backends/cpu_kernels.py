@@ -35,6 +35,7 @@ class CpuKernelsBackend(Backend):
 
     name = "cpu_kernels"
     fused_rounds = True
+    verifies_sampled = True
 
     def __init__(self, view):
         super().__init__(view)
@@ -66,6 +67,26 @@ class CpuKernelsBackend(Backend):
         cache.written(0, exit_layer, hidden.shape[1])
         return drafts, hidden
 
+    def draft_loop_sampled(self, exit_layer, token, cache, positions, head, k, eta, sampling):
+        place = self._round_place(0, exit_layer, cache, positions)
+        if place is None:
+            return None
+        slots, cos, sin = place
+        weight, bias, ids, vocab = head
+        call = self._round_call(round_kernels.draft_loop_sampled, 0, exit_layer, cos, sin, (weight, bias))
+        if call is None:
+            return None
+        made, blocks, embed, cos, sin = call
+        keys, values, first, _, row_starts = slots
+        norm = self._fast.head
+        out = made(blocks, embed, token, keys, values, first, cos, sin, norm[0], norm[1], weight, bias, ids,
+                   vocab, k, eta, list(sampling.tensors()), positions, row_starts, self._mask_value)
+        if not out:
+            return None
+        drafts, q, hidden = out
+        cache.written(0, exit_layer, hidden.shape[1])
+        return drafts, q, hidden
+
     def draft_choice(self, hidden, head, allowed=None, eta=0.0):
         if self.adapter is None or not self.adapter.uses_fast():  # train mode, eager or flash attention
             return None
@@ -90,6 +111,16 @@ class CpuKernelsBackend(Backend):
                                 choose=False)
 
     def verify_greedy(self, start, end, cache, positions, drafts, hidden=None, tokens=None, allowed=None):
+        return self._verify(start, end, cache, positions, drafts, hidden, tokens, allowed, None)
+
+    def verify_sampled(self, start, end, cache, positions, drafts, q, sampling, hidden=None, tokens=None,
+                       allowed=None):
+        if allowed is not None:  # a grammar's masks on sampled rows: the engine's own verification
+            return None
+        return self._verify(start, end, cache, positions, drafts, hidden, tokens, None, (q, sampling))
+
+    def _verify(self, start, end, cache, positions, drafts, hidden, tokens, allowed, sampled):
+        """`verify_greedy`, or with `sampled` (q, the rows' `RowSampling`) `verify_sampled`."""
         place = self._round_place(start, end, cache, positions)
         if place is None:
             return None
@@ -97,20 +128,23 @@ class CpuKernelsBackend(Backend):
         norm = self._fast.head
         if norm is None:  # a hooked or quantised LM head: the head stays the model's own
             return None
-        call = self._round_call(round_kernels.verify_greedy, start, end, cos, sin, (norm[2], norm[3]))
+        accessor = round_kernels.verify_greedy if sampled is None else round_kernels.verify_sampled
+        call = self._round_call(accessor, start, end, cos, sin, (norm[2], norm[3]))
         if call is None:
             return None
         made, blocks, embed, cos, sin = call
         keys, values, first, _, row_starts = slots
+        rule = ((allowed,) if sampled is None
+                else (sampled[0], list(sampled[1].tensors()), positions))  # the sampled rule's inputs
         out = made(blocks, hidden, tokens, embed, keys, values, first, cos, sin, self._mask_value, norm[0],
-                   norm[1], norm[2], norm[3], drafts, allowed, row_starts)
+                   norm[1], norm[2], norm[3], drafts, *rule, row_starts)
         if not out:
             return None
         cache.written(start, end)
         return out[0]
 
     def greedy_rounds(self, token, cache, start, drafts: FusedDrafts, eos, max_tokens, max_rounds,
-                      overlap=False):
+                      overlap=False, sampling=None):
         adapter = self.adapter
         if (adapter is None or not adapter.uses_fast() or adapter.rope_per_call
                 or not kernels.settings().runs("decode")):
@@ -133,7 +167,7 @@ class CpuKernelsBackend(Backend):
         copies = drafts.copies() or (None, 0, 0, 0)
         out = made(blocks, drafts.exit_layer, embed, keys, values, start, token, cos, sin, self._mask_value,
                    *self._fast.head, weight, bias, ids, vocab, k, drafts.eta, eos, max_tokens, max_rounds,
-                   *copies, overlap)
+                   *copies, overlap, [] if sampling is None else list(sampling.tensors()))
         if not out:
             return None
         out = tuple(t.numpy() for t in out)

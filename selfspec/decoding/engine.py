@@ -290,9 +290,12 @@ class Engine:
         return most is not None and len(rows) > most and self.b.sampling.all_greedy
 
     def _fused_rounds(self, rows: np.ndarray):
-        """A lone row's rounds in one compiled call (`SelfSpecGenerator._greedy_rounds`), or None."""
+        """A lone row's rounds in one compiled call (`Runner.fused_rounds`), or None. A sampled row's only
+        where every round drafts alike (a fixed k, no copies): its drafts, and so its draws, are then those
+        of the rounds from Python, which adapt k and copy lengths between rounds, not between calls."""
         b = self.b
-        if not (self.one_call and len(rows) == 1 and b.sampling.all_greedy and b.grammar is None):
+        alike = b.sampling.all_greedy or self.fixed
+        if not (self.one_call and len(rows) == 1 and alike and b.grammar is None):
             return None
         runner, row = self.runner, int(rows[0])
         drafts = self.policy.fused_drafts(row)

@@ -13,7 +13,7 @@ import torch
 
 from ..backends import Backend
 from ..model import DecoderView
-from ..sampling import DRAFT, greedy_tokens, sample, uniforms
+from ..sampling import DRAFT, greedy_tokens, sample
 from .batch import Batch
 
 
@@ -62,7 +62,7 @@ class RoundPasses:
         or its draw by its own settings (a greedy row's one-hot distribution draws its argmax)."""
         if b.sampling.all_greedy:
             return greedy_tokens(logits)
-        return sample(b.sampling.probs(logits), uniforms(b.sampling.seeds, position, DRAFT)[:, 0])
+        return sample(b.sampling.probs(logits), b.sampling.uniforms(position, DRAFT)[:, 0])
 
     @staticmethod
     def unsure(b: Batch, logits: torch.Tensor) -> bool:

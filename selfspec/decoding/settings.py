@@ -164,5 +164,8 @@ class DecodeSettings:
 
 
 PLAIN = DecodeSettings(num_speculations=0)
+# The `format_settings` key (selfspec.json's `formats`) of the settings a sweep picked for sampled calls
+# (temperature > 0): their acceptance and so their fastest k differ from greedy's.
+SAMPLED = "sampled"
 
-__all__ = ["ADAPTIVE_K", "FIELDS", "PLAIN", "DecodeSettings", "parse_num_speculations"]
+__all__ = ["ADAPTIVE_K", "FIELDS", "PLAIN", "SAMPLED", "DecodeSettings", "parse_num_speculations"]

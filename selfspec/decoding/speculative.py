@@ -31,7 +31,7 @@ from .outputs import GenerationOutput, GenerationStats, NewRow, RoundOutput
 from .policy import DraftPolicy
 from .prefix import PrefixCache
 from .runner import Runner
-from .settings import DecodeSettings
+from .settings import SAMPLED, DecodeSettings
 
 
 class _RowOrderStream:
@@ -80,7 +80,8 @@ class SelfSpecGenerator:
         at cache layer N), applied to the exit's hidden states before the draft head (verification
         never reads them); format_settings: {constraint kind:
         settings}, the default of a `generate` call whose constrained rows all have that kind
-        ("json_schema", "regex", "lark"), as a sweep on such prompts stored it.
+        ("json_schema", "regex", "lark"), as a sweep on such prompts stored it; under `SAMPLED`
+        ("sampled") the default of an unconstrained sampled call (temperature > 0).
     static_passes: None, or run every decoding pass of up to `static_passes.WIDTH` positions (plain
         steps, drafts, verifications; rounds are capped to that many) at fixed shapes, the path for
         CUDA graphs (`backends.static`): "eager" as written, "compile" through `torch.compile`
@@ -205,6 +206,8 @@ class SelfSpecGenerator:
         kinds = {c.kind for c in constraints or () if c is not None}
         if settings is None and len(kinds) == 1 and kinds <= self.format_settings.keys():
             settings = self.format_settings[kinds.pop()]  # the format's own fastest
+        elif settings is None and not kinds and config.temperature > 0 and SAMPLED in self.format_settings:
+            settings = self.format_settings[SAMPLED]  # a sampled sweep's pick
         settings, policy = self._resolve(settings, config.drafter, config.num_speculations)
         if self.view.model.training:
             warnings.warn("the model is in training mode (dropout on): outputs will not match eval mode",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .. import sampling
-from ..sampling import ACCEPT, TARGET, accept_greedy, accept_sampled, apply_mask, uniforms
+from ..sampling import ACCEPT, TARGET, accept_greedy, accept_sampled, apply_mask
 from .batch import Batch, decided, joined
 from .passes import RoundPasses
 from .proposers import Draft
@@ -57,8 +57,8 @@ class Verifier:
             return decided(*accept_greedy(draft.tokens, p_logits))
         positions = b.lengths_dev[:, None] + b.steps[1:k + 2]  # (B, k+1): positions n+1 .. n+k+1
         return decided(*accept_sampled(draft.tokens, self._q(b, draft), b.sampling.probs(p_logits),
-                                       uniforms(b.sampling.seeds, positions[:, :k], ACCEPT),
-                                       uniforms(b.sampling.seeds, positions, TARGET)))
+                                       b.sampling.uniforms(positions[:, :k], ACCEPT),
+                                       b.sampling.uniforms(positions, TARGET)))
 
     def _q(self, b: Batch, draft: Draft) -> torch.Tensor:
         """The drafts' distributions (B, k, V): one-hot for copied and forced drafts (deterministic given

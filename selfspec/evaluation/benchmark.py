@@ -40,7 +40,7 @@ import statistics
 from pathlib import Path
 
 from ..checkpoint import resolve_settings, sweep_candidates
-from ..decoding import DecodeSettings
+from ..decoding import SAMPLED, DecodeSettings
 from ..errors import UserError
 from .costs import cost_model, grammar_costs, prefill_split, source_summary, weight_cost, weights_in_cache
 from .diagnosis import cost_figures, own_exit_alpha, summary
@@ -83,7 +83,8 @@ def run_benchmark(checkpoint: LoadedCheckpoint, prompts: list[list[int]], option
         raise UserError("--candidates are judged against plain decoding: keep plain in --methods")
     run = make_runner(checkpoint, max_new_tokens=options.max_new_tokens, keep_eos=options.keep_eos,
                       profile=options.profile, static_passes=options.static_passes,
-                      backend=options.backend, prefix_cache=options.prefix_cache, draft=options.draft)
+                      backend=options.backend, prefix_cache=options.prefix_cache, draft=options.draft,
+                      sampling=options.sampling_keywords(seed=0))
     run.share_prefixes(prompts)
     generator = run.generator
     named = {f"{drafter} cell {i + 1}": (drafter, generator.settings_for(cell), sweep_speedup)
@@ -133,7 +134,8 @@ def _report(options: BenchmarkRun, run, timings: Timings, num_prompts: int) -> d
               "device": str(run.device), "dtype": str(view.dtype).replace("torch.", ""),
               "num_layers": view.num_layers,
               "settings": {m: settings[m].to_json() for m in methods if m in ENGINE_METHODS},
-              "draft": options.draft if "hf_draft" in methods else None, "methods": {}}
+              "draft": options.draft if "hf_draft" in methods else None,
+              "sampling": options.sampling().describe(), "methods": {}}
     for method in methods:
         report["methods"][method] = {"tokens_per_second": statistics.median(rates[method]),
                                      "tokens_per_second_all": rates[method]}
@@ -144,9 +146,10 @@ def _report(options: BenchmarkRun, run, timings: Timings, num_prompts: int) -> d
     report["speedups"] = {f"{a}_over_{b}": tps[a] / tps[b] for a, b in SPEEDUPS if a in tps and b in tps}
     reference = "plain" if "plain" in methods else methods[0]
     report["reference"] = reference
-    report["identical"] = {m: outputs[m] == outputs[reference] for m in methods}
-    report["greedy_outputs_identical"] = all(report["identical"][m]
-                                             for m in methods if m != "hf_early_exit")
+    if options.sampling().greedy:  # sampled decodes are draws: the distribution tests hold them lossless
+        report["identical"] = {m: outputs[m] == outputs[reference] for m in methods}
+        report["greedy_outputs_identical"] = all(report["identical"][m]
+                                                 for m in methods if m != "hf_early_exit")
     report["sources"] = {m: source_summary(stats[m]) for m in methods if m in ENGINE_METHODS and m != "plain"}
     report["prefill"] = prefill_split({m: stats[m] for m in methods if m in ENGINE_METHODS})
     return report
@@ -207,7 +210,7 @@ def to_markdown(report: dict) -> str:
     """The report as Markdown: the methods' table, then each part the report holds."""
     lines = [f"# Self-speculative decoding benchmark ({report['num_layers']} layers)", "",
              f"{report['num_prompts']} prompts, batch {report.get('batch_size', 1)}, "
-             f"{report['max_new_tokens']} new tokens, greedy, "
+             f"{report['max_new_tokens']} new tokens, {report.get('sampling', 'greedy')}, "
              f"{report['device']} {report['dtype']}, median of {report['repeats']} interleaved repeats "
              f"after {report['warmup']} warm-up.", "",
              "| method | tokens/s | × plain (interval) | setting |", "|---|---:|---:|---|"]
@@ -226,9 +229,13 @@ def to_markdown(report: dict) -> str:
     lines += [f"| {name.replace('_over_', ' / ')} | {value:.3f} |"
               for name, value in report["speedups"].items()]
     lines += _source_lines(report) + _cost_lines(report) + _candidate_lines(report)
-    lines += ["", "Greedy outputs identical (every method but hf_early_exit, which is reported apart): "
-              f"**{report['greedy_outputs_identical']}**; identical to {report['reference']} per method: "
-              + ", ".join(f"{m} {same}" for m, same in report["identical"].items())]
+    if "identical" in report:
+        lines += ["", "Greedy outputs identical (every method but hf_early_exit, which is reported apart): "
+                  f"**{report['greedy_outputs_identical']}**; identical to {report['reference']} per method: "
+                  + ", ".join(f"{m} {same}" for m, same in report["identical"].items())]
+    else:
+        lines += ["", "Sampled: each method's outputs are its own draws (seeded), not compared token for "
+                      "token; α is the sampled acceptance."]
     if report.get("diagnosis"):
         lines += ["", report["diagnosis"]]
     return "\n".join(lines) + "\n"
@@ -316,7 +323,7 @@ def speedup(options: BenchmarkOptions) -> BenchmarkReport:
 
     The engine decodes at the checkpoint's settings (`selfspec.json`), with the given fields
     overriding them; without any override each drafter runs at its fastest a sweep stored (for
-    constrained prompts, a sweep under that kind of constraint: `formats`).
+    constrained prompts, a sweep under that kind of constraint: `formats`; sampled, a sampled sweep).
     Structured output: `json_schema`/`grammar` (files) or `regex` constrain every reply, and
     `prompts="json-extract"` takes the extraction prompts, each under its own schema.
     profile: add the round profile of every engine method (where its rounds' time goes).
@@ -330,9 +337,11 @@ def speedup(options: BenchmarkOptions) -> BenchmarkReport:
     """
     model = options.model
     constraint = options.constraint()
-    # constrained prompts decode at what a sweep under that kind stored (`formats`), when there is one
+    # constrained prompts decode at what a sweep under that kind stored (`formats`), when there is one;
+    # sampled ones at what a sampled sweep stored
     kind = (constraint.kind if constraint is not None
-            else "json_schema" if options.prompts == JSON_EXTRACT else None)
+            else "json_schema" if options.prompts == JSON_EXTRACT
+            else None if options.sampling().greedy else SAMPLED)
     resolved = resolve_settings(model, constraint_kind=kind, **options.overrides())
     if resolved[0].exit_layer is None:
         raise UserError(f"--exit-layer is required: {model} has no selfspec.json")

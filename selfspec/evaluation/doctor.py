@@ -69,12 +69,13 @@ def doctor(options: DoctorOptions) -> DoctorResult:
         chosen = suite_prompts(tokenizer, options.suites, options.questions, 1)[:options.num_prompts]
     else:
         chosen = read_prompts(tokenizer, options.prompts, options.corpus, options.num_prompts)
-    run = make_runner(checkpoint, max_new_tokens=options.max_new_tokens, profile=True)
+    run = make_runner(checkpoint, max_new_tokens=options.max_new_tokens, profile=True,
+                      sampling=options.sampling_keywords(seed=0))
     timings = interleaved_rates(PROBE, run, [[p] for p in chosen], options.repeats, 1, run.device)
     figures = _figures(options, view, settings, timings)
     lines = diagnose(figures)
     print(f"selfspec doctor: {model} (E = {settings.exit_layer} of {view.num_layers}, k = {k}; "
-          f"{len(chosen)} prompts x {options.max_new_tokens} tokens)")
+          f"{len(chosen)} prompts x {options.max_new_tokens} tokens, {options.sampling().describe()})")
     return _report(options, {"figures": figures, "diagnosis": lines})
 
 

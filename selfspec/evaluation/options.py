@@ -20,6 +20,7 @@ from ..flags import (
     DecodeOverrides,
     DrafterOverride,
     Options,
+    SamplingOptions,
     StaticPassesOption,
     option,
 )
@@ -168,7 +169,7 @@ class ExitOptions(Options):
 
 
 @dataclass(frozen=True, kw_only=True)
-class BenchmarkRun(TimingOptions, MethodOptions, StaticPassesOption):
+class BenchmarkRun(TimingOptions, MethodOptions, StaticPassesOption, SamplingOptions):
     """How `benchmark.run_benchmark` times the methods."""
 
     keep_eos: bool = False
@@ -181,7 +182,7 @@ class BenchmarkRun(TimingOptions, MethodOptions, StaticPassesOption):
 
 
 @dataclass(frozen=True, kw_only=True)
-class SuiteRun(TimingOptions, MethodOptions):
+class SuiteRun(TimingOptions, MethodOptions, SamplingOptions):
     """How `suite.run_suite` times the methods over the questions."""
 
     repeats: int = 1
@@ -195,7 +196,7 @@ class SuiteRun(TimingOptions, MethodOptions):
 
 
 @dataclass(frozen=True, kw_only=True)
-class SweepGrid(TimingOptions):
+class SweepGrid(TimingOptions, SamplingOptions):
     """The grid `sweep.run_sweep` measures and how it re-times its best cells. The lists take comma
     lists as the flags do."""
 
@@ -314,7 +315,7 @@ class RooflineOptions(ModelOption, ExitOptions, PromptOptions, TimingOptions, De
 
 
 @dataclass(frozen=True, kw_only=True)
-class DoctorOptions(ExitOptions, PromptOptions, QuestionSource, DeviceOptions):
+class DoctorOptions(ExitOptions, PromptOptions, QuestionSource, DeviceOptions, SamplingOptions):
     """`selfspec doctor` (`doctor.doctor`)."""
 
     model: str = option(positional=True)

@@ -46,9 +46,10 @@ class BenchmarkReport(TypedDict):
     draft: str | None  # hf_draft's exported draft (None when hf_draft did not run)
     methods: dict[str, MethodResult]
     speedups: dict[str, float]  # "a_over_b" -> ratio of medians
+    sampling: str  # `SamplingParams.describe()`: greedy, or the settings every method sampled with
     reference: str  # the method every output is compared with (plain when measured)
-    identical: dict[str, bool]
-    greedy_outputs_identical: bool
+    identical: NotRequired[dict[str, bool]]  # greedy only: sampled outputs are draws
+    greedy_outputs_identical: NotRequired[bool]
     sources: dict[str, dict]  # engine method -> draft source -> rounds, drafted, accepted, α, share
     prefill: dict[str, dict]  # engine method -> the prefill's share, decoding tokens/s and × plain after it
     grammar: NotRequired[dict]  # the masks' cost, under a constraint
@@ -104,9 +105,10 @@ class SuiteReport(TypedDict):
     num_layers: int
     settings: dict[str, dict]
     questions_per_category: dict[str, int]
+    sampling: str
     reference: str
-    identical: dict[str, bool]
-    greedy_outputs_identical: bool
+    identical: NotRequired[dict[str, bool]]  # greedy only
+    greedy_outputs_identical: NotRequired[bool]
     results: dict[str, dict[str, dict]]  # category (and "overall") -> method -> figures
     cost_model: NotRequired[dict]
     diagnosis: str | None

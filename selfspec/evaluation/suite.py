@@ -69,7 +69,7 @@ def run_suite(checkpoint: LoadedCheckpoint, questions: list[Question], options: 
         raise UserError(f"the suite needs a question ({len(questions)}), max_new_tokens >= 1 "
                         f"({options.max_new_tokens}) and repeats >= 1 ({options.repeats})")
     run = make_runner(checkpoint, max_new_tokens=options.max_new_tokens, keep_eos=not options.no_eos,
-                      draft=options.draft)
+                      draft=options.draft, sampling=options.sampling_keywords(seed=0))
     start = time.perf_counter()
     turns = _time_turns(run, checkpoint.tokenizer, questions, options, progress)
     view, timings = run.generator.view, turns.timings
@@ -82,10 +82,11 @@ def run_suite(checkpoint: LoadedCheckpoint, questions: list[Question], options: 
               "settings": {m: run.settings[m].to_json() for m in methods if m in ENGINE_METHODS},
               "questions_per_category": {c: sum(q.category == c for q in questions)
                                          for c in dict.fromkeys(q.category for q in questions)},
-              "reference": reference,
-              "identical": {m: timings.outputs[m] == timings.outputs[reference] for m in methods}}
-    report["greedy_outputs_identical"] = all(same for m, same in report["identical"].items()
-                                             if m != "hf_early_exit")
+              "sampling": options.sampling().describe(), "reference": reference}
+    if options.sampling().greedy:  # sampled outputs are draws, not compared token for token
+        report["identical"] = {m: timings.outputs[m] == timings.outputs[reference] for m in methods}
+        report["greedy_outputs_identical"] = all(same for m, same in report["identical"].items()
+                                                 if m != "hf_early_exit")
     groups = {c: [b for b, bc in enumerate(turns.categories) if bc == c]
               for c in dict.fromkeys(turns.categories)}
     groups[OVERALL] = list(range(len(turns.categories)))
@@ -218,12 +219,15 @@ def to_markdown(report: dict) -> str:
     lines += table("Early exit α · share of tokens copied", lambda row: (
         f"{_fraction(row['acceptance_rate'])} · {row['copied_share']:.0%}" if "acceptance_rate" in row
         else "–"))
-    identical = report["identical"]
     lines += ["Settings: " + "; ".join(f"{m} {DecodeSettings.from_json(s).describe()}"
-                                       for m, s in report["settings"].items()), "",
-              f"Greedy outputs identical to {report['reference']} (hf_early_exit reported apart): "
-              f"**{report['greedy_outputs_identical']}**; per method: "
-              + ", ".join(f"{m} {same}" for m, same in identical.items())]
+                                       for m, s in report["settings"].items())
+              + f"; decoding {report.get('sampling', 'greedy')}.", ""]
+    if "identical" in report:
+        lines += [f"Greedy outputs identical to {report['reference']} (hf_early_exit reported apart): "
+                  f"**{report['greedy_outputs_identical']}**; per method: "
+                  + ", ".join(f"{m} {same}" for m, same in report["identical"].items())]
+    else:
+        lines += ["Sampled: each method's replies are its own draws (seeded); α is the sampled acceptance."]
     if report.get("diagnosis"):
         lines += ["", report["diagnosis"]]
     return "\n".join(lines) + "\n"

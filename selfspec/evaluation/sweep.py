@@ -43,7 +43,7 @@ from ..checkpoint import (
     write_settings,
 )
 from ..config import parse_layers
-from ..decoding import ADAPTIVE_K, DRAFTERS, DecodeSettings, SelfSpecGenerator
+from ..decoding import ADAPTIVE_K, DRAFTERS, SAMPLED, DecodeSettings, SelfSpecGenerator
 from ..decoding.settings import FIELDS
 from ..errors import UserError
 from ..metrics import predicted_speedup
@@ -177,12 +177,13 @@ def run_sweep(checkpoint: LoadedCheckpoint, prompts: list[list[int]], exit_layer
                                   token_counts=checkpoint.token_counts,
                                   exit_adapters=checkpoint.exit_adapters)
     generator.check_cache = False  # a timed run does no per-round bookkeeping
+    sampling = grid.sampling_keywords(seed=0) if not grid.sampling().greedy else {}
 
     def run(setting: DecodeSettings, batch):
         keywords = constraint_keywords([p.constraint if isinstance(p, Structured) else None for p in batch])
         out = generator.generate([p.ids if isinstance(p, Structured) else p for p in batch],
                                  max_new_tokens=grid.max_new_tokens, eos_token_id=[], settings=setting,
-                                 **keywords)
+                                 **sampling, **keywords)
         return out.sequences, out.stats
 
     device = generator.view.device
@@ -194,7 +195,7 @@ def run_sweep(checkpoint: LoadedCheckpoint, prompts: list[list[int]], exit_layer
     timings = interleaved_rates(settings, run, [[p] for p in prompts], grid.repeats, grid.warmup, device,
                                 "sweep" if progress else None)  # batch 1
     per_exit, rows = _grid_rows(timings, settings, exit_layers, grid)
-    lossless = [row for row in rows if row["identical_to_plain"]]
+    lossless = [row for row in rows if row["identical_to_plain"] is not False]
     if grid.confirm:
         candidates = confirm_candidates(lossless, grid.confirm)
         cells = [settings_of(row) for row in candidates]
@@ -204,19 +205,19 @@ def run_sweep(checkpoint: LoadedCheckpoint, prompts: list[list[int]], exit_layer
         confirmed = [{**_brief(row), **median_interval(paired_speedups(again.rates(cell), plain_rates)),
                       "tokens_per_second": statistics.median(again.rates(cell)),
                       "grid_speedup": row["speedup"], "drafter": row["drafter"],
-                      "identical_to_plain": again.outputs[cell] == again.outputs[plain]}
+                      "identical_to_plain": _identical(again, cell, plain, grid)}
                      for row, cell in zip(candidates, cells)]
-        confirmed = [row for row in confirmed if row["identical_to_plain"]]
+        confirmed = [row for row in confirmed if row["identical_to_plain"] is not False]
     else:
         plain_rates = timings.rates(plain)
         confirmed = [{**_brief(row), **median_interval(paired_speedups(timings.rates(s), plain_rates)),
                       "grid_speedup": row["speedup"], "drafter": row["drafter"]}
-                     for row, s in zip(rows, settings[1:]) if row["identical_to_plain"]]
+                     for row, s in zip(rows, settings[1:]) if row["identical_to_plain"] is not False]
     best, fastest = select_fastest(confirmed)
     ratios = [row["measured_over_predicted"] for row in rows if row.get("measured_over_predicted", 0) > 0]
     return {"num_layers": num_layers, "max_new_tokens": grid.max_new_tokens, "num_prompts": len(prompts),
             "measured_over_predicted": statistics.median(ratios) if ratios else float("nan"),
-            "table_stop_below": grid.stop_belows[0],
+            "table_stop_below": grid.stop_belows[0], "sampling": grid.sampling().describe(),
             "repeats": grid.repeats, "warmup": grid.warmup, "device": str(device),
             "plain_tokens_per_second": statistics.median(timings.rates(plain)),
             "plain_step_seconds": pooled_costs(timings.run_stats(plain), [])["plain_step"],
@@ -224,7 +225,7 @@ def run_sweep(checkpoint: LoadedCheckpoint, prompts: list[list[int]], exit_layer
             "confirm_repeats": grid.confirm_repeats if grid.confirm else grid.repeats,
             "confirmed": sorted(confirmed, key=lambda row: -row["speedup"]),
             "fastest_per_drafter": fastest, "best": best,
-            "all_identical_to_plain": len(lossless) == len(rows),
+            "all_identical_to_plain": len(lossless) == len(rows) if grid.sampling().greedy else None,
             "diagnosis": diagnosis(rows, per_exit, fastest, generator.view)}
 
 
@@ -278,7 +279,7 @@ def _grid_rows(timings: Timings, settings: list[DecodeSettings], exit_layers: li
                "mean_accepted_length": run_costs["stats"].mean_accepted_length,
                "sources": source_summary(stats[setting]),
                "stopped_below_eta": sum(s.stopped_below_eta for s in stats[setting]),
-               "identical_to_plain": timings.outputs[setting] == timings.outputs[plain]}
+               "identical_to_plain": _identical(timings, setting, plain, grid)}
         if _in_table(row, table_eta):
             cost = per_exit[str(setting.exit_layer)][str(setting.draft_vocab_size)]["draft_cost"]
             if alpha != alpha or not run_costs["draft_steps"]:  # η cut every round: nothing to predict
@@ -292,6 +293,12 @@ def _grid_rows(timings: Timings, settings: list[DecodeSettings], exit_layers: li
             row["measured_over_predicted"] = row["speedup"] / row["predicted_speedup"]
         rows.append(row)
     return per_exit, rows
+
+
+def _identical(timings: Timings, cell: DecodeSettings, plain: DecodeSettings, grid: SweepGrid) -> bool | None:
+    """Whether a cell's greedy outputs equal plain decoding's; None for a sampled grid, whose outputs
+    are draws (the distribution tests hold sampled decoding lossless)."""
+    return timings.outputs[cell] == timings.outputs[plain] if grid.sampling().greedy else None
 
 
 def diagnosis(grid: list[dict], per_exit: dict, fastest: dict, view) -> str | None:
@@ -396,8 +403,11 @@ def to_markdown(report: dict) -> str:
     fastest = "none (no output matched plain decoding)" if best is None else (
         f"{_describe(best)}: **{best['speedup']:.2f}×** plain decoding "
         f"({best['low']:.2f}-{best['high']:.2f}, {best['coverage']:.0%})")
-    lines += ["", f"Fastest: {fastest}. Outputs identical to plain decoding: "
-                  f"**{report['all_identical_to_plain']}**"]
+    identical = report["all_identical_to_plain"]
+    lines += ["", f"Fastest: {fastest}. " + (f"Outputs identical to plain decoding: **{identical}**"
+                                             if identical is not None else
+                                             f"Sampled ({report['sampling']}): outputs are draws, α the "
+                                             f"sampled acceptance.")]
     if report.get("diagnosis"):
         lines += ["", report["diagnosis"]]
     return "\n".join(lines) + "\n"
@@ -480,9 +490,10 @@ def sweep(options: SweepOptions) -> SweepReport:
     report.update(model=model, prompts_from=", ".join(filter(None, (options.suites, options.questions)))
                   or options.prompts or options.corpus)
     publish(options.out, "sweep", report, to_markdown(report), plot)
-    if options.write_back:
-        write_back_fastest(model, report, Path(options.out) / "sweep.json",
-                           constraint_kind="json_schema" if options.prompts == JSON_EXTRACT else None)
+    if options.write_back:  # a sampled grid's pick is the default of sampled calls (`formats["sampled"]`)
+        kind = ("json_schema" if options.prompts == JSON_EXTRACT
+                else None if options.sampling().greedy else SAMPLED)
+        write_back_fastest(model, report, Path(options.out) / "sweep.json", constraint_kind=kind)
     return report
 
 
@@ -511,7 +522,8 @@ def write_back_fastest(model_dir: str, report: dict, report_path: Path,
         formats = {**read_meta(model_dir).get("formats", {}),
                    constraint_kind: {"settings": best["settings"], **record, "fastest": fastest}}
         update_meta(model_dir, formats=formats)
-        print(f"{model_dir}/{META_FILE}: under a {constraint_kind} constraint, {_describe(best)}")
+        under = "for sampled calls" if constraint_kind == SAMPLED else f"under a {constraint_kind} constraint"
+        print(f"{model_dir}/{META_FILE}: {under}, {_describe(best)}")
         return True
     write_settings(model_dir, DecodeSettings.from_json(best["settings"]), fastest=fastest, sweep=record)
     print(f"{model_dir}/{META_FILE}: {_describe(best)}")

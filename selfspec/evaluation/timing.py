@@ -108,8 +108,10 @@ class _Runner:
     """Runs one method on one batch: returns the generated tokens and, for the engine, its stats."""
 
     def __init__(self, generator: SelfSpecGenerator, settings: dict[str, DecodeSettings], max_new_tokens: int,
-                 keep_eos: bool, profile: bool = False, draft=None):
+                 keep_eos: bool, profile: bool = False, draft=None, sampling: dict | None = None):
         self.generator, self.model, self.settings = generator, generator.model, settings
+        # `generate`'s sampling keywords (temperature, top_k, top_p, seed); {}: greedy
+        self.sampling = {k: v for k, v in (sampling or {}).items() if k != "seed" or v is not None}
         self.draft = draft  # hf_draft's assistant model (an exported draft), or None
         self.shared: dict[tuple, int] = {}  # prompt -> positions it shares with another (`share_prefixes`)
         self.engine_calls = self.cached_tokens = 0  # the engine's calls, and the positions they loaded
@@ -156,7 +158,7 @@ class _Runner:
             before = cache.hit_tokens if cache is not None else 0
             out = self.generator.generate(batch, max_new_tokens=self.max_new_tokens, eos_token_id=self.eos,
                                           settings=self.settings[method], profile=self.profile,
-                                          **constraint_keywords(constraints))
+                                          **self.sampling, **constraint_keywords(constraints))
             self.engine_calls += 1
             self.cached_tokens += (cache.hit_tokens - before) if cache is not None else 0
             return out.sequences, out.stats
@@ -165,7 +167,7 @@ class _Runner:
                             "--methods plain,early_exit or --batch-size 1")
         ids = torch.tensor(batch, device=self.device)
         kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=self.max_new_tokens,
-                      do_sample=False, pad_token_id=self.pad_token_id)
+                      pad_token_id=self.pad_token_id, **self.hf_sampling())
         if self.eos == []:
             kwargs["eos_token_id"] = None
         if constraints[0] is not None:  # the same grammar as a logits processor, batch 1
@@ -184,6 +186,17 @@ class _Runner:
         if constraints[0] is not None:
             return [processor.completed(out)], None
         return out[:, ids.shape[1]:].tolist(), None
+
+
+    def hf_sampling(self) -> dict:
+        """Hugging Face's `generate` keywords for the same sampling (its own random numbers, seeded from
+        the run's seed: a sampled decode is timed, not compared token for token)."""
+        temperature = self.sampling.get("temperature", 0)
+        if not temperature:
+            return {"do_sample": False}
+        torch.manual_seed(self.sampling.get("seed", 0))
+        return {"do_sample": True, "temperature": temperature, "top_k": self.sampling.get("top_k", 0),
+                "top_p": self.sampling.get("top_p", 1.0)}
 
 
 def check_methods(methods, batch_size: int, draft: str | None = None) -> None:
@@ -205,12 +218,14 @@ def check_methods(methods, batch_size: int, draft: str | None = None) -> None:
 
 def make_runner(checkpoint: LoadedCheckpoint, *, max_new_tokens: int = 128, keep_eos: bool = False,
                 profile: bool = False, static_passes: str | None = None, backend: str | None = None,
-                prefix_cache: bool = False, draft: str | None = None) -> _Runner:
+                prefix_cache: bool = False, draft: str | None = None,
+                sampling: dict | None = None) -> _Runner:
     """The engine over the checkpoint's model and a runner of every method: the engine methods at
     `method_settings`, always `max_new_tokens` new tokens unless `keep_eos`, profiling their rounds with
     `profile` (`decoding.profile`), on `backend` (static passes with `static_passes`), prefilling through a
     `PrefixCache` with `prefix_cache`; `draft`: an exported draft's directory, hf_draft's assistant model,
-    loaded on the model's device at its dtype."""
+    loaded on the model's device at its dtype; `sampling`: `generate`'s sampling keywords
+    (`SamplingOptions.sampling_keywords`), every method sampling alike (None: greedy)."""
     generator = SelfSpecGenerator(checkpoint.model, checkpoint.tokenizer, checkpoint.settings,
                                   token_counts=checkpoint.token_counts,
                                   exit_adapters=checkpoint.exit_adapters,
@@ -224,7 +239,7 @@ def make_runner(checkpoint: LoadedCheckpoint, *, max_new_tokens: int = 128, keep
         view = generator.view
         assistant = load_causal_lm(draft, dtype=str(view.dtype).removeprefix("torch."), device=view.device,
                                    huge_pages=True).eval()
-    return _Runner(generator, settings, max_new_tokens, keep_eos, profile, assistant)
+    return _Runner(generator, settings, max_new_tokens, keep_eos, profile, assistant, sampling)
 
 
 @dataclass

@@ -54,11 +54,31 @@ def verify_greedy() -> Callable | None:
     return None if module is None else module.verify_greedy
 
 
+def draft_loop_sampled() -> Callable | None:
+    """The compiled `draft_loop_sampled(blocks, embed, token, keys, values, start, cos, sin, norm, eps, head,
+    bias, ids, vocab, k, eta, sampling, positions, row_starts, mask_value) -> [drafts (B, s), q (B, s, V),
+    hidden (B, s + 1, D)]` (`draft_loop` with each row's draft drawn by its own settings, `sampling`
+    `RowSampling.tensors()`, at its DRAFT numbers; a greedy row's argmax), or None where the kernels are not
+    available."""
+    module = kernels.extension()
+    return None if module is None else module.draft_loop_sampled
+
+
+def verify_sampled() -> Callable | None:
+    """The compiled `verify_sampled(blocks, hidden, tokens, embed, keys, values, start, cos, sin, mask_value,
+    norm, eps, head, bias, drafts, q, sampling, positions, row_starts) -> [decided (B, T + 1)]` (the target's
+    pass and head, then each row's acceptance by its own settings: speculative sampling against q (B, T - 1,
+    V), a greedy row's argmax), or None where the kernels are not available."""
+    module = kernels.extension()
+    return None if module is None else module.verify_sampled
+
+
 def greedy_rounds() -> Callable | None:
     """The compiled `greedy_rounds(blocks, exit_layer, embed, keys, values, start, token, cos, sin,
     mask_value, norm, eps, head, bias, draft_head, draft_bias, ids, vocab, k, eta, eos, max_tokens,
-    max_rounds, history, min_ngram, max_ngram, copy_limit, overlap) -> [tokens (t,), rounds (R, 5), seconds
-    (R, 2)]` (one row's greedy rounds at a fixed k: `draft_loop` and `verify_greedy` each round; with
+    max_rounds, history, min_ngram, max_ngram, copy_limit, overlap, sampling) -> [tokens (t,), rounds (R, 5),
+    seconds (R, 2)]` (one row's rounds at a fixed k: `draft_loop` and `verify_greedy` each round, or with
+    `sampling` (the row's `RowSampling.tensors()`; [] greedy) `draft_loop_sampled` and `verify_sampled`; with
     `history` a copy of up to copy_limit tokens first, else a plain step (k = 0) or the early exit's
     drafts, a copy after them where they make one; with `overlap` a round's verification beside the
     next round's drafts, on two threads; the kept tokens cut at an eos and max_tokens; [] where
@@ -75,4 +95,5 @@ def ngram_tables() -> type | None:
     return None if module is None else module.NGramTables
 
 
-__all__ = ["draft_choice", "draft_loop", "draft_step", "greedy_rounds", "ngram_tables", "verify_greedy"]
+__all__ = ["draft_choice", "draft_loop", "draft_loop_sampled", "draft_step", "greedy_rounds", "ngram_tables",
+           "verify_greedy", "verify_sampled"]

@@ -11,13 +11,16 @@
 #include "../../model/kernels/few_rows.h"
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <map>
 #include <memory>
+#include <numeric>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -34,10 +37,11 @@
 // the sum's orders are not torch's, so every path that drafts greedily chooses with this function
 // (`CpuKernelsBackend.draft_choice` in selfspec/backends/cpu_kernels.py for the step from Python), and
 // they all draft alike.
+// The draft head's products on exit states h (B, D): the final norm (`rms_norm_row`), then each of the
+// head's V' rows (`rows_block`'s dot products, rounded to the dtype): (B, V') values of T.
 template <typename T>
-void choose_drafts(const T* h, int64_t batch, int64_t d, const T* norm, float eps, const T* head, const T* bias,
-                   const int64_t* ids, int64_t rows, int64_t vocab, const bool* allowed, int64_t* token,
-                   float* top) {
+std::unique_ptr<T[]> head_rows(const T* h, int64_t batch, int64_t d, const T* norm, float eps, const T* head,
+                               int64_t rows) {
   std::vector<float> normed(batch * d), row(d);
   for (int64_t b = 0; b < batch; ++b) {
     for (int64_t i = 0; i < d; ++i) row[i] = static_cast<float>(h[b * d + i]);
@@ -45,6 +49,14 @@ void choose_drafts(const T* h, int64_t batch, int64_t d, const T* norm, float ep
   }
   std::unique_ptr<T[]> logits(new T[batch * rows]);  // (B, V'), written before read
   products<T>(batch, normed.data(), {{head, logits.get(), rows}}, d);
+  return logits;
+}
+
+template <typename T>
+void choose_drafts(const T* h, int64_t batch, int64_t d, const T* norm, float eps, const T* head, const T* bias,
+                   const int64_t* ids, int64_t rows, int64_t vocab, const bool* allowed, int64_t* token,
+                   float* top) {
+  const auto logits = head_rows<T>(h, batch, d, norm, eps, head, rows);
   constexpr float kNone = -std::numeric_limits<float>::infinity();
   std::vector<float> values((rows + 7) / 8 * 8, kNone);  // one row's logits, refused ones -inf, 8-lane padded
   for (int64_t b = 0; b < batch; ++b) {
@@ -92,6 +104,22 @@ void choose_drafts(const T* h, int64_t batch, int64_t d, const T* norm, float ep
       sum = _mm256_add_ps(sum, exp8(_mm256_sub_ps(_mm256_loadu_ps(values.data() + j), shift)));
     top[b] = 1.f / hsum(sum);
   }
+}
+
+// The draft logits of exit states h (B, D), as `choose_drafts` reads them (each head row's product + bias
+// in the dtype): `out` (B, V') floats, row `order[i]` of the head at column i (a trimmed head's rows in
+// the order of their token ids; none: the head's order).
+template <typename T>
+void draft_logits(const T* h, int64_t batch, int64_t d, const T* norm, float eps, const T* head, const T* bias,
+                  const int64_t* order, int64_t rows, float* out) {
+  const auto logits = head_rows<T>(h, batch, d, norm, eps, head, rows);
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t j = order ? order[i] : i;
+      float v = static_cast<float>(logits[b * rows + j]);
+      if (bias) v = held<T>(v + static_cast<float>(bias[j]));
+      out[b * rows + i] = v;
+    }
 }
 
 // `choose_drafts` on exit states h (B, D) with the final norm `norm` and the draft head `head` (V', D)
@@ -143,15 +171,264 @@ bool sure(const torch::Tensor& top, double eta) {
   return false;
 }
 
-// Greedy early-exit drafting in one call: the engine's draft loop (`EarlyExitProposer.propose` at a round's
-// start, through `CpuKernelsBackend.draft_loop` in selfspec/backends/cpu_kernels.py) without the Python
-// between its steps.
+// -- sampling: selfspec/sampling.py's rules, one row at a time -------------------------------------------
+// The engine's sampled rounds process logits (`RowSampling.probs`), draw (`sample`) and accept
+// (`accept_sampled`) with tensor operations over the batch; the compiled calls below do the same for one
+// row at a time in a few passes over its V logits: no sort of the vocabulary (top-k by a selection, top-p
+// among the tokens that can be in its nucleus), the random numbers from the same hash. The probabilities'
+// sums run in another order than torch's, so a draw can differ from the engine's only where u falls
+// within rounding of a boundary of the CDF.
+
+// Streams of random numbers (`sampling.DRAFT`, `ACCEPT`, `TARGET`)
+constexpr int kDraftStream = 0, kAcceptStream = 1, kTargetStream = 2;
+
+// `sampling._mix32`: Wellons' lowbias32
+inline uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  return x ^ (x >> 16);
+}
+
+// `sampling.uniforms` for one key: a uniform number in [0, 1) from (seed, position, stream)
+inline double uniform(int64_t seed, int64_t position, int stream) {
+  const uint64_t bits = static_cast<uint64_t>(seed);
+  uint32_t h = mix32(static_cast<uint32_t>(bits) ^ 0x9E3779B9u);
+  h = mix32(h ^ static_cast<uint32_t>(bits >> 32) ^ 0x85EBCA6Bu);
+  h = mix32(h ^ static_cast<uint32_t>(static_cast<uint64_t>(position)));
+  h = mix32(h ^ (0xC2B2AE35u + static_cast<uint32_t>(stream)));
+  return static_cast<double>(h) * 0x1p-32;
+}
+
+// One row's `sampling.RowSampling`: temperature (1 on a greedy row), top_k (0 off), top_p (1 off), greedy,
+// the seed of its random numbers.
+struct RowSampling {
+  float temperature = 1.f;
+  int64_t top_k = 0;
+  float top_p = 1.f;
+  bool greedy = true;
+  int64_t seed = 0;
+};
+
+// The rows' settings from `RowSampling.tensors()` (temperature, top_k, top_p, greedy, seeds: (B,) each);
+// none (every row greedy) from an empty list.
+std::vector<RowSampling> row_sampling(const std::vector<torch::Tensor>& tensors) {
+  std::vector<RowSampling> rows;
+  if (tensors.empty()) return rows;
+  TORCH_CHECK(tensors.size() == 5, "sampling: (temperature, top_k, top_p, greedy, seeds)");
+  const auto temperature = tensors[0].to(torch::kFloat32).contiguous(), top_k = tensors[1].to(torch::kLong).contiguous(),
+             top_p = tensors[2].to(torch::kFloat32).contiguous(), greedy = tensors[3].to(torch::kBool).contiguous(),
+             seeds = tensors[4].to(torch::kLong).contiguous();
+  for (int64_t b = 0; b < temperature.numel(); ++b)
+    rows.push_back({temperature.data_ptr<float>()[b], top_k.data_ptr<int64_t>()[b], top_p.data_ptr<float>()[b],
+                    greedy.data_ptr<bool>()[b], seeds.data_ptr<int64_t>()[b]});
+  return rows;
+}
+
+bool all_greedy(const std::vector<RowSampling>& rows) {
+  return std::all_of(rows.begin(), rows.end(), [](const RowSampling& s) { return s.greedy; });
+}
+
+// argmax's choice over n values: the first NaN, else the first maximum
+int64_t first_max(const float* x, int64_t n) {
+  int64_t best = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    if (std::isnan(x[j])) return j;
+    if (x[j] > x[best]) best = j;
+  }
+  return best;
+}
+
+// Σ exp(x - shift) over n floats in 8 lanes (entries at -inf add 0); `out`, where given, gets each term
+float exp_sum(const float* x, int64_t n, float shift, float* out) {
+  __m256 sum = _mm256_setzero_ps();
+  const __m256 by = _mm256_set1_ps(shift);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + j), by));
+    if (out) _mm256_storeu_ps(out + j, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  float total = hsum(sum);
+  for (; j < n; ++j) {
+    float tail[8] = {x[j] - shift, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    float e[8];
+    _mm256_storeu_ps(e, exp8(_mm256_loadu_ps(tail)));
+    if (out) out[j] = e[0];
+    total += e[0];
+  }
+  return total;
+}
+
+// The biased exponent of a non-negative float (0 for 0 and subnormals): the power of two it lies in.
+inline int exponent(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  return static_cast<int>((bits >> 23) & 0xFF);
+}
+
+// The logit at which top-p cuts: sorted by logit, most likely first, the logit of the token whose probability
+// brings the mass of those before it and itself to `top_p` (tokens with the same logit count together).
+// A selection by mass (quickselect's partitions, each side's mass summed), so only the last few candidates
+// are sorted. `nucleus`: (logit, probability) pairs, reordered.
+float nucleus_cut(std::vector<std::pair<float, float>>& nucleus, float top_p) {
+  float need = top_p;
+  auto lo = nucleus.begin(), hi = nucleus.end();
+  while (hi - lo > 32) {
+    const float pivot = (lo + (hi - lo) / 2)->first;
+    auto mid = std::partition(lo, hi, [&](const auto& t) { return t.first > pivot; });
+    float mass = 0.f;
+    for (auto it = lo; it != mid; ++it) mass += it->second;
+    if (mass >= need) {  // the cut is above the pivot
+      hi = mid;
+      continue;
+    }
+    need -= mass;  // everything above the pivot is kept; then the pivot's own logit
+    auto tied = std::partition(mid, hi, [&](const auto& t) { return t.first == pivot; });
+    float ties = 0.f;
+    for (auto it = mid; it != tied; ++it) ties += it->second;
+    if (ties >= need || tied == hi) return pivot;
+    need -= ties;
+    lo = tied;
+  }
+  std::sort(lo, hi, [](const auto& a, const auto& b) { return a.first > b.first; });
+  float before = 0.f;
+  for (auto it = lo; it != hi; ++it) {
+    before += it->second;
+    if (before >= need) return it->first;
+  }
+  return hi == lo ? nucleus.front().first : (hi - 1)->first;
+}
+
+// `RowSampling.probs` of one row: its V logits -> probabilities (V). A greedy row's is one-hot at its
+// argmax; a sampled row's logits are divided by its temperature, then top-k keeps the k largest (ties with
+// the k-th included) and top-p the most likely tokens until the mass before a token reaches top_p (by the
+// distribution after top-k; the first always stays), then the softmax. The nucleus lies among the tokens of
+// probability >= (1 - top_p) / V' (V' the tokens top-k kept): the others together hold less than
+// 1 - top_p, so only those are sorted. Returns the largest probability (η's `top_probability` on a sampled
+// row).
+float row_probs(const float* logits, int64_t vocab, const RowSampling& s, float* probs) {
+  constexpr float kNone = -std::numeric_limits<float>::infinity();
+  if (s.greedy) {
+    std::fill(probs, probs + vocab, 0.f);
+    probs[first_max(logits, vocab)] = 1.f;
+    return 1.f;
+  }
+  std::vector<float> x(logits, logits + vocab);
+  if (s.temperature != 1.f)
+    for (auto& v : x) v /= s.temperature;
+  int64_t kept = vocab;
+  if (s.top_k > 0 && s.top_k < vocab) {  // the k-th largest logit stays with every one at or above it
+    std::vector<float> order(x);
+    std::nth_element(order.begin(), order.begin() + (s.top_k - 1), order.end(), std::greater<float>());
+    const float kth = order[s.top_k - 1];
+    kept = 0;
+    for (auto& v : x) {
+      if (v < kth) v = kNone;
+      else ++kept;
+    }
+  }
+  const float top = *std::max_element(x.begin(), x.end());
+  if (s.top_p >= 1.f) {
+    const float sum = exp_sum(x.data(), vocab, top, probs);
+    for (int64_t j = 0; j < vocab; ++j) probs[j] /= sum;
+    return 1.f / sum;  // the most likely token's: exp(0) / sum
+  }
+  // top-p: the nucleus lies among the most likely tokens down to the power of two (of exp(x - top), by its
+  // float exponent) at which their mass reaches top_p: every token in a lower one is less likely than
+  // every token above it, so the tokens above hold top_p or more without them
+  const float mass = exp_sum(x.data(), vocab, top, probs);  // probs: exp(x - top) for now
+  std::array<float, 256> by_exponent{};  // the mass of each float exponent
+  for (int64_t j = 0; j < vocab; ++j) by_exponent[exponent(probs[j])] += probs[j];
+  int floor = 255;
+  for (float above = 0.f; floor > 0 && above < s.top_p * mass * 1.0001f; --floor) above += by_exponent[floor];
+  std::vector<std::pair<float, float>> nucleus;  // (logit, probability) of each candidate
+  for (int64_t j = 0; j < vocab; ++j)
+    if (exponent(probs[j]) >= floor) nucleus.emplace_back(x[j], probs[j] / mass);
+  const float cut = nucleus_cut(nucleus, s.top_p);
+  float sum = 0.f;  // the softmax over the kept tokens (the others 0)
+  for (int64_t j = 0; j < vocab; ++j) {
+    if (x[j] < cut) probs[j] = 0.f;
+    sum += probs[j];
+  }
+  for (int64_t j = 0; j < vocab; ++j) probs[j] /= sum;
+  return 1.f / sum;
+}
+
+// `sampling.sample` for one row: the token at u of the cumulative distribution of `probs` (V, need not
+// sum to 1), summed in float64 in token order; never a zero-probability token.
+int64_t draw(const float* probs, int64_t vocab, double u) {
+  double total = 0.0;
+  int64_t last = 0;
+  for (int64_t j = 0; j < vocab; ++j) {
+    total += probs[j];
+    if (probs[j] > 0) last = j;
+  }
+  const double target = u * total;
+  double cdf = 0.0;
+  for (int64_t j = 0; j < vocab; ++j) {
+    cdf += probs[j];
+    if (cdf > target) return std::min(j, last);
+  }
+  return last;
+}
+
+// `sampling.accept_sampled` for one sampled row: drafts d (k), their distributions q (k, V), `target(i)` the
+// target's distribution p_i (V) at draft i's position (asked for in order, up to the first rejection),
+// positions (k + 1) of the tokens decided (each slot's position + 1). Draft i is accepted with probability
+// min(1, p_i(d)/q_i(d)) (u·q < p), the first rejected one replaced by a draw from max(0, p - q) normalised
+// (p where that is all zero), a bonus from p_k after k acceptances. Writes tokens (k + 1: the accepted
+// drafts, then the target's own) and returns the count.
+int64_t accept_row(const int64_t* drafts, const float* q, const std::function<const float*(int64_t)>& target_at,
+                   int64_t k, int64_t vocab, const int64_t* positions, int64_t seed, int64_t* tokens) {
+  int64_t accepted = 0;
+  const float* target = target_at(0);
+  while (accepted < k) {
+    const int64_t d = drafts[accepted];
+    const double u = uniform(seed, positions[accepted], kAcceptStream);
+    if (!(u * static_cast<double>(q[accepted * vocab + d]) < static_cast<double>(target[d]))) break;
+    tokens[accepted] = d;
+    target = target_at(++accepted);
+  }
+  const double u = uniform(seed, positions[accepted], kTargetStream);
+  if (accepted == k) {
+    tokens[accepted] = draw(target, vocab, u);
+  } else {
+    const float* drafted = q + accepted * vocab;
+    std::vector<float> residual(vocab);
+    float total = 0.f;
+    for (int64_t j = 0; j < vocab; ++j) total += residual[j] = std::max(0.f, target[j] - drafted[j]);
+    for (auto& r : residual) r /= total;  // as `residual_probs` normalises before the draw
+    tokens[accepted] = total > 0 ? draw(residual.data(), vocab, u) : draw(target, vocab, u);
+  }
+  for (int64_t i = accepted + 1; i <= k; ++i) tokens[i] = tokens[accepted];  // never emitted
+  return accepted;
+}
+
+// A draft step's choice on the exit states (B, D) of its inputs, the loop's step i: {the drafts (B,), whether
+// some row's draft puts η on its top token (`sure`)}. The loop below takes the greedy one (`greedy_drafts`)
+// or the sampled one (`SampledDrafts`).
+using DraftChoice = std::function<std::pair<torch::Tensor, bool>(const torch::Tensor& states, int64_t step)>;
+
+// The greedy choice: `draft_choice`'s argmax with the draft head (norm, eps, head, bias, ids, vocab) and η.
+DraftChoice greedy_drafts(const torch::Tensor& norm, double eps, const torch::Tensor& head,
+                          const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& ids,
+                          int64_t vocab, double eta) {
+  return [=](const torch::Tensor& states, int64_t) {
+    const auto chosen = draft_choice(states, norm, eps, head, bias, ids, vocab, c10::nullopt, eta);
+    return std::make_pair(chosen[0], sure(chosen[1], eta));
+  };
+}
+
+// Early-exit drafting in one call: the engine's draft loop (`EarlyExitProposer.propose` at a round's start,
+// through `CpuKernelsBackend.draft_loop` / `draft_loop_sampled` in selfspec/backends/cpu_kernels.py) without
+// the Python between its steps.
 // Step i runs input i at slot start + i through blocks [0, E) (`blocks_pass`, the cache written; input 0
-// is `token` (B,), input i > 0 the draft of step i - 1), then, for i < k, the final norm, the draft head
-// and the argmax on its exit state (`draft_choice`) give draft i + 1. With eta > 0, a step where no row's
-// draft puts eta on its top token (`sure`) drafts nothing and ends the loop. Every row sees every slot up
-// to its own (no window): rows at the same slots with no mask, rows at their own (`row_starts` (B,): row
-// b's input i at slot row_starts[b] + i) through `causal_mask`.
+// is `token` (B,), input i > 0 the draft of step i - 1), then, for i < k, `choose` on its exit states gives
+// draft i + 1; a step where no row's draft puts η on its top token (`sure` false) drafts nothing and ends
+// the loop. Every row sees every slot up to its own (no window): rows at the same slots with no mask, rows
+// at their own (`row_starts` (B,): row b's input i at slot row_starts[b] + i) through `causal_mask`.
 // embed (V, D): the embedding table; cos, sin (B, k + 1, hd): the rotary of each row's k + 1 slots.
 // Returns {drafts (B, s) int64, hidden (B, s + 1, D)}: s <= k drafts and the exit states of the s + 1
 // inputs that ran (the last draft included, the verification's first position, unless eta stopped the
@@ -162,11 +439,8 @@ std::vector<torch::Tensor> draft_loop_until(const std::vector<const Block*>& blo
                                             const torch::Tensor& token, const std::vector<torch::Tensor>& keys,
                                             const std::vector<torch::Tensor>& values, int64_t start,
                                             const torch::Tensor& cos, const torch::Tensor& sin,
-                                            const torch::Tensor& norm, double eps, const torch::Tensor& head,
-                                            const c10::optional<torch::Tensor>& bias,
-                                            const c10::optional<torch::Tensor>& ids, int64_t vocab, int64_t k,
-                                            double eta, const c10::optional<torch::Tensor>& row_starts,
-                                            double mask_value, const std::function<bool()>& stop) {
+                                            const c10::optional<torch::Tensor>& row_starts, double mask_value,
+                                            int64_t k, const DraftChoice& choose, const std::function<bool()>& stop) {
   TORCH_CHECK(token.dim() == 1 && token.scalar_type() == torch::kLong, "token (B,) int64");
   TORCH_CHECK(cos.dim() == 3 && cos.size(0) == token.size(0) && cos.size(1) >= k + 1 && sin.sizes() == cos.sizes(),
               "cos and sin (B, k + 1, hd)");
@@ -194,17 +468,16 @@ std::vector<torch::Tensor> draft_loop_until(const std::vector<const Block*>& blo
     }
     states.push_back(*out);
     if (i == k) break;
-    const auto chosen = draft_choice(out->select(1, 0).contiguous(), norm, eps, head, bias, ids, vocab,
-                                     c10::nullopt, eta);  // {draft (B,), top (B,)}
-    if (!sure(chosen[1], eta)) break;
-    input = chosen[0];
+    const auto [chosen, confident] = choose(out->select(1, 0).contiguous(), i);
+    if (!confident) break;
+    input = chosen;
     drafts.push_back(input.unsqueeze(1));
   }
   auto made = drafts.empty() ? torch::empty({token.size(0), 0}, token.options()) : torch::cat(drafts, 1);
   return {made, torch::cat(states, 1)};
 }
 
-// `draft_loop_until` without a stop: the engine's draft loop.
+// `draft_loop_until` greedily and without a stop: the engine's greedy draft loop.
 std::vector<torch::Tensor> draft_loop(const std::vector<const Block*>& blocks, const torch::Tensor& embed,
                                       const torch::Tensor& token, const std::vector<torch::Tensor>& keys,
                                       const std::vector<torch::Tensor>& values, int64_t start,
@@ -213,8 +486,117 @@ std::vector<torch::Tensor> draft_loop(const std::vector<const Block*>& blocks, c
                                       const c10::optional<torch::Tensor>& ids, int64_t vocab, int64_t k,
                                       double eta, const c10::optional<torch::Tensor>& row_starts,
                                       double mask_value) {
-  return draft_loop_until(blocks, embed, token, keys, values, start, cos, sin, norm, eps, head, bias, ids, vocab, k,
-                          eta, row_starts, mask_value, nullptr);
+  return draft_loop_until(blocks, embed, token, keys, values, start, cos, sin, row_starts, mask_value, k,
+                          greedy_drafts(norm, eps, head, bias, ids, vocab, eta), nullptr);
+}
+
+// The sampled choice of a draft loop (the engine's `RoundPasses.pick` on the draft head's logits): each
+// sampled row draws its draft from its processed distribution (`row_probs`) with its DRAFT number at the
+// draft's position (its input's + 1), each greedy row takes its argmax; `q` keeps every draft's
+// distribution (B, s, V), which the verification accepts against (one-hot on greedy rows). η reads the
+// processed distribution's top probability on a sampled row, the softmax's on a greedy one
+// (`RowSampling.top_probability`). The draft head: the final norm `norm`, `head` (V', D) + `bias`, a trimmed
+// head's token ids `ids` (V'; the other tokens' logits -inf, so probability 0), V = `vocab`. A trimmed
+// head's V' logits are processed and drawn from alone, in the order of their token ids (`order`: the
+// inverse CDF then walks the tokens as it would over all V), and scattered into q.
+struct SampledDrafts {
+  std::vector<RowSampling> rows;
+  torch::Tensor positions;  // (B, k + 1) int64: the inputs' positions
+  torch::Tensor norm, head;
+  double eps, eta;
+  c10::optional<torch::Tensor> bias;
+  std::vector<int64_t> order, tokens;  // a trimmed head's rows by token id, and those ids; empty: all V
+  int64_t vocab;
+  std::vector<torch::Tensor> q;  // (B, 1, V) float32 per draft
+
+  std::pair<torch::Tensor, bool> operator()(const torch::Tensor& states, int64_t step) {
+    const int64_t batch = states.size(0), d = states.size(1), width = head.size(0);
+    std::vector<float> logits(batch * width), probs(batch * width);  // (B, V'): the choice's
+    auto run = [&](const auto* h) {
+      using T = std::remove_const_t<std::remove_pointer_t<decltype(h)>>;
+      draft_logits<T>(h, batch, d, norm.data_ptr<T>(), static_cast<float>(eps), head.data_ptr<T>(),
+                      bias.has_value() ? bias->data_ptr<T>() : nullptr, order.empty() ? nullptr : order.data(),
+                      width, logits.data());
+    };
+    if (states.scalar_type() == torch::kFloat32) {
+      run(states.data_ptr<float>());
+    } else {
+      TORCH_CHECK(states.scalar_type() == torch::kBFloat16, "float32 or bfloat16");
+      run(states.data_ptr<at::BFloat16>());
+    }
+    auto drafted = torch::zeros({batch, vocab}, torch::kFloat32);  // q
+    auto token = torch::empty({batch}, torch::kLong);
+    const int64_t* position = positions.data_ptr<int64_t>();
+    std::vector<float> tops(batch);
+    at::parallel_for(0, batch, 1, [&](int64_t first, int64_t last) {  // each row alone
+      for (int64_t b = first; b < last; ++b) {
+        const float* row = logits.data() + b * width;
+        float* p = probs.data() + b * width;
+        const float top = row_probs(row, width, rows[b], p);
+        const int64_t at = position[b * positions.size(1) + step] + 1;
+        const int64_t i = rows[b].greedy ? first_max(row, width)
+                                         : draw(p, width, uniform(rows[b].seed, at, kDraftStream));
+        token.data_ptr<int64_t>()[b] = tokens.empty() ? i : tokens[i];
+        float* q_row = drafted.data_ptr<float>() + b * vocab;
+        for (int64_t c = 0; c < width; ++c) q_row[tokens.empty() ? c : tokens[c]] = p[c];
+        // a greedy row's top probability: its softmax's, 1 / Σ exp(l - max)
+        tops[b] = rows[b].greedy ? 1.f / exp_sum(row, width, row[first_max(row, width)], nullptr) : top;
+      }
+    });
+    const bool confident = eta <= 0 || std::any_of(tops.begin(), tops.end(), [&](float t) { return !(t < eta); });
+    if (confident) q.push_back(drafted.unsqueeze(1));
+    return {token, confident};
+  }
+};
+
+// `SampledDrafts` of the rows' `sampling` (`RowSampling.tensors()`) at the inputs' `positions` (B, k + 1),
+// with the draft head (norm, eps, head, bias, ids, vocab) and η.
+SampledDrafts sampled_drafts(const std::vector<torch::Tensor>& sampling, const torch::Tensor& positions,
+                             const torch::Tensor& norm, double eps, const torch::Tensor& head,
+                             const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& ids,
+                             int64_t vocab, double eta) {
+  TORCH_CHECK(head.is_contiguous() && norm.is_contiguous() && (!bias.has_value() || bias->is_contiguous()),
+              "contiguous norm, head and bias");
+  std::vector<int64_t> order, tokens;
+  if (ids.has_value()) {  // the trimmed head's rows in the order of their token ids
+    const auto held = ids->to(torch::kLong).contiguous();
+    const int64_t* id = held.data_ptr<int64_t>();
+    order.resize(held.numel());
+    std::iota(order.begin(), order.end(), 0);
+    std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return id[a] < id[b]; });
+    for (const int64_t j : order) tokens.push_back(id[j]);
+  }
+  return {row_sampling(sampling), positions.to(torch::kLong).contiguous(), norm, head, eps, eta, bias, order, tokens,
+          vocab, {}};
+}
+
+// A sampled draft loop's result: {drafts (B, s), q (B, s, V), hidden (B, s + 1, D)} from `draft_loop_until`'s
+// {drafts, hidden} and the choice's q; empty where the loop returned nothing.
+std::vector<torch::Tensor> with_q(const std::vector<torch::Tensor>& out, const SampledDrafts& drafts) {
+  if (out.empty()) return {};
+  const auto q = drafts.q.empty() ? torch::empty({out[0].size(0), 0, drafts.vocab}, torch::kFloat32)
+                                  : torch::cat(drafts.q, 1);
+  return {out[0], q, out[1]};
+}
+
+// Sampled early-exit drafting in one call (`CpuKernelsBackend.draft_loop_sampled`): `draft_loop` with
+// `SampledDrafts`' choice; `sampling`: `RowSampling.tensors()`, `positions` (B, k + 1) the inputs'.
+// Returns {drafts (B, s), q (B, s, V) float32, hidden (B, s + 1, D)}, or an empty vector.
+std::vector<torch::Tensor> draft_loop_sampled(const std::vector<const Block*>& blocks, const torch::Tensor& embed,
+                                              const torch::Tensor& token, const std::vector<torch::Tensor>& keys,
+                                              const std::vector<torch::Tensor>& values, int64_t start,
+                                              const torch::Tensor& cos, const torch::Tensor& sin,
+                                              const torch::Tensor& norm, double eps, const torch::Tensor& head,
+                                              const c10::optional<torch::Tensor>& bias,
+                                              const c10::optional<torch::Tensor>& ids, int64_t vocab, int64_t k,
+                                              double eta, const std::vector<torch::Tensor>& sampling,
+                                              const torch::Tensor& positions,
+                                              const c10::optional<torch::Tensor>& row_starts, double mask_value) {
+  auto drafts = sampled_drafts(sampling, positions, norm, eps, head, bias, ids, vocab, eta);
+  TORCH_CHECK(static_cast<int64_t>(drafts.rows.size()) == token.size(0), "sampling: one setting per row");
+  return with_q(draft_loop_until(blocks, embed, token, keys, values, start, cos, sin, row_starts, mask_value, k,
+                                 std::ref(drafts), nullptr),
+                drafts);
 }
 
 // Where a pass of T = `length` positions writes and what it sees: kv_length (the slots attended: past
@@ -362,17 +744,33 @@ torch::Tensor masked_target(const torch::Tensor& h, const torch::Tensor& norm, d
   return target;
 }
 
-// Greedy verification in one call: the target's pass over blocks [first, last) on T positions at slots start
-// .. start + T - 1 (row b at row_starts[b] .. where rows sit at different slots; query t sees slots up to its
-// own: `causal_mask`, whose `mask_value` beyond is the engine's mask's, its dtype's lowest value; one
-// position of aligned rows sees every slot, with no mask), the final norm and LM head (`head_logits`), a
-// grammar's masks `allowed` (B, T, V) bool where given (as `grammar.apply_mask`: refused tokens at -inf, a
-// row left with nothing finite uniform over the allowed ones), the argmax (bf16 widened first) and the
-// accepted prefix: the leading run of drafts equal to the target's argmax, as `sampling.accept_greedy`
-// computes it. The pass's input: `hidden` (B, T, D), or the embedding rows of `tokens` (B, T) (a plain step:
-// blocks [0, N)). drafts (B, T - 1) int64; cos, sin (B, T, hd). Returns {decided (B, T + 1) int64: the tokens
-// (B, T), then each row's accepted count}, one tensor for the engine's one host read a round, or an empty
-// vector, nothing computed, where `blocks_pass` declines.
+// A verification's pass: blocks [first, last) on T positions at slots start .. start + T - 1 (row b at
+// row_starts[b] .. where rows sit at different slots; query t sees slots up to its own: `causal_mask`, whose
+// `mask_value` beyond is the engine's mask's, its dtype's lowest value; one position of aligned rows sees
+// every slot, with no mask). The input: `hidden` (B, T, D), or the embedding rows of `tokens` (B, T) (a
+// plain step: blocks [0, N)). Returns the states (B, T, D), or nothing where `blocks_pass` declines.
+c10::optional<torch::Tensor> verify_pass(const std::vector<const Block*>& blocks,
+                                         const c10::optional<torch::Tensor>& hidden,
+                                         const c10::optional<torch::Tensor>& tokens, const torch::Tensor& embed,
+                                         const std::vector<torch::Tensor>& keys,
+                                         const std::vector<torch::Tensor>& values, int64_t start,
+                                         const torch::Tensor& cos, const torch::Tensor& sin, double mask_value,
+                                         const c10::optional<torch::Tensor>& row_starts) {
+  TORCH_CHECK(hidden.has_value() != tokens.has_value(), "hidden or tokens, one of them");
+  const torch::Tensor input = hidden.has_value() ? *hidden : embed.index_select(0, tokens->reshape(-1))
+                                                                 .view({tokens->size(0), tokens->size(1), -1});
+  const int64_t batch = input.size(0), length = input.size(1);
+  const auto [kv_length, mask] = pass_mask(batch, length, start, row_starts, mask_value);
+  return blocks_pass(blocks, input, keys, values, start, kv_length, mask, cos, sin, row_starts);
+}
+
+// Greedy verification in one call: the target's pass (`verify_pass`), the final norm and LM head
+// (`head_logits`), a grammar's masks `allowed` (B, T, V) bool where given (as `grammar.apply_mask`: refused
+// tokens at -inf, a row left with nothing finite uniform over the allowed ones), the argmax (bf16 widened
+// first) and the accepted prefix: the leading run of drafts equal to the target's argmax, as
+// `sampling.accept_greedy` computes it. drafts (B, T - 1) int64; cos, sin (B, T, hd). Returns {decided
+// (B, T + 1) int64: the tokens (B, T), then each row's accepted count}, one tensor for the engine's one host
+// read a round, or an empty vector, nothing computed, where `blocks_pass` declines.
 std::vector<torch::Tensor> verify_greedy(const std::vector<const Block*>& blocks,
                                          const c10::optional<torch::Tensor>& hidden,
                                          const c10::optional<torch::Tensor>& tokens, const torch::Tensor& embed,
@@ -383,14 +781,10 @@ std::vector<torch::Tensor> verify_greedy(const std::vector<const Block*>& blocks
                                          const c10::optional<torch::Tensor>& bias, const torch::Tensor& drafts,
                                          const c10::optional<torch::Tensor>& allowed,
                                          const c10::optional<torch::Tensor>& row_starts) {
-  TORCH_CHECK(hidden.has_value() != tokens.has_value(), "hidden or tokens, one of them");
-  const torch::Tensor input = hidden.has_value() ? *hidden : embed.index_select(0, tokens->reshape(-1))
-                                                                 .view({tokens->size(0), tokens->size(1), -1});
-  const int64_t batch = input.size(0), length = input.size(1);
-  TORCH_CHECK(drafts.dim() == 2 && drafts.size(0) == batch && drafts.size(1) == length - 1, "drafts (B, T - 1)");
-  const auto [kv_length, mask] = pass_mask(batch, length, start, row_starts, mask_value);
-  const auto out = blocks_pass(blocks, input, keys, values, start, kv_length, mask, cos, sin, row_starts);
+  const auto out = verify_pass(blocks, hidden, tokens, embed, keys, values, start, cos, sin, mask_value, row_starts);
   if (!out.has_value()) return {};
+  const int64_t batch = out->size(0), length = out->size(1);
+  TORCH_CHECK(drafts.dim() == 2 && drafts.size(0) == batch && drafts.size(1) == length - 1, "drafts (B, T - 1)");
   torch::Tensor target;
   if (allowed.has_value()) {
     target = masked_target(out->reshape({batch * length, -1}), norm, eps, head, bias,
@@ -402,6 +796,64 @@ std::vector<torch::Tensor> verify_greedy(const std::vector<const Block*>& blocks
   }
   const auto accepted = drafts.eq(target.narrow(1, 0, length - 1)).to(torch::kInt).cumprod(1).sum(1);
   return {torch::cat({target, accepted.to(torch::kLong).unsqueeze(1)}, 1)};
+}
+
+// Sampled verification in one call (`CpuKernelsBackend.verify_sampled`): `verify_greedy`'s pass and head,
+// then each row's acceptance by its own settings (`sampling`: `RowSampling.tensors()`): a greedy row's
+// leading run of drafts equal to the target's argmax, the argmax its tokens (what `accept_sampled` makes
+// of one-hot p and q); a sampled row's `accept_row` against its drafts' distributions q (B, T - 1, V)
+// with its numbers at the decided tokens' positions (`positions` (B, T) the inputs', + 1). Returns
+// {decided (B, T + 1)}, or an empty vector where `blocks_pass` declines.
+std::vector<torch::Tensor> verify_sampled(const std::vector<const Block*>& blocks,
+                                          const c10::optional<torch::Tensor>& hidden,
+                                          const c10::optional<torch::Tensor>& tokens, const torch::Tensor& embed,
+                                          const std::vector<torch::Tensor>& keys,
+                                          const std::vector<torch::Tensor>& values, int64_t start,
+                                          const torch::Tensor& cos, const torch::Tensor& sin, double mask_value,
+                                          const torch::Tensor& norm, double eps, const torch::Tensor& head,
+                                          const c10::optional<torch::Tensor>& bias, const torch::Tensor& drafts,
+                                          const torch::Tensor& q, const std::vector<torch::Tensor>& sampling,
+                                          const torch::Tensor& positions,
+                                          const c10::optional<torch::Tensor>& row_starts) {
+  const auto out = verify_pass(blocks, hidden, tokens, embed, keys, values, start, cos, sin, mask_value, row_starts);
+  if (!out.has_value()) return {};
+  const int64_t batch = out->size(0), length = out->size(1), k = length - 1;
+  const auto rows = row_sampling(sampling);
+  TORCH_CHECK(static_cast<int64_t>(rows.size()) == batch, "sampling: one setting per row");
+  TORCH_CHECK(drafts.dim() == 2 && drafts.size(0) == batch && drafts.size(1) == k, "drafts (B, T - 1)");
+  const auto logits = head_logits(out->reshape({batch * length, -1}), norm, eps, head, bias)
+                          .to(torch::kFloat32).contiguous();  // (B·T, V)
+  const int64_t vocab = logits.size(1);
+  TORCH_CHECK(q.dim() == 3 && q.size(0) == batch && q.size(1) == k && q.size(2) == vocab, "q (B, T - 1, V)");
+  const auto held_q = q.to(torch::kFloat32).contiguous();
+  const auto held_drafts = drafts.to(torch::kLong).contiguous();
+  const auto held_positions = positions.to(torch::kLong).contiguous();
+  auto decided = torch::empty({batch, length + 1}, torch::kLong);
+  at::parallel_for(0, batch, 1, [&](int64_t first, int64_t last) {  // each row alone
+    std::vector<float> p(length * vocab);
+    std::vector<int64_t> at(length);
+    for (int64_t b = first; b < last; ++b) {
+      const float* row = logits.data_ptr<float>() + b * length * vocab;
+      const int64_t* d = held_drafts.data_ptr<int64_t>() + b * k;
+      int64_t* out_tokens = decided.data_ptr<int64_t>() + b * (length + 1);
+      int64_t accepted = 0;
+      if (rows[b].greedy) {
+        for (int64_t t = 0; t < length; ++t) out_tokens[t] = first_max(row + t * vocab, vocab);
+        while (accepted < k && d[accepted] == out_tokens[accepted]) ++accepted;
+      } else {
+        for (int64_t t = 0; t < length; ++t) at[t] = held_positions.data_ptr<int64_t>()[b * length + t] + 1;
+        // p at a position only once the drafts before it were accepted
+        const auto target = [&](int64_t t) {
+          row_probs(row + t * vocab, vocab, rows[b], p.data() + t * vocab);
+          return p.data() + t * vocab;
+        };
+        accepted = accept_row(d, held_q.data_ptr<float>() + b * k * vocab, target, k, vocab, at.data(), rows[b].seed,
+                              out_tokens);
+      }
+      out_tokens[length] = accepted;
+    }
+  });
+  return {decided};
 }
 
 // A row's copy drafter, `ngram.NGramIndex` on tokens: the row's token sequence and, per n in
@@ -487,9 +939,13 @@ std::vector<torch::Tensor> greedy_rounds(const std::vector<const Block*>& blocks
                                          const c10::optional<torch::Tensor>& ids, int64_t vocab, int64_t k,
                                          double eta, const torch::Tensor& eos, int64_t max_tokens,
                                          int64_t max_rounds, const c10::optional<torch::Tensor>& history,
-                                         int64_t min_ngram, int64_t max_ngram, int64_t copy_limit, bool overlap) {
+                                         int64_t min_ngram, int64_t max_ngram, int64_t copy_limit, bool overlap,
+                                         const std::vector<torch::Tensor>& sampling) {
   using Clock = std::chrono::steady_clock;
   const bool copying = history.has_value();
+  // a sampled row: its drafts drawn (`SampledDrafts`), its rounds verified by `verify_sampled`
+  const bool sampled = !sampling.empty() && !all_greedy(row_sampling(sampling));
+  TORCH_CHECK(!sampled || !copying, "sampled rounds draft with the early exit alone");
   const int64_t reach = k + (copying ? copy_limit : 0);  // the most drafts a round verifies
   const int64_t num_blocks = static_cast<int64_t>(blocks.size());
   TORCH_CHECK(keys.size() == blocks.size() && values.size() == blocks.size(), "a key and a value buffer a block");
@@ -533,6 +989,7 @@ std::vector<torch::Tensor> greedy_rounds(const std::vector<const Block*>& blocks
     ahead.clear();
     bool reused = false;
     const auto pending = torch::full({1}, token, longs);
+    const auto positions = torch::arange(slot, slot + k + 1, longs).view({1, k + 1});  // one row: slots are positions
     std::vector<torch::Tensor> verified;
     int64_t early = 0, copied = 0, drafted = 0;  // early-exit drafts, then copied ones
     double draft_seconds = 0.0;
@@ -550,15 +1007,19 @@ std::vector<torch::Tensor> greedy_rounds(const std::vector<const Block*>& blocks
       // was their guess (this round's pending token at the slot they start from)
       reused = !made_ahead.empty() && token == guess && slot == ahead_slot;
       const auto drafts = reused ? made_ahead
-                                : draft_loop(low, embed, pending, low_keys, low_values, slot, rows(cos, slot, k + 1),
-                                             rows(sin, slot, k + 1), norm, eps, draft_head, draft_bias, ids, vocab,
-                                             k, eta, c10::nullopt, mask_value);
+                          : sampled ? draft_loop_sampled(low, embed, pending, low_keys, low_values, slot,
+                                                         rows(cos, slot, k + 1), rows(sin, slot, k + 1), norm, eps,
+                                                         draft_head, draft_bias, ids, vocab, k, eta, sampling,
+                                                         positions, c10::nullopt, mask_value)
+                                    : draft_loop(low, embed, pending, low_keys, low_values, slot, rows(cos, slot, k + 1),
+                                                 rows(sin, slot, k + 1), norm, eps, draft_head, draft_bias, ids, vocab,
+                                                 k, eta, c10::nullopt, mask_value);
       if (drafts.empty()) {
         TORCH_CHECK(round == 0, "blocks_pass declined after the first round");
         return {};
       }
       early = drafted = drafts[0].size(1);
-      torch::Tensor states = drafts[1], tokens = drafts[0];  // (1, s + 1, D), (1, s)
+      torch::Tensor states = drafts.back(), tokens = drafts[0];  // (1, s + 1, D), (1, s)
       if (copying && early == k) {  // η did not stop the drafts: a copy their tokens make possible
         const auto held = tokens.contiguous();
         const auto tail = propose(std::vector<int64_t>(held.data_ptr<int64_t>(), held.data_ptr<int64_t>() + early));
@@ -578,6 +1039,11 @@ std::vector<torch::Tensor> greedy_rounds(const std::vector<const Block*>& blocks
       }
       draft_seconds = since(began);
       const auto verify = [&] {
+        if (sampled)  // drafts[1]: their distributions q (1, s, V)
+          return verify_sampled(high, states, c10::nullopt, embed, high_keys, high_values, slot,
+                                rows(cos, slot, drafted + 1), rows(sin, slot, drafted + 1), mask_value, norm, eps,
+                                head, bias, tokens, drafts[1], sampling, positions.narrow(1, 0, drafted + 1),
+                                c10::nullopt);
         return verify_greedy(high, states, c10::nullopt, embed, high_keys, high_values, slot,
                              rows(cos, slot, drafted + 1), rows(sin, slot, drafted + 1), mask_value, norm, eps,
                              head, bias, tokens, c10::nullopt, c10::nullopt);
@@ -615,18 +1081,33 @@ std::vector<torch::Tensor> greedy_rounds(const std::vector<const Block*>& blocks
               const int v = verdict.load();
               return v == 0 || (v == 1 && bonus.load() != guess);
             };
-            ahead = draft_loop_until(low, embed, chosen[0], low_keys, low_values, next, rows(cos, next, k + 1),
-                                     rows(sin, next, k + 1), norm, eps, draft_head, draft_bias, ids, vocab, k, eta,
-                                     c10::nullopt, mask_value, stop);
+            if (!sampled) {
+              ahead = draft_loop_until(low, embed, chosen[0], low_keys, low_values, next, rows(cos, next, k + 1),
+                                       rows(sin, next, k + 1), c10::nullopt, mask_value, k,
+                                       greedy_drafts(norm, eps, draft_head, draft_bias, ids, vocab, eta), stop);
+              continue;
+            }
+            // a sampled row: the guess is still the exit's most likely token (the likeliest to be the
+            // target's draw), the drafts from it drawn as a fresh round's would be, at the same positions
+            auto from_guess = sampled_drafts(sampling, torch::arange(next, next + k + 1, longs).view({1, k + 1}),
+                                             norm, eps, draft_head, draft_bias, ids, vocab, eta);
+            ahead = with_q(draft_loop_until(low, embed, chosen[0], low_keys, low_values, next,
+                                            rows(cos, next, k + 1), rows(sin, next, k + 1), c10::nullopt,
+                                            mask_value, k, std::ref(from_guess), stop),
+                           from_guess);
           }
         });
       } else {
         verified = verify();
       }
     } else {
-      verified = verify_greedy(blocks, c10::nullopt, pending.view({1, 1}), embed, keys, values, slot,
-                               rows(cos, slot, 1), rows(sin, slot, 1), mask_value, norm, eps, head, bias,
-                               torch::empty({1, 0}, longs), c10::nullopt, c10::nullopt);
+      const auto none = torch::empty({1, 0}, longs);
+      verified = sampled ? verify_sampled(blocks, c10::nullopt, pending.view({1, 1}), embed, keys, values, slot,
+                                          rows(cos, slot, 1), rows(sin, slot, 1), mask_value, norm, eps, head, bias,
+                                          none, torch::empty({1, 0, head.size(0)}), sampling, positions, c10::nullopt)
+                         : verify_greedy(blocks, c10::nullopt, pending.view({1, 1}), embed, keys, values, slot,
+                                         rows(cos, slot, 1), rows(sin, slot, 1), mask_value, norm, eps, head, bias,
+                                         none, c10::nullopt, c10::nullopt);
     }
     if (verified.empty()) {
       TORCH_CHECK(round == 0 && (k == 0 || copying), "blocks_pass declined after the first pass");
@@ -669,6 +1150,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              pybind11::call_guard<pybind11::gil_scoped_release>());
   module.def("verify_greedy", &verify_greedy, "greedy verification: the pass, the head, the accepted prefix",
              pybind11::call_guard<pybind11::gil_scoped_release>());
+  module.def("draft_loop_sampled", &draft_loop_sampled,
+             "early-exit drafts, each row by its own sampling: k steps of blocks [0, E), head, draw or argmax",
+             pybind11::call_guard<pybind11::gil_scoped_release>());
+  module.def("verify_sampled", &verify_sampled,
+             "verification, each row by its own sampling: the pass, the head, the speculative sampling rule",
+             pybind11::call_guard<pybind11::gil_scoped_release>());
+  // the sampling rules alone, for the tests that hold them to selfspec/sampling.py
+  module.def("row_probs", [](const torch::Tensor& logits, const std::vector<torch::Tensor>& sampling) {
+    const auto rows = row_sampling(sampling);
+    const auto held = logits.to(torch::kFloat32).contiguous();
+    TORCH_CHECK(held.dim() == 2 && held.size(0) == static_cast<int64_t>(rows.size()), "logits (B, V), a setting a row");
+    auto probs = torch::empty_like(held);
+    for (int64_t b = 0; b < held.size(0); ++b)
+      row_probs(held.data_ptr<float>() + b * held.size(1), held.size(1), rows[b], probs.data_ptr<float>() + b * held.size(1));
+    return probs;
+  }, "`RowSampling.probs` row by row");
+  module.def("uniform", &uniform, "`sampling.uniforms` for one key (seed, position, stream)");
   module.def("greedy_rounds", &greedy_rounds, "greedy rounds of one row: drafts, verification, what it keeps",
              pybind11::call_guard<pybind11::gil_scoped_release>());
   // `greedy_rounds`' copy drafter on its own, for the test that holds it to `ngram.NGramIndex`
