@@ -234,12 +234,19 @@ def _tune_and_measure(base_dir: Path, base_out: Path, finetune_config: str, forc
     speedup(BenchmarkOptions(model=str(tuned_dir), max_new_tokens=max_new_tokens, repeats=repeats,
                              num_prompts=stages.num_prompts, out=str(out / "benchmark"),
                              candidates="candidates" in read_meta(tuned_dir).get("sweep", {})))
-    print(f"   ... and sampled, as most users decode: {SAMPLED_DEMO.describe()} (hf_greedy: Hugging Face's "
-          f"sampling)")
+    print(f"   ... and sampled, as most users decode: {SAMPLED_DEMO.describe()}; a sweep of the early exit "
+          f"around the greedy pick's E stores the sampled pick (hf_greedy: Hugging Face's sampling)")
+    picked = read_meta(tuned_dir)["exit_layer"]
+    sampled = dict(temperature=SAMPLED_DEMO.temperature, top_p=SAMPLED_DEMO.top_p, seed=0)
+    sweep(SweepOptions(model=str(tuned_dir), exit_layers=tuple(e for e in (picked - 1, picked, picked + 1)
+                                                               if 1 <= e < num_layers),
+                       ks=tuple(k for k in stages.sweep_ks if k != "auto"), drafters=("early_exit",),
+                       draft_vocab_sizes=stages.sweep_vocabs, num_prompts=stages.num_prompts,
+                       max_new_tokens=stages.sweep_tokens or max_new_tokens, repeats=repeats,
+                       out=str(out / "sweep-sampled"), write_back=True, **sampled))
     speedup(BenchmarkOptions(model=str(tuned_dir), max_new_tokens=max_new_tokens, repeats=repeats,
                              num_prompts=stages.num_prompts, out=str(out / "benchmark-sampled"),
-                             methods="plain,early_exit,ngram,hybrid,hf_greedy", seed=0,
-                             temperature=SAMPLED_DEMO.temperature, top_p=SAMPLED_DEMO.top_p))
+                             methods="plain,early_exit,ngram,hybrid,hf_greedy", **sampled))
     return passed
 
 

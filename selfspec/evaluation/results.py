@@ -72,6 +72,7 @@ class SweepReport(TypedDict):
     num_prompts: int
     measured_over_predicted: float
     table_stop_below: float
+    sampling: str  # `SamplingParams.describe()`: greedy, or how every cell sampled
     repeats: int
     warmup: int
     device: str
@@ -83,7 +84,7 @@ class SweepReport(TypedDict):
     confirmed: list[dict]  # the re-timed cells, fastest first
     fastest_per_drafter: dict[str, dict]
     best: dict | None
-    all_identical_to_plain: bool
+    all_identical_to_plain: bool | None  # None for a sampled grid: its outputs are draws
     diagnosis: str | None
     model: NotRequired[str]
     prompts_from: NotRequired[str]
