@@ -2,8 +2,9 @@
 environment, then from an empty directory a tiny pretrain, fine-tune, gate, sweep and generate, and a
 plain Hugging Face directory decoded with copies.
 
-Slow (minutes): run with `python -m pytest -m slow`. The environment sees the system's packages
-(torch, transformers, ...) so nothing is downloaded; selfspec itself comes only from the wheel.
+Slow (minutes): run with `python -m pytest -m slow`. The environment sees the packages of the one the
+tests run in (torch, transformers, pip, setuptools and wheel: the `dev` extra), so nothing is downloaded;
+selfspec itself comes only from the wheel.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -33,9 +35,13 @@ def _outputs(folder: str, names: list[str]) -> set[str]:
 
 def test_the_wheel_trains_and_generates_from_an_empty_directory(tmp_path):
     venv, work = tmp_path / "venv", tmp_path / "work"
-    # without a pip of its own: the system's pip and setuptools (which builds wheels) install into it
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
-                   check=True)
+    # without a pip of its own: the tests' environment's pip, setuptools and wheel install into it. That
+    # environment's packages by a path file, not `--system-site-packages` (the interpreter's own, which a
+    # fresh machine's tests' venv does not install into); its .pth files are not read, so its editable
+    # selfspec is not seen
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site_packages = next((venv / "lib").glob("python*/site-packages"))
+    (site_packages / "tests-environment.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     python, selfspec = venv / "bin" / "python", venv / "bin" / "selfspec"
     # A copy of the source: pip builds in the tree, and a stale build/ there could leak into the wheel.
     source = tmp_path / "source"

@@ -103,3 +103,30 @@ def test_raw_requests_are_framed_as_told_and_answers_parsed():
     body = b"HTTP/1.1 413 X\r\nTransfer-Encoding: chunked\r\n\r\n" + f"{len(error):x}\r\n".encode() + error
     assert _parse_answer(body + b"\r\n0\r\n\r\n") == (413, True)
     assert _parse_answer(b"") == ("no answer", True)
+
+
+def test_the_load_levels_send_sampled_requests_seeded_per_prompt(tiny_run, tmp_path):
+    """`eval serve-load --temperature`: every request of a level carries the sampling and its prompt's
+    seed (`ServeLoadOptions.request_fields`), and each reply is the prompt's seeded draw decoded alone in
+    process, whatever the batch the server put it in: the server drafts with the early exit at a fixed
+    k, where a sampled row's drafts, and so its draws, depend on the row alone."""
+    from selfspec.checkpoint import load_tuned
+    from selfspec.evaluation.options import ServeLoadOptions
+    from selfspec.evaluation.serve_load import _level
+
+    fixed = dict(drafter="early_exit", exit_layer=2, num_speculations=2)
+    options = ServeLoadOptions(model=str(tiny_run["model"]), temperature=0.9, top_p=0.95, seed=40, **fixed)
+    assert options.request_fields(2) == {"temperature": 0.9, "top_p": 0.95, "top_k": 0, "seed": 42}
+    assert ServeLoadOptions(model="m").request_fields(2) == {"temperature": 0}
+    gen = load_tuned(tiny_run["model"], **fixed)
+    prompts = ["def add(a, b):", "import os\n", "class A:"]
+    alone = []
+    for i, text in enumerate(prompts):
+        out = gen.generate([list(gen.tokenizer(text)["input_ids"])], max_new_tokens=MAX_TOKENS,
+                           **{k: v for k, v in options.request_fields(i).items()})
+        alone.append(gen.tokenizer.decode(out.sequences[0], skip_special_tokens=True))
+    served = ServeOptions(model=str(tiny_run["model"]), max_batch=4, **fixed)
+    with server_process(served, tmp_path / "server.log") as (url, _):
+        level = _level(url, prompts, 3, 6, MAX_TOKENS, alone, options.request_fields)
+    assert level["errors"] == 0 and level["requests"] == 6
+    assert level["mismatches"] == 0, level

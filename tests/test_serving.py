@@ -620,3 +620,21 @@ def test_a_server_on_captured_passes_replies_as_its_engine_does_alone(tiny_run):
         cold.prefix_cache.clear()
         assert reply == generator.tokenizer.decode(alone(cold, prompt, max_tokens=length),
                                                    skip_special_tokens=True)
+
+
+def test_a_wave_led_by_a_sampled_request_decodes_at_the_sampled_pick(tiny_run):
+    """A sweep's sampled pick (`formats.sampled`) drafts the waves whose first request samples; a greedy
+    wave keeps the checkpoint's own settings. Each wave's rounds show which k it drafted."""
+    from selfspec.decoding import SAMPLED, DecodeSettings
+
+    generator = chat_generator(tiny_run)
+    generator.settings = DecodeSettings(exit_layer=2, num_speculations=1)
+    generator.format_settings = {SAMPLED: DecodeSettings(exit_layer=2, num_speculations=3)}
+    waves = []
+    scheduler = Scheduler(generator, max_batch=2, on_wave=lambda jobs, stats: waves.append(stats))
+    ids = generator.chat_prompt([{"role": "user", "content": "while True:"}])
+    greedy = dict(prompt=ids, max_tokens=12)
+    sampled = dict(greedy, temperature=0.9, seed=1)
+    scheduler._decode([Job(**sampled), Job(**greedy)])
+    scheduler._decode([Job(**greedy), Job(**sampled)])
+    assert set(waves[0].k_rounds) == {3} and set(waves[1].k_rounds) == {1}

@@ -343,7 +343,8 @@ class DoctorOptions(ExitOptions, PromptOptions, QuestionSource, DeviceOptions, S
 
 
 @dataclass(frozen=True, kw_only=True)
-class ServeLoadOptions(ModelOption, PromptOptions, DecodeOverrides, DrafterOverride, DeviceOptions):
+class ServeLoadOptions(ModelOption, PromptOptions, DecodeOverrides, DrafterOverride, DeviceOptions,
+                       SamplingOptions):
     """`selfspec eval serve-load` (`serve_load.serve_load`)."""
 
     model: str = option(flag="--model")
@@ -365,6 +366,14 @@ class ServeLoadOptions(ModelOption, PromptOptions, DecodeOverrides, DrafterOverr
     prefix_cache_mb: int = 256
     """the servers' and the in-process generators' prefix caches (0: none)"""
     out: str = "runs/serve-load"
+
+    def request_fields(self, prompt: int) -> dict:
+        """The sampling fields of the request for prompt number `prompt` (OpenAI's names; a sampled
+        request carries the seed + prompt, so that each prompt's reply is one seeded draw)."""
+        if self.sampling().greedy:
+            return {"temperature": 0}
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                "seed": (self.seed or 0) + prompt}
 
     def check(self):
         if isinstance(self.concurrency, str):  # the levels in the order given, as the report lists them

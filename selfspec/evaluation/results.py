@@ -161,6 +161,7 @@ class ServeLoadReport(TypedDict):
     model: str
     settings: str
     requests: int
+    sampling: str  # `SamplingParams.describe()` of the load's requests (the fault run's are greedy)
     max_tokens: int
     num_prompts: int
     max_batch: int

@@ -4,11 +4,14 @@ in-process `generate`.
 The server is `selfspec serve` in its own process, as a user runs it (127.0.0.1, `server_process`);
 clients are threads of this process that stream text completions over HTTP. For each concurrency
 level (1, 2, 4, 8 by default) and each arm (the checkpoint's own settings; a second server without
-drafting: plain decoding) the clients send `--requests` greedy requests from the prompt set, the arms
+drafting: plain decoding) the clients send `--requests` requests from the prompt set, greedy or sampled
+as `--temperature`, `--top-p`, `--top-k` say (prompt i's requests seeded with `--seed` + i), the arms
 interleaved level by level. Per level and arm it reports
 throughput (generated tokens per second of wall time), time to the first token and inter-token
 latency (a request's time from its first to its last chunk over its tokens after the first; p50,
-p95), errors, and mismatches: replies that differ from the same prompt decoded alone in-process.
+p95), errors, and mismatches: replies that differ from the same prompt decoded alone in-process (sampled:
+the same seeded draw, which a row keeps in any batch at a fixed k; an adaptive k or copies follow the
+batch, so there a sampled reply keeps its distribution, not its seed's tokens).
 The server's own cost is measured apart, paired (`_paired_speedup`): each prompt decoded by in-process
 `generate` and requested from the server by one client, in alternating order, twice over the prompts,
 once streamed and once in one response; the server's speedup over the server without drafting is
@@ -136,10 +139,11 @@ def _client() -> httpx.Client:
     return _clients.http
 
 
-def _stream(url: str, prompt: str, max_tokens: int) -> dict:
-    """One streamed greedy completion: its text, tokens, time to the first chunk and chunk times."""
-    body = {"model": "served", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+def _stream(url: str, prompt: str, max_tokens: int, fields: dict | None = None) -> dict:
+    """One streamed completion, greedy or with the sampling `fields`: its text, tokens, time to the first
+    chunk and chunk times."""
+    body = {"model": "served", "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+            "stream_options": {"include_usage": True}, **(fields or {"temperature": 0})}
     start, times, text, usage = time.perf_counter(), [], [], None
     with _client().stream("POST", f"{url}/completions", json=body) as response:
         if response.status_code != 200:
@@ -162,12 +166,13 @@ def _stream(url: str, prompt: str, max_tokens: int) -> dict:
 
 
 def _level(url: str, prompts: list[str], concurrency: int, requests: int, max_tokens: int,
-           reference: list[str]) -> dict:
-    """`requests` requests from `concurrency` clients; the level's figures."""
+           reference: list[str], fields=lambda i: None) -> dict:
+    """`requests` requests from `concurrency` clients, prompt i's with the sampling `fields(i)`; the
+    level's figures."""
     order = [i % len(prompts) for i in range(requests)]
     start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
-        results = list(pool.map(lambda i: _stream(url, prompts[i], max_tokens), order))
+        results = list(pool.map(lambda i: _stream(url, prompts[i], max_tokens, fields(i)), order))
     wall = time.perf_counter() - start
     good = [r for r in results if "error" not in r]
     mismatches = sum(r["text"] != reference[i] for i, r in zip(order, results) if "error" not in r)
@@ -180,10 +185,12 @@ def _level(url: str, prompts: list[str], concurrency: int, requests: int, max_to
             "inter_token_p50": _percentile(gaps, 0.5), "inter_token_p95": _percentile(gaps, 0.95)}
 
 
-def _complete(url: str, prompt: str, max_tokens: int) -> dict:
-    """One greedy completion in one response (no stream): its text, or the error."""
+def _complete(url: str, prompt: str, max_tokens: int, fields: dict | None = None) -> dict:
+    """One completion in one response (no stream), greedy or with the sampling `fields`: its text, or
+    the error."""
     response = _client().post(f"{url}/completions", json={"model": "served", "prompt": prompt,
-                                                           "max_tokens": max_tokens, "temperature": 0})
+                                                           "max_tokens": max_tokens,
+                                                           **(fields or {"temperature": 0})})
     if response.status_code != 200:
         return {"error": f"HTTP {response.status_code}"}
     return {"text": response.json()["choices"][0]["text"]}
@@ -697,7 +704,8 @@ def fault_classes(url: str, prompts: list[str], reference: list[str], max_tokens
 
 def to_markdown(report: dict) -> str:
     lines = [f"# Server under load: {report['model']}", "",
-             f"{report['requests']} greedy streamed requests per level, up to {report['max_tokens']} tokens "
+             f"{report['requests']} streamed requests per level ({report.get('sampling', 'greedy')}; the "
+             f"fault run's greedy), up to {report['max_tokens']} tokens "
              f"each, {report['num_prompts']} prompts, max batch {report['max_batch']}; in-process generate "
              f"at concurrency 1: {report['in_process_tokens_per_second']:.1f} tokens/s "
              f"({report['settings']}).", "",
@@ -711,6 +719,10 @@ def to_markdown(report: dict) -> str:
                          f"{row['first_token_p50'] * 1e3:.0f} / {row['first_token_p95'] * 1e3:.0f} | "
                          f"{row['inter_token_p50'] * 1e3:.1f} / {row['inter_token_p95'] * 1e3:.1f} | "
                          f"{row['errors']} | {row['mismatches']} |")
+    if report.get("sampling", "greedy") != "greedy":
+        lines += ["", "Sampled: a mismatch is a seeded reply other than the prompt's decode alone in "
+                      "process (an adaptive k or copies follow the batch, so there a reply keeps its "
+                      "distribution, not its seed's tokens)."]
     served, whole = report["served_vs_in_process"], report["whole_vs_in_process"]
     lines += ["", f"One client, each prompt in process and served, in alternating order: the server runs at "
                   f"{served['speedup']:.2f}× in-process generate streamed ({served['low']:.2f}-"
@@ -797,10 +809,15 @@ def serve_load(options: ServeLoadOptions) -> ServeLoadReport:
                                                                options.num_prompts)]
     ids = [list(gen.tokenizer(t)["input_ids"]) for t in texts]
 
+    def sampled(i: int) -> dict:  # prompt i's sampling, as its requests carry it
+        fields = options.request_fields(i)
+        return {"temperature": fields["temperature"], "top_p": fields.get("top_p", 1.0),
+                "top_k": fields.get("top_k", 0), "seed": fields.get("seed")}
+
     def in_process(generator) -> tuple[float, list[str]]:
         start, tokens, replies = time.perf_counter(), 0, []
-        for prompt in ids:
-            out = generator.generate([prompt], max_new_tokens=max_tokens)
+        for i, prompt in enumerate(ids):
+            out = generator.generate([prompt], max_new_tokens=max_tokens, **sampled(i))
             tokens += len(out.sequences[0])
             replies.append(gen.tokenizer.decode(out.sequences[0], skip_special_tokens=True))
         return tokens / (time.perf_counter() - start), replies
@@ -808,16 +825,17 @@ def serve_load(options: ServeLoadOptions) -> ServeLoadReport:
     in_process(gen)  # warm-up: kernels, caches
     rate, reference = in_process(gen)
     plain_rate, plain_reference = in_process(plain)
-    if plain_reference != reference:
+    if options.sampling().greedy and plain_reference != reference:
         raise UserError("plain and self-speculative decoding disagree in process; run the tests")
 
     def alone(generator):  # prompt i decoded in process by `generator`
-        return lambda i: generator.generate([ids[i]], max_new_tokens=max_tokens)
+        return lambda i: generator.generate([ids[i]], max_new_tokens=max_tokens, **sampled(i))
 
     speedup = _paired_speedup(alone(gen), alone(plain), len(ids))
     served = ServeOptions(model=options.model, max_batch=options.max_batch, device=device,
                           dtype=options.dtype, prefix_cache_mb=options.prefix_cache_mb, **options.overrides())
     report = {"model": options.model, "settings": gen.settings.describe(), "requests": options.requests,
+              "sampling": options.sampling().describe(),
               "max_tokens": max_tokens, "num_prompts": len(texts), "max_batch": options.max_batch,
               "in_process_tokens_per_second": rate, "in_process_plain_tokens_per_second": plain_rate,
               "in_process_speedup": speedup}
@@ -837,11 +855,12 @@ def _served(served: ServeOptions, options: ServeLoadOptions, texts: list[str], r
         # Warm-up: every prompt once to each server, as the in-process generators had every prompt
         # (their rate above): a prefix cache that holds a prompt prefills it in a fraction of the
         # time, so a server that had one prompt would pay a prefill the in-process call does not.
+        fields = options.request_fields
         for arm in ARMS:
-            _level(urls[arm], texts, 1, len(texts), max_tokens, reference)
+            _level(urls[arm], texts, 1, len(texts), max_tokens, reference, fields)
 
         def asked(way, at):  # prompt i requested from the server at `at` by one client
-            return lambda i: way(at, texts[i], max_tokens)
+            return lambda i: way(at, texts[i], max_tokens, fields(i))
 
         # the server's own cost at one client (streamed, and in one response), and its speedup
         streamed = _paired_speedup(asked(_stream, url), in_process, len(texts))
@@ -850,7 +869,8 @@ def _served(served: ServeOptions, options: ServeLoadOptions, texts: list[str], r
         results = {arm: [] for arm in ARMS}
         for level in options.concurrency:  # the arms interleaved level by level
             for arm in ARMS:
-                results[arm].append(_level(urls[arm], texts, level, options.requests, max_tokens, reference))
+                results[arm].append(_level(urls[arm], texts, level, options.requests, max_tokens, reference,
+                                           fields))
         fault_report = fault_run(url, texts, reference, options.fault, max_tokens, pid,
                                  classes=classes) if options.fault else None
     return {"served_speedup": served_speedup, "served_vs_in_process": streamed, "whole_vs_in_process": whole,

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..decoding import Constraint, NewRow, SamplingParams
+from ..decoding import SAMPLED, Constraint, NewRow, SamplingParams
 from ..decoding.engine import ADAPT_ROUNDS
 from ..errors import UserError
 
@@ -429,7 +429,7 @@ class Scheduler:
         self.active = wave
         failure, out = None, None
         try:
-            engine = self.generator.engine(rounds_per_step=self.call_rounds(),
+            engine = self.generator.engine(self._settings(wave), rounds_per_step=self.call_rounds(),
                                            draft_max_rows=self.draft_max_rows)
             jobs = {engine.add(job.row()): job for job in wave}  # the engine's row -> its job
             last = None  # when the previous step returned, while one row decodes alone
@@ -462,6 +462,14 @@ class Scheduler:
                 job.end("length" if len(job.tokens) >= job.max_tokens else "stop")
         if self.on_wave is not None:
             self.on_wave(wave, out.stats)
+
+    def _settings(self, wave: list[Job]):
+        """How a wave drafts: at the checkpoint's sampled pick (`formats.sampled`, a sampled sweep's) when
+        its first request samples and there is one, else at the generator's own settings (None). Rows
+        that join later keep the wave's: every setting is lossless, one is faster for greedy rows and
+        the other for sampled ones, and clients of one front end mostly sample alike."""
+        sampled = self.generator.format_settings.get(SAMPLED)
+        return sampled if sampled is not None and not wave[0].sampling.greedy else None
 
     def _admitted(self, wave: list[Job]) -> list[Job]:
         """The waiting jobs that join the wave now (appended to it), oldest first, while fewer than
