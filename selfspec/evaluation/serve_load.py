@@ -809,15 +809,12 @@ def serve_load(options: ServeLoadOptions) -> ServeLoadReport:
                                                                options.num_prompts)]
     ids = [list(gen.tokenizer(t)["input_ids"]) for t in texts]
 
-    def sampled(i: int) -> dict:  # prompt i's sampling, as its requests carry it
-        fields = options.request_fields(i)
-        return {"temperature": fields["temperature"], "top_p": fields.get("top_p", 1.0),
-                "top_k": fields.get("top_k", 0), "seed": fields.get("seed")}
+    sampled = options.request_fields  # prompt i's sampling, as its requests carry it (generate's names)
 
-    def in_process(generator) -> tuple[float, list[str]]:
+    def in_process(generator, fields=sampled) -> tuple[float, list[str]]:
         start, tokens, replies = time.perf_counter(), 0, []
         for i, prompt in enumerate(ids):
-            out = generator.generate([prompt], max_new_tokens=max_tokens, **sampled(i))
+            out = generator.generate([prompt], max_new_tokens=max_tokens, **fields(i))
             tokens += len(out.sequences[0])
             replies.append(gen.tokenizer.decode(out.sequences[0], skip_special_tokens=True))
         return tokens / (time.perf_counter() - start), replies
@@ -827,6 +824,11 @@ def serve_load(options: ServeLoadOptions) -> ServeLoadReport:
     plain_rate, plain_reference = in_process(plain)
     if options.sampling().greedy and plain_reference != reference:
         raise UserError("plain and self-speculative decoding disagree in process; run the tests")
+    # each arm's replies against its own decode alone (sampled, plain draws other tokens); the fault run's
+    # requests are greedy
+    references = {"selfspec": reference, "plain": plain_reference,
+                  "fault": reference if options.sampling().greedy or not options.fault
+                  else in_process(gen, lambda i: {"temperature": 0})[1]}
 
     def alone(generator):  # prompt i decoded in process by `generator`
         return lambda i: generator.generate([ids[i]], max_new_tokens=max_tokens, **sampled(i))
@@ -839,15 +841,16 @@ def serve_load(options: ServeLoadOptions) -> ServeLoadReport:
               "max_tokens": max_tokens, "num_prompts": len(texts), "max_batch": options.max_batch,
               "in_process_tokens_per_second": rate, "in_process_plain_tokens_per_second": plain_rate,
               "in_process_speedup": speedup}
-    report.update(_served(served, options, texts, reference, alone(gen), classes))
+    report.update(_served(served, options, texts, references, alone(gen), classes))
     publish(options.out, "serve_load", report, to_markdown(report), plot)
     return report
 
 
-def _served(served: ServeOptions, options: ServeLoadOptions, texts: list[str], reference: list[str],
+def _served(served: ServeOptions, options: ServeLoadOptions, texts: list[str], references: dict,
             in_process, classes: list[str]) -> dict:
     """The two servers' part of the report: `served` and the same without drafting, each in a process
-    of its own; `in_process` decodes prompt i in this process (the server's own cost is paired with it)."""
+    of its own; `in_process` decodes prompt i in this process (the server's own cost is paired with it);
+    `references`: each arm's replies decoded alone in process, and the fault run's (greedy)."""
     logs, max_tokens = Path(options.out), options.max_tokens
     with (server_process(served, logs / "server.log") as (url, pid),
           server_process(replace(served, **PLAIN_FLAGS), logs / "server-plain.log") as (plain_url, _)):
@@ -857,7 +860,7 @@ def _served(served: ServeOptions, options: ServeLoadOptions, texts: list[str], r
         # time, so a server that had one prompt would pay a prefill the in-process call does not.
         fields = options.request_fields
         for arm in ARMS:
-            _level(urls[arm], texts, 1, len(texts), max_tokens, reference, fields)
+            _level(urls[arm], texts, 1, len(texts), max_tokens, references[arm], fields)
 
         def asked(way, at):  # prompt i requested from the server at `at` by one client
             return lambda i: way(at, texts[i], max_tokens, fields(i))
@@ -869,9 +872,9 @@ def _served(served: ServeOptions, options: ServeLoadOptions, texts: list[str], r
         results = {arm: [] for arm in ARMS}
         for level in options.concurrency:  # the arms interleaved level by level
             for arm in ARMS:
-                results[arm].append(_level(urls[arm], texts, level, options.requests, max_tokens, reference,
-                                           fields))
-        fault_report = fault_run(url, texts, reference, options.fault, max_tokens, pid,
+                results[arm].append(_level(urls[arm], texts, level, options.requests, max_tokens,
+                                           references[arm], fields))
+        fault_report = fault_run(url, texts, references["fault"], options.fault, max_tokens, pid,
                                  classes=classes) if options.fault else None
     return {"served_speedup": served_speedup, "served_vs_in_process": streamed, "whole_vs_in_process": whole,
             "levels": results, "fault": fault_report}
