@@ -134,9 +134,12 @@ class Backend:
         return None
 
     def greedy_rounds(self, token: int, cache, start: int, drafts: FusedDrafts, eos: torch.Tensor,
-                      max_tokens: int, max_rounds: int, overlap: bool = False):
-        """The capability `fused_rounds`: one row's greedy rounds in one call, from the pending `token` at
-        slot `start` of `cache` (one row, every layer holding `start` positions). Each round drafts as
+                      max_tokens: int, max_rounds: int, overlap: bool = False, sampling=None):
+        """The capability `fused_rounds`: one row's rounds in one call, greedy, or with `sampling` (the
+        row's `sampling.RowSampling`, early-exit drafts only: no copies) each draft drawn and each round
+        accepted by speculative sampling's rule as `draft_loop_sampled` and `verify_sampled` do, from the
+        pending `token` at slot `start` of `cache` (one row, every layer holding `start` positions). Each
+        round drafts as
         `drafts` says (a copy from the context first where it has copies; else k early-exit drafts,
         stopping below η, a copy after them where they make one; k = 0 and no copy: a plain step) and
         verifies them; the row keeps the accepted drafts and the target's next token, cut after an eos

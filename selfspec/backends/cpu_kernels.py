@@ -48,44 +48,33 @@ class CpuKernelsBackend(Backend):
 
     # -- the protocol ----------------------------------------------------------------------------------
     def draft_loop(self, exit_layer, token, cache, positions, head, k, eta=0.0):
-        place = self._round_place(0, exit_layer, cache, positions)
-        if place is None:
-            return None
-        slots, cos, sin = place
-        weight, bias, ids, vocab = head
-        call = self._round_call(round_kernels.draft_loop, 0, exit_layer, cos, sin, (weight, bias))
-        if call is None:
-            return None
-        made, blocks, embed, cos, sin = call
-        keys, values, first, _, row_starts = slots
-        norm = self._fast.head
-        out = made(blocks, embed, token, keys, values, first, cos, sin, norm[0], norm[1], weight, bias, ids,
-                   vocab, k, eta, row_starts, self._mask_value)
-        if not out:
-            return None
-        drafts, hidden = out
-        cache.written(0, exit_layer, hidden.shape[1])
-        return drafts, hidden
+        return self._draft_loop(exit_layer, token, cache, positions, head, k, eta, None)
 
     def draft_loop_sampled(self, exit_layer, token, cache, positions, head, k, eta, sampling):
+        return self._draft_loop(exit_layer, token, cache, positions, head, k, eta, sampling)
+
+    def _draft_loop(self, exit_layer, token, cache, positions, head, k, eta, sampling):
+        """`draft_loop`, or with `sampling` (the rows' `RowSampling`) `draft_loop_sampled`, whose result
+        holds the drafts' distributions q between the drafts and the exit states."""
         place = self._round_place(0, exit_layer, cache, positions)
         if place is None:
             return None
         slots, cos, sin = place
         weight, bias, ids, vocab = head
-        call = self._round_call(round_kernels.draft_loop_sampled, 0, exit_layer, cos, sin, (weight, bias))
+        accessor = round_kernels.draft_loop if sampling is None else round_kernels.draft_loop_sampled
+        call = self._round_call(accessor, 0, exit_layer, cos, sin, (weight, bias))
         if call is None:
             return None
         made, blocks, embed, cos, sin = call
         keys, values, first, _, row_starts = slots
         norm = self._fast.head
+        rule = () if sampling is None else (list(sampling.tensors()), positions)  # the draw's inputs
         out = made(blocks, embed, token, keys, values, first, cos, sin, norm[0], norm[1], weight, bias, ids,
-                   vocab, k, eta, list(sampling.tensors()), positions, row_starts, self._mask_value)
+                   vocab, k, eta, *rule, row_starts, self._mask_value)
         if not out:
             return None
-        drafts, q, hidden = out
-        cache.written(0, exit_layer, hidden.shape[1])
-        return drafts, q, hidden
+        cache.written(0, exit_layer, out[-1].shape[1])
+        return tuple(out)
 
     def draft_choice(self, hidden, head, allowed=None, eta=0.0):
         if self.adapter is None or not self.adapter.uses_fast():  # train mode, eager or flash attention
