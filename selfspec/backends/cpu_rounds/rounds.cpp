@@ -315,7 +315,8 @@ float row_probs(const float* logits, int64_t vocab, const RowSampling& s, float*
     probs[first_max(logits, vocab)] = 1.f;
     return 1.f;
   }
-  std::vector<float> x(logits, logits + vocab);
+  thread_local std::vector<float> x;  // the row's processed logits: a buffer per thread, kept
+  x.assign(logits, logits + vocab);
   if (s.temperature != 1.f)
     for (auto& v : x) v /= s.temperature;
   int64_t kept = vocab;
@@ -507,11 +508,15 @@ struct SampledDrafts {
   c10::optional<torch::Tensor> bias;
   std::vector<int64_t> order, tokens;  // a trimmed head's rows by token id, and those ids; empty: all V
   int64_t vocab;
-  std::vector<torch::Tensor> q;  // (B, 1, V) float32 per draft
+  torch::Tensor q;  // (B, k, V) float32: each draft's distribution, made on the first step
+  int64_t made = 0;  // the drafts q holds
+  std::vector<float> logits, probs;  // (B, V'): a step's choice's, kept for the next
 
   std::pair<torch::Tensor, bool> operator()(const torch::Tensor& states, int64_t step) {
     const int64_t batch = states.size(0), d = states.size(1), width = head.size(0);
-    std::vector<float> logits(batch * width), probs(batch * width);  // (B, V'): the choice's
+    logits.resize(batch * width);
+    probs.resize(batch * width);
+    if (!q.defined()) q = torch::zeros({batch, positions.size(1) - 1, vocab}, torch::kFloat32);
     auto run = [&](const auto* h) {
       using T = std::remove_const_t<std::remove_pointer_t<decltype(h)>>;
       draft_logits<T>(h, batch, d, norm.data_ptr<T>(), static_cast<float>(eps), head.data_ptr<T>(),
@@ -524,8 +529,8 @@ struct SampledDrafts {
       TORCH_CHECK(states.scalar_type() == torch::kBFloat16, "float32 or bfloat16");
       run(states.data_ptr<at::BFloat16>());
     }
-    auto drafted = torch::zeros({batch, vocab}, torch::kFloat32);  // q
     auto token = torch::empty({batch}, torch::kLong);
+    float* drafted = q.data_ptr<float>() + step * vocab;  // row b's at b · k · V
     const int64_t* position = positions.data_ptr<int64_t>();
     std::vector<float> tops(batch);
     at::parallel_for(0, batch, 1, [&](int64_t first, int64_t last) {  // each row alone
@@ -537,14 +542,14 @@ struct SampledDrafts {
         const int64_t i = rows[b].greedy ? first_max(row, width)
                                          : draw(p, width, uniform(rows[b].seed, at, kDraftStream));
         token.data_ptr<int64_t>()[b] = tokens.empty() ? i : tokens[i];
-        float* q_row = drafted.data_ptr<float>() + b * vocab;
+        float* q_row = drafted + b * q.size(1) * vocab;
         for (int64_t c = 0; c < width; ++c) q_row[tokens.empty() ? c : tokens[c]] = p[c];
         // a greedy row's top probability: its softmax's, 1 / Σ exp(l - max)
         tops[b] = rows[b].greedy ? 1.f / exp_sum(row, width, row[first_max(row, width)], nullptr) : top;
       }
     });
     const bool confident = eta <= 0 || std::any_of(tops.begin(), tops.end(), [&](float t) { return !(t < eta); });
-    if (confident) q.push_back(drafted.unsqueeze(1));
+    if (confident) made = step + 1;
     return {token, confident};
   }
 };
@@ -567,15 +572,15 @@ SampledDrafts sampled_drafts(const std::vector<torch::Tensor>& sampling, const t
     for (const int64_t j : order) tokens.push_back(id[j]);
   }
   return {row_sampling(sampling), positions.to(torch::kLong).contiguous(), norm, head, eps, eta, bias, order, tokens,
-          vocab, {}};
+          vocab, {}, 0, {}, {}};
 }
 
 // A sampled draft loop's result: {drafts (B, s), q (B, s, V), hidden (B, s + 1, D)} from `draft_loop_until`'s
 // {drafts, hidden} and the choice's q; empty where the loop returned nothing.
 std::vector<torch::Tensor> with_q(const std::vector<torch::Tensor>& out, const SampledDrafts& drafts) {
   if (out.empty()) return {};
-  const auto q = drafts.q.empty() ? torch::empty({out[0].size(0), 0, drafts.vocab}, torch::kFloat32)
-                                  : torch::cat(drafts.q, 1);
+  const auto q = drafts.q.defined() ? drafts.q.narrow(1, 0, drafts.made)
+                                    : torch::empty({out[0].size(0), 0, drafts.vocab}, torch::kFloat32);
   return {out[0], q, out[1]};
 }
 
