@@ -1,8 +1,9 @@
 """The decoding algorithm's compiled CPU calls (`rounds.cpp`): a round's greedy early-exit drafts in
 one call, a draft step, the draft's choice from exit states (with η's probability), the greedy
-verification, one row's greedy rounds with their n-gram copies, and those copies' tables alone. Each is
-the engine's operations in the same order, so the same bits, without the Python between them;
-`CpuKernelsBackend` (`cpu_kernels.py`) calls them.
+verification, the sampled draft loop and verification (each row by its own settings: `sampling.py`'s
+rules in C++), one row's rounds (greedy with their n-gram copies, or sampled), and the copies' tables
+alone. Each greedy call is the engine's operations in the same order, so the same bits, without the
+Python between them; `CpuKernelsBackend` (`cpu_kernels.py`) calls them.
 
 They run the model's passes (`model/kernels/few_rows.cpp`, whose `few_rows.h` they include) and are
 built into one extension with them by `model.kernels`, which holds it with its settings: each accessor

@@ -1,7 +1,9 @@
 // The decoding algorithm's compiled calls on the CPU: greedy early-exit drafts (`draft_choice`,
 // `draft_loop`, `draft_step`) with η's stopping rule (`sure`), the greedy verification (`verify_greedy`,
-// under a grammar's masks `masked_target`), the n-gram copies (`NGramTables`) and one row's greedy rounds
-// in one call (`greedy_rounds`). Each is the engine's operations in the same order, so the same bits,
+// under a grammar's masks `masked_target`), the n-gram copies (`NGramTables`), the same rounds with each
+// row sampled by its own settings (`draft_loop_sampled`, `verify_sampled`: selfspec/sampling.py's rules one
+// row at a time, `row_probs`, `draw`, `accept_row`) and one row's rounds in one call (`greedy_rounds`,
+// greedy or sampled). Each greedy call is the engine's operations in the same order, so the same bits,
 // without the Python between them; `selfspec/backends/cpu_kernels.py` (`CpuKernelsBackend`) calls them.
 //
 // They run the model's passes (selfspec/model/kernels/few_rows.cpp, through few_rows.h), compiled with
