@@ -402,8 +402,12 @@ int64_t accept_row(const int64_t* drafts, const float* q, const std::function<co
     std::vector<float> residual(vocab);
     float total = 0.f;
     for (int64_t j = 0; j < vocab; ++j) total += residual[j] = std::max(0.f, target[j] - drafted[j]);
-    for (auto& r : residual) r /= total;  // as `residual_probs` normalises before the draw
-    tokens[accepted] = total > 0 ? draw(residual.data(), vocab, u) : draw(target, vocab, u);
+    if (total > 0) {
+      for (auto& r : residual) r /= total;  // as `residual_probs` normalises before the draw
+      tokens[accepted] = draw(residual.data(), vocab, u);
+    } else {  // p <= q everywhere: p itself
+      tokens[accepted] = draw(target, vocab, u);
+    }
   }
   for (int64_t i = accepted + 1; i <= k; ++i) tokens[i] = tokens[accepted];  // never emitted
   return accepted;
