@@ -506,6 +506,36 @@ def test_the_few_queries_attention_kernel_equals_the_padded_attention_and_each_q
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [12, 32, 64])
+@pytest.mark.parametrize("heads", [2, 3])
+def test_the_attention_kernel_gives_each_head_and_query_its_own_bits_over_many_tiles(few_rows, dtype, head_dim,
+                                                                                   heads):
+    """A long cache (several tiles of keys, whatever the head's width), heads that share a kv head two
+    at a time and one alone (an odd group), the causal queries of a verification (each sees one key
+    more than the last): every (head, query) bit for bit what it is alone with its own kv head, and
+    the padded float32 attention's values."""
+    from selfspec.model import kernels
+    from selfspec.model.fast import _fixed_attention
+
+    attend = kernels.few_queries_attention()
+    torch.manual_seed(0)
+    q = torch.randn(1, 2 * heads, 3, head_dim).to(dtype).float()
+    k, v = (torch.randn(1, 2, 1100, head_dim).to(dtype)[:, :, :1029] for _ in range(2))
+    mask = torch.zeros(1, 3, 1029)
+    for i in range(3):
+        mask[0, i, 1027 + i:] = float("-inf")  # query i sees keys up to 1026 + i
+    out = attend(q, k, v, mask, head_dim ** -0.5)
+    for h in range(2 * heads):
+        for i in range(3):
+            alone = attend(q[:, h:h + 1, i:i + 1].contiguous(), k[:, h // heads:h // heads + 1],
+                           v[:, h // heads:h // heads + 1], mask[:, i:i + 1].contiguous(), head_dim ** -0.5)
+            assert torch.equal(alone[0, 0], out[0, i, h * head_dim:(h + 1) * head_dim]), (h, i)
+    block = type("Block", (), {"gqa": True, "scaling": head_dim ** -0.5})
+    torch.testing.assert_close(out.float(), _fixed_attention(q.to(dtype), k, v, mask[:, None], block, 16).float(),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_keys_hidden_after_a_querys_own_change_nothing_in_the_attention_kernel(few_rows, dtype):
     """A verification's query t sees keys up to its own position and the later ones hidden; the
     single step at t has no later keys at all. Bit for bit the same for every count of hidden keys,

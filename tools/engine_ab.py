@@ -14,6 +14,9 @@ stored settings): `rows8` (8 greedy rows), `mixed8` (7 greedy + 1 at temperature
 `sampled8` (8 rows at temperature 0.8, top-p 0.95, seeds 0..7). fp32; each cell is warmed up first, then
 timed over the prompts. Only `load_tuned`, `generate` and the engine API are used, so the script runs
 against older trees of the package too.
+
+`--context L`: the prompts are windows of L tokens of `argparse.py` (long contexts), and a cell's rate
+counts decode time only (the call's total less its prefill), as a server's inter-token latency does.
 """
 
 import argparse
@@ -43,10 +46,14 @@ def _random_model():
     return SelfSpecGenerator(model, exit_layer=3), [prompt + prompt[:32]]  # a repeat: copies find one
 
 
-def _checkpoint(path: str, count: int):
+def _checkpoint(path: str, count: int, context: int | None):
     from selfspec import load_tuned
     generator = load_tuned(path, device="cpu")
     source = (Path(sysconfig.get_paths()["stdlib"]) / "argparse.py").read_text()
+    if context:  # `count` windows of `context` tokens, spread over the file
+        ids = generator.tokenizer(source)["input_ids"]
+        step = (len(ids) - context) // max(count, 1)
+        return generator, [ids[i * step:i * step + context] for i in range(count)]
     chunks = [source[i:i + 600] for i in range(20000, 20000 + 4000 * count, 4000)]
     return generator, [generator.tokenizer(text)["input_ids"] for text in chunks]
 
@@ -84,8 +91,10 @@ def main() -> None:
     parser.add_argument("--cells", default="plain,k=3,ngram,batch4")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--context", type=int, default=None, help="prompts of this many tokens; decode time only")
     args = parser.parse_args()
-    generator, prompts = _random_model() if args.model is None else _checkpoint(args.model, args.prompts)
+    generator, prompts = (_random_model() if args.model is None
+                          else _checkpoint(args.model, args.prompts, args.context))
     rates = {}
     for name in args.cells.split(","):
         if name in ROWS:
@@ -98,12 +107,13 @@ def main() -> None:
             cell.update(sampling(suffix))
         batch = cell.pop("batch", 1)
         generator.generate([prompts[0]] * batch, max_new_tokens=16, eos_token_id=[], **cell)  # warm-up
-        start, tokens = time.perf_counter(), 0
+        start, tokens, seconds = time.perf_counter(), 0, 0.0
         for prompt in prompts:
             out = generator.generate([prompt] * batch, max_new_tokens=args.new_tokens, eos_token_id=[],
                                      **cell)
             tokens += sum(len(s) for s in out.sequences)
-        rates[name] = tokens / (time.perf_counter() - start)
+            seconds += out.stats.total_time - out.stats.prefill_time
+        rates[name] = tokens / (seconds if args.context else time.perf_counter() - start)
     print(json.dumps(rates))
 
 

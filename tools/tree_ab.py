@@ -28,6 +28,7 @@ def run(tree: str, args: argparse.Namespace) -> dict:
                TORCH_EXTENSIONS_DIR=str(Path(args.extensions) / Path(tree).resolve().name))
     command = [sys.executable, str(SCRIPT), "--cells", args.cells, "--prompts", str(args.prompts),
                "--new-tokens", str(args.new_tokens)] + (["--model", args.model] if args.model else [])
+    command += ["--context", str(args.context)] if args.context else []
     out = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -40,6 +41,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--context", type=int, default=None, help="prompts of this many tokens (engine_ab.py)")
     parser.add_argument("--extensions", default="/tmp/tree_ab_extensions")
     args = parser.parse_args()
     for tree in args.trees:  # builds the kernels and warms the file cache: not timed
@@ -51,7 +53,8 @@ def main() -> None:
             runs[tree].append(run(tree, args))
     first, last = args.trees[0], args.trees[-1]
     cells = args.cells.split(",")
-    print(f"{args.model or 'random Llama'}: {args.prompts} prompts x {args.new_tokens} tokens, "
+    context = f", {args.context}-token prompts, decode time only" if args.context else ""
+    print(f"{args.model or 'random Llama'}: {args.prompts} prompts x {args.new_tokens} tokens{context}, "
           f"median of {args.repeats} interleaved repeats")
     print("| cell | " + " | ".join(f"{t} tok/s" for t in args.trees) + f" | {last} / {first} (low-high) |"
           + ("".join(f" {t} x plain |" for t in args.trees) if "plain" in cells else ""))

@@ -34,25 +34,56 @@
 
 namespace {
 
+// out[r] = hsum(acc[r]) for 8 vectors at once: the same additions in the same pairs as `hsum` (lane i
+// plus lane i + 4, then those of lanes 0, 2 and 1, 3, then the two), on the 8 side by side in 13
+// shuffles and additions where 8 `hsum`s take 40.
+inline void hsum8(const __m256* acc, float* out) {
+  __m256 halves[4];  // halves[i] = [acc[2i]'s lo + hi | acc[2i+1]'s lo + hi]
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i)
+    halves[i] = _mm256_add_ps(_mm256_permute2f128_ps(acc[2 * i], acc[2 * i + 1], 0x20),
+                              _mm256_permute2f128_ps(acc[2 * i], acc[2 * i + 1], 0x31));
+  // pairs[i] = [s0 + s2, s1 + s3 of acc[4i], of acc[4i + 2] | of acc[4i + 1], of acc[4i + 3]]
+  __m256 pairs[2];
+#pragma GCC unroll 2
+  for (int i = 0; i < 2; ++i)
+    pairs[i] = _mm256_add_ps(_mm256_shuffle_ps(halves[2 * i], halves[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm256_shuffle_ps(halves[2 * i], halves[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // [acc 0, 2, 4, 6 | 1, 3, 5, 7]: the even ones' pair sums, then the odd ones'
+  const __m256 sums = _mm256_add_ps(_mm256_shuffle_ps(pairs[0], pairs[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm256_shuffle_ps(pairs[0], pairs[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, sums);
+  for (int r = 0; r < 4; ++r) {
+    out[2 * r] = lanes[r];
+    out[2 * r + 1] = lanes[4 + r];
+  }
+}
+
 // out[j] = a · b_j for the `count` rows b_j = b + j·n: 8-lane FMAs, then the lanes, then the tail, the
-// order `rows_block` uses (b widened exactly). Four rows at a time give the FMA units independent
-// chains; each row's sum keeps its own order.
+// order `rows_block` uses (b widened exactly). Eight rows at a time give the FMA units independent
+// chains (a head of 32 dims is 4 FMAs a row: one row's chain alone waits on the FMA's latency); each
+// row's sum keeps its own order.
 template <typename T>
 inline void dots(const float* a, const T* b, int64_t n, int64_t count, float* out) {
   const int64_t n8 = n - n % 8;
   int64_t j = 0;
-  for (; j + 4 <= count; j += 4) {
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (; j + 8 <= count; j += 8) {
+    __m256 acc[8];
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t c = 0; c < n8; c += 8) {
       const __m256 av = _mm256_loadu_ps(a + c);
-#pragma GCC unroll 4
-      for (int r = 0; r < 4; ++r) acc[r] = _mm256_fmadd_ps(load8(b + (j + r) * n + c), av, acc[r]);
+#pragma GCC unroll 8
+      for (int r = 0; r < 8; ++r) acc[r] = _mm256_fmadd_ps(load8(b + (j + r) * n + c), av, acc[r]);
     }
-#pragma GCC unroll 4
-    for (int r = 0; r < 4; ++r) {
-      float total = hsum(acc[r]);
-      for (int64_t c = n8; c < n; ++c) total += static_cast<float>(b[(j + r) * n + c]) * a[c];
-      out[j + r] = total;
+    hsum8(acc, out + j);
+    if (n8 < n) {
+      for (int r = 0; r < 8; ++r) {  // K's tail as `rows_block` adds it
+        float total = out[j + r];
+        for (int64_t c = n8; c < n; ++c) total += static_cast<float>(b[(j + r) * n + c]) * a[c];
+        out[j + r] = total;
+      }
     }
   }
   for (; j < count; ++j) {
@@ -68,56 +99,154 @@ inline void dots(const float* a, const T* b, int64_t n, int64_t count, float* ou
 // are -3.4e38), which the engine's masks use; a visible key's score is never near it.
 constexpr float kHiddenKey = -1e38f;
 
-// Attention of one (row, head): m queries, each alone, over S keys, in fp32 throughout. p holds S
-// rounded up to 8 floats: the softmax runs in 8 lanes, key j in lane j % 8, the keys past S weighing
-// 0, so a query's sums are the same whatever the number of keys hidden after its own.
-template <typename T>
-void attend_head(const float* q, const T* k, const T* v, const float* mask, T* out, int64_t m, int64_t s_len,
-                 int64_t hd, int64_t out_stride, float scale, float* p, float* acc) {
-  for (int64_t i = 0; i < m; ++i) {
-    const float* qi = q + i * hd;
-    const float* mi = mask + i * s_len;
-    // The keys hidden after the query's last visible one (a causal prefill's later positions, a
-    // cache's free slots) weigh exactly 0 (`exp8`): they are not read, which changes no sum.
-    int64_t used = s_len;
-    while (used > 1 && mi[used - 1] <= kHiddenKey) --used;
-    const int64_t padded = (used + 7) / 8 * 8;
-    dots(qi, k, hd, used, p);
-    float best = -INFINITY;
-    for (int64_t j = 0; j < used; ++j) {
-      p[j] = p[j] * scale + mi[j];
-      best = std::max(best, p[j]);
-    }
-    for (int64_t j = used; j < padded; ++j) p[j] = -INFINITY;
-    __m256 lanes = _mm256_setzero_ps();
-    for (int64_t j = 0; j < padded; j += 8) {
-      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + j), _mm256_set1_ps(best)));
-      _mm256_storeu_ps(p + j, e);
-      lanes = _mm256_add_ps(lanes, e);
-    }
-    const float total = hsum(lanes);
-    // acc[d] = Σ_j p[j]·v[j, d] in key order, one fused multiply-add per key (written out, so that
-    // no compiler's choice to contract a product and a sum changes the bits), 64 dims at a time in
-    // 8 registers: kept in memory, acc took a load and a store per key and 8 dims
-    int64_t d0 = 0;
-    for (; d0 + 64 <= hd; d0 += 64) {
-      __m256 sums[8];
+// One query of an (row, kv head)'s attention: its scores, then its softmax weights in place.
+struct Query {
+  const float* q;     // (hd) fp32
+  const float* mask;  // (S) additive
+  float* out_acc;     // (hd) Σ_j p[j]·v[j] so far
+  float* p;           // (S rounded up to 8): scores, then exp(score − best)
+  int64_t used;       // keys up to the query's last visible one: the rest weigh exactly 0 and are not read
+  float total;        // Σ_j p[j], in the softmax's 8 lanes
+};
+
+// acc[d0, d0 + 8R) of Q queries (1 or 2) += Σ_{j in [from, to)} p[j]·v[j, d0 + ...], in key order, one
+// fused multiply-add per key and dimension (written out, so that no compiler's choice to contract a
+// product and a sum changes the bits). Each (query, dimension) is one chain in key order whatever the
+// grouping: two queries side by side share each v load and give the FMA units 2R chains where one
+// query's R would wait on the FMA's latency (R = 4: a head of 32 dims).
+template <int R, int Q, typename T>
+inline void accumulate(Query* const* queries, const T* v, int64_t hd, int64_t d0, int64_t from, int64_t to) {
+  __m256 sums[Q][R];
 #pragma GCC unroll 8
-      for (int r = 0; r < 8; ++r) sums[r] = _mm256_setzero_ps();
-      for (int64_t j = 0; j < used; ++j) {
-        const __m256 pj = _mm256_set1_ps(p[j]);
-        const T* vj = v + j * hd + d0;
+  for (int a = 0; a < Q; ++a)
 #pragma GCC unroll 8
-        for (int r = 0; r < 8; ++r) sums[r] = _mm256_fmadd_ps(pj, load8(vj + 8 * r), sums[r]);
-      }
+    for (int r = 0; r < R; ++r) sums[a][r] = _mm256_loadu_ps(queries[a]->out_acc + d0 + 8 * r);
+  for (int64_t j = from; j < to; ++j) {
+    const T* vj = v + j * hd + d0;
+    __m256 vv[R];
 #pragma GCC unroll 8
-      for (int r = 0; r < 8; ++r) _mm256_storeu_ps(acc + d0 + 8 * r, sums[r]);
+    for (int r = 0; r < R; ++r) vv[r] = load8(vj + 8 * r);
+#pragma GCC unroll 2
+    for (int a = 0; a < Q; ++a) {
+      const __m256 pj = _mm256_set1_ps(queries[a]->p[j]);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) sums[a][r] = _mm256_fmadd_ps(pj, vv[r], sums[a][r]);
     }
-    for (int64_t d = d0; d < hd; ++d) acc[d] = 0.f;
-    for (int64_t j = 0; j < used; ++j)
-      for (int64_t d = d0; d < hd; ++d) acc[d] = std::fma(p[j], static_cast<float>(v[j * hd + d]), acc[d]);
-    for (int64_t d = 0; d < hd; ++d) out[i * out_stride + d] = static_cast<T>(acc[d] / total);
   }
+#pragma GCC unroll 8
+  for (int a = 0; a < Q; ++a)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(queries[a]->out_acc + d0 + 8 * r, sums[a][r]);
+}
+
+// Σ_j p[j]·v[j] over keys [from, to) ∩ each query's own for one query, or two side by side over the keys
+// both use and then the longer one's rest alone (a key past a query's `used` may hold anything: a free
+// slot). Called tile after tile in key order, so each (query, dimension) stays one chain in key order.
+template <typename T>
+void weigh_values(Query* first, Query* second, const T* v, int64_t hd, int64_t from, int64_t to) {
+  const int64_t hd8 = hd - hd % 8;
+  Query* longer = first;
+  int64_t shared = from;  // keys [from, shared) are weighed for both queries together
+  if (second) {
+    Query* pair[2] = {first, second};
+    shared = std::clamp(std::min(first->used, second->used), from, to);
+    longer = first->used > second->used ? first : second;
+    int64_t d0 = 0;
+    for (; d0 + 32 <= hd8; d0 += 32) accumulate<4, 2>(pair, v, hd, d0, from, shared);
+    for (; d0 < hd8; d0 += 8) accumulate<1, 2>(pair, v, hd, d0, from, shared);
+  }
+  const int64_t end = std::min(longer->used, to);
+  if (shared < end) {
+    int64_t d0 = 0;
+    for (; d0 + 64 <= hd8; d0 += 64) accumulate<8, 1>(&longer, v, hd, d0, shared, end);
+    for (; d0 + 32 <= hd8; d0 += 32) accumulate<4, 1>(&longer, v, hd, d0, shared, end);
+    for (; d0 < hd8; d0 += 8) accumulate<1, 1>(&longer, v, hd, d0, shared, end);
+  }
+  for (Query* query : {first, second}) {
+    if (!query || hd8 == hd) continue;
+    for (int64_t j = from; j < std::min(query->used, to); ++j)
+      for (int64_t d = hd8; d < hd; ++d)
+        query->out_acc[d] = std::fma(query->p[j], static_cast<float>(v[j * hd + d]), query->out_acc[d]);
+  }
+}
+
+// How many keys make a tile: the queries of a kv head read a tile of keys (then of values) in turn,
+// so that it comes from L1 (16 KiB) for all but the first; read from L2 or L3 once per query, a long
+// context's keys made a verification cost its positions' count of single steps.
+template <typename T>
+constexpr int64_t tile_keys(int64_t hd) {
+  return std::max<int64_t>(8, 16384 / (hd * static_cast<int64_t>(sizeof(T))) / 8 * 8);
+}
+
+// How many keys the query reads: up to its last visible one (the keys hidden after it, a causal
+// prefill's later positions or a cache's free slots, weigh exactly 0 in `softmax_weights`: they are
+// not read, which changes no sum).
+inline int64_t keys_used(const float* mask, int64_t s_len) {
+  int64_t used = s_len;
+  while (used > 1 && mask[used - 1] <= kHiddenKey) --used;
+  return used;
+}
+
+// A query's softmax weights in place, from its scores p[j] = q·k_j (j < used): p[j] = exp(s_j − best)
+// with s_j = p[j]·scale + mask_j, 0 up to `used` rounded to 8, and the weights' sum in the softmax's 8
+// lanes (key j in lane j % 8, the keys past `used` weighing 0, so a query's sums are the same whatever
+// the number of keys hidden after its own).
+inline void softmax_weights(Query& query, int64_t hd, float scale) {
+  const float* mi = query.mask;
+  float* pi = query.p;
+  const int64_t used = query.used, padded = (used + 7) / 8 * 8, used8 = used - used % 8;
+  // a product, then a sum, as the scalar steps round them (the build contracts no products)
+  const __m256 scale8 = _mm256_set1_ps(scale);
+  __m256 best8 = _mm256_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < used8; j += 8) {
+    const __m256 s = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(pi + j), scale8), _mm256_loadu_ps(mi + j));
+    _mm256_storeu_ps(pi + j, s);
+    best8 = _mm256_max_ps(best8, s);
+  }
+  alignas(32) float lanes8[8];
+  _mm256_store_ps(lanes8, best8);
+  float best = *std::max_element(lanes8, lanes8 + 8);
+  for (int64_t j = used8; j < used; ++j) {
+    pi[j] = pi[j] * scale + mi[j];
+    best = std::max(best, pi[j]);
+  }
+  for (int64_t j = used; j < padded; ++j) pi[j] = -INFINITY;
+  __m256 lanes = _mm256_setzero_ps();
+  for (int64_t j = 0; j < padded; j += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(pi + j), _mm256_set1_ps(best)));
+    _mm256_storeu_ps(pi + j, e);
+    lanes = _mm256_add_ps(lanes, e);
+  }
+  query.total = hsum(lanes);
+  std::fill(query.out_acc, query.out_acc + hd, 0.f);
+}
+
+// Attention of the queries of one row and kv head (the m positions of one or two of the heads that
+// share it), each alone, over S keys, in fp32 throughout: `outs[i]` gets query i's result (hd values).
+// p holds a row of S rounded up to 8 floats per query, acc hd floats per query. The keys, then the
+// values, are read a tile at a time for every query (`tile_keys`), the values weighed two queries at a
+// time (`weigh_values`): each query's result is the same bits alone, paired or tiled.
+template <typename T>
+void attend_kv_head(std::vector<Query>& queries, const std::vector<T*>& outs, const T* k, const T* v,
+                    int64_t s_len, int64_t hd, float scale, float* p, float* acc) {
+  const int64_t stride = (s_len + 7) / 8 * 8, count = static_cast<int64_t>(queries.size());
+  int64_t longest = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    queries[i].p = p + i * stride;
+    queries[i].out_acc = acc + i * hd;
+    queries[i].used = keys_used(queries[i].mask, s_len);
+    longest = std::max(longest, queries[i].used);
+  }
+  const int64_t tile = tile_keys<T>(hd);
+  for (int64_t from = 0; from < longest; from += tile)
+    for (Query& query : queries)
+      if (from < query.used) dots(query.q, k + from * hd, hd, std::min(tile, query.used - from), query.p + from);
+  for (Query& query : queries) softmax_weights(query, hd, scale);
+  for (int64_t from = 0; from < longest; from += tile)
+    for (int64_t i = 0; i < count; i += 2)
+      weigh_values(&queries[i], i + 1 < count ? &queries[i + 1] : nullptr, v, hd, from, from + tile);
+  for (int64_t i = 0; i < count; ++i)
+    for (int64_t d = 0; d < hd; ++d) outs[i][d] = static_cast<T>(queries[i].out_acc[d] / queries[i].total);
 }
 
 }  // namespace
@@ -143,14 +272,27 @@ torch::Tensor few_queries_attention(const torch::Tensor& q, const torch::Tensor&
   const int64_t group = heads / kv_heads;
   const float* qp = q.data_ptr<float>();
   const float* mp = mask.data_ptr<float>();
+  // A unit of work: one row's heads [h0, h0 + 2) that share a kv head (one, where the group is odd),
+  // so that even a single position's queries pair up in `weigh_values`.
+  const int64_t pairs = (group + 1) / 2, units = batch * kv_heads * pairs;
   auto run = [&](auto* kp, auto* vp, auto* op) {
-    at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> p((s_len + 7) / 8 * 8), acc(hd);
-      for (int64_t bh = begin; bh < end; ++bh) {
-        const int64_t b = bh / heads, h = bh % heads, g = h / group;
-        attend_head(qp + bh * m * hd, kp + b * k.stride(0) + g * k.stride(1), vp + b * v.stride(0) + g * v.stride(1),
-                    mp + b * m * s_len, op + b * m * heads * hd + h * hd, m, s_len, hd, heads * hd,
-                    static_cast<float>(scale), p.data(), acc.data());
+    using T = std::remove_pointer_t<decltype(kp)>;
+    at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> p(2 * m * ((s_len + 7) / 8 * 8)), acc(2 * m * hd);
+      std::vector<Query> queries;
+      std::vector<T*> outs;
+      for (int64_t unit = begin; unit < end; ++unit) {
+        const int64_t b = unit / (kv_heads * pairs), g = unit / pairs % kv_heads;
+        const int64_t h0 = g * group + unit % pairs * 2, h1 = std::min(h0 + 2, (g + 1) * group);
+        queries.clear();
+        outs.clear();
+        for (int64_t i = 0; i < m; ++i)
+          for (int64_t h = h0; h < h1; ++h) {
+            queries.push_back({qp + ((b * heads + h) * m + i) * hd, mp + (b * m + i) * s_len, nullptr, nullptr, 0, 0.f});
+            outs.push_back(op + (b * m + i) * heads * hd + h * hd);
+          }
+        attend_kv_head<T>(queries, outs, kp + b * k.stride(0) + g * k.stride(1), vp + b * v.stride(0) + g * v.stride(1),
+                          s_len, hd, static_cast<float>(scale), p.data(), acc.data());
       }
     });
   };
