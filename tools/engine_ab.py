@@ -91,7 +91,8 @@ def main() -> None:
     parser.add_argument("--cells", default="plain,k=3,ngram,batch4")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--context", type=int, default=None, help="prompts of this many tokens; decode time only")
+    parser.add_argument("--context", type=int, default=None,
+                        help="prompts of this many tokens; decode time only")
     args = parser.parse_args()
     generator, prompts = (_random_model() if args.model is None
                           else _checkpoint(args.model, args.prompts, args.context))

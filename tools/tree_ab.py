@@ -41,7 +41,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--context", type=int, default=None, help="prompts of this many tokens (engine_ab.py)")
+    parser.add_argument("--context", type=int, default=None,
+                        help="prompts of this many tokens (engine_ab.py)")
     parser.add_argument("--extensions", default="/tmp/tree_ab_extensions")
     args = parser.parse_args()
     for tree in args.trees:  # builds the kernels and warms the file cache: not timed

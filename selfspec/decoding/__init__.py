@@ -4,6 +4,7 @@ drafts copied from the context (n-grams) and a trimmed draft head."""
 from ..sampling import SamplingParams, accept_greedy, accept_sampled, residual_probs
 from .cache import CacheLengthError, KVCache
 from .controller import Controller, CostModelRule, FixedK, WindowRule, make_controller
+from .costs import CostGate, RoundCosts
 from .draft_head import DraftHead
 from .engine import CallOptions, Engine
 from .generation import GenerationConfig
@@ -16,8 +17,8 @@ from .speculative import SelfSpecGenerator
 
 __all__ = ["ADAPTIVE_K", "DRAFTERS", "PLAIN", "SAMPLED", "CallOptions", "DecodeSettings", "Engine",
            "RoundOutput", "parse_num_speculations", "CacheLengthError",
-           "Constraint", "Controller", "CostModelRule", "DraftHead", "DraftPlan", "DraftPolicy",
+           "Constraint", "Controller", "CostGate", "CostModelRule", "DraftHead", "DraftPlan", "DraftPolicy",
            "FixedK", "GenerationConfig", "GenerationOutput", "GenerationStats", "KVCache", "NGramConfig",
            "NewRow",
-           "RoundCounts", "SamplingParams", "SelfSpecGenerator", "WindowRule", "accept_greedy",
+           "RoundCosts", "RoundCounts", "SamplingParams", "SelfSpecGenerator", "WindowRule", "accept_greedy",
            "accept_sampled", "make_controller", "make_policy", "residual_probs"]

@@ -36,7 +36,7 @@ from ..model.fast import fixed_width
 from ..sampling import SamplingParams
 from .grammar import GrammarBatch
 from .outputs import GenerationOutput, GenerationStats, NewRow, RoundCounts, RoundOutput
-from .policy import DraftPolicy
+from .policy import ADAPT_ROUNDS, GATED_ROUNDS, DraftPolicy
 from .profile import RoundProfile
 from .runner import Runner
 from .settings import DecodeSettings
@@ -44,9 +44,6 @@ from .settings import DecodeSettings
 # A grammar's forced tokens a round may draft beyond the policy's k: they cost no model call, and a
 # pass of up to 16 + k positions stays in the compiled kernels' range of rows.
 FORCED_PER_ROUND = 16
-# Rounds per compiled call under an adaptive k (`controller.WindowRule`, `CostModelRule`): the controller
-# sees every round's counts after the call and sets the k of the next call
-ADAPT_ROUNDS = 8
 
 
 class _Clock:
@@ -234,14 +231,18 @@ class Engine:
 
     def _plan_calls(self) -> None:
         """How many rounds a compiled call may run: one for a caller that reads every round, the
-        rounds_per_step for one that steps the engine itself, a fixed k to the row's end, an adaptive one
-        `ADAPT_ROUNDS` (its controller takes every round's counts between calls)."""
+        rounds_per_step for one that steps the engine itself, a fixed k to the row's end (`GATED_ROUNDS`
+        under a cost gate, which reads the rounds between calls), an adaptive one `ADAPT_ROUNDS` (its
+        controller takes every round's counts between calls)."""
         options, policy = self.options, self.policy
         self.fixed = policy.fixed
         most = int(self.limits.max())
+        # rounds between the policy's decisions: a controller's after every few, a gate's after more,
+        # none for a fixed k alone
+        every = ADAPT_ROUNDS if not self.fixed else GATED_ROUNDS if policy.gate is not None else None
         rounds = (1 if options.watched else max(1, options.rounds_per_step)
-                  if options.rounds_per_step is not None else most if self.fixed else ADAPT_ROUNDS)
-        self.rounds_per_call = rounds if self.fixed else min(rounds, ADAPT_ROUNDS)
+                  if options.rounds_per_step is not None else most if every is None else every)
+        self.rounds_per_call = rounds if every is None else min(rounds, every)
         self.one_call = self.runner.fuses(self.b, policy, self.rounds_per_call)
 
     def _grow(self, rows: int) -> None:
@@ -303,9 +304,11 @@ class Engine:
             drafts = FusedDrafts(k=0)
         remaining = int(self.limits[row] - self.counts[row])
         reach = drafts.k + drafts.copy_length  # the most drafts a round verifies
-        # a row's first round alone: its first token reaches the caller without delay
+        # a row's first round alone: its first token reaches the caller without delay; fewer while the
+        # cost gate learns (`DraftPolicy.rounds_cap`)
         watched = self.options.rounds_per_step is not None
-        most = 1 if watched and not self.counts[row] else self.rounds_per_call
+        cap = self.policy.rounds_cap() or self.rounds_per_call
+        most = 1 if watched and not self.counts[row] else min(self.rounds_per_call, cap)
         limit = runner.view.max_positions
         if limit is not None and int(b.lengths[0]) + remaining + reach >= limit:
             return None

@@ -23,7 +23,9 @@ Drafters (`SelfSpecGenerator(drafter=...)`):
   machine.
 
 A policy sees the emitted tokens of every row (`observe`) and the outcome of every round
-(`update`); `start` resets it for a new `generate` call.
+(`update`); `start` resets it for a new `generate` call. With a `CostGate` (`gate`, from the
+checkpoint's measured `RoundCosts`), each source's k is cut to what pays at the batch's longest
+context (`costs.py`): down to a plain step where drafting costs more than it returns.
 """
 
 from __future__ import annotations
@@ -35,10 +37,16 @@ import numpy as np
 from ..backends import FusedDrafts
 from ..errors import UserError
 from .controller import Controller, FixedK, WindowRule, make_controller
+from .costs import CostGate
 from .ngram import NGramConfig, RowIndexes
 
 DRAFTERS = ("early_exit", "ngram", "hybrid")
 COPY_WINDOW = 16  # copy rounds the copy length's α is taken over: copying comes and goes with the text
+# rounds a compiled call runs under an adaptive k (`controller.WindowRule`, `CostModelRule`: the controller
+# sees every round's counts after the call and sets the k of the next call), and for a fixed k under a
+# cost gate (its α and the rows' contexts change slowly, and each call costs its setup)
+ADAPT_ROUNDS = 8
+GATED_ROUNDS = 32
 
 
 @dataclass(frozen=True)
@@ -80,14 +88,18 @@ class DraftPlan:
 
 
 class DraftPolicy:
-    """Base class: plans rounds; `k_max` bounds a round's draft length (it sizes the KV cache's headroom)."""
+    """Base class: plans rounds; `k_max` bounds a round's draft length (it sizes the KV cache's headroom).
+    It keeps every row's context length (`lengths`, by caller row) for its `gate`."""
 
     k_max: int = 0
     copies = False  # whether `copy_after` can return a copy at all (after forced tokens, say)
     copies_after_early_exit = False  # whether it can after early-exit drafts (the engine then asks)
+    gate: CostGate | None = None
+    lengths: np.ndarray = np.zeros(0, dtype=np.int64)
 
     def start(self, prompts: list[list[int]]) -> None:
         """A new `generate` call with these prompts (row i = prompts[i])."""
+        self.lengths = np.array([len(p) for p in prompts], dtype=np.int64)
 
     def match_text(self, text) -> None:
         """From the next `start` on, copies may also match the context's text where its tokens differ
@@ -96,6 +108,7 @@ class DraftPolicy:
     def add(self, prompts: list[list[int]]) -> None:
         """More rows join the call (`Engine.add` after the first step): their ids follow the rows so far,
         in order."""
+        self.lengths = np.concatenate([self.lengths, [len(p) for p in prompts]]).astype(np.int64)
 
     def plan(self, rows: np.ndarray) -> DraftPlan:
         """The draft of the next round for the running rows `rows` (caller row indices, batch order)."""
@@ -112,6 +125,32 @@ class DraftPolicy:
 
     def observe(self, rows: np.ndarray, tokens: np.ndarray, emit: np.ndarray) -> None:
         """Row rows[s] emitted tokens[s, :emit[s]] this round."""
+        self.lengths[rows] += emit
+
+    def gated(self, source: str, k: int, rows) -> int:
+        """k drafts from `source` cut to what pays at the longest of `rows`' contexts (`CostGate.k`);
+        k itself without a gate."""
+        if self.gate is None or k <= 0:
+            return k
+        return self.gate.k(source, k, int(self.lengths[rows].max()))
+
+    sources: tuple[str, ...] = ()  # where its drafts come from ("early_exit", "copy"), for the gate
+
+    def rounds_cap(self) -> int | None:
+        """The most rounds the next compiled call may run for the gate's sake: 1 for a probe
+        (`CostGate.probing`), `ADAPT_ROUNDS` while a source's α is unknown (its first rounds tell the
+        gate), else None (no cap; also without a gate)."""
+        gate = self.gate
+        if gate is None:
+            return None
+        if gate.probing:
+            return 1
+        return ADAPT_ROUNDS if any(gate.alpha(source) is None for source in self.sources) else None
+
+    def gate_record(self, drafts: dict) -> None:
+        """The gate learns a round's drafts, {source: (k, accepted counts of the rows that tested them)}."""
+        if self.gate is not None:
+            self.gate.record(drafts)
 
     def update(self, segments: list[Segment], accepted: np.ndarray, draft_time: float,
                verify_time: float) -> None:
@@ -125,7 +164,8 @@ class DraftPolicy:
 
     @property
     def fixed(self) -> bool:
-        """Whether every round drafts alike (a fixed k, no copies): a fused call may then run to the end."""
+        """Whether every round drafts alike (a fixed k, no copies), a gate's cuts aside: a fused call may
+        then run to the end without a gate, `GATED_ROUNDS` rounds with one."""
         return False
 
     def fuses(self, rounds_per_call: int) -> bool:
@@ -144,9 +184,11 @@ class EarlyExitPolicy(DraftPolicy):
     def __init__(self, controller: Controller):
         self.controller = controller
         self.k_max = controller.k_max
+        self.sources = ("early_exit",)
 
     def plan(self, rows):
-        return DraftPlan(np.zeros((len(rows), 0), dtype=np.int64), self.controller.next_k())
+        return DraftPlan(np.zeros((len(rows), 0), dtype=np.int64),
+                         self.gated("early_exit", self.controller.next_k(), rows))
 
     def update(self, segments, accepted, draft_time, verify_time):
         # the early exit's own drafts and what it kept of them: a grammar's forced tokens cost no draft
@@ -155,7 +197,9 @@ class EarlyExitPolicy(DraftPolicy):
         if own:
             reached = accepted >= own[0].start  # rows whose verifier tested the exit's first draft
             accepted = sum(np.clip(accepted[reached] - s.start, 0, s.length) for s in own)
-        self.controller.update(sum(s.length for s in own), accepted, draft_time, verify_time)
+        k = sum(s.length for s in own)
+        self.controller.update(k, accepted, draft_time, verify_time)
+        self.gate_record({"early_exit": (k, accepted)})
 
     @property
     def drafts_early_exit(self):
@@ -169,7 +213,7 @@ class EarlyExitPolicy(DraftPolicy):
         return True
 
     def fused_drafts(self, row):
-        return FusedDrafts(k=self.controller.next_k())
+        return FusedDrafts(k=self.gated("early_exit", self.controller.next_k(), [row]))
 
 
 class CopyPolicy(DraftPolicy):
@@ -189,6 +233,7 @@ class CopyPolicy(DraftPolicy):
         self.k_max = early_exit.k_max + self.copy_controller.k_max
         self.copies = True
         self.copies_after_early_exit = early_exit.k_max > 0
+        self.sources = ("copy", "early_exit") if early_exit.k_max > 0 else ("copy",)
         self.text = None
         self.context = RowIndexes(ngram)  # every row's n-gram index, from `start` on
 
@@ -196,21 +241,25 @@ class CopyPolicy(DraftPolicy):
         self.text = text
 
     def start(self, prompts):
+        super().start(prompts)
         self.context = RowIndexes(self.ngram, self.text)
         self.context.add(prompts)
 
     def add(self, prompts):
+        super().add(prompts)
         self.context.add(prompts)
 
     def observe(self, rows, tokens, emit):
+        super().observe(rows, tokens, emit)
         self.context.extend(rows, tokens, emit)
 
     def plan(self, rows):
-        copied = self.context.copies(rows, self.copy_controller.next_k())
-        return DraftPlan(copied, 0 if copied.shape[1] else self.early_exit.next_k())
+        copied = self.context.copies(rows, self.gated("copy", self.copy_controller.next_k(), rows))
+        extend = 0 if copied.shape[1] else self.gated("early_exit", self.early_exit.next_k(), rows)
+        return DraftPlan(copied, extend)
 
     def copy_after(self, rows, drafted):
-        return self.context.copies(rows, self.copy_controller.next_k(), drafted)
+        return self.context.copies(rows, self.gated("copy", self.copy_controller.next_k(), rows), drafted)
 
     def copy_limit(self):
         return self.copy_controller.next_k()
@@ -218,6 +267,7 @@ class CopyPolicy(DraftPolicy):
     def update(self, segments, accepted, draft_time, verify_time):
         if not segments:  # a plain step: the cost the early exit's drafts must beat
             self.early_exit.update(0, accepted, draft_time, verify_time)
+        drafts = {}
         for segment in segments:  # each source's controller learns from its own drafts
             reached, kept = segment.accepted(accepted)
             if not reached.any():
@@ -226,6 +276,9 @@ class CopyPolicy(DraftPolicy):
                 self.copy_controller.update(segment.length, kept, 0.0, verify_time)
             elif segment.source == "early_exit":  # a grammar's forced tokens teach neither
                 self.early_exit.update(segment.length, kept, draft_time, verify_time)
+            if segment.source != "forced":
+                drafts[segment.source] = (segment.length, kept)
+        self.gate_record(drafts)
 
     @property
     def drafts_early_exit(self):
@@ -237,22 +290,30 @@ class CopyPolicy(DraftPolicy):
         return rounds_per_call > 1
 
     def fused_drafts(self, row):
-        copy_length = self.copy_controller.next_k()
-        return FusedDrafts(k=self.early_exit.next_k(), history=self.context.history(row),
+        copy_length = self.gated("copy", self.copy_controller.next_k(), [row])
+        k = self.gated("early_exit", self.early_exit.next_k(), [row])
+        if not copy_length:  # the gate cut the copies: the early exit's drafts, or plain steps
+            return FusedDrafts(k=k)
+        return FusedDrafts(k=k, history=self.context.history(row),
                            min_ngram=self.ngram.min_ngram, max_ngram=self.ngram.max_ngram,
                            copy_length=copy_length)
 
 
-def make_policy(drafter: str, num_speculations, ngram: NGramConfig | None = None) -> DraftPolicy:
+def make_policy(drafter: str, num_speculations, ngram: NGramConfig | None = None,
+                gate: CostGate | None = None) -> DraftPolicy:
     """The policy of `drafter` ("early_exit", "ngram", "hybrid"); `num_speculations` is the early
-    exit's k (int, "auto", "window" or a `Controller`, see `controller.make_controller`)."""
+    exit's k (int, "auto", "window" or a `Controller`, see `controller.make_controller`); `gate`: the
+    cost gate its rounds' k pass through (None: none)."""
     if drafter not in DRAFTERS:
         raise UserError(f"drafter must be one of {', '.join(DRAFTERS)}, got {drafter!r}")
     ngram = ngram or NGramConfig()
     if drafter == "ngram":
-        return CopyPolicy(ngram, FixedK(0))
-    controller = make_controller(num_speculations)
-    return EarlyExitPolicy(controller) if drafter == "early_exit" else CopyPolicy(ngram, controller)
+        policy = CopyPolicy(ngram, FixedK(0))
+    else:
+        controller = make_controller(num_speculations)
+        policy = EarlyExitPolicy(controller) if drafter == "early_exit" else CopyPolicy(ngram, controller)
+    policy.gate = gate if policy.k_max > 0 else None
+    return policy
 
 
 __all__ = ["DRAFTERS", "CopyPolicy", "DraftPlan", "DraftPolicy", "EarlyExitPolicy", "Segment", "make_policy"]

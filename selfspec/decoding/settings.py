@@ -117,11 +117,11 @@ class DecodeSettings:
                 raise UserError(str(exc)) from None
         return dataclasses.replace(self, **changes) if changes else self
 
-    def policy(self, controller=None) -> DraftPolicy:
+    def policy(self, controller=None, gate=None) -> DraftPolicy:
         """The drafting policy of these settings; `controller` replaces the early exit's k (a
-        `Controller`)."""
+        `Controller`); `gate` the `CostGate` its rounds pass through."""
         return make_policy(self.drafter, self.num_speculations if controller is None else controller,
-                           self.ngram)
+                           self.ngram, gate)
 
     def describe(self) -> str:
         """One line, e.g. "hybrid, E = 10, k = auto, V' = 8192, min_ngram = 2"."""

@@ -22,6 +22,7 @@ from ..errors import UserError
 from ..model import DecoderView
 from ..sampling import SamplingParams
 from .controller import Controller
+from .costs import CostGate, RoundCosts
 from .draft_head import DraftHead
 from .engine import CallOptions, Engine
 from .generation import GenerationConfig
@@ -110,6 +111,10 @@ class SelfSpecGenerator:
         self.backend = make_backend(view, backend, static_passes)
         self.static_passes = static_passes  # as given (the backend knows its mode)
         self.token_counts = token_counts
+        # the model's measured `RoundCosts` on this device (`costs.py`; what `selfspec eval sweep` stores,
+        # `load_tuned` sets), or None: with them each round's k passes a `CostGate`, which drafts only
+        # where drafting pays at the row's context length and takes plain steps elsewhere
+        self.round_costs: RoundCosts | None = None
         # the round machinery, one per model: its caches, draft heads and compiled grammars are reused
         self.runner = Runner(view, self.backend, tokenizer, self._eos_ids(None).tolist(),
                              token_counts=token_counts, exit_adapters=exit_adapters,
@@ -282,7 +287,10 @@ class SelfSpecGenerator:
             drafter = "early_exit"  # k = 0 asked for: plain decoding, whatever drafter the settings name
         settings = self.settings_for(settings.override(
             drafter=drafter, num_speculations=None if controller is not None else num_speculations))
-        return settings, settings.policy(controller)
+        costs = self.round_costs
+        gate = None if costs is None else CostGate(costs, costs.applies_to(settings.exit_layer,
+                                                                           settings.draft_vocab_size))
+        return settings, settings.policy(controller, gate)
 
     def release_memory(self) -> None:
         """Forget what is kept only for reuse (compiled constraints), collect the garbage cycles and

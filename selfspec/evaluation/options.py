@@ -263,6 +263,10 @@ class SweepOptions(ModelOption, CorpusPromptOptions, SweepGrid, QuestionOptions,
     """E values: a list '2,4,6', a slice '2:10:2' or 'all' (default: all, 1..N-1)"""
     write_back: bool = False
     """record the fastest setting in the checkpoint's selfspec.json"""
+    cost_lengths: str = "auto"
+    """context lengths at which a greedy --write-back measures a round's costs, which decoding then reads
+    to draft only where drafting pays ('auto': 64, 256, 1024, ... and the model's longest; 'none': not
+    measured; or a comma list)"""
     suites: str | None = option(None, flag="--suite")
     """comma list of {SUITES} (the sweep times their first turns instead of --prompts/--corpus)"""
     max_per_category: int | None = 1

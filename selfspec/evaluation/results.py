@@ -88,6 +88,8 @@ class SweepReport(TypedDict):
     diagnosis: str | None
     model: NotRequired[str]
     prompts_from: NotRequired[str]
+    # a greedy write-back's round costs by context length (`context_costs.measure_round_costs`' rows)
+    round_costs: NotRequired[list[dict]]
 
 
 class SuiteReport(TypedDict):

@@ -38,7 +38,9 @@ from ..backends import cpu_rounds as round_kernels
 from ..checkpoint import (
     META_FILE,
     read_meta,
+    read_settings,
     resolve_settings,
+    token_counts_for,
     update_meta,
     write_settings,
 )
@@ -49,6 +51,7 @@ from ..errors import UserError
 from ..metrics import predicted_speedup
 from ..model import DecoderView
 from ..model import num_layers as count_layers
+from .context_costs import cost_lengths, costs_table, measure_round_costs
 from .costs import pooled_costs, source_summary, weight_cost, weights_in_cache
 from .diagnosis import summary
 from .options import SweepGrid, SweepOptions, float_list, int_list, k_list, k_order
@@ -486,15 +489,35 @@ def sweep(options: SweepOptions) -> SweepReport:
     else:
         chosen = read_prompts(tokenizer, options.prompts, options.corpus, options.num_prompts,
                               options.prompt_tokens)
+    lengths = cost_lengths(options.cost_lengths, DecoderView(lm).max_positions)
     report = run_sweep(checkpoint, chosen, list(exit_layers), options)
     report.update(model=model, prompts_from=", ".join(filter(None, (options.suites, options.questions)))
                   or options.prompts or options.corpus)
-    publish(options.out, "sweep", report, to_markdown(report), plot)
     if options.write_back:  # a sampled grid's pick is the default of sampled calls (`formats["sampled"]`)
         kind = ("json_schema" if options.prompts == JSON_EXTRACT
                 else None if options.sampling().greedy else SAMPLED)
         write_back_fastest(model, report, Path(options.out) / "sweep.json", constraint_kind=kind)
+        if kind is None and lengths:
+            report["round_costs"] = write_back_costs(model, checkpoint, chosen, lengths)
+    publish(options.out, "sweep", report, to_markdown(report), plot)
     return report
+
+
+def write_back_costs(model: str, checkpoint: LoadedCheckpoint, prompts: list,
+                     lengths: tuple[int, ...]) -> list[dict]:
+    """Measure a round's costs at `lengths` with the checkpoint's (new) settings and store them in the
+    selfspec.json of `model` (its directory) under `round_costs`, for this device type
+    (`context_costs.measure_round_costs`); returns the rows per length."""
+    settings = read_settings(model)
+    generator = SelfSpecGenerator(checkpoint.model, checkpoint.tokenizer, settings=settings,
+                                  token_counts=token_counts_for(model, settings.draft_vocab_size),
+                                  exit_adapters=checkpoint.exit_adapters)
+    tokens = [t for p in prompts for t in (p.ids if isinstance(p, Structured) else p)]
+    costs, rows = measure_round_costs(generator, tokens, settings, lengths)
+    device = generator.view.device.type
+    update_meta(model, round_costs={**read_meta(model).get("round_costs", {}), device: costs.to_json()})
+    print(f"{model}/{META_FILE}: round costs on {device} by context length\n{costs_table(rows)}")
+    return rows
 
 
 def write_back_fastest(model_dir: str, report: dict, report_path: Path,
@@ -531,4 +554,4 @@ def write_back_fastest(model_dir: str, report: dict, report_path: Path,
 
 
 __all__ = ["float_list", "grid_settings", "int_list", "k_list", "plot", "run_sweep", "select_fastest",
-           "settings_of", "sweep", "to_markdown", "write_back_fastest"]
+           "settings_of", "sweep", "to_markdown", "write_back_costs", "write_back_fastest"]

@@ -425,12 +425,24 @@ def _accelerator(cfg: RunConfig, output_dir: Path) -> Accelerator:
     deepspeed = accelerator.state.deepspeed_plugin
     if deepspeed is not None:  # the recipe's clipping, not accelerate's fixed 1.0 for a config's "auto"
         deepspeed.deepspeed_config["gradient_clipping"] = cfg.optim.grad_clip
+    reduce_gradients_in_fp32(getattr(accelerator.state, "fsdp_plugin", None))
     if accelerator.device.type == "cpu":
         _set_cpu_threads(cfg.cpu_threads, int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes)))
         if accelerator.mixed_precision == "bf16" and has_bf16_units() is False:
             accelerator.print("warning: mixed_precision bf16 on a CPU without bf16 units is emulated and "
                               "many times slower than fp32; set mixed_precision=no on this machine")
     return accelerator
+
+
+def reduce_gradients_in_fp32(fsdp_plugin) -> None:
+    """Under FSDP with mixed precision, reduce gradients in fp32 while the passes compute in bf16/fp16:
+    accelerate's policy for a launch config's `mixed_precision` reduces in that dtype too, which sums
+    the processes' gradients in 8 (bf16) mantissa bits. Nothing without FSDP or mixed precision."""
+    import dataclasses
+
+    policy = getattr(fsdp_plugin, "mixed_precision_policy", None)
+    if policy is not None and getattr(policy, "reduce_dtype", None) not in (None, torch.float32):
+        fsdp_plugin.mixed_precision_policy = dataclasses.replace(policy, reduce_dtype=torch.float32)
 
 
 def _data_and_model(cfg: RunConfig, accelerator: Accelerator) -> tuple:

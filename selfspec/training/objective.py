@@ -106,6 +106,22 @@ class SelfSpecObjective(nn.Module):
         names none (it reads this attribute of the module it prepares, which is this one)."""
         return list(getattr(self.model, "_no_split_modules", None) or [])
 
+    # accelerate's FSDP2 preparation reads these of the module it prepares, which is this one: with
+    # `fsdp_cpu_ram_efficient_loading` it moves the module to `meta` and back, which gives a tied head a
+    # parameter of its own, and re-ties it only through `tie_weights`; and it shards the embeddings (one
+    # unit for a tied pair) as `get_input_embeddings` / `get_output_embeddings` name them
+    def tie_weights(self, *args, **kwargs) -> None:
+        """The model's own `tie_weights` (a tied head shares the embedding's parameter again)."""
+        tie = getattr(self.model, "tie_weights", None)
+        if tie is not None:
+            tie(*args, **kwargs)
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.model.get_input_embeddings()
+
+    def get_output_embeddings(self) -> nn.Module | None:
+        return self.model.get_output_embeddings()
+
     def _exit_head(self):
         """norm + head for the exit losses: (n, D) -> (n, V) logits, or (n, V' [+1]) over the trimmed
         vocabulary."""

@@ -88,13 +88,14 @@ def greedy_rounds() -> Callable | None:
     return None if module is None else module.greedy_rounds
 
 
-def ngram_tables() -> type | None:
-    """The compiled `NGramTables(tokens, min_ngram, max_ngram)` (a list of ints; `.extend(tokens)`,
+def ngram_search() -> type | None:
+    """The compiled `NGramSearch(tokens, min_ngram, max_ngram)` (a list of ints; `.extend(tokens)`,
     `.propose(limit, extra=[]) -> list`): the copy drafter `greedy_rounds` runs, `ngram.NGramIndex`'s
-    token n-gram tables and lookup (no text matches), or None where the kernels are not available."""
+    token lookup (no text matches) as a search from the sequence's end, or None where the kernels are
+    not available."""
     module = kernels.extension()
-    return None if module is None else module.NGramTables
+    return None if module is None else module.NGramSearch
 
 
-__all__ = ["draft_choice", "draft_loop", "draft_loop_sampled", "draft_step", "greedy_rounds", "ngram_tables",
+__all__ = ["draft_choice", "draft_loop", "draft_loop_sampled", "draft_step", "greedy_rounds", "ngram_search",
            "verify_greedy", "verify_sampled"]

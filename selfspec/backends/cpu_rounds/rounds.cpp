@@ -1,6 +1,6 @@
 // The decoding algorithm's compiled calls on the CPU: greedy early-exit drafts (`draft_choice`,
 // `draft_loop`, `draft_step`) with η's stopping rule (`sure`), the greedy verification (`verify_greedy`,
-// under a grammar's masks `masked_target`), the n-gram copies (`NGramTables`), the same rounds with each
+// under a grammar's masks `masked_target`), the n-gram copies (`NGramSearch`), the same rounds with each
 // row sampled by its own settings (`draft_loop_sampled`, `verify_sampled`: selfspec/sampling.py's rules one
 // row at a time, `row_probs`, `draw`, `accept_row`) and one row's rounds in one call (`greedy_rounds`,
 // greedy or sampled). Each greedy call is the engine's operations in the same order, so the same bits,
@@ -867,32 +867,25 @@ std::vector<torch::Tensor> verify_sampled(const std::vector<const Block*>& block
   return {decided};
 }
 
-// A row's copy drafter, `ngram.NGramIndex` on tokens: the row's token sequence and, per n in
-// [min_ngram, max_ngram], each n-gram's latest following position, extended with every token appended, so
-// a lookup is one probe per n. (The index's text matches, which only constrained decoding makes, are not
-// here: the rounds in one call run without a grammar.) `greedy_rounds` copies with it.
-struct NGramTables {
+// A row's copy drafter, `ngram.NGramIndex` on tokens: the row's token sequence, searched from its end for
+// the latest earlier occurrence of its longest suffix of min_ngram..max_ngram tokens. (The index's text
+// matches, which only constrained decoding makes, are not here: the rounds in one call run without a
+// grammar.) `greedy_rounds` copies with it. A search reads the sequence once, from the end, mostly one
+// comparison a position: tables of every n-gram, built anew each call, cost a long context's row far
+// more (a map entry per position and n) than the few searches a call's rounds make.
+struct NGramSearch {
   int64_t min_ngram = 1, max_ngram = 0;
   std::vector<int64_t> seq;
-  std::vector<std::map<std::vector<int64_t>, int64_t>> tables;
 
-  NGramTables() = default;
-  NGramTables(int64_t min_ngram, int64_t max_ngram)
-      : min_ngram(min_ngram), max_ngram(max_ngram), tables(max_ngram - min_ngram + 1) {}
+  NGramSearch() = default;
+  NGramSearch(int64_t min_ngram, int64_t max_ngram) : min_ngram(min_ngram), max_ngram(max_ngram) {}
 
-  // Appends `count` tokens and indexes the n-grams that end just before each new position
-  void extend(const int64_t* tokens, int64_t count) {
-    const size_t first = seq.size();
-    seq.insert(seq.end(), tokens, tokens + count);
-    for (size_t follow = std::max<size_t>(first, 1); follow < seq.size(); ++follow)
-      for (int64_t n = min_ngram; n <= max_ngram && n <= static_cast<int64_t>(follow); ++n)
-        tables[n - min_ngram][std::vector<int64_t>(seq.begin() + follow - n, seq.begin() + follow)] =
-            static_cast<int64_t>(follow);
-  }
+  void extend(const int64_t* tokens, int64_t count) { seq.insert(seq.end(), tokens, tokens + count); }
 
   // `NGramIndex.propose`: the longest suffix of the sequence followed by `extra` (drafts not yet
   // accepted) first, the copy of `limit` tokens from the sequence and `extra`, around the period; none
-  // where no suffix of min_ngram tokens or more occurred before.
+  // where no suffix of min_ngram tokens or more occurred before. An occurrence is an n-gram of the
+  // sequence itself, seq[follow − n, follow) with follow < its length, the latest one of the longest n.
   std::vector<int64_t> propose(int64_t limit, const std::vector<int64_t>& extra) const {
     std::vector<int64_t> copy, joined;
     if (!extra.empty()) {
@@ -901,14 +894,17 @@ struct NGramTables {
     }
     const auto& text = extra.empty() ? seq : joined;
     const auto length = static_cast<int64_t>(text.size());
-    for (int64_t n = std::min(max_ngram, length - 1); n >= min_ngram; --n) {
-      const auto& table = tables[n - min_ngram];
-      const auto found = table.find(std::vector<int64_t>(text.end() - n, text.end()));
-      if (found != table.end()) {
-        const int64_t follow = found->second, period = length - follow;
-        for (int64_t i = 0; i < limit; ++i) copy.push_back(text[follow + i % period]);
-        break;
-      }
+    const int64_t longest = std::min(max_ngram, length - 1);
+    int64_t best = min_ngram - 1, found = -1;  // the longest match so far, and its latest follow
+    for (int64_t follow = static_cast<int64_t>(seq.size()) - 1; follow >= 1 && best < longest; --follow) {
+      int64_t n = 0;  // how many tokens before `follow` equal the text's last ones
+      const int64_t most = std::min(longest, follow);
+      while (n < most && seq[follow - 1 - n] == text[length - 1 - n]) ++n;
+      if (n > best) best = n, found = follow;
+    }
+    if (found >= 0) {
+      const int64_t period = length - found;
+      for (int64_t i = 0; i < limit; ++i) copy.push_back(text[found + i % period]);
     }
     return copy;
   }
@@ -924,7 +920,7 @@ struct NGramTables {
 // blocks [0, N) on the token. The same calls as the engine's compiled rounds, so the same bits. With
 // `history` (the row's tokens so far, the pending one last), a round first looks for a copy of up to
 // `copy_limit` tokens that followed the longest suffix of min_ngram..max_ngram tokens seen before
-// (`NGramTables`, `ngram.NGramIndex.propose`'s lookup, its tables built here and extended with every kept
+// (`NGramSearch`, `ngram.NGramIndex.propose`'s lookup, over the history extended with every kept
 // token), verified from the embedding over [0, N); without one, k = 0 (the `ngram` drafter) takes a plain
 // step and k > 0 (the `hybrid`) drafts with the early exit, and when η did not stop those drafts, a copy
 // that their tokens make possible follows them (the engine's `copy_after`), through blocks [0, E) before
@@ -978,8 +974,8 @@ std::vector<torch::Tensor> greedy_rounds(const std::vector<const Block*>& blocks
     return table.narrow(0, first, count).unsqueeze(0).contiguous();
   };
   const auto since = [](Clock::time_point then) { return std::chrono::duration<double>(Clock::now() - then).count(); };
-  // the copy drafter: the row's tokens and their n-gram tables (`NGramIndex`)
-  NGramTables ngrams = copying ? NGramTables(min_ngram, max_ngram) : NGramTables();
+  // the copy drafter: the row's tokens, searched for copies (`NGramIndex`)
+  NGramSearch ngrams = copying ? NGramSearch(min_ngram, max_ngram) : NGramSearch();
   const auto propose = [&](const std::vector<int64_t>& extra) { return ngrams.propose(copy_limit, extra); };
   if (copying) {
     const auto held = history->to(torch::kLong).contiguous();
@@ -1181,17 +1177,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("greedy_rounds", &greedy_rounds, "greedy rounds of one row: drafts, verification, what it keeps",
              pybind11::call_guard<pybind11::gil_scoped_release>());
   // `greedy_rounds`' copy drafter on its own, for the test that holds it to `ngram.NGramIndex`
-  pybind11::class_<NGramTables>(module, "NGramTables", pybind11::module_local())
+  pybind11::class_<NGramSearch>(module, "NGramSearch", pybind11::module_local())
       .def(pybind11::init([](const std::vector<int64_t>& tokens, int64_t min_ngram, int64_t max_ngram) {
              TORCH_CHECK(1 <= min_ngram && min_ngram <= max_ngram, "1 <= min_ngram <= max_ngram");
-             NGramTables tables(min_ngram, max_ngram);
-             tables.extend(tokens.data(), static_cast<int64_t>(tokens.size()));
-             return tables;
+             NGramSearch search(min_ngram, max_ngram);
+             search.extend(tokens.data(), static_cast<int64_t>(tokens.size()));
+             return search;
            }),
-           "the tables of a sequence of tokens, n-grams of min_ngram..max_ngram tokens")
-      .def("extend", [](NGramTables& self, const std::vector<int64_t>& tokens) {
+           "a sequence of tokens to copy from after suffixes of min_ngram..max_ngram tokens")
+      .def("extend", [](NGramSearch& self, const std::vector<int64_t>& tokens) {
              self.extend(tokens.data(), static_cast<int64_t>(tokens.size()));
-           }, "append tokens, indexing the n-grams that end before each")
-      .def("propose", &NGramTables::propose, "up to `limit` tokens copied after the longest matching suffix",
+           }, "append tokens")
+      .def("propose", &NGramSearch::propose, "up to `limit` tokens copied after the longest matching suffix",
            pybind11::arg("limit"), pybind11::arg("extra") = std::vector<int64_t>{});
 }

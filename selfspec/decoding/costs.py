@@ -1,0 +1,151 @@
+"""What a round costs at a context length, and the gate that keeps drafting only where it pays.
+
+A round of k drafts costs k draft steps and one verification of k + 1 positions; a plain step costs
+one pass of one position. All three grow with the context (each pass's attention reads the whole
+cache), and not alike: the verification's attention does k + 1 queries' work, so on a compute-bound
+machine a long context makes it cost more plain steps than a short one does (docs/performance.md,
+"Long contexts"). Acceptance alone cannot see that; the costs can.
+
+`RoundCosts` holds them relative to a plain step at the same length, measured at a few lengths
+(`evaluation.costs.measure_round_costs`, which `selfspec eval sweep` runs and stores in
+selfspec.json under `round_costs`): c(L), one early-exit draft step, and s(L), what each drafted
+position adds to a verification (a verification of k drafts costs 1 + k·s(L) plain steps). Between the
+measured lengths they are interpolated, past the last extrapolated along the last segment.
+
+`CostGate` picks each round's k from them (Leviathan et al.'s expected speedup): among 0..k (k the
+controller's, or the copy length), the k that maximises E(k, α) / (k·c + 1 + k·s), with α the drafts'
+own acceptance so far (per source: early exit, copies) and c = 0 for copies. k = 0 is a plain step:
+a row whose drafts stop paying decodes plainly, and a source that drafted nothing for `probe_every`
+rounds drafts again once, so α stays current and drafting returns where it pays again. The gate reads
+the stored costs and accepted counts only, never clocks: the same prompts decode in the same rounds on
+any machine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import UserError
+from ..metrics import drafts_tested, expected_tokens
+
+
+@dataclass(frozen=True)
+class RoundCosts:
+    """Round costs relative to a plain step at the same context length, measured at `lengths`.
+
+    draft[i]: one early-exit draft step at `exit_layer` (with its V' head) at lengths[i], in plain steps;
+    verify_slope[i]: what each drafted position adds to a verification there (a verification of k
+    drafts costs 1 + k·verify_slope plain steps).
+    """
+
+    lengths: tuple[int, ...]
+    draft: tuple[float, ...]
+    verify_slope: tuple[float, ...]
+    exit_layer: int
+    draft_vocab_size: int = 0
+
+    def __post_init__(self):
+        n = len(self.lengths)
+        if n == 0 or len(self.draft) != n or len(self.verify_slope) != n:
+            raise UserError("round_costs: lengths, draft and verify_slope must be non-empty and equally long")
+        if list(self.lengths) != sorted(set(self.lengths)):
+            raise UserError(f"round_costs: lengths must be increasing, got {list(self.lengths)}")
+
+    def at(self, length: int) -> tuple[float, float]:
+        """(c, s) at a context of `length` tokens: linear between the measured lengths, along the
+        nearest segment beyond them (never below 0)."""
+        lengths = np.asarray(self.lengths, dtype=float)
+        values = []
+        for series in (self.draft, self.verify_slope):
+            series = np.asarray(series, dtype=float)
+            if len(lengths) == 1:
+                values.append(float(series[0]))
+                continue
+            i = int(np.clip(np.searchsorted(lengths, length) - 1, 0, len(lengths) - 2))
+            slope = (series[i + 1] - series[i]) / (lengths[i + 1] - lengths[i])
+            values.append(max(0.0, float(series[i] + slope * (length - lengths[i]))))
+        return values[0], values[1]
+
+    def rate(self, k: int, alpha: float, length: int, drafted: bool = True) -> float:
+        """Expected tokens per plain step's time of a round of k drafts at `length` (1.0: plain
+        decoding's); drafted=False: the drafts cost nothing to make (copies)."""
+        c, s = self.at(length)
+        return expected_tokens(k, alpha) / ((k * c if drafted else 0.0) + 1.0 + k * s)
+
+    def applies_to(self, exit_layer: int, draft_vocab_size: int) -> bool:
+        """Whether the draft costs were measured for this early exit (the verification's hold for any)."""
+        return (exit_layer, draft_vocab_size) == (self.exit_layer, self.draft_vocab_size)
+
+    def to_json(self) -> dict:
+        return {"lengths": list(self.lengths), "draft": [round(x, 4) for x in self.draft],
+                "verify_slope": [round(x, 4) for x in self.verify_slope], "exit_layer": self.exit_layer,
+                "draft_vocab_size": self.draft_vocab_size}
+
+    @classmethod
+    def from_json(cls, entry: dict) -> RoundCosts:
+        try:
+            return cls(tuple(int(x) for x in entry["lengths"]), tuple(float(x) for x in entry["draft"]),
+                       tuple(float(x) for x in entry["verify_slope"]), int(entry["exit_layer"]),
+                       int(entry.get("draft_vocab_size", 0)))
+        except (KeyError, TypeError, ValueError) as error:
+            raise UserError(f"round_costs in selfspec.json is malformed ({error}); rerun selfspec eval sweep "
+                            f"--write-back") from None
+
+
+class CostGate:
+    """Each round's k from the round's costs at the batch's longest context and the drafts' acceptance.
+
+    `k(source, k_max, length)`: the best k in 0..k_max for drafts from `source` ("early_exit": draft
+    steps cost c each; "copy": free); k_max itself until the source has `min_tested` tested drafts, for
+    one round after the source drafted nothing for `probe_every` rounds, and for the early exit when
+    the costs were measured at another exit (`gates_early_exit` False: `RoundCosts.applies_to`).
+    `record(drafts)` takes a round's drafts per source, {source: (k, accepted counts of the rows that
+    tested them)}; {} for a round that drafted nothing.
+    """
+
+    SOURCES = ("early_exit", "copy")
+
+    def __init__(self, costs: RoundCosts, gates_early_exit: bool = True, window: int = 32,
+                 min_tested: int = 8, probe_every: int = 16):
+        self.costs, self.gates_early_exit = costs, gates_early_exit
+        self.window, self.min_tested, self.probe_every = window, min_tested, probe_every
+        self.rounds: dict[str, list[tuple[int, int]]] = {s: [] for s in self.SOURCES}  # (accepted, tested)
+        self.idle = dict.fromkeys(self.SOURCES, 0)  # rounds since the source last drafted
+
+    def alpha(self, source: str) -> float | None:
+        """The source's α over its last `window` rounds, None before `min_tested` drafts were tested."""
+        rounds = self.rounds[source]
+        tested = sum(t for _, t in rounds)
+        return sum(a for a, _ in rounds) / tested if tested >= self.min_tested else None
+
+    @property
+    def probing(self) -> bool:
+        """Whether the next round is a probe (a source with a known α idle for `probe_every` rounds): a
+        compiled call then runs that one round alone."""
+        return any(self.idle[s] >= self.probe_every and self.alpha(s) is not None for s in self.SOURCES)
+
+    def k(self, source: str, k_max: int, length: int) -> int:
+        alpha = self.alpha(source)
+        drafted = source == "early_exit"
+        if (k_max <= 0 or alpha is None or self.idle[source] >= self.probe_every
+                or (drafted and not self.gates_early_exit)):
+            return k_max
+        rates = [self.costs.rate(k, alpha, length, drafted) for k in range(k_max + 1)]
+        return int(np.argmax(rates))  # the first best: the fewer drafts where two tie
+
+    def record(self, drafts: dict) -> None:
+        for source in self.SOURCES:
+            k, accepted = drafts.get(source, (0, None))
+            accepted = np.asarray(accepted if accepted is not None else [])
+            if k <= 0 or not accepted.size:
+                self.idle[source] += 1
+                continue
+            rounds = self.rounds[source]
+            rounds.append((int(np.minimum(accepted, k).sum()), int(drafts_tested(accepted, k).sum())))
+            del rounds[:-self.window]
+            self.idle[source] = 0
+
+
+__all__ = ["CostGate", "RoundCosts"]

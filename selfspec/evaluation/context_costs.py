@@ -1,0 +1,118 @@
+"""A round's costs by context length, measured through the engine: what the cost gate decides from.
+
+`measure_round_costs` decodes a context of L tokens at each length L plainly and with the early exit
+at a fixed k (`generate(profile=True)`: the passes' own seconds), interleaved over repeats, and
+returns the `decoding.RoundCosts` (c: a draft step, s: what a drafted position adds to a verification,
+both in plain steps at that length), with each length's α and plain step beside them. `selfspec eval
+sweep --write-back` stores the costs in selfspec.json (`round_costs`, per device type), where
+`load_tuned` finds them; `selfspec doctor` and `selfspec eval speedup` print them by length.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from tqdm.auto import tqdm
+
+from ..decoding import DecodeSettings, RoundCosts, SelfSpecGenerator
+from ..errors import UserError
+
+# lengths a write-back measures, up to the model's limit: the cost of a pass grows about linearly in
+# the context, so a few points a factor of 4 apart, and the longest context the model takes, describe it
+AUTO_LENGTHS = (64, 256, 1024, 4096, 16384)
+NEW_TOKENS = 32  # tokens each measuring decode makes after its context
+ROOM = NEW_TOKENS + 16  # what a context leaves of the model's positions: the decode and a round's drafts
+
+
+def cost_lengths(spec: str | tuple, max_positions: int | None) -> tuple[int, ...]:
+    """The context lengths to measure: "auto" (`AUTO_LENGTHS` below the model's limit, and the longest
+    context that leaves `ROOM` positions), "none" (none), or a comma list of lengths."""
+    if isinstance(spec, tuple):
+        lengths = spec
+    elif spec == "none":
+        return ()
+    elif spec == "auto":
+        longest = (max_positions or 32768) - ROOM
+        lengths = tuple(sorted({n for n in AUTO_LENGTHS if n < longest} | {min(longest, 32768)}))
+    else:
+        try:
+            lengths = tuple(sorted({int(x) for x in spec.split(",") if x.strip()}))
+        except ValueError:
+            raise UserError(f"--cost-lengths takes 'auto', 'none' or a comma list of token counts, got "
+                            f"{spec!r}") from None
+    limit = max_positions and max_positions - ROOM
+    if not lengths or min(lengths) < 1 or (limit and max(lengths) > limit):
+        raise UserError(f"--cost-lengths must lie in 1..{limit or 'the model limit'} (the model's positions "
+                        f"less {ROOM} for the measuring decode), got {list(lengths)}")
+    return lengths
+
+
+def context_of(tokens: list[int], length: int) -> list[int]:
+    """`length` tokens: `tokens` repeated (a pass's cost does not depend on what the context says)."""
+    if not tokens:
+        raise UserError("measuring round costs needs at least one prompt token")
+    return (tokens * (length // len(tokens) + 1))[:length]
+
+
+def _per_pass(stats, part: str, count: int) -> float:
+    return stats.profile[part] / max(count, 1)
+
+
+def measure_round_costs(generator: SelfSpecGenerator, tokens: list[int], settings: DecodeSettings,
+                        lengths: tuple[int, ...], new_tokens: int = NEW_TOKENS, repeats: int = 3,
+                        progress: bool = True) -> tuple[RoundCosts, list[dict]]:
+    """The round's costs at each context length (`RoundCosts`) and a row per length (L, plain step
+    seconds, c, s, α): `settings`' early exit (E, V', adapter) drafting k drafts a round (its k when
+    fixed, else 2; η off, no overlap, so that each pass is timed alone) against plain steps, on a context
+    of `tokens` repeated to L, `repeats` interleaved repeats (median). The generator's own gate is off
+    while it measures."""
+    k = settings.num_speculations
+    k = k if isinstance(k, int) and k else 2
+    drafting = settings.override(drafter="early_exit", num_speculations=k, stop_below=0.0, overlap=False)
+    plain = settings.override(drafter="early_exit", num_speculations=0)
+    kept, generator.round_costs = generator.round_costs, None
+    rows = []
+    try:
+        for length in tqdm(lengths, desc="round costs", unit="length", disable=not progress):
+            context = context_of(tokens, length)
+            samples = {"plain": [], "c": [], "s": [], "alpha": []}
+            for repeat in range(repeats + 1):  # the first, untimed: warms the caches and the kernels
+                order = (plain, drafting) if repeat % 2 else (drafting, plain)
+                runs = {id(s): generator.generate([context], max_new_tokens=new_tokens, eos_token_id=[],
+                                                  settings=s, profile=True).stats for s in order}
+                if not repeat:
+                    continue
+                base, spec = runs[id(plain)], runs[id(drafting)]
+                step = _per_pass(base, "verification pass", base.rounds)
+                drafted_rounds = spec.rounds - spec.plain_steps
+                samples["plain"].append(step)
+                samples["c"].append(_per_pass(spec, "draft passes", spec.draft_steps) / step)
+                verify = _per_pass(spec, "verification pass", drafted_rounds) / step
+                samples["s"].append(max(0.0, (verify - 1.0) / k))
+                samples["alpha"].append(spec.acceptance_rate)
+            rows.append({"length": length, "plain_step_seconds": statistics.median(samples["plain"]),
+                         **{key: statistics.median(samples[key]) for key in ("c", "s", "alpha")}})
+    finally:
+        generator.round_costs = kept
+    costs = RoundCosts(*(tuple(r[key] for r in rows) for key in ("length", "c", "s")), settings.exit_layer,
+                       settings.draft_vocab_size)
+    return costs, rows
+
+
+def costs_table(rows: list[dict], k: int = 2) -> str:
+    """Markdown: per context length, the plain step, c, the verification of k drafts (1 + k·s), α, and
+    the speedup the cost model expects at that α."""
+    from ..metrics import expected_tokens
+
+    lines = [f"| context | plain step | c (draft step) | v (verify k={k}) | α | expected speedup at k={k} |",
+             "|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        verify = 1 + k * r["s"]
+        expected = expected_tokens(k, min(max(r["alpha"], 0.0), 1.0)) / (k * r["c"] + verify)
+        lines.append(f"| {r['length']} | {r['plain_step_seconds'] * 1e3:.2f} ms | {r['c']:.3f} | "
+                     f"{verify:.3f} | {r['alpha']:.3f} | {expected:.2f}x |")
+    return "\n".join(lines)
+
+
+__all__ = ["AUTO_LENGTHS", "NEW_TOKENS", "ROOM", "context_of", "cost_lengths", "costs_table",
+           "measure_round_costs"]

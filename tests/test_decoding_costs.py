@@ -1,0 +1,105 @@
+"""The round's costs by context length (`RoundCosts`) and the gate that drafts only where it pays
+(`CostGate`), alone and through `generate`: under costs at which no draft can pay, every drafter
+falls back to plain steps (and probes again now and then), output unchanged; under cheap costs
+nothing changes; a long context that makes drafting too dear switches it off there only."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import reference_greedy, tiny_model
+
+from selfspec.decoding import CostGate, DecodeSettings, RoundCosts, SelfSpecGenerator
+from selfspec.errors import UserError
+
+CHEAP = RoundCosts((1,), (0.01,), (0.0,), exit_layer=2)
+DEAR = RoundCosts((1,), (2.0,), (1.0,), exit_layer=2)  # a draft costs 2 plain steps, a drafted position 1
+
+
+def test_round_costs_interpolate_between_lengths_and_extrapolate_past_them():
+    costs = RoundCosts((64, 1024), (0.3, 0.5), (0.0, 0.2), exit_layer=3)
+    assert costs.at(64) == pytest.approx((0.3, 0.0))
+    assert costs.at(544) == pytest.approx((0.4, 0.1))
+    assert costs.at(2048) == pytest.approx((0.3 + 0.2 * 1984 / 960, 0.2 * 1984 / 960))
+    assert costs.at(1) == pytest.approx((0.3 - 0.2 * 63 / 960, 0.0))  # below 0 clipped
+    assert RoundCosts.from_json(costs.to_json()) == costs
+    assert costs.applies_to(3, 0) and not costs.applies_to(3, 512) and not costs.applies_to(4, 0)
+    # the expected tokens per plain step's time: E(2, 0.5) / (2·0.3 + 1 + 0) at 64
+    assert costs.rate(2, 0.5, 64) == pytest.approx(1.75 / 1.6)
+    assert costs.rate(2, 0.5, 64, drafted=False) == pytest.approx(1.75)
+
+
+@pytest.mark.parametrize("entry", [{"lengths": [64], "draft": [0.3]}, {"lengths": [64, 32], "draft": [1, 1],
+                                    "verify_slope": [0, 0], "exit_layer": 1}, {"lengths": "x"}])
+def test_malformed_round_costs_are_one_line_errors(entry):
+    with pytest.raises(UserError, match="round_costs"):
+        RoundCosts.from_json(entry)
+
+
+def test_the_gate_drafts_until_it_knows_alpha_then_stops_where_drafts_cannot_pay_and_probes_again():
+    gate = CostGate(DEAR, min_tested=4, probe_every=3)
+    assert gate.k("early_exit", 3, 100) == 3  # no α yet: the controller's k
+    gate.record({"early_exit": (3, np.array([3, 3]))})  # every draft accepted: 6 of 6
+    assert gate.alpha("early_exit") == 1.0
+    # even at α = 1: 4 tokens for 3·2 + 1 + 3 = 10 plain steps' time
+    assert gate.k("early_exit", 3, 100) == 0
+    for _ in range(2):
+        gate.record({})
+        assert gate.k("early_exit", 3, 100) == 0
+    gate.record({})
+    assert gate.k("early_exit", 3, 100) == 3  # the probe
+    gate.record({"early_exit": (3, np.array([0]))})
+    assert gate.k("early_exit", 3, 100) == 0
+    # copies cost no draft step, but each copied position still costs a plain step here
+    gate.record({"copy": (4, np.array([4, 4]))})
+    assert gate.k("copy", 4, 100) == 0
+    # each source probes after its own idle rounds: the early exit drafting keeps no copy from a probe
+    for _ in range(3):
+        gate.record({"early_exit": (1, np.array([1]))})
+    assert gate.k("copy", 4, 100) == 4
+    cheap = CostGate(CHEAP, min_tested=1)
+    cheap.record({"early_exit": (2, np.array([1]))})  # α = 1/2
+    assert cheap.k("early_exit", 4, 100) == 4
+
+
+def test_the_gate_leaves_an_exit_it_has_no_draft_costs_for_alone():
+    gate = CostGate(DEAR, gates_early_exit=False, min_tested=1)
+    gate.record({"early_exit": (3, np.array([3])), "copy": (2, np.array([2]))})
+    assert gate.k("early_exit", 3, 100) == 3 and gate.k("copy", 2, 100) == 0
+
+
+@pytest.mark.parametrize("drafter", ["early_exit", "ngram", "hybrid"])
+@pytest.mark.parametrize("backend", ["reference", "cpu_kernels"])
+def test_drafting_falls_back_to_plain_steps_where_it_cannot_pay_and_the_output_is_unchanged(drafter, backend):
+    model = tiny_model("llama", num_layers=4)
+    prompt = [5, 6, 7, 8] * 6  # a repeat: copies find matches
+    settings = DecodeSettings(drafter=drafter, exit_layer=2, num_speculations=3)
+    expected = reference_greedy(model, prompt, 80)
+    counts = {}
+    for name, costs in (("none", None), ("cheap", CHEAP), ("dear", DEAR)):
+        generator = SelfSpecGenerator(model, settings=settings, backend=backend)
+        generator.round_costs = costs
+        out = generator.generate([prompt], max_new_tokens=80, eos_token_id=[])
+        assert out.sequences[0] == expected, name
+        counts[name] = (out.stats.rounds, out.stats.plain_steps, out.stats.drafted)
+    # drafts until α is known and at each probe (a compiled call's rounds: up to 8), plain steps otherwise
+    rounds, plain, drafted = counts["dear"]
+    assert plain >= rounds / 2 and plain > counts["none"][1] and drafted < counts["none"][2], counts
+    assert counts["cheap"] == counts["none"], counts
+
+
+def test_a_long_context_switches_drafting_off_where_its_costs_say_so_only():
+    """Costs that grow with the context: free up to 100 tokens, past any α's reach by 300; a short
+    prompt drafts throughout, a long one decodes plainly after the first rounds."""
+    model = tiny_model("llama", num_layers=4, max_position_embeddings=512)
+    costs = RoundCosts((16, 100, 300), (0.0, 0.0, 1.5), (0.0, 0.0, 0.6), exit_layer=2)
+    generator = SelfSpecGenerator(model, settings=DecodeSettings(drafter="early_exit", exit_layer=2,
+                                                                 num_speculations=2))
+    generator.round_costs = costs
+    rng = np.random.default_rng(0)
+    short, long = rng.integers(0, 96, 12).tolist(), rng.integers(0, 96, 380).tolist()
+    for prompt, plain_share in ((short, 0.0), (long, 0.6)):
+        out = generator.generate([prompt], max_new_tokens=48, eos_token_id=[])
+        assert out.sequences[0] == reference_greedy(model, prompt, 48)
+        share = out.stats.plain_steps / out.stats.rounds
+        assert (share == 0.0) if plain_share == 0.0 else share >= plain_share, (len(prompt), share)
