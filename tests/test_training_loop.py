@@ -96,13 +96,38 @@ def test_resume_reproduces_an_uninterrupted_run(tiny_run, tmp_path):
     # The state saved at step 3 is where an interrupted run would restart.
     resumed = tmp_path / "resumed"
     shutil.copytree(full, resumed)
-    (resumed / "metrics.jsonl").write_text("")
     train(run_config(tiny_run, resumed, "optim.max_steps=6", "save_every=3", "eval_every=0"), resume=True,
           progress=False)
-    again = losses(resumed)
-    assert set(again) == {4, 5, 6}
+    # metrics.jsonl: the rows after the saved step 3 replaced by the resumed run's, each step once, the
+    # wall clock going on from the state's
+    rows = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows if "loss" in r]
+    assert steps == [1, 2, 3, 4, 5, 6], steps
+    minutes = [r["minutes"] for r in rows if "loss" in r]
+    assert minutes == sorted(minutes) and minutes[3] > minutes[2] > 0
+    assert all(r["step_seconds"] > 0 and r["tokens_per_second"] > 0 and 0 <= r["layer_dropout"] <= 1
+               for r in rows if "loss" in r)
+    again = {r["step"]: r["loss"] for r in rows if "loss" in r}
     for step in (4, 5, 6):
         assert again[step] == pytest.approx(reference[step], rel=1e-6, abs=1e-7), step
+
+
+def test_wandb_logs_online_whenever_wandb_is_logged_in(tmp_path, monkeypatch):
+    """Credentials from WANDB_API_KEY or from ~/.netrc (what `wandb login` writes) count; none: offline."""
+    from selfspec.training.loop import wandb_logged_in
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_BASE_URL", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("NETRC", raising=False)
+    assert not wandb_logged_in()
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password key\n")
+    (tmp_path / ".netrc").chmod(0o600)
+    assert wandb_logged_in()
+    monkeypatch.setenv("WANDB_BASE_URL", "https://wandb.example.com")
+    assert not wandb_logged_in()
+    monkeypatch.setenv("WANDB_API_KEY", "key")
+    assert wandb_logged_in()
 
 
 def test_resume_without_state_is_a_clear_error(tiny_run, tmp_path):

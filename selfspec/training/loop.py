@@ -93,10 +93,25 @@ def _trackers(cfg: RunConfig, output_dir: Path) -> list:
     if "tensorboard" in cfg.log_with:
         trackers.append("tensorboard")
     if "wandb" in cfg.log_with:
-        if not os.environ.get("WANDB_API_KEY"):
-            os.environ.setdefault("WANDB_MODE", "offline")  # no key: log to ./wandb, sync later
+        if not wandb_logged_in():
+            os.environ.setdefault("WANDB_MODE", "offline")  # no credentials: log to ./wandb, sync later
         trackers.append("wandb")
     return trackers
+
+
+def wandb_logged_in() -> bool:
+    """Whether wandb has credentials, without asking its servers: WANDB_API_KEY, or the entry `wandb
+    login` writes to ~/.netrc for its host (WANDB_BASE_URL's, api.wandb.ai by default)."""
+    import netrc
+    from urllib.parse import urlparse
+
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        return netrc.netrc().authenticators(host) is not None
+    except (FileNotFoundError, netrc.NetrcParseError):
+        return False
 
 
 def _set_cpu_threads(requested: int | None, processes_on_machine: int) -> None:
@@ -289,12 +304,20 @@ class _Run:
     feature_seconds: float = 0.0  # computing the exit features (cache_features), 0 when cached already
     step: int = 0  # optimizer steps done
     micro: int = 0  # micro-batches consumed (per process)
+    minutes_before: float = 0.0  # the wall-clock minutes of the run before the state it resumed from
+    wandb_run_id: str | None = None  # the wandb run this one logs to (a resume continues it)
 
     @property
     def tokens(self) -> int:
         """Training tokens seen so far, over all processes."""
         optim, data = self.cfg.optim, self.cfg.data
         return self.micro * optim.batch_size * data.block_size * self.accelerator.num_processes
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Training tokens an optimizer step reads, over all processes."""
+        optim, data = self.cfg.optim, self.cfg.data
+        return optim.grad_accum * optim.batch_size * data.block_size * self.accelerator.num_processes
 
     def evaluate(self) -> dict:
         # A 16-bit model is evaluated as it trains, under mixed precision's autocast (the evaluation
@@ -329,7 +352,9 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True, kind: str
     """
     output_dir = Path(cfg.output_dir)
     _claim_output_dir(output_dir, resume, overwrite)
+    saved = _saved_progress(output_dir) if resume else {}  # before the model loads: a missing state says so
     run = _setup(cfg, output_dir)
+    run.wandb_run_id = _start_trackers(run.accelerator, cfg, saved.get("wandb_run_id"))
     if resume:
         _resume(run)
     max_steps = cfg.optim.max_steps
@@ -347,19 +372,23 @@ def train(cfg: RunConfig, resume: bool = False, progress: bool = True, kind: str
             run.accelerator.print(f"stopping at step {run.step}: "
                                   f"optim.max_minutes = {cfg.optim.max_minutes} reached")
             break
-        logs = _train_step(run, stream)
+        step_start = time.perf_counter()
+        logs = _train_step(run, stream)  # its values read back: the step's work is done
+        logs["step_seconds"] = time.perf_counter() - step_start
+        logs["tokens_per_second"] = run.tokens_per_step / logs["step_seconds"]
         if cfg.eval_every and run.step % cfg.eval_every == 0 and run.step < max_steps:
             last_eval = run.evaluate()
             logs.update(last_eval)
             run.objective.train()
-        # wall clock: the per-minute curves (not a budget)
-        logs["minutes"] = (time.perf_counter() - start_time) / 60
+        # wall clock: the per-minute curves (not a budget), continued over a resume
+        logs["minutes"] = run.minutes_before + (time.perf_counter() - start_time) / 60
         run.accelerator.log(logs, step=run.step)
         window = (window + [logs["loss"]])[-20:]
         bar.set_postfix(_progress_postfix(window, last_eval, run.exit_layer))
         bar.update(1)
         if cfg.save_every and run.step % cfg.save_every == 0 and run.step < max_steps:
-            save_state(run.accelerator, output_dir / STATE_DIR, run.step)
+            save_state(run.accelerator, output_dir / STATE_DIR, run.step,
+                       {"minutes": logs["minutes"], "wandb_run_id": run.wandb_run_id})
     bar.close()
     return _finish(run, kind, seconds=time.perf_counter() - start_time)
 
@@ -484,7 +513,7 @@ def _cached_features(cfg: RunConfig, accelerator: Accelerator, model, train_bloc
 
 def _prepared(cfg: RunConfig, accelerator: Accelerator, objective, train_blocks) -> tuple:
     """(objective, optimizer, loader, scheduler) prepared by the accelerator, and the trainable
-    parameters; the layer dropout's draws registered for checkpointing and the trackers started."""
+    parameters; the layer dropout's draws registered for checkpointing."""
     # pinned on a GPU: accelerate's copy of each batch (`non_blocking`, `_accelerator`) is then queued
     # like a kernel rather than waiting for the device
     loader = DataLoader(train_blocks, batch_size=cfg.optim.batch_size, shuffle=True, drop_last=True,
@@ -506,22 +535,46 @@ def _prepared(cfg: RunConfig, accelerator: Accelerator, objective, train_blocks)
     if dropout is not None:
         dropout.synchronize()  # rank 0's draws on every rank, whatever seed a machine was given
         accelerator.register_for_checkpointing(dropout)
-    accelerator.init_trackers("selfspec", config=_flat(to_dict(cfg)))
     if len(loader) == 0:
         raise UserError(f"the training split has fewer than optim.batch_size = {cfg.optim.batch_size} "
                         f"blocks; lower optim.batch_size or data.block_size")
     return objective, optimizer, loader, scheduler, trainable
 
 
-def _resume(run: _Run) -> None:
-    """Load the newest complete state; the step and the data position continue from it."""
-    state_dir = run.output_dir / STATE_DIR
+def _saved_progress(output_dir: Path) -> dict:
+    """The newest complete state's progress.json ({step, minutes, wandb_run_id}), or a one-line error."""
+    state_dir = output_dir / STATE_DIR
     saved = latest_state(state_dir)
     if saved is None:
         raise UserError(f"--resume: no saved state in {state_dir}; run without --resume to start fresh")
+    return json.loads((saved / "progress.json").read_text())
+
+
+def _start_trackers(accelerator: Accelerator, cfg: RunConfig, wandb_run_id: str | None) -> str | None:
+    """Start the run's trackers; a resumed run logs on into the wandb run it saved the id of. Returns the
+    wandb run's id (None without wandb, and on the processes that do not log)."""
+    kwargs = {"wandb": {"id": wandb_run_id, "resume": "allow"}} if wandb_run_id else {}
+    accelerator.init_trackers("selfspec", config=_flat(to_dict(cfg)), init_kwargs=kwargs)
+    if "wandb" not in cfg.log_with or not accelerator.is_main_process:
+        return wandb_run_id
+    return accelerator.get_tracker("wandb", unwrap=True).id
+
+
+def _resume(run: _Run) -> None:
+    """Load the newest complete state; the step, the data position and the wall clock continue from it,
+    and metrics.jsonl loses the rows logged after it (the resumed run logs those steps again)."""
+    saved = latest_state(run.output_dir / STATE_DIR)
     run.accelerator.load_state(str(saved))
-    run.step = json.loads((saved / "progress.json").read_text())["step"]
+    progress = json.loads((saved / "progress.json").read_text())
+    run.step = progress["step"]
+    run.minutes_before = progress.get("minutes", 0.0)
     run.micro = run.step * run.cfg.optim.grad_accum  # micro-batches already consumed
+    metrics = run.output_dir / "metrics.jsonl"
+    if run.accelerator.is_main_process and metrics.is_file():
+        rows = metrics.read_text().splitlines(keepends=True)
+        kept = [row for row in rows if row.strip() and (json.loads(row).get("step") or 0) <= run.step]
+        write_text_atomic(metrics, "".join(kept))
+    run.accelerator.wait_for_everyone()
 
 
 def _train_step(run: _Run, stream) -> dict:
@@ -671,8 +724,9 @@ def objective_inner(objective) -> SelfSpecObjective:
     return objective.module if hasattr(objective, "module") else objective
 
 
-def save_state(accelerator: Accelerator, state_dir: Path, step: int) -> None:
-    """accelerate save_state into `state/step-N`, its step counter, then the pointer `state/latest`.
+def save_state(accelerator: Accelerator, state_dir: Path, step: int, progress: dict | None = None) -> None:
+    """accelerate save_state into `state/step-N`, its step counter (and `progress`: the run's minutes, its
+    wandb run's id) in progress.json, then the pointer `state/latest`.
 
     The pointer is written last and atomically, and older states are removed only after it, so a
     process killed at any moment leaves `latest` naming a complete state: the previous one while a
@@ -685,7 +739,7 @@ def save_state(accelerator: Accelerator, state_dir: Path, step: int) -> None:
     accelerator.save_state(str(target))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        write_json_atomic(target / "progress.json", {"step": step})
+        write_json_atomic(target / "progress.json", {"step": step, **(progress or {})})
         fault_point(f"saving:{step}")  # state written, `latest` not yet moved
         write_text_atomic(state_dir / LATEST, target.name + "\n")
         fault_point(f"saved:{step}")

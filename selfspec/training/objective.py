@@ -183,6 +183,8 @@ class SelfSpecObjective(nn.Module):
                                        ignore_index=IGNORE_INDEX, reduction="sum") / targets
 
         out = {"final_ce": final_ce.detach()}
+        if drop is not None:  # the share of (block, row) pairs this batch skipped: the rate applied
+            out["layer_dropout"] = drop.float().mean()
         loss = ee.final_weight * final_ce
         if exits:
             teacher_logits = self._teacher_logits(input_ids, logits) if ee.kind != "ce" else None
