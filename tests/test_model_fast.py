@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 
 import pytest
@@ -445,6 +446,23 @@ def test_the_kernel_is_off_on_request_and_a_failed_build_falls_back_with_a_warni
         assert kernels.few_rows_linear() is None
     x, weight = torch.randn(1, 1, 32), torch.randn(48, 32)
     torch.testing.assert_close(linear(x, weight, None), torch.nn.functional.linear(x, weight))
+
+
+def test_the_kernels_build_with_the_ninja_package_where_none_is_on_path_and_say_when_they_cannot(
+        fresh_kernel_lookup, monkeypatch, tmp_path):
+    """ninja is a dependency: a process whose PATH lacks it (a venv's python run without activating the
+    venv) finds the package's and puts it on PATH for torch's build; with neither, a warning says the
+    decode runs on torch's operations instead of falling back in silence."""
+    import ninja
+
+    kernels = fresh_kernel_lookup
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert kernels._ninja() is not None and os.environ["PATH"].startswith(ninja.BIN_DIR)
+    monkeypatch.delenv("SELFSPEC_KERNELS", raising=False)
+    monkeypatch.setattr(kernels, "cpu_has_avx2_fma", lambda: True)
+    monkeypatch.setattr(kernels, "_ninja", lambda: None)
+    with pytest.warns(UserWarning, match="need a C[+][+] compiler .* and ninja"):
+        assert kernels.few_rows_linear() is None
 
 
 def test_a_lock_left_by_a_killed_build_is_removed_before_building(fresh_kernel_lookup, monkeypatch, tmp_path):

@@ -231,13 +231,31 @@ def look_again() -> None:
     _built.cache_clear()
 
 
+def _ninja() -> str | None:
+    """The ninja torch's build runs: the one on PATH, else the `ninja` package's (a dependency of
+    selfspec; its folder is put on PATH, where torch's build looks, when the venv's bin is not there)."""
+    found = shutil.which("ninja")
+    if found is not None:
+        return found
+    try:
+        import ninja
+    except ImportError:
+        return None
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    return shutil.which("ninja")
+
+
 @functools.cache
 def _built():
     """The compiled extension, built once per machine, or None."""
     if not requested():
         return None
     compiler = (os.environ.get("CXX") or "c++").split()[0]  # CXX may be "ccache g++"
-    if fcntl is None or not cpu_has_avx2_fma() or None in (shutil.which(compiler), shutil.which("ninja")):
+    if fcntl is None or not cpu_has_avx2_fma():
+        return None
+    if None in (shutil.which(compiler), _ninja()):
+        warnings.warn(f"selfspec's CPU kernels need a C++ compiler ({compiler}) and ninja to build; without "
+                      f"them decoding uses torch's operations, several times slower", stacklevel=2)
         return None
     try:  # whatever fails here (toolchain, file system), decoding keeps MKL's products
         from torch.utils import cpp_extension
