@@ -43,8 +43,17 @@ def test_replies_are_the_models_own_greedy_continuations(chat_ckpt, tmp_path):
         plain = plain[:(plain == eos).nonzero()[0, 0] + 1] if (plain == eos).any() else plain
         assert row["messages"][1]["content"] == tokenizer.decode(plain, skip_special_tokens=True).strip()
         assert row["messages"][0] == {"role": "user", "content": prompt}
-    # The file is chat data for the fine-tune as it is.
-    corpus = load_chat_corpus(str(tmp_path / RESPONSES))
+        # a reply the token limit cut is marked: training leaves it out
+        assert row.get("truncated", False) == (len(plain) == 6 and int(plain[-1]) != eos)
+    # The file is chat data for the fine-tune as it is, less the truncated replies.
+    whole = sum(not row.get("truncated") for row in rows)
+    if whole:
+        corpus = load_chat_corpus(str(tmp_path / RESPONSES))
+        assert sum(len(split) for split in corpus.values()) == whole
+    for row in rows:
+        row.pop("truncated", None)
+    (tmp_path / "all.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    corpus = load_chat_corpus(str(tmp_path / "all.jsonl"))
     assert sum(len(split) for split in corpus.values()) == 3
 
 
@@ -120,3 +129,28 @@ def test_json_extract_replies_are_the_models_constrained_outputs(chat_ckpt, tmp_
     blocks = pack_chat_dataset(everything, tokenizer, 16, max_tokens_per_conversation=512, skip_forced=True)
     target, drafted = blocks["target_mask"][:], blocks["draft_mask"][:]
     assert not (drafted & ~target).any() and 0 < drafted.sum() < target.sum()
+
+
+def test_a_sampled_run_continued_draws_what_an_uninterrupted_one_draws(chat_ckpt, tmp_path):
+    """Each reply's seed is the run's plus its prompt's index, whatever batch it lands in: a run killed
+    after 3 prompts and continued (its batches now start elsewhere) writes the uninterrupted file."""
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    options = ReplyOptions(batch_size=2, max_new_tokens=6, temperature=1.0, seed=5)
+    distill_responses(_generator(chat_ckpt), _pairs(), whole, options, model_name="tiny", progress=False)
+    distill_responses(_generator(chat_ckpt), _pairs(3), killed, options, model_name="tiny", progress=False)
+    distill_responses(_generator(chat_ckpt), _pairs(), killed, options, model_name="tiny", progress=False)
+    assert (killed / RESPONSES).read_text() == (whole / RESPONSES).read_text()
+
+
+def test_a_second_run_on_the_same_directory_and_a_bad_limit_are_one_line(chat_ckpt, tmp_path, capsys):
+    from selfspec.data.replies import ReplyFile
+
+    with ReplyFile(tmp_path, {"model": "tiny"}):  # a run in progress holds the directory
+        with pytest.raises(ChatDataError, match="another distill-data run is writing"):
+            distill_responses(_generator(chat_ckpt), _pairs(2), tmp_path, ReplyOptions(max_new_tokens=4),
+                              model_name="tiny", progress=False)
+    for limit in ("0", "-3"):
+        assert main(["distill-data", str(chat_ckpt["dir"]), "--prompts", str(chat_ckpt["prompts"]),
+                     "--out", str(tmp_path / "out"), "--limit", limit]) == 2
+        assert "--limit must be an integer of 1 or more" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not (tmp_path / "out").exists()  # refused before anything was written

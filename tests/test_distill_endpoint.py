@@ -120,10 +120,13 @@ class _Misbehaving:
     and, from `after` on, answered by `how`: "html" (a 200 that is not JSON), "die" (the server stops
     at once: the requests in flight get no answer, every later connection is refused), "busy" (a 503
     with Retry-After 0 and a 429 for every other, then the real answer), "stall" (a wait past the
-    client's timeout, once each). `bodies` keeps every completion request's body."""
+    client's timeout, once each). A prompt holding a text of `refuse` gets a 400 (too long for the
+    context, as vLLM words it), one holding a text of `null` a reply whose content is null (a reasoning
+    parser's). `bodies` keeps every completion request's body."""
 
-    def __init__(self, app, after: int = 10**9, how: str = ""):
+    def __init__(self, app, after: int = 10**9, how: str = "", refuse: tuple = (), null: tuple = ()):
         self.app, self.after, self.how = app, after, how
+        self.refuse, self.null = refuse, null
         self.count, self.bodies, self.server, self.troubled = 0, [], None, set()
 
     async def __call__(self, scope, receive, send):
@@ -138,6 +141,13 @@ class _Misbehaving:
         self.count += 1
         self.bodies.append(json.loads(body))
         prompt = json.dumps(self.bodies[-1].get("messages") or self.bodies[-1].get("prompt"))
+        if any(text in prompt for text in self.refuse):
+            return await _answer(send, 400, b'{"error": {"message": "This model\'s maximum context length is '
+                                 b'64 tokens"}}', b"application/json")
+        if any(text in prompt for text in self.null):
+            reply = {"choices": [{"message": {"role": "assistant", "content": None},
+                                  "finish_reason": "stop"}]}
+            return await _answer(send, 200, json.dumps(reply).encode(), b"application/json")
         if self.count >= self.after and self.how == "html":
             return await _answer(send, 200, b"<html>Bad gateway</html>", b"text/html")
         if self.count >= self.after and self.how == "die":  # no answer: the process is gone
@@ -276,6 +286,9 @@ def test_sampling_settings_reach_the_server_and_token_ids_are_kept_where_it_retu
     bodies = app.bodies[PROBE_REQUESTS:]
     assert {(b["temperature"], b["top_p"]) for b in bodies} == {(0.7, 0.9)}
     assert sorted(b["seed"] for b in bodies) == [5 + i for i in range(12)]
+    # no token ids asked for: training tokenizes the text
+    asks_ids = ("logprobs", "return_token_ids", "return_tokens_as_token_ids")
+    assert not any(key in b for b in bodies for key in asks_ids)
     manifest = json.loads((tmp_path / "sampled" / "manifest.json").read_text())
     assert (manifest["temperature"], manifest["top_p"], manifest["seed"]) == (0.7, 0.9, 5)
 
@@ -306,29 +319,53 @@ def _vllm_like(generator, name: str):
         out = generator.generate([ids], max_new_tokens=request["max_tokens"])
         sequence = [int(t) for t in out.sequences[0]]
         text = generator.tokenizer.decode(sequence, skip_special_tokens=True)
+        cut = len(sequence) >= request["max_tokens"] and sequence[-1] not in generator.eos_token_ids
         reply = {"choices": [{"message": {"role": "assistant", "content": text}, "token_ids": sequence,
-                              "finish_reason": "stop"}], "usage": {"completion_tokens": len(sequence)}}
+                              "finish_reason": "length" if cut else "stop"}],
+                 "usage": {"completion_tokens": len(sequence)}}
         await _answer(send, 200, json.dumps(reply).encode(), b"application/json")
 
     return app
 
 
-def test_token_ids_from_the_server_are_kept_and_the_manifest_says_so(chat_model, in_process, tmp_path):
+def test_token_ids_are_not_asked_for_and_the_rows_are_the_text_training_tokenizes(chat_model, in_process,
+                                                                                   tmp_path):
+    """Training tokenizes the replies' text: the run asks no server for token ids (they would cost it
+    logprobs), keeps none a server sends anyway, and the manifest says `tokenized`."""
     port = _free_port()
     server = run_in_thread(_vllm_like(_generator(chat_model), "served"), port)
     try:
         summary = _distill(chat_model, f"http://127.0.0.1:{port}/v1", tmp_path)
     finally:
         server.should_exit = True
-    assert summary["probe_exact"] and summary["token_ids"] == "server"
-    assert json.loads((tmp_path / "manifest.json").read_text())["token_ids"] == "server"
-    rows = [json.loads(line) for line in (tmp_path / RESPONSES).read_text().splitlines()]
-    assert [{k: v for k, v in row.items() if k != "token_ids"} for row in rows] == \
-        [json.loads(line) for line in in_process.splitlines()]
-    generator = _generator(chat_model)
-    for row in rows:
-        assert row["token_ids"] == [int(t) for t in generator.chat([row["messages"][0]],
-                                                                    max_new_tokens=TOKENS).sequences[0]]
+    assert summary["probe_exact"]
+    assert json.loads((tmp_path / "manifest.json").read_text())["token_ids"] == "tokenized"
+    assert (tmp_path / RESPONSES).read_text() == in_process
+
+
+def test_refused_prompts_are_recorded_and_skipped_and_asked_again_only_when_told(
+        chat_model, thread_server, in_process, tmp_path):
+    """A 400 for one prompt (too long for the server's context) and a reply with `content: null` for
+    another go to errors.jsonl with the server's message; the other replies are written and the run
+    ends well. The same command skips the two; `--retry-refused` asks for them again, and once the
+    server answers them the file is the whole one."""
+    url, app = thread_server(refuse=("f3(",), null=("f7(",))
+    summary = _distill(chat_model, url, tmp_path)
+    assert (summary["rows"], summary["refused"], summary["new_refused"]) == (10, 2, 2)
+    lines = (tmp_path / "errors.jsonl").read_text().splitlines()
+    errors = {row["id"]: row for row in map(json.loads, lines)}
+    assert len(errors) == 2 and sorted(e["status"] for e in errors.values() if e["status"]) == [400]
+    assert any("maximum context length" in e["error"] for e in errors.values())
+    assert any("content: null" in e["error"] for e in errors.values())
+    whole = in_process.splitlines(keepends=True)
+    assert (tmp_path / RESPONSES).read_text() == "".join(line for line in whole
+                                                        if json.loads(line)["id"] not in errors)
+    asked = len(app.bodies)
+    assert _distill(chat_model, url, tmp_path)["new_rows"] == 0 and len(app.bodies) == asked + PROBE_REQUESTS
+    fixed, _ = thread_server()
+    summary = _distill(chat_model, fixed, tmp_path, retry_refused=True)
+    assert (summary["new_rows"], summary["refused"]) == (2, 0) and not (tmp_path / "errors.jsonl").exists()
+    assert (tmp_path / RESPONSES).read_text() == in_process
 
 
 def test_a_model_without_a_chat_template_is_distilled_through_text_completions(tiny_run, tmp_path):
@@ -380,3 +417,23 @@ def test_endpoint_options_are_checked_when_made():
         with pytest.raises(UserError, match=says):
             EndpointOptions(**bad)
     assert EndpointOptions(endpoint="http://h:1").endpoint == "http://h:1"
+
+
+def test_without_the_probe_only_the_tokenizer_is_loaded_and_the_replies_are_the_same(
+        chat_model, thread_server, in_process, tmp_path, monkeypatch):
+    """`--no-probe`: MODEL's tokenizer (and chat template) is all the client loads, no probe request is
+    sent, the manifest says no probe ran, and the replies are the served model's all the same."""
+    from selfspec.data.distill_job import distill_data
+
+    url, app = thread_server()
+
+    def no_model(*_, **__):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr("selfspec.checkpoint.load_tuned", no_model)
+    summary = distill_data(_options(url, model=str(chat_model["dir"]), out=str(tmp_path), probe=False,
+                                    prompts=str(chat_model["prompts"])))
+    assert summary["probe_match"] is None and summary["rows"] == 12
+    assert len(app.bodies) == 12  # the replies' requests, no probe's
+    assert json.loads((tmp_path / "manifest.json").read_text())["probe_match"] is None
+    assert (tmp_path / RESPONSES).read_text() == in_process

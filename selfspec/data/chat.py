@@ -131,10 +131,13 @@ def _conversation(conversation_id: str, turns: Iterable[dict]) -> dict | None:
 def read_chat_jsonl(path: str | Path) -> list[dict]:
     """Conversations from a .jsonl file of `messages`, ShareGPT `conversations` or `prompt`/`response`
     rows; a row's `json_schema` (an object or its JSON text: the schema its reply follows) is kept as
-    JSON text."""
+    JSON text. A row marked `truncated` (a distilled reply the token limit cut) is left out: it would
+    teach the model to stop mid-answer."""
     path = Path(path)
     conversations = []
     for number, row in jsonl_rows(path):
+        if row.get("truncated") is True:
+            continue
         row_id = str(row.get("id", f"{path.stem}-{number}"))
         if isinstance(row.get("messages"), list):
             conversation = _conversation(row_id, [t for t in row["messages"] if isinstance(t, dict)])

@@ -100,10 +100,11 @@ def prompt_ids(tokenizer, prompt: str) -> list[int]:
 
 
 def reply_row(prompt_id: str, prompt: str, reply: str, chat: bool, schema: dict | None = None,
-              token_ids: list[int] | None = None) -> dict:
+              truncated: bool = False) -> dict:
     """One line of responses.jsonl: a conversation of the prompt and the reply (stripped), or for a model
-    without a chat template the text it continued and the continuation; the schema and the reply's token
-    ids where there are some."""
+    without a chat template the text it continued and the continuation; the schema where there is one, and
+    `truncated: true` for a reply the token limit cut (training leaves those out: they teach the model to
+    stop mid-answer)."""
     if chat:
         row = {"id": prompt_id, "messages": [{"role": "user", "content": prompt},
                                              {"role": "assistant", "content": reply.strip()}]}
@@ -111,8 +112,8 @@ def reply_row(prompt_id: str, prompt: str, reply: str, chat: bool, schema: dict 
         row = {"id": prompt_id, "text": prompt + reply}
     if schema is not None:  # the schema stays with its reply: training can tell which tokens it forced
         row["json_schema"] = schema
-    if token_ids is not None:
-        row["token_ids"] = token_ids
+    if truncated:
+        row["truncated"] = True
     return row
 
 
@@ -131,8 +132,8 @@ class ReplyOptions(Options):
     top_p: float = 1.0
     """sample from the smallest set of tokens whose probability reaches p"""
     seed: int = 0
-    """the sampling seed (in this process each batch adds the index of its first prompt; through a server
-    each request the index of its prompt)"""
+    """the sampling seed: each reply's is this plus its prompt's index (in this process and through a
+    server alike), so a continued run draws what one that never stopped draws"""
 
     def check(self):
         for flag, value in (("--batch-size", self.batch_size), ("--max-new-tokens", self.max_new_tokens),
@@ -188,7 +189,14 @@ def distill_responses(generator, prompts: list[tuple[str, str]], out_dir: str | 
     if tokenizer is None:
         raise ChatDataError(f"{model_name} has no tokenizer; distill-data needs one to read the prompts")
     chat = has_chat_template(tokenizer)
-    replies = ReplyFile(out_dir, reply_manifest(model_name, tokenizer, options, prompts), force)
+    with ReplyFile(out_dir, reply_manifest(model_name, tokenizer, options, prompts), force) as replies:
+        return _answer(generator, prompts, replies, options, chat, progress)
+
+
+def _answer(generator, prompts: list[tuple], replies: ReplyFile, options: ReplyOptions, chat: bool,
+            progress: bool) -> dict:
+    """`distill_responses`' replies, batch after batch, into the open `replies`; its summary."""
+    tokenizer = generator.tokenizer
     todo, skipped = unanswered(prompts, tokenizer, replies.done, options.max_prompt_tokens)
     bar = tqdm(total=len(todo), desc="distill", unit="reply", disable=not progress)
     tokens, start = 0, time.perf_counter()
@@ -197,11 +205,13 @@ def distill_responses(generator, prompts: list[tuple[str, str]], out_dir: str | 
         schemas = [schema for *_, schema in batch]
         out = generator.generate([ids for _, _, _, ids, _ in batch], max_new_tokens=options.max_new_tokens,
                                  temperature=options.temperature, top_p=options.top_p,
-                                 seed=options.seed + first, json_schema=schemas if any(schemas) else None)
+                                 seed=[options.seed + index for index, *_ in batch],
+                                 json_schema=schemas if any(schemas) else None)
         tokens += sum(len(sequence) for sequence in out.sequences)
         # One append per batch: a kill leaves whole batches (and at worst a torn last line).
+        eos, limit = set(generator.eos_token_ids), options.max_new_tokens
         replies.append([reply_row(prompt_id, prompt, tokenizer.decode(sequence, skip_special_tokens=True),
-                                  chat, schema)
+                                  chat, schema, truncated=len(sequence) >= limit and sequence[-1] not in eos)
                         for (_, prompt_id, prompt, _, schema), sequence in zip(batch, out.sequences)])
         bar.update(len(batch))
         bar.set_postfix(tokens_per_s=f"{tokens / (time.perf_counter() - start):.0f}")

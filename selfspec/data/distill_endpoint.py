@@ -8,10 +8,14 @@ The same prompts, directory, manifest and resumability as in-process distillatio
 `replies.py`): the server is checked to serve MODEL first (`probe.py`), then `concurrency` requests stay
 in flight, each reply appended to responses.jsonl the moment it arrives, and once every prompt is
 answered the file is put in prompt order, so it is the file in-process distillation writes when the
-server's replies are MODEL's. A request that fails for good (`endpoint.py`: after its retries, or at
-once for a refusal) stops the run with one line that says how many replies are kept; the same command
-continues it. The manifest records the server, its model's name, the probe's match and whether the
-rows carry the server's token ids (`token_ids: server`) or training tokenizes the text (`tokenized`).
+server's replies are MODEL's. A prompt the server refuses (a 4xx for it: too long for its context, a
+schema its grammar engine rejects; or a reply without text) goes to errors.jsonl with the server's
+message and the run goes on; a continued run skips those prompts unless `--retry-refused`. A reply the
+token limit cut (`finish_reason: length`) is kept marked `truncated`, which training leaves out. A
+request that fails for good otherwise (`endpoint.py`: after its retries, or a refused key or route)
+stops the run with one line that says how many replies are kept; the same command continues it. The
+manifest records the server, its model's name and the probe's match; no token ids are asked for
+(training tokenizes the text with MODEL's tokenizer).
 """
 
 from __future__ import annotations
@@ -23,8 +27,8 @@ from tqdm.auto import tqdm
 
 from .chat import ChatDataError
 from .distill import has_chat_template, reply_manifest, reply_row, unanswered
-from .endpoint import Endpoint, EndpointError, request_body
-from .probe import ProbeResult, same_model
+from .endpoint import Endpoint, EndpointError, PromptRefused, request_body
+from .probe import ProbeResult, same_model, unprobed
 from .replies import ReplyFile
 
 
@@ -34,8 +38,9 @@ def distill_through_endpoint(generator, prompts: list[tuple], out_dir, options, 
     a previous run (see the module docstring).
 
     generator: MODEL in this process (a `SelfSpecGenerator` with its tokenizer), for the probe and the
-    prompts' tokens, or a function that loads it, called once the server has listed its models (a
-    mistyped address or key fails before a large model loads); options: a `ReplyOptions` that is also
+    prompts' tokens, or with `options.probe` off its tokenizer alone; or a function that loads either,
+    called once the server has listed its models (a mistyped address or key fails before a large model
+    loads); options: a `ReplyOptions` that is also
     an `EndpointOptions` (`DistillOptions`). Returns the summary of `distill_responses` (its seconds: the
     replies', the probe's left out as the model's loading is there) with the probe's findings added.
     """
@@ -46,26 +51,31 @@ async def _distill(generator, prompts, out_dir, options, model_name, force, prog
     async with Endpoint(options) as server:
         models = await server.models()
         generator = generator() if callable(generator) else generator
-        tokenizer = generator.tokenizer
+        tokenizer = getattr(generator, "tokenizer", generator)  # a generator, or (--no-probe) a tokenizer
         if tokenizer is None:
             raise ChatDataError(f"{model_name} has no tokenizer; distill-data needs one to read the prompts")
-        probe = await same_model(server, models, generator, model_name, options)
+        probe = (await same_model(server, models, generator, model_name, options) if options.probe
+                 else unprobed(server, models, tokenizer, model_name, options))
         manifest = {**reply_manifest(model_name, tokenizer, options, prompts, f"server:{probe.server_model}"),
-                    "endpoint": server.url, "token_ids": probe.token_ids, "probe_match": probe.match}
-        replies = ReplyFile(out_dir, manifest, force)
-        todo, skipped = unanswered(prompts, tokenizer, replies.done, options.max_prompt_tokens)
-        run = _Requests(server, replies, probe, options, generator.tokenizer)
-        with tqdm(total=len(todo), desc="distill", unit="reply", disable=not progress) as bar:
-            try:
-                await run.all(todo, bar)
-            except EndpointError as exc:
-                raise EndpointError(f"{exc}; {len(replies.done)} replies are kept in {replies.path}, and the "
-                                    f"same command continues", exc.status) from None
-        replies.finish([item[0] for item in prompts])
+                    "endpoint": server.url, "token_ids": "tokenized", "probe_match": probe.match}
+        with ReplyFile(out_dir, manifest, force) as replies:
+            if options.retry_refused:
+                replies.forget_refused()
+            todo, skipped = unanswered(prompts, tokenizer, replies.done | replies.refused,
+                                       options.max_prompt_tokens)
+            run = _Requests(server, replies, probe, options, tokenizer)
+            with tqdm(total=len(todo), desc="distill", unit="reply", disable=not progress) as bar:
+                try:
+                    await run.all(todo, bar)
+                except EndpointError as exc:
+                    raise EndpointError(f"{exc}; {len(replies.done)} replies are kept in {replies.path}, and "
+                                        f"the same command continues", exc.status) from None
+            replies.finish([item[0] for item in prompts])
     return {"rows": len(replies.done), "new_rows": len(todo), "tokens": run.tokens, "skipped_long": skipped,
             "seconds": round(time.perf_counter() - run.start, 1), "file": str(replies.path),
             "endpoint": server.url, "server_model": probe.server_model, "probe_match": probe.match,
-            "probe_exact": probe.exact, "token_ids": probe.token_ids}
+            "probe_exact": probe.exact, "refused": len(replies.refused), "new_refused": run.refusals,
+            "errors": str(replies.errors)}
 
 
 class _Requests:
@@ -76,7 +86,7 @@ class _Requests:
         self.server, self.replies, self.probe = server, replies, probe
         self.options, self.tokenizer = options, tokenizer
         self.chat = has_chat_template(tokenizer)
-        self.tokens, self.start = 0, time.perf_counter()
+        self.tokens, self.start, self.refusals = 0, time.perf_counter(), 0
 
     async def all(self, todo: list[tuple], bar) -> None:
         items = iter(todo)  # shared: each worker takes the next prompt when its request is done
@@ -97,13 +107,19 @@ class _Requests:
         for index, prompt_id, prompt, _, schema in items:
             sampling = {"temperature": options.temperature, "top_p": options.top_p,
                         "seed": options.seed + index}
+            # no token ids asked for: training tokenizes the text (they would cost the server logprobs)
             path, body = request_body(self.probe.server_model, prompt, self.chat, options.max_new_tokens,
-                                      sampling, schema, self.probe.asks_ids)
-            reply = await self.server.complete(path, body, f"prompt {prompt_id}")
-            ids = reply.token_ids if self.probe.token_ids == "server" else None
-            self.replies.append([reply_row(prompt_id, prompt, reply.text, self.chat, schema, ids)])
-            self.tokens += (len(ids) if ids is not None else reply.completion_tokens
-                            if reply.completion_tokens is not None
+                                      sampling, schema)
+            try:
+                reply = await self.server.complete(path, body, f"prompt {prompt_id}", refusable=True)
+            except PromptRefused as refusal:  # this prompt only: recorded, and the run goes on
+                self.replies.refuse(prompt_id, refusal.status, refusal.reason)
+                self.refusals += 1
+                bar.update(1)
+                continue
+            self.replies.append([reply_row(prompt_id, prompt, reply.text, self.chat, schema,
+                                           truncated=reply.finish_reason == "length")])
+            self.tokens += (reply.completion_tokens if reply.completion_tokens is not None
                             else len(self.tokenizer(reply.text, add_special_tokens=False)["input_ids"]))
             bar.update(1)
             bar.set_postfix(tokens_per_s=f"{self.tokens / (time.perf_counter() - self.start):.0f}")

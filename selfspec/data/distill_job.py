@@ -38,17 +38,25 @@ class DistillOptions(ReplyOptions, EndpointOptions):
     force: bool = False
     """start --out again"""
 
+    def check(self):
+        if self.limit is not None and (type(self.limit) is not int or self.limit < 1):
+            raise ConfigError(f"--limit must be an integer of 1 or more (the first prompts to answer), got "
+                              f"{self.limit!r}")
+
 
 def distill_data(options: DistillOptions) -> dict:
     """The model's own replies to `options.prompts` into `options.out/responses.jsonl`, in this process
     or through `options.endpoint` (see `selfspec.data.distill` and `distill_endpoint`); prints a summary
     line and returns the summary."""
     from ..checkpoint import load_tuned
+    from ..model.loading import load_tokenizer
     from .distill_endpoint import distill_through_endpoint
 
     pairs = distill_prompts(options.prompts)[:options.limit]
 
     def load():
+        if options.endpoint is not None and not options.probe:  # the server decodes: a tokenizer will do
+            return load_tokenizer(options.model)
         return load_tuned(options.model, drafter=options.drafter, num_speculations="auto")
 
     if options.endpoint is None:
@@ -58,9 +66,11 @@ def distill_data(options: DistillOptions) -> dict:
     else:
         summary = distill_through_endpoint(load, pairs, options.out, options, model_name=str(options.model),
                                            force=options.force)
-        match = "exact" if summary["probe_exact"] else f"{summary['probe_match']:.1%} of tokens"
-        where = (f" through {summary['endpoint']} ({summary['server_model']!r}: probe {match}, token ids "
-                 f"{'from the server' if summary['token_ids'] == 'server' else 'tokenized'})")
+        match = ("skipped" if summary["probe_match"] is None else "exact" if summary["probe_exact"]
+                 else f"{summary['probe_match']:.1%} of tokens")
+        refused = (f"; {summary['refused']} prompts refused by the server, in {summary['errors']} "
+                   f"(--retry-refused asks again)" if summary["refused"] else "")
+        where = f" through {summary['endpoint']} ({summary['server_model']!r}: probe {match}{refused})"
     print(f"{summary['file']}: {summary['rows']} replies ({summary['new_rows']} new, "
           f"{summary['tokens']:,} tokens in {summary['seconds']} s{where}); "
           f"{summary['skipped_long']} prompts over {options.max_prompt_tokens} tokens skipped")

@@ -43,6 +43,19 @@ class EndpointError(UserError):
         self.status = status
 
 
+class PromptRefused(EndpointError):
+    """The server refused one prompt, not the run: a 4xx for it (too long for its context, a schema its
+    grammar engine rejects) other than a refused key, route or rate, or a reply without text (a reasoning
+    parser's `content: null`). `reason` says which, as the server put it."""
+
+    def __init__(self, message: str, reason: str, status: int | None = None):
+        super().__init__(message, status)
+        self.reason = reason
+
+
+RUN_REFUSALS = (401, 403, 404)  # the key or the route: every prompt would be refused alike
+
+
 @dataclass(frozen=True, kw_only=True)
 class EndpointOptions(Options):
     """Where the replies are generated when not in this process: an OpenAI-compatible server."""
@@ -60,6 +73,12 @@ class EndpointOptions(Options):
     """times a request is sent again after a 429, a 5xx, a timeout or a dropped connection (default: 5)"""
     server_model: str | None = None
     """the model's name on the server (default: the one its /v1/models lists)"""
+    probe: bool = True
+    """check that the server serves MODEL by answering two prompts here too (loads MODEL in this process);
+    --no-probe: only MODEL's tokenizer and chat template are loaded, and the server is trusted"""
+    retry_refused: bool = False
+    """ask again for the prompts the server refused in an earlier run (errors.jsonl); by default a
+    continued run skips them"""
     min_probe_match: float = 0.8
     """refuse a server whose greedy replies to two probe prompts agree with MODEL's on a smaller share of
     tokens (default: 0.8; a near match above it, e.g. a quantized copy, is a warning)"""
@@ -124,7 +143,7 @@ def parse_completion(payload, chat: bool) -> Completion:
     choice = payload["choices"][0]
     text = choice["message"]["content"] if chat else choice["text"]
     if not isinstance(text, str):
-        raise ValueError("the reply has no text")
+        raise ValueError(f"the reply has no text (content: {json.dumps(text)})")
     usage = payload.get("usage") or {}
     tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
     return Completion(text, _token_ids(choice), tokens if isinstance(tokens, int) else None,
@@ -184,20 +203,27 @@ class Endpoint:
                                 f"(data: [{{id}}, ...]); pass the address of an OpenAI-compatible server")
         return data
 
-    async def complete(self, path: str, body: dict, what: str) -> Completion:
+    async def complete(self, path: str, body: dict, what: str, refusable: bool = False) -> Completion:
         """One completion (`request_body`'s path and body), tried again as the module docstring says;
-        `what` names it in an error ("prompt p3")."""
-        payload = await self._json("POST", path, body, f"the request for {what}")
+        `what` names it in an error ("prompt p3"). `refusable`: a refusal of this one prompt (a 4xx other
+        than `RUN_REFUSALS`, a reply without text) is a `PromptRefused`."""
+        payload = await self._json("POST", path, body, f"the request for {what}", refusable=refusable)
         try:
             return parse_completion(payload, "messages" in body)
-        except (KeyError, IndexError, TypeError, ValueError):
+        except ValueError as exc:  # a completion without text: this prompt's reply, not the server
+            if not refusable:
+                raise EndpointError(f"the server at {self.url} answered the request for {what} with {exc}; "
+                                    f"pass the address of an OpenAI-compatible server") from None
+            raise PromptRefused(f"the server answered {what} without a reply text", str(exc)) from None
+        except (KeyError, IndexError, TypeError):
             raise EndpointError(f"the server at {self.url} answered the request for {what} with JSON that is "
                                 f"not a completion ({_excerpt(json.dumps(payload))}); pass the address of an "
                                 f"OpenAI-compatible server") from None
 
-    async def _json(self, method: str, path: str, body: dict | None, what: str, reach_once: bool = False):
+    async def _json(self, method: str, path: str, body: dict | None, what: str, reach_once: bool = False,
+                    refusable: bool = False):
         """The JSON body of a 2xx answer to `method path`, retried on a transient failure; `reach_once`: a
-        connection that fails is an error at once (a mistyped address)."""
+        connection that fails is an error at once (a mistyped address); `refusable` as `complete`'s."""
         import httpx
 
         tries = 1 + self.options.retries
@@ -213,16 +239,19 @@ class Endpoint:
                                         f"pass its address to --endpoint") from None
             else:
                 if response.status_code not in RETRIED:
-                    return self._payload(response, what)
+                    return self._payload(response, what, refusable)
                 failure, wait = f"{response.status_code}: {_message(response)}", _retry_after(response)
             if attempt + 1 < tries:
                 await asyncio.sleep(min(MAX_WAIT, wait if wait is not None else
                                         self.options.backoff * 2 ** attempt * random.uniform(0.75, 1.0)))
         raise EndpointError(f"the server at {self.url} failed {what} {tries} times (last: {failure})")
 
-    def _payload(self, response, what: str):
+    def _payload(self, response, what: str, refusable: bool = False):
         """The JSON of a final answer, or the one line that says why there is none."""
         status = response.status_code
+        if refusable and 400 <= status < 500 and status not in RUN_REFUSALS:
+            raise PromptRefused(f"the server at {self.url} refused {what} ({status}: {_message(response)})",
+                                _message(response), status)
         if not 200 <= status < 300:
             why, fix = f"({status}: {_message(response)})", ""
             if status in (401, 403):

@@ -38,7 +38,7 @@ class ProbeResult:
     server_model: str
     asks_ids: bool
     token_ids: str
-    match: float
+    match: float | None  # None: no probe ran (`--no-probe`)
     exact: bool
 
 
@@ -46,7 +46,8 @@ async def same_model(server: Endpoint, models: list[dict], generator, model_name
                      options: EndpointOptions) -> ProbeResult:
     """The server's model name and the probe's verdict (see the module docstring); `models`: the entries
     of its /v1/models. An `EndpointError` of one line when the server serves another model."""
-    name = served_name(server.url, models, generator, model_name, options.server_model)
+    name = served_name(server.url, models, {len(generator.tokenizer), generator.view.config.vocab_size},
+                       model_name, options.server_model)
     replies, asks_ids = [], True
     for prompt in PROBE_PROMPTS:
         reply = None
@@ -73,15 +74,22 @@ async def same_model(server: Endpoint, models: list[dict], generator, model_name
     return ProbeResult(name, with_ids, "server" if with_ids else "tokenized", round(share, 4), exact)
 
 
+def unprobed(server: Endpoint, models: list[dict], tokenizer, model_name: str,
+             options: EndpointOptions) -> ProbeResult:
+    """`--no-probe`: the server's name for the model (`served_name`, its vocabulary checked against the
+    tokenizer's where the server says it), no reply compared (MODEL is not loaded): match None."""
+    name = served_name(server.url, models, {len(tokenizer)}, model_name, options.server_model)
+    return ProbeResult(name, False, "tokenized", None, False)
+
 def _probe_request(generator, name: str, prompt: str, ask_ids: bool) -> tuple[str, dict]:
     return request_body(name, prompt, has_chat_template(generator.tokenizer), PROBE_TOKENS,
                         {"temperature": 0.0}, ask_ids=ask_ids)
 
 
-def served_name(url: str, models: list[dict], generator, model_name: str, wanted: str | None) -> str:
+def served_name(url: str, models: list[dict], sizes: set[int], model_name: str, wanted: str | None) -> str:
     """The name to ask the server for: `wanted`, or the one model `models` (its /v1/models) lists (among
     several, the one named like MODEL); refused when it is not listed, or when the server's vocabulary is
-    another size."""
+    none of MODEL's `sizes` (its tokenizer's, its config's)."""
     ids = [m["id"] for m in models]
     if wanted is not None and wanted not in ids:
         raise EndpointError(f"the server at {url} serves {_names(ids)}, not {wanted!r}; pass one of "
@@ -94,7 +102,6 @@ def served_name(url: str, models: list[dict], generator, model_name: str, wanted
         wanted = ids[0] if len(ids) == 1 else named[0]
     meta = next(m for m in models if m["id"] == wanted).get("meta")
     n_vocab = meta.get("n_vocab") if isinstance(meta, dict) else None
-    sizes = {len(generator.tokenizer), generator.view.config.vocab_size}
     if isinstance(n_vocab, int) and n_vocab not in sizes:
         raise EndpointError(f"the server at {url} serves another model than {model_name}: "
                             f"{wanted!r} has a vocabulary of {n_vocab} tokens, {model_name} of {max(sizes)}")
