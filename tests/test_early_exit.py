@@ -488,3 +488,23 @@ def test_trimmed_vocabulary_ids_are_checked():
         TrimmedVocab([3, 10], 10)
     with pytest.raises(ValueError, match="must not repeat"):
         TrimmedVocab([3, 3], 10)
+
+
+@pytest.mark.parametrize("kind", ["kl", "ce", "both"])
+def test_each_exits_own_loss_is_reported_and_weighs_into_the_total(kind):
+    """`per_exit` gets every exit's unweighted mean loss (what the training logs as exit_loss@l); the
+    total is their weighted sum."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 11)
+    hiddens = [torch.randn(2, 5, 8) for _ in range(3)]
+    teacher, labels = torch.randn(2, 5, 11), torch.randint(0, 11, (2, 5))
+    labels[0, :2] = -100
+    weights = [0.2, 0.3, 0.5]
+    per_exit = []
+    total = early_exit_loss(hiddens, head, weights, kind=kind, teacher_logits=teacher, labels=labels,
+                            chunk_size=3, per_exit=per_exit)
+    assert len(per_exit) == 3 and all(not p.requires_grad for p in per_exit)
+    alone = [early_exit_loss([h], head, [1.0], kind=kind, teacher_logits=teacher, labels=labels, chunk_size=3)
+             for h in hiddens]
+    torch.testing.assert_close(torch.stack(per_exit), torch.stack(alone).detach())
+    torch.testing.assert_close(total, sum(w * p for w, p in zip(weights, per_exit)))

@@ -107,6 +107,9 @@ def test_resume_reproduces_an_uninterrupted_run(tiny_run, tmp_path):
     assert minutes == sorted(minutes) and minutes[3] > minutes[2] > 0
     assert all(r["step_seconds"] > 0 and r["tokens_per_second"] > 0 and 0 <= r["layer_dropout"] <= 1
                for r in rows if "loss" in r)
+    # each exit's training loss beside their weighted sum
+    assert all(any(key.startswith("exit_loss@") and value > 0 for key, value in r.items())
+               for r in rows if "loss" in r)
     again = {r["step"]: r["loss"] for r in rows if "loss" in r}
     for step in (4, 5, 6):
         assert again[step] == pytest.approx(reference[step], rel=1e-6, abs=1e-7), step

@@ -269,6 +269,7 @@ def early_exit_loss(
     chunk_size: int = 1024,
     checkpoint_chunks: bool = True,
     vocab: TrimmedVocab | None = None,
+    per_exit: list | None = None,
 ) -> torch.Tensor:
     """Weighted early-exit loss over exits, computed in token chunks; returns a scalar tensor.
 
@@ -290,6 +291,8 @@ def early_exit_loss(
             that the backward pass too holds one (chunk, V) logits block at a time.
         vocab: the loss over V' ids plus "other" (`TrimmedVocab`): ``head_fn`` then returns
             (n, vocab.num_classes) logits, and the teacher and the labels are folded to match.
+        per_exit: a list that gets each exit's own loss (unweighted, detached), in the order of the
+            exits: what the training logs per exit.
 
     Loss of one exit = (Σ over valid tokens of τ²·KL and/or CE) / number of valid tokens; the result
     is Σ_e weights[e] · loss_e. If no token is valid the result is 0 (not NaN), so a fully padded
@@ -332,6 +335,8 @@ def early_exit_loss(
                 part = chunk_loss(h_flat[rows], t_chunk, y_chunk)
             exit_sum = part if exit_sum is None else exit_sum + part
         scale = weight / n_valid
+        if per_exit is not None:
+            per_exit.append((exit_sum.detach() / n_valid).float())
         term = exit_sum * (scale.to(exit_sum.dtype) if torch.is_tensor(scale) else scale)
         total = term if total is None else total + term
     return total

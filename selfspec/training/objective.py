@@ -192,12 +192,15 @@ class SelfSpecObjective(nn.Module):
             if ee.token_fraction < 1.0:
                 exits, teacher_logits, exit_labels = self._subsample(exits, teacher_logits, exit_labels, step)
             weights = layer_weights(ee.scale, active, view.num_layers)  # (L,) host floats
+            per_exit = []
             exit_loss = early_exit_loss(exits, self._exit_head(), weights, kind=ee.kind,
                                         teacher_logits=teacher_logits, labels=exit_labels,
                                         temperature=ee.temperature, chunk_size=ee.chunk_size,
-                                        vocab=self.exit_vocab)
+                                        vocab=self.exit_vocab, per_exit=per_exit)
             loss = loss + ee.weight * exit_loss
             out["exit_loss"] = exit_loss.detach()
+            # each exit's own loss, as `exits` holds them: by depth
+            out.update({f"exit_loss@{layer}": value for layer, value in zip(sorted(active), per_exit)})
         out["loss"] = loss
         return out
 
