@@ -68,6 +68,12 @@ def test_the_command_probes_and_writes_its_figures(tiny_run, tmp_path, capsys):
     assert result["figures"]["k"] == 3 and result["figures"]["exit_layer"] == 2
     assert set(result["figures"]["speedups"]) == {"early_exit", "ngram", "hybrid"}
     assert result["diagnosis"] == diagnose(result["figures"])
+    # c and v through the engine at both context lengths, printed as a table by length
+    figures = result["figures"]
+    assert [row["length"] for row in figures["round_costs"]] == [16, 64]
+    assert figures["draft_cost_long"] == figures["round_costs"][1]["c"] > 0
+    assert figures["verify_cost_long"] == pytest.approx(1 + 3 * figures["round_costs"][1]["s"])
+    assert "a round's costs by context length" in printed and "| 64 |" in printed
     # a suite's first turns instead of the corpus (a chat suite goes through the chat template)
     assert main(["doctor", str(tiny_run["model"]), "--exit-layer", "2", "--suite", "stdlib",
                  "--num-prompts", "2", "--max-new-tokens", "8", "--context", "16", "--long-context", "64",

@@ -123,8 +123,10 @@ def _draft_cost(c: float, weight: float, free_drafts: bool = False, in_cache: li
 
 
 def _context(figures: dict) -> str:
-    """Check 4: how c and v grow from the short context to the long one."""
-    c, v = figures["draft_cost"], figures["verify_cost"]
+    """Check 4: how c and v grow from the short context to the long one (both measured through the
+    engine where the figures have them, else the probe's own c and v stand for the short one)."""
+    c = figures.get("draft_cost_short") or figures["draft_cost"]
+    v = figures.get("verify_cost_short") or figures["verify_cost"]
     c_long, v_long = figures.get("draft_cost_long"), figures.get("verify_cost_long")
     if c_long is None:
         return (f"4. context: not measured at {figures['long_context']} tokens (beyond the model's "
@@ -132,7 +134,8 @@ def _context(figures: dict) -> str:
     if c_long > CONTEXT_GROWTH * c or v_long > CONTEXT_GROWTH * v:
         return (f"4. context: at {figures['long_context']} tokens c = {c_long:.2f} and "
                 f"v = {v_long:.2f} (at {figures['context']}: {c:.2f}, {v:.2f}); long contexts erode "
-                f"the gain: a smaller k or plain decoding there (--ks auto decides per round).")
+                f"the gain: `selfspec eval sweep --write-back` stores the round's costs by context length, "
+                f"and decoding then drafts only where they pay.")
     return (f"4. context: c and v hold from {figures['context']} to {figures['long_context']} "
             f"tokens ({c:.2f} -> {c_long:.2f}, {v:.2f} -> {v_long:.2f}).")
 

@@ -2,11 +2,11 @@
 
 The probe decodes a few prompts with plain decoding, the early exit, copies and the hybrid
 (`timing.make_runner` and `timing.interleaved_rates`, the round profile on; `costs.cost_model` reads
-α, c and v from the runs), and times the passes at a short and a long context
-(`timing.measure_passes`). The diagnosis (`diagnosis.diagnose`) goes through the practitioners'
-checklist in order, each check one line from the measured figures: acceptance, draft cost,
-per-round overhead, context, prefill (from a benchmark's figures; this short probe leaves it out)
-and the verdict.
+α, c and v from the runs), and measures a round's costs through the engine at a short and a long
+context (`context_costs.measure_round_costs`, printed as a table by length). The diagnosis
+(`diagnosis.diagnose`) goes through the practitioners' checklist in order, each check one line from
+the measured figures: acceptance, draft cost, per-round overhead, context, prefill (from a
+benchmark's figures; this short probe leaves it out) and the verdict.
 
     selfspec doctor runs/smollm2/base --exit-layer 10
 
@@ -27,13 +27,14 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import resolve_settings
-from ..decoding import DecodeSettings
+from ..decoding import DecodeSettings, SelfSpecGenerator
 from ..errors import UserError
 from ..export import EXPORT_FILE
 from ..files import write_json_atomic
 from ..metrics import optimal_num_speculations, speedup_simple
 from ..model import DecoderView
 from ..model.loading import load_causal_lm
+from .context_costs import ROOM, costs_table, measure_round_costs
 from .costs import cost_model, weight_cost, weights_in_cache
 from .diagnosis import diagnose
 from .options import DoctorOptions
@@ -41,7 +42,7 @@ from .paired import median_interval, paired_speedups
 from .prompts import read_prompts, suite_prompts
 from .results import DoctorResult
 from .rounds import round_profile
-from .timing import interleaved_rates, load_checkpoint, make_runner, measure_passes
+from .timing import interleaved_rates, load_checkpoint, make_runner
 
 PROBE = ("plain", "early_exit", "ngram", "hybrid")  # the methods the probe decodes with
 
@@ -73,9 +74,13 @@ def doctor(options: DoctorOptions) -> DoctorResult:
                       sampling=options.sampling_keywords(seed=0))
     timings = interleaved_rates(PROBE, run, [[p] for p in chosen], options.repeats, 1, run.device)
     figures = _figures(options, view, settings, timings)
+    figures.update(_by_context(options, checkpoint, settings, [t for p in chosen for t in p]))
     lines = diagnose(figures)
     print(f"selfspec doctor: {model} (E = {settings.exit_layer} of {view.num_layers}, k = {k}; "
           f"{len(chosen)} prompts x {options.max_new_tokens} tokens, {options.sampling().describe()})")
+    if figures["round_costs"]:
+        table = costs_table(figures["round_costs"], k)
+        print(f"a round's costs by context length (greedy, k = {k}):\n{table}")
     return _report(options, {"figures": figures, "diagnosis": lines})
 
 
@@ -134,24 +139,13 @@ def draft_probe(options: DoctorOptions) -> DoctorResult:
 
 
 def _figures(options: DoctorOptions, view: DecoderView, settings, timings) -> dict:
-    """The diagnosis's figures from the probe's `timings` and the passes timed at the short and the long
-    context (`timing.measure_passes`)."""
+    """The diagnosis's figures from the probe's `timings` (the costs by context length: `_by_context`)."""
     k, context, long_context = settings.num_speculations, options.context, options.long_context
     rates, runs = {m: timings.rates(m) for m in PROBE}, {m: timings.run_stats(m) for m in PROBE}
     cost = cost_model(runs["plain"], runs["early_exit"], None)
     if "draft_cost" not in cost:
         raise UserError("the probe drafted nothing with the early exit (η stopped every round?); "
                         "pass --num-speculations or lower the checkpoint's stop_below")
-    passes = {length: measure_passes(view, settings.exit_layer, length, (k + 1,), repeats=5, warmup=1)
-              for length in (context, long_context)
-              if view.max_positions is None or length + k + 1 <= view.max_positions}
-
-    def ratio(length, name):
-        return passes[length][name]["seconds"] / passes[length]["plain"]["seconds"]
-
-    both = long_context in passes and context in passes
-    growth = {name: ratio(long_context, key) / ratio(context, key) if both else None
-              for name, key in (("draft", "draft"), ("verify", f"verify_{k + 1}"))}
     return {
         "exit_layer": settings.exit_layer, "num_layers": view.num_layers, "k": k,
         "alpha": cost["acceptance_rate"], "draft_cost": cost["draft_cost"],
@@ -160,14 +154,34 @@ def _figures(options: DoctorOptions, view: DecoderView, settings, timings) -> di
         "weights_in_cache": weights_in_cache(view),
         "overhead": round_profile(runs)["methods"]["early_exit"]["plain_steps"]["outside_passes"],
         "context": context, "long_context": long_context,
-        # the engine's c and v at the short context, scaled by how the bare passes grow with context
-        "draft_cost_long": None if growth["draft"] is None else cost["draft_cost"] * growth["draft"],
-        "verify_cost_long": None if growth["verify"] is None else cost["verify_cost"] * growth["verify"],
         "speedups": {m: median_interval(paired_speedups(rates[m], rates["plain"]))["speedup"] for m in PROBE
                      if m != "plain"},
         "tokens_per_second": {m: statistics.median(rates[m]) for m in PROBE},
         "settings": settings.to_json(),
     }
+
+
+def _by_context(options: DoctorOptions, checkpoint, settings, tokens: list[int]) -> dict:
+    """The round's costs through the engine at the short and the long context (the prompts' tokens
+    repeated to each length, `context_costs.measure_round_costs`): the table's rows (`round_costs`), and
+    c and v at both, which check 4 compares (None at a length past the model's positions)."""
+    limit = DecoderView(checkpoint.model).max_positions
+    lengths = tuple(n for n in (options.context, options.long_context) if limit is None or n + ROOM <= limit)
+    generator = SelfSpecGenerator(checkpoint.model, checkpoint.tokenizer, settings=settings,
+                                  token_counts=checkpoint.token_counts,
+                                  exit_adapters=checkpoint.exit_adapters)
+    _, rows = measure_round_costs(generator, tokens, settings, lengths, repeats=options.repeats + 1,
+                                  progress=False) if lengths else (None, [])
+    at = {row["length"]: row for row in rows}
+    k = settings.num_speculations
+
+    def costs(length):
+        row = at.get(length)
+        return (None, None) if row is None else (row["c"], 1 + k * row["s"])
+
+    (c, v), (c_long, v_long) = costs(options.context), costs(options.long_context)
+    return {"draft_cost_short": c, "verify_cost_short": v, "draft_cost_long": c_long,
+            "verify_cost_long": v_long, "round_costs": rows}
 
 
 __all__ = ["PROBE", "doctor", "draft_probe"]
