@@ -457,10 +457,10 @@ def test_the_kernels_build_with_the_ninja_package_where_none_is_on_path_and_say_
 
     kernels = fresh_kernel_lookup
     monkeypatch.setenv("PATH", str(tmp_path))
-    assert kernels._ninja() is not None and os.environ["PATH"].startswith(ninja.BIN_DIR)
+    assert kernels.ninja_path() is not None and os.environ["PATH"].startswith(ninja.BIN_DIR)
     monkeypatch.delenv("SELFSPEC_KERNELS", raising=False)
     monkeypatch.setattr(kernels, "cpu_has_avx2_fma", lambda: True)
-    monkeypatch.setattr(kernels, "_ninja", lambda: None)
+    monkeypatch.setattr(kernels, "ninja_path", lambda: None)
     with pytest.warns(UserWarning, match="need a C[+][+] compiler .* and ninja"):
         assert kernels.few_rows_linear() is None
 

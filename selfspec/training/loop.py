@@ -581,6 +581,7 @@ def _train_step(run: _Run, stream) -> dict:
     """One optimizer step over `grad_accum` micro-batches; its logged values (means over processes)."""
     cfg, accelerator = run.cfg, run.accelerator
     sums = {}  # device tensors: read back once per step, not once per micro-batch and key
+    dropped = []  # the layer dropout's applied rates, host floats (every rank draws alike)
     for _ in range(cfg.optim.grad_accum):
         batch = next(stream)
         with accelerator.accumulate(run.objective):
@@ -598,12 +599,16 @@ def _train_step(run: _Run, stream) -> dict:
             run.optimizer.zero_grad(set_to_none=True)
         for key, value in out.items():
             sums[key] = sums.get(key, 0.0) + value.detach() / cfg.optim.grad_accum
+        rate = objective_inner(run.objective).applied_dropout
+        dropped += [] if rate is None else [rate]
     # Logged values are means over all processes (one small all-reduce a step): under DDP the
     # curve is the global batch's, the same as one process with that batch.
     values = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=accelerator.device)
                           for v in sums.values()])
     logs = dict(zip(sums, accelerator.reduce(values, reduction="mean").tolist()))
     run.step += 1
+    if dropped:
+        logs["layer_dropout"] = sum(dropped) / len(dropped)
     logs["lr"] = run.scheduler.get_last_lr()[0]
     logs["tokens"] = run.tokens
     return logs

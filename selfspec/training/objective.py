@@ -78,6 +78,7 @@ class SelfSpecObjective(nn.Module):
         if exit_layers is None:
             exit_layers = ee.layer_list(self.view.num_layers)
         self.layer_dropout = layer_dropout
+        self.applied_dropout: float | None = None  # the last batch's share of skipped (block, row) pairs
         self.exit_layers = list(exit_layers)
         self.curriculum = (ExitCurriculum(ee.curriculum, self.exit_layers, total_steps, ee.rotation_period)
                            if self.exit_layers else None)
@@ -183,8 +184,9 @@ class SelfSpecObjective(nn.Module):
                                        ignore_index=IGNORE_INDEX, reduction="sum") / targets
 
         out = {"final_ce": final_ce.detach()}
-        if drop is not None:  # the share of (block, row) pairs this batch skipped: the rate applied
-            out["layer_dropout"] = drop.float().mean()
+        # the share of (block, row) pairs this batch skipped, the rate applied: counted on the host, where
+        # the draws are, so that logging it sends nothing to the device
+        self.applied_dropout = None if drop is None else float(drop.float().mean())
         loss = ee.final_weight * final_ce
         if exits:
             teacher_logits = self._teacher_logits(input_ids, logits) if ee.kind != "ce" else None

@@ -231,7 +231,7 @@ def look_again() -> None:
     _built.cache_clear()
 
 
-def _ninja() -> str | None:
+def ninja_path() -> str | None:
     """The ninja torch's build runs: the one on PATH, else the `ninja` package's (a dependency of
     selfspec; its folder is put on PATH, where torch's build looks, when the venv's bin is not there)."""
     found = shutil.which("ninja")
@@ -253,7 +253,7 @@ def _built():
     compiler = (os.environ.get("CXX") or "c++").split()[0]  # CXX may be "ccache g++"
     if fcntl is None or not cpu_has_avx2_fma():
         return None
-    if None in (shutil.which(compiler), _ninja()):
+    if None in (shutil.which(compiler), ninja_path()):
         warnings.warn(f"selfspec's CPU kernels need a C++ compiler ({compiler}) and ninja to build; without "
                       f"them decoding uses torch's operations, several times slower", stacklevel=2)
         return None
@@ -276,4 +276,4 @@ def _built():
 
 __all__ = ["KERNEL_LEVELS", "KernelSettings", "SOURCES", "block_halves", "blocks_pass", "build",
            "cpu_has_avx2_fma", "extension", "few_queries_attention", "few_rows_linear", "look_again",
-           "requested", "settings", "sources", "using", "wrapped"]
+           "ninja_path", "requested", "settings", "sources", "using", "wrapped"]
