@@ -178,17 +178,6 @@ constexpr int64_t tile_keys(int64_t hd) {
   return std::max<int64_t>(8, 16384 / (hd * static_cast<int64_t>(sizeof(T))) / 8 * 8);
 }
 
-// Asks for rows [from, from + count) of a (S, hd) slice (the next tile) while the queries work on this
-// one: a long context's keys and values come from L3 or memory, and the tile's compute (every query of
-// the kv head) then runs beside the read instead of after it. A prefetch never changes a result.
-template <typename T>
-inline void prefetch_tile(const T* rows, int64_t from, int64_t count, int64_t hd) {
-  if (count <= 0) return;
-  const char* start = reinterpret_cast<const char*>(rows + from * hd);
-  const int64_t bytes = count * hd * static_cast<int64_t>(sizeof(T));
-  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(start + b, _MM_HINT_T0);
-}
-
 // How many keys the query reads: up to its last visible one (the keys hidden after it, a causal
 // prefill's later positions or a cache's free slots, weigh exactly 0 in `softmax_weights`: they are
 // not read, which changes no sum).
@@ -249,17 +238,13 @@ void attend_kv_head(std::vector<Query>& queries, const std::vector<T*>& outs, co
     longest = std::max(longest, queries[i].used);
   }
   const int64_t tile = tile_keys<T>(hd);
-  for (int64_t from = 0; from < longest; from += tile) {
-    prefetch_tile(k, from + tile, std::min(tile, longest - from - tile), hd);
+  for (int64_t from = 0; from < longest; from += tile)
     for (Query& query : queries)
       if (from < query.used) dots(query.q, k + from * hd, hd, std::min(tile, query.used - from), query.p + from);
-  }
   for (Query& query : queries) softmax_weights(query, hd, scale);
-  for (int64_t from = 0; from < longest; from += tile) {
-    prefetch_tile(v, from + tile, std::min(tile, longest - from - tile), hd);
+  for (int64_t from = 0; from < longest; from += tile)
     for (int64_t i = 0; i < count; i += 2)
       weigh_values(&queries[i], i + 1 < count ? &queries[i + 1] : nullptr, v, hd, from, from + tile);
-  }
   for (int64_t i = 0; i < count; ++i)
     for (int64_t d = 0; d < hd; ++d) outs[i][d] = static_cast<T>(queries[i].out_acc[d] / queries[i].total);
 }
