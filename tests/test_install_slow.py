@@ -26,11 +26,11 @@ TINY = ["model.arch.num_layers=4", "optim.batch_size=4", "data.max_eval_blocks=4
 
 
 def _outputs(folder: str, names: list[str]) -> set[str]:
-    """What `shutil.copytree` leaves out of the source's copy: the checkout's outputs (runs, data, build,
-    wandb at its root; `selfspec/data` is the package's own) and caches anywhere."""
-    root = Path(folder) == REPO
+    """What `shutil.copytree` leaves out of the source's copy: the checkout's outputs (runs, build and
+    wandb at its root, data/generated) and caches anywhere."""
+    root, data = Path(folder) == REPO, Path(folder) == REPO / "data"
     return {n for n in names if n in (".git", "__pycache__") or n.endswith(".egg-info")
-            or (root and n in ("runs", "data", "build", "wandb"))}
+            or (root and n in ("runs", "build", "wandb")) or (data and n == "generated")}
 
 
 def test_the_wheel_trains_and_generates_from_an_empty_directory(tmp_path):
@@ -60,7 +60,11 @@ def test_the_wheel_trains_and_generates_from_an_empty_directory(tmp_path):
 
     where = run(python, "-c", "import selfspec; print(selfspec.__file__)")
     assert Path(where.strip()).is_relative_to(venv)  # the wheel's copy, not the checkout
-    assert "demo_finetune" in run(selfspec, "recipes")
+    # every config of the checkout's configs/ ships inside the package, found from an empty directory
+    listed = run(selfspec, "recipes")
+    configs = REPO / "configs"
+    assert all(p.relative_to(configs).with_suffix("").as_posix() in listed for p in configs.rglob("*.yaml"))
+    assert run(selfspec, "recipes", "--path", "accelerate/fsdp").strip().startswith(str(venv))
     run(selfspec, "pretrain", "--config", "embedded_base", *TINY, "optim.max_steps=4", "--output-dir",
         "runs/base")
     run(selfspec, "train", "--config", "demo_finetune", "model.name_or_path=runs/base/model",

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from selfspec import recipes
@@ -93,3 +95,41 @@ def test_the_demo_sweeps_the_exits_its_recipe_trains():
     assert sweep_exit_layers(load_config("demo_finetune", ["early_exit.layers=4"]), 12) == [4, 6]  # one int
     assert sweep_exit_layers(cfg, 12, offsets=(0,)) == [6]
     assert sweep_exit_layers(cfg, 12, offsets=(-3, 0, 7)) == [3, 6]  # past the last block: left out
+
+
+REPO = Path(__file__).resolve().parents[1]
+ENTRY_SCRIPTS = sorted(p for folder in ("train", "data", "eval") for p in (REPO / folder).glob("*.py"))
+
+
+def test_the_package_list_is_every_package_on_disk_and_the_configs_ship_inside_it():
+    """pyproject.toml names its packages (the top-level configs/ folder installs as `selfspec.configs`,
+    which a package search would not find): a new subpackage left off the list would be missing from
+    the wheel."""
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    on_disk = {".".join(p.parent.relative_to(REPO).parts)
+               for p in (REPO / "selfspec").rglob("__init__.py")}
+    assert set(project["packages"]) == on_disk | {"selfspec.configs"}
+    assert project["package-dir"] == {"selfspec.configs": "configs"}
+    assert recipes.RECIPE_DIR.resolve() == (REPO / "configs").resolve()  # this checkout's, installed editable
+    configs = REPO / "configs"
+    assert {r.name for r in recipes.shipped()} == {
+        p.relative_to(configs).with_suffix("").as_posix() for p in configs.rglob("*.yaml")}
+
+
+def test_a_checkout_takes_a_configs_path_and_its_entry_scripts_run(monkeypatch, capsys):
+    """From the checkout's root: `--config configs/NAME.yaml`, and every script of train/, data/ and
+    eval/ answers --help (each a few lines over the package's command)."""
+    import runpy
+
+    monkeypatch.chdir(REPO)
+    assert load_config("configs/demo_finetune.yaml") == load_config("demo_finetune")
+    assert {p.parent.name for p in ENTRY_SCRIPTS} == {"train", "data", "eval"}
+    assert len(ENTRY_SCRIPTS) >= 10
+    for script in ENTRY_SCRIPTS:
+        monkeypatch.setattr("sys.argv", [str(script), "--help"])
+        with pytest.raises(SystemExit) as stop:
+            runpy.run_path(str(script), run_name="__main__")
+        assert stop.value.code in (0, None), script
+        assert "usage:" in capsys.readouterr().out, script

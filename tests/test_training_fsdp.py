@@ -7,7 +7,7 @@ docs/scaling.md). Two ways around it, both on gloo:
   `tests/accelerate_cpu.py`, which keeps accelerate's FSDP plugin on CPUs (the test harness only): the
   loop's `prepare`, clipping, evaluation, state and saving as on GPUs;
 - `tests/fsdp_train.py`, which applies torch's `fully_shard` itself to the loop's own objective, one
-  FSDP unit per decoder block as `selfspec/recipes/accelerate/fsdp.yaml` asks, and reports what each
+  FSDP unit per decoder block as `configs/accelerate/fsdp.yaml` asks, and reports what each
   process holds of the frozen teacher (`early_exit.teacher: frozen`, sharded by the loop's own
   `place_teacher`).
 """

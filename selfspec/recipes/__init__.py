@@ -1,5 +1,7 @@
 """The shipped recipes: YAML run configs installed with the package, found by name from any directory.
 
+They live in the checkout's top-level configs/ folder, which the package installs as `selfspec.configs`.
+
     selfspec recipes                          # each recipe's name and purpose
     selfspec train --config smollm2-135m_chat # a shipped recipe by name
     selfspec train --config my_recipe.yaml    # or a path: the user's own
@@ -13,10 +15,21 @@ Pure standard library: `selfspec.config` resolves `--config` through `find`.
 from __future__ import annotations
 
 import difflib
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-RECIPE_DIR = Path(__file__).resolve().parent
+
+def _recipe_dir() -> Path:
+    """Where the recipes are: the installed `selfspec.configs` (a wheel's copy, or an editable install's
+    mapping onto configs/), else a checkout's configs/ beside the package (the source tree on PYTHONPATH)."""
+    spec = importlib.util.find_spec("selfspec.configs")
+    if spec is not None and spec.origin is not None:
+        return Path(spec.origin).resolve().parent
+    return Path(__file__).resolve().parents[2] / "configs"
+
+
+RECIPE_DIR = _recipe_dir()
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """Build the embedded default corpus (the Python standard library) and its tokenizer.
 
-    python tools/build_corpus.py                      # build into the user cache, or reuse what is there
-    python tools/build_corpus.py --rebuild            # build from scratch
-    python tools/build_corpus.py --vocab-size 512     # a smaller tokenizer
+    python data/build_corpus.py                      # build into the user cache, or reuse what is there
+    python data/build_corpus.py --rebuild            # build from scratch
+    python data/build_corpus.py --vocab-size 512     # a smaller tokenizer
 
 Training and evaluation build both on first use; this prints what they hold. It writes
 <cache>/stdlib/ (a save_to_disk DatasetDict plus meta.json) and

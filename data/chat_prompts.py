@@ -1,6 +1,6 @@
 """Write held-out chat prompts (first user turns) as .jsonl prompt files for `selfspec generate --prompts`.
 
-    python tools/chat_prompts.py --out runs/prompts --per-category 2
+    python data/chat_prompts.py --out runs/prompts --per-category 2
     selfspec generate runs/smollm2/chat_ld/model --chat --prompts runs/prompts/mtbench.jsonl \
         --drafter early_exit --num-speculations 3 --max-new-tokens 128 --no-eos
 
