@@ -17,23 +17,25 @@ from tqdm.auto import tqdm
 from ..decoding import DecodeSettings, RoundCosts, SelfSpecGenerator
 from ..errors import UserError
 
-# lengths a write-back measures, up to the model's limit: the cost of a pass grows about linearly in
-# the context, so a few points a factor of 4 apart, and the longest context the model takes, describe it
-AUTO_LENGTHS = (64, 256, 1024, 4096, 16384)
+# lengths a write-back measures: the cost of a pass grows about linearly in the context, so a few points
+# a factor of 4 apart describe it, up to the model's limit or `AUTO_LONGEST` (each length's decodes
+# prefill that many tokens; past the last the costs extrapolate along the last segment)
+AUTO_LENGTHS = (64, 256, 1024)
+AUTO_LONGEST = 4096
 NEW_TOKENS = 32  # tokens each measuring decode makes after its context
 ROOM = NEW_TOKENS + 16  # what a context leaves of the model's positions: the decode and a round's drafts
 
 
 def cost_lengths(spec: str | tuple, max_positions: int | None) -> tuple[int, ...]:
     """The context lengths to measure: "auto" (`AUTO_LENGTHS` below the model's limit, and the longest
-    context that leaves `ROOM` positions), "none" (none), or a comma list of lengths."""
+    context that leaves `ROOM` positions, at most `AUTO_LONGEST`), "none" (none), or a comma list."""
     if isinstance(spec, tuple):
         lengths = spec
     elif spec == "none":
         return ()
     elif spec == "auto":
-        longest = (max_positions or 32768) - ROOM
-        lengths = tuple(sorted({n for n in AUTO_LENGTHS if n < longest} | {min(longest, 32768)}))
+        longest = min((max_positions or AUTO_LONGEST + ROOM) - ROOM, AUTO_LONGEST)
+        lengths = tuple(sorted({n for n in AUTO_LENGTHS if n < longest} | {longest}))
     else:
         try:
             lengths = tuple(sorted({int(x) for x in spec.split(",") if x.strip()}))
@@ -114,5 +116,5 @@ def costs_table(rows: list[dict], k: int = 2) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["AUTO_LENGTHS", "NEW_TOKENS", "ROOM", "context_of", "cost_lengths", "costs_table",
+__all__ = ["AUTO_LENGTHS", "AUTO_LONGEST", "NEW_TOKENS", "ROOM", "context_of", "cost_lengths", "costs_table",
            "measure_round_costs"]

@@ -265,8 +265,8 @@ class SweepOptions(ModelOption, CorpusPromptOptions, SweepGrid, QuestionOptions,
     """record the fastest setting in the checkpoint's selfspec.json"""
     cost_lengths: str = "auto"
     """context lengths at which a greedy --write-back measures a round's costs, which decoding then reads
-    to draft only where drafting pays ('auto': 64, 256, 1024, ... and the model's longest; 'none': not
-    measured; or a comma list)"""
+    to draft only where drafting pays ('auto': 64, 256, 1024 and the model's longest, at most 4096;
+    'none': not measured; or a comma list)"""
     suites: str | None = option(None, flag="--suite")
     """comma list of {SUITES} (the sweep times their first turns instead of --prompts/--corpus)"""
     max_per_category: int | None = 1
