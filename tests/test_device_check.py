@@ -65,7 +65,7 @@ def test_the_driver_refuses_an_unknown_stage_in_one_line(tmp_path, capsys):
     assert device_check.main(["--out", str(tmp_path), "--only", "env,warp"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == ("unknown stage 'warp': choose among env, lossless, smoke, graphs, embedded, fsdp, shapes, "
-                   "zero2")
+                   "zero2, hf_compile")
 
 
 def test_the_stages_run_within_eight_minutes_and_one_with_no_time_left_is_skipped(tmp_path, monkeypatch):
@@ -76,7 +76,7 @@ def test_the_stages_run_within_eight_minutes_and_one_with_no_time_left_is_skippe
     required = [k for k in device_check.STAGES if k not in device_check.OPTIONAL]
     assert sum(device_check.STAGES[k] for k in required) <= device_check.BUDGET
     assert set(device_check.STAGES) == set(device_check.STAGE_FUNCTIONS) == set(device_check.WORK)
-    assert list(device_check.STAGES)[-2:] == ["shapes", "zero2"]
+    assert list(device_check.STAGES)[-3:] == ["shapes", "zero2", "hf_compile"]
     assert device_check.main(["--out", str(tmp_path / "run"), "--only", "env", "--tiny"]) == 0
     assert "emulated" not in _verdicts(tmp_path / "run", "env")[0]  # the driver's own process
     monkeypatch.setattr(device_check, "BUDGET", 0)
@@ -129,3 +129,62 @@ def test_the_zero2_stage_says_why_it_cannot_run_here(tmp_path):
     if importlib.util.find_spec("deepspeed") is None:
         assert len(lines) == 1 and "skipped: deepspeed does not import" in lines[0]
     sys.modules.pop("device_check", None)
+
+
+def test_a_verdict_spanning_lines_is_one_line_and_the_summary_reads_it(tmp_path, monkeypatch, capsys):
+    """An exception's message of several lines in a verdict: folded into one line of verdicts.txt, which
+    the summary (a line a verdict) reads without stumbling on the rest."""
+    def lossless(c):
+        c.verdict("lossless", "llama: FAILED: RuntimeError: CUDA error\n  at line 3\n\nsee the log", ok=False)
+    monkeypatch.setattr(device_check, "_run_stage", lambda out, name, size, left: (
+        lossless(device_check.Check(out, size)), "ok")[1])
+    assert device_check.main(["--out", str(tmp_path), "--only", "lossless", "--tiny"]) == 1
+    (line,) = _verdicts(tmp_path, "lossless")
+    assert line == "lossless  FAIL llama: FAILED: RuntimeError: CUDA error at line 3 see the log"
+    assert "1 verdict(s) failed" in _verdicts(tmp_path, "total")[0]
+
+
+def test_a_timed_out_stage_takes_the_workers_that_made_a_process_group_of_their_own(tmp_path):
+    """torchrun's workers start a process group of their own inside the stage's session: killing the
+    stage's group alone left them running; the whole session goes."""
+    import os
+    import subprocess
+    import time
+
+    script = ("import os, subprocess, sys, time\n"
+              "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], "
+              "preexec_fn=os.setpgrp)\n"
+              "print(child.pid, flush=True)\ntime.sleep(60)\n")
+    stage = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    worker = int(stage.stdout.readline())
+    assert os.getpgid(worker) != stage.pid and os.getsid(worker) == stage.pid
+    device_check.kill_session(stage.pid)
+    stage.wait(timeout=10)
+    for _ in range(100):
+        try:
+            os.kill(worker, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+        try:
+            os.waitpid(worker, os.WNOHANG)
+        except ChildProcessError:
+            pass
+    else:
+        raise AssertionError("the worker outlived its stage")
+
+
+def test_the_dry_run_fails_a_stage_modelled_past_its_share_of_its_own_limit(tmp_path, monkeypatch, capsys):
+    """Each stage's modelled time within 70 % of its own limit, not the total alone: a stage at 90 % of
+    its limit fails the dry run even where the total fits; Hugging Face's compile has a stage of its own,
+    optional, outside the mission."""
+    stages = {name: (lambda c: None) for name in device_check.STAGES}
+    monkeypatch.setattr(device_check, "STAGE_FUNCTIONS", stages)
+    assert device_check.main(["--out", str(tmp_path), "--dry-run"]) == 0
+    assert all(work <= device_check.STAGE_SHARE * device_check.STAGES[name]
+               for name, (work, _) in device_check.WORK.items())
+    assert "hf_compile" in device_check.OPTIONAL and device_check.WORK["graphs"][0] < 30
+    monkeypatch.setattr(device_check, "WORK", {**device_check.WORK, "smoke": (27, "")})  # 90 % of 30 s
+    assert device_check.main(["--out", str(tmp_path), "--dry-run"]) == 1
+    assert "smoke: modelled 27" in capsys.readouterr().out

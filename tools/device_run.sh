@@ -12,3 +12,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   > "$OUT/pip.log" 2>&1 || { tail -n 5 "$OUT/pip.log"; exit 3; }
 export PYTHONPATH=/tmp/site:$PWD
 python3 tools/device_check.py --out "$OUT" ${1:+--only "$1"}
+rc=$?
+# what comes back: verdicts.txt and one archive of the logs and figures (a device call returns at most 8
+# files; the runs' checkpoints stay behind)
+(cd "$OUT" && find . \( -name '*.log' -o -name '*.json' \) ! -name verdicts.txt | tar -czf logs.tar.gz -T - \
+  && find . -mindepth 1 -maxdepth 1 ! -name verdicts.txt ! -name logs.tar.gz -exec rm -rf {} +)
+exit $rc
