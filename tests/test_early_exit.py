@@ -17,6 +17,7 @@ from selfspec.training.early_exit import (
     _validate_loss_args,
     _zero_loss,
     early_exit_loss,
+    early_exit_losses,
     layer_weights,
 )
 
@@ -492,17 +493,16 @@ def test_trimmed_vocabulary_ids_are_checked():
 
 @pytest.mark.parametrize("kind", ["kl", "ce", "both"])
 def test_each_exits_own_loss_is_reported_and_weighs_into_the_total(kind):
-    """`per_exit` gets every exit's unweighted mean loss (what the training logs as exit_loss@l); the
-    total is their weighted sum."""
+    """`early_exit_losses` gives every exit's unweighted mean loss beside the total (what the training
+    logs as exit_loss@l); the total is their weighted sum."""
     torch.manual_seed(0)
     head = torch.nn.Linear(8, 11)
     hiddens = [torch.randn(2, 5, 8) for _ in range(3)]
     teacher, labels = torch.randn(2, 5, 11), torch.randint(0, 11, (2, 5))
     labels[0, :2] = -100
     weights = [0.2, 0.3, 0.5]
-    per_exit = []
-    total = early_exit_loss(hiddens, head, weights, kind=kind, teacher_logits=teacher, labels=labels,
-                            chunk_size=3, per_exit=per_exit)
+    total, per_exit = early_exit_losses(hiddens, head, weights, kind=kind, teacher_logits=teacher,
+                                        labels=labels, chunk_size=3)
     assert len(per_exit) == 3 and all(not p.requires_grad for p in per_exit)
     alone = [early_exit_loss([h], head, [1.0], kind=kind, teacher_logits=teacher, labels=labels, chunk_size=3)
              for h in hiddens]

@@ -257,7 +257,12 @@ def _flat_targets(kind: str, teacher_logits: torch.Tensor | None, labels: torch.
     return teacher_flat, labels_flat
 
 
-def early_exit_loss(
+def early_exit_loss(*args, **kwargs) -> torch.Tensor:
+    """The weighted early-exit loss of `early_exit_losses` (same arguments), a scalar tensor."""
+    return early_exit_losses(*args, **kwargs)[0]
+
+
+def early_exit_losses(
     exit_hidden: Sequence[torch.Tensor] | torch.Tensor,
     head_fn: Callable[[torch.Tensor], torch.Tensor],
     weights: torch.Tensor | Sequence[float],
@@ -269,9 +274,9 @@ def early_exit_loss(
     chunk_size: int = 1024,
     checkpoint_chunks: bool = True,
     vocab: TrimmedVocab | None = None,
-    per_exit: list | None = None,
-) -> torch.Tensor:
-    """Weighted early-exit loss over exits, computed in token chunks; returns a scalar tensor.
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Weighted early-exit loss over exits, computed in token chunks: (the scalar tensor, each exit's own
+    loss unweighted and detached, in the order of the exits: what the training logs per exit).
 
     Args:
         exit_hidden: L exit hidden states, a list of (B, T, D) or one (L, B, T, D) tensor.
@@ -291,8 +296,6 @@ def early_exit_loss(
             that the backward pass too holds one (chunk, V) logits block at a time.
         vocab: the loss over V' ids plus "other" (`TrimmedVocab`): ``head_fn`` then returns
             (n, vocab.num_classes) logits, and the teacher and the labels are folded to match.
-        per_exit: a list that gets each exit's own loss (unweighted, detached), in the order of the
-            exits: what the training logs per exit.
 
     Loss of one exit = (Σ over valid tokens of τ²·KL and/or CE) / number of valid tokens; the result
     is Σ_e weights[e] · loss_e. If no token is valid the result is 0 (not NaN), so a fully padded
@@ -308,7 +311,7 @@ def early_exit_loss(
     weights_t = torch.as_tensor(weights, dtype=torch.float32)
     _validate_loss_args(hiddens, weights_t, kind, teacher_logits, labels, temperature)
     if not hiddens:
-        return _zero_loss(teacher_logits, labels)
+        return _zero_loss(teacher_logits, labels), []
 
     teacher_flat, labels_flat = _flat_targets(kind, teacher_logits, labels, temperature, vocab)
     if labels_flat is None:
@@ -321,7 +324,7 @@ def early_exit_loss(
         return _token_loss_sum(head_fn(h), t, y, kind, temperature, ignore_index)
 
     use_checkpoint = checkpoint_chunks and torch.is_grad_enabled()
-    total = None
+    total, per_exit = None, []
     for weight, hidden in zip(weights_t.tolist(), hiddens, strict=True):
         h_flat = hidden.reshape(-1, hidden.shape[-1])  # (B*T, D)
         exit_sum = None
@@ -335,8 +338,7 @@ def early_exit_loss(
                 part = chunk_loss(h_flat[rows], t_chunk, y_chunk)
             exit_sum = part if exit_sum is None else exit_sum + part
         scale = weight / n_valid
-        if per_exit is not None:
-            per_exit.append((exit_sum.detach() / n_valid).float())
+        per_exit.append((exit_sum.detach() / n_valid).float())
         term = exit_sum * (scale.to(exit_sum.dtype) if torch.is_tensor(scale) else scale)
         total = term if total is None else total + term
-    return total
+    return total, per_exit

@@ -20,7 +20,7 @@ from ..config import EarlyExitConfig
 from ..cpu import to_device
 from ..errors import UserError
 from ..model import DecoderView
-from .early_exit import ExitCurriculum, TrimmedVocab, early_exit_loss, layer_weights
+from .early_exit import ExitCurriculum, TrimmedVocab, early_exit_losses, layer_weights
 from .layer_dropout import LayerDropout, apply_block
 
 
@@ -194,11 +194,10 @@ class SelfSpecObjective(nn.Module):
             if ee.token_fraction < 1.0:
                 exits, teacher_logits, exit_labels = self._subsample(exits, teacher_logits, exit_labels, step)
             weights = layer_weights(ee.scale, active, view.num_layers)  # (L,) host floats
-            per_exit = []
-            exit_loss = early_exit_loss(exits, self._exit_head(), weights, kind=ee.kind,
-                                        teacher_logits=teacher_logits, labels=exit_labels,
-                                        temperature=ee.temperature, chunk_size=ee.chunk_size,
-                                        vocab=self.exit_vocab, per_exit=per_exit)
+            exit_loss, per_exit = early_exit_losses(exits, self._exit_head(), weights, kind=ee.kind,
+                                                    teacher_logits=teacher_logits, labels=exit_labels,
+                                                    temperature=ee.temperature, chunk_size=ee.chunk_size,
+                                                    vocab=self.exit_vocab)
             loss = loss + ee.weight * exit_loss
             out["exit_loss"] = exit_loss.detach()
             # each exit's own loss, as `exits` holds them: by depth
