@@ -178,11 +178,6 @@ constexpr int64_t tile_keys(int64_t hd) {
   return std::max<int64_t>(8, 16384 / (hd * static_cast<int64_t>(sizeof(T))) / 8 * 8);
 }
 
-// Asks for the 64-byte lines of base[from, upto) to come into L1 (a prefetch never changes a result).
-inline void prefetch_bytes(const char* base, int64_t from, int64_t upto) {
-  for (int64_t b = from / 64 * 64; b < upto; b += 64) _mm_prefetch(base + b, _MM_HINT_T0);
-}
-
 // How many keys the query reads: up to its last visible one (the keys hidden after it, a causal
 // prefill's later positions or a cache's free slots, weigh exactly 0 in `softmax_weights`: they are
 // not read, which changes no sum).
@@ -243,30 +238,13 @@ void attend_kv_head(std::vector<Query>& queries, const std::vector<T*>& outs, co
     longest = std::max(longest, queries[i].used);
   }
   const int64_t tile = tile_keys<T>(hd);
-  for (int64_t from = 0; from < longest; from += tile) {
-    // the next tile asked for a share at a time, one before each query's work on this one
-    const int64_t ahead = std::min(tile, std::max<int64_t>(0, longest - from - tile)) * hd * sizeof(T);
-    int64_t asked = 0;
-    for (int64_t i = 0; i < count; ++i) {
-      const int64_t upto = ahead * (i + 1) / count;
-      prefetch_bytes(reinterpret_cast<const char*>(k + (from + tile) * hd), asked, upto);
-      asked = upto;
-      Query& query = queries[i];
+  for (int64_t from = 0; from < longest; from += tile)
+    for (Query& query : queries)
       if (from < query.used) dots(query.q, k + from * hd, hd, std::min(tile, query.used - from), query.p + from);
-    }
-  }
   for (Query& query : queries) softmax_weights(query, hd, scale);
-  for (int64_t from = 0; from < longest; from += tile) {
-    const int64_t ahead = std::min(tile, std::max<int64_t>(0, longest - from - tile)) * hd * sizeof(T);
-    const int64_t pairs = (count + 1) / 2;
-    int64_t asked = 0;
-    for (int64_t i = 0; i < count; i += 2) {
-      const int64_t upto = ahead * (i / 2 + 1) / pairs;
-      prefetch_bytes(reinterpret_cast<const char*>(v + (from + tile) * hd), asked, upto);
-      asked = upto;
+  for (int64_t from = 0; from < longest; from += tile)
+    for (int64_t i = 0; i < count; i += 2)
       weigh_values(&queries[i], i + 1 < count ? &queries[i + 1] : nullptr, v, hd, from, from + tile);
-    }
-  }
   for (int64_t i = 0; i < count; ++i)
     for (int64_t d = 0; d < hd; ++d) outs[i][d] = static_cast<T>(queries[i].out_acc[d] / queries[i].total);
 }
