@@ -103,3 +103,31 @@ def test_a_long_context_switches_drafting_off_where_its_costs_say_so_only():
         assert out.sequences[0] == reference_greedy(model, prompt, 48)
         share = out.stats.plain_steps / out.stats.rounds
         assert (share == 0.0) if plain_share == 0.0 else share >= plain_share, (len(prompt), share)
+
+
+def test_rounds_overlap_only_where_the_measured_gain_says_so():
+    """An overlapped round's speed over a plain round's, by length: overlap where it is at least 1 (and
+    where nothing was measured), not where the context's passes slow each other down."""
+    costs = RoundCosts((64, 2000), (0.3, 0.4), (0.0, 0.1), exit_layer=2, overlap_gain=(1.2, 0.9))
+    assert costs.overlap_pays(64) and costs.overlap_pays(800) and not costs.overlap_pays(2000)
+    assert RoundCosts.from_json(costs.to_json()) == costs
+    assert RoundCosts((64,), (0.3,), (0.0,), exit_layer=2).overlap_pays(10**6)
+    with pytest.raises(UserError, match="overlap_gain"):
+        RoundCosts((64, 128), (0.3, 0.3), (0.0, 0.0), exit_layer=2, overlap_gain=(1.0,))
+
+    model = tiny_model("llama", num_layers=4, max_position_embeddings=512)
+    generator = SelfSpecGenerator(model, settings=DecodeSettings(drafter="early_exit", exit_layer=2,
+                                                                 num_speculations=2, overlap=True),
+                                  backend="cpu_kernels")
+    asked = []
+    rounds = generator.backend.greedy_rounds
+    generator.backend.greedy_rounds = lambda *args, **kwargs: asked.append(args[7]) or rounds(*args, **kwargs)
+    generator.round_costs = RoundCosts((16, 300), (0.01, 0.01), (0.0, 0.0), exit_layer=2,
+                                       overlap_gain=(1.1, 0.5))
+    rng = np.random.default_rng(1)
+    for length, overlapped in ((12, True), (380, False)):
+        prompt = rng.integers(0, 96, length).tolist()
+        asked.clear()
+        out = generator.generate([prompt], max_new_tokens=24, eos_token_id=[])
+        assert out.sequences[0] == reference_greedy(model, prompt, 24)
+        assert asked and set(asked) == {overlapped}, (length, asked)

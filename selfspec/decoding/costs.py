@@ -37,7 +37,8 @@ class RoundCosts:
 
     draft[i]: one early-exit draft step at `exit_layer` (with its V' head) at lengths[i], in plain steps;
     verify_slope[i]: what each drafted position adds to a verification there (a verification of k
-    drafts costs 1 + k·verify_slope plain steps).
+    drafts costs 1 + k·verify_slope plain steps); overlap_gain[i]: the early exit's speed with its
+    rounds overlapped over its speed without (`DecodeSettings.overlap`; empty: not measured).
     """
 
     lengths: tuple[int, ...]
@@ -45,6 +46,7 @@ class RoundCosts:
     verify_slope: tuple[float, ...]
     exit_layer: int
     draft_vocab_size: int = 0
+    overlap_gain: tuple[float, ...] = ()
 
     def __post_init__(self):
         n = len(self.lengths)
@@ -52,21 +54,28 @@ class RoundCosts:
             raise UserError("round_costs: lengths, draft and verify_slope must be non-empty and equally long")
         if list(self.lengths) != sorted(set(self.lengths)):
             raise UserError(f"round_costs: lengths must be increasing, got {list(self.lengths)}")
+        if self.overlap_gain and len(self.overlap_gain) != n:
+            raise UserError("round_costs: overlap_gain must give a value for every length, or none")
+
+    def _interpolate(self, series, length: int) -> float:
+        """`series` (one value a length) at `length`: linear between the measured lengths, along the
+        nearest segment beyond them (never below 0)."""
+        lengths, series = np.asarray(self.lengths, dtype=float), np.asarray(series, dtype=float)
+        if len(lengths) == 1:
+            return float(series[0])
+        i = int(np.clip(np.searchsorted(lengths, length) - 1, 0, len(lengths) - 2))
+        slope = (series[i + 1] - series[i]) / (lengths[i + 1] - lengths[i])
+        return max(0.0, float(series[i] + slope * (length - lengths[i])))
 
     def at(self, length: int) -> tuple[float, float]:
-        """(c, s) at a context of `length` tokens: linear between the measured lengths, along the
-        nearest segment beyond them (never below 0)."""
-        lengths = np.asarray(self.lengths, dtype=float)
-        values = []
-        for series in (self.draft, self.verify_slope):
-            series = np.asarray(series, dtype=float)
-            if len(lengths) == 1:
-                values.append(float(series[0]))
-                continue
-            i = int(np.clip(np.searchsorted(lengths, length) - 1, 0, len(lengths) - 2))
-            slope = (series[i + 1] - series[i]) / (lengths[i + 1] - lengths[i])
-            values.append(max(0.0, float(series[i] + slope * (length - lengths[i]))))
-        return values[0], values[1]
+        """(c, s) at a context of `length` tokens (`_interpolate`)."""
+        return self._interpolate(self.draft, length), self._interpolate(self.verify_slope, length)
+
+    def overlap_pays(self, length: int) -> bool:
+        """Whether overlapped rounds were measured faster at `length` (True where not measured): a long
+        context's passes share the memory's bandwidth, and two single-threaded passes side by side can
+        then run slower than one after the other on every thread."""
+        return not self.overlap_gain or self._interpolate(self.overlap_gain, length) >= 1.0
 
     def rate(self, k: int, alpha: float, length: int, drafted: bool = True) -> float:
         """Expected tokens per plain step's time of a round of k drafts at `length` (1.0: plain
@@ -81,14 +90,16 @@ class RoundCosts:
     def to_json(self) -> dict:
         return {"lengths": list(self.lengths), "draft": [round(x, 4) for x in self.draft],
                 "verify_slope": [round(x, 4) for x in self.verify_slope], "exit_layer": self.exit_layer,
-                "draft_vocab_size": self.draft_vocab_size}
+                "draft_vocab_size": self.draft_vocab_size,
+                **({"overlap_gain": [round(x, 4) for x in self.overlap_gain]} if self.overlap_gain else {})}
 
     @classmethod
     def from_json(cls, entry: dict) -> RoundCosts:
         try:
             return cls(tuple(int(x) for x in entry["lengths"]), tuple(float(x) for x in entry["draft"]),
                        tuple(float(x) for x in entry["verify_slope"]), int(entry["exit_layer"]),
-                       int(entry.get("draft_vocab_size", 0)))
+                       int(entry.get("draft_vocab_size", 0)),
+                       tuple(float(x) for x in entry.get("overlap_gain", ())))
         except (KeyError, TypeError, ValueError) as error:
             raise UserError(f"round_costs in selfspec.json is malformed ({error}); rerun selfspec eval sweep "
                             f"--write-back") from None

@@ -147,6 +147,11 @@ class DraftPolicy:
             return 1
         return ADAPT_ROUNDS if any(gate.alpha(source) is None for source in self.sources) else None
 
+    def overlaps(self, rows) -> bool:
+        """Whether rounds may overlap at the longest of `rows`' contexts (`RoundCosts.overlap_pays`; True
+        without a gate)."""
+        return self.gate is None or self.gate.costs.overlap_pays(int(self.lengths[rows].max()))
+
     def gate_record(self, drafts: dict) -> None:
         """The gate learns a round's drafts, {source: (k, accepted counts of the rows that tested them)}."""
         if self.gate is not None:

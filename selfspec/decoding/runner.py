@@ -298,8 +298,9 @@ class Runner:
         if head is None:
             return None
         drafts = dataclasses.replace(drafts, exit_layer=b.exit_layer, head=head, eta=b.stop_below)
+        overlap = b.overlap and policy.overlaps(b.rows)  # where the measured costs say it pays
         out = self.backend.greedy_rounds(int(b.pending_host[0]), b.cache, int(b.lengths[0]), drafts,
-                                         torch.from_numpy(eos), max_tokens, max_rounds, b.overlap,
+                                         torch.from_numpy(eos), max_tokens, max_rounds, overlap,
                                          None if b.sampling.all_greedy else b.sampling)
         if out is None:
             return None

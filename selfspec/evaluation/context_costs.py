@@ -56,6 +56,10 @@ def context_of(tokens: list[int], length: int) -> list[int]:
     return (tokens * (length // len(tokens) + 1))[:length]
 
 
+def _decode_seconds(stats) -> float:
+    return stats.total_time - stats.prefill_time
+
+
 def _per_pass(stats, part: str, count: int) -> float:
     return stats.profile[part] / max(count, 1)
 
@@ -66,20 +70,23 @@ def measure_round_costs(generator: SelfSpecGenerator, tokens: list[int], setting
     """The round's costs at each context length (`RoundCosts`) and a row per length (L, plain step
     seconds, c, s, α): `settings`' early exit (E, V', adapter) drafting k drafts a round (its k when
     fixed, else 2; η off, no overlap, so that each pass is timed alone) against plain steps, on a context
-    of `tokens` repeated to L, `repeats` interleaved repeats (median). The generator's own gate is off
-    while it measures."""
+    of `tokens` repeated to L, `repeats` interleaved repeats (median). With `settings.overlap` the same
+    drafts with overlapped rounds too: their speed over the drafts' without (`overlap_gain`, decode time
+    only). The generator's own gate is off while it measures."""
     k = settings.num_speculations
     k = k if isinstance(k, int) and k else 2
     drafting = settings.override(drafter="early_exit", num_speculations=k, stop_below=0.0, overlap=False)
     plain = settings.override(drafter="early_exit", num_speculations=0)
+    overlapped = drafting.override(overlap=True) if settings.overlap else None
     kept, generator.round_costs = generator.round_costs, None
     rows = []
     try:
         for length in tqdm(lengths, desc="round costs", unit="length", disable=not progress):
             context = context_of(tokens, length)
-            samples = {"plain": [], "c": [], "s": [], "alpha": []}
+            samples = {"plain": [], "c": [], "s": [], "alpha": [], "overlap_gain": []}
             for repeat in range(repeats + 1):  # the first, untimed: warms the caches and the kernels
-                order = (plain, drafting) if repeat % 2 else (drafting, plain)
+                order = (plain, drafting, overlapped) if repeat % 2 else (overlapped, drafting, plain)
+                order = [s for s in order if s is not None]
                 runs = {id(s): generator.generate([context], max_new_tokens=new_tokens, eos_token_id=[],
                                                   settings=s, profile=True).stats for s in order}
                 if not repeat:
@@ -92,12 +99,17 @@ def measure_round_costs(generator: SelfSpecGenerator, tokens: list[int], setting
                 verify = _per_pass(spec, "verification pass", drafted_rounds) / step
                 samples["s"].append(max(0.0, (verify - 1.0) / k))
                 samples["alpha"].append(spec.acceptance_rate)
+                if overlapped is not None:
+                    ahead = runs[id(overlapped)]
+                    samples["overlap_gain"].append(_decode_seconds(spec) / _decode_seconds(ahead))
+            keys = ("c", "s", "alpha", "overlap_gain") if overlapped is not None else ("c", "s", "alpha")
             rows.append({"length": length, "plain_step_seconds": statistics.median(samples["plain"]),
-                         **{key: statistics.median(samples[key]) for key in ("c", "s", "alpha")}})
+                         **{key: statistics.median(samples[key]) for key in keys}})
     finally:
         generator.round_costs = kept
     costs = RoundCosts(*(tuple(r[key] for r in rows) for key in ("length", "c", "s")), settings.exit_layer,
-                       settings.draft_vocab_size)
+                       settings.draft_vocab_size, tuple(r.get("overlap_gain", 1.0) for r in rows)
+                       if overlapped is not None else ())
     return costs, rows
 
 
