@@ -7,7 +7,8 @@ alternates the trees and takes the medians).
 
 Cells: `plain` (k = 0), `stored` (the checkpoint's own settings: its stored pick; sampled, its sampled
 pick where it has one), `ngram` (copies), `hybrid`, `early_exit` (each drafter at the stored E, k and V'),
-`k=N` (the stored drafter at k = N), `batch4` (the stored settings, 4 rows), each greedy, or sampled with
+`k=N` (the stored drafter at k = N), `overlapped` (the early exit at the stored E, k, V' with its rounds
+overlapped), `batch4` (the stored settings, 4 rows), each greedy, or sampled with
 a suffix: `plain@t0.8p0.95` (temperature 0.8, top-p 0.95, seed 0), `stored@t0.3`, `stored@t1k50`.
 Rows of their own settings in one batch, through the engine API (`engine().add(NewRow(...))`, the
 stored settings): `rows8` (8 greedy rows), `mixed8` (7 greedy + 1 at temperature 0.8, top-p 0.95),
@@ -103,7 +104,10 @@ def main() -> None:
             rates[name] = rows_rate(generator, prompts, ROWS[name], args.new_tokens)
             continue
         base, _, suffix = name.partition("@")
-        cell = dict(CELLS[base] if base in CELLS else {"num_speculations": int(base.removeprefix("k="))})
+        if base == "overlapped":
+            cell = {"settings": generator.settings.override(drafter="early_exit", overlap=True)}
+        else:
+            cell = dict(CELLS[base] if base in CELLS else {"num_speculations": int(base.removeprefix("k="))})
         if suffix:
             cell.update(sampling(suffix))
         batch = cell.pop("batch", 1)

@@ -507,13 +507,15 @@ def write_back_costs(model: str, checkpoint: LoadedCheckpoint, prompts: list,
                      lengths: tuple[int, ...]) -> list[dict]:
     """Measure a round's costs at `lengths` with the checkpoint's (new) settings and store them in the
     selfspec.json of `model` (its directory) under `round_costs`, for this device type
-    (`context_costs.measure_round_costs`); returns the rows per length."""
+    (`context_costs.measure_round_costs`; overlapped rounds too wherever they can run here, whether the
+    stored settings overlap or not: a call or a drafter's fastest may); returns the rows per length."""
     settings = read_settings(model)
     generator = SelfSpecGenerator(checkpoint.model, checkpoint.tokenizer, settings=settings,
                                   token_counts=token_counts_for(model, settings.draft_vocab_size),
                                   exit_adapters=checkpoint.exit_adapters)
     tokens = [t for p in prompts for t in (p.ids if isinstance(p, Structured) else p)]
-    costs, rows = measure_round_costs(generator, tokens, settings, lengths)
+    overlap = overlap_applies(generator.view.device, any(isinstance(p, Structured) for p in prompts))
+    costs, rows = measure_round_costs(generator, tokens, settings.override(overlap=overlap), lengths)
     device = generator.view.device.type
     update_meta(model, round_costs={**read_meta(model).get("round_costs", {}), device: costs.to_json()})
     print(f"{model}/{META_FILE}: round costs on {device} by context length\n{costs_table(rows)}")
