@@ -186,6 +186,9 @@ class DataConfig:
     """Where the validation split comes from when not `source` (null: `source`'s own). For a
     `distill-data` file, whose prompts all come from ShareGPT's train split (so it has no
     validation split of its own): `sharegpt` evaluates on ShareGPT's held-out conversations."""
+    keep_truncated: bool = False
+    """Train on distilled replies the token limit cut too (`distill-data` marks them `truncated`); by
+    default they are left out, since they teach the model to stop mid-answer."""
     distill: dict[str, Any] | None = None
     """Generate `source` before training: the model's own replies (`selfspec distill-data`, resumed
     where a previous run stopped), `source` naming the responses.jsonl they go to. A mapping of

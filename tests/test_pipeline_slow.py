@@ -68,7 +68,7 @@ def test_the_json_demo_distills_trains_gates_sweeps_and_measures(chat_base, tmp_
     recipe.write_text(f"base: {recipes.find('smollm2-135m_json')}\n" + "\n".join([
         f"model: {{name_or_path: {chat_base}}}",
         f"data: {{source: {tmp_path}/distill/responses.jsonl, cache_dir: {tmp_path}/cache, block_size: 256, "
-        "max_train_blocks: null, max_eval_blocks: 2}",
+        "max_train_blocks: null, max_eval_blocks: 2, keep_truncated: true}",  # 48-token replies: all cut
         "early_exit: {layers: 2, draft_vocab_size: 64}",
         "optim: {max_steps: 3, warmup_steps: 1, batch_size: 2}",
         "adapter_init_layer: 3", "exit_layer: 2", "eval_every: 0", "save_every: 0",

@@ -645,7 +645,7 @@ def _launched(c: Check, config: str, out: Path, steps: int) -> tuple[int, list[f
     model_dir, corpus = _small_run(c)
     entry = ["-m", "selfspec"] if c.real_cuda else [str(ROOT / "tests" / "accelerate_cpu.py")]
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(ROOT / "selfspec" / "recipes" / "accelerate" / f"{config}.yaml"), "--num_processes", "1",
+               str(ROOT / "configs" / "accelerate" / f"{config}.yaml"), "--num_processes", "1",
                "--mixed_precision", "bf16" if c.real_cuda else "no", *entry, "train", "--config",
                "demo_finetune", "--force", f"output_dir={out}", f"model.name_or_path={model_dir}",
                f"data.source={corpus}", f"data.cache_dir={out.parent / 'cache'}", "data.block_size=64",

@@ -17,11 +17,11 @@ from .sources import load_text_corpus
 
 
 def load_corpus(source: str, text_field: str = "text", cache_dir: str | Path | None = None,
-                seed: int = 0) -> datasets.DatasetDict:
-    """{train, validation, test} of `source`: conversations (rows id, messages) for chat data,
-    else text rows (`load_text_corpus`)."""
+                seed: int = 0, keep_truncated: bool = False) -> datasets.DatasetDict:
+    """{train, validation, test} of `source`: conversations (rows id, messages) for chat data (with the
+    replies marked `truncated` where `keep_truncated`), else text rows (`load_text_corpus`)."""
     if is_chat_source(source):
-        return load_chat_corpus(source)
+        return load_chat_corpus(source, keep_truncated=keep_truncated)
     return load_text_corpus(source, text_field, cache_dir=cache_dir, seed=seed)
 
 

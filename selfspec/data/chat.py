@@ -128,15 +128,15 @@ def _conversation(conversation_id: str, turns: Iterable[dict]) -> dict | None:
     return {"id": conversation_id, "messages": messages}
 
 
-def read_chat_jsonl(path: str | Path) -> list[dict]:
+def read_chat_jsonl(path: str | Path, keep_truncated: bool = False) -> list[dict]:
     """Conversations from a .jsonl file of `messages`, ShareGPT `conversations` or `prompt`/`response`
     rows; a row's `json_schema` (an object or its JSON text: the schema its reply follows) is kept as
-    JSON text. A row marked `truncated` (a distilled reply the token limit cut) is left out: it would
-    teach the model to stop mid-answer."""
+    JSON text. A row marked `truncated` (a distilled reply the token limit cut) is left out unless
+    `keep_truncated`: it would teach the model to stop mid-answer."""
     path = Path(path)
     conversations = []
     for number, row in jsonl_rows(path):
-        if row.get("truncated") is True:
+        if row.get("truncated") is True and not keep_truncated:
             continue
         row_id = str(row.get("id", f"{path.stem}-{number}"))
         if isinstance(row.get("messages"), list):
@@ -214,9 +214,10 @@ def split_of(conversation_id: str) -> str:
     return "train"
 
 
-def load_chat_corpus(source: str, verbose: bool = True) -> datasets.DatasetDict:
+def load_chat_corpus(source: str, verbose: bool = True, keep_truncated: bool = False) -> datasets.DatasetDict:
     """Conversations of `source` split by id into train / validation / test (rows: id, messages, and
-    json_schema when some reply was constrained by one)."""
+    json_schema when some reply was constrained by one); replies marked `truncated` only with
+    `keep_truncated` (`read_chat_jsonl`)."""
     if source == SHAREGPT:
         conversations, records = read_sharegpt(sharegpt_file())
         if verbose:
@@ -227,7 +228,8 @@ def load_chat_corpus(source: str, verbose: bool = True) -> datasets.DatasetDict:
         if not path.is_file():
             raise ChatDataError(f"chat data {source!r} does not exist; "
                                 f"pass a .json/.jsonl file or {SHAREGPT!r}")
-        conversations = read_sharegpt(path)[0] if path.suffix.lower() == ".json" else read_chat_jsonl(path)
+        conversations = (read_sharegpt(path)[0] if path.suffix.lower() == ".json"
+                         else read_chat_jsonl(path, keep_truncated))
     if not conversations:
         raise ChatDataError(f"{source!r} holds no conversation with an assistant turn; "
                             f"chat data needs user and assistant messages")

@@ -479,7 +479,7 @@ def _data_and_model(cfg: RunConfig, accelerator: Accelerator) -> tuple:
     others then read its caches)."""
     with accelerator.main_process_first():
         corpus = data_lib.load_corpus(cfg.data.source, cfg.data.text_field, cache_dir=cfg.data.cache_path,
-                                      seed=cfg.seed)
+                                      seed=cfg.seed, keep_truncated=cfg.data.keep_truncated)
         model, tokenizer = build_model_and_tokenizer(cfg, corpus)
         data = cfg.data
         skip_forced = cfg.early_exit.skip_forced
