@@ -56,7 +56,10 @@ def test_the_gate_drafts_until_it_knows_alpha_then_stops_where_drafts_cannot_pay
     # each source probes after its own idle rounds: the early exit drafting keeps no copy from a probe
     for _ in range(3):
         gate.record({"early_exit": (1, np.array([1]))})
-    assert gate.k("copy", 4, 100) == 4
+    assert gate.k("copy", 4, 100) == 4 and gate.probing
+    # a probe not taken (no copy matched) is offered again only after another 3 rounds
+    gate.record({"early_exit": (1, np.array([1]))})
+    assert gate.k("copy", 4, 100) == 0 and not gate.probing
     cheap = CostGate(CHEAP, min_tested=1)
     cheap.record({"early_exit": (2, np.array([1]))})  # α = 1/2
     assert cheap.k("early_exit", 4, 100) == 4

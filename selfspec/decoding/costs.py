@@ -113,7 +113,8 @@ class CostGate:
     one round after the source drafted nothing for `probe_every` rounds, and for the early exit when
     the costs were measured at another exit (`gates_early_exit` False: `RoundCosts.applies_to`).
     `record(drafts)` takes a round's drafts per source, {source: (k, accepted counts of the rows that
-    tested them)}; {} for a round that drafted nothing.
+    tested them)}; {} for a round that drafted nothing. A probe is offered for one round: a source that
+    does not draft then (a copy finds no match) is offered the next after `probe_every` rounds more.
     """
 
     SOURCES = ("early_exit", "copy")
@@ -151,7 +152,9 @@ class CostGate:
             k, accepted = drafts.get(source, (0, None))
             accepted = np.asarray(accepted if accepted is not None else [])
             if k <= 0 or not accepted.size:
-                self.idle[source] += 1
+                # a probe offered and not taken (no copy matched) waits another `probe_every` rounds:
+                # a compiled call runs one round while a probe is due, and must not stay there
+                self.idle[source] = 0 if self.idle[source] >= self.probe_every else self.idle[source] + 1
                 continue
             rounds = self.rounds[source]
             rounds.append((int(np.minimum(accepted, k).sum()), int(drafts_tested(accepted, k).sum())))

@@ -95,7 +95,8 @@ class DraftPolicy:
     copies = False  # whether `copy_after` can return a copy at all (after forced tokens, say)
     copies_after_early_exit = False  # whether it can after early-exit drafts (the engine then asks)
     gate: CostGate | None = None
-    lengths: np.ndarray = np.zeros(0, dtype=np.int64)
+    sources: tuple[str, ...] = ()  # where its drafts come from ("early_exit", "copy"), for the gate
+    lengths: np.ndarray = np.zeros(0, dtype=np.int64)  # set per call by `start`
 
     def start(self, prompts: list[list[int]]) -> None:
         """A new `generate` call with these prompts (row i = prompts[i])."""
@@ -133,8 +134,6 @@ class DraftPolicy:
         if self.gate is None or k <= 0:
             return k
         return self.gate.k(source, k, int(self.lengths[rows].max()))
-
-    sources: tuple[str, ...] = ()  # where its drafts come from ("early_exit", "copy"), for the gate
 
     def rounds_cap(self) -> int | None:
         """The most rounds the next compiled call may run for the gate's sake: 1 for a probe
