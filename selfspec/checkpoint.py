@@ -14,12 +14,17 @@ read by `read_settings` and written by `save_tuned` and `write_settings` only:
                     token_counts.safetensors); 0: the whole vocabulary
     stop_below      η: the early exit stops a round's drafts below this top probability; 0: never
     ngram           the copy settings {max_ngram, min_ngram, max_copy}
-    fastest         optional, written by a sweep: {drafter: {settings: {the six fields above},
+    overlap         whether a round drafts the next round's tokens beside its verification
+    fastest         optional, written by a sweep: {drafter: {settings: {the seven fields above},
                     speedup, tokens_per_second}}, each drafter at its fastest measured setting
-    sweep           optional: {speedup, report} of the sweep that chose the settings
+    sweep           optional: {speedup, interval, coverage, report, prompts_from, candidates} of the
+                    sweep that chose the settings (`candidates`: the cells it re-timed)
+    formats         optional: {constraint kind ("json", ..., "sampled"): {settings, fastest, and the sweep's
+                    record}} of sweeps under constraints or sampled
     round_costs     optional, written by a greedy sweep's write-back: {device type: {lengths, draft,
-                    verify_slope, exit_layer, draft_vocab_size}}, a round's costs by context length
-                    (`decoding.RoundCosts`), from which decoding drafts only where drafting pays
+                    verify_slope, exit_layer, draft_vocab_size, overlap_gain?}}, a round's costs by
+                    context length (`decoding.RoundCosts`), from which decoding drafts only where
+                    drafting pays
     token_counts    optional: where token_counts.safetensors was counted {source, tokens, vocab_size}
     exit_adapter    optional: {exit_layer, file, kind, ...} of an exit adapter that the draft at that E
                     reads (trainable: adapter): kind "mlp" with hidden_size, intermediate_size, or

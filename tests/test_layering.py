@@ -4,7 +4,8 @@ lower ones, and no module sits on an import cycle. Every import counts, the ones
     4  cli, commands, demo, the package's __init__ and __main__
     3  evaluation/        (may use training/: train_cost times a training step), serving/
     2  training/          (never evaluation/: what both need lives below)
-    1  agreement, data, checkpoint, backends/, decoding/, options   (backends/ never imports decoding/)
+    1  agreement, data, checkpoint, export, export_gguf, flags, backends/, decoding/
+       (backends/ never imports decoding/)
     0  config, model/, metrics, cpu, files, errors, sampling, recipes/
 """
 

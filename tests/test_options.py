@@ -147,7 +147,7 @@ def test_options_are_frozen():
 # The shape of the package: options objects instead of long parameter lists, short functions
 # --------------------------------------------------------------------------------------------------
 
-# every module of the package (#64's shape: the command layer first held it, the decoding core now too)
+# every module of the package (the command layer held it once, the decoding core too)
 MODULES = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py"))
 MAX_PARAMETERS, MAX_LINES = 10, 80
 LONG_ALLOWED = {("cli.py", "_parser")}  # the CLI's declarative table of commands

@@ -7,7 +7,7 @@ without them, or the removed "compile" mode, is a one-line error."""
 
 import pytest
 import torch
-from helpers import low_alpha_model, reference_greedy, step_joining, tiny_model
+from helpers import low_alpha_model, ranking_counts, reference_greedy, step_joining, tiny_model
 
 from selfspec.backends import static_passes
 from selfspec.decoding import DecodeSettings, NewRow, SelfSpecGenerator
@@ -129,3 +129,23 @@ def test_families_without_static_passes_and_bad_modes_are_user_errors():
     assert plain.static_passes is None
 
 
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_a_trimmed_heads_tie_goes_to_the_lowest_token_id_as_everywhere(mode):
+    """Two tokens with the same head row always tie, the higher id the more frequent (first in the trimmed
+    head's frequency order): the draft takes the lowest id, as argmax over the whole vocabulary, the
+    engine's backend and the compiled loop do, so its drafts are the target's and are accepted."""
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.lm_head.weight[5] *= 50
+        model.lm_head.weight[7] = model.lm_head.weight[5]  # 5 and 7 lead every position, tied
+    counts = ranking_counts([7, 5, *range(8, 40)], 96)  # 7 ranked before 5
+    stats = {}
+    for backend in (None, mode):
+        generator = SelfSpecGenerator(model, exit_layer=2, draft_vocab_size=34, token_counts=counts,
+                                      static_passes=backend)
+        out = generator.generate([[1, 2, 3]], max_new_tokens=NEW, num_speculations=3, eos_token_id=[])
+        assert out.sequences == [[5] * NEW]
+        stats[backend] = (out.stats.early_exit.drafted, out.stats.early_exit.accepted)
+    assert stats[mode] == stats[None] and stats[None][1] > 0, stats

@@ -78,6 +78,82 @@ def test_the_virtual_device_counts_syncs_both_ways():
         assert delta() == (5, 10) and device.syncs - sum(start) == 15
 
 
+IMPLICIT_SYNCS = {  # each waits on real CUDA: the host reads a size or a value first, or copies up
+    "nonzero": lambda x, m: x.nonzero(),
+    "a boolean mask": lambda x, m: x[m],
+    "a tensor under a boolean mask": lambda x, m: x.__setitem__(m, x[:2] * 0),
+    "masked_select": lambda x, m: torch.masked_select(x, m),
+    "unique": lambda x, m: torch.unique(x),
+    "where(condition)": lambda x, m: torch.where(m),
+    "repeat_interleave": lambda x, m: x.repeat_interleave(m.long()),
+    "bincount": lambda x, m: torch.bincount(m.long()),
+    "equal": lambda x, m: torch.equal(x, x),
+    "allclose": lambda x, m: torch.allclose(x, x),
+    "a 0-dim host tensor copied in": lambda x, m: x[0].copy_(torch.tensor(5.0)),
+    "a 0-dim host tensor assigned": lambda x, m: x.__setitem__(1, torch.tensor(5.0)),
+}
+NO_SYNC = {  # the same work with sizes the host knows
+    "where(condition, a, b)": lambda x, m: torch.where(m, x, 0.0),
+    "repeat_interleave with output_size": lambda x, m: x.repeat_interleave(m.long(), output_size=2),
+    "a number under a boolean mask": lambda x, m: x.__setitem__(m, 0.0),
+    "a 0-dim host tensor as an operand": lambda x, m: x * torch.tensor(2.0),
+}
+
+
+@pytest.mark.parametrize("name", [*IMPLICIT_SYNCS, *NO_SYNC])
+def test_the_virtual_device_counts_the_syncs_cuda_makes_without_a_read(name):
+    """Where a result's size comes from device data (`nonzero`, a mask as an index, ...), a value is
+    compared on the host (`equal`), or a 0-dim host tensor is copied into device memory, CUDA waits for
+    the device though no `.item()` is written: one sync each; the same work with known sizes, none."""
+    with VirtualCuda() as device:
+        x = torch.tensor([1.0, 2.0, 2.0, 3.0], device="cuda")
+        m = torch.tensor([True, False, True, False], device="cuda")
+        before = device.syncs
+        (IMPLICIT_SYNCS | NO_SYNC)[name](x, m)
+        assert device.syncs - before == (1 if name in IMPLICIT_SYNCS else 0), name
+
+
+LAUNCHES = {  # (operation, kernel launches on CUDA)
+    "sort": (lambda x: x.sort(), 1),
+    "max over a dimension": (lambda x: x.max(-1), 1),
+    "topk": (lambda x: x.topk(2), 1),
+    # a gather (the indices themselves: an upload)
+    "an index of device indices": (lambda x: x[torch.tensor([0, 2], device="cuda")], 1),
+    "out=": (lambda x: torch.add(x, x, out=torch.empty_like(x)), 1),
+    "a dtype conversion": (lambda x: x.to(torch.float64), 1),
+    "a slice": (lambda x: x[1:], 0),
+    "a view": (lambda x: x.view(2, 2), 0),
+}
+
+
+@pytest.mark.parametrize("name", LAUNCHES)
+def test_the_virtual_device_counts_every_launch(name):
+    """Every operation with a result in new device memory is a launch, tuples' (`sort`, `max(dim)`)
+    and indexing's included; a view is none."""
+    op, launches = LAUNCHES[name]
+    with VirtualCuda() as device:
+        x = torch.tensor([4.0, 1.0, 3.0, 2.0], device="cuda")
+        before = device.kernel_launches
+        op(x)
+        assert device.kernel_launches - before == launches, name
+
+
+def test_a_replay_launches_a_copy_for_each_argument_it_copies_in():
+    """A CUDA graph reads its inputs from its own buffers: each call copies every dynamic argument in
+    (a copy launch each) before the one graph launch; the static ones (the cache) are read in place."""
+    from selfspec.backends.graphs import CapturedPass
+
+    with VirtualCuda() as device:
+        cache = torch.zeros(4, device="cuda")
+        captured = CapturedPass(lambda a, b, kv: (a * b + kv.sum()), static=(2,), device=torch.device("cuda"))
+        a, b = torch.ones(4, device="cuda"), torch.ones(4, device="cuda")
+        captured(a, b, cache)  # the capture
+        before = device.kernel_launches, device.graph_launches
+        captured(a, b, cache)
+        launches = device.kernel_launches - before[0], device.graph_launches - before[1]
+    assert launches == (2 + 1, 1)  # a and b copied in, the output copied out; one graph
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_on_virtual_cuda_is_plain_greedy_for_every_drafter(family):
     model = low_alpha_model(family)

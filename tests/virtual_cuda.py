@@ -6,16 +6,23 @@ Inside `VirtualCuda()`, a tensor moved to "cuda" (`.cuda()`, `.to("cuda")`, a fa
 - an operation given tensors of both devices raises (CPU scalars, 0-dim, may join CUDA tensors;
   indexing, `copy_` and `index_put_` cross devices);
 - `.numpy()` of a CUDA tensor raises, `.cpu()` copies, and host reads (`.cpu()`, `.item()`,
-  `.tolist()`, `int()`, `bool()`, a `copy_` into host memory, `synchronize()`) complete the work queued
-  so far, counted (`host_reads`);
+  `.tolist()`, `int()`, `bool()`, `torch.equal`, `allclose`, a `copy_` into host memory, `synchronize()`)
+  complete the work queued so far, counted (`host_reads`), and so does an operation whose result's size
+  comes from device data, which the host reads first (`nonzero`, `unique`, `masked_select`, `bincount`,
+  `torch.where(condition)`, `repeat_interleave` without `output_size`, a boolean mask as an index:
+  `graphs.sized_by_data`);
 - a copy from the host to the device (`.to("cuda")`, `.cuda()`, `torch.tensor(..., device="cuda")`, a
   `copy_` from host memory, host tensors as indices or values of a CUDA tensor) waits for the work
   queued so far, as CUDA's copy from pageable memory does and torch's blocking copy does, counted
-  (`host_uploads`), except a `non_blocking=True` copy from pinned memory (`pin_memory()`, a factory's
-  `pin_memory=True`), which is queued like a kernel: `syncs` is both counts;
-- each operation with a CUDA result counts as one kernel launch (`kernel_launches`), and a captured
-  pass's replay (`selfspec.backends.graphs`) as one graph launch (`graph_launches`), its own operations
-  not counted: what a GPU's host pays a launch each; captures are counted apart (`graph_captures`);
+  (`host_uploads`; a 0-dim host tensor copied into device memory too), except a `non_blocking=True`
+  copy from pinned memory (`pin_memory()`, a factory's `pin_memory=True`), which is queued like a kernel:
+  `syncs` is both counts;
+- each operation with a CUDA result counts as one kernel launch (`kernel_launches`): a write, a result in
+  new memory (one of a tuple's: `sort`, `max(dim)`; advanced indexing), an `out=`, a dtype conversion;
+  a view (a slice, `view`, `detach`) launches nothing. A captured pass's replay
+  (`selfspec.backends.graphs`) is one graph launch (`graph_launches`), its own operations not counted,
+  after one copy launch for each argument copied into the graph's input buffers: what a GPU's host pays a
+  launch each; captures are counted apart (`graph_captures`);
 - `torch.cuda.Event` times with `perf_counter`, and `elapsed_time` raises unless a host read or
   `synchronize` came after both events were recorded (CUDA's "device not ready");
 - selfspec's compiled CPU kernels raise when given a CUDA tensor.
@@ -35,6 +42,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from selfspec.backends.graphs import sized_by_data
+
 CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")
 _FACTORIES = {torch.zeros, torch.ones, torch.empty, torch.full, torch.arange, torch.tensor, torch.as_tensor,
               torch.randn, torch.rand, torch.randint, torch.eye, torch.linspace, torch.empty_strided,
@@ -44,7 +53,8 @@ _ALLOCATIONS = {torch.empty, torch.empty_like, torch.empty_strided}  # memory on
 _CROSS = {torch.Tensor.copy_, torch.Tensor.__getitem__, torch.Tensor.__setitem__, torch.Tensor.index_put_,
           torch.Tensor.index_put}
 _HOST_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__int__, torch.Tensor.__float__,
-               torch.Tensor.__bool__, torch.Tensor.__index__}
+               torch.Tensor.__bool__, torch.Tensor.__index__, torch.equal, torch.Tensor.equal, torch.allclose,
+               torch.Tensor.allclose}
 
 
 class _Queue:
@@ -218,6 +228,8 @@ class VirtualCuda(TorchFunctionMode):
         out = func(src, *rest, **kwargs)
         to_cuda = self.on_cuda(src) if target is None else torch.device(target).type == "cuda"
         if to_cuda == self.on_cuda(src):
+            if to_cuda and out is not src and not _Queue.in_replay:
+                _Queue.kernels += 1  # a conversion (dtype, layout) on the device
             return self._tag(out) if to_cuda else out
         if to_cuda:
             self._upload_from(src, non_blocking)
@@ -271,16 +283,24 @@ class VirtualCuda(TorchFunctionMode):
         if len(on) > 1 and func not in _CROSS:
             raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two "
                                f"devices, cuda:0 and cpu! ({getattr(func, '__name__', func)})")
-        if func in _HOST_READS and True in on:
+        if True in on and (func in _HOST_READS or sized_by_data(func, args, kwargs)):
             _host_read()
-        if func in _CROSS and len(on) > 1:
+        if func in _CROSS and (len(on) > 1 or self._scalar_up(func, args)):
             self._copy_across(func, args, kwargs)
         out = func(*args, **kwargs)
         # a copy into, an index of or an assignment into a tensor stays on that tensor's device
         device_of_out = self.on_cuda(args[0]) if func in _CROSS else True in on
-        if device_of_out and not _Queue.in_replay and _launches_kernel(func, tensors, out):
+        if device_of_out and not _Queue.in_replay and _launches_kernel(func, tensors, kwargs, out):
             _Queue.kernels += 1
         return self._tag(out) if device_of_out and out is not None else out
+
+    def _scalar_up(self, func, args) -> bool:
+        """A 0-dim host tensor copied into device memory (`x.copy_(t)`, `x[i] = t`): a copy up, which the
+        same-device check above lets pass as a scalar operand."""
+        value = {torch.Tensor.copy_: 1, torch.Tensor.__setitem__: 2}.get(func)
+        value = args[value] if value is not None else None
+        return (isinstance(value, torch.Tensor) and value.dim() == 0 and not self.on_cuda(value)
+                and self.on_cuda(args[0]))
 
 
     def _copy_across(self, func, args, kwargs) -> None:
@@ -326,16 +346,17 @@ def _alive(tags: dict, ptr: int) -> bool:
     return True
 
 
-def _launches_kernel(func, inputs: list, out) -> bool:
-    """Whether an operation launches a kernel on CUDA: a write into a tensor does, a view of one (a
+def _launches_kernel(func, inputs: list, kwargs: dict, out) -> bool:
+    """Whether an operation launches a kernel on CUDA: a write into a tensor does (in place, `out=`), a
+    result in new memory does (of a tuple's results any: `sort`, `max(dim)`, `topk`), a view of one (a
     result on an input's memory: `view`, `detach`, a slice, `contiguous` of a contiguous one) does not."""
     name = getattr(func, "__name__", "")
     if func is torch.Tensor.__setitem__ or (name.endswith("_") and not name.startswith("__")) \
-            or name.startswith("__i"):
+            or name.startswith("__i") or kwargs.get("out") is not None:
         return True
-    if not isinstance(out, torch.Tensor):
-        return False
-    return out.untyped_storage().data_ptr() not in {t.untyped_storage().data_ptr() for t in inputs}
+    held = {t.untyped_storage().data_ptr() for t in inputs}
+    return any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in held
+               for t in tree_flatten(out)[0])
 
 
 def _counted_capture(capture):
@@ -346,8 +367,11 @@ def _counted_capture(capture):
 
 
 def _one_launch(replay):
-    """A captured pass's replay as one graph launch: the operations it reruns are not launches."""
+    """A captured pass's replay as one graph launch after a copy launch for each argument copied into the
+    graph's input buffers (`_Graph.replay`): the operations the graph reruns are not launches."""
     def counted(graph, args):
+        _Queue.kernels += sum(1 for i, a in enumerate(args)
+                              if i not in graph.static and isinstance(a, torch.Tensor))
         _Queue.graphs += 1
         _Queue.in_replay += 1
         try:

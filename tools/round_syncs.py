@@ -1,11 +1,13 @@
-"""Syncs a decoding round costs on a GPU, counted on the emulated CUDA device (tests/virtual_cuda.py).
+"""Syncs and launches a decoding round costs on a GPU, counted on the emulated CUDA device
+(tests/virtual_cuda.py).
 
     python tools/round_syncs.py                         # early exit, copies, hybrid; eager and graphs
     python tools/round_syncs.py --static eager,graph --family llama --batch 1
 
 A sync is a wait of the host for the device: a host read of a device value (`host_reads`) or a copy
 to the device that waits for the work queued before it (`host_uploads`: from pageable memory, or
-blocking). Each setting decodes one prompt (or `--batch` copies of it, each row its own) three times
+blocking). Launches: kernel launches (every operation outside a captured pass, a replay's input copies)
+and graph launches. Each setting decodes one prompt (or `--batch` copies of it, each row its own) three times
 at growing lengths; a round's syncs are what the longer decodes add per round they add, so the
 call's own start (prefill, captures) is left out. No timing: the counts are exact and the machine's
 load does not change them.
@@ -20,22 +22,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-CASES = {"early exit k=4": ("early_exit", 4), "plain (k=0)": ("early_exit", 0), "copies": ("ngram", 3),
-         "hybrid k=2": ("hybrid", 2)}
+CASES = {"early exit k=4": ("early_exit", 4, {}), "plain (k=0)": ("early_exit", 0, {}),
+         "copies": ("ngram", 3, {}), "hybrid k=2": ("hybrid", 2, {}),
+         "early exit k=4, sampled": ("early_exit", 4, {"temperature": 0.9, "seed": 3})}
+COUNTS = ("host_reads", "host_uploads", "kernel_launches", "graph_launches")
 PROMPT = [5, 17, 33, 2, 71, 8, 5, 17, 33]
 
 
-def per_round(device, generator, prompts: list, drafter: str, k: int) -> tuple[float, float, int]:
-    """(reads, uploads) per round of `generator` on `prompts`, and the rounds of the longest decode."""
+def per_round(device, generator, prompts: list, drafter: str, k: int, **sampling) -> tuple[list[float], int]:
+    """Each of `COUNTS` per round of `generator` on `prompts`, and the rounds of the longest decode."""
     counts, rounds = [], []
     for new in (4, 8, 24):  # the first captures and warms up
-        before = (device.host_reads, device.host_uploads)
+        before = [getattr(device, c) for c in COUNTS]
         out = generator.generate(prompts, max_new_tokens=new, drafter=drafter, num_speculations=k,
-                                 eos_token_id=[])
-        counts.append((device.host_reads - before[0], device.host_uploads - before[1]))
+                                 eos_token_id=[], **sampling)
+        counts.append([getattr(device, c) - b for c, b in zip(COUNTS, before)])
         rounds.append(out.stats.rounds)
     added = rounds[2] - rounds[1]
-    return ((counts[2][0] - counts[1][0]) / added, (counts[2][1] - counts[1][1]) / added, rounds[2])
+    return [(later - earlier) / added for earlier, later in zip(counts[1], counts[2])], rounds[2]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -51,17 +55,18 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)  # tiny passes: a second thread only waits for the first (counts are alike)
 
     from selfspec.decoding import SelfSpecGenerator
-    print("| backend | drafter | reads / round | uploads / round | rounds |")
-    print("|---|---|---|---|---|")
+    print("| backend | drafter | reads / round | uploads / round | kernel launches / round "
+          "| graph launches / round | rounds |")
+    print("|---|---|---|---|---|---|---|")
     for static in args.static.split(","):
         model = low_alpha_model(args.family)
         with VirtualCuda() as device:
             device.module(model)
             generator = SelfSpecGenerator(model, exit_layer=2,
                                           static_passes=None if static == "none" else static)
-            for name, (drafter, k) in CASES.items():
-                reads, uploads, rounds = per_round(device, generator, [PROMPT] * args.batch, drafter, k)
-                print(f"| {static} | {name} | {reads:.2f} | {uploads:.2f} | {rounds} |")
+            for name, (drafter, k, sampling) in CASES.items():
+                counts, rounds = per_round(device, generator, [PROMPT] * args.batch, drafter, k, **sampling)
+                print(f"| {static} | {name} | {' | '.join(f'{c:.2f}' for c in counts)} | {rounds} |")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ as torch operations through `model.DecoderView`, which are then the backend's pa
 - `draft_step` / `exit_pass`: one greedy early-exit step (or its pass without the choice);
 - `draft_choice`: a greedy draft from exit states (norm, head, grammar mask, argmax, η);
 - `verify_greedy`: the verification pass, the target's argmax and the accepted prefix;
+- `draft_loop_sampled` / `verify_sampled`: the same for rows sampled by their own settings (each draft
+  drawn with its row's numbers, acceptance by rejection sampling);
 - the capability `fused_rounds` (declared, not discovered): `greedy_rounds`, many greedy rounds of
   one row in one call, fed the proposer's state (`FusedDrafts`).
 

@@ -37,8 +37,10 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 KEPT = 16  # graphs kept per pass, least recently used dropped first (those in use stay)
-_HOST_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__int__, torch.Tensor.__float__,
-               torch.Tensor.__bool__, torch.Tensor.__index__, torch.Tensor.cpu, torch.Tensor.numpy}
+# a device value read on the host: a wait for the device (and a result a replay cannot give again)
+HOST_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__int__, torch.Tensor.__float__,
+              torch.Tensor.__bool__, torch.Tensor.__index__, torch.Tensor.cpu, torch.Tensor.numpy,
+              torch.equal, torch.Tensor.equal, torch.allclose, torch.Tensor.allclose}
 
 
 class HostReadInCapture(RuntimeError):
@@ -51,38 +53,59 @@ class ReplayMismatch(RuntimeError):
     the captured one."""
 
 
-# results whose size depends on the data (a host sync), tensors made from host values (a host-to-device
-# copy at capture time, not at replay)
+# results whose size depends on the data: the host reads the size first, a wait for the device
 _DATA_SIZED = {torch.nonzero, torch.Tensor.nonzero, torch.argwhere, torch.Tensor.argwhere,
                torch.masked_select, torch.Tensor.masked_select, torch.unique, torch.Tensor.unique,
                torch.unique_consecutive, torch.Tensor.unique_consecutive, torch.bincount,
-               torch.Tensor.bincount,
-               torch.tensor, torch.as_tensor}
+               torch.Tensor.bincount}
 _INDEXING = {torch.Tensor.__getitem__, torch.Tensor.__setitem__, torch.Tensor.index_put_,
              torch.Tensor.index_put, torch.index_put}
 
 
-def _refused(func, args: tuple, kwargs: dict) -> str | None:
-    """Why a capture cannot hold `func(*args, **kwargs)`, or None."""
-    name = getattr(func, "__name__", str(func))
-    if func in _HOST_READS or func in _DATA_SIZED:
-        return name
-    if func is torch.Tensor.to and any(isinstance(a, (str, torch.device)) and torch.device(a).type == "cpu"
-                                       for a in (*args[1:], kwargs.get("device")) if a is not None):
-        return "a copy to the CPU"
+def sized_by_data(func, args: tuple, kwargs: dict) -> str | None:
+    """Why `func(*args, **kwargs)` sizes its result from device data, which the host must read first
+    (on CUDA a wait for the device, in a capture impossible), or None: `nonzero`, `unique`,
+    `torch.where(condition)`, `repeat_interleave` with tensor repeats and no `output_size`, a boolean
+    mask as an index (`x[mask]`; `x[mask] = v` of a tensor v)."""
+    if func in _DATA_SIZED:
+        return getattr(func, "__name__", str(func))
     if func is torch.where and len(args) + len(kwargs) == 1:
         return "torch.where(condition)"
     if func in (torch.repeat_interleave, torch.Tensor.repeat_interleave) and "output_size" not in kwargs and (
             len(args) == 1 or isinstance(args[1] if len(args) > 1 else kwargs.get("repeats"), torch.Tensor)):
         return "repeat_interleave with tensor repeats (no output_size)"
-    if func in _INDEXING:
-        index = args[1] if len(args) > 1 else kwargs.get("indices")
-        for i in index if isinstance(index, tuple) else (index,):
-            if isinstance(i, torch.Tensor) and i.dtype == torch.bool:
-                return "a boolean mask as an index"
-            if isinstance(i, list):
-                return "a list as an index (a host tensor made and copied up at capture)"
+    if func in _INDEXING and _indices(args, kwargs, bool_masks=True):
+        value = args[2] if len(args) > 2 else kwargs.get("values")
+        if func is torch.Tensor.__setitem__ and not isinstance(value, torch.Tensor):
+            return None  # a number written under a mask is `masked_fill_`: no size needed
+        return "a boolean mask as an index"
     return None
+
+
+def _indices(args: tuple, kwargs: dict, bool_masks: bool) -> bool:
+    """Whether an indexing call's index holds a boolean mask (`bool_masks`) or else a Python list."""
+    index = args[1] if len(args) > 1 else kwargs.get("indices")
+    for i in index if isinstance(index, tuple) else (index,):
+        if bool_masks and isinstance(i, torch.Tensor) and i.dtype == torch.bool:
+            return True
+        if not bool_masks and isinstance(i, list):
+            return True
+    return False
+
+
+def _refused(func, args: tuple, kwargs: dict) -> str | None:
+    """Why a capture cannot hold `func(*args, **kwargs)`, or None."""
+    name = getattr(func, "__name__", str(func))
+    if func in HOST_READS or func in (torch.tensor, torch.as_tensor):
+        return name  # a host read, or host values copied up at capture only
+    if func is torch.Tensor.to and any(isinstance(a, (str, torch.device)) and torch.device(a).type == "cpu"
+                                       for a in (*args[1:], kwargs.get("device")) if a is not None):
+        return "a copy to the CPU"
+    if func in _INDEXING and _indices(args, kwargs, bool_masks=True):
+        return "a boolean mask as an index"  # `x[mask] = 1.0` too: keep captured passes to fixed indices
+    if func in _INDEXING and _indices(args, kwargs, bool_masks=False):
+        return "a list as an index (a host tensor made and copied up at capture)"
+    return sized_by_data(func, args, kwargs)
 
 
 def _from_numpy_refused(*_args, **_kwargs):

@@ -286,13 +286,15 @@ def _verify_sampled(model: _Slice, head, steps) -> Callable:
 
 def _draft_step(model: _Slice, head, steps) -> Callable:
     """One greedy draft step: (draft (B,), its top probability (B,), the exit state (B, D))."""
-    weight, bias, ids, _ = head
+    weight, bias, ids, vocab = head
 
     def function(token, keys, values, positions, cos, sin):
         hidden = model.one_position(token, keys, values, positions[:, :1], cos, sin)
         logits = F.linear(rms_norm(hidden, model.norm, model.eps), weight, bias).float()  # (B, V')
-        top, pick = torch.softmax(logits, -1).max(-1)
-        return (pick if ids is None else ids[pick]), top, hidden
+        top = torch.softmax(logits, -1).amax(-1)
+        if ids is not None:  # a trimmed head's rows are in frequency order: a tie goes to the lowest id
+            logits = logits.new_full((logits.shape[0], vocab), float("-inf")).index_copy(-1, ids, logits)
+        return logits.argmax(-1), top, hidden
     return function
 
 

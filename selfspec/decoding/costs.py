@@ -7,7 +7,7 @@ machine a long context makes it cost more plain steps than a short one does (doc
 "Long contexts"). Acceptance alone cannot see that; the costs can.
 
 `RoundCosts` holds them relative to a plain step at the same length, measured at a few lengths
-(`evaluation.costs.measure_round_costs`, which `selfspec eval sweep` runs and stores in
+(`evaluation.context_costs.measure_round_costs`, which `selfspec eval sweep` runs and stores in
 selfspec.json under `round_costs`): c(L), one early-exit draft step, and s(L), what each drafted
 position adds to a verification (a verification of k drafts costs 1 + k·s(L) plain steps). Between the
 measured lengths they are interpolated, past the last extrapolated along the last segment.

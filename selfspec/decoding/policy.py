@@ -5,8 +5,8 @@ to `extend` tokens drafted by the early exit (the model's first E blocks + final
 is plain self-speculation, extend = 0 a pure copy, k = m + extend = 0 a plain decoding step. While
 the early exit drafts, the policy may turn a draft into a copy (`copy_after`): once the drafted
 tokens make the context's suffix match again, the copy takes over for the rest of the round. One
-verify path serves all of them (`SelfSpecGenerator._round`); a round reports its draft as
-`Segment`s, runs of positions from one source.
+verify path serves all of them (`Engine._round` -> `Runner.round` -> `Verifier.verify`); a round
+reports its draft as `Segment`s, runs of positions from one source.
 
 Drafters (`SelfSpecGenerator(drafter=...)`):
 
@@ -289,8 +289,8 @@ class CopyPolicy(DraftPolicy):
         return self.early_exit.k_max > 0
 
     def fuses(self, rounds_per_call):
-        # a fused call builds its n-gram tables from the whole row, too much to redo every round of a
-        # long context (the policy's own index grows by each round's tokens)
+        # a call of one round gains nothing from fusing: the copies' search (`NGramSearch`) starts again
+        # from the row's end each call, where the policy's own index grows by each round's tokens
         return rounds_per_call > 1
 
     def fused_drafts(self, row):

@@ -32,9 +32,9 @@ import torch
 from ..errors import UserError
 
 # positions per chunk at the start of a prompt (doubling from position 4C on). Why 32: a chat
-# template's system turn plus an instruction's opening is some 30-50 tokens, so smaller chunks share
-# less, while a miss costs more passes the smaller the chunks (the prefill costs by chunk size are in
-# docs/performance.md)
+# template's system turn plus an instruction's opening is some 30-50 tokens, and a chunk is shared only
+# whole, so larger chunks would share none of it, while a miss costs more passes the smaller the chunks
+# (the prefill costs by chunk size are in docs/performance.md)
 DEFAULT_CHUNK = 32
 DEFAULT_MAX_BYTES = 256 << 20
 

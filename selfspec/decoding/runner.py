@@ -280,7 +280,8 @@ class Runner:
         """Whether a row's rounds may run several in one call of the backend (`fused_rounds`): a backend
         with fused rounds, no exit block, a policy whose rounds fuse (`DraftPolicy.fuses`), and early-exit
         drafts only with a head the compiled draft loop reads. A round asks besides that its batch is one
-        greedy row without a grammar (`Engine`'s `_fused_rounds`): rows join and leave."""
+        row without a grammar, greedy or sampled at a fixed k (`Engine`'s `_fused_rounds`): rows join and
+        leave."""
         if not self.backend.fused_rounds or b.exit_block is not None:
             return False
         return policy.fuses(rounds_per_call) and (not policy.drafts_early_exit or b.loop_head is not None)

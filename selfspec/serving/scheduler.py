@@ -244,8 +244,8 @@ class Job:
 # Greedy rounds of more rows than this take plain steps on a CPU (`Scheduler`'s draft_max_rows): there
 # a pass costs about in proportion to its positions past a few (SmolLM2's bound by the FMAs from about
 # 8; the embedded default's kernels spend several times one row's pass on 8), so a rejected draft costs
-# what a kept token does: from 3 rows on, plain steps decode faster (docs/performance.md, "Figures behind
-# the code's choices").
+# what a kept token does: from 3 rows on, plain steps decode faster (docs/performance.md, "A batch of rows
+# on a CPU").
 # A GPU's pass stays bound by reading the weights to far more positions: none (every round drafts).
 CPU_DRAFT_MAX_ROWS = 2
 

@@ -306,10 +306,9 @@ float nucleus_cut(std::vector<std::pair<float, float>>& nucleus, float top_p) {
 // `RowSampling.probs` of one row: its V logits -> probabilities (V). A greedy row's is one-hot at its
 // argmax; a sampled row's logits are divided by its temperature, then top-k keeps the k largest (ties with
 // the k-th included) and top-p the most likely tokens until the mass before a token reaches top_p (by the
-// distribution after top-k; the first always stays), then the softmax. The nucleus lies among the tokens of
-// probability >= (1 - top_p) / V' (V' the tokens top-k kept): the others together hold less than
-// 1 - top_p, so only those are sorted. Returns the largest probability (η's `top_probability` on a sampled
-// row).
+// distribution after top-k; the first always stays), then the softmax. Only the candidates for the nucleus
+// are sorted (`nucleus_cut`): the tokens down to the power of two of probability at which the mass reaches
+// top_p (below). Returns the largest probability (η's `top_probability` on a sampled row).
 float row_probs(const float* logits, int64_t vocab, const RowSampling& s, float* probs) {
   constexpr float kNone = -std::numeric_limits<float>::infinity();
   if (s.greedy) {

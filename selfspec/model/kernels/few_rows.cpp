@@ -3,7 +3,7 @@
 // Decoding at batch 1 is bound by reading the weights. MKL's one-row product (sgemv) keeps to one
 // core here, and its several-row product (sgemm) repacks W first; this kernel reads each row of W
 // once, from both cores (the rows split between the threads of torch's own pool), and multiplies it
-// with all m rows of x, which sit in L1 (L2 for the widest, 8 rows of K = 1536 floats). bf16 weights
+// with all m rows of x, which sit in L1 (a chunk of K at a time on long rows: `chunked_block`). bf16 weights
 // widen to fp32 in registers (a 16-bit shift), so a bf16 model reads half the bytes even on CPUs
 // without bf16 arithmetic.
 //

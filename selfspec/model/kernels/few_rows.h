@@ -258,10 +258,10 @@ void block_rows(int64_t m, const float* x, const Product<T>& p, int64_t k, int64
   }
 }
 
-// From 5 rows of x, a W row of at least this many bytes (an MLP's down projection, SmolLM2's 1536 floats)
-// is multiplied in tiles too: there 5-8 rows are bound by their FMAs, not by reading W, and
-// `rows_block`'s M loads of x per W load held them back; on shorter rows (576, 128 floats) the tiles'
-// second read of W and their sums cost more (docs/performance.md, "Register tiles for wide products").
+// 2-8 rows of x over W rows of at least this many bytes (an MLP's down projection, SmolLM2's 1536 floats)
+// are multiplied a chunk of K at a time (`chunked_block`): x's chunk stays in L1 while W streams; on
+// shorter rows (576, 128 floats) the chunks' extra sums cost more (docs/performance.md, "Long W rows a
+// chunk of K at a time").
 constexpr int64_t kLongRowBytes = 4096;
 
 // Products of the same x (m, k), x @ W_iᵀ -> out_i (m, n_i), as one range of W rows split between the
@@ -269,8 +269,9 @@ constexpr int64_t kLongRowBytes = 4096;
 // weight, the threads' shares balanced over all of them. More than kMaxRows rows of x (a prefill, a
 // wide verification, a server's batch of rounds) meet each tile of a thread's W rows group after group
 // of kTileRows while the tile sits in L2 (`pairs_block`), so W streams from memory once whatever m (a
-// parallel region per chunk read all of W again for every 8 rows); so do 5-8 rows on W rows of
-// kLongRowBytes or more. Each output is still the dot product `rows_block` computes.
+// parallel region per chunk read all of W again for every 8 rows); 2-8 rows on W rows of kLongRowBytes
+// or more go a chunk of K at a time (`chunked_block`). Each output is still the dot product `rows_block`
+// computes.
 template <typename T>
 void products(int64_t m, const float* x, const std::vector<Product<T>>& products, int64_t k) {
   int64_t total = 0;
@@ -280,7 +281,7 @@ void products(int64_t m, const float* x, const std::vector<Product<T>>& products
   const int64_t grain = std::max<int64_t>(1, (32 << 10) / row_bytes);
   // 2-8 rows of x whose rows (fp32) take kLongRowBytes or more: `chunked_block`
   const bool chunked = k * static_cast<int64_t>(sizeof(float)) >= kLongRowBytes && m >= 2 && m <= kMaxRows;
-  const bool wide = m > kMaxRows || (!chunked && m > kTileRows && row_bytes >= kLongRowBytes);
+  const bool wide = m > kMaxRows;
   // W rows per tile: 64 KiB, a small part of a core's L2, beside the groups of x that pass over it
   const int64_t tile = wide ? std::max<int64_t>(2, (64 << 10) / row_bytes) : total;
   // the rows of x in groups of at most kTileRows, as even as they go (5 = 3 + 2, 9 = 3 + 3 + 3): a
