@@ -40,7 +40,6 @@ import weakref
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
 
 from selfspec.backends.graphs import sized_by_data
 
@@ -198,13 +197,12 @@ class VirtualCuda(TorchFunctionMode):
         return ref is not None and ref() is t
 
     def _tag(self, out):
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                if storage.data_ptr():
-                    self._storages[storage.data_ptr()] = StorageWeakRef(storage)
-                else:
-                    self._empty[id(t)] = weakref.ref(t)
+        for t in _tensors(out):
+            storage = t.untyped_storage()
+            if storage.data_ptr():
+                self._storages[storage.data_ptr()] = StorageWeakRef(storage)
+            else:
+                self._empty[id(t)] = weakref.ref(t)
         return out
 
     def module(self, module: torch.nn.Module) -> torch.nn.Module:
@@ -278,7 +276,7 @@ class VirtualCuda(TorchFunctionMode):
                 return self._pin(out)
             like = func.__name__.endswith("_like") and device is None and self.on_cuda(args[0])
             return self._tag(out) if like else out
-        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        tensors = _tensors((args, kwargs))
         on = {self.on_cuda(t) for t in tensors if t.dim() > 0 or self.on_cuda(t)}
         if len(on) > 1 and func not in _CROSS:
             raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two "
@@ -329,10 +327,26 @@ class _CheckedKernels:
             return value
 
         def checked(*args, **kwargs):
-            if any(self._device.on_cuda(t) for t in tree_flatten((args, kwargs))[0]):
+            if any(self._device.on_cuda(t) for t in _tensors((args, kwargs))):
                 raise RuntimeError(f"the CPU kernel {name} was given a CUDA tensor")
             return value(*args, **kwargs)
         return checked
+
+
+def _tensors(tree, out: list | None = None) -> list:
+    """The tensors in `tree` (tensors, lists, tuples, dicts of them), in order: what torch's pytree
+    flattening finds in an operation's arguments and results, at a fraction of its cost (the
+    emulator's hottest path: every operation's inputs and outputs)."""
+    out = [] if out is None else out
+    if isinstance(tree, torch.Tensor):
+        out.append(tree)
+    elif isinstance(tree, (list, tuple)):
+        for item in tree:
+            _tensors(item, out)
+    elif isinstance(tree, dict):
+        for item in tree.values():
+            _tensors(item, out)
+    return out
 
 
 def _alive(tags: dict, ptr: int) -> bool:
@@ -355,8 +369,7 @@ def _launches_kernel(func, inputs: list, kwargs: dict, out) -> bool:
             or name.startswith("__i") or kwargs.get("out") is not None:
         return True
     held = {t.untyped_storage().data_ptr() for t in inputs}
-    return any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in held
-               for t in tree_flatten(out)[0])
+    return any(t.untyped_storage().data_ptr() not in held for t in _tensors(out))
 
 
 def _counted_capture(capture):
