@@ -19,8 +19,9 @@ read by `read_settings` and written by `save_tuned` and `write_settings` only:
                     speedup, tokens_per_second}}, each drafter at its fastest measured setting
     sweep           optional: {speedup, interval, coverage, report, prompts_from, candidates} of the
                     sweep that chose the settings (`candidates`: the cells it re-timed)
-    formats         optional: {constraint kind ("json", ..., "sampled"): {settings, fastest, and the sweep's
-                    record}} of sweeps under constraints or sampled
+    formats         optional: {kind: {settings, fastest, and the sweep's record}} of sweeps under a kind of
+                    constraint ("json_schema", ...) or sampled at temperature T ("sampled@T"; "sampled"
+                    from sweeps that did not record T), each the default of such calls
     round_costs     optional, written by a greedy sweep's write-back: {device type: {lengths, draft,
                     verify_slope, exit_layer, draft_vocab_size, overlap_gain?}}, a round's costs by
                     context length (`decoding.RoundCosts`), from which decoding drafts only where

@@ -23,7 +23,7 @@ from .commands import (
     layers_report,
 )
 from .data.distill_job import DistillOptions
-from .decoding import DRAFTERS
+from .decoding import DRAFTERS, sampled_key
 from .evaluation.benchmark import speedup
 from .evaluation.options import BenchmarkOptions, SweepOptions
 from .evaluation.sweep import sweep
@@ -34,6 +34,7 @@ DEFAULT_BASE_CONFIG = "embedded_base"
 DEFAULT_FINETUNE_CONFIG = "demo_finetune"
 # the benchmark's second table: sampled as a chat front end samples
 SAMPLED_DEMO = SamplingParams(temperature=0.8, top_p=0.95)
+SAMPLED_LOW = SamplingParams(temperature=0.3)  # a second sampled pick: low temperatures accept more
 SMOLLM2_FINETUNE_CONFIG = "smollm2-135m_cpu"
 JSON_FINETUNE_CONFIG = "smollm2-135m_json"
 
@@ -246,6 +247,16 @@ def _tune_and_measure(base_dir: Path, base_out: Path, finetune_config: str, forc
                        draft_vocab_sizes=stages.sweep_vocabs, num_prompts=stages.num_prompts,
                        max_new_tokens=stages.sweep_tokens or max_new_tokens, repeats=repeats,
                        out=str(out / "sweep-sampled"), write_back=True, **sampled))
+    stored = read_meta(tuned_dir).get("formats", {}).get(sampled_key(SAMPLED_DEMO.temperature))
+    if stored is not None:  # the low temperature's own k at that pick's E and V' (it accepts more)
+        low = dict(temperature=SAMPLED_LOW.temperature, seed=0)
+        print(f"   ... and the pick's k at {SAMPLED_LOW.describe()}, stored for calls near it")
+        sweep(SweepOptions(model=str(tuned_dir), exit_layers=(stored["settings"]["exit_layer"],),
+                           ks=tuple(k for k in stages.sweep_ks if k != "auto"), drafters=("early_exit",),
+                           draft_vocab_sizes=(stored["settings"]["draft_vocab_size"] or 0,),
+                           num_prompts=stages.num_prompts, repeats=repeats, write_back=True,
+                           max_new_tokens=stages.sweep_tokens or max_new_tokens,
+                           out=str(out / "sweep-sampled-low"), **low))
     speedup(BenchmarkOptions(model=str(tuned_dir), max_new_tokens=max_new_tokens, repeats=repeats,
                              num_prompts=stages.num_prompts, out=str(out / "benchmark-sampled"),
                              methods="plain,early_exit,ngram,hybrid,hf_greedy", **sampled))

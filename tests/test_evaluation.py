@@ -603,3 +603,26 @@ def test_the_eval_commands_measure_sampled_decoding_and_the_sweep_stores_a_sampl
     assert greedy.stats.k_rounds.keys() <= {3}
     assert main(["eval", "speedup", "--model", str(ckpt), "--temperature", "-1"]) == 2
     assert "temperature must be >= 0" in capsys.readouterr().err
+    # sweeps at two temperatures: each pick under its own (`sampled@T`), a call at the nearest one's
+    from selfspec.decoding import sampled_key
+    for temperature, k in ((0.8, 2), (0.3, 4)):
+        pick = DecodeSettings(exit_layer=1, num_speculations=k)
+        entry = _entry(pick, 1.4)
+        assert write_back_fastest(str(ckpt), {"best": entry, "fastest_per_drafter": {"early_exit": entry}},
+                                  tmp_path / "sweep.json", constraint_kind=sampled_key(temperature))
+    assert {"sampled@0.8", "sampled@0.3"} <= read_meta(ckpt)["formats"].keys()
+    generator = load_tuned(ckpt)
+    for temperature, k in ((0.25, 4), (0.5, 2), (1.0, 2)):  # 0.5 is nearer 0.8 than 0.3 by ratio
+        out = generator.generate(["def f(x):"], max_new_tokens=8, temperature=temperature, seed=1,
+                                 eos_token_id=[])
+        assert out.stats.k_rounds.keys() <= {k} and out.stats.k_rounds, (temperature, out.stats.k_rounds)
+
+
+def test_a_sampled_call_decodes_at_the_pick_of_the_nearest_temperature():
+    from selfspec.decoding import SAMPLED, sampled_key, sampled_pick
+    keys = [sampled_key(0.8), sampled_key(0.3), "json_schema", "sampled@bad", "sampled@0"]
+    assert [sampled_pick(keys, t) for t in (0.1, 0.45, 0.5, 0.8, 2.0)] == [
+        "sampled@0.3", "sampled@0.3", "sampled@0.8", "sampled@0.8", "sampled@0.8"]
+    assert sampled_pick([SAMPLED, "json_schema"], 0.3) == SAMPLED  # a pick stored without its temperature
+    assert sampled_pick([SAMPLED, sampled_key(0.7)], 0.3) == "sampled@0.7"
+    assert sampled_pick(["json_schema"], 0.3) is None

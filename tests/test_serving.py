@@ -638,3 +638,9 @@ def test_a_wave_led_by_a_sampled_request_decodes_at_the_sampled_pick(tiny_run):
     scheduler._decode([Job(**sampled), Job(**greedy)])
     scheduler._decode([Job(**greedy), Job(**sampled)])
     assert set(waves[0].k_rounds) == {3} and set(waves[1].k_rounds) == {1}
+    # picks at two temperatures: a wave decodes at the one nearest its first request's
+    generator.format_settings = {"sampled@0.8": DecodeSettings(exit_layer=2, num_speculations=2),
+                                 "sampled@0.3": DecodeSettings(exit_layer=2, num_speculations=4)}
+    scheduler._decode([Job(**dict(sampled, temperature=0.25)), Job(**greedy)])
+    scheduler._decode([Job(**dict(sampled, temperature=1.0)), Job(**greedy)])
+    assert set(waves[2].k_rounds) == {4} and set(waves[3].k_rounds) == {2}

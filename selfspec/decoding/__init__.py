@@ -12,11 +12,19 @@ from .grammar import Constraint
 from .ngram import NGramConfig
 from .outputs import GenerationOutput, GenerationStats, NewRow, RoundCounts, RoundOutput
 from .policy import DRAFTERS, DraftPlan, DraftPolicy, make_policy
-from .settings import ADAPTIVE_K, PLAIN, SAMPLED, DecodeSettings, parse_num_speculations
+from .settings import (
+                       ADAPTIVE_K,
+                       PLAIN,
+                       SAMPLED,
+                       DecodeSettings,
+                       parse_num_speculations,
+                       sampled_key,
+                       sampled_pick,
+)
 from .speculative import SelfSpecGenerator
 
 __all__ = ["ADAPTIVE_K", "DRAFTERS", "PLAIN", "SAMPLED", "CallOptions", "DecodeSettings", "Engine",
-           "RoundOutput", "parse_num_speculations", "CacheLengthError",
+           "RoundOutput", "parse_num_speculations", "sampled_key", "sampled_pick", "CacheLengthError",
            "Constraint", "Controller", "CostGate", "CostModelRule", "DraftHead", "DraftPlan", "DraftPolicy",
            "FixedK", "GenerationConfig", "GenerationOutput", "GenerationStats", "KVCache", "NGramConfig",
            "NewRow",

@@ -14,6 +14,7 @@ field), which is where the CLI's flags and `load_tuned`'s arguments land.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from ..errors import UserError
@@ -165,7 +166,33 @@ class DecodeSettings:
 
 PLAIN = DecodeSettings(num_speculations=0)
 # The `format_settings` key (selfspec.json's `formats`) of the settings a sweep picked for sampled calls
-# (temperature > 0): their acceptance and so their fastest k differ from greedy's.
+# (temperature > 0): their acceptance and so their fastest k differ from greedy's, and from one
+# temperature to another (sharper distributions accept more: a longer k pays), so a sampled sweep stores
+# its pick under its temperature (`sampled_key`) and a call decodes at the nearest one's (`sampled_pick`).
 SAMPLED = "sampled"
 
-__all__ = ["ADAPTIVE_K", "FIELDS", "PLAIN", "SAMPLED", "DecodeSettings", "parse_num_speculations"]
+
+def sampled_key(temperature: float) -> str:
+    """The `formats` key of a sampled sweep's pick at `temperature`: "sampled@0.8"."""
+    return f"{SAMPLED}@{temperature:g}"
+
+
+def sampled_pick(keys, temperature: float) -> str | None:
+    """Which stored sampled pick (among `formats` keys `keys`) decodes a call at `temperature` > 0: the
+    one measured at the nearest temperature, by ratio (0.5 is nearer 0.8 than 0.3), the lower on a tie;
+    else one stored without a temperature (`SAMPLED`); else None."""
+    stored = {}
+    for key in keys:
+        name, _, at = key.partition("@")
+        try:
+            if name == SAMPLED and at and float(at) > 0:
+                stored[float(at)] = key
+        except ValueError:
+            continue
+    if stored and temperature > 0:
+        return stored[min(stored, key=lambda t: (abs(math.log(t / temperature)), t))]
+    return SAMPLED if SAMPLED in keys else None
+
+
+__all__ = ["ADAPTIVE_K", "FIELDS", "PLAIN", "SAMPLED", "DecodeSettings", "parse_num_speculations",
+           "sampled_key", "sampled_pick"]

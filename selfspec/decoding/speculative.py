@@ -32,7 +32,7 @@ from .outputs import GenerationOutput, GenerationStats, NewRow, RoundOutput
 from .policy import DraftPolicy
 from .prefix import PrefixCache
 from .runner import Runner
-from .settings import SAMPLED, DecodeSettings
+from .settings import DecodeSettings, sampled_pick
 
 
 class _RowOrderStream:
@@ -211,8 +211,9 @@ class SelfSpecGenerator:
         kinds = {c.kind for c in constraints or () if c is not None}
         if settings is None and len(kinds) == 1 and kinds <= self.format_settings.keys():
             settings = self.format_settings[kinds.pop()]  # the format's own fastest
-        elif settings is None and not kinds and config.temperature > 0 and SAMPLED in self.format_settings:
-            settings = self.format_settings[SAMPLED]  # a sampled sweep's pick
+        elif settings is None and not kinds and config.temperature > 0:
+            picked = sampled_pick(self.format_settings, config.temperature)  # a sampled sweep's pick
+            settings = None if picked is None else self.format_settings[picked]
         settings, policy = self._resolve(settings, config.drafter, config.num_speculations)
         if self.view.model.training:
             warnings.warn("the model is in training mode (dropout on): outputs will not match eval mode",

@@ -39,8 +39,8 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from ..checkpoint import resolve_settings, sweep_candidates
-from ..decoding import SAMPLED, DecodeSettings
+from ..checkpoint import META_FILE, read_meta, resolve_settings, sweep_candidates
+from ..decoding import SAMPLED, DecodeSettings, sampled_pick
 from ..errors import UserError
 from .costs import cost_model, grammar_costs, prefill_split, source_summary, weight_cost, weights_in_cache
 from .diagnosis import cost_figures, own_exit_alpha, summary
@@ -339,9 +339,12 @@ def speedup(options: BenchmarkOptions) -> BenchmarkReport:
     constraint = options.constraint()
     # constrained prompts decode at what a sweep under that kind stored (`formats`), when there is one;
     # sampled ones at what a sampled sweep stored
+    sampling = options.sampling()
+    stored = read_meta(model).get("formats", {}) if (Path(model) / META_FILE).is_file() else {}
     kind = (constraint.kind if constraint is not None
             else "json_schema" if options.prompts == JSON_EXTRACT
-            else None if options.sampling().greedy else SAMPLED)
+            else None if sampling.greedy
+            else sampled_pick(stored, sampling.temperature) or SAMPLED)
     resolved = resolve_settings(model, constraint_kind=kind, **options.overrides())
     if resolved[0].exit_layer is None:
         raise UserError(f"--exit-layer is required: {model} has no selfspec.json")

@@ -45,7 +45,7 @@ from ..checkpoint import (
     write_settings,
 )
 from ..config import parse_layers
-from ..decoding import ADAPTIVE_K, DRAFTERS, SAMPLED, DecodeSettings, SelfSpecGenerator
+from ..decoding import ADAPTIVE_K, DRAFTERS, SAMPLED, DecodeSettings, SelfSpecGenerator, sampled_key
 from ..decoding.settings import FIELDS
 from ..errors import UserError
 from ..metrics import predicted_speedup
@@ -493,9 +493,9 @@ def sweep(options: SweepOptions) -> SweepReport:
     report = run_sweep(checkpoint, chosen, list(exit_layers), options)
     report.update(model=model, prompts_from=", ".join(filter(None, (options.suites, options.questions)))
                   or options.prompts or options.corpus)
-    if options.write_back:  # a sampled grid's pick is the default of sampled calls (`formats["sampled"]`)
+    if options.write_back:  # a sampled grid's pick: for calls near its temperature (`formats["sampled@T"]`)
         kind = ("json_schema" if options.prompts == JSON_EXTRACT
-                else None if options.sampling().greedy else SAMPLED)
+                else None if options.sampling().greedy else sampled_key(options.sampling().temperature))
         write_back_fastest(model, report, Path(options.out) / "sweep.json", constraint_kind=kind)
         if kind is None and lengths:
             report["round_costs"] = write_back_costs(model, checkpoint, chosen, lengths)
@@ -547,7 +547,8 @@ def write_back_fastest(model_dir: str, report: dict, report_path: Path,
         formats = {**read_meta(model_dir).get("formats", {}),
                    constraint_kind: {"settings": best["settings"], **record, "fastest": fastest}}
         update_meta(model_dir, formats=formats)
-        under = "for sampled calls" if constraint_kind == SAMPLED else f"under a {constraint_kind} constraint"
+        under = (f"for sampled calls near temperature {constraint_kind.partition('@')[2]}"
+                 if constraint_kind.startswith(SAMPLED) else f"under a {constraint_kind} constraint")
         print(f"{model_dir}/{META_FILE}: {under}, {_describe(best)}")
         return True
     write_settings(model_dir, DecodeSettings.from_json(best["settings"]), fastest=fastest, sweep=record)

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..decoding import SAMPLED, Constraint, NewRow, SamplingParams
+from ..decoding import Constraint, NewRow, SamplingParams, sampled_pick
 from ..decoding.engine import ADAPT_ROUNDS
 from ..errors import UserError
 
@@ -464,12 +464,15 @@ class Scheduler:
             self.on_wave(wave, out.stats)
 
     def _settings(self, wave: list[Job]):
-        """How a wave drafts: at the checkpoint's sampled pick (`formats.sampled`, a sampled sweep's) when
-        its first request samples and there is one, else at the generator's own settings (None). Rows
+        """How a wave drafts: at the checkpoint's sampled pick (a sampled sweep's, at the temperature
+        nearest its first request's: `sampled_pick`) when that request samples and there is one, else at
+        the generator's own settings (None). Rows
         that join later keep the wave's: every setting is lossless, one is faster for greedy rows and
         the other for sampled ones, and clients of one front end mostly sample alike."""
-        sampled = self.generator.format_settings.get(SAMPLED)
-        return sampled if sampled is not None and not wave[0].sampling.greedy else None
+        if wave[0].sampling.greedy:
+            return None
+        picked = sampled_pick(self.generator.format_settings, wave[0].temperature)
+        return None if picked is None else self.generator.format_settings[picked]
 
     def _admitted(self, wave: list[Job]) -> list[Job]:
         """The waiting jobs that join the wave now (appended to it), oldest first, while fewer than
