@@ -333,19 +333,19 @@ class _CheckedKernels:
         return checked
 
 
-def _tensors(tree, out: list | None = None) -> list:
-    """The tensors in `tree` (tensors, lists, tuples, dicts of them), in order: what torch's pytree
+def _tensors(tree) -> list:
+    """The tensors in `tree` (tensors, lists, tuples, dicts of them), in no set order: what torch's pytree
     flattening finds in an operation's arguments and results, at a fraction of its cost (the
     emulator's hottest path: every operation's inputs and outputs)."""
-    out = [] if out is None else out
-    if isinstance(tree, torch.Tensor):
-        out.append(tree)
-    elif isinstance(tree, (list, tuple)):
-        for item in tree:
-            _tensors(item, out)
-    elif isinstance(tree, dict):
-        for item in tree.values():
-            _tensors(item, out)
+    out, stack = [], [tree]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            out.append(item)
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
     return out
 
 
