@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import low_alpha_model, reference_greedy
 from test_decoding_grammar import DRAFTERS, PERSON, constrained_reference, make_model, prompt_ids, tokenizer  # noqa: F401
-from virtual_cuda import VirtualCuda
+from virtual_cuda import VirtualCuda, counts_per_round
 
 from selfspec.backends import graphs
 from selfspec.backends.graphs import CapturedPass, HostReadInCapture, ReplayMismatch, _Graph
@@ -166,24 +166,6 @@ def test_a_round_is_at_most_two_graph_launches(k, sampled):
     assert out.stats.early_exit.accepted > 0
 
 
-COUNTS = ("host_reads", "host_uploads", "kernel_launches", "graph_launches")
-
-
-def _per_round(device, generator, drafter: str, k: int, **sampling) -> dict:
-    """Each of `COUNTS` per round, counted on the emulated device as what a longer decode adds per round
-    it adds: the call's own start (prefill, captures) is left out."""
-    counts, rounds = [], []
-    for new in (4, 8, 24):  # the first captures
-        before = [getattr(device, c) for c in COUNTS]
-        out = generator.generate([PROMPTS[0]], max_new_tokens=new, drafter=drafter, num_speculations=k,
-                                 eos_token_id=[], **sampling)
-        counts.append([getattr(device, c) - b for c, b in zip(COUNTS, before)])
-        rounds.append(out.stats.rounds)
-    added = rounds[2] - rounds[1]
-    assert added > 0
-    return {c: (later - earlier) / added for c, earlier, later in zip(COUNTS, counts[1], counts[2])}
-
-
 # kernel launches a round on graphs, the counts measured (`python tools/round_syncs.py`): the round's
 # bookkeeping (positions, acceptance, rollback), the graphs' input copies and output copies
 @pytest.mark.parametrize("k, sampling, launches", [(0, {}, 14), (4, {}, 23),
@@ -198,7 +180,7 @@ def test_a_round_on_graphs_launches_a_bounded_number_of_operations_beside_its_gr
         device.module(model)
         for mode in ("eager", "graph"):
             generator = SelfSpecGenerator(model, exit_layer=2, static_passes=mode)
-            counts[mode] = _per_round(device, generator, "early_exit", k, **sampling)
+            counts[mode] = counts_per_round(device, generator, [PROMPTS[0]], "early_exit", k, **sampling)[0]
     assert counts["graph"]["kernel_launches"] <= launches + 0.5, counts
     assert counts["graph"]["graph_launches"] <= (2 if k else 1), counts
     assert counts["eager"]["kernel_launches"] > 10 * counts["graph"]["kernel_launches"], counts
@@ -286,6 +268,6 @@ def test_a_round_reads_the_device_once_and_uploads_without_waiting(static, draft
     with VirtualCuda() as device:
         device.module(model)
         generator = SelfSpecGenerator(model, exit_layer=2, static_passes=static)
-        counts = _per_round(device, generator, drafter, k)
+        counts = counts_per_round(device, generator, [PROMPTS[0]], drafter, k)[0]
     assert counts["host_reads"] <= reads, counts
     assert counts["host_uploads"] <= uploads, counts

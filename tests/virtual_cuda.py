@@ -41,7 +41,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 
-from selfspec.backends.graphs import sized_by_data
+from selfspec.backends.graphs import HOST_READS, sized_by_data
 
 CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")
 _FACTORIES = {torch.zeros, torch.ones, torch.empty, torch.full, torch.arange, torch.tensor, torch.as_tensor,
@@ -51,9 +51,6 @@ _FACTORIES = {torch.zeros, torch.ones, torch.empty, torch.full, torch.arange, to
 _ALLOCATIONS = {torch.empty, torch.empty_like, torch.empty_strided}  # memory only: no kernel
 _CROSS = {torch.Tensor.copy_, torch.Tensor.__getitem__, torch.Tensor.__setitem__, torch.Tensor.index_put_,
           torch.Tensor.index_put}
-_HOST_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__int__, torch.Tensor.__float__,
-               torch.Tensor.__bool__, torch.Tensor.__index__, torch.equal, torch.Tensor.equal, torch.allclose,
-               torch.Tensor.allclose}
 
 
 class _Queue:
@@ -281,7 +278,8 @@ class VirtualCuda(TorchFunctionMode):
         if len(on) > 1 and func not in _CROSS:
             raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two "
                                f"devices, cuda:0 and cpu! ({getattr(func, '__name__', func)})")
-        if True in on and (func in _HOST_READS or sized_by_data(func, args, kwargs)):
+        # (`.cpu()` and `.numpy()`, reads too, are answered above)
+        if True in on and (func in HOST_READS or sized_by_data(func, args, kwargs)):
             _host_read()
         if func in _CROSS and (len(on) > 1 or self._scalar_up(func, args)):
             self._copy_across(func, args, kwargs)
@@ -313,6 +311,27 @@ class VirtualCuda(TorchFunctionMode):
             self._upload_from(source, kwargs.get("non_blocking", False) or (len(args) > 2 and args[2]))
         else:
             _upload()
+
+
+COUNTS = ("host_reads", "host_uploads", "kernel_launches", "graph_launches")
+
+
+def counts_per_round(device: VirtualCuda, generator, prompts: list, drafter: str, k: int,
+                     **sampling) -> tuple[dict, int]:
+    """Each of `COUNTS` per decoding round of `generator` on `prompts`, counted on `device` as what a
+    longer decode adds per round it adds (three decodes of growing length: the first captures and warms
+    up, so the call's own start, prefill and captures, is left out), and the rounds of the longest."""
+    counts, rounds = [], []
+    for new in (4, 8, 24):
+        before = [getattr(device, c) for c in COUNTS]
+        out = generator.generate(prompts, max_new_tokens=new, drafter=drafter, num_speculations=k,
+                                 eos_token_id=[], **sampling)
+        counts.append([getattr(device, c) - b for c, b in zip(COUNTS, before)])
+        rounds.append(out.stats.rounds)
+    added = rounds[2] - rounds[1]
+    assert added > 0, rounds
+    per_round = {c: (later - earlier) / added for c, earlier, later in zip(COUNTS, counts[1], counts[2])}
+    return per_round, rounds[2]
 
 
 class _CheckedKernels:

@@ -25,21 +25,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 CASES = {"early exit k=4": ("early_exit", 4, {}), "plain (k=0)": ("early_exit", 0, {}),
          "copies": ("ngram", 3, {}), "hybrid k=2": ("hybrid", 2, {}),
          "early exit k=4, sampled": ("early_exit", 4, {"temperature": 0.9, "seed": 3})}
-COUNTS = ("host_reads", "host_uploads", "kernel_launches", "graph_launches")
 PROMPT = [5, 17, 33, 2, 71, 8, 5, 17, 33]
-
-
-def per_round(device, generator, prompts: list, drafter: str, k: int, **sampling) -> tuple[list[float], int]:
-    """Each of `COUNTS` per round of `generator` on `prompts`, and the rounds of the longest decode."""
-    counts, rounds = [], []
-    for new in (4, 8, 24):  # the first captures and warms up
-        before = [getattr(device, c) for c in COUNTS]
-        out = generator.generate(prompts, max_new_tokens=new, drafter=drafter, num_speculations=k,
-                                 eos_token_id=[], **sampling)
-        counts.append([getattr(device, c) - b for c, b in zip(COUNTS, before)])
-        rounds.append(out.stats.rounds)
-    added = rounds[2] - rounds[1]
-    return [(later - earlier) / added for earlier, later in zip(counts[1], counts[2])], rounds[2]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -50,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     import torch
     from helpers import low_alpha_model
-    from virtual_cuda import VirtualCuda
+    from virtual_cuda import COUNTS, VirtualCuda, counts_per_round
 
     torch.set_num_threads(1)  # tiny passes: a second thread only waits for the first (counts are alike)
 
@@ -65,8 +51,9 @@ def main(argv: list[str] | None = None) -> None:
             generator = SelfSpecGenerator(model, exit_layer=2,
                                           static_passes=None if static == "none" else static)
             for name, (drafter, k, sampling) in CASES.items():
-                counts, rounds = per_round(device, generator, [PROMPT] * args.batch, drafter, k, **sampling)
-                print(f"| {static} | {name} | {' | '.join(f'{c:.2f}' for c in counts)} | {rounds} |")
+                counts, rounds = counts_per_round(device, generator, [PROMPT] * args.batch, drafter, k,
+                                                  **sampling)
+                print(f"| {static} | {name} | {' | '.join(f'{counts[c]:.2f}' for c in COUNTS)} | {rounds} |")
 
 
 if __name__ == "__main__":

@@ -74,7 +74,7 @@ def sized_by_data(func, args: tuple, kwargs: dict) -> str | None:
     if func in (torch.repeat_interleave, torch.Tensor.repeat_interleave) and "output_size" not in kwargs and (
             len(args) == 1 or isinstance(args[1] if len(args) > 1 else kwargs.get("repeats"), torch.Tensor)):
         return "repeat_interleave with tensor repeats (no output_size)"
-    if func in _INDEXING and _indices(args, kwargs, bool_masks=True):
+    if func in _INDEXING and _has_mask(args, kwargs):
         value = args[2] if len(args) > 2 else kwargs.get("values")
         if func is torch.Tensor.__setitem__ and not isinstance(value, torch.Tensor):
             return None  # a number written under a mask is `masked_fill_`: no size needed
@@ -82,15 +82,14 @@ def sized_by_data(func, args: tuple, kwargs: dict) -> str | None:
     return None
 
 
-def _indices(args: tuple, kwargs: dict, bool_masks: bool) -> bool:
-    """Whether an indexing call's index holds a boolean mask (`bool_masks`) or else a Python list."""
+def _index(args: tuple, kwargs: dict) -> tuple:
+    """An indexing call's index, as a tuple of its parts."""
     index = args[1] if len(args) > 1 else kwargs.get("indices")
-    for i in index if isinstance(index, tuple) else (index,):
-        if bool_masks and isinstance(i, torch.Tensor) and i.dtype == torch.bool:
-            return True
-        if not bool_masks and isinstance(i, list):
-            return True
-    return False
+    return index if isinstance(index, tuple) else (index,)
+
+
+def _has_mask(args: tuple, kwargs: dict) -> bool:
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in _index(args, kwargs))
 
 
 def _refused(func, args: tuple, kwargs: dict) -> str | None:
@@ -101,9 +100,9 @@ def _refused(func, args: tuple, kwargs: dict) -> str | None:
     if func is torch.Tensor.to and any(isinstance(a, (str, torch.device)) and torch.device(a).type == "cpu"
                                        for a in (*args[1:], kwargs.get("device")) if a is not None):
         return "a copy to the CPU"
-    if func in _INDEXING and _indices(args, kwargs, bool_masks=True):
+    if func in _INDEXING and _has_mask(args, kwargs):
         return "a boolean mask as an index"  # `x[mask] = 1.0` too: keep captured passes to fixed indices
-    if func in _INDEXING and _indices(args, kwargs, bool_masks=False):
+    if func in _INDEXING and any(isinstance(i, list) for i in _index(args, kwargs)):
         return "a list as an index (a host tensor made and copied up at capture)"
     return sized_by_data(func, args, kwargs)
 
