@@ -15,7 +15,8 @@ read by `read_settings` and written by `save_tuned` and `write_settings` only:
     stop_below      η: the early exit stops a round's drafts below this top probability; 0: never
     ngram           the copy settings {max_ngram, min_ngram, max_copy}
     overlap         whether a round drafts the next round's tokens beside its verification
-    fastest         optional, written by a sweep: {drafter: {settings: {the seven fields above},
+    fused           whether a lone row's rounds run many in one compiled call (absent: true)
+    fastest         optional, written by a sweep: {drafter: {settings: {the eight fields above},
                     speedup, tokens_per_second}}, each drafter at its fastest measured setting
     sweep           optional: {speedup, interval, coverage, report, prompts_from, candidates} of the
                     sweep that chose the settings (`candidates`: the cells it re-timed)
@@ -349,8 +350,8 @@ def load_tuned(path: str | Path, device: str = "auto", dtype: str = "auto",
     without selfspec.json, or a hub id) loads too: it decodes with `settings` or the keywords, else
     with copies from the context (the drafter that is never slower than plain decoding), and a
     warning says so. Other keywords override single fields, as `DecodeSettings.override` takes them
-    (exit_layer, num_speculations, drafter, draft_vocab_size, stop_below, min_ngram, overlap; None keeps
-    a field; draft_vocab_size 0: the whole head). device: "auto" is
+    (exit_layer, num_speculations, drafter, draft_vocab_size, stop_below, min_ngram, overlap, fused; None
+    keeps a field; draft_vocab_size 0: the whole head). device: "auto" is
     CUDA when there is one, else the CPU. static_passes: "graph" runs the decoding passes at fixed
     shapes captured as CUDA graphs ("eager": the same passes as written); backend:
     "reference", "cpu_kernels" or "static" (None or "auto": the default); see `SelfSpecGenerator`.

@@ -246,11 +246,12 @@ def generate(options: GenerateOptions, batch: list[str] | None = None) -> list[s
     It decodes at the checkpoint's `DecodeSettings` (a sweep's `--write-back` sets them); E, k, the
     drafter and V' override single fields. `chat` wraps each prompt in the tokenizer's chat template
     as one user turn (instruct models). `eos`: token ids that end a row (default the model's;
-    `no_eos` never stops early); `stop`: strings that end a row. A single prompt streams its tokens as
-    they are accepted (unless `no_stream`); a batch prints each row in order, rows separated by a
-    line holding `---`. Structured output: `json_schema` (a JSON file) or `grammar` (a Lark file) or
-    `regex` constrains every row; a row that max_new_tokens cuts before its grammar is complete is
-    reported on stderr and the result is False (exit code 1), never passed off as valid.
+    `no_eos` never stops early); `stop`: strings that end a row (its text ends before one). A single
+    prompt streams its tokens as they are accepted (unless `no_stream`); a batch prints each row's text
+    in order, rows separated by a line holding `---`. Structured output: `json_schema` (a JSON file) or
+    `grammar` (a Lark file) or `regex` constrains every row; a row that max_new_tokens cuts before its
+    grammar is complete is reported on stderr and the result is False (exit code 1), never passed off
+    as valid.
 
         generate(GenerateOptions(model="runs/demo/model", max_new_tokens=32), ["def parse_args("])
     """
@@ -268,7 +269,7 @@ def generate(options: GenerateOptions, batch: list[str] | None = None) -> list[s
     constraint = options.constraint()
     gen = load_tuned(model_dir, exit_layer=options.exit_layer, num_speculations=options.num_speculations,
                      drafter=options.drafter, draft_vocab_size=options.draft_vocab_size,
-                     stop_below=options.stop_below, overlap=options.overlap,
+                     stop_below=options.stop_below, overlap=options.overlap, fused=options.fused,
                      static_passes=options.static_passes, backend=options.backend)
     tokenizer = gen.tokenizer
     if tokenizer is None:
@@ -288,7 +289,7 @@ def generate(options: GenerateOptions, batch: list[str] | None = None) -> list[s
                        **options.sampling_keywords(), stop_strings=list(options.stop or []) or None,
                        streamer=streamer,
                        **(constraint.keywords() if constraint else {}))
-    texts = [tokenizer.decode(seq, skip_special_tokens=chat) for seq in out.sequences]
+    texts = out.texts  # special tokens left out, each ending before the stop string that ended its row
     if not live:
         print("\n---\n".join(t if chat else p + t for p, t in zip(batch, texts)))
     _print_stats(gen, out)

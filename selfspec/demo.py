@@ -76,7 +76,7 @@ def run(options: DemoOptions) -> bool:
 
 @dataclass(frozen=True)
 class Stages:
-    """What stages 2-6 (`tune_and_measure`) measure: the gate's allowed increase, the blocks the
+    """What stages 2-6 (`_tune_and_measure`) measure: the gate's allowed increase, the blocks the
     agreement tables read, and the sweep's grid (E as offsets from the recipe's exit, None: every exit
     the recipe trains; k; V'; copy thresholds) over the benchmark's `num_prompts` prompts, each
     `sweep_tokens` new tokens (None: the benchmark's max_new_tokens); a last benchmark after prompts of

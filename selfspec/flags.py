@@ -250,7 +250,7 @@ def to_cli_args(options: Options) -> list[str]:
 # --------------------------------------------------------------------------------------------------
 
 OVERRIDES = ("drafter", "exit_layer", "num_speculations", "draft_vocab_size", "stop_below", "min_ngram",
-             "overlap")  # `DecodeSettings.override`'s keywords
+             "overlap", "fused")  # `DecodeSettings.override`'s keywords
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -268,6 +268,8 @@ class DecodeOverrides(Options):
     overlap: bool | None = None
     """verify each round on one thread while another drafts the next (CPU, greedy, one row; pays where
     one thread runs a pass nearly as fast as all)"""
+    fused: bool | None = None
+    """run a lone row's rounds many in one compiled call (CPU); false: each round from Python"""
 
     def check(self):
         if self.num_speculations is not None:  # "3" as typed -> 3; a bad k fails before anything loads

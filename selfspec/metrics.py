@@ -171,7 +171,8 @@ def acceptance_rate(accepted: Sequence[int] | np.ndarray, k: int) -> float:
 class AcceptanceStats:
     """Running acceptance statistics over (row, round) pairs, updated once per round.
 
-    `per_position` counts, for draft position i (0-based), how often it was tested and accepted, so
+    `position_tested` and `position_accepted` count, for draft position i (0-based), how often it was
+    tested and accepted, so
     `per_position_acceptance[i]` is P(draft i accepted | drafts 0..i-1 accepted): it shows whether
     later positions are accepted less often than the formulas' constant α assumes.
     """

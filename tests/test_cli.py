@@ -193,20 +193,23 @@ def test_the_sweep_searches_eta_and_writes_it_back(tiny_ckpt, tmp_path, capsys):
 
 
 
-def test_overlap_reaches_the_decode_from_the_flags_and_load_tuned(tiny_ckpt, capsys):
-    """`--overlap` / `--no-overlap` and `load_tuned(overlap=)` set `DecodeSettings.overlap` (stdout the
-    same text either way, the settings on stderr say which); a checkpoint without the field is off."""
+def test_overlap_and_fused_reach_the_decode_from_the_flags_and_load_tuned(tiny_ckpt, capsys):
+    """`--overlap` / `--no-overlap`, `--no-fused` and `load_tuned(overlap=, fused=)` set
+    `DecodeSettings.overlap` and `fused` (stdout the same text either way, the settings on stderr say
+    which); a checkpoint without the fields is not overlapped and fused."""
     from selfspec import load_tuned
 
     assert load_tuned(tiny_ckpt, overlap=True).settings.overlap and not load_tuned(tiny_ckpt).settings.overlap
+    assert not load_tuned(tiny_ckpt, fused=False).settings.fused and load_tuned(tiny_ckpt).settings.fused
     texts = []
-    for flag, said in (("--overlap", True), ("--no-overlap", False)):
+    for flag, said in (("--overlap", "overlapped"), ("--no-overlap", None),
+                       ("--no-fused", "rounds from Python")):
         assert cli.main(["generate", str(tiny_ckpt), "def f(x):", "--max-new-tokens", "12", "--no-eos",
                          flag]) == 0
         out, err = capsys.readouterr()
         texts.append(out)
-        assert ("overlapped" in err) == said
-    assert texts[0] == texts[1]
+        assert said is None and "overlapped" not in err or said in err
+    assert texts[0] == texts[1] == texts[2]
 
 def _prompt_file(tmp_path: Path) -> Path:
     path = tmp_path / "prompts.txt"

@@ -57,7 +57,7 @@ def test_a_row_joins_a_lone_row_that_runs_several_rounds_a_call(family):
         seen = {}
         for outputs in steps:
             for o in outputs:
-                seen.setdefault(o.row, []).append(o.passes)
+                seen.setdefault(o.row, []).append(o.rounds)
         assert seen[0][0] == seen[1][0] == 1  # a row's first round alone
         assert (max(seen[0]) > 1) == (family != "gpt2"), (family, name)  # GPT-2: no compiled rounds
 

@@ -3,7 +3,8 @@
 Python loop drafts, leave the same cache, stop below η at the same step; the verification in one call
 accepts what the Python path accepts; the output stays plain greedy's, for every family, batch, k and
 drafter (GPT-2 and windows that cut a slot fall back to Python, which the same assertions cover). And
-one row's rounds in one call (`Backend.greedy_rounds`) decode and count what those calls do."""
+one row's rounds in one call (`Backend.greedy_rounds`) decode and count what those calls do, and what the
+Python round does: per round the same draft sources and lengths, accepted drafts and emitted tokens."""
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from helpers import FAMILIES, kernels_unavailable, low_alpha_model, reference_gr
 
 import selfspec.backends.cpu_rounds as round_kernels
 from selfspec.decoding import DecodeSettings, NewRow, SamplingParams, SelfSpecGenerator
+from selfspec.decoding.runner import Runner
 from selfspec.model import fast
 
 NEW = 14
@@ -56,6 +58,45 @@ def verify_calls(monkeypatch):
 @pytest.fixture
 def rounds_calls(monkeypatch):
     return _count(monkeypatch, "greedy_rounds")
+
+
+@pytest.fixture
+def round_log(monkeypatch):
+    """Every round's draft segments (source, start, length) and accepted counts (B,), as the engine records
+    them whichever path ran the round (`Runner.record`: the fused call's rounds and the Python round's)."""
+    log = []
+    record = Runner.record
+
+    def logged(stats, segments, accepted, *times):
+        drafts = tuple((s.source, s.start, s.length) for s in segments)
+        log.append((drafts, tuple(np.asarray(accepted).tolist())))
+        return record(stats, segments, accepted, *times)
+
+    monkeypatch.setattr(Runner, "record", staticmethod(logged))
+    return log
+
+
+LEVELS = ("decode", "rounds", "passes")  # one call of many rounds, each round's calls, the Python round
+
+
+def _at_levels(log: list, run, *args, **kwargs) -> list:
+    """`run(*args, **kwargs)` at each of `LEVELS`: [(its output, its rounds' log)]."""
+    outs = []
+    for level in LEVELS:
+        log.clear()
+        with fast.kernels_up_to(level):
+            outs.append((run(*args, **kwargs), list(log)))
+    return outs
+
+
+def _same_rounds(outs: list, case) -> None:
+    """Every level's output, statistics and rounds (sources, lengths, accepted counts, and so the tokens each
+    round emitted) equal to the Python round's (the last)."""
+    python, python_rounds = outs[-1]
+    for out, rounds in outs[:-1]:
+        assert out.sequences == python.sequences, case
+        assert _stats(out) == _stats(python), case
+        assert rounds == python_rounds, case
 
 
 def _stats(out) -> tuple:
@@ -201,7 +242,8 @@ def test_the_loop_never_runs_where_a_round_needs_python_between_drafts(loop_call
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_one_call_runs_a_rows_rounds_and_decodes_and_counts_what_each_rounds_calls_do(family, rounds_calls):
+def test_one_call_runs_a_rows_rounds_and_decodes_and_counts_what_each_rounds_calls_do(family, rounds_calls,
+                                                                                       round_log):
     """One row, greedy, a fixed k (0: plain steps): every round in one compiled call, cut at an eos and
     at max_new_tokens inside it, η stopping drafts there, the cache left at the row's length (checked
     after the call), the statistics as round by round. GPT-2 and Mistral's window of 8 (the call would
@@ -217,26 +259,45 @@ def test_one_call_runs_a_rows_rounds_and_decodes_and_counts_what_each_rounds_cal
             for eta in (0.0, 0.15):
                 settings = DecodeSettings(exit_layer=exit_layer, num_speculations=k, stop_below=eta)
                 for eos_ids, new, want in (([], NEW, expected), ([eos], NEW, cut), ([], 4, expected[:4])):
-                    one = generator.generate([prompt], max_new_tokens=new, eos_token_id=eos_ids,
-                                             settings=settings)
-                    with fast.kernels_up_to("rounds"):
-                        each = generator.generate([prompt], max_new_tokens=new, eos_token_id=eos_ids,
-                                                  settings=settings)
+                    outs = _at_levels(round_log, generator.generate, [prompt], max_new_tokens=new,
+                                      eos_token_id=eos_ids, settings=settings)
                     case = (family, exit_layer, k, eta, eos_ids, new)
-                    assert one.sequences == each.sequences == [want], case
-                    assert _stats(one) == _stats(each), case
+                    assert outs[0][0].sequences == [want], case
+                    _same_rounds(outs, case)
     assert any(rounds_calls) == (family in ("llama", "qwen2", "qwen3"))
+
+
+@pytest.mark.parametrize("drafter", ["early_exit", "hybrid", "ngram"])
+def test_settings_without_fused_rounds_run_each_round_from_python(drafter, rounds_calls, round_log):
+    """`DecodeSettings(fused=False)`: no compiled call of many rounds, the same tokens as with them, and at a
+    fixed k the same rounds (the copy length adapts between calls there, between rounds here)."""
+    model = low_alpha_model("llama")
+    generator = SelfSpecGenerator(model, exit_layer=2)
+    prompt = [5, 17, 33, 5, 17, 33, 8, 5, 17, 60, 2, 5, 17]
+    settings = DecodeSettings(drafter=drafter, exit_layer=2, num_speculations=3)
+    outs = []
+    for fused in (True, False):
+        rounds_calls.clear()
+        round_log.clear()
+        outs.append((generator.generate([prompt], max_new_tokens=30, eos_token_id=[],
+                                        settings=settings.override(fused=fused)), list(round_log)))
+        assert any(rounds_calls) == fused
+    if drafter == "early_exit":
+        _same_rounds(outs, drafter)
+    assert outs[0][0].sequences == outs[1][0].sequences == [reference_greedy(model, prompt, 30)]
 
 
 @pytest.mark.parametrize("threads", [2, 1])
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
 def test_overlapped_rounds_keep_the_drafts_tokens_and_statistics_of_rounds_one_after_another(family, threads,
-                                                                                            rounds_calls):
+                                                                                            rounds_calls,
+                                                                                            round_log):
     """`DecodeSettings.overlap`: each round verifies on one thread while the other drafts the next round
     from the exit's guess of the target's next token. Kept only when the target accepted every draft and
     its next token is the guess, those drafts are the ones a fresh draft makes: the same tokens and the
-    same statistics as rounds one after another, for every k, η, drafter, an eos and max_new_tokens
-    inside the call; some rounds use drafts made ahead. On one thread the two tasks run in turn."""
+    same statistics and rounds (sources, lengths, acceptances) as rounds one after another and as the
+    Python round, for every k, η, drafter, an eos and max_new_tokens inside the call; some rounds use
+    drafts made ahead. On one thread the two tasks run in turn."""
     model = low_alpha_model(family)
     prompt = BATCHES["one"][0]
     expected = reference_greedy(model, prompt, NEW)
@@ -255,14 +316,19 @@ def test_overlapped_rounds_keep_the_drafts_tokens_and_statistics_of_rounds_one_a
                                                   stop_below=eta)
                         for eos_ids, new, want in (([], NEW, expected), ([eos], NEW, cut),
                                                    ([], 4, expected[:4])):
-                            run = [generator.generate([prompt], max_new_tokens=new, eos_token_id=eos_ids,
-                                                      settings=settings.override(overlap=overlap))
-                                   for overlap in (False, True)]
+                            outs = []
+                            for overlap, level in ((True, "decode"), (False, "decode"), (False, "passes")):
+                                round_log.clear()
+                                with fast.kernels_up_to(level):
+                                    outs.append((generator.generate([prompt], max_new_tokens=new,
+                                                                    eos_token_id=eos_ids,
+                                                                    settings=settings.override(overlap=overlap)),
+                                                 list(round_log)))
                             case = (family, exit_layer, drafter, k, eta, eos_ids, new)
-                            assert run[0].sequences == run[1].sequences == [want], case
-                            assert _stats(run[0]) == _stats(run[1]), case
-                            assert run[0].stats.drafted_ahead == 0, case
-                            ahead += run[1].stats.drafted_ahead
+                            assert outs[0][0].sequences == [want], case
+                            _same_rounds(outs, case)
+                            assert outs[1][0].stats.drafted_ahead == 0, case
+                            ahead += outs[0][0].stats.drafted_ahead
     finally:
         torch.set_num_threads(before)
     # Mistral's window of 8 would cut the drafts made ahead: its calls run without them
@@ -285,7 +351,7 @@ def test_a_caller_that_watches_rounds_gets_one_round_per_call(rounds_calls):
                                   rounds_per_step=rounds_per_step)
         assert out.sequences == [want]
         seen = [outputs[0] for outputs in steps]
-        passes = [o.passes for o in seen]
+        passes = [o.rounds for o in seen]
         assert len(seen) == len(rounds_calls) and sum(passes) == out.stats.rounds
         assert passes[0] == 1 and max(passes) == rounds_per_step and len(seen) > 2
         assert sum(o.drafted for o in seen) == out.stats.early_exit.drafted
@@ -346,7 +412,8 @@ def test_an_adaptive_k_changes_between_calls_and_sees_every_round(rounds_calls):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2"])
-def test_the_copy_drafters_rounds_in_one_call_copy_and_accept_what_its_rounds_do(family, rounds_calls):
+def test_the_copy_drafters_rounds_in_one_call_copy_and_accept_what_its_rounds_do(family, rounds_calls,
+                                                                                 round_log):
     """The `ngram` drafter's rounds in one call: the same n-gram tables and proposals as `NGramIndex`
     (longest suffix first, around the period), a plain step where nothing matches, cut at an eos and
     at the limit. At a fixed copy length the rounds are the per-round path's one for one; with the
@@ -370,13 +437,11 @@ def test_the_copy_drafters_rounds_in_one_call_copy_and_accept_what_its_rounds_do
     for config in (NGramConfig(), NGramConfig(max_ngram=1, min_ngram=1, max_copy=6)):
         for copy_length in (1, 3, 7):
             for eos_ids, want in (([], expected), ([eos], expected[:expected.index(eos) + 1])):
-                one = run(config, copy_length, eos_ids)
-                with fast.kernels_up_to("rounds"):
-                    each = run(config, copy_length, eos_ids)
+                outs = _at_levels(round_log, run, config, copy_length, eos_ids)
                 case = (family, config, copy_length, eos_ids)
-                assert one.sequences == each.sequences == [want], case
-                assert _stats(one) == _stats(each) and one.stats.copy.drafted == each.stats.copy.drafted, case
-    assert one.stats.copy.drafted > 0
+                assert outs[0][0].sequences == [want], case
+                _same_rounds(outs, case)
+    assert outs[0][0].stats.copy.drafted > 0
     calls = len(rounds_calls)
     out = generator.generate([prompt], max_new_tokens=40, eos_token_id=[], drafter="ngram")
     assert out.sequences == [expected]
@@ -395,31 +460,19 @@ def test_the_copy_drafters_rounds_in_one_call_copy_and_accept_what_its_rounds_do
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2"])
-def test_the_hybrids_rounds_in_one_call_draft_and_accept_what_its_rounds_do(family, rounds_calls,
-                                                                             monkeypatch):
+def test_the_hybrids_rounds_in_one_call_draft_and_accept_what_its_rounds_do(family, rounds_calls, round_log):
     """The `hybrid` in one call: a copy when the context has one, else the early exit's k drafts, and a
     copy after them when their tokens make one and η did not stop them, that copy through blocks
     [0, E) before the verification of all. At a fixed k and copy length the rounds are the per-round
-    path's one for one (each round's sources, the same drafts and acceptances), for any E, k, η and
-    eos, a trimmed draft head too; every output is plain greedy decoding's."""
+    calls' and the Python round's one for one (each round's sources and lengths, the same acceptances and
+    tokens), for any E, k, η and eos, a trimmed draft head too; every output is plain greedy decoding's."""
     from selfspec.decoding.controller import FixedK
     from selfspec.decoding.ngram import NGramConfig
     from selfspec.decoding.policy import CopyPolicy
 
-    sources = []  # per round the sources of its drafts, as the policy is told them
-    update = CopyPolicy.update
-
-    def recording(self, segments, *args):
-        sources.append(tuple(segment.source for segment in segments))
-        return update(self, segments, *args)
-
-    monkeypatch.setattr(CopyPolicy, "update", recording)
-
     def run(generator, config, k, copy_length, eos_ids):
-        sources.clear()
         policy = CopyPolicy(config, FixedK(k), copy_controller=FixedK(copy_length))
-        out = generator.generate([prompt], max_new_tokens=40, eos_token_id=eos_ids, drafter=policy)
-        return out, list(sources)
+        return generator.generate([prompt], max_new_tokens=40, eos_token_id=eos_ids, drafter=policy)
 
     model = low_alpha_model(family)
     prompt = [5, 17, 33, 5, 17, 33, 8, 5, 17, 60, 2, 5, 17]
@@ -433,18 +486,17 @@ def test_the_hybrids_rounds_in_one_call_draft_and_accept_what_its_rounds_do(fami
                                        (NGramConfig(), 3, 5), (NGramConfig(max_ngram=2, min_ngram=1), 1, 2)):
             for eos_ids, want in (([], expected), ([eos], expected[:expected.index(eos) + 1])):
                 calls = len(rounds_calls)
-                one, one_sources = run(generator, config, k, copy_length, eos_ids)
+                outs = _at_levels(round_log, run, generator, config, k, copy_length, eos_ids)
                 ran = len(rounds_calls) > calls
-                with fast.kernels_up_to("rounds"):
-                    each, each_sources = run(generator, config, k, copy_length, eos_ids)
                 case = (family, exit_layer, eta, config, k, copy_length, eos_ids)
-                assert one.sequences == each.sequences == [want], case
-                assert one_sources == each_sources and _stats(one) == _stats(each), case
+                assert outs[0][0].sequences == [want], case
+                _same_rounds(outs, case)
                 for source in ("copy", "early_exit"):
-                    assert getattr(one.stats, source).drafted == getattr(each.stats, source).drafted, case
-                    assert getattr(one.stats, source).accepted == getattr(each.stats, source).accepted, case
+                    drafts = [(getattr(o.stats, source).drafted, getattr(o.stats, source).accepted)
+                              for o, _ in outs]
+                    assert len(set(drafts)) == 1, case
                 assert ran == (family != "gpt2"), case
-                seen.update(each_sources)
+                seen.update(tuple(source for source, _, _ in segments) for segments, _ in outs[0][1])
     assert {("copy",), ("early_exit",), ("early_exit", "copy")} <= seen  # every kind of round ran
 
 

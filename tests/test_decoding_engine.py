@@ -18,7 +18,7 @@ def test_rows_added_joined_and_cancelled_as_generate_decodes_them_alone(drafter)
     engine = generator.engine(eos_token_id=[])  # the tiny model's eos is a token like any other here
     first = [engine.add(NewRow(p, 12)) for p in PROMPTS[:2]]
     outputs = engine.step()
-    assert sorted(o.row for o in outputs) == first and all(o.passes >= 1 and o.tokens for o in outputs)
+    assert sorted(o.row for o in outputs) == first and all(o.rounds >= 1 and o.tokens for o in outputs)
     late = engine.add(NewRow(PROMPTS[2], 10))  # joins at the next step
     cancelled = engine.add(NewRow(PROMPTS[0], 30))
     seen = {row: [] for row in range(4)}
@@ -38,6 +38,24 @@ def test_rows_added_joined_and_cancelled_as_generate_decodes_them_alone(drafter)
     assert [seen[row] for row in range(4)] == out.sequences
     assert out.sequences[cancelled] == reference_greedy(model, PROMPTS[0], 30)[:len(out.sequences[cancelled])]
     assert 0 < len(out.sequences[cancelled]) < 30 and late == 2 and steps > 3
+    assert out.finish_reasons == ["length", "length", "length", "cancelled"]
+
+
+def test_an_eos_ends_a_row_with_reason_stop_and_the_limit_with_length():
+    model = low_alpha_model("llama")
+    generator = SelfSpecGenerator(model, exit_layer=2, num_speculations=3)
+    free = reference_greedy(model, PROMPTS[0], 12)
+    eos = free[6]  # the row stops at its first occurrence
+    engine = generator.engine(eos_token_id=[eos])
+    rows = [engine.add(NewRow(PROMPTS[0], 12)), engine.add(NewRow(PROMPTS[0], free.index(eos)))]
+    reasons = {}
+    while not engine.done:
+        for o in engine.step():
+            assert o.finished == (o.finish_reason is not None)
+            reasons[o.row] = o.finish_reason
+    out = engine.output()
+    assert out.sequences == [free[:free.index(eos) + 1], free[:free.index(eos)]]
+    assert [reasons[row] for row in rows] == out.finish_reasons == ["stop", "length"]
 
 
 def test_an_engine_needs_a_request():

@@ -127,9 +127,9 @@ def test_copy_policy_copies_pads_and_falls_back_to_the_early_exit():
     policy.start([[1, 2, 3, 1, 2], [5, 6, 7], [8, 9, 8, 9]])
     plan = policy.plan(np.array([0, 1, 2]))
     # rows 0 and 2 copy (around their period); row 1 has no match and pads with its last token
-    assert plan.copied.tolist() == [[3, 1, 2, 3], [7, 7, 7, 7], [8, 9, 8, 9]] and plan.extend == 0
+    assert plan.copied.tolist() == [[3, 1, 2, 3], [7, 7, 7, 7], [8, 9, 8, 9]] and plan.early_exit == 0
     only_idle = policy.plan(np.array([1]))
-    assert only_idle.num_copied == 0 and only_idle.extend == 3
+    assert only_idle.num_copied == 0 and only_idle.early_exit == 3
     # while the early exit drafts, a draft that makes the suffix match again turns into a copy
     assert policy.copy_after(np.array([1]), np.array([[4]])).shape == (1, 0)
     policy.observe(np.array([1]), np.array([[5, 6, 0]]), np.array([2]))  # row 1 is now 5 6 7 5 6
@@ -146,9 +146,9 @@ def test_segments_count_what_the_verifier_tested():
 
 
 def test_plan_truncation_cuts_early_exit_drafts_after_copies():
-    plan = DraftPlan(np.array([[1, 2, 3]]), extend=2)
-    assert plan.truncate(4).k == 4 and plan.truncate(4).extend == 1
-    assert plan.truncate(2).copied.tolist() == [[1, 2]] and plan.truncate(2).extend == 0
+    plan = DraftPlan(np.array([[1, 2, 3]]), early_exit=2)
+    assert plan.truncate(4).k == 4 and plan.truncate(4).early_exit == 1
+    assert plan.truncate(2).copied.tolist() == [[1, 2]] and plan.truncate(2).early_exit == 0
     assert plan.truncate(-1).k == 0
 
 
@@ -245,7 +245,7 @@ class _CopyThenEarlyExit(DraftPolicy):
         copies = [(self.expected[row] + [0, 0])[self.done[row]:self.done[row] + 2] for row in rows]
         if self.rounds % 2:
             copies = [[(t + 1) % 90 for t in c] for c in copies]
-        return DraftPlan(np.array(copies), extend=3)
+        return DraftPlan(np.array(copies), early_exit=3)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

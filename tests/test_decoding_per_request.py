@@ -100,7 +100,10 @@ def test_stop_strings_are_per_request(model, tokenizer):
     out, _ = step_joining(generator, [NewRow(prompt, 20, stop_strings=(stop,)), NewRow(prompt, 20)], {},
                           eos_token_id=[])
     assert stop in tokenizer.decode(out.sequences[0]) and len(out.sequences[0]) < 20
-    assert out.sequences[1] == free
+    assert stop not in tokenizer.decode(out.sequences[0][:-1])  # it ends at the token completing it
+    assert out.texts[0] == text[:text.find(stop)]  # the text ends before it (OpenAI's semantics)
+    assert out.sequences[1] == free and out.texts[1] == text
+    assert out.finish_reasons == ["stop", "length"]
 
 
 def test_row_sampling_processes_each_row_as_it_would_alone():

@@ -23,27 +23,27 @@ def test_every_proposer_has_the_one_signature():
         assert inspect.signature(proposer.propose) == one, proposer.__name__
 
 
-def _state(policy, rows: np.ndarray, cap: int) -> RoundState:
-    b = SimpleNamespace(rows=rows, grammar=None, forced=False, forces=False, steps=torch.arange(16),
+def _state(policy, rows: np.ndarray, k_max: int) -> RoundState:
+    b = SimpleNamespace(rows=rows, grammar=None, forces=False, steps=torch.arange(16),
                         lap=no_lap, pending_dev=torch.full((len(rows),), 2))
-    return RoundState(b, policy, policy.plan(rows), cap, unrun=[b.pending_dev[:, None]])
+    return RoundState(b, policy, policy.plan(rows), k_max, unrun=[b.pending_dev[:, None]])
 
 
 def test_a_copy_is_the_plans_at_the_rounds_start_then_the_policys_within_the_copy_length():
     config = NGramConfig(max_ngram=2, min_ngram=2, max_copy=4)
     policy = CopyPolicy(config, FixedK(2), copy_controller=FixedK(3))
     policy.start([[1, 2, 3, 1, 2]])
-    state = _state(policy, np.array([0]), cap=2)
+    state = _state(policy, np.array([0]), k_max=2)
     assert state.plan.copied.tolist() == [[3, 1, 2]]
     copies = CopyProposer(lambda: None)
-    assert copies.propose(state, state.room) == 2  # the plan's copy, cut to the round's room
-    assert state.draft.tokens.tolist() == [[3, 1]] and len(state.unrun) == 2 and state.room == 0
-    state.cap = 8  # after drafts: the policy's copy after them (2 3 1 around the period), cut to the 1
-    assert copies.propose(state, state.room) == 1  # the round may still copy (3 in all)
+    assert copies.propose(state, state.k_left) == 2  # the plan's copy, cut to the drafts the round has left
+    assert state.draft.tokens.tolist() == [[3, 1]] and len(state.unrun) == 2 and state.k_left == 0
+    state.k_max = 8  # after drafts: the policy's copy after them (2 3 1 around the period), cut to the 1
+    assert copies.propose(state, state.k_left) == 1  # the round may still copy (3 in all)
     assert state.draft.tokens.tolist() == [[3, 1, 2]]
     assert [(s.source, s.start, s.length) for s in state.draft.segments] == [("copy", 0, 3)]
-    assert copies.propose(state, state.room) == 0  # the copy length is spent
-    assert ForcedProposer().propose(state, state.room) == 0  # a call without forced tokens
+    assert copies.propose(state, state.k_left) == 0  # the copy length is spent
+    assert ForcedProposer().propose(state, state.k_left) == 0  # a call without forced tokens
 
 
 def test_the_policy_asks_the_rows_indexes_for_copies_padded_to_one_draft():

@@ -221,8 +221,9 @@ class CharTokenizer:
     def __call__(self, text):
         return {"input_ids": [ord(ch) % 96 for ch in text]}
 
-    def decode(self, ids):
-        return "".join(chr(i) if i >= 32 else "?" for i in ids)
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join("" if skip_special_tokens and i == self.eos_token_id else chr(i) if i >= 32 else "?"
+                       for i in ids)
 
 
 def test_string_prompts_and_stop_strings():
@@ -232,12 +233,14 @@ def test_string_prompts_and_stop_strings():
     prompt = "Hi there"
     expected = reference_greedy(model, tokenizer(prompt)["input_ids"], NEW)
     out = generator.generate([prompt], max_new_tokens=NEW, eos_token_id=[])
-    assert out.sequences == [expected] and out.texts == [tokenizer.decode(expected)]
+    assert out.sequences == [expected] and out.texts == [tokenizer.decode(expected, skip_special_tokens=True)]
+    assert out.finish_reasons == ["length"]
     stop = tokenizer.decode(expected[5:7])  # completed by the 7th generated token
     first = tokenizer.decode(expected).find(stop)
     out = generator.generate(prompt, max_new_tokens=NEW, eos_token_id=[], stop_strings=[stop])
-    assert out.sequences == [expected[:first + 2]]
-    assert out.texts[0].endswith(stop)
+    assert out.sequences == [expected[:first + 2]]  # the token completing the stop string is kept
+    assert out.texts == [tokenizer.decode(expected[:first], skip_special_tokens=True)]  # the text is not
+    assert out.finish_reasons == ["stop"]
 
 
 def test_auto_and_window_controllers_are_lossless():

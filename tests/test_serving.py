@@ -15,6 +15,7 @@ from fastapi.testclient import TestClient
 from helpers import assert_shape, chat_generator
 
 from selfspec import SelfSpecGenerator
+from selfspec.decoding import RoundOutput
 from selfspec.decoding.engine import ADAPT_ROUNDS
 from selfspec.decoding.prefix import PrefixCache
 from selfspec.errors import UserError
@@ -81,6 +82,12 @@ def test_text_completions_stop_at_a_stop_string(client, generator):
                                                  "temperature": 0, "stop": stop}).json()
     (choice,) = body["choices"]
     assert choice["text"] == full[:full.find(stop)] and choice["finish_reason"] == "stop"
+    # streamed: the same text, in chunks none of which ever held a part of the stop string
+    request = {"model": NAME, "prompt": "import os\n", "max_tokens": 16, "temperature": 0, "stop": stop}
+    with client.stream("POST", "/v1/completions", json={**request, "stream": True}) as r:
+        chunks = read_events(r)
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == choice["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
 def read_events(response) -> list:
@@ -137,7 +144,7 @@ def test_a_cancelled_row_ends_at_the_next_round_and_the_others_go_on(generator):
     take = leave.take
 
     def cancel_after_first_round(*args):
-        leave.cancelled = bool(leave.passes)
+        leave.cancelled = bool(leave.rounds)
         return take(*args)
 
     leave.take = cancel_after_first_round
@@ -307,7 +314,7 @@ def test_greedy_waves_over_draft_max_rows_decode_plainly_on_a_cpu_unless_told(ge
         jobs = [Job(prompt=generator.chat_prompt([{"role": "user", "content": c}]), max_tokens=8)
                 for c in contents]
         scheduler._decode(jobs)
-        assert all(job.drafted == 0 and job.passes == len(job.tokens) for job in jobs)
+        assert all(job.drafted == 0 and job.rounds == len(job.tokens) for job in jobs)
         assert [job.tokens for job in jobs] == [alone(generator, c, 8) for c in contents]
 
 
@@ -321,10 +328,11 @@ def test_a_streamed_rows_text_goes_out_at_once_then_at_most_every_stream_seconds
     job, sent = Job(prompt=[1], max_tokens=10), []
     job._send = lambda *event: sent.append(event)
 
-    def decode(ids):
-        return "".join(chr(ord("a") + i) for i in ids)
-    assert not any(job.take([t], 1, 0, 0, False, set(), decode) for t in range(9))
-    assert job.take([9], 1, 0, 0, False, set(), decode)  # max_tokens
+    def text():  # the engine's text of the row's tokens so far (`Engine.text`)
+        return "".join(chr(ord("a") + i) for i in job.tokens)
+    outputs = [RoundOutput(0, [t], None if t < 9 else "length", 1, 0, 0) for t in range(10)]
+    assert not any(job.take(o, text) for o in outputs[:-1])
+    assert job.take(outputs[-1], text)  # max_tokens
     if interval:
         assert sent == [("text", "a"), ("text", "bcdefghij"), ("done", "length")]
     else:
@@ -358,7 +366,7 @@ def test_a_lone_request_gets_the_same_tokens_however_many_rounds_a_call(generato
             time.sleep(0.01)
         assert job.tokens == generator.generate([job.prompt], max_new_tokens=40).sequences[0]
         if rounds_per_call is None:  # its calls after the first were timed
-            assert job.passes > 2
+            assert job.rounds > 2
             assert scheduler.round_seconds is not None and scheduler.round_seconds > 0
     finally:
         scheduler.stop()

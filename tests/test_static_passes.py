@@ -11,6 +11,7 @@ from helpers import low_alpha_model, ranking_counts, reference_greedy, step_join
 
 from selfspec.backends import static_passes
 from selfspec.decoding import DecodeSettings, NewRow, SelfSpecGenerator
+from selfspec.decoding.runner import Runner
 from selfspec.errors import UserError
 
 NEW = 14
@@ -104,8 +105,8 @@ def test_the_cache_buffers_are_kept_per_batch_size_and_length_bucket(monkeypatch
     model = low_alpha_model("llama")
     generator = SelfSpecGenerator(model, exit_layer=2, static_passes="eager")
     made = []
-    cache = generator.runner.new_cache
-    monkeypatch.setattr(generator.runner, "new_cache", lambda *args: made.append(cache(*args)) or made[-1])
+    cache = Runner.new_cache
+    monkeypatch.setattr(Runner, "new_cache", lambda *args: made.append(cache(*args)) or made[-1])
     prompts = BATCHES["one"]
     first = generator.generate(prompts, max_new_tokens=NEW, eos_token_id=[], num_speculations=3)
     again = generator.generate(prompts, max_new_tokens=NEW - 3, eos_token_id=[], num_speculations=3)
@@ -116,6 +117,27 @@ def test_the_cache_buffers_are_kept_per_batch_size_and_length_bucket(monkeypatch
                            eos_token_id=[], settings=generator.settings.override(num_speculations=3))
     assert both.sequences == [first.sequences[0]] * 2
     assert made[3].keys[0].data_ptr() != made[2].keys[0].data_ptr()  # the joining row's cache is its own
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_two_engines_of_one_generator_decode_side_by_side_each_as_alone(mode):
+    """Each engine steps a runner of its own (`Runner.for_engine`) whose pooled buffers no other live
+    engine writes: stepped in turn, two decodes of one generator each give their prompt's greedy
+    output (they wrote each other's caches when the runner, and its pool, were the generator's)."""
+    model = low_alpha_model("llama")
+    generator = SelfSpecGenerator(model, exit_layer=2, static_passes=mode, num_speculations=3)
+    prompts = BATCHES["one"] + BATCHES["ragged"][1:2]
+    engines = [generator.engine(eos_token_id=[]) for _ in prompts]
+    for engine, prompt in zip(engines, prompts):
+        engine.add(NewRow(prompt, NEW))
+        engine.start()
+    ours = [{k.data_ptr() for k in e.b.cache.keys if k is not None} for e in engines]
+    assert not ours[0] & ours[1]  # buffers of their own
+    while not all(engine.done for engine in engines):
+        for engine in engines:
+            if not engine.done:
+                engine.step()
+    assert [e.output().sequences[0] for e in engines] == [reference_greedy(model, p, NEW) for p in prompts]
 
 
 def test_families_without_static_passes_and_bad_modes_are_user_errors():

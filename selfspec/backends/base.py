@@ -20,7 +20,7 @@ class FusedDrafts:
     row, as numbers and tensors, so that no backend reads a proposer's internals.
 
     k: early-exit drafts per round (0: none, and with no copies a plain step); exit_layer: E; head: the
-    draft head's tensors (`DraftHead.tensors()`); eta: η, the early exit's stopping rule (0: never
+    draft head's tensors (`DraftHead.tensors()`); stop_below: η, the early exit's stopping rule (0: never
     stop); history: the row's tokens so far (t,) int64 when rounds copy from the context first (None:
     no copies); min_ngram, max_ngram: the copy's match lengths; copy_length: the longest copy a round
     drafts."""
@@ -28,7 +28,7 @@ class FusedDrafts:
     k: int = 0
     exit_layer: int = 0
     head: tuple | None = None
-    eta: float = 0.0
+    stop_below: float = 0.0
     history: np.ndarray | None = None
     min_ngram: int = 0
     max_ngram: int = 0
@@ -49,7 +49,7 @@ class Backend:
     the engine must respect of its passes and caches. Arguments follow the engine's round: `cache` a
     `decoding.KVCache` with the round's positions announced, `positions` (B, T) those positions, `head`
     a draft head's tensors (`DraftHead.tensors()`: weight (V', D), bias or None, ids (V',) or None, V),
-    `eta` η (0: never stop)."""
+    `stop_below` η (0: never stop)."""
 
     name = "base"
     fused_rounds = False  # the capability `greedy_rounds`
@@ -73,16 +73,16 @@ class Backend:
         """Give a new cache its buffers before its first pass, where the backend needs fixed addresses."""
 
     def draft_loop(self, exit_layer: int, token: torch.Tensor, cache, positions: torch.Tensor, head: tuple,
-                   k: int, eta: float = 0.0):
+                   k: int, stop_below: float = 0.0):
         """Greedy early-exit drafts in one call: from `token` (B,) at `positions[:, 0]`, k steps of blocks
         [0, exit_layer) + final norm + draft head + argmax, each draft the next step's input, ending early
-        when no row's draft puts `eta` on its top token. positions (B, k + 1). Returns (drafts (B, s),
+        when no row's draft puts `stop_below` on its top token. positions (B, k + 1). Returns (drafts (B, s),
         exit states (B, s + 1, D): every input that ran, the last draft included unless η stopped
         first), the cache holding those s + 1 positions at blocks [0, exit_layer); or None."""
         return None
 
     def draft_loop_sampled(self, exit_layer: int, token: torch.Tensor, cache, positions: torch.Tensor,
-                           head: tuple, k: int, eta: float, sampling):
+                           head: tuple, k: int, stop_below: float, sampling):
         """`draft_loop` for sampled decoding: each draft drawn from the draft head's distribution as
         `sampling` (the rows' own settings, a `sampling.RowSampling`) processes it, with the rows' random
         numbers (their `sampling.seeds`, `sampling.uniforms`' DRAFT stream at the position the draft
@@ -92,12 +92,12 @@ class Backend:
         return None
 
     def draft_step(self, exit_layer: int, tokens: torch.Tensor, cache, positions: torch.Tensor, head: tuple,
-                   exit_block=None, allowed: torch.Tensor | None = None, eta: float = 0.0):
+                   exit_block=None, allowed: torch.Tensor | None = None, stop_below: float = 0.0):
         """One greedy early-exit step in one call: `tokens` (B, T) at `positions` (B, T) through blocks
         [0, exit_layer), then `exit_block`'s blocks (an `ExitBlock`, each at its own cache layer) when
         given, the final norm and draft head on the last position, a grammar's mask `allowed` (B, V)
         bool, the argmax. Returns (draft (B,), hidden (B, T, D) after block E, sure: whether some row's
-        draft puts `eta` on its top token), the cache holding the T positions; or None."""
+        draft puts `stop_below` on its top token), the cache holding the T positions; or None."""
         return None
 
     def exit_pass(self, exit_layer: int, tokens: torch.Tensor, cache, positions: torch.Tensor, head: tuple,
@@ -107,7 +107,7 @@ class Backend:
         return None
 
     def draft_choice(self, hidden: torch.Tensor, head: tuple, allowed: torch.Tensor | None = None,
-                     eta: float = 0.0):
+                     stop_below: float = 0.0):
         """Greedy drafts from exit states `hidden` (B, D): the final norm, the draft head, a grammar's
         mask `allowed` (B, V) bool, the argmax, as `draft_loop` and `draft_step` choose. Returns
         (drafts (B,), sure), or None."""

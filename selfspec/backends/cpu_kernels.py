@@ -47,13 +47,13 @@ class CpuKernelsBackend(Backend):
         self._exit_blocks_of = None  # the blocks' kernel objects the exit blocks were made beside
 
     # -- the protocol ----------------------------------------------------------------------------------
-    def draft_loop(self, exit_layer, token, cache, positions, head, k, eta=0.0):
-        return self._draft_loop(exit_layer, token, cache, positions, head, k, eta, None)
+    def draft_loop(self, exit_layer, token, cache, positions, head, k, stop_below=0.0):
+        return self._draft_loop(exit_layer, token, cache, positions, head, k, stop_below, None)
 
-    def draft_loop_sampled(self, exit_layer, token, cache, positions, head, k, eta, sampling):
-        return self._draft_loop(exit_layer, token, cache, positions, head, k, eta, sampling)
+    def draft_loop_sampled(self, exit_layer, token, cache, positions, head, k, stop_below, sampling):
+        return self._draft_loop(exit_layer, token, cache, positions, head, k, stop_below, sampling)
 
-    def _draft_loop(self, exit_layer, token, cache, positions, head, k, eta, sampling):
+    def _draft_loop(self, exit_layer, token, cache, positions, head, k, stop_below, sampling):
         """`draft_loop`, or with `sampling` (the rows' `RowSampling`) `draft_loop_sampled`, whose result
         holds the drafts' distributions q between the drafts and the exit states."""
         place = self._round_place(0, exit_layer, cache, positions)
@@ -70,13 +70,13 @@ class CpuKernelsBackend(Backend):
         norm = self._fast.head
         rule = () if sampling is None else (list(sampling.tensors()), positions)  # the draw's inputs
         out = made(blocks, embed, token, keys, values, first, cos, sin, norm[0], norm[1], weight, bias, ids,
-                   vocab, k, eta, *rule, row_starts, self._mask_value)
+                   vocab, k, stop_below, *rule, row_starts, self._mask_value)
         if not out:
             return None
         cache.written(0, exit_layer, out[-1].shape[1])
         return tuple(out)
 
-    def draft_choice(self, hidden, head, allowed=None, eta=0.0):
+    def draft_choice(self, hidden, head, allowed=None, stop_below=0.0):
         if self.adapter is None or not self.adapter.uses_fast():  # train mode, eager or flash attention
             return None
         fast = self._fast
@@ -89,11 +89,12 @@ class CpuKernelsBackend(Backend):
                 for t in (weight, bias, fast.head[0])):
             return None
         norm, eps = fast.head[:2]
-        drafts, top = made(hidden.contiguous(), norm, eps, weight, bias, ids, vocab, allowed, eta)
-        return drafts, eta <= 0 or not bool((top < eta).all())  # `RoundPasses.unsure`, negated
+        drafts, top = made(hidden.contiguous(), norm, eps, weight, bias, ids, vocab, allowed, stop_below)
+        return drafts, stop_below <= 0 or not bool((top < stop_below).all())  # `RoundPasses.unsure`, negated
 
-    def draft_step(self, exit_layer, tokens, cache, positions, head, exit_block=None, allowed=None, eta=0.0):
-        return self._draft_step(exit_layer, tokens, cache, positions, head, exit_block, allowed, eta)
+    def draft_step(self, exit_layer, tokens, cache, positions, head, exit_block=None, allowed=None,
+                   stop_below=0.0):
+        return self._draft_step(exit_layer, tokens, cache, positions, head, exit_block, allowed, stop_below)
 
     def exit_pass(self, exit_layer, tokens, cache, positions, head, exit_block=None):
         return self._draft_step(exit_layer, tokens, cache, positions, head, exit_block, None, 0.0,
@@ -155,7 +156,8 @@ class CpuKernelsBackend(Backend):
         made, blocks, embed, cos, sin = call
         copies = drafts.copies() or (None, 0, 0, 0)
         out = made(blocks, drafts.exit_layer, embed, keys, values, start, token, cos, sin, self._mask_value,
-                   *self._fast.head, weight, bias, ids, vocab, k, drafts.eta, eos, max_tokens, max_rounds,
+                   *self._fast.head, weight, bias, ids, vocab, k, drafts.stop_below, eos, max_tokens,
+                   max_rounds,
                    *copies, overlap, [] if sampling is None else list(sampling.tensors()))
         if not out:
             return None
@@ -173,7 +175,8 @@ class CpuKernelsBackend(Backend):
         """What the engine's mask holds where a query may not look (`DecoderView._mask`'s)."""
         return torch.finfo(self.adapter.embedding.weight.dtype).min
 
-    def _draft_step(self, exit_layer, tokens, cache, positions, head, exit_block, allowed, eta, choose=True):
+    def _draft_step(self, exit_layer, tokens, cache, positions, head, exit_block, allowed, stop_below,
+                    choose=True):
         """`draft_step` (choose) or `exit_pass` (not): the tokens through blocks [0, E) and the exit
         block's blocks at their own cache layers, then (choose) the head, the mask and the argmax."""
         place = self._round_place(0, exit_layer, cache, positions)
@@ -204,7 +207,7 @@ class CpuKernelsBackend(Backend):
             keys, values = [*keys, *extra_slots[0]], [*values, *extra_slots[1]]
         norm = self._fast.head
         out = made(blocks, extra_blocks, embed, tokens, keys, values, first_slot, cos, sin, self._mask_value,
-                   norm[0], norm[1], weight, bias, ids, vocab, allowed, eta, row_starts, choose)
+                   norm[0], norm[1], weight, bias, ids, vocab, allowed, stop_below, row_starts, choose)
         if not out:
             return None
         cache.written(0, exit_layer)

@@ -110,7 +110,7 @@ class StaticPasses:
         cache.written(start, end)
         return torch.cat([targets[:, :length], accepted[:, None].to(targets.dtype)], 1)
 
-    def draft_loop(self, exit_layer: int, token: torch.Tensor, cache, head: tuple, k: int, eta: float):
+    def draft_loop(self, exit_layer: int, token: torch.Tensor, cache, head: tuple, k: int, stop_below: float):
         """`Backend.draft_loop` on static passes: k draft steps from `token` (B,) at the cache's
         announced positions (B, k + 1), each step's argmax the next one's input, then the last draft's
         pass through [0, E); η read once after them (only when η > 0). Returns (drafts (B, s), exit
@@ -124,8 +124,9 @@ class StaticPasses:
             loop = self._made("draft_loop", 0, exit_layer, head=head, steps=k)
             drafts, tops, hidden = loop(token, keys, values, cache.positions[:, :k + 1], cos, sin)
             count = k
-            if eta and k:
-                count = int((tops >= eta).any(1).cpu().int().cumprod(0).sum())  # the round's one η read
+            if stop_below and k:
+                # the round's one η read
+                count = int((tops >= stop_below).any(1).cpu().int().cumprod(0).sum())
             cache.written(0, exit_layer, count + 1)
             return drafts[:, :count], hidden[:, :count + 1]
         step = self._made("draft", 0, exit_layer, head=head)
@@ -138,15 +139,15 @@ class StaticPasses:
                 drafts.append(token)
                 tops.append(top)
         count = k
-        if eta and k:  # the first step where no row's draft reaches η ends the drafts
-            sure = (torch.stack(tops) >= eta).any(1).cpu()  # (k,)
+        if stop_below and k:  # the first step where no row's draft reaches η ends the drafts
+            sure = (torch.stack(tops) >= stop_below).any(1).cpu()  # (k,)
             count = int(sure.int().cumprod(0).sum())
         cache.written(0, exit_layer, count + 1)
         hidden = torch.stack(hiddens[:count + 1], 1)  # (B, s + 1, D)
         return (torch.stack(drafts[:count], 1) if count else token[:, None][:, :0]), hidden
 
-    def draft_loop_sampled(self, exit_layer: int, token: torch.Tensor, cache, head: tuple, k: int, eta: float,
-                           sampling: RowSampling):
+    def draft_loop_sampled(self, exit_layer: int, token: torch.Tensor, cache, head: tuple, k: int,
+                           stop_below: float, sampling: RowSampling):
         """`Backend.draft_loop_sampled` on static passes: `draft_loop`'s k steps with each draft drawn from
         the processed draft distribution by the row's own random numbers (`sampling.uniforms`, stream
         DRAFT, at the position the draft takes), on the device: one graph in "graph" mode, whatever the
@@ -161,8 +162,8 @@ class StaticPasses:
         drafts, q, tops, hidden = loop(token, keys, values, cache.positions[:, :k + 1], cos, sin,
                                        *sampling.tensors())
         count = k
-        if eta:  # the first step where no row's draft reaches η ends the drafts: the round's one η read
-            count = int((tops >= eta).any(1).cpu().int().cumprod(0).sum())
+        if stop_below:  # the first step where no row's draft reaches η ends the drafts (one η read a round)
+            count = int((tops >= stop_below).any(1).cpu().int().cumprod(0).sum())
         cache.written(0, exit_layer, count + 1)
         return drafts[:, :count], q[:, :count], hidden[:, :count + 1]
 

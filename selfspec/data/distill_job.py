@@ -46,7 +46,7 @@ class DistillOptions(ReplyOptions, EndpointOptions):
 
 def distill_data(options: DistillOptions) -> dict:
     """The model's own replies to `options.prompts` into `options.out/responses.jsonl`, in this process
-    or through `options.endpoint` (see `selfspec.data.distill` and `distill_endpoint`); prints a summary
+    or through `options.endpoint` (see `selfspec.data.distill` and `distill_endpoint.py`); prints a summary
     line and returns the summary."""
     from ..checkpoint import load_tuned
     from ..model.loading import load_tokenizer

@@ -40,6 +40,7 @@ from .policy import ADAPT_ROUNDS, GATED_ROUNDS, DraftPolicy
 from .profile import RoundProfile
 from .runner import Runner
 from .settings import DecodeSettings
+from .text import RowText, text_of
 
 # A grammar's forced tokens a round may draft beyond the policy's k: they cost no model call, and a
 # pass of up to 16 + k positions stays in the compiled kernels' range of rows.
@@ -69,7 +70,8 @@ class CallOptions:
 
     settings: how to draft (`DecodeSettings`); sampling: temperature, top-k, top-p of rows that bring
     none (`NewRow.sampling`); eos: the token ids (n,) that end a row; stops: strings that end a row that
-    brings none (the token completing one is kept; needs the runner's tokenizer); seed: the first
+    brings none (`text.RowText`: its tokens keep the one completing it, its text ends before it; needs
+    the runner's tokenizer); seed: the first
     rows' seeds (an int: seed + row; a list; None: drawn, 0 for greedy rows), a request's own seed wins;
     grammar: whether the rows start under output constraints (a row that brings one later opens them);
     draft_max_rows: a greedy round of more rows drafts nothing (None: every round drafts);
@@ -111,7 +113,8 @@ class Engine:
         self.clock = _Clock(runner.view.device)
         # a grammar's forced tokens may join any round once a row brings a constraint: room for them
         self.k_max = policy.k_max + (0 if options.settings.is_plain else FORCED_PER_ROUND)
-        self.stops: list[tuple[str, ...]] = []  # each row's stop strings
+        self.texts: list[RowText] = []  # each row's text and stop strings (none without a tokenizer)
+        self.reasons: list[str | None] = []  # each row's finish reason: "stop", "length", "cancelled"
         self.wall = time.perf_counter()
 
     # -- the three calls ---------------------------------------------------------------------------
@@ -125,15 +128,25 @@ class Engine:
         if request.stop_strings and self.runner.tokenizer is None:
             raise UserError("stop strings need a tokenizer: SelfSpecGenerator(model, tokenizer, ...)")
         self.requests.append(request)
-        self.stops.append(request.stop_strings)
+        if self.runner.tokenizer is not None:
+            self.texts.append(RowText(text_of(self.runner.tokenizer), request.stop_strings))
+        self.reasons.append(None)
         if self.b is not None:
             self.joining.append(request)
         return len(self.requests) - 1
 
     def cancel(self, row: int) -> None:
         """End `row` now: it leaves the batch before the next round runs; its tokens so far stay in the
-        output."""
+        output (finish reason "cancelled" unless it had finished)."""
         self.cancelled.add(row)
+        self.reasons[row] = self.reasons[row] or "cancelled"
+
+    def text(self, row: int) -> str:
+        """`row`'s text so far, special tokens left out, ending before the stop string that ended it; while
+        it runs, only what no later token can change (`RowText.text`): what a stream may send. Needs the
+        runner's tokenizer."""
+        tokens = self.generated[row, :self.counts[row]].tolist()
+        return self.texts[row].text(tokens, self.reasons[row] is not None)
 
     @property
     def done(self) -> bool:
@@ -166,15 +179,15 @@ class Engine:
             tokens, emit, finished, done = fused if fused is not None else self._round(rows)
             slots, cols = np.nonzero(np.arange(tokens.shape[1]) < emit[:, None])
             self.generated[rows[slots], self.counts[rows[slots]] + cols] = tokens[slots, cols]
-            if any(self.stops[row] for row in rows):
-                finished |= self.runner.cut_at_stop_strings([self.stops[row] for row in rows], self.generated,
-                                                          rows, self.counts[rows], emit)
+            stopped = self._cut_at_stop_strings(rows, emit)
+            finished |= stopped
             self.counts[rows] += emit
+            self._finish(rows, finished, stopped)
             b.lap("other")
             self.policy.observe(rows, tokens, emit)
             b.lap("policy")
-            outputs = [RoundOutput(int(row), tokens[slot, :emit[slot]].tolist(), bool(finished[slot]),
-                                   int(done.passes[slot]), int(done.drafted[slot]), int(done.accepted[slot]))
+            outputs = [RoundOutput(int(row), tokens[slot, :emit[slot]].tolist(), self.reasons[row],
+                                   int(done.rounds[slot]), int(done.drafted[slot]), int(done.accepted[slot]))
                        for slot, row in enumerate(rows)]
             self.runner.advance(b, tokens, emit, keep=~finished)
             b.lap("rollback")
@@ -183,20 +196,42 @@ class Engine:
                 b.lap("other")
         return outputs
 
+    def _cut_at_stop_strings(self, rows: np.ndarray, emit: np.ndarray) -> np.ndarray:
+        """Shorten `emit` (B,) in place to end at the token completing a row's stop string (`RowText.cut`);
+        the slots (B,) that stop."""
+        stopped = np.zeros(len(rows), dtype=bool)
+        for slot, row in enumerate(rows):
+            if self.texts and self.texts[row].stops:
+                tokens = self.generated[row, :self.counts[row] + emit[slot]]
+                kept = self.texts[row].cut(tokens, int(emit[slot]))
+                if kept is not None:
+                    emit[slot], stopped[slot] = kept, True
+        return stopped
+
+    def _finish(self, rows: np.ndarray, finished: np.ndarray, stopped: np.ndarray) -> None:
+        """The finish reason of each row that ended this step, as OpenAI's API gives it: "stop" at a stop
+        string, an eos or a complete grammar (the engine ended it short of its limit), else "length"."""
+        for slot in np.nonzero(finished)[0]:
+            row = rows[slot]
+            count = self.counts[row]
+            last = self.generated[row, count - 1]
+            ended = stopped[slot] or count < self.limits[row] or last in self.options.eos
+            self.reasons[row] = "stop" if ended else "length"
+
     def output(self) -> GenerationOutput:
         """Every row's tokens and the call's statistics, as `generate` returns them."""
-        stats, runner = self.stats, self.runner
+        stats = self.stats
         stats.fold_rounds()
         stats.generated_tokens = int(self.counts.sum())
         stats.total_time = time.perf_counter() - self.wall
         stats.profile = None if self.laps is None else self.laps.seconds
         sequences = [self.generated[row, :self.counts[row]].tolist() for row in range(len(self.counts))]
-        texts = [runner.tokenizer.decode(s) for s in sequences] if runner.tokenizer is not None else None
+        texts = [text.text(s, True) for text, s in zip(self.texts, sequences)] if self.texts else None
         grammars = None if self.b is None else self.b.grammar
         if grammars is None:
-            return GenerationOutput(sequences, stats, texts)
+            return GenerationOutput(sequences, stats, texts, finish_reasons=list(self.reasons))
         stats.grammar_time = grammars.seconds
-        return GenerationOutput(sequences, stats, texts, list(grammars.complete))
+        return GenerationOutput(sequences, stats, texts, list(grammars.complete), list(self.reasons))
 
     # -- the pieces --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -322,17 +357,17 @@ class Engine:
         """One round from Python: draft, verify, accept; (tokens, emit, finished, `RoundCounts`)."""
         runner, policy, b, stats = self.runner, self.policy, self.b, self.stats
         plan = policy.plan(rows)
-        cap = policy.k_max + (FORCED_PER_ROUND if b.forces else 0)
+        k_max = policy.k_max + (FORCED_PER_ROUND if b.forces else 0)
         if runner.backend.max_pass_positions is not None:  # a round's k + 1 positions in one pass
-            cap = min(cap, runner.backend.max_pass_positions - 1)
+            k_max = min(k_max, runner.backend.max_pass_positions - 1)
         limit = runner.view.max_positions
         if limit is not None:  # no draft beyond the last position the model has (GPT-2's table)
-            cap = min(cap, limit - 1 - int(b.lengths.max()))
+            k_max = min(k_max, limit - 1 - int(b.lengths.max()))
         if self._plain(rows):
-            cap = 0  # a plain step: see draft_max_rows
-        plan = plan.truncate(cap)
+            k_max = 0  # a plain step: see draft_max_rows
+        plan = plan.truncate(k_max)
         b.lap("policy")
-        decided, (start, drafted, verified), draft = runner.round(b, plan, policy, self.clock, cap)
+        decided, (start, drafted, verified), draft = runner.round(b, plan, policy, self.clock, k_max)
         stats.stopped_below_eta += draft.stopped
         host = decided.cpu().numpy()  # the round's one host sync
         tokens, accepted = host[:, :-1], host[:, -1]

@@ -30,7 +30,8 @@ class GenerationConfig:
     eos_token_id: int or list; None = the model's own (generation config, then config, then
         tokenizer); [] = never stop at eos. The eos token is included in the output.
     stop_strings: strings that end a row once its decoded output contains one (needs a tokenizer);
-        the token completing it is the last one kept.
+        the token completing it is the last one kept in `sequences`, and the row's text in `texts`
+        ends before it (OpenAI's `stop`).
     num_speculations/drafter: override the settings' k and drafter for this call: k an int (0: plain
         decoding, whatever the drafter: no copies either), "auto" (cost model), "window" (the
         articles' rule) or a `Controller`; drafter "early_exit", "ngram" or "hybrid" (`policy.py`), or

@@ -13,7 +13,7 @@ from ..metrics import AcceptanceStats
 from ..sampling import SamplingParams
 from .grammar import Constraint
 
-SOURCES = ("copy", "forced", "early_exit")  # where a draft comes from (`GenerationStats.by_source`)
+SOURCES = ("copy", "forced", "early_exit")  # where a draft comes from (`GenerationStats`' "by_source")
 
 
 @dataclass
@@ -106,17 +106,22 @@ class GenerationStats(AcceptanceStats):
 class GenerationOutput:
     sequences: list  # generated token ids per row, prompt excluded, an eos included
     stats: GenerationStats
-    texts: list | None = None  # decoded `sequences` when the generator has a tokenizer
+    # decoded `sequences` when the generator has a tokenizer: special tokens left out, each ending before
+    # the stop string that ended its row (`text.RowText`)
+    texts: list | None = None
     # per row under a grammar: whether the output is complete (it parses); False for a row that
     # max_new_tokens cut first, True for an unconstrained row. None when no row was constrained.
     complete: list | None = None
+    # per row, why it ended, as OpenAI's API says: "stop" (an eos, a stop string, a complete grammar),
+    # "length" (max_new_tokens), "cancelled" (`Engine.cancel`)
+    finish_reasons: list | None = None
 
 
 class RoundCounts(NamedTuple):
     """What the rounds behind one `Engine.step` did, per running row (B,) each: the rounds (one full
     pass each), the drafts they verified, and how many of those were accepted."""
 
-    passes: np.ndarray
+    rounds: np.ndarray
     drafted: np.ndarray
     accepted: np.ndarray
 
@@ -141,12 +146,16 @@ class NewRow:
 @dataclass(frozen=True)
 class RoundOutput:
     """What one `Engine.step` did for one row: the tokens it emitted (its accepted drafts then the
-    target's own token, per round; cut at an eos, a stop string or its limit), whether it finished, and
-    the full passes (rounds), drafts verified and drafts accepted behind them."""
+    target's own token, per round; cut at an eos, a stop string or its limit), why it finished if it did,
+    and the rounds (one full pass each), drafts verified and drafts accepted behind them."""
 
     row: int  # the request's row: the order of `Engine.add`
     tokens: list[int]
-    finished: bool
-    passes: int
+    finish_reason: str | None  # None while the row runs, else as `GenerationOutput.finish_reasons`
+    rounds: int
     drafted: int
     accepted: int
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

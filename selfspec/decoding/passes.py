@@ -41,21 +41,21 @@ class RoundPasses:
         An exit block keeps a KV cache of its own, so it runs wherever blocks [0, E) do (prefill,
         drafts, verification, plain steps): every layer then holds every position, and rollback and
         `check` treat it as one more layer."""
-        place = self.place(b, offset, tokens.shape[1])
-        if b.exit_block is not None and end == b.exit_layer and b.step_head is not None:
-            out = self.backend.exit_pass(b.exit_layer, tokens, b.cache, place["positions"], b.step_head,
-                                         b.exit_block)
+        place, d = self.place(b, offset, tokens.shape[1]), b.drafting
+        if d.exit_block is not None and end == d.exit_layer and d.tensors is not None:
+            out = self.backend.exit_pass(d.exit_layer, tokens, b.cache, place["positions"], d.tensors,
+                                         d.exit_block)
             if out is not None:  # one compiled call: blocks [0, E), then the exit block
                 return out
         hidden = self.view.embed(tokens, place["positions"])
-        if b.exit_block is None or end < b.exit_layer:
+        if d.exit_block is None or end < d.exit_layer:
             hidden = self.view.run_layers(hidden, 0, end, **place)
-            return hidden, hidden if end == b.exit_layer else None
+            return hidden, hidden if end == d.exit_layer else None
         context = self.view.context(hidden, place["positions"], place["kv_length"], cached=True,
                                     aligned=place["aligned"])
-        hidden = self.view.run_layers(hidden, 0, b.exit_layer, b.cache, context=context)
-        features = b.exit_block(hidden, self.view, context, b.cache)  # writes cache layers N, N + 1, ..
-        return self.view.run_layers(hidden, b.exit_layer, end, b.cache, context=context), features
+        hidden = self.view.run_layers(hidden, 0, d.exit_layer, b.cache, context=context)
+        features = d.exit_block(hidden, self.view, context, b.cache)  # writes cache layers N, N + 1, ..
+        return self.view.run_layers(hidden, d.exit_layer, end, b.cache, context=context), features
 
     def pick(self, b: Batch, logits: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """Draft token (B,) from draft logits (B, V) for the token at `position` (B, 1): each row's argmax
@@ -69,7 +69,7 @@ class RoundPasses:
         """Whether every row's draft distribution (B, V) puts less than η on its most likely token
         (Kangaroo's stopping rule). It reads only the draft, so the output stays the target's."""
         top = b.sampling.top_probability(logits)
-        return bool((top < b.stop_below).all())  # one small host read per draft step
+        return bool((top < b.drafting.stop_below).all())  # one small host read per draft step
 
 
 __all__ = ["RoundPasses"]

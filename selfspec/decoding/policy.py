@@ -67,10 +67,10 @@ class Segment:
 
 @dataclass
 class DraftPlan:
-    """The next round's draft: `copied` (B, m) tokens per row, then `extend` early-exit tokens."""
+    """The next round's draft: `copied` (B, m) tokens per row, then `early_exit` early-exit drafts."""
 
     copied: np.ndarray  # (B, m) int64
-    extend: int = 0
+    early_exit: int = 0
 
     @property
     def num_copied(self) -> int:
@@ -78,13 +78,13 @@ class DraftPlan:
 
     @property
     def k(self) -> int:
-        return self.num_copied + self.extend
+        return self.num_copied + self.early_exit
 
     def truncate(self, k: int) -> DraftPlan:
         """At most k drafts (copied ones first): for a draft that would pass the model's last position."""
         k = max(k, 0)
         copied = self.copied[:, :k]
-        return DraftPlan(copied, min(self.extend, k - copied.shape[1]))
+        return DraftPlan(copied, min(self.early_exit, k - copied.shape[1]))
 
 
 class DraftPolicy:
@@ -259,8 +259,8 @@ class CopyPolicy(DraftPolicy):
 
     def plan(self, rows):
         copied = self.context.copies(rows, self.gated("copy", self.copy_controller.next_k(), rows))
-        extend = 0 if copied.shape[1] else self.gated("early_exit", self.early_exit.next_k(), rows)
-        return DraftPlan(copied, extend)
+        early_exit = 0 if copied.shape[1] else self.gated("early_exit", self.early_exit.next_k(), rows)
+        return DraftPlan(copied, early_exit)
 
     def copy_after(self, rows, drafted):
         return self.context.copies(rows, self.gated("copy", self.copy_controller.next_k(), rows), drafted)

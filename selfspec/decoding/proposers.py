@@ -1,6 +1,6 @@
 """Proposers: where a round's drafts come from, each behind one method, and the round's `Draft`.
 
-Every proposer implements `Proposer.propose(state, room) -> int`: up to `room` drafts at the next draft
+Every proposer implements `Proposer.propose(state, k_left) -> int`: up to `k_left` drafts at the next draft
 positions, appended to the round's `RoundState` (its `Draft`, and the tokens not yet through blocks
 [0, E)) with the rows' grammars told; how many it added (0: none).
 
@@ -87,7 +87,7 @@ class RoundState:
     """One round's drafting as the proposers see it: what each reads, and the draft each extends.
 
     b: the running rows; policy: the call's `DraftPolicy` (the copies and their length come from it);
-    plan: its `DraftPlan` of the round; cap: the most drafts the round holds; draft: the drafts so far;
+    plan: its `DraftPlan` of the round; k_max: the most drafts the round holds; draft: the drafts so far;
     unrun: tokens (B, r) each, in position order, not yet through blocks [0, E) (the pending token first):
     the early exit runs them before its next draft, the verification those left (`Draft.tail`).
     """
@@ -95,14 +95,14 @@ class RoundState:
     b: Batch
     policy: DraftPolicy
     plan: DraftPlan
-    cap: int
+    k_max: int
     draft: Draft = field(default_factory=Draft)
     unrun: list = field(default_factory=list)
 
     @property
-    def room(self) -> int:
+    def k_left(self) -> int:
         """The drafts the round may still add."""
-        return self.cap - self.draft.k
+        return self.k_max - self.draft.k
 
     def add(self, source: str, tokens: torch.Tensor) -> None:
         """Drafts (B, r) from `source` at the next positions, not yet through blocks [0, E)."""
@@ -113,8 +113,8 @@ class RoundState:
 class Proposer(Protocol):
     """A source of drafts (the module docstring)."""
 
-    def propose(self, state: RoundState, room: int) -> int:
-        """Up to `room` drafts at the next draft positions, appended to `state` with the rows' grammars
+    def propose(self, state: RoundState, k_left: int) -> int:
+        """Up to `k_left` drafts at the next draft positions, appended to `state` with the rows' grammars
         told; how many (0: none here; from the early exit, η stopped the round: `Draft.stopped`)."""
         ...
 
@@ -127,12 +127,12 @@ class EarlyExitProposer:
     def __init__(self, passes: RoundPasses):
         self.passes = passes
 
-    def propose(self, state: RoundState, room: int) -> int:
+    def propose(self, state: RoundState, k_left: int) -> int:
         """At the round's start, where the backend drafts in one call (no grammar, no exit block:
-        `Batch.loop_head`), all `room` drafts in it (`_loop`); else one draft (`_one`), after which the
+        `Batch.loop_drafts`), all `k_left` drafts in it (`_loop`); else one draft (`_one`), after which the
         caller adds the free drafts it makes possible and asks again. 0: η stopped the round."""
         if not state.draft.k and state.b.loop_drafts:
-            drafted = self._loop(state, room)
+            drafted = self._loop(state, k_left)
             if drafted is not None:
                 return drafted
         return self._one(state)
@@ -144,14 +144,14 @@ class EarlyExitProposer:
         time holds it. The drafts made (fewer than k: η stopped the round), or None: the backend declined,
         nothing run."""
         b, draft, backend = state.b, state.draft, self.passes.backend
-        place = self.passes.place(b, 0, k + 1)
+        d, positions = b.drafting, self.passes.place(b, 0, k + 1)["positions"]
         if b.sampling.all_greedy:
-            out = backend.draft_loop(b.exit_layer, b.pending_dev, b.cache, place["positions"], b.loop_head, k,
-                                     b.stop_below)
+            out = backend.draft_loop(d.exit_layer, b.pending_dev, b.cache, positions, d.tensors, k,
+                                     d.stop_below)
             q = None
         else:  # each draft drawn with the row's numbers from q, which the verification accepts against
-            out = backend.draft_loop_sampled(b.exit_layer, b.pending_dev, b.cache, place["positions"],
-                                             b.loop_head, k, b.stop_below, b.sampling)
+            out = backend.draft_loop_sampled(d.exit_layer, b.pending_dev, b.cache, positions, d.tensors, k,
+                                             d.stop_below, b.sampling)
             if out is not None:
                 drafts, q, hidden = out
                 out = drafts, hidden
@@ -191,29 +191,30 @@ class EarlyExitProposer:
         blocks [0, E), run first (`unrun` emptied, their exit states kept in `draft.hiddens`), then the
         head on the last one's exit state, masked by a grammar's `allowed` (B, V) where given. None when
         η stopped the round (no row's draft reaches it; `draft.stopped` set)."""
-        step = self._step(b, draft, unrun, allowed) if unrun and b.greedy_head is not None else None
+        step = self._step(b, draft, unrun, allowed) if unrun and b.greedy_tensors is not None else None
         if step is not None:  # one backend call: pass, exit block, head, mask, argmax, η
             token, sure = step
             unrun.clear()
             return self._stopped(draft) if not sure else token
         passes = self.passes
         # this step's input: the tokens since the last pass through blocks [0, E)
-        hidden, features = passes.forward(b, joined(unrun), draft.k + 1 - width(unrun), b.exit_layer)
+        hidden, features = passes.forward(b, joined(unrun), draft.k + 1 - width(unrun), b.drafting.exit_layer)
         draft.hiddens.append(hidden)  # (B, r, D), as features
         unrun.clear()
         # greedy: the backend's own choice where it has one, so every path drafts alike
-        chosen = (passes.backend.draft_choice(features[:, -1], b.greedy_head, allowed, b.stop_below)
-                  if b.greedy_head is not None else None)
+        greedy = b.greedy_tensors
+        chosen = (passes.backend.draft_choice(features[:, -1], greedy, allowed, b.drafting.stop_below)
+                  if greedy is not None else None)
         if chosen is not None:
             token, sure = chosen
             b.lap("draft passes")
             return self._stopped(draft) if not sure else token
-        logits = b.head.logits(features[:, -1])  # (B, V)
+        logits = b.drafting.head.logits(features[:, -1])  # (B, V)
         b.lap("draft passes")
         if allowed is not None:
             logits = apply_mask(logits, allowed)
             b.lap("grammar")
-        if b.stop_below and passes.unsure(b, logits):
+        if b.drafting.stop_below and passes.unsure(b, logits):
             b.lap("draft choice")
             return self._stopped(draft)
         token = passes.pick(b, logits, b.lengths_dev[:, None] + (draft.k + 1))  # at n + k + 1
@@ -233,8 +234,9 @@ class EarlyExitProposer:
         to `draft`; or None, nothing run."""
         tokens = joined(unrun)  # (B, r)
         place = self.passes.place(b, draft.k + 1 - tokens.shape[1], tokens.shape[1])
-        out = self.passes.backend.draft_step(b.exit_layer, tokens, b.cache, place["positions"], b.greedy_head,
-                                             b.exit_block, allowed, b.stop_below)
+        d = b.drafting
+        out = self.passes.backend.draft_step(d.exit_layer, tokens, b.cache, place["positions"],
+                                             b.greedy_tensors, d.exit_block, allowed, d.stop_below)
         if out is None:
             return None
         token, hidden, sure = out
@@ -246,13 +248,13 @@ class EarlyExitProposer:
 class ForcedProposer:
     """A grammar's forced tokens: the tokens every continuation the grammar allows begins with."""
 
-    def propose(self, state: RoundState, room: int) -> int:
-        """Up to `room` forced tokens of the rows' grammars after the drafts so far (consumed by them);
+    def propose(self, state: RoundState, k_left: int) -> int:
+        """Up to `k_left` forced tokens of the rows' grammars after the drafts so far (consumed by them);
         none where the round drafts no forced tokens (`Batch.forces`)."""
         b = state.b
         if not b.forces:
             return 0
-        forced = b.grammar.forced(room)  # (B, r)
+        forced = b.grammar.forced(k_left)  # (B, r)
         b.lap("grammar")
         if forced is None or not forced.shape[1]:
             return 0
@@ -268,15 +270,15 @@ class CopyProposer:
     def __init__(self, token_text: Callable[[], TokenText | None]):
         self.token_text = token_text
 
-    def propose(self, state: RoundState, room: int) -> int:
-        """A copy of up to `room` drafts, within what the round may still copy (`DraftPolicy.copy_limit`
+    def propose(self, state: RoundState, k_left: int) -> int:
+        """A copy of up to `k_left` drafts, within what the round may still copy (`DraftPolicy.copy_limit`
         less its copies so far): at the round's first position the plan's (`DraftPlan.copied`, looked up
         as the round was planned), after drafts the policy's copy after them (asked only of a policy that
         can copy there: it reads the drafts on the host); under a grammar `closed`."""
         b, draft, policy = state.b, state.draft, state.policy
         limit = policy.copy_limit()
         if limit is not None:
-            room = min(room, limit - sum(s.length for s in draft.segments if s.source == "copy"))
+            k_left = min(k_left, limit - sum(s.length for s in draft.segments if s.source == "copy"))
         if not draft.k:
             copy = state.plan.copied
         elif policy.copies if b.grammar is not None else policy.copies_after_early_exit:
@@ -284,7 +286,7 @@ class CopyProposer:
             b.lap("policy")
         else:
             return 0
-        copy = copy[:, :room]
+        copy = copy[:, :k_left]
         if copy.shape[1] and b.grammar is not None:
             copy = self.closed(b, copy)
         if not copy.shape[1]:
@@ -328,9 +330,9 @@ class RoundDrafter:
         self.copies = CopyProposer(token_text)
         self.forced = ForcedProposer()
 
-    def draft(self, b: Batch, plan: DraftPlan, policy: DraftPolicy, cap: int) -> Draft:
-        """The round's drafts, at most `cap`: first the free ones (a grammar's forced tokens, then the
-        plan's copy, see `free_drafts`), then up to `plan.extend` early-exit drafts, each followed by the
+    def draft(self, b: Batch, plan: DraftPlan, policy: DraftPolicy, k_max: int) -> Draft:
+        """The round's drafts, at most `k_max`: first the free ones (a grammar's forced tokens, then the
+        plan's copy, see `free_drafts`), then up to `plan.early_exit` early-exit drafts, each followed by the
         free drafts it makes possible: under a grammar its forced tokens (the early exit then goes on
         after them); when the policy turns the rest of the round into a copy (`DraftPolicy.copy_after`),
         the copy ends it. A policy that copies after early-exit drafts looks once, after the last of
@@ -338,11 +340,11 @@ class RoundDrafter:
         step. Tokens without an exit hidden state yet (the pending token, copied and
         forced drafts) run through blocks [0, E) together, in one parallel pass, when the early exit next
         needs their state; an early-exit draft keeps its own step's."""
-        state = RoundState(b, policy, plan, cap, unrun=[b.pending_dev[:, None]])
+        state = RoundState(b, policy, plan, k_max, unrun=[b.pending_dev[:, None]])
         copied = self.free_drafts(state)
-        left = 0 if copied and not plan.num_copied else plan.extend  # a copy found on the way ends it
-        while left and state.room > 0:
-            drafted = self.early_exit.propose(state, min(left, state.room))
+        left = 0 if copied and not plan.num_copied else plan.early_exit  # a copy found on the way ends it
+        while left and state.k_left > 0:
+            drafted = self.early_exit.propose(state, min(left, state.k_left))
             if not drafted or state.draft.stopped:  # η stopped the round
                 break
             left -= drafted
@@ -350,7 +352,7 @@ class RoundDrafter:
             # a copy after early-exit drafts is looked up once, after the last: one host read of the
             # drafts a round, and a backend that drafts the round in one call drafts alike.
             looks = b.forces or (policy.copies_after_early_exit and not left)
-            if state.room > 0 and looks and self.free_drafts(state):
+            if state.k_left > 0 and looks and self.free_drafts(state):
                 break  # a copy ends the round
         # The drafts after the last pass through blocks [0, E) are the verification's first part; when
         # η stopped the round every token already had that pass (B, 0), even with no early-exit draft.
@@ -366,9 +368,9 @@ class RoundDrafter:
         cost, and a chain of copies is rarely accepted to its end (a forced token is certain once the
         drafts before it are accepted). Whether a copy was added."""
         copied = False
-        while state.room > 0:
-            self.forced.propose(state, state.room)
-            if not self.copies.propose(state, state.room):
+        while state.k_left > 0:
+            self.forced.propose(state, state.k_left)
+            if not self.copies.propose(state, state.k_left):
                 break
             copied = True
             if state.b.grammar is None:  # unconstrained, one copy ends the free drafts

@@ -1,5 +1,10 @@
 """`Runner`: the round machinery of one model on one backend, which an `Engine` owns and steps.
 
+A generator keeps the model's runner; each engine steps a runner of its own (`for_engine`), which shares
+the model's parts (the passes, draft heads, grammar index, vocabulary text) and holds its own key/value
+buffers where the backend keeps them from call to call: two engines of one generator decode side by
+side, each what it decodes alone.
+
 A decode's state is a `Batch` (its running rows, their cache and settings); the runner makes and
 advances it: `start` allocates the cache and prefills the prompts, `join` prefills rows that join a
 running batch and appends them, `round` drafts (the proposers, `RoundDrafter`) and verifies (`Verifier`)
@@ -50,8 +55,9 @@ runs one round per call, and a stepped engine's (`engine(rounds_per_step=...)`: 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-import functools
+import weakref
 
 import numpy as np
 import torch
@@ -60,7 +66,7 @@ from ..backends import Backend, FusedDrafts
 from ..errors import UserError
 from ..model import DecoderView
 from ..sampling import RowSampling, SamplingParams
-from .batch import Batch
+from .batch import Batch, DeviceRows, Drafting
 from .cache import CachePool, KVCache
 from .draft_head import DraftHead, frequent_tokens
 from .grammar import GrammarTokenizer
@@ -82,7 +88,8 @@ class Runner:
     ids that end a row by default (the grammars' end); token_counts, exit_adapters: as
     `SelfSpecGenerator`'s (the draft heads' V' ranking, the adapters trained for exits); prefix_cache:
     a `PrefixCache` prompts prefill through, or None. `check_cache` (True until a caller sets it
-    False, as a timed run does): check every layer's cache length after every round."""
+    False, as a timed run does): check every layer's cache length after every round. An engine steps
+    a runner of its own (`for_engine`)."""
 
     def __init__(self, view: DecoderView, backend: Backend, tokenizer=None, eos: list[int] | None = None, *,
                  token_counts=None, exit_adapters: dict | None = None,
@@ -91,8 +98,10 @@ class Runner:
         self.passes = RoundPasses(view, backend)
         self.drafter = RoundDrafter(self.passes, token_text=lambda: self.token_text)  # the proposers
         self.verifier = Verifier(self.passes)
-        # a backend whose passes are captured writes the same buffers from call to call (`CachePool`)
-        self._pool = CachePool(backend.allocate) if backend.pools_caches else None
+        # a backend whose passes are captured writes the same buffers from call to call (`CachePool`):
+        # each engine's runner holds a pool of its own, taken from these and put back when it goes
+        self._pools: list[CachePool] = []
+        self._pool: CachePool | None = None
         # bf16/fp16: every decoding pass at one width (`model.fast.fixed_width`), so that a position
         # gets the same rounding alone (plain) as among k + 1 (verification); fp32 needs no help.
         self.fixed_width = view.dtype in (torch.bfloat16, torch.float16)
@@ -101,7 +110,19 @@ class Runner:
         self.prefix_cache = prefix_cache
         self.check_cache = True
         self._heads: dict[tuple[int, int], DraftHead] = {}  # (E, V') -> its draft head, built once
-        self._grammar_tokenizer: GrammarTokenizer | None = None
+        # built on first use, shared by every engine's runner: the grammars' index, the vocabulary's text
+        self._built: dict[str, object] = {}
+
+    def for_engine(self) -> Runner:
+        """A runner for one engine: this one's parts, shared, and on a backend that keeps key/value
+        buffers from call to call (`CachePool`) a pool no other live engine writes (the last engine's
+        that has gone, so a generator's calls one after another write the same addresses)."""
+        runner = copy.copy(self)
+        if self.backend.pools_caches:
+            pools = self._pools
+            runner._pool = pools.pop() if pools else CachePool(self.backend.allocate)
+            weakref.finalize(runner, pools.append, runner._pool)
+        return runner
 
     def draft_head(self, settings: DecodeSettings) -> DraftHead:
         """The draft head of `settings`: its E's MLP adapter, its V' ids."""
@@ -123,7 +144,7 @@ class Runner:
             return None
         return adapter
 
-    def round(self, b: Batch, plan: DraftPlan, policy: DraftPolicy, clock, cap: int):
+    def round(self, b: Batch, plan: DraftPlan, policy: DraftPolicy, clock, k_max: int):
         """One round for every row: draft, verify all drafts in one pass, accept a prefix.
 
         Returns decided (B, k+2): per row the tokens (k + 1) then the accepted count, three timestamps
@@ -132,27 +153,31 @@ class Runner:
         a rejection, the bonus after a full acceptance). k = 0 is one plain decoding step.
         """
         start = clock.mark()
-        draft = self.drafter.draft(b, plan, policy, cap)
+        draft = self.drafter.draft(b, plan, policy, k_max)
         drafted = clock.mark()
         decided = self.verifier.verify(b, draft)
         return decided, (start, drafted, clock.mark()), draft
 
-    @functools.cached_property
+    @property
     def token_text(self) -> TokenText | None:
-        """The vocabulary's pieces for copies matched on the text (`ngram.TokenText`); None without a
-        tokenizer."""
-        return TokenText(self.tokenizer) if self.tokenizer is not None else None
+        """The vocabulary's pieces for copies matched on the text (`ngram.TokenText`), built on first use;
+        None without a tokenizer."""
+        if self.tokenizer is None:
+            return None
+        if "token_text" not in self._built:
+            self._built["token_text"] = TokenText(self.tokenizer)
+        return self._built["token_text"]
 
     def grammar_tokenizer(self) -> GrammarTokenizer:
         """llguidance's index of the tokenizer (structured output), built on first use."""
-        if self._grammar_tokenizer is None:
-            self._grammar_tokenizer = GrammarTokenizer(self.tokenizer, self.view.vocab_size, self.eos)
-        return self._grammar_tokenizer
+        if "grammar" not in self._built:
+            self._built["grammar"] = GrammarTokenizer(self.tokenizer, self.view.vocab_size, self.eos)
+        return self._built["grammar"]
 
     def forget_compiled(self) -> None:
         """Forget the compiled constraints kept for reuse (an idle server's memory)."""
-        if self._grammar_tokenizer is not None:
-            self._grammar_tokenizer.forget_compiled()
+        if "grammar" in self._built:
+            self._built["grammar"].forget_compiled()
 
     def check_positions(self, prompt_length: int, max_new_tokens: int) -> None:
         """A UserError when a prompt and its token limit pass the model's positions."""
@@ -200,14 +225,12 @@ class Runner:
         seeds = np.array(self.seeds(seed, rows, all(p.greedy for p in params)), dtype=np.int64)
         b = Batch(cache=self.new_cache(self.view.num_layers + extra_layers, rows, capacity, role),
                    params=list(params), sampling=RowSampling.of(params, device, seeds),
-                   exit_layer=settings.exit_layer, head=head, exit_block=exit_block,
-                   loop_head=head.tensors() if exit_block is None and not settings.is_plain else None,
-                   step_head=head.tensors() if not settings.is_plain else None,
-                   stop_below=settings.stop_below, overlap=settings.overlap, grammar=None,
-                   forced=not settings.is_plain,
-                   steps=torch.arange(capacity, device=device), rows=np.arange(rows),
+                   drafting=Drafting(settings.exit_layer, head, exit_block,
+                                     None if settings.is_plain else head.tensors(), settings.stop_below,
+                                     settings.overlap, settings.fused, forced=not settings.is_plain),
+                   grammar=None, steps=torch.arange(capacity, device=device), rows=np.arange(rows),
                    lengths=np.zeros(rows, dtype=np.int64),
-                   pending_host=np.array([p[-1] for p in prompts], dtype=np.int64), seeds_host=seeds)
+                   pending=np.array([p[-1] for p in prompts], dtype=np.int64), seeds=seeds)
         b.upload(device)
         width = max(len(p) for p in prompts) - 1
         if self.prefix_cache is not None:
@@ -230,13 +253,13 @@ class Runner:
         cache = self.prefix_cache
         one = b if len(b.rows) == 1 else dataclasses.replace(
             b, cache=self.new_cache(b.cache.num_layers, 1, b.cache.capacity, "row"), rows=np.arange(1),
-            lengths=np.zeros(1, dtype=np.int64), pending_host=b.pending_host[row:row + 1],
-            seeds_host=b.seeds_host[row:row + 1], params=b.params[row:row + 1],
-            sampling=RowSampling.of(b.params[row:row + 1], self.view.device, b.seeds_host[row:row + 1]),
-            _shared=None, _host=None, _device=None, _copied=None)
+            lengths=np.zeros(1, dtype=np.int64), pending=b.pending[row:row + 1],
+            seeds=b.seeds[row:row + 1], params=b.params[row:row + 1],
+            sampling=RowSampling.of(b.params[row:row + 1], self.view.device, b.seeds[row:row + 1]),
+            on_device=DeviceRows())
         if one is not b:
             one.upload(self.view.device)
-        layout = cache.layout(self.view.model, b.exit_block, one.cache.num_layers)
+        layout = cache.layout(self.view.model, b.drafting.exit_block, one.cache.num_layers)
         hits, loaded = cache.match(layout, tokens), 0
         for chunk in hits:
             one.cache.write_slots(0, loaded, chunk.keys, chunk.values)
@@ -254,7 +277,7 @@ class Runner:
         passes), at the backend's capacity bucket on the pool's buffers of its `role` (`CachePool`: the
         call's own "batch", rows "joining" it, a "row" prefilled alone), which the next call writes
         again: captured passes are specific to the shapes and, under CUDA graphs, to the addresses of
-        the buffers they write. So such a generator decodes one call at a time."""
+        the buffers they write. Each engine's runner has a pool of its own (`for_engine`)."""
         if self._pool is None:
             return KVCache(layers, rows, capacity)
         return self._pool.cache(layers, rows, self.backend.capacity(capacity), role)
@@ -262,7 +285,7 @@ class Runner:
     def advance(self, b: Batch, tokens: np.ndarray, emit: np.ndarray, keep: np.ndarray) -> None:
         """Keep each row's emitted tokens (the last becomes pending, the cache rolls back to the rest),
         then drop finished rows from the batch so that no round is spent on them."""
-        b.pending_host = tokens[np.arange(len(emit)), emit - 1]  # every running row emits >= 1 token
+        b.pending = tokens[np.arange(len(emit)), emit - 1]  # every running row emits >= 1 token
         b.lengths = b.lengths + emit
         b.cache.rollback(b.lengths)
         self.keep_rows(b, keep)
@@ -278,13 +301,14 @@ class Runner:
 
     def fuses(self, b: Batch, policy: DraftPolicy, rounds_per_call: int) -> bool:
         """Whether a row's rounds may run several in one call of the backend (`fused_rounds`): a backend
-        with fused rounds, no exit block, a policy whose rounds fuse (`DraftPolicy.fuses`), and early-exit
-        drafts only with a head the compiled draft loop reads. A round asks besides that its batch is one
-        row without a grammar, greedy or sampled at a fixed k (`Engine`'s `_fused_rounds`): rows join and
-        leave."""
-        if not self.backend.fused_rounds or b.exit_block is not None:
+        with fused rounds and settings that take them (`DecodeSettings.fused`), no exit block, a policy
+        whose rounds fuse (`DraftPolicy.fuses`), and early-exit drafts only with a head the compiled draft
+        loop reads. A round asks besides that its batch is one row without a grammar, greedy or sampled at
+        a fixed k (`Engine`'s `_fused_rounds`): rows join and leave."""
+        if not (self.backend.fused_rounds and b.drafting.fused) or b.drafting.exit_block is not None:
             return False
-        return policy.fuses(rounds_per_call) and (not policy.drafts_early_exit or b.loop_head is not None)
+        reads_head = b.drafting.tensors is not None
+        return policy.fuses(rounds_per_call) and (not policy.drafts_early_exit or reads_head)
 
     def fused_rounds(self, b: Batch, drafts: FusedDrafts, eos: np.ndarray, max_tokens: int,
                      max_rounds: int, stats: GenerationStats, policy: DraftPolicy,
@@ -294,13 +318,13 @@ class Runner:
         recorded in `stats` and shown to `policy` as the rounds from Python record them: (tokens (1, t)
         the row kept, emit (1,) = t, finished (1,): an eos or `max_tokens` reached, the call's
         `RoundCounts`), or None, nothing run, where the backend declines."""
-        k = drafts.k
-        head = b.loop_head if k else b.head.tensors()
+        k, d = drafts.k, b.drafting
+        head = d.tensors if k else d.head.tensors()
         if head is None:
             return None
-        drafts = dataclasses.replace(drafts, exit_layer=b.exit_layer, head=head, eta=b.stop_below)
-        overlap = b.overlap and policy.overlaps(b.rows)  # where the measured costs say it pays
-        out = self.backend.greedy_rounds(int(b.pending_host[0]), b.cache, int(b.lengths[0]), drafts,
+        drafts = dataclasses.replace(drafts, exit_layer=d.exit_layer, head=head, stop_below=d.stop_below)
+        overlap = d.overlap and policy.overlaps(b.rows)  # where the measured costs say it pays
+        out = self.backend.greedy_rounds(int(b.pending[0]), b.cache, int(b.lengths[0]), drafts,
                                          torch.from_numpy(eos), max_tokens, max_rounds, overlap,
                                          None if b.sampling.all_greedy else b.sampling)
         if out is None:
@@ -350,23 +374,6 @@ class Runner:
             hit_eos = hits.any(1)
             emit = np.where(hit_eos, hits.argmax(1) + 1, emit)
         return emit, hit_eos | (counts + emit >= max_new_tokens)
-
-    def cut_at_stop_strings(self, stops, generated, rows, counts, emit) -> np.ndarray:
-        """Shorten `emit` (in place) to end at the token completing one of its row's stop strings (`stops`,
-        a tuple per slot); the slots that stop."""
-        stopped = np.zeros(len(emit), dtype=bool)
-        for slot, row in enumerate(rows):
-            if not stops[slot]:
-                continue
-            tokens = generated[row, :counts[slot] + emit[slot]].tolist()
-            if not any(s in self.tokenizer.decode(tokens) for s in stops[slot]):
-                continue
-            for end in range(counts[slot] + 1, len(tokens) + 1):
-                if any(s in self.tokenizer.decode(tokens[:end]) for s in stops[slot]):
-                    emit[slot] = end - counts[slot]
-                    stopped[slot] = True
-                    break
-        return stopped
 
     @staticmethod
     def seeds(seed, rows: int, greedy: bool) -> list[int]:

@@ -23,7 +23,8 @@ from .policy import DRAFTERS, DraftPolicy, make_policy
 
 ADAPTIVE_K = ("auto", "window")  # draft lengths chosen per round by a controller (see controller.py)
 # as selfspec.json names them
-FIELDS = ("drafter", "exit_layer", "num_speculations", "draft_vocab_size", "stop_below", "ngram", "overlap")
+FIELDS = ("drafter", "exit_layer", "num_speculations", "draft_vocab_size", "stop_below", "ngram", "overlap",
+          "fused")
 
 
 def parse_num_speculations(value) -> int | str:
@@ -57,6 +58,11 @@ class DecodeSettings:
         one row, the CPU kernels' rounds in one call (`backends.cpu_rounds.greedy_rounds`). Each pass then
         runs on one thread, so it pays where one thread runs a pass nearly as fast as all of them (a
         small model on a few cores); the same drafts, tokens and statistics either way.
+    fused: a lone unconstrained row's rounds run many in one compiled call where the backend has them
+        (`Backend.greedy_rounds`); False: each round from Python. The same rounds either way (the
+        tests hold them round for round); which is faster depends on the drafter and the model (the
+        fused loop adapts k and copy lengths between calls, the Python round between rounds), so
+        `selfspec eval sweep` times its picks both ways and stores the faster.
     """
 
     drafter: str = "early_exit"
@@ -66,6 +72,7 @@ class DecodeSettings:
     stop_below: float = 0.0
     ngram: NGramConfig = field(default_factory=NGramConfig)
     overlap: bool = False
+    fused: bool = True
 
     def __post_init__(self):
         if self.drafter not in DRAFTERS:
@@ -82,15 +89,16 @@ class DecodeSettings:
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise UserError(f"draft_vocab_size must be an int >= 0 (0: the whole head), got {size!r}")
         object.__setattr__(self, "draft_vocab_size", size)
-        eta = self.stop_below
-        if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not 0 <= eta < 1:
+        value = self.stop_below
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
             raise UserError(f"stop_below (η) must be a number in [0, 1) (0: never stop drafting), "
-                            f"got {eta!r}")
-        object.__setattr__(self, "stop_below", float(eta))
+                            f"got {value!r}")
+        object.__setattr__(self, "stop_below", float(value))
         if not isinstance(self.ngram, NGramConfig):
             raise UserError(f"ngram must be an NGramConfig, got {self.ngram!r}")
-        if not isinstance(self.overlap, bool):
-            raise UserError(f"overlap must be true or false, got {self.overlap!r}")
+        for name in ("overlap", "fused"):
+            if not isinstance(getattr(self, name), bool):
+                raise UserError(f"{name} must be true or false, got {getattr(self, name)!r}")
 
     @property
     def is_plain(self) -> bool:
@@ -100,7 +108,7 @@ class DecodeSettings:
     def override(self, *, drafter: str | None = None, exit_layer: int | None = None, num_speculations=None,
                  draft_vocab_size: int | None = None, stop_below: float | None = None,
                  ngram: NGramConfig | None = None, min_ngram: int | None = None,
-                 overlap: bool | None = None) -> DecodeSettings:
+                 overlap: bool | None = None, fused: bool | None = None) -> DecodeSettings:
         """A copy with the given fields changed; None keeps a field. `min_ngram` moves the copy
         threshold (and raises `max_ngram` to it when needed; `max_copy` stays) of `ngram`, the copy
         settings (`NGramConfig`)."""
@@ -108,7 +116,7 @@ class DecodeSettings:
                                                    ("num_speculations", num_speculations),
                                                    ("draft_vocab_size", draft_vocab_size),
                                                    ("stop_below", stop_below), ("ngram", ngram),
-                                                   ("overlap", overlap))
+                                                   ("overlap", overlap), ("fused", fused))
                    if value is not None}
         if min_ngram is not None:
             old = changes.get("ngram", self.ngram)
@@ -136,14 +144,14 @@ class DecodeSettings:
             parts += ["overlapped"] if self.overlap else []
         if self.drafter != "early_exit":
             parts.append(f"min_ngram = {self.ngram.min_ngram}")
-        return ", ".join(parts)
+        return ", ".join(parts + ([] if self.fused else ["rounds from Python"]))
 
     def to_json(self) -> dict:
         """The fields as `selfspec.json` stores them (top level, and each entry of "fastest")."""
         return {"drafter": self.drafter, "exit_layer": self.exit_layer,
                 "num_speculations": self.num_speculations,
                 "draft_vocab_size": self.draft_vocab_size, "stop_below": self.stop_below,
-                "ngram": self.ngram.as_dict(), "overlap": self.overlap}
+                "ngram": self.ngram.as_dict(), "overlap": self.overlap, "fused": self.fused}
 
     @classmethod
     def from_json(cls, entry: dict, default: DecodeSettings | None = None) -> DecodeSettings:

@@ -115,7 +115,8 @@ class SelfSpecGenerator:
         # `load_tuned` sets), or None: with them each round's k passes a `CostGate`, which drafts only
         # where drafting pays at the row's context length and takes plain steps elsewhere
         self.round_costs: RoundCosts | None = None
-        # the round machinery, one per model: its caches, draft heads and compiled grammars are reused
+        # the model's round machinery: its draft heads and compiled grammars are reused; each engine steps
+        # a runner of its own (`Runner.for_engine`)
         self.runner = Runner(view, self.backend, tokenizer, self._eos_ids(None).tolist(),
                              token_counts=token_counts, exit_adapters=exit_adapters,
                              prefix_cache=prefix_cache)
@@ -223,7 +224,7 @@ class SelfSpecGenerator:
                               self._eos_ids(config.eos_token_id), stops, config.seed,
                               grammar=constraints is not None, draft_max_rows=config.draft_max_rows,
                               watched=streamer is not None or bool(stops), profile=config.profile)
-        engine = Engine(self.runner, policy, options)
+        engine = Engine(self.runner.for_engine(), policy, options)
         stream = _RowOrderStream(streamer, prompts) if streamer is not None else None
         if config.max_new_tokens > 0:
             for row, prompt in enumerate(prompts):
@@ -239,7 +240,8 @@ class SelfSpecGenerator:
             return engine.output()
         return GenerationOutput([[] for _ in prompts], engine.stats,
                                 [""] * len(prompts) if self.tokenizer else None,
-                                None if constraints is None else [c is None for c in constraints])
+                                None if constraints is None else [c is None for c in constraints],
+                                ["length"] * len(prompts))
 
     def engine(self, settings: DecodeSettings | None = None, *, sampling: SamplingParams | None = None,
                eos_token_id=None, structured: bool = False, rounds_per_step: int = 1,
@@ -256,7 +258,7 @@ class SelfSpecGenerator:
         options = CallOptions(settings, sampling or SamplingParams(), self._eos_ids(eos_token_id),
                               grammar=structured, rounds_per_step=rounds_per_step,
                               draft_max_rows=draft_max_rows)
-        return Engine(self.runner, policy, options)
+        return Engine(self.runner.for_engine(), policy, options)
 
     def chat(self, messages, **kwargs) -> GenerationOutput:
         """Reply to a conversation, a list of {"role", "content"} messages (or to a list of
@@ -265,9 +267,7 @@ class SelfSpecGenerator:
         if not messages:
             raise UserError("chat needs a conversation: a list of {'role', 'content'} messages")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        out = self.generate([self.chat_prompt(c) for c in conversations], **kwargs)
-        out.texts = [self.tokenizer.decode(s, skip_special_tokens=True) for s in out.sequences]
-        return out
+        return self.generate([self.chat_prompt(c) for c in conversations], **kwargs)
 
     def chat_prompt(self, messages: list[dict]) -> list[int]:
         """The token ids of one conversation through the chat template, ending with the generation

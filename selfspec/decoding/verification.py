@@ -45,10 +45,11 @@ class Verifier:
         if not draft.hiddens:  # no early-exit draft: every block at once
             hidden = self.passes.run(b, draft.tail, 0, num_layers)  # (B, k+1, D)
         else:
-            tail = [self.passes.run(b, draft.tail, done, b.exit_layer)] if draft.tail.shape[1] else []
+            exit_layer = b.drafting.exit_layer
+            tail = [self.passes.run(b, draft.tail, done, exit_layer)] if draft.tail.shape[1] else []
             hidden = torch.cat([*draft.hiddens, *tail], 1)  # (B, k+1, D)
-            if b.exit_layer < num_layers:
-                hidden = view.run_layers(hidden, b.exit_layer, num_layers, **self.passes.place(b, 0, k + 1))
+            if exit_layer < num_layers:
+                hidden = view.run_layers(hidden, exit_layer, num_layers, **self.passes.place(b, 0, k + 1))
         p_logits = view.exit_logits(hidden)  # (B, k+1, V)
         if allowed is not None:  # the target at each drafted prefix, masked by the grammar there
             p_logits = apply_mask(p_logits, allowed)
@@ -90,12 +91,12 @@ class Verifier:
             return backend.verify_sampled(start, num_layers, b.cache, positions, draft.tokens, q, b.sampling,
                                           allowed=allowed, **source)
 
-        if not draft.hiddens and b.exit_block is None:  # a whole-model call
+        if not draft.hiddens and b.drafting.exit_block is None:  # a whole-model call
             return call(0, tokens=draft.tail)
         if draft.tail.shape[1]:  # through blocks [0, E) from Python: an exit block writes its cache there
-            draft.hiddens.append(self.passes.run(b, draft.tail, done, b.exit_layer))
+            draft.hiddens.append(self.passes.run(b, draft.tail, done, b.drafting.exit_layer))
             draft.tail = draft.tail[:, :0]
-        return call(b.exit_layer, hidden=joined(draft.hiddens))  # (B, k+1, D)
+        return call(b.drafting.exit_layer, hidden=joined(draft.hiddens))  # (B, k+1, D)
 
 
 __all__ = ["Verifier"]

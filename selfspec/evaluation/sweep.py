@@ -4,7 +4,9 @@ The grid: plain decoding (k = 0) once; early-exit drafting at every exit layer E
 draft-head size V'; the hybrid drafter (copies from the context, the early exit otherwise) at every
 E × k × V' × copy threshold (`min_ngram`); the n-gram drafter alone at every threshold; where
 overlapped rounds can run (`overlap_applies`), each early-exit and hybrid cell both with and without
-them (`DecodeSettings.overlap`: which is faster depends on how much a pass loses on one thread). The engine
+them (`DecodeSettings.overlap`: which is faster depends on how much a pass loses on one thread); where a
+row's rounds run many in one compiled call, each drafter's pick is re-timed with its rounds from Python
+too (`DecodeSettings.fused`, `with_python_rounds`). The engine
 decodes the same prompts greedily at batch 1 with each setting. Every round visits all settings,
 the order rotating from round to round (interleaved, so drift hits all alike); each setting's
 tokens/s is the median over rounds. Per (E, V') it reports α and the draft cost c (draft step ÷
@@ -77,10 +79,10 @@ def grid_settings(base: DecodeSettings, exit_layers, ks, drafters, vocabs, min_n
         for e in exit_layers:
             for v in vocabs:
                 for k in ks:
-                    for eta in stop_belows:
+                    for stop_below in stop_belows:
                         for overlap in overlaps:
                             cell = base.override(drafter=drafter, exit_layer=e, num_speculations=k,
-                                                 draft_vocab_size=v, stop_below=eta, overlap=overlap)
+                                                 draft_vocab_size=v, stop_below=stop_below, overlap=overlap)
                             settings += ([cell.override(min_ngram=n) for n in min_ngrams]
                                          if drafter == "hybrid" else [cell])
     return settings
@@ -129,12 +131,28 @@ def confirm_candidates(rows: list[dict], confirm: int) -> list[dict]:
     return [row for own in picked.values() for row in own]
 
 
-def overlap_applies(device, structured: bool) -> bool:
-    """Whether overlapped rounds can run: on the CPU with its compiled rounds
-    (`backends.cpu_rounds.greedy_rounds`) and two threads or more, without a grammar (constrained rounds run
+def fused_applies(device, structured: bool) -> bool:
+    """Whether a row's rounds can run many in one compiled call (`DecodeSettings.fused`): on the CPU with
+    its compiled rounds (`backends.cpu_rounds.greedy_rounds`), without a grammar (constrained rounds run
     from Python)."""
-    return (torch.device(device).type == "cpu" and not structured and torch.get_num_threads() >= 2
-            and round_kernels.greedy_rounds() is not None)
+    return torch.device(device).type == "cpu" and not structured and round_kernels.greedy_rounds() is not None
+
+
+def overlap_applies(device, structured: bool) -> bool:
+    """Whether overlapped rounds can run: where fused rounds can (`fused_applies`), on two threads or
+    more."""
+    return fused_applies(device, structured) and torch.get_num_threads() >= 2
+
+
+def with_python_rounds(candidates: list[dict]) -> list[dict]:
+    """`candidates` (grid rows, each drafter's fastest first), and each drafter's first again with its
+    rounds from Python (`DecodeSettings.fused` False; not an overlapped one, which only a compiled call
+    runs): which is faster depends on the drafter and the model (docs/performance.md, "The fused loop
+    against Python rounds"), so the re-timing decides."""
+    firsts = {}
+    for row in candidates:
+        firsts.setdefault(row["drafter"], row)
+    return candidates + [{**row, "fused": False} for row in firsts.values() if not row.get("overlap")]
 
 
 def settings_of(row: dict) -> DecodeSettings:
@@ -190,8 +208,8 @@ def run_sweep(checkpoint: LoadedCheckpoint, prompts: list[list[int]], exit_layer
         return out.sequences, out.stats
 
     device = generator.view.device
-    overlaps = (False, True) if overlap_applies(device, any(isinstance(p, Structured) for p in prompts)) \
-        else (False,)
+    structured = any(isinstance(p, Structured) for p in prompts)
+    overlaps = (False, True) if overlap_applies(device, structured) else (False,)
     settings = grid_settings(base, exit_layers, grid.ks, grid.drafters, grid.draft_vocab_sizes,
                              grid.min_ngrams, grid.stop_belows, overlaps)
     plain = settings[0]
@@ -201,6 +219,8 @@ def run_sweep(checkpoint: LoadedCheckpoint, prompts: list[list[int]], exit_layer
     lossless = [row for row in rows if row["identical_to_plain"] is not False]
     if grid.confirm:
         candidates = confirm_candidates(lossless, grid.confirm)
+        if fused_applies(device, structured):
+            candidates = with_python_rounds(candidates)
         cells = [settings_of(row) for row in candidates]
         again = interleaved_rates([plain, *cells], run, [[p] for p in prompts], grid.confirm_repeats,
                                   grid.warmup, device, "confirm" if progress else None)
@@ -249,8 +269,8 @@ def _check_grid(grid: SweepGrid, exit_layers: list[int], num_layers: int, prompt
                         f"({grid.repeats}), confirm >= 0 ({grid.confirm}), confirm_repeats >= 1 "
                         f"({grid.confirm_repeats}) and a prompt ({len(prompts)})")
     check_drafters(grid.drafters, grid.draft_vocab_sizes, grid.min_ngrams, token_counts)
-    for eta in grid.stop_belows:
-        DecodeSettings(stop_below=eta)  # validates
+    for stop_below in grid.stop_belows:
+        DecodeSettings(stop_below=stop_below)  # validates
 
 
 def _grid_rows(timings: Timings, settings: list[DecodeSettings], exit_layers: list[int],

@@ -59,9 +59,9 @@ class Metrics:
         for job in jobs:
             self.prompt_tokens.inc(len(job.prompt))
             self.completion_tokens.inc(len(job.tokens))
-            self.passes.inc(job.passes)
+            self.passes.inc(job.rounds)
             self._tokens += len(job.tokens)
-            self._passes += job.passes
+            self._passes += job.rounds
             if job.first_token is not None:
                 self.first_token.observe(job.first_token - job.submitted)
             if job.finished is not None:

@@ -8,8 +8,9 @@ step jobs that arrived since join it, prefilled apart, up to `max_batch` running
 different numbers of drafts each round, and a row's tokens do not depend on the other rows nor on when
 it joined (greedy; sampled rows each draw from their own seed where their rounds depend on them alone:
 the early exit at a fixed k). After every step each job takes its row's new tokens (`RoundOutput`),
-streams the text it can already show, and when it is done (its own `max_tokens`, a stop string, or a
-client that went away) its row is cancelled, leaving before the next round. The wave ends when no row
+streams the text the engine says it can already show (`Engine.text`), and when it is done (the engine
+ended its row: its own `max_tokens`, an eos, a stop string; or a client that went away, whose row is
+cancelled) its row leaves before the next round. The wave ends when no row
 runs and no job can join; the next waiting job starts the next.
 
 A row that fails its wave fails only itself: when a step raises, the wave's unfinished jobs decode
@@ -33,11 +34,12 @@ import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..decoding import Constraint, NewRow, SamplingParams, sampled_pick
+from ..decoding import Constraint, NewRow, RoundOutput, SamplingParams, sampled_pick
 from ..decoding.engine import ADAPT_ROUNDS
 from ..errors import UserError
 
@@ -116,12 +118,12 @@ class Job:
     loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue | None = None  # ("text", str), then ("done", reason) or ("error", message, status)
     tokens: list[int] = field(default_factory=list)
-    text: str = ""  # the output's text, cut at a stop string
+    text: str = ""  # the output's text (ending before a stop string), as far as it was shown
     sent: int = 0  # characters of `text` already sent as events
     shown_at: float = 0.0  # when text was last sent
     finish_reason: str | None = None  # "stop" or "length" once done
     cancelled: bool = False  # set by the server when the client goes away
-    passes: int = 0  # full-model passes (rounds) this row took part in
+    rounds: int = 0  # rounds (one full-model pass each) this row took part in
     drafted: int = 0  # drafts verified for this row, and how many were accepted
     accepted: int = 0
     submitted: float = field(default_factory=time.perf_counter)
@@ -156,56 +158,42 @@ class Job:
         return SamplingParams(self.temperature, self.top_k, self.top_p)
 
     def row(self) -> NewRow:
-        """This job as a request to the wave's engine (`Engine.add`): its prompt, limit, seed, schema and
-        sampling settings, its own whatever its batch-mates ask."""
+        """This job as a request to the wave's engine (`Engine.add`): its prompt, limit, seed, schema,
+        sampling settings and stop strings, its own whatever its batch-mates ask."""
         return NewRow(self.prompt, self.max_tokens, self.draw if self.seed is None else self.seed,
                       None if self.schema is None else Constraint.of(json_schema=self.schema),
-                      sampling=self.sampling)
+                      sampling=self.sampling, stop_strings=tuple(self.stops))
 
     def _send(self, *event) -> None:
         if self.loop is not None:
             _outbox(self.loop).put(self.events, event)
 
-    def take(self, tokens: list[int], passes: int, drafted: int, accepted: int, engine_done: bool, eos: set,
-             decode) -> bool:
-        """The tokens of this row's latest rounds (decode thread): `passes` rounds that verified
-        `drafted` drafts and accepted `accepted`. True when the row is done. `engine_done`: the engine
-        ended the row (eos, a complete grammar, the wave's token limit). The text goes out at once
-        when it starts, then at most every `STREAM_SECONDS` until the row ends (see there)."""
+    def take(self, out: RoundOutput, text: Callable[[], str]) -> bool:
+        """The row's latest step (decode thread): its `RoundOutput` (the new tokens, the rounds, drafts and
+        acceptances behind them, why the row finished if it did: the engine cuts a row at its limit, an
+        eos, a complete grammar or a stop string) and `text`, which gives the row's text so far
+        (`Engine.text`: ending before a stop string; while the row runs, only what later tokens cannot
+        change). True when the row is done. The text goes out at once when it starts, then at most every
+        `STREAM_SECONDS` until the row ends (see there)."""
         if self.finish_reason is not None:
             return True
         if self.cancelled:
             return self.end("cancelled")
         now = time.perf_counter()
-        if self.first_token is None and tokens:
+        if self.first_token is None and out.tokens:
             self.first_token = now
-        self.passes += passes
-        self.drafted += drafted
-        self.accepted += accepted
-        self.tokens += tokens[:self.max_tokens - len(self.tokens)]
-        # why the row ends, if it does: "stop" at eos or a complete grammar (the engine ended it short
-        # of max_tokens), "length" at max_tokens
-        hit_eos = bool(self.tokens) and self.tokens[-1] in eos
-        short = len(self.tokens) < self.max_tokens
-        reason = "stop" if hit_eos or (engine_done and short) else None if short else "length"
-        if reason is None and not self.stops and self.sent and now - self.shown_at < STREAM_SECONDS:
+        self.rounds += out.rounds
+        self.drafted += out.drafted
+        self.accepted += out.accepted
+        self.tokens += out.tokens
+        if not out.finished and self.sent and now - self.shown_at < STREAM_SECONDS:
             return False  # not due: the text is decoded only when it goes out
-        text = decode(self.tokens)
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            self.text = text[:min(hits)]
-            return self.end("stop")
-        self.text = text
-        if reason is not None:
-            return self.end(reason)
-        # hold back what a stop string may still claim, and a character cut in half
-        hold = max((len(s) - 1 for s in self.stops), default=0)
-        shown = len(text) - hold
-        while shown > self.sent and text[shown - 1] == "\ufffd":
-            shown -= 1
-        if shown > self.sent and (not self.sent or now - self.shown_at >= STREAM_SECONDS):
-            self._send("text", text[self.sent:shown])
-            self.sent, self.shown_at = shown, now
+        self.text = text()
+        if out.finished:
+            return self.end(out.finish_reason)
+        if len(self.text) > self.sent:
+            self._send("text", self.text[self.sent:])
+            self.sent, self.shown_at = len(self.text), now
         return False
 
     def end(self, reason: str) -> bool:
@@ -232,12 +220,12 @@ class Job:
         A greedy row's tokens are the same in any batch: the text already sent is not sent again."""
         if not self.sampling.greedy and self.sent:
             return False
-        self.tokens, self.passes, self.drafted, self.accepted = [], 0, 0, 0
+        self.tokens, self.rounds, self.drafted, self.accepted = [], 0, 0, 0
         return True
 
     def stats(self, drafter: str) -> dict:
         """The `selfspec` field of a response: this row's acceptance and tokens per full pass."""
-        return {"drafter": drafter, "tokens_per_pass": len(self.tokens) / max(1, self.passes),
+        return {"drafter": drafter, "tokens_per_pass": len(self.tokens) / max(1, self.rounds),
                 "alpha": self.accepted / self.drafted if self.drafted else None}
 
 
@@ -288,9 +276,6 @@ class Scheduler:
         self.ready = threading.Condition()
         self.closing = False
         self.thread: threading.Thread | None = None
-        tokenizer = generator.tokenizer
-        self.decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
-        self.eos = set(generator.eos_token_ids)
         self.limit = generator.view.max_positions
         self.vocab = getattr(generator.view, "vocab_size", None)
         self.largest_wave = 0
@@ -423,8 +408,8 @@ class Scheduler:
 
     def _decode(self, wave: list[Job], admitting: bool = True) -> None:
         """Decode `wave` on one engine (`decoding.Engine`), stepped here: waiting jobs join it at round
-        boundaries while `admitting`, a job whose client went away or whose text ended (a stop
-        string) is cancelled; when a step fails, `_isolate` finds the failing row."""
+        boundaries while `admitting`, a job whose client went away is cancelled; when a step fails,
+        `_isolate` finds the failing row."""
         self.largest_wave = max(self.largest_wave, len(wave))
         self.active = wave
         failure, out = None, None
@@ -441,11 +426,10 @@ class Scheduler:
                     break
                 outputs = engine.step()
                 if len(outputs) == 1 and last is not None:
-                    self._pace(time.perf_counter() - last, outputs[0].passes)
+                    self._pace(time.perf_counter() - last, outputs[0].rounds)
                 for o in outputs:
-                    ended = jobs[o.row].take(o.tokens, o.passes, o.drafted, o.accepted, o.finished, self.eos,
-                                             self.decode)
-                    if ended and not o.finished:  # its client left, or its text reached a stop string
+                    ended = jobs[o.row].take(o, lambda row=o.row: engine.text(row))
+                    if ended and not o.finished:  # its client left
                         engine.cancel(o.row)
                 last = time.perf_counter() if len(outputs) == 1 else None
             out = engine.output()

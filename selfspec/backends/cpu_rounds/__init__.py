@@ -20,25 +20,26 @@ from ...model import kernels
 
 def draft_loop() -> Callable | None:
     """The compiled `draft_loop(blocks, embed, token, keys, values, start, cos, sin, norm, eps, head, bias,
-    ids, vocab, k, eta) -> [drafts (B, s), hidden (B, s + 1, D)]` (greedy early-exit drafts: k steps of
-    `blocks_pass` over blocks [0, E), the draft head and the argmax, stopping below eta; [] where
+    ids, vocab, k, stop_below) -> [drafts (B, s), hidden (B, s + 1, D)]` (greedy early-exit drafts: k steps of
+    `blocks_pass` over blocks [0, E), the draft head and the argmax, stopping below stop_below; [] where
     `blocks_pass` declines), or None where the kernels are not available."""
     module = kernels.extension()
     return None if module is None else module.draft_loop
 
 
 def draft_choice() -> Callable | None:
-    """The compiled `draft_choice(h (B, D), norm, eps, head (V', D), bias, ids, vocab, allowed, eta) ->
+    """The compiled `draft_choice(h (B, D), norm, eps, head (V', D), bias, ids, vocab, allowed, stop_below) ->
     [draft (B,), top (B,)]` (greedy drafts from exit states: the final norm, the draft head, a grammar's
     mask (B, V) and the first maximum by token id in one pass, with each draft's probability for η
-    where eta > 0), or None where the kernels are not available."""
+    where stop_below > 0), or None where the kernels are not available."""
     module = kernels.extension()
     return None if module is None else module.draft_choice
 
 
 def draft_step() -> Callable | None:
     """The compiled `draft_step(blocks, extra, embed, tokens, keys, values, start, cos, sin, mask_value, norm,
-    eps, head, bias, ids, vocab, allowed, eta, row_starts) -> [draft (B,), hidden (B, T, D), sure (1,)]`
+    eps, head, bias, ids, vocab, allowed, stop_below, row_starts) -> [draft (B,), hidden (B, T, D), sure
+    (1,)]`
     (one greedy early-exit step: `blocks_pass` over blocks [0, E), then the exit blocks `extra`, the
     draft head, a grammar's mask and the argmax; [] where `blocks_pass` declines), or None where the
     kernels are not available."""
@@ -57,8 +58,8 @@ def verify_greedy() -> Callable | None:
 
 def draft_loop_sampled() -> Callable | None:
     """The compiled `draft_loop_sampled(blocks, embed, token, keys, values, start, cos, sin, norm, eps, head,
-    bias, ids, vocab, k, eta, sampling, positions, row_starts, mask_value) -> [drafts (B, s), q (B, s, V),
-    hidden (B, s + 1, D)]` (`draft_loop` with each row's draft drawn by its own settings, `sampling`
+    bias, ids, vocab, k, stop_below, sampling, positions, row_starts, mask_value) -> [drafts (B, s), q (B, s,
+    V), hidden (B, s + 1, D)]` (`draft_loop` with each row's draft drawn by its own settings, `sampling`
     `RowSampling.tensors()`, at its DRAFT numbers; a greedy row's argmax), or None where the kernels are not
     available."""
     module = kernels.extension()
@@ -76,7 +77,7 @@ def verify_sampled() -> Callable | None:
 
 def greedy_rounds() -> Callable | None:
     """The compiled `greedy_rounds(blocks, exit_layer, embed, keys, values, start, token, cos, sin,
-    mask_value, norm, eps, head, bias, draft_head, draft_bias, ids, vocab, k, eta, eos, max_tokens,
+    mask_value, norm, eps, head, bias, draft_head, draft_bias, ids, vocab, k, stop_below, eos, max_tokens,
     max_rounds, history, min_ngram, max_ngram, copy_limit, overlap, sampling) -> [tokens (t,), rounds (R, 5),
     seconds (R, 2)]` (one row's rounds at a fixed k: `draft_loop` and `verify_greedy` each round, or with
     `sampling` (the row's `RowSampling.tensors()`; [] greedy) `draft_loop_sampled` and `verify_sampled`; with

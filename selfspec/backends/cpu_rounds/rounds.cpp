@@ -127,11 +127,11 @@ void draft_logits(const T* h, int64_t batch, int64_t d, const T* norm, float eps
 // `choose_drafts` on exit states h (B, D) with the final norm `norm` and the draft head `head` (V', D)
 // (+ `bias`; `ids` (V',) the token ids of a trimmed head's rows, else V' = V), a grammar's masks
 // `allowed` (B, V) bool or none, all in h's dtype. Returns {draft (B,) int64, top (B,) fp32: each
-// draft's probability, zeros for eta <= 0 (not computed)}.
+// draft's probability, zeros for stop_below <= 0 (not computed)}.
 std::vector<torch::Tensor> draft_choice(const torch::Tensor& h, const torch::Tensor& norm, double eps,
                                         const torch::Tensor& head, const c10::optional<torch::Tensor>& bias,
                                         const c10::optional<torch::Tensor>& ids, int64_t vocab,
-                                        const c10::optional<torch::Tensor>& allowed, double eta) {
+                                        const c10::optional<torch::Tensor>& allowed, double stop_below) {
   TORCH_CHECK(h.dim() == 2 && head.dim() == 2 && head.size(1) == h.size(1), "h (B, D) and head (V', D)");
   TORCH_CHECK(h.scalar_type() == head.scalar_type() && norm.scalar_type() == head.scalar_type() &&
                   (!bias.has_value() || bias->scalar_type() == head.scalar_type()),
@@ -152,7 +152,7 @@ std::vector<torch::Tensor> draft_choice(const torch::Tensor& h, const torch::Ten
                      bias.has_value() ? bias->data_ptr<T>() : nullptr,
                      ids.has_value() ? held_ids.data_ptr<int64_t>() : nullptr, rows, full,
                      allowed.has_value() ? mask.data_ptr<bool>() : nullptr, token.data_ptr<int64_t>(),
-                     eta > 0 ? top.data_ptr<float>() : nullptr);
+                     stop_below > 0 ? top.data_ptr<float>() : nullptr);
   };
   if (h.scalar_type() == torch::kFloat32) {
     run(h.data_ptr<float>());
@@ -163,13 +163,13 @@ std::vector<torch::Tensor> draft_choice(const torch::Tensor& h, const torch::Ten
   return {token, top};
 }
 
-// Whether some row's draft puts eta on its top token (`top` (B,) from `draft_choice`): the engine's
-// `RoundPasses.unsure` negated (a NaN is not below eta); always for eta <= 0.
-bool sure(const torch::Tensor& top, double eta) {
-  if (eta <= 0) return true;
+// Whether some row's draft puts stop_below on its top token (`top` (B,) from `draft_choice`): the engine's
+// `RoundPasses.unsure` negated (a NaN is not below stop_below); always for stop_below <= 0.
+bool sure(const torch::Tensor& top, double stop_below) {
+  if (stop_below <= 0) return true;
   const float* p = top.data_ptr<float>();
   for (int64_t b = 0; b < top.numel(); ++b)
-    if (!(p[b] < eta)) return true;
+    if (!(p[b] < stop_below)) return true;
   return false;
 }
 
@@ -420,10 +420,10 @@ using DraftChoice = std::function<std::pair<torch::Tensor, bool>(const torch::Te
 // The greedy choice: `draft_choice`'s argmax with the draft head (norm, eps, head, bias, ids, vocab) and η.
 DraftChoice greedy_drafts(const torch::Tensor& norm, double eps, const torch::Tensor& head,
                           const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& ids,
-                          int64_t vocab, double eta) {
+                          int64_t vocab, double stop_below) {
   return [=](const torch::Tensor& states, int64_t) {
-    const auto chosen = draft_choice(states, norm, eps, head, bias, ids, vocab, c10::nullopt, eta);
-    return std::make_pair(chosen[0], sure(chosen[1], eta));
+    const auto chosen = draft_choice(states, norm, eps, head, bias, ids, vocab, c10::nullopt, stop_below);
+    return std::make_pair(chosen[0], sure(chosen[1], stop_below));
   };
 }
 
@@ -437,7 +437,7 @@ DraftChoice greedy_drafts(const torch::Tensor& norm, double eps, const torch::Te
 // at their own (`row_starts` (B,): row b's input i at slot row_starts[b] + i) through `causal_mask`.
 // embed (V, D): the embedding table; cos, sin (B, k + 1, hd): the rotary of each row's k + 1 slots.
 // Returns {drafts (B, s) int64, hidden (B, s + 1, D)}: s <= k drafts and the exit states of the s + 1
-// inputs that ran (the last draft included, the verification's first position, unless eta stopped the
+// inputs that ran (the last draft included, the verification's first position, unless stop_below stopped the
 // loop before drafting it); an empty vector, nothing computed, where `blocks_pass` declines.
 // `stop`, where given, is asked before each step after the first: true ends the loop at once and
 // returns an empty vector (the caller no longer wants the drafts; see `greedy_rounds`' overlap).
@@ -490,10 +490,10 @@ std::vector<torch::Tensor> draft_loop(const std::vector<const Block*>& blocks, c
                                       const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& norm,
                                       double eps, const torch::Tensor& head, const c10::optional<torch::Tensor>& bias,
                                       const c10::optional<torch::Tensor>& ids, int64_t vocab, int64_t k,
-                                      double eta, const c10::optional<torch::Tensor>& row_starts,
+                                      double stop_below, const c10::optional<torch::Tensor>& row_starts,
                                       double mask_value) {
   return draft_loop_until(blocks, embed, token, keys, values, start, cos, sin, row_starts, mask_value, k,
-                          greedy_drafts(norm, eps, head, bias, ids, vocab, eta), nullptr);
+                          greedy_drafts(norm, eps, head, bias, ids, vocab, stop_below), nullptr);
 }
 
 // The sampled choice of a draft loop (the engine's `RoundPasses.pick` on the draft head's logits): each
@@ -509,7 +509,7 @@ struct SampledDrafts {
   std::vector<RowSampling> rows;
   torch::Tensor positions;  // (B, k + 1) int64: the inputs' positions
   torch::Tensor norm, head;
-  double eps, eta;
+  double eps, stop_below;
   c10::optional<torch::Tensor> bias;
   std::vector<int64_t> order, tokens;  // a trimmed head's rows by token id, and those ids; empty: all V
   int64_t vocab;
@@ -553,7 +553,7 @@ struct SampledDrafts {
         tops[b] = rows[b].greedy ? 1.f / exp_sum(row, width, row[first_max(row, width)], nullptr) : top;
       }
     });
-    const bool confident = eta <= 0 || std::any_of(tops.begin(), tops.end(), [&](float t) { return !(t < eta); });
+    const bool confident = stop_below <= 0 || std::any_of(tops.begin(), tops.end(), [&](float t) { return !(t < stop_below); });
     if (confident) made = step + 1;
     return {token, confident};
   }
@@ -564,7 +564,7 @@ struct SampledDrafts {
 SampledDrafts sampled_drafts(const std::vector<torch::Tensor>& sampling, const torch::Tensor& positions,
                              const torch::Tensor& norm, double eps, const torch::Tensor& head,
                              const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& ids,
-                             int64_t vocab, double eta) {
+                             int64_t vocab, double stop_below) {
   TORCH_CHECK(head.is_contiguous() && norm.is_contiguous() && (!bias.has_value() || bias->is_contiguous()),
               "contiguous norm, head and bias");
   std::vector<int64_t> order, tokens;
@@ -576,7 +576,7 @@ SampledDrafts sampled_drafts(const std::vector<torch::Tensor>& sampling, const t
     std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return id[a] < id[b]; });
     for (const int64_t j : order) tokens.push_back(id[j]);
   }
-  return {row_sampling(sampling), positions.to(torch::kLong).contiguous(), norm, head, eps, eta, bias, order, tokens,
+  return {row_sampling(sampling), positions.to(torch::kLong).contiguous(), norm, head, eps, stop_below, bias, order, tokens,
           vocab, {}, 0, {}, {}};
 }
 
@@ -599,10 +599,10 @@ std::vector<torch::Tensor> draft_loop_sampled(const std::vector<const Block*>& b
                                               const torch::Tensor& norm, double eps, const torch::Tensor& head,
                                               const c10::optional<torch::Tensor>& bias,
                                               const c10::optional<torch::Tensor>& ids, int64_t vocab, int64_t k,
-                                              double eta, const std::vector<torch::Tensor>& sampling,
+                                              double stop_below, const std::vector<torch::Tensor>& sampling,
                                               const torch::Tensor& positions,
                                               const c10::optional<torch::Tensor>& row_starts, double mask_value) {
-  auto drafts = sampled_drafts(sampling, positions, norm, eps, head, bias, ids, vocab, eta);
+  auto drafts = sampled_drafts(sampling, positions, norm, eps, head, bias, ids, vocab, stop_below);
   TORCH_CHECK(static_cast<int64_t>(drafts.rows.size()) == token.size(0), "sampling: one setting per row");
   return with_q(draft_loop_until(blocks, embed, token, keys, values, start, cos, sin, row_starts, mask_value, k,
                                  std::ref(drafts), nullptr),
@@ -640,7 +640,7 @@ torch::Tensor apply_allowed(const torch::Tensor& logits, const torch::Tensor& al
 // `allowed` (B, V) bool where given and the argmax on the last input's state (`draft_choice`). The same
 // calls in the same order as the engine's Python step, so the same bits.
 // Returns {draft (B,) int64, hidden (B, T, D) after block E (the verification's input there), sure
-// (1,) bool: some row's draft puts `eta` on its top token (`sure`)}; with `choose` false the pass only,
+// (1,) bool: some row's draft puts `stop_below` on its top token (`sure`)}; with `choose` false the pass only,
 // {hidden, the exit states (B, T, D) the draft head reads} (a verification's tail behind an exit block,
 // which needs no draft); or an empty vector, nothing computed, where `blocks_pass` declines.
 std::vector<torch::Tensor> draft_step(const std::vector<const Block*>& blocks, const std::vector<const Block*>& extra,
@@ -650,7 +650,7 @@ std::vector<torch::Tensor> draft_step(const std::vector<const Block*>& blocks, c
                                       double mask_value, const torch::Tensor& norm, double eps,
                                       const torch::Tensor& head, const c10::optional<torch::Tensor>& bias,
                                       const c10::optional<torch::Tensor>& ids, int64_t vocab,
-                                      const c10::optional<torch::Tensor>& allowed, double eta,
+                                      const c10::optional<torch::Tensor>& allowed, double stop_below,
                                       const c10::optional<torch::Tensor>& row_starts, bool choose) {
   TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == torch::kLong, "tokens (B, T) int64");
   const size_t depth = blocks.size();
@@ -675,8 +675,8 @@ std::vector<torch::Tensor> draft_step(const std::vector<const Block*>& blocks, c
   }
   if (!choose) return {*hidden, features};
   const auto chosen = draft_choice(features.select(1, length - 1).contiguous(), norm, eps, head, bias, ids, vocab,
-                                   allowed, eta);  // {draft (B,), top (B,)}
-  return {chosen[0], *hidden, torch::full({1}, sure(chosen[1], eta), torch::kBool)};
+                                   allowed, stop_below);  // {draft (B,), top (B,)}
+  return {chosen[0], *hidden, torch::full({1}, sure(chosen[1], stop_below), torch::kBool)};
 }
 
 // The greedy target of each row of h (n, D) under a grammar's masks `allowed` (n, V) bool: the argmax of
@@ -914,7 +914,7 @@ struct NGramSearch {
 // passes the host has only this loop to run, not the Python of a round (some 200 calls, each slowed by
 // caches that the pass before flushed with the weights). A round from pending token `token` at slot n
 // (`start` in the first): for k > 0, `draft_loop` over blocks [0, E) (E = `exit_layer`, drafts with the
-// draft head `draft_head`, `draft_bias`, `ids`, `vocab`, stopping below eta), then `verify_greedy` over
+// draft head `draft_head`, `draft_bias`, `ids`, `vocab`, stopping below stop_below), then `verify_greedy` over
 // blocks [E, N) on the exit states of its s + 1 inputs; for k = 0 a plain step, `verify_greedy` over
 // blocks [0, N) on the token. The same calls as the engine's compiled rounds, so the same bits. With
 // `history` (the row's tokens so far, the pending one last), a round first looks for a copy of up to
@@ -943,7 +943,7 @@ std::vector<torch::Tensor> greedy_rounds(const std::vector<const Block*>& blocks
                                          const c10::optional<torch::Tensor>& bias, const torch::Tensor& draft_head,
                                          const c10::optional<torch::Tensor>& draft_bias,
                                          const c10::optional<torch::Tensor>& ids, int64_t vocab, int64_t k,
-                                         double eta, const torch::Tensor& eos, int64_t max_tokens,
+                                         double stop_below, const torch::Tensor& eos, int64_t max_tokens,
                                          int64_t max_rounds, const c10::optional<torch::Tensor>& history,
                                          int64_t min_ngram, int64_t max_ngram, int64_t copy_limit, bool overlap,
                                          const std::vector<torch::Tensor>& sampling) {
@@ -1015,11 +1015,11 @@ std::vector<torch::Tensor> greedy_rounds(const std::vector<const Block*>& blocks
       const auto drafts = reused ? made_ahead
                           : sampled ? draft_loop_sampled(low, embed, pending, low_keys, low_values, slot,
                                                          rows(cos, slot, k + 1), rows(sin, slot, k + 1), norm, eps,
-                                                         draft_head, draft_bias, ids, vocab, k, eta, sampling,
+                                                         draft_head, draft_bias, ids, vocab, k, stop_below, sampling,
                                                          positions, c10::nullopt, mask_value)
                                     : draft_loop(low, embed, pending, low_keys, low_values, slot, rows(cos, slot, k + 1),
                                                  rows(sin, slot, k + 1), norm, eps, draft_head, draft_bias, ids, vocab,
-                                                 k, eta, c10::nullopt, mask_value);
+                                                 k, stop_below, c10::nullopt, mask_value);
       if (drafts.empty()) {
         TORCH_CHECK(round == 0, "blocks_pass declined after the first round");
         return {};
@@ -1080,8 +1080,8 @@ std::vector<torch::Tensor> greedy_rounds(const std::vector<const Block*>& blocks
               continue;
             }
             const auto chosen = draft_choice(states.select(1, early).contiguous(), norm, eps, draft_head, draft_bias,
-                                             ids, vocab, c10::nullopt, eta);
-            if (!sure(chosen[1], eta)) continue;
+                                             ids, vocab, c10::nullopt, stop_below);
+            if (!sure(chosen[1], stop_below)) continue;
             guess = chosen[0].item<int64_t>();
             const std::function<bool()> stop = [&] {
               const int v = verdict.load();
@@ -1090,13 +1090,13 @@ std::vector<torch::Tensor> greedy_rounds(const std::vector<const Block*>& blocks
             if (!sampled) {
               ahead = draft_loop_until(low, embed, chosen[0], low_keys, low_values, next, rows(cos, next, k + 1),
                                        rows(sin, next, k + 1), c10::nullopt, mask_value, k,
-                                       greedy_drafts(norm, eps, draft_head, draft_bias, ids, vocab, eta), stop);
+                                       greedy_drafts(norm, eps, draft_head, draft_bias, ids, vocab, stop_below), stop);
               continue;
             }
             // a sampled row: the guess is still the exit's most likely token (the likeliest to be the
             // target's draw), the drafts from it drawn as a fresh round's would be, at the same positions
             auto from_guess = sampled_drafts(sampling, torch::arange(next, next + k + 1, longs).view({1, k + 1}),
-                                             norm, eps, draft_head, draft_bias, ids, vocab, eta);
+                                             norm, eps, draft_head, draft_bias, ids, vocab, stop_below);
             ahead = with_q(draft_loop_until(low, embed, chosen[0], low_keys, low_values, next,
                                             rows(cos, next, k + 1), rows(sin, next, k + 1), c10::nullopt,
                                             mask_value, k, std::ref(from_guess), stop),
