@@ -503,7 +503,7 @@ def test_the_few_queries_attention_kernel_equals_the_padded_attention_and_each_q
     longer cache, head dims below, at and past the kernel's 64 dims in registers: the padded float32
     attention's values, and every query's result bit for bit the same alone as among the others."""
     from selfspec.model import kernels
-    from selfspec.model.fast import _fixed_attention
+    from selfspec.model.fast import fixed_attention
 
     attend = kernels.few_queries_attention()
     block = type("Block", (), {"gqa": True, "scaling": 0.125})
@@ -516,7 +516,7 @@ def test_the_few_queries_attention_kernel_equals_the_padded_attention_and_each_q
     flat = mask.reshape(2, 3, 30)
     out = attend(q.float().contiguous(), k, v, flat, 0.125)  # (B, m, H·hd)
     assert out.shape == (2, 3, 6 * head_dim) and out.dtype == dtype
-    torch.testing.assert_close(out.float(), _fixed_attention(q, k, v, mask, block, 16).float(),
+    torch.testing.assert_close(out.float(), fixed_attention(q, k, v, mask, block, 16).float(),
                                rtol=1e-5, atol=1e-5)
     alone = torch.cat([attend(q[:, :, i:i + 1].float().contiguous(), k, v, flat[:, i:i + 1].contiguous(),
                               0.125) for i in range(3)], 1)
@@ -533,7 +533,7 @@ def test_the_attention_kernel_gives_each_head_and_query_its_own_bits_over_many_t
     more than the last): every (head, query) bit for bit what it is alone with its own kv head, and
     the padded float32 attention's values."""
     from selfspec.model import kernels
-    from selfspec.model.fast import _fixed_attention
+    from selfspec.model.fast import fixed_attention
 
     attend = kernels.few_queries_attention()
     torch.manual_seed(0)
@@ -549,7 +549,7 @@ def test_the_attention_kernel_gives_each_head_and_query_its_own_bits_over_many_t
                            v[:, h // heads:h // heads + 1], mask[:, i:i + 1].contiguous(), head_dim ** -0.5)
             assert torch.equal(alone[0, 0], out[0, i, h * head_dim:(h + 1) * head_dim]), (h, i)
     block = type("Block", (), {"gqa": True, "scaling": head_dim ** -0.5})
-    padded = _fixed_attention(q.to(dtype), k, v, mask[:, None], block, 16)
+    padded = fixed_attention(q.to(dtype), k, v, mask[:, None], block, 16)
     torch.testing.assert_close(out.float(), padded.float(), rtol=1e-5, atol=1e-5)
 
 

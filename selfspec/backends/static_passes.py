@@ -35,7 +35,7 @@ them.) The engine keeps its caches' buffers in a
 second `generate`, and a batch whose rows left or joined, reuse the captured graphs.
 
 Only the Llama family's plain blocks (`fast.FastLlamaBlocks`) with a table-driven rotary; products
-are `F.linear`, attention is written out in float32 (as `fast._fixed_attention`), so these passes
+are `F.linear`, attention is `fast.fixed_attention` (float32, written out), so these passes
 round differently from the CPU kernels' (a decode is all static or all not).
 """
 
@@ -47,7 +47,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..model.fast import FIXED_WIDTH, FastLlamaBlocks, _Block, attention_inputs, mlp_half, rms_norm
+from ..model.fast import (
+    FIXED_WIDTH,
+    FastLlamaBlocks,
+    _Block,
+    attention_inputs,
+    fixed_attention,
+    mlp_half,
+    rms_norm,
+)
 from ..sampling import (
     ACCEPT,
     DRAFT,
@@ -376,22 +384,15 @@ def _blocks(blocks: list[_Block], windows: tuple, hidden: torch.Tensor, keys: li
 
 def _block(b: _Block, hidden: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
            positions: torch.Tensor, mask: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """One Llama-family block on hidden (B, W, D): the halves before and after attention are the fast
-    path's own (`fast.attention_inputs`, `fast.mlp_half`); its keys and values scattered into the cache
-    at `positions` (B, W), and attention in float32 over every slot under `mask` (B, 1, W, S): fixed
-    shapes, which a CUDA graph replays."""
-    batch, width, _ = hidden.shape
+    """One Llama-family block on hidden (B, W, D), every part the fast path's own: the halves before and
+    after attention (`fast.attention_inputs`, `fast.mlp_half`) and its fixed-shape attention
+    (`fast.fixed_attention`) over every slot under `mask` (B, 1, W, S), its keys and values scattered
+    into the cache at `positions` (B, W) first: fixed shapes, which a CUDA graph replays."""
+    width = hidden.shape[1]
     q, k, v = attention_inputs(b, hidden, cos, sin, F.linear)  # (B, Hq, W, hd), (B, Hkv, W, hd) twice
     index = positions[:, None, :, None].expand(-1, k.shape[1], -1, b.head_dim)
     keys.scatter_(2, index, k.to(keys.dtype))
     values.scatter_(2, index, v.to(values.dtype))
-    # grouped-query heads: each key/value head's g query heads as g·W rows of one product, the cache
-    # read in place rather than repeated
-    kv_heads, groups = keys.shape[1], q.shape[1] // keys.shape[1]
-    q = q.reshape(batch, kv_heads, groups * width, b.head_dim).float()
-    mask = mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(batch, 1, groups * width, -1)
-    scores = torch.matmul(q, keys.float().transpose(-1, -2)) * b.scaling + mask  # (B, Hkv, g·W, S)
-    attn = torch.matmul(torch.softmax(scores, -1), values.float()).to(hidden.dtype)  # (B, Hkv, g·W, hd)
-    attn = attn.reshape(batch, kv_heads * groups, width, b.head_dim).transpose(1, 2)  # (B, W, Hq, hd)
-    hidden = hidden + F.linear(attn.reshape(batch, width, -1), b.wo, b.bo)
+    attn = fixed_attention(q, keys, values, mask, b, width)  # (B, W, Hq·hd)
+    hidden = hidden + F.linear(attn.to(hidden.dtype), b.wo, b.bo)
     return mlp_half(b, hidden, F.linear)

@@ -382,7 +382,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
         if attend is not None:  # every query alone: nothing to pad
             mask = mask.expand(batch, 1, length, k.shape[2]).reshape(batch, length, -1).float().contiguous()
             return attend(q.float().contiguous(), k, v, mask, b.scaling)
-        return _fixed_attention(q, k, v, mask, b, width)
+        return fixed_attention(q, k, v, mask, b, width)
     gqa = {}
     if b.gqa and mask is None:
         gqa["enable_gqa"] = True
@@ -410,12 +410,15 @@ def _attention_kernel_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     return kernels.few_queries_attention()
 
 
-def _fixed_attention(q, k, v, mask, b: _Block, width: int) -> torch.Tensor:
-    """`_attention` on exactly `width` queries per call (`fixed_width`), always with a mask and with
-    the key/value heads repeated: the same kernel for one query as for a verification's k + 1."""
+def fixed_attention(q, k, v, mask, b: _Block, width: int) -> torch.Tensor:
+    """Attention of q (B, Hq, T, hd) over every slot of k, v (B, Hkv, S, hd) under `mask` (B or 1, 1, T,
+    S; 0 where a query sees a slot, the float32 minimum where not) -> (B, T, Hq·hd), on exactly `width`
+    queries per product: the same products for one query as for a verification's k + 1
+    (`fixed_width`), and the fixed shapes a CUDA graph replays (the static passes'). The one
+    fixed-shape attention of the package."""
     batch, heads, length, head_dim = q.shape
-    if b.gqa:
-        k, v = _repeat_kv(k, heads), _repeat_kv(v, heads)
+    kv_heads = k.shape[1]
+    groups = heads // kv_heads
     mask = mask.expand(batch, 1, length, k.shape[2])
     extra = -length % width
     if extra:  # pad the queries (and their mask rows) with copies of the last
@@ -424,12 +427,17 @@ def _fixed_attention(q, k, v, mask, b: _Block, width: int) -> torch.Tensor:
     # Written out in float32 rather than SDPA, whose CPU kernel rounds a query differently when the
     # keys hidden from it sit before the visible ones (a sliding window) and the key count changes.
     # Hidden keys weigh exactly 0 here, and each key keeps its index, so a query's sums are the same
-    # for every key count.
-    keys, values = k.float().transpose(-1, -2), v.float()
+    # for every key count. Grouped-query heads: each key/value head's g query heads as g·width rows of
+    # one product, the cache read in place rather than repeated.
+    keys, values = k.float().transpose(-1, -2), v.float()  # (B, Hkv, hd, S), (B, Hkv, S, hd)
     out = []
     for qc, mc in zip(q.split(width, 2), mask.split(width, 2)):
-        scores = torch.matmul(qc.float(), keys) * b.scaling + mc.float()  # (B, H, width, S)
-        out.append(torch.matmul(torch.softmax(scores, -1), values).to(q.dtype))  # (B, H, width, hd)
+        rows = qc.shape[2]
+        qg = qc.reshape(batch, kv_heads, groups * rows, head_dim).float()  # (B, Hkv, g·w, hd)
+        mg = mc[:, :, None].expand(-1, -1, groups, -1, -1).reshape(batch, 1, groups * rows, -1)
+        scores = torch.matmul(qg, keys) * b.scaling + mg.float()  # (B, Hkv, g·w, S)
+        attn = torch.matmul(torch.softmax(scores, -1), values)  # (B, Hkv, g·w, hd)
+        out.append(attn.reshape(batch, heads, rows, head_dim).to(q.dtype))
     out = torch.cat(out, 2)[:, :, :length]
     return out.transpose(1, 2).reshape(batch, length, heads * head_dim)
 
