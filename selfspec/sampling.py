@@ -309,6 +309,16 @@ def copied_probs(copied: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return F.one_hot(copied, vocab_size).float()
 
 
+def sure_drafts(tops: torch.Tensor, stop_below: float) -> int:
+    """η's rule (Kangaroo's; `DecodeSettings.stop_below`): how many of a round's drafts come before the
+    first draft step at which no row's draft distribution puts η on its most likely token; tops (k, B)
+    each step's top draft probability per row. All k where η is 0. One host read. It reads only the
+    drafts, so the output stays the target's."""
+    if not stop_below or not tops.shape[0]:
+        return int(tops.shape[0])
+    return int((tops >= stop_below).any(1).cpu().int().cumprod(0).sum())
+
+
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """`logits.argmax(-1)`, the same ids. bf16/fp16 logits on CPU are widened to fp32 first (exactly,
     so ties and NaNs pick the same index): torch's CPU argmax over a low-precision dtype is slower

@@ -18,6 +18,7 @@ from selfspec.sampling import (
     greedy_tokens,
     residual_probs,
     sample,
+    sure_drafts,
     uniforms,
 )
 
@@ -199,3 +200,13 @@ def test_the_compiled_rows_sampling_is_selfspecs_rule():
     for seed, position, stream in [(3, 10, DRAFT), (2**40 + 5, 99, ACCEPT), (-7, 2**33 + 1, TARGET)]:
         assert module.uniform(seed, position, stream) == uniforms(torch.tensor([seed]),
                                                                   torch.tensor([[position]]), stream).item()
+
+
+def test_eta_keeps_the_drafts_before_the_first_step_no_row_is_sure_of():
+    """η's one rule (`sure_drafts`), which the static passes, the compiled choice and the Python step
+    read: a step counts while any row's top draft probability reaches η; the first that none does ends
+    the round's drafts, whatever the steps after it; η = 0 keeps every draft."""
+    tops = torch.tensor([[0.9, 0.2], [0.1, 0.7], [0.3, 0.1], [0.95, 0.9]])  # (k = 4, B = 2)
+    assert sure_drafts(tops, 0.6) == 2  # step 3: neither row reaches 0.6
+    assert sure_drafts(tops, 0.95) == 0 and sure_drafts(tops, 0.05) == 4
+    assert sure_drafts(tops, 0.0) == 4 and sure_drafts(tops[:0], 0.6) == 0

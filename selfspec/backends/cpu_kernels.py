@@ -26,6 +26,7 @@ from torch import nn
 from ..model import kernels
 from ..model.adapters import LlamaFamilyAdapter
 from ..model.fast import hooked
+from ..sampling import sure_drafts
 from . import cpu_rounds as round_kernels
 from .base import Backend, FusedDrafts
 
@@ -90,7 +91,7 @@ class CpuKernelsBackend(Backend):
             return None
         norm, eps = fast.head[:2]
         drafts, top = made(hidden.contiguous(), norm, eps, weight, bias, ids, vocab, allowed, stop_below)
-        return drafts, stop_below <= 0 or not bool((top < stop_below).all())  # `RoundPasses.unsure`, negated
+        return drafts, bool(sure_drafts(top[None], stop_below))  # η's rule: some row's draft is sure
 
     def draft_step(self, exit_layer, tokens, cache, positions, head, exit_block=None, allowed=None,
                    stop_below=0.0):

@@ -65,6 +65,7 @@ from ..sampling import (
     accept_sampled,
     apply_mask,
     sample,
+    sure_drafts,
     uniforms,
 )
 from .base import STATIC_MODES
@@ -131,10 +132,7 @@ class StaticPasses:
         if self.mode == "graph" and k:  # the k steps and the last pass as one graph: one launch
             loop = self._made("draft_loop", 0, exit_layer, head=head, steps=k)
             drafts, tops, hidden = loop(token, keys, values, cache.positions[:, :k + 1], cos, sin)
-            count = k
-            if stop_below and k:
-                # the round's one η read
-                count = int((tops >= stop_below).any(1).cpu().int().cumprod(0).sum())
+            count = sure_drafts(tops, stop_below)
             cache.written(0, exit_layer, count + 1)
             return drafts[:, :count], hidden[:, :count + 1]
         step = self._made("draft", 0, exit_layer, head=head)
@@ -146,10 +144,7 @@ class StaticPasses:
             if i < k:
                 drafts.append(token)
                 tops.append(top)
-        count = k
-        if stop_below and k:  # the first step where no row's draft reaches η ends the drafts
-            sure = (torch.stack(tops) >= stop_below).any(1).cpu()  # (k,)
-            count = int(sure.int().cumprod(0).sum())
+        count = sure_drafts(torch.stack(tops), stop_below) if tops else 0
         cache.written(0, exit_layer, count + 1)
         hidden = torch.stack(hiddens[:count + 1], 1)  # (B, s + 1, D)
         return (torch.stack(drafts[:count], 1) if count else token[:, None][:, :0]), hidden
@@ -169,9 +164,7 @@ class StaticPasses:
         loop = self._made("draft_loop_sampled", 0, exit_layer, head=head, steps=k)
         drafts, q, tops, hidden = loop(token, keys, values, cache.positions[:, :k + 1], cos, sin,
                                        *sampling.tensors())
-        count = k
-        if stop_below:  # the first step where no row's draft reaches η ends the drafts (one η read a round)
-            count = int((tops >= stop_below).any(1).cpu().int().cumprod(0).sum())
+        count = sure_drafts(tops, stop_below)
         cache.written(0, exit_layer, count + 1)
         return drafts[:, :count], q[:, :count], hidden[:, :count + 1]
 

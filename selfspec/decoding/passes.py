@@ -13,7 +13,7 @@ import torch
 
 from ..backends import Backend
 from ..model import DecoderView
-from ..sampling import DRAFT, greedy_tokens, sample
+from ..sampling import DRAFT, greedy_tokens, sample, sure_drafts
 from .batch import Batch
 
 
@@ -66,10 +66,9 @@ class RoundPasses:
 
     @staticmethod
     def unsure(b: Batch, logits: torch.Tensor) -> bool:
-        """Whether every row's draft distribution (B, V) puts less than η on its most likely token
-        (Kangaroo's stopping rule). It reads only the draft, so the output stays the target's."""
-        top = b.sampling.top_probability(logits)
-        return bool((top < b.drafting.stop_below).all())  # one small host read per draft step
+        """Whether η stops the round at this draft: every row's draft distribution (B, V) puts less than η
+        on its most likely token (`sampling.sure_drafts`, one small host read per draft step)."""
+        return not sure_drafts(b.sampling.top_probability(logits)[None], b.drafting.stop_below)
 
 
 __all__ = ["RoundPasses"]
