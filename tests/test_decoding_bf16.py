@@ -126,5 +126,6 @@ def test_under_fixed_width_every_product_and_attention_has_the_same_shape(kernel
         # through the few-row kernel, the 12 rows in one call
         assert kinds == {"rows kernel", "block"} and ("rows kernel", 12) in widths, widths
         assert ("block", 12) in widths and ("block", 3) in widths, widths
-    else:
-        assert widths == {("mm", FIXED_WIDTH), ("attention", FIXED_WIDTH)}, widths
+    else:  # a key/value head's g query heads attend as g·FIXED_WIDTH rows of one product
+        groups = model.config.num_attention_heads // model.config.num_key_value_heads
+        assert widths == {("mm", FIXED_WIDTH), ("attention", groups * FIXED_WIDTH)}, widths
