@@ -9,6 +9,10 @@ overrides, run by the shared loop; one process, or many under `accelerate launch
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
+
 from ..checkpoint import read_meta
 from ..config import load_config
 from .loop import train, train_or_reuse
@@ -27,6 +31,25 @@ def _main_process() -> bool:
     return PartialState().is_main_process
 
 
+def _leave_if_distributed() -> None:
+    """The processes of a multi-process run leave at once once every output is written, without the
+    interpreter's finalization: in it, a gloo worker thread that still releases the last collective's
+    tensors must take the GIL to drop their Python objects, which a finalizing interpreter refuses by
+    ending the thread, and the C++ unwind through the work's destructor aborts the process ("terminate
+    called without an active exception", pytorch#179291): a run whose model was saved exited non-zero
+    (1 of 6 two-process FSDP runs in a CI, 2026-12-07; `tests/fsdp_train.py` leaves the same way). A
+    single process returns as usual."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    dist.barrier()  # every rank past its last write
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def finetune(config: str, overrides: list[str], resume: bool, force: bool, output_dir: str | None) -> None:
     """Self-speculative fine-tune: layer dropout and early-exit losses, all weights, LoRA or the exit
     block; the tuned model lands in `<output_dir>/model` with its selfspec.json. A recipe with
@@ -34,13 +57,13 @@ def finetune(config: str, overrides: list[str], resume: bool, force: bool, outpu
     cfg = _config(config, overrides, output_dir)
     distill_first(cfg)
     result = train(cfg, resume=resume, kind="tuned", overwrite=force)
-    if not _main_process():
-        return
-    metrics, exit_layer = result.final_metrics, read_meta(result.model_dir)["exit_layer"]
-    agreement = metrics.get(f"val/top1_agreement@{exit_layer}")
-    tail = f", top-1 agreement at exit layer {exit_layer}: {agreement:.3f}" if agreement is not None else ""
-    print(f"saved {result.model_dir}: {result.steps} steps in {result.seconds / 60:.1f} min, "
-          f"validation loss {metrics['val/loss']:.4f}{tail}")
+    if _main_process():
+        metrics, exit_layer = result.final_metrics, read_meta(result.model_dir)["exit_layer"]
+        agreement = metrics.get(f"val/top1_agreement@{exit_layer}")
+        tail = "" if agreement is None else f", top-1 agreement at exit layer {exit_layer}: {agreement:.3f}"
+        print(f"saved {result.model_dir}: {result.steps} steps in {result.seconds / 60:.1f} min, "
+              f"validation loss {metrics['val/loss']:.4f}{tail}")
+    _leave_if_distributed()
 
 
 def distill_first(cfg) -> None:
@@ -65,9 +88,9 @@ def pretrain(config: str, overrides: list[str], resume: bool, force: bool, outpu
     reuses the saved model unless `force`."""
     cfg = _config(config, overrides, output_dir)
     model_dir, reused = train_or_reuse(cfg, kind="base", force=force, resume=resume)
-    if not _main_process():
-        return
-    m = read_meta(model_dir)["metrics"]
-    print(f"{'reused' if reused else 'saved'} {model_dir}: {m['parameters']:,} parameters, "
-          f"{m['steps']} steps, {m['tokens_seen']:,} tokens, {m['train_seconds'] / 60:.1f} min, "
-          f"validation loss {m['val/loss']:.4f}")
+    if _main_process():
+        m = read_meta(model_dir)["metrics"]
+        print(f"{'reused' if reused else 'saved'} {model_dir}: {m['parameters']:,} parameters, "
+              f"{m['steps']} steps, {m['tokens_seen']:,} tokens, {m['train_seconds'] / 60:.1f} min, "
+              f"validation loss {m['val/loss']:.4f}")
+    _leave_if_distributed()
