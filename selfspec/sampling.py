@@ -316,7 +316,8 @@ def sure_drafts(tops: torch.Tensor, stop_below: float) -> int:
     drafts, so the output stays the target's."""
     if not stop_below or not tops.shape[0]:
         return int(tops.shape[0])
-    return int((tops >= stop_below).any(1).cpu().int().cumprod(0).sum())
+    # "not below η" rather than "at least η": a NaN top counts as sure, as in the C++ rounds (`sure`)
+    return int((~(tops < stop_below)).any(1).cpu().int().cumprod(0).sum())
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:

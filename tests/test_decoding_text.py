@@ -44,3 +44,22 @@ def test_a_running_rows_text_holds_back_what_a_stop_string_or_a_broken_character
     broken = RowText(lambda ids: "ab" + BROKEN * len(ids))
     assert broken.text([7, 7], False) == "ab" and broken.text([7, 7], True) == "ab" + BROKEN * 2
     assert RowText(decode).text([0, 1], False) == "Hello"  # no stop strings: nothing held back
+
+
+def test_a_broken_character_at_the_end_does_not_shorten_what_a_stop_string_holds_back():
+    """Byte-level tokens, the last character's bytes not all there (U+FFFD each): the hold-back of a stop
+    string counts from the last whole character, so nothing streamed is taken back by the final text."""
+    pieces = [b"a", b"b", *(bytes([x]) for x in "😀".encode()), b"c"]
+
+    def decode_bytes(ids):
+        return b"".join(pieces[i] for i in ids).decode("utf-8", errors="replace")
+
+    text, tokens, shown = RowText(decode_bytes, ("b😀",)), [], []
+    for token in range(len(pieces)):
+        kept = text.cut(tokens + [token], 1)
+        tokens += [token] if kept is None else [token][:kept]
+        if kept is not None:
+            break
+        shown.append(text.text(tokens, False))
+    final = text.text(tokens, True)
+    assert final == "a" and all(final.startswith(s) for s in shown), (shown, final)

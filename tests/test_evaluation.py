@@ -378,6 +378,10 @@ def test_the_grid_runs_each_early_exit_and_hybrid_cell_both_ways_where_overlap_a
     assert {c[3] for c in cells if c[0] != "ngram"} == {False, True}
     assert [c[3] for c in cells if c[0] == "ngram"] == [False]
     assert len(grid_settings(base, [2], [1], ("early_exit",), [0], [2])) == 2  # one way: rounds in turn
+    # a checkpoint whose sweep stored rounds from Python still has every cell timed in one call first
+    stored = base.override(fused=False)
+    assert all(s.fused for s in grid_settings(stored, [2], [1], ("early_exit", "hybrid"), [0], [2],
+                                              overlaps=(False, True)))
     row = grid[2].to_json()
     assert settings_of(row) == grid[2] and settings_of(row).overlap and "overlapped" in grid[2].describe()
     old = {key: value for key, value in row.items() if key in ("drafter", "exit_layer")}

@@ -578,3 +578,41 @@ def test_memory_goes_back_once_the_server_is_idle_not_between_busy_waves(generat
         assert releases_reach(2)
     finally:
         scheduler.stop()
+
+
+def test_a_failed_waves_engine_gives_back_its_cache_buffers_before_its_halves_decode(tiny_run, monkeypatch):
+    """On a backend that keeps key/value buffers from call to call (static passes), a wave whose engine
+    failed hands its pool back before its halves decode, which reuse it: one pool in all, without the
+    garbage collector (the traceback's frames held the failed engine, and each half made a pool)."""
+    import gc
+
+    from selfspec.decoding import runner as runner_module
+    from selfspec.decoding.engine import Engine
+
+    generator = chat_generator(tiny_run, static_passes="eager")
+    good, bad = (generator.chat_prompt([{"role": "user", "content": c}]) for c in ("def f(x):", "poison"))
+    step, made = Engine.step, []
+
+    def failing(self):
+        if any(request.prompt == bad for request in self.requests):
+            raise RuntimeError("row poison: internal detail")
+        return step(self)
+
+    class Counted(runner_module.CachePool):
+        def __init__(self, *args):
+            made.append(self)
+            super().__init__(*args)
+
+    monkeypatch.setattr(Engine, "step", failing)
+    monkeypatch.setattr(runner_module, "CachePool", Counted)
+    scheduler = Scheduler(generator, max_batch=4)
+    jobs = [Job(good, 8), Job(bad, 8), Job(good, 8)]
+    gc.disable()
+    try:
+        scheduler._decode(jobs)
+    finally:
+        gc.enable()
+    assert jobs[1].finish_reason == "error"
+    assert {jobs[0].finish_reason, jobs[2].finish_reason} <= {"stop", "length"}
+    assert jobs[0].tokens == jobs[2].tokens == alone(generator, good, 8)
+    assert len(made) == 1, len(made)

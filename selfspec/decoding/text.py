@@ -55,10 +55,10 @@ class RowText:
         text = self._decoded(tokens)
         if finished:
             return text
-        shown = max(0, len(text) - self.hold)
+        shown = len(text)  # a broken character first, then what a stop string may claim of the rest
         while shown and text[shown - 1] == BROKEN:
             shown -= 1
-        return text[:shown]
+        return text[:max(0, shown - self.hold)]
 
     def _decoded(self, tokens: Sequence[int]) -> str:
         """The text of `tokens` (cut at the stop string once one ended the row), decoded once per count."""

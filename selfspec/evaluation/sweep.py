@@ -68,7 +68,9 @@ def grid_settings(base: DecodeSettings, exit_layers, ks, drafters, vocabs, min_n
                   stop_belows=(0.0,), overlaps=(False,)) -> list[DecodeSettings]:
     """Plain first (k = 0), then every combination each drafter uses, each derived from `base` (the
     checkpoint's settings: its copy settings other than the threshold carry over). The n-gram drafter
-    has no E, k, V', η or overlap of its own: it keeps `base`'s."""
+    has no E, k, V', η or overlap of its own: it keeps `base`'s. Every cell runs a lone row's rounds in
+    one call (`fused`), whatever `base` stored: the re-timing tries the other way (`with_python_rounds`)."""
+    base = base.override(fused=True)
     settings = [base.override(drafter="early_exit", num_speculations=0)]
     for drafter in dict.fromkeys(drafters):  # each once
         if drafter == "ngram":

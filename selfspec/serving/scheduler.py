@@ -32,6 +32,7 @@ import logging
 import secrets
 import threading
 import time
+import traceback
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -438,6 +439,10 @@ class Scheduler:
         finally:
             self.active = []
         if failure is not None:
+            # the failed engine goes now, and its cache buffers back to the generator's pool for the
+            # halves' engines: the traceback's frames hold it (their locals), the log keeps their lines
+            engine = None
+            traceback.clear_frames(failure.__traceback__)
             self._isolate(wave, failure)
             return
         self.cancelled_rows += sum(job.finish_reason == "cancelled" for job in wave)

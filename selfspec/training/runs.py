@@ -32,18 +32,16 @@ def _main_process() -> bool:
 
 
 def _leave_if_distributed() -> None:
-    """The processes of a multi-process run leave at once once every output is written, without the
-    interpreter's finalization: in it, a gloo worker thread that still releases the last collective's
-    tensors must take the GIL to drop their Python objects, which a finalizing interpreter refuses by
-    ending the thread, and the C++ unwind through the work's destructor aborts the process ("terminate
-    called without an active exception", pytorch#179291): a run whose model was saved exited non-zero
-    (1 of 6 two-process FSDP runs in a CI, 2026-12-07; `tests/fsdp_train.py` leaves the same way). A
-    single process returns as usual."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
+    """The processes of a multi-process run (`WORLD_SIZE` > 1, as `accelerate launch` sets it) leave at once
+    once every output is written, without the interpreter's finalization: in it, a gloo worker thread
+    that still releases the last collective's tensors must take the GIL to drop their Python objects,
+    which a finalizing interpreter refuses by ending the thread, and the C++ unwind through the work's
+    destructor aborts the process ("terminate called without an active exception", pytorch#179291): a
+    run whose model was saved exited non-zero (1 of 6 two-process FSDP runs in a CI, 2026-12-07;
+    `tests/fsdp_train.py` leaves the same way). Every rank is past its last write already (`train`
+    waits for all before it ends the process group). A single process returns as usual."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return
-    dist.barrier()  # every rank past its last write
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
