@@ -160,6 +160,13 @@ def drafts_tested(accepted: np.ndarray, k: int) -> np.ndarray:
     return np.minimum(np.asarray(accepted) + 1, k)
 
 
+def round_counts(accepted, k: int) -> tuple[int, int]:
+    """(accepted, tested) drafts of one round of k drafts over its rows' accepted counts (B,), in plain
+    Python: a round's handful of rows costs less so than as array operations, once a round."""
+    values = accepted.tolist() if hasattr(accepted, "tolist") else list(accepted)
+    return sum(min(a, k) for a in values), sum(min(a + 1, k) for a in values)
+
+
 def acceptance_rate(accepted: Sequence[int] | np.ndarray, k: int) -> float:
     """α̂ = accepted / tested over rounds of one k (NaN when nothing was tested, e.g. k = 0)."""
     accepted = np.asarray(accepted)

@@ -10,6 +10,7 @@ from selfspec.metrics import (
     acceptance_rate,
     choose_exit,
     drafts_tested,
+    round_counts,
     expected_tokens,
     optimal_num_speculations,
     predicted_speedup,
@@ -86,6 +87,8 @@ def test_acceptance_rate_counts_tested_drafts_only():
     assert drafts_tested(np.array([0, 2, 4]), 4).tolist() == [1, 3, 4]
     assert acceptance_rate([0, 2, 4], 4) == 6 / 8
     assert math.isnan(acceptance_rate([], 4)) and math.isnan(acceptance_rate([0], 0))
+    # one round's counts in plain Python, as the rounds' bookkeeping takes them: the same sums
+    assert round_counts(np.array([0, 2, 4]), 4) == (6, 8) == round_counts([0, 2, 4], 4)
 
 
 def test_stats_estimate_alpha_and_mean_accepted_length_of_iid_acceptance():

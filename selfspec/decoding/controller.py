@@ -18,7 +18,7 @@ from collections import deque
 import numpy as np
 
 from ..errors import UserError
-from ..metrics import drafts_tested, expected_tokens
+from ..metrics import expected_tokens, round_counts
 
 
 class Controller:
@@ -45,16 +45,22 @@ class FixedK(Controller):
         return self.k
 
 
-class _AcceptanceWindow:
+class AcceptanceWindow:
     """α over the last `size` rounds: accepted / tested drafts, pooled over rows."""
 
     def __init__(self, size: int):
         self.rounds: deque = deque(maxlen=size)  # (accepted, tested) per round
 
-    def add(self, k: int, accepted) -> None:
-        accepted = np.asarray(accepted)
-        if k > 0 and accepted.size:
-            self.rounds.append((int(accepted.sum()), int(drafts_tested(accepted, k).sum())))
+    def add(self, k: int, accepted) -> bool:
+        """A round of k drafts and its rows' accepted counts (B,); whether it tested any (k > 0, B > 0)."""
+        if k <= 0 or not len(accepted):
+            return False
+        self.rounds.append(round_counts(accepted, k))
+        return True
+
+    @property
+    def tested(self) -> int:
+        return sum(t for _, t in self.rounds)
 
     def alpha(self, prior: float = 0.0, prior_weight: float = 0.0) -> float | None:
         """Pooled α, shrunk towards `prior` by `prior_weight` pseudo-tests; None with no data and no prior."""
@@ -76,7 +82,7 @@ class WindowRule(Controller):
             raise UserError(f"need 1 <= k_min <= k <= k_max, got k_min={k_min}, k={k}, k_max={k_max}")
         self.k, self.k_min, self.k_max = k, k_min, k_max
         self.raise_above, self.lower_below = raise_above, lower_below
-        self.window = _AcceptanceWindow(window)
+        self.window = AcceptanceWindow(window)
 
     def next_k(self) -> int:
         return self.k
@@ -114,7 +120,7 @@ class CostModelRule(Controller):
         self.k_initial, self.k_max = k_initial, k_max
         self.smoothing, self.prior_alpha, self.prior_weight = smoothing, prior_alpha, prior_weight
         self.probe_every = probe_every
-        self.window = _AcceptanceWindow(window)
+        self.window = AcceptanceWindow(window)
         self.draft_time: float | None = None  # seconds per draft step
         self.verify_times: dict[int, float] = {}  # k -> seconds per verification
         self.plain_rounds = 0  # consecutive rounds with k = 0

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import UserError
-from ..metrics import drafts_tested, expected_tokens
+from ..metrics import expected_tokens
+from .controller import AcceptanceWindow
 
 
 @dataclass(frozen=True)
@@ -122,15 +123,14 @@ class CostGate:
     def __init__(self, costs: RoundCosts, gates_early_exit: bool = True, window: int = 32,
                  min_tested: int = 8, probe_every: int = 16):
         self.costs, self.gates_early_exit = costs, gates_early_exit
-        self.window, self.min_tested, self.probe_every = window, min_tested, probe_every
-        self.rounds: dict[str, list[tuple[int, int]]] = {s: [] for s in self.SOURCES}  # (accepted, tested)
+        self.min_tested, self.probe_every = min_tested, probe_every
+        self.windows = {s: AcceptanceWindow(window) for s in self.SOURCES}
         self.idle = dict.fromkeys(self.SOURCES, 0)  # rounds since the source last drafted
 
     def alpha(self, source: str) -> float | None:
         """The source's α over its last `window` rounds, None before `min_tested` drafts were tested."""
-        rounds = self.rounds[source]
-        tested = sum(t for _, t in rounds)
-        return sum(a for a, _ in rounds) / tested if tested >= self.min_tested else None
+        window = self.windows[source]
+        return window.alpha() if window.tested >= self.min_tested else None
 
     @property
     def probing(self) -> bool:
@@ -149,17 +149,13 @@ class CostGate:
 
     def record(self, drafts: dict) -> None:
         for source in self.SOURCES:
-            k, accepted = drafts.get(source, (0, None))
-            accepted = np.asarray(accepted if accepted is not None else [])
-            if k <= 0 or not accepted.size:
+            k, accepted = drafts.get(source, (0, ()))
+            if self.windows[source].add(k, () if accepted is None else accepted):
+                self.idle[source] = 0
+            else:
                 # a probe offered and not taken (no copy matched) waits another `probe_every` rounds:
                 # a compiled call runs one round while a probe is due, and must not stay there
                 self.idle[source] = 0 if self.idle[source] >= self.probe_every else self.idle[source] + 1
-                continue
-            rounds = self.rounds[source]
-            rounds.append((int(np.minimum(accepted, k).sum()), int(drafts_tested(accepted, k).sum())))
-            del rounds[:-self.window]
-            self.idle[source] = 0
 
 
 __all__ = ["CostGate", "RoundCosts"]

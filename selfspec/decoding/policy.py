@@ -198,7 +198,7 @@ class EarlyExitPolicy(DraftPolicy):
         # the early exit's own drafts and what it kept of them: a grammar's forced tokens cost no draft
         # step and test nothing of the exit (counted as its own, they made α exceed 1)
         own = [s for s in segments if s.source == "early_exit"]
-        if own:
+        if own and (len(segments) > 1 or own[0].start):  # else every draft is the exit's: counts as they are
             reached = accepted >= own[0].start  # rows whose verifier tested the exit's first draft
             accepted = sum(np.clip(accepted[reached] - s.start, 0, s.length) for s in own)
         k = sum(s.length for s in own)

@@ -341,8 +341,9 @@ class Runner:
                 draft_time, verify_time = 0.0, draft_time + verify_time
             stats.stopped_below_eta += early < k and not (copied and not early)  # a copy round drafts no exit
             stats.drafted_ahead += ahead
-            self.record(stats, segments, np.array([accepted]), draft_time, verify_time)
-            policy.update(segments, np.array([accepted]), draft_time, verify_time)
+            accepted = np.array([accepted])
+            self.record(stats, segments, accepted, draft_time, verify_time)
+            policy.update(segments, accepted, draft_time, verify_time)
         b.lap("statistics")
         finished = len(tokens) >= max_tokens or bool(len(tokens) and np.isin(tokens[-1], eos))
         early, copied, accepted = np.asarray(rounds, dtype=np.int64).reshape(-1, 5)[:, :3].sum(0)
