@@ -5,13 +5,13 @@ backend owns how the passes of a round run on a device. Every backend offers the
 and each may decline one (return None, having run nothing), in which case the engine runs that part
 as torch operations through `model.DecoderView`, which are then the backend's passes too:
 
-- `draft_loop`: a round's k greedy early-exit drafts (blocks [0, E), final norm, draft head, argmax,
-  η) in one call;
+- `draft_loop`: a round's k early-exit drafts in one call, greedy or drawn by each row's settings, cut
+  by η: the engine's own loop (`selfspec.draft_loop`), captured by the static backend, or compiled;
 - `draft_step` / `exit_pass`: one greedy early-exit step (or its pass without the choice);
 - `draft_choice`: a greedy draft from exit states (norm, head, grammar mask, argmax, η);
 - `verify_greedy`: the verification pass, the target's argmax and the accepted prefix;
-- `draft_loop_sampled` / `verify_sampled`: the same for rows sampled by their own settings (each draft
-  drawn with its row's numbers, acceptance by rejection sampling);
+- `verify_sampled`: the verification for rows sampled by their own settings (acceptance by rejection
+  sampling, with each row's random numbers);
 - the capability `fused_rounds` (declared, not discovered): `greedy_rounds`, many greedy rounds of
   one row in one call, fed the proposer's state (`FusedDrafts`).
 

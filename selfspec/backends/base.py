@@ -56,6 +56,9 @@ class Backend:
     max_pass_positions: int | None = None  # the most positions one pass takes (a round's k + 1); None: any
     pools_caches = False  # whether caches are made through `capacity`/`allocate` and kept for the next call
     verifies_sampled = False  # whether `verify_sampled` may run (else the engine verifies sampled rounds)
+    # whether `draft_step`/`draft_choice` may choose greedy drafts: the engine's greedy steps then take its
+    # choice, and a round whose `draft_loop` it declined drafts step by step, so that every path chooses alike
+    chooses_drafts = False
 
     def __init__(self, view: DecoderView):
         self.view = view
@@ -73,22 +76,16 @@ class Backend:
         """Give a new cache its buffers before its first pass, where the backend needs fixed addresses."""
 
     def draft_loop(self, exit_layer: int, token: torch.Tensor, cache, positions: torch.Tensor, head: tuple,
-                   k: int, stop_below: float = 0.0):
-        """Greedy early-exit drafts in one call: from `token` (B,) at `positions[:, 0]`, k steps of blocks
-        [0, exit_layer) + final norm + draft head + argmax, each draft the next step's input, ending early
-        when no row's draft puts `stop_below` on its top token. positions (B, k + 1). Returns (drafts (B, s),
-        exit states (B, s + 1, D): every input that ran, the last draft included unless η stopped
-        first), the cache holding those s + 1 positions at blocks [0, exit_layer); or None."""
-        return None
-
-    def draft_loop_sampled(self, exit_layer: int, token: torch.Tensor, cache, positions: torch.Tensor,
-                           head: tuple, k: int, stop_below: float, sampling):
-        """`draft_loop` for sampled decoding: each draft drawn from the draft head's distribution as
-        `sampling` (the rows' own settings, a `sampling.RowSampling`) processes it, with the rows' random
-        numbers (their `sampling.seeds`, `sampling.uniforms`' DRAFT stream at the position the draft
-        takes), as the engine's own step draws it (`RoundPasses.pick`). Returns (drafts (B, s), their
-        distributions (B, s, V): the q the verification accepts against, exit states (B, s + 1, D));
-        or None."""
+                   k: int, stop_below: float = 0.0, sampling=None):
+        """The early exit's drafts in one call, as `selfspec.draft_loop.draft_loop` makes them: from `token`
+        (B,) at `positions[:, 0]`, k steps of blocks [0, exit_layer) + final norm + draft head, each draft
+        the next step's input, greedy (each argmax; `sampling` None or all rows greedy) or drawn from each
+        row's processed draft distribution with its own random numbers (`sampling`, a
+        `sampling.RowSampling`: `RowSampling.uniforms`' DRAFT stream at the position the draft takes),
+        then cut where no row's draft puts `stop_below` on its top token (`draft_loop.keep_sure`).
+        positions (B, k + 1). Returns (drafts (B, s), their distributions q (B, s, V) or None when greedy,
+        exit states (B, s + 1, D): every input that ran, the last draft included unless η stopped first),
+        the cache holding those s + 1 positions at blocks [0, exit_layer); or None."""
         return None
 
     def draft_step(self, exit_layer: int, tokens: torch.Tensor, cache, positions: torch.Tensor, head: tuple,
@@ -137,7 +134,7 @@ class Backend:
                       max_tokens: int, max_rounds: int, overlap: bool = False, sampling=None):
         """The capability `fused_rounds`: one row's rounds in one call, greedy, or with `sampling` (the
         row's `sampling.RowSampling`, early-exit drafts only: no copies) each draft drawn and each round
-        accepted by speculative sampling's rule as `draft_loop_sampled` and `verify_sampled` do, from the
+        accepted by speculative sampling's rule as `draft_loop` and `verify_sampled` do, from the
         pending `token` at slot `start` of `cache` (one row, every layer holding `start` positions). Each
         round drafts as
         `drafts` says (a copy from the context first where it has copies; else k early-exit drafts,

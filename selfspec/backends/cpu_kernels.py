@@ -37,6 +37,7 @@ class CpuKernelsBackend(Backend):
     name = "cpu_kernels"
     fused_rounds = True
     verifies_sampled = True
+    chooses_drafts = True
 
     def __init__(self, view):
         super().__init__(view)
@@ -48,15 +49,9 @@ class CpuKernelsBackend(Backend):
         self._exit_blocks_of = None  # the blocks' kernel objects the exit blocks were made beside
 
     # -- the protocol ----------------------------------------------------------------------------------
-    def draft_loop(self, exit_layer, token, cache, positions, head, k, stop_below=0.0):
-        return self._draft_loop(exit_layer, token, cache, positions, head, k, stop_below, None)
-
-    def draft_loop_sampled(self, exit_layer, token, cache, positions, head, k, stop_below, sampling):
-        return self._draft_loop(exit_layer, token, cache, positions, head, k, stop_below, sampling)
-
-    def _draft_loop(self, exit_layer, token, cache, positions, head, k, stop_below, sampling):
-        """`draft_loop`, or with `sampling` (the rows' `RowSampling`) `draft_loop_sampled`, whose result
-        holds the drafts' distributions q between the drafts and the exit states."""
+    def draft_loop(self, exit_layer, token, cache, positions, head, k, stop_below=0.0, sampling=None):
+        if sampling is not None and sampling.all_greedy:
+            sampling = None
         place = self._round_place(0, exit_layer, cache, positions)
         if place is None:
             return None
@@ -75,7 +70,7 @@ class CpuKernelsBackend(Backend):
         if not out:
             return None
         cache.written(0, exit_layer, out[-1].shape[1])
-        return tuple(out)
+        return (out[0], None, out[1]) if sampling is None else tuple(out)
 
     def draft_choice(self, hidden, head, allowed=None, stop_below=0.0):
         if self.adapter is None or not self.adapter.uses_fast():  # train mode, eager or flash attention

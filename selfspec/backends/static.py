@@ -56,20 +56,15 @@ class StaticBackend(Backend):
     def allocate(self, cache) -> None:
         self.passes.allocate(cache)
 
-    def draft_loop(self, exit_layer, token, cache, positions, head, k, stop_below=0.0):
+    def draft_loop(self, exit_layer, token, cache, positions, head, k, stop_below=0.0, sampling=None):
         if not self.adapter.uses_fast():
             return None
-        return self.passes.draft_loop(exit_layer, token, cache, head, k, stop_below)
+        return self.passes.draft_loop(exit_layer, token, cache, head, k, stop_below, sampling)
 
     def verify_greedy(self, start, end, cache, positions, drafts, hidden=None, tokens=None, allowed=None):
         if not self.adapter.uses_fast():
             return None
         return self.passes.verify_greedy(start, end, hidden, tokens, cache, drafts, allowed)
-
-    def draft_loop_sampled(self, exit_layer, token, cache, positions, head, k, stop_below, sampling):
-        if not self.adapter.uses_fast():
-            return None
-        return self.passes.draft_loop_sampled(exit_layer, token, cache, head, k, stop_below, sampling)
 
     def verify_sampled(self, start, end, cache, positions, drafts, q, sampling, hidden=None, tokens=None,
                        allowed=None):

@@ -15,24 +15,24 @@ function of fixed shapes:
 - it attends to every slot of the cache (B, H_kv, capacity, hd) under a mask built from the
   positions (B, W) on the device (slot j visible to position p when j <= p, inside the block's
   window), and writes its keys with a scatter at those positions, so nothing depends on host ints;
-- the draft loop is k calls of one draft step, each feeding its argmax to the next on the device; η
-  is read once after the loop (the steps past it ran for nothing, their keys stale and hidden).
+- the draft loop is the engine's own (`draft_loop.draft_loop`) over this module's pass of one position:
+  each argmax (or draw) fed to the next step on the device; η cuts its drafts once after it (the steps
+  past the cut ran for nothing, their keys stale and hidden).
 
 Functions per block range, made once each (`_made`, one maker per kind in `_KINDS`): `run` (blocks
 [start, end) on hidden states: a pass the engine runs from Python), `verify` (+ final norm, LM head, a
-grammar's masks and `sampling.accept_greedy`), `draft_step` (embedding, blocks [0, E), final norm, draft
-head, argmax, top probability), `draft_loop` (k draft steps and the last draft's pass), and for sampled
-decoding `draft_loop_sampled` and `verify_sampled` (each draft drawn, and the round accepted by
-`sampling.accept_sampled`, with each row's own settings and counter-based random numbers, taken as
-tensors: one function for every setting). The acceptance, the masks and the sampling are the
-engine's own functions (`selfspec.sampling`), captured here, not copies. In "eager" mode they run
-as written (any device: the tests' reference); in "graph" mode each is captured per argument
-signature as one CUDA graph (`graphs.CapturedPass`, emulated off CUDA), the cache's buffers written in
-place by every replay. (A "compile" mode through `torch.compile(mode="reduce-overhead")` was removed:
-inductor skipped CUDA graphs for these passes, which write their inputs in place, so it never captured
-them.) The engine keeps its caches' buffers in a
-`decoding.cache.CachePool` while static passes are on (`SelfSpecGenerator(static_passes=...)`), so a
-second `generate`, and a batch whose rows left or joined, reuse the captured graphs.
+grammar's masks and `sampling.accept_greedy`), `draft_loop` (k draft steps and the last draft's pass,
+greedy or sampled) and `verify_sampled` (the round accepted by `sampling.accept_sampled`, with each row's
+own settings and counter-based random numbers, taken as tensors: one function for every setting). The
+loop, the acceptance, the masks and the sampling are the engine's own functions (`selfspec.draft_loop`,
+`selfspec.sampling`), captured here, not copies. In "eager" mode they run as written (any device: the
+tests' reference); in "graph" mode each is captured per argument signature as one CUDA graph
+(`graphs.CapturedPass`, emulated off CUDA), the cache's buffers written in place by every replay. (A
+"compile" mode through `torch.compile(mode="reduce-overhead")` was removed: inductor skipped CUDA graphs
+for these passes, which write their inputs in place, so it never captured them.) The engine keeps its
+caches' buffers in a `decoding.cache.CachePool` while static passes are on
+(`SelfSpecGenerator(static_passes=...)`), so a second `generate`, and a batch whose rows left or joined,
+reuse the captured graphs.
 
 Only the Llama family's plain blocks (`fast.FastLlamaBlocks`) with a table-driven rotary; products
 are `F.linear`, attention is `fast.fixed_attention` (float32, written out), so these passes
@@ -41,12 +41,14 @@ round differently from the CPU kernels' (a decode is all static or all not).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from ..draft_loop import draft_loop, keep_sure, trimmed_logits
 from ..model.fast import (
     FIXED_WIDTH,
     FastLlamaBlocks,
@@ -56,18 +58,7 @@ from ..model.fast import (
     mlp_half,
     rms_norm,
 )
-from ..sampling import (
-    ACCEPT,
-    DRAFT,
-    TARGET,
-    RowSampling,
-    accept_greedy,
-    accept_sampled,
-    apply_mask,
-    sample,
-    sure_drafts,
-    uniforms,
-)
+from ..sampling import ACCEPT, TARGET, RowSampling, accept_greedy, accept_sampled, apply_mask, uniforms
 from .base import STATIC_MODES
 from .graphs import CapturedPass
 
@@ -119,54 +110,27 @@ class StaticPasses:
         cache.written(start, end)
         return torch.cat([targets[:, :length], accepted[:, None].to(targets.dtype)], 1)
 
-    def draft_loop(self, exit_layer: int, token: torch.Tensor, cache, head: tuple, k: int, stop_below: float):
-        """`Backend.draft_loop` on static passes: k draft steps from `token` (B,) at the cache's
-        announced positions (B, k + 1), each step's argmax the next one's input, then the last draft's
-        pass through [0, E); η read once after them (only when η > 0). Returns (drafts (B, s), exit
-        states (B, s + 1, D)), the cache holding the s + 1 inputs at blocks [0, E); None, nothing run,
-        where it does not apply."""
+    def draft_loop(self, exit_layer: int, token: torch.Tensor, cache, head: tuple, k: int, stop_below: float,
+                   sampling: RowSampling | None = None):
+        """`Backend.draft_loop` on static passes: `draft_loop.draft_loop`, the engine's own loop, over this
+        module's fixed-shape pass of one position and the draft head, from `token` (B,) at the cache's
+        announced positions (B, k + 1); run as written, or captured unrolled as one graph ("graph": one
+        launch for the k steps and the last draft's pass, whatever the rows' settings: `sampling` taken as
+        tensors). η cuts the drafts after it (`draft_loop.keep_sure`, one host read). Returns (drafts (B, s),
+        their distributions q (B, s, V) or None when greedy, exit states (B, s + 1, D)), the cache holding
+        the s + 1 inputs at blocks [0, E); None, nothing run, where it does not apply."""
         slots = self._slots(cache, 0, exit_layer, slice(0, k + 1))
         if slots is None:
             return None
         keys, values, _, cos, sin = slots
-        if self.mode == "graph" and k:  # the k steps and the last pass as one graph: one launch
-            loop = self._made("draft_loop", 0, exit_layer, head=head, steps=k)
-            drafts, tops, hidden = loop(token, keys, values, cache.positions[:, :k + 1], cos, sin)
-            count = sure_drafts(tops, stop_below)
-            cache.written(0, exit_layer, count + 1)
-            return drafts[:, :count], hidden[:, :count + 1]
-        step = self._made("draft", 0, exit_layer, head=head)
-        drafts, tops, hiddens = [], [], []
-        for i in range(k + 1):  # step i writes and reads the slot of announced position i
-            positions = _pad(cache.positions[:, i:i + 1])  # (B, W), one position per row
-            token, top, hidden = step(token, keys, values, positions, cos, sin)
-            hiddens.append(hidden)
-            if i < k:
-                drafts.append(token)
-                tops.append(top)
-        count = sure_drafts(torch.stack(tops), stop_below) if tops else 0
-        cache.written(0, exit_layer, count + 1)
-        hidden = torch.stack(hiddens[:count + 1], 1)  # (B, s + 1, D)
-        return (torch.stack(drafts[:count], 1) if count else token[:, None][:, :0]), hidden
-
-    def draft_loop_sampled(self, exit_layer: int, token: torch.Tensor, cache, head: tuple, k: int,
-                           stop_below: float, sampling: RowSampling):
-        """`Backend.draft_loop_sampled` on static passes: `draft_loop`'s k steps with each draft drawn from
-        the processed draft distribution by the row's own random numbers (`sampling.uniforms`, stream
-        DRAFT, at the position the draft takes), on the device: one graph in "graph" mode, whatever the
-        rows' settings (`sampling`, each row's, taken as tensors). Returns
-        (drafts (B, s), their distributions q (B, s, V), exit states (B, s + 1, D)); None where it does not
-        apply."""
-        slots = self._slots(cache, 0, exit_layer, slice(0, k + 1))
-        if slots is None or not k:
-            return None
-        keys, values, _, cos, sin = slots
-        loop = self._made("draft_loop_sampled", 0, exit_layer, head=head, steps=k)
-        drafts, q, tops, hidden = loop(token, keys, values, cache.positions[:, :k + 1], cos, sin,
-                                       *sampling.tensors())
-        count = sure_drafts(tops, stop_below)
-        cache.written(0, exit_layer, count + 1)
-        return drafts[:, :count], q[:, :count], hidden[:, :count + 1]
+        sampled = sampling is not None and not sampling.all_greedy
+        kind = "draft_loop_sampled" if sampled else "draft_loop"
+        loop = self._made(kind, 0, exit_layer, head=head, steps=k)
+        rows = sampling.tensors() if sampled else ()
+        out = loop(token, keys, values, cache.positions[:, :k + 1], cos, sin, *rows)
+        drafts, q, hidden = keep_sure(*(out if sampled else (out[0], None, *out[1:])), stop_below)
+        cache.written(0, exit_layer, drafts.shape[1] + 1)
+        return drafts, q, hidden
 
     def verify_sampled(self, start: int, end: int, hidden: torch.Tensor | None, tokens: torch.Tensor | None,
                        cache, drafts: torch.Tensor, q: torch.Tensor, sampling: RowSampling,
@@ -286,65 +250,27 @@ def _verify_sampled(model: _Slice, head, steps) -> Callable:
     return function
 
 
-def _draft_step(model: _Slice, head, steps) -> Callable:
-    """One greedy draft step: (draft (B,), its top probability (B,), the exit state (B, D))."""
+def _draft_loop(model: _Slice, head, steps, sampled: bool = False) -> Callable:
+    """`draft_loop.draft_loop` over this module's pass of one position and the draft head (greedy, or with
+    the rows' settings as tensors, `RowSampling.captured`): (drafts (B, steps), q (B, steps, V) when
+    sampled, top probabilities (steps, B), exit states (B, steps + 1, D))."""
     weight, bias, ids, vocab = head
 
-    def function(token, keys, values, positions, cos, sin):
-        hidden = model.one_position(token, keys, values, positions[:, :1], cos, sin)
-        logits = F.linear(rms_norm(hidden, model.norm, model.eps), weight, bias).float()  # (B, V')
-        top = torch.softmax(logits, -1).amax(-1)
-        if ids is not None:  # a trimmed head's rows are in frequency order: a tie goes to the lowest id
-            logits = logits.new_full((logits.shape[0], vocab), float("-inf")).index_copy(-1, ids, logits)
-        return logits.argmax(-1), top, hidden
-    return function
-
-
-def _draft_loop(model: _Slice, head, steps) -> Callable:
-    """`steps` greedy draft steps then the last draft's pass, each argmax fed on, on the device: (drafts
-    (B, steps), top probabilities (steps, B), exit states (B, steps + 1, D))."""
-    step = _draft_step(model, head, steps)
-
-    def function(token, keys, values, positions, cos, sin):
-        drafts, tops, hiddens = [], [], []
-        for i in range(steps + 1):  # positions (B, steps + 1): step i at column i
-            token, top, hidden = step(token, keys, values, positions[:, i:i + 1], cos, sin)
-            drafts.append(token)
-            tops.append(top)
-            hiddens.append(hidden)
-        return torch.stack(drafts[:steps], 1), torch.stack(tops[:steps]), torch.stack(hiddens, 1)
-    return function
-
-
-def _draft_loop_sampled(model: _Slice, head, steps) -> Callable:
-    """`_draft_loop` with each draft drawn from each row's processed draft distribution by its own random
-    numbers: (drafts (B, steps), their q (B, steps, V), top probabilities (steps, B), exit states)."""
-    weight, bias, ids, vocab = head
+    def logits(hidden):  # (B, D) -> (B, V)
+        return trimmed_logits(F.linear(rms_norm(hidden, model.norm, model.eps), weight, bias), ids, vocab)
 
     def function(token, keys, values, positions, cos, sin, *rows):
-        sampling = RowSampling.captured(rows)
-        drafts, qs, tops, hiddens = [], [], [], []
-        for i in range(steps + 1):  # positions (B, steps + 1): step i at column i
-            hidden = model.one_position(token, keys, values, positions[:, i:i + 1], cos, sin)
-            hiddens.append(hidden)
-            if i == steps:  # the last draft's pass: its exit state only
-                break
-            sub = F.linear(rms_norm(hidden, model.norm, model.eps), weight, bias)  # (B, V')
-            full = sub if ids is None else sub.new_full(  # (B, V): -inf off a trimmed head's ids
-                (sub.shape[0], vocab), float("-inf")).index_copy(-1, ids, sub)
-            probs = sampling.probs(full)
-            # draft i takes position positions[:, i] + 1, drawn with that position's numbers
-            token = sample(probs, uniforms(sampling.seeds, positions[:, i:i + 1] + 1, DRAFT)[:, 0])
-            drafts.append(token)
-            qs.append(probs)
-            tops.append(sampling.top_probability(full))
-        return torch.stack(drafts, 1), torch.stack(qs, 1), torch.stack(tops), torch.stack(hiddens, 1)
+        def step(token, i):  # positions (B, steps + 1): step i at column i
+            return model.one_position(token, keys, values, positions[:, i:i + 1], cos, sin)
+        sampling = RowSampling.captured(rows) if sampled else None
+        drafts, q, tops, states = draft_loop(step, logits, token, positions, steps, sampling)
+        return (drafts, q, tops, states) if sampled else (drafts, tops, states)  # a graph's outputs: tensors
     return function
 
 
 # each pass's maker: (the model's slice, the draft head's tensors, draft steps) -> the function
-_KINDS = {"run": _run, "verify": _verify, "verify_sampled": _verify_sampled, "draft": _draft_step,
-          "draft_loop": _draft_loop, "draft_loop_sampled": _draft_loop_sampled}
+_KINDS = {"run": _run, "verify": _verify, "verify_sampled": _verify_sampled, "draft_loop": _draft_loop,
+          "draft_loop_sampled": functools.partial(_draft_loop, sampled=True)}
 
 
 def _pad(x: torch.Tensor) -> torch.Tensor:

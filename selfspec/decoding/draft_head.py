@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..draft_loop import trimmed_logits
 from ..errors import UserError
 from ..model import DecoderView
 from ..model.fast import linear
@@ -94,9 +95,8 @@ class DraftHead:
             hidden = self.adapter(hidden)
         if self.token_ids is None:
             return self.view.exit_logits(hidden)
-        sub = linear(self.view.final_norm(hidden), self.weight, self.bias)  # (..., V')
-        full = sub.new_full(sub.shape[:-1] + (self.vocab_size,), float("-inf"))
-        return full.index_copy_(-1, self.token_ids, sub)
+        return trimmed_logits(linear(self.view.final_norm(hidden), self.weight, self.bias), self.token_ids,
+                              self.vocab_size)
 
 
 __all__ = ["DraftHead", "coverage", "frequent_tokens"]

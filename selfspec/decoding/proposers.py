@@ -28,6 +28,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from ..draft_loop import draft_loop, keep_sure
 from ..sampling import apply_mask
 from .batch import Batch, joined, width
 from .ngram import TokenText
@@ -138,35 +139,45 @@ class EarlyExitProposer:
         return self._one(state)
 
     def _loop(self, state: RoundState, k: int) -> int | None:
-        """The round's k drafts in one backend call (`Backend.draft_loop`, or `draft_loop_sampled`), the
-        same drafts and cache as k calls of `_one`, without the Python between the steps. Its last pass
-        through blocks [0, E) runs the last draft (which the verification would run first), so the draft
-        time holds it. The drafts made (fewer than k: η stopped the round), or None: the backend declined,
-        nothing run."""
-        b, draft, backend = state.b, state.draft, self.passes.backend
-        d, positions = b.drafting, self.passes.place(b, 0, k + 1)["positions"]
-        if b.sampling.all_greedy:
-            out = backend.draft_loop(d.exit_layer, b.pending_dev, b.cache, positions, d.tensors, k,
-                                     d.stop_below)
-            q = None
-        else:  # each draft drawn with the row's numbers from q, which the verification accepts against
-            out = backend.draft_loop_sampled(d.exit_layer, b.pending_dev, b.cache, positions, d.tensors, k,
-                                             d.stop_below, b.sampling)
-            if out is not None:
-                drafts, q, hidden = out
-                out = drafts, hidden
+        """The round's k drafts in one go, the same drafts and cache as k calls of `_one` without the Python
+        between the steps: the backend's call (`Backend.draft_loop`: compiled, or the static backend's
+        capture of `draft_loop`), else `selfspec.draft_loop` itself through the model's passes. Its last
+        pass through blocks [0, E) runs the last draft (which the verification would run first), so the
+        draft time holds it. The drafts made (fewer than k: η stopped the round), or None: nothing run
+        (the backend declined, and chooses greedy drafts itself step by step: `Backend.chooses_drafts`)."""
+        b, draft, passes = state.b, state.draft, self.passes
+        d, positions = b.drafting, passes.place(b, 0, k + 1)["positions"]
+        out = passes.backend.draft_loop(d.exit_layer, b.pending_dev, b.cache, positions, d.tensors, k,
+                                        d.stop_below, b.sampling)
         if out is None:
-            return None
-        drafts, hidden = out  # (B, s), (B, s + 1, D)
+            if b.sampling.all_greedy and passes.backend.chooses_drafts:
+                return None
+            out = self._torch_loop(b, k)
+        drafts, q, hidden = out  # (B, s), (B, s, V) or None, (B, s + 1, D)
         if drafts.shape[1]:
             draft.add("early_exit", drafts)
-            if q is not None:
+            if q is not None:  # drawn by the rows' numbers from q, which the verification accepts against
                 draft.q.append(("q", q))
         draft.hiddens.append(hidden)
         draft.stopped = drafts.shape[1] < k
         state.unrun.clear()  # the pending token and every draft ran through blocks [0, E)
         b.lap("draft passes")
         return drafts.shape[1]
+
+    def _torch_loop(self, b: Batch, k: int) -> tuple:
+        """`draft_loop.draft_loop` through the model's passes (`RoundPasses.forward`, one position a step)
+        and the draft head, cut by η; the cache's blocks [0, E) then hold the inputs that count."""
+        passes, d = self.passes, b.drafting
+
+        def step(token, i):  # the input at position n + i through blocks [0, E): its exit state (B, D)
+            return passes.forward(b, token[:, None], i, d.exit_layer)[1][:, -1]
+
+        positions = b.lengths_dev[:, None] + b.steps[:k + 1]
+        out = keep_sure(*draft_loop(step, d.head.logits, b.pending_dev, positions, k, b.sampling,
+                                    tops=bool(d.stop_below)), d.stop_below)
+        passes.place(b, 0, k + 1)
+        b.cache.written(0, d.exit_layer, out[0].shape[1] + 1)  # the steps η cut ran for nothing
+        return out
 
     def _one(self, state: RoundState) -> int:
         """One draft at the next draft position, among what the rows' grammars allow (their mask applies
