@@ -41,7 +41,6 @@ def draft_loop(step: Step, head: Head, token: torch.Tensor, positions: torch.Ten
     Returns (drafts (B, k), q (B, k, V) the drafts' distributions or None when greedy, tops (k, B) or
     None, states (B, k + 1, D): the exit states of the pending token and of every draft).
     """
-    greedy = sampling is None or sampling.all_greedy
     drafts, qs, top, states = [], [], [], []
     for i in range(k + 1):
         state = step(token, i)
@@ -49,20 +48,27 @@ def draft_loop(step: Step, head: Head, token: torch.Tensor, positions: torch.Ten
         if i == k:  # the last draft's pass: its exit state only
             break
         logits = head(state).float()  # (B, V)
-        if greedy:
-            token = greedy_tokens(logits)
-            if tops:
-                top.append(logits.softmax(-1).amax(-1))
-        else:
-            probs = sampling.probs(logits)
-            token = sample(probs, sampling.uniforms(positions[:, i:i + 1] + 1, DRAFT)[:, 0])
+        token, probs = pick(logits, sampling, positions[:, i:i + 1] + 1)  # draft i takes position i + 1
+        if probs is not None:
             qs.append(probs)
-            if tops:
-                top.append(sampling.top_probability(logits))
+        if tops:
+            top.append(logits.softmax(-1).amax(-1) if probs is None else sampling.top_probability(logits))
         drafts.append(token)
     stacked = torch.stack(drafts, 1) if drafts else token[:, None][:, :0]
     return (stacked, torch.stack(qs, 1) if qs else None, torch.stack(top) if top else None,
             torch.stack(states, 1))
+
+
+def pick(logits: torch.Tensor, sampling: RowSampling | None, position: torch.Tensor) -> tuple:
+    """One draft step's choice from draft logits (B, V) for the token at `position` (B, 1): (draft (B,), q)
+    with q None where every row is greedy (`sampling` None or all greedy: each argmax, the lowest id on a
+    tie), else each row's processed draft distribution (B, V) and its draw from it with the row's own
+    random numbers at that position (`RowSampling.uniforms`, stream DRAFT; a greedy row's one-hot q draws
+    its argmax)."""
+    if sampling is None or sampling.all_greedy:
+        return greedy_tokens(logits), None
+    probs = sampling.probs(logits)
+    return sample(probs, sampling.uniforms(position, DRAFT)[:, 0]), probs
 
 
 def keep_sure(drafts: torch.Tensor, q: torch.Tensor | None, tops: torch.Tensor | None, states: torch.Tensor,
@@ -83,4 +89,4 @@ def trimmed_logits(sub: torch.Tensor, ids: torch.Tensor | None, vocab: int) -> t
     return sub.new_full(sub.shape[:-1] + (vocab,), float("-inf")).index_copy(-1, ids, sub)
 
 
-__all__ = ["draft_loop", "keep_sure", "trimmed_logits"]
+__all__ = ["draft_loop", "keep_sure", "pick", "trimmed_logits"]

@@ -296,7 +296,8 @@ def test_the_greedy_target_under_masks_reads_only_the_allowed_rows_of_narrow_mas
     if b is not None:
         logits = logits + b
     expected = apply_mask(logits, allowed).float().argmax(-1)
-    got = kernels.extension().masked_target(h, norm, 1e-5, head, b, allowed)
+    target = kernels.extension().Head(norm=norm, eps=1e-5, weight=head, bias=b, vocab=vocab)
+    got = kernels.extension().masked_target(h, target, allowed)
     assert torch.equal(got, expected)
     assert got[5] == 7 and got[6] == 400
 
@@ -326,6 +327,11 @@ def test_the_draft_choice_is_the_argmax_of_the_draft_heads_masked_logits(few_row
         full_bias = full_bias.to(dtype)
     weight = (head[ids] if trimmed else head).to(dtype).contiguous()
     b = None if full_bias is None else (full_bias[ids] if trimmed else full_bias).contiguous()
+
+    def head_at(stop_below):  # the draft head as the compiled calls take it, with η
+        return round_kernels.state_types()[1](norm=norm, eps=1e-5, weight=weight, bias=b, ids=ids,
+                                              vocab=vocab, stop_below=stop_below)
+
     allowed = torch.ones(rows, vocab, dtype=torch.bool)
     allowed[1] = False
     allowed[1, [7, 300]] = True  # a tie
@@ -344,7 +350,7 @@ def test_the_draft_choice_is_the_argmax_of_the_draft_heads_masked_logits(few_row
         if mask is not None:
             logits = apply_mask(logits, mask)
         logits = logits.float()
-        got, top = round_kernels.draft_choice()(h, norm, 1e-5, weight, b, ids, vocab, mask, 0.5)
+        got, top = round_kernels.draft_choice()(h, head_at(0.5), mask)
         expected = logits.argmax(-1)
         # the norm's sum runs in another order than torch's, which only a near-tie could tell (none here)
         assert torch.equal(got, expected), (got, expected)
@@ -354,8 +360,8 @@ def test_the_draft_choice_is_the_argmax_of_the_draft_heads_masked_logits(few_row
             if trimmed:
                 assert top[2] == 1.0  # one allowed token
     choose = round_kernels.draft_choice()
-    none, zeros = choose(h, norm, 1e-5, weight, b, ids, vocab, None, 0.0)
-    assert torch.equal(none, choose(h, norm, 1e-5, weight, b, ids, vocab, None, 0.5)[0])
+    none, zeros = choose(h, head_at(0.0), None)
+    assert torch.equal(none, choose(h, head_at(0.5), None)[0])
     assert not zeros.any()  # eta 0: no probabilities computed
 
 

@@ -38,8 +38,8 @@ def main() -> None:
     config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     model = LlamaForCausalLM(config).eval()
-    gen = SelfSpecGenerator(model, exit_layer=2, num_speculations=3, drafter=args.drafter, backend=args.backend,
-                            static_passes="eager" if args.backend == "static" else None)
+    gen = SelfSpecGenerator(model, exit_layer=2, num_speculations=3, drafter=args.drafter,
+                            backend=args.backend, static_passes="eager" if args.backend == "static" else None)
     params = SamplingParams(temperature=0.8, top_p=0.95) if args.sampled else SamplingParams()
     row = NewRow([5, 17, 17, 9, 5, 17, 17, 9, 5, 17], max_new_tokens=32, sampling=params, seed=3)
     calls: list[str] = []

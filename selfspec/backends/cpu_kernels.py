@@ -61,12 +61,10 @@ class CpuKernelsBackend(Backend):
         call = self._round_call(accessor, 0, exit_layer, cos, sin, (weight, bias))
         if call is None:
             return None
-        made, blocks, embed, cos, sin = call
+        made, low = call
         keys, values, first, _, row_starts = slots
-        norm = self._fast.head
         rule = () if sampling is None else (list(sampling.tensors()), positions)  # the draw's inputs
-        out = made(blocks, embed, token, keys, values, first, cos, sin, norm[0], norm[1], weight, bias, ids,
-                   vocab, k, stop_below, *rule, row_starts, self._mask_value)
+        out = made(low(keys, values, row_starts), self._draft_head(head, stop_below), token, first, k, *rule)
         if not out:
             return None
         cache.written(0, exit_layer, out[-1].shape[1])
@@ -84,8 +82,7 @@ class CpuKernelsBackend(Backend):
                 t is not None and (t.dtype != hidden.dtype or not t.is_contiguous())
                 for t in (weight, bias, fast.head[0])):
             return None
-        norm, eps = fast.head[:2]
-        drafts, top = made(hidden.contiguous(), norm, eps, weight, bias, ids, vocab, allowed, stop_below)
+        drafts, top = made(hidden.contiguous(), self._draft_head(head, stop_below), allowed)
         return drafts, bool(sure_drafts(top[None], stop_below))  # η's rule: some row's draft is sure
 
     def draft_step(self, exit_layer, tokens, cache, positions, head, exit_block=None, allowed=None,
@@ -118,12 +115,12 @@ class CpuKernelsBackend(Backend):
         call = self._round_call(accessor, start, end, cos, sin, (norm[2], norm[3]))
         if call is None:
             return None
-        made, blocks, embed, cos, sin = call
+        made, passes = call
         keys, values, first, _, row_starts = slots
         rule = ((allowed,) if sampled is None
                 else (sampled[0], list(sampled[1].tensors()), positions))  # the sampled rule's inputs
-        out = made(blocks, hidden, tokens, embed, keys, values, first, cos, sin, self._mask_value, norm[0],
-                   norm[1], norm[2], norm[3], drafts, *rule, row_starts)
+        out = made(passes(keys, values, row_starts), self._target_head(), hidden, tokens, first, drafts,
+                   *rule)
         if not out:
             return None
         cache.written(start, end)
@@ -149,12 +146,14 @@ class CpuKernelsBackend(Backend):
         call = self._round_call(round_kernels.greedy_rounds, 0, num_layers, cos, sin, (weight, bias))
         if call is None:
             return None
-        made, blocks, embed, cos, sin = call
-        copies = drafts.copies() or (None, 0, 0, 0)
-        out = made(blocks, drafts.exit_layer, embed, keys, values, start, token, cos, sin, self._mask_value,
-                   *self._fast.head, weight, bias, ids, vocab, k, drafts.stop_below, eos, max_tokens,
-                   max_rounds,
-                   *copies, overlap, [] if sampling is None else list(sampling.tensors()))
+        made, model = call
+        history, min_ngram, max_ngram, copy_limit = drafts.copies() or (None, 1, 0, 0)
+        rounds = round_kernels.state_types()[2](
+            start=start, token=token, k=k, eos=eos, max_tokens=max_tokens, max_rounds=max_rounds,
+            history=history, min_ngram=min_ngram, max_ngram=max_ngram, copy_limit=copy_limit, overlap=overlap,
+            sampling=[] if sampling is None else list(sampling.tensors()))
+        out = made(model(keys, values), drafts.exit_layer, self._target_head(),
+                   self._draft_head(drafts.head, drafts.stop_below), rounds)
         if not out:
             return None
         out = tuple(t.numpy() for t in out)
@@ -194,16 +193,14 @@ class CpuKernelsBackend(Backend):
         call = self._round_call(round_kernels.draft_step, 0, exit_layer, cos, sin, (weight, bias))
         if call is None:
             return None
-        made, blocks, embed, cos, sin = call
+        made, low = call
         extra_blocks = [self._exit_block(layer) for layer in layers]
         if None in extra_blocks:
             return None
         keys, values, first_slot, _, row_starts = slots
-        if layers:
-            keys, values = [*keys, *extra_slots[0]], [*values, *extra_slots[1]]
-        norm = self._fast.head
-        out = made(blocks, extra_blocks, embed, tokens, keys, values, first_slot, cos, sin, self._mask_value,
-                   norm[0], norm[1], weight, bias, ids, vocab, allowed, stop_below, row_starts, choose)
+        extra = low(*(extra_slots[:2] if layers else ([], [])), blocks=extra_blocks)
+        out = made(low(keys, values, row_starts), extra, self._draft_head(head, stop_below), tokens,
+                   first_slot, allowed, choose)
         if not out:
             return None
         cache.written(0, exit_layer)
@@ -251,11 +248,12 @@ class CpuKernelsBackend(Backend):
         return slots, cos[first:last + 1].expand(batch, -1, -1), sin[first:last + 1].expand(batch, -1, -1)
 
     def _round_call(self, accessor, start: int, end: int, cos: torch.Tensor, sin: torch.Tensor, head: tuple):
-        """What a compiled round call over blocks [start, end) needs besides the cache's slots: (the
-        compiled function, the blocks as the kernels' objects, the embedding table, cos and sin (B, T, hd)
-        contiguous), or None where it does not apply: the kernels off or missing (the "rounds" level),
-        weights off the CPU (the kernels read host memory), autograd on, an embedding that is not a plain
-        lookup (`nn.Embedding` without hooks), no plain final norm + LM head, a head tensor not in the
+        """What a compiled round call over blocks [start, end) needs besides the cache's slots: (the compiled
+        function, `passes(keys, values, row_starts=None, blocks=None)` making the call's `Passes`: those
+        blocks as the kernels' objects (or `blocks`) with the buffers given, the embedding table, cos and sin
+        (B, T, hd) contiguous), or None where it does not apply: the kernels off or missing (the "rounds"
+        level), weights off the CPU (the kernels read host memory), autograd on, an embedding that is not a
+        plain lookup (`nn.Embedding` without hooks), no plain final norm + LM head, a head tensor not in the
         model's dtype, angles not in it."""
         fast, embedding = self._fast, self.adapter.embedding
         embed = embedding.weight
@@ -271,7 +269,27 @@ class CpuKernelsBackend(Backend):
                 or any(t is not None and (t.dtype != embed.dtype or not t.is_contiguous())
                        for t in (*head, fast.head[0]))):
             return None
-        return made, compiled[0][start:end], embed, cos.contiguous(), sin.contiguous()
+        cos, sin, blocks = cos.contiguous(), sin.contiguous(), compiled[0][start:end]
+        kind, mask_value = round_kernels.state_types()[0], self._mask_value
+
+        def passes(keys, values, row_starts=None, blocks=blocks):
+            return kind(blocks=blocks, keys=list(keys), values=list(values), embed=embed, cos=cos, sin=sin,
+                        mask_value=mask_value, row_starts=row_starts)
+        return made, passes
+
+    def _target_head(self):
+        """The model's final norm and LM head as the kernels' `Head`."""
+        norm, eps, weight, bias = self._fast.head
+        return round_kernels.state_types()[1](norm=norm, eps=eps, weight=weight, bias=bias,
+                                              vocab=weight.shape[0])
+
+    def _draft_head(self, head: tuple, stop_below: float):
+        """A draft head's tensors (`DraftHead.tensors()`) after the model's final norm, and η, as the
+        kernels' `Head`."""
+        norm, eps = self._fast.head[:2]
+        weight, bias, ids, vocab = head
+        return round_kernels.state_types()[1](norm=norm, eps=eps, weight=weight, bias=bias, ids=ids,
+                                              vocab=vocab, stop_below=stop_below)
 
 
 __all__ = ["CpuKernelsBackend"]

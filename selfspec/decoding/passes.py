@@ -2,8 +2,8 @@
 
 The proposers (`proposers.py`) and the verification (`verification.py`) run their passes through these:
 the positions announced to the cache, blocks [0, end) with the exit block behind block E when the call
-has one (its cache layers written wherever blocks [0, E) run), a draft token picked from draft logits
-(greedy, or sampled with the row's own random numbers), and η's test. Each pass goes to the backend
+has one (its cache layers written wherever blocks [0, E) run), and η's test (a draft's choice is
+`draft_loop.pick`). Each pass goes to the backend
 first where it has one call for it (`Backend.exit_pass`), else to `DecoderView`'s torch operations.
 """
 
@@ -13,7 +13,7 @@ import torch
 
 from ..backends import Backend
 from ..model import DecoderView
-from ..sampling import DRAFT, greedy_tokens, sample, sure_drafts
+from ..sampling import sure_drafts
 from .batch import Batch
 
 
@@ -56,13 +56,6 @@ class RoundPasses:
         hidden = self.view.run_layers(hidden, 0, d.exit_layer, b.cache, context=context)
         features = d.exit_block(hidden, self.view, context, b.cache)  # writes cache layers N, N + 1, ..
         return self.view.run_layers(hidden, d.exit_layer, end, b.cache, context=context), features
-
-    def pick(self, b: Batch, logits: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """Draft token (B,) from draft logits (B, V) for the token at `position` (B, 1): each row's argmax
-        or its draw by its own settings (a greedy row's one-hot distribution draws its argmax)."""
-        if b.sampling.all_greedy:
-            return greedy_tokens(logits)
-        return sample(b.sampling.probs(logits), b.sampling.uniforms(position, DRAFT)[:, 0])
 
     @staticmethod
     def unsure(b: Batch, logits: torch.Tensor) -> bool:

@@ -28,7 +28,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from ..draft_loop import draft_loop, keep_sure
+from ..draft_loop import draft_loop, keep_sure, pick
 from ..sampling import apply_mask
 from .batch import Batch, joined, width
 from .ngram import TokenText
@@ -228,7 +228,7 @@ class EarlyExitProposer:
         if b.drafting.stop_below and passes.unsure(b, logits):
             b.lap("draft choice")
             return self._stopped(draft)
-        token = passes.pick(b, logits, b.lengths_dev[:, None] + (draft.k + 1))  # at n + k + 1
+        token = pick(logits, b.sampling, b.lengths_dev[:, None] + (draft.k + 1))[0]  # at n + k + 1
         draft.q.append(("early_exit", logits))
         return token
 

@@ -27,6 +27,63 @@
 #include <utility>
 #include <vector>
 
+// -- the typed state every call takes ----------------------------------------------------------------------
+// A range of the model's blocks as a call runs them: the blocks, their key and value buffers (B, Hkv,
+// capacity, hd) each, the embedding table (V, D), the rotary rows of the call's positions (cos, sin:
+// (B, T, hd) for a pass; the whole table (L, hd) for `greedy_rounds`, which takes each round's rows with
+// `at`), the value of the additive mask beyond a query's slots (the engine's mask's: its dtype's lowest),
+// and, where rows sit at different slots, each row's first slot (`row_starts` (B,); none: every row at the
+// call's `start`).
+struct Passes {
+  std::vector<const Block*> blocks;
+  std::vector<torch::Tensor> keys, values;
+  torch::Tensor embed, cos, sin;
+  double mask_value = 0.0;
+  c10::optional<torch::Tensor> row_starts;
+
+  // blocks [first, last) with their buffers
+  Passes range(int64_t first, int64_t last) const {
+    return {{blocks.begin() + first, blocks.begin() + last}, {keys.begin() + first, keys.begin() + last},
+            {values.begin() + first, values.begin() + last}, embed, cos, sin, mask_value, row_starts};
+  }
+
+  // the same blocks at the rotary rows of `count` slots from `first` of the table (L, hd): (1, count, hd),
+  // as the engine's calls get them for one row
+  Passes at(int64_t first, int64_t count) const {
+    Passes out = *this;
+    out.cos = cos.narrow(0, first, count).unsqueeze(0).contiguous();
+    out.sin = sin.narrow(0, first, count).unsqueeze(0).contiguous();
+    return out;
+  }
+};
+
+// A head on exit or final states: the final norm (`norm`, `eps`), the head (V', D) `weight` + `bias`, a
+// trimmed head's token ids `ids` (V'; none: V' = V), V = `vocab`, and η (`stop_below`, the early exit's
+// stopping rule; 0: never stop, as for the target's head), all in the states' dtype.
+struct Head {
+  torch::Tensor norm;
+  double eps = 0.0;
+  torch::Tensor weight;
+  c10::optional<torch::Tensor> bias, ids;
+  int64_t vocab = 0;
+  double stop_below = 0.0;
+};
+
+// One row's rounds (`greedy_rounds`): the pending `token` at slot `start`, k early-exit drafts a round (0:
+// none), the eos ids `eos` (n,) int64, at most `max_tokens` kept tokens and `max_rounds` rounds; copies from
+// the row's `history` (its tokens so far, the pending one last; none: no copies) after suffixes of
+// min_ngram..max_ngram tokens, up to `copy_limit` a round; `overlap`; the row's `sampling`
+// (`RowSampling.tensors()`; empty: greedy).
+struct Rounds {
+  int64_t start = 0, token = 0, k = 0;
+  torch::Tensor eos;
+  int64_t max_tokens = 0, max_rounds = 0;
+  c10::optional<torch::Tensor> history;
+  int64_t min_ngram = 1, max_ngram = 0, copy_limit = 0;
+  bool overlap = false;
+  std::vector<torch::Tensor> sampling;
+};
+
 // The greedy draft of each row of exit states h (B, D), in one pass over the draft head and no tensor
 // operations: the final norm (`rms_norm_row`), the head's logits (`rows_block`'s dot products, rounded
 // to the dtype, + bias in the dtype), a grammar's mask `allowed` (B, V) bool where given (refused
@@ -55,10 +112,12 @@ std::unique_ptr<T[]> head_rows(const T* h, int64_t batch, int64_t d, const T* no
 }
 
 template <typename T>
-void choose_drafts(const T* h, int64_t batch, int64_t d, const T* norm, float eps, const T* head, const T* bias,
-                   const int64_t* ids, int64_t rows, int64_t vocab, const bool* allowed, int64_t* token,
-                   float* top) {
-  const auto logits = head_rows<T>(h, batch, d, norm, eps, head, rows);
+void choose_drafts(const T* h, int64_t batch, int64_t d, const Head& draft, const int64_t* ids, const bool* allowed,
+                   int64_t* token, float* top) {
+  const int64_t rows = draft.weight.size(0), vocab = ids ? draft.vocab : rows;
+  const T* bias = draft.bias.has_value() ? draft.bias->data_ptr<T>() : nullptr;
+  const auto logits = head_rows<T>(h, batch, d, draft.norm.data_ptr<T>(), static_cast<float>(draft.eps),
+                                   draft.weight.data_ptr<T>(), rows);
   constexpr float kNone = -std::numeric_limits<float>::infinity();
   std::vector<float> values((rows + 7) / 8 * 8, kNone);  // one row's logits, refused ones -inf, 8-lane padded
   for (int64_t b = 0; b < batch; ++b) {
@@ -112,9 +171,11 @@ void choose_drafts(const T* h, int64_t batch, int64_t d, const T* norm, float ep
 // in the dtype): `out` (B, V') floats, row `order[i]` of the head at column i (a trimmed head's rows in
 // the order of their token ids; none: the head's order).
 template <typename T>
-void draft_logits(const T* h, int64_t batch, int64_t d, const T* norm, float eps, const T* head, const T* bias,
-                  const int64_t* order, int64_t rows, float* out) {
-  const auto logits = head_rows<T>(h, batch, d, norm, eps, head, rows);
+void draft_logits(const T* h, int64_t batch, int64_t d, const Head& draft, const int64_t* order, float* out) {
+  const int64_t rows = draft.weight.size(0);
+  const T* bias = draft.bias.has_value() ? draft.bias->data_ptr<T>() : nullptr;
+  const auto logits = head_rows<T>(h, batch, d, draft.norm.data_ptr<T>(), static_cast<float>(draft.eps),
+                                   draft.weight.data_ptr<T>(), rows);
   for (int64_t b = 0; b < batch; ++b)
     for (int64_t i = 0; i < rows; ++i) {
       const int64_t j = order ? order[i] : i;
@@ -124,14 +185,15 @@ void draft_logits(const T* h, int64_t batch, int64_t d, const T* norm, float eps
     }
 }
 
-// `choose_drafts` on exit states h (B, D) with the final norm `norm` and the draft head `head` (V', D)
-// (+ `bias`; `ids` (V',) the token ids of a trimmed head's rows, else V' = V), a grammar's masks
-// `allowed` (B, V) bool or none, all in h's dtype. Returns {draft (B,) int64, top (B,) fp32: each
-// draft's probability, zeros for stop_below <= 0 (not computed)}.
-std::vector<torch::Tensor> draft_choice(const torch::Tensor& h, const torch::Tensor& norm, double eps,
-                                        const torch::Tensor& head, const c10::optional<torch::Tensor>& bias,
-                                        const c10::optional<torch::Tensor>& ids, int64_t vocab,
-                                        const c10::optional<torch::Tensor>& allowed, double stop_below) {
+// `choose_drafts` on exit states h (B, D) with the draft head `draft` and a grammar's masks `allowed` (B, V)
+// bool or none. Returns {draft (B,) int64, top (B,) fp32: each draft's probability, zeros where η is 0
+// (not computed)}.
+std::vector<torch::Tensor> draft_choice(const torch::Tensor& h, const Head& draft,
+                                        const c10::optional<torch::Tensor>& allowed) {
+  const auto &norm = draft.norm, &head = draft.weight;
+  const auto &bias = draft.bias, &ids = draft.ids;
+  const double stop_below = draft.stop_below;
+  const int64_t vocab = draft.vocab;
   TORCH_CHECK(h.dim() == 2 && head.dim() == 2 && head.size(1) == h.size(1), "h (B, D) and head (V', D)");
   TORCH_CHECK(h.scalar_type() == head.scalar_type() && norm.scalar_type() == head.scalar_type() &&
                   (!bias.has_value() || bias->scalar_type() == head.scalar_type()),
@@ -148,9 +210,7 @@ std::vector<torch::Tensor> draft_choice(const torch::Tensor& h, const torch::Ten
   const auto mask = allowed.has_value() ? allowed->to(torch::kBool).contiguous() : torch::Tensor();
   auto run = [&](const auto* hp) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(hp)>>;
-    choose_drafts<T>(hp, batch, d, norm.data_ptr<T>(), static_cast<float>(eps), head.data_ptr<T>(),
-                     bias.has_value() ? bias->data_ptr<T>() : nullptr,
-                     ids.has_value() ? held_ids.data_ptr<int64_t>() : nullptr, rows, full,
+    choose_drafts<T>(hp, batch, d, draft, ids.has_value() ? held_ids.data_ptr<int64_t>() : nullptr,
                      allowed.has_value() ? mask.data_ptr<bool>() : nullptr, token.data_ptr<int64_t>(),
                      stop_below > 0 ? top.data_ptr<float>() : nullptr);
   };
@@ -417,36 +477,35 @@ int64_t accept_row(const int64_t* drafts, const float* q, const std::function<co
 // or the sampled one (`SampledDrafts`).
 using DraftChoice = std::function<std::pair<torch::Tensor, bool>(const torch::Tensor& states, int64_t step)>;
 
-// The greedy choice: `draft_choice`'s argmax with the draft head (norm, eps, head, bias, ids, vocab) and η.
-DraftChoice greedy_drafts(const torch::Tensor& norm, double eps, const torch::Tensor& head,
-                          const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& ids,
-                          int64_t vocab, double stop_below) {
-  return [=](const torch::Tensor& states, int64_t) {
-    const auto chosen = draft_choice(states, norm, eps, head, bias, ids, vocab, c10::nullopt, stop_below);
-    return std::make_pair(chosen[0], sure(chosen[1], stop_below));
+// The greedy choice: `draft_choice`'s argmax with the draft head `draft` and its η.
+DraftChoice greedy_drafts(const Head& draft) {
+  return [draft](const torch::Tensor& states, int64_t) {
+    const auto chosen = draft_choice(states, draft, c10::nullopt);
+    return std::make_pair(chosen[0], sure(chosen[1], draft.stop_below));
   };
 }
 
 // Early-exit drafting in one call: the engine's draft loop (`EarlyExitProposer.propose` at a round's start,
 // through `CpuKernelsBackend.draft_loop` / `draft_loop_sampled` in selfspec/backends/cpu_kernels.py) without
 // the Python between its steps.
-// Step i runs input i at slot start + i through blocks [0, E) (`blocks_pass`, the cache written; input 0
-// is `token` (B,), input i > 0 the draft of step i - 1), then, for i < k, `choose` on its exit states gives
-// draft i + 1; a step where no row's draft puts η on its top token (`sure` false) drafts nothing and ends
-// the loop. Every row sees every slot up to its own (no window): rows at the same slots with no mask, rows
-// at their own (`row_starts` (B,): row b's input i at slot row_starts[b] + i) through `causal_mask`.
-// embed (V, D): the embedding table; cos, sin (B, k + 1, hd): the rotary of each row's k + 1 slots.
+// Step i runs input i at slot start + i through blocks [0, E) (`low`: `blocks_pass`, the cache written;
+// input 0 is `token` (B,), input i > 0 the draft of step i - 1), then, for i < k, `choose` on its exit
+// states gives draft i + 1; a step where no row's draft puts η on its top token (`sure` false) drafts
+// nothing and ends the loop. Every row sees every slot up to its own (no window): rows at the same slots
+// with no mask, rows at their own (`row_starts` (B,): row b's input i at slot row_starts[b] + i) through
+// `causal_mask`. low's cos, sin (B, k + 1, hd): the rotary of each row's k + 1 slots.
 // Returns {drafts (B, s) int64, hidden (B, s + 1, D)}: s <= k drafts and the exit states of the s + 1
 // inputs that ran (the last draft included, the verification's first position, unless stop_below stopped the
 // loop before drafting it); an empty vector, nothing computed, where `blocks_pass` declines.
 // `stop`, where given, is asked before each step after the first: true ends the loop at once and
 // returns an empty vector (the caller no longer wants the drafts; see `greedy_rounds`' overlap).
-std::vector<torch::Tensor> draft_loop_until(const std::vector<const Block*>& blocks, const torch::Tensor& embed,
-                                            const torch::Tensor& token, const std::vector<torch::Tensor>& keys,
-                                            const std::vector<torch::Tensor>& values, int64_t start,
-                                            const torch::Tensor& cos, const torch::Tensor& sin,
-                                            const c10::optional<torch::Tensor>& row_starts, double mask_value,
-                                            int64_t k, const DraftChoice& choose, const std::function<bool()>& stop) {
+std::vector<torch::Tensor> draft_loop_until(const Passes& low, const torch::Tensor& token, int64_t start, int64_t k,
+                                            const DraftChoice& choose, const std::function<bool()>& stop) {
+  const auto& blocks = low.blocks;
+  const auto &keys = low.keys, &values = low.values;
+  const auto &embed = low.embed, &cos = low.cos, &sin = low.sin;
+  const auto& row_starts = low.row_starts;
+  const double mask_value = low.mask_value;
   TORCH_CHECK(token.dim() == 1 && token.scalar_type() == torch::kLong, "token (B,) int64");
   TORCH_CHECK(cos.dim() == 3 && cos.size(0) == token.size(0) && cos.size(1) >= k + 1 && sin.sizes() == cos.sizes(),
               "cos and sin (B, k + 1, hd)");
@@ -484,16 +543,9 @@ std::vector<torch::Tensor> draft_loop_until(const std::vector<const Block*>& blo
 }
 
 // `draft_loop_until` greedily and without a stop: the engine's greedy draft loop.
-std::vector<torch::Tensor> draft_loop(const std::vector<const Block*>& blocks, const torch::Tensor& embed,
-                                      const torch::Tensor& token, const std::vector<torch::Tensor>& keys,
-                                      const std::vector<torch::Tensor>& values, int64_t start,
-                                      const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& norm,
-                                      double eps, const torch::Tensor& head, const c10::optional<torch::Tensor>& bias,
-                                      const c10::optional<torch::Tensor>& ids, int64_t vocab, int64_t k,
-                                      double stop_below, const c10::optional<torch::Tensor>& row_starts,
-                                      double mask_value) {
-  return draft_loop_until(blocks, embed, token, keys, values, start, cos, sin, row_starts, mask_value, k,
-                          greedy_drafts(norm, eps, head, bias, ids, vocab, stop_below), nullptr);
+std::vector<torch::Tensor> draft_loop(const Passes& low, const Head& draft, const torch::Tensor& token, int64_t start,
+                                      int64_t k) {
+  return draft_loop_until(low, token, start, k, greedy_drafts(draft), nullptr);
 }
 
 // The sampled choice of a draft loop (the engine's `RoundPasses.pick` on the draft head's logits): each
@@ -508,25 +560,20 @@ std::vector<torch::Tensor> draft_loop(const std::vector<const Block*>& blocks, c
 struct SampledDrafts {
   std::vector<RowSampling> rows;
   torch::Tensor positions;  // (B, k + 1) int64: the inputs' positions
-  torch::Tensor norm, head;
-  double eps, stop_below;
-  c10::optional<torch::Tensor> bias;
+  Head draft;
   std::vector<int64_t> order, tokens;  // a trimmed head's rows by token id, and those ids; empty: all V
-  int64_t vocab;
   torch::Tensor q;  // (B, k, V) float32: each draft's distribution, made on the first step
   int64_t made = 0;  // the drafts q holds
   std::vector<float> logits, probs;  // (B, V'): a step's choice's, kept for the next
 
   std::pair<torch::Tensor, bool> operator()(const torch::Tensor& states, int64_t step) {
-    const int64_t batch = states.size(0), d = states.size(1), width = head.size(0);
+    const int64_t batch = states.size(0), d = states.size(1), width = draft.weight.size(0), vocab = draft.vocab;
     logits.resize(batch * width);
     probs.resize(batch * width);
     if (!q.defined()) q = torch::zeros({batch, positions.size(1) - 1, vocab}, torch::kFloat32);
     auto run = [&](const auto* h) {
       using T = std::remove_const_t<std::remove_pointer_t<decltype(h)>>;
-      draft_logits<T>(h, batch, d, norm.data_ptr<T>(), static_cast<float>(eps), head.data_ptr<T>(),
-                      bias.has_value() ? bias->data_ptr<T>() : nullptr, order.empty() ? nullptr : order.data(),
-                      width, logits.data());
+      draft_logits<T>(h, batch, d, draft, order.empty() ? nullptr : order.data(), logits.data());
     };
     if (states.scalar_type() == torch::kFloat32) {
       run(states.data_ptr<float>());
@@ -553,6 +600,7 @@ struct SampledDrafts {
         tops[b] = rows[b].greedy ? 1.f / exp_sum(row, width, row[first_max(row, width)], nullptr) : top;
       }
     });
+    const double stop_below = draft.stop_below;
     const bool confident = stop_below <= 0 || std::any_of(tops.begin(), tops.end(), [&](float t) { return !(t < stop_below); });
     if (confident) made = step + 1;
     return {token, confident};
@@ -560,11 +608,11 @@ struct SampledDrafts {
 };
 
 // `SampledDrafts` of the rows' `sampling` (`RowSampling.tensors()`) at the inputs' `positions` (B, k + 1),
-// with the draft head (norm, eps, head, bias, ids, vocab) and η.
+// with the draft head `draft` and its η.
 SampledDrafts sampled_drafts(const std::vector<torch::Tensor>& sampling, const torch::Tensor& positions,
-                             const torch::Tensor& norm, double eps, const torch::Tensor& head,
-                             const c10::optional<torch::Tensor>& bias, const c10::optional<torch::Tensor>& ids,
-                             int64_t vocab, double stop_below) {
+                             const Head& draft) {
+  const auto &norm = draft.norm, &head = draft.weight;
+  const auto &bias = draft.bias, &ids = draft.ids;
   TORCH_CHECK(head.is_contiguous() && norm.is_contiguous() && (!bias.has_value() || bias->is_contiguous()),
               "contiguous norm, head and bias");
   std::vector<int64_t> order, tokens;
@@ -576,8 +624,7 @@ SampledDrafts sampled_drafts(const std::vector<torch::Tensor>& sampling, const t
     std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return id[a] < id[b]; });
     for (const int64_t j : order) tokens.push_back(id[j]);
   }
-  return {row_sampling(sampling), positions.to(torch::kLong).contiguous(), norm, head, eps, stop_below, bias, order, tokens,
-          vocab, {}, 0, {}, {}};
+  return {row_sampling(sampling), positions.to(torch::kLong).contiguous(), draft, order, tokens, {}, 0, {}, {}};
 }
 
 // A sampled draft loop's result: {drafts (B, s), q (B, s, V), hidden (B, s + 1, D)} from `draft_loop_until`'s
@@ -585,28 +632,19 @@ SampledDrafts sampled_drafts(const std::vector<torch::Tensor>& sampling, const t
 std::vector<torch::Tensor> with_q(const std::vector<torch::Tensor>& out, const SampledDrafts& drafts) {
   if (out.empty()) return {};
   const auto q = drafts.q.defined() ? drafts.q.narrow(1, 0, drafts.made)
-                                    : torch::empty({out[0].size(0), 0, drafts.vocab}, torch::kFloat32);
+                                    : torch::empty({out[0].size(0), 0, drafts.draft.vocab}, torch::kFloat32);
   return {out[0], q, out[1]};
 }
 
-// Sampled early-exit drafting in one call (`CpuKernelsBackend.draft_loop_sampled`): `draft_loop` with
+// Sampled early-exit drafting in one call (`CpuKernelsBackend.draft_loop` on sampled rows): `draft_loop` with
 // `SampledDrafts`' choice; `sampling`: `RowSampling.tensors()`, `positions` (B, k + 1) the inputs'.
 // Returns {drafts (B, s), q (B, s, V) float32, hidden (B, s + 1, D)}, or an empty vector.
-std::vector<torch::Tensor> draft_loop_sampled(const std::vector<const Block*>& blocks, const torch::Tensor& embed,
-                                              const torch::Tensor& token, const std::vector<torch::Tensor>& keys,
-                                              const std::vector<torch::Tensor>& values, int64_t start,
-                                              const torch::Tensor& cos, const torch::Tensor& sin,
-                                              const torch::Tensor& norm, double eps, const torch::Tensor& head,
-                                              const c10::optional<torch::Tensor>& bias,
-                                              const c10::optional<torch::Tensor>& ids, int64_t vocab, int64_t k,
-                                              double stop_below, const std::vector<torch::Tensor>& sampling,
-                                              const torch::Tensor& positions,
-                                              const c10::optional<torch::Tensor>& row_starts, double mask_value) {
-  auto drafts = sampled_drafts(sampling, positions, norm, eps, head, bias, ids, vocab, stop_below);
+std::vector<torch::Tensor> draft_loop_sampled(const Passes& low, const Head& draft, const torch::Tensor& token,
+                                              int64_t start, int64_t k, const std::vector<torch::Tensor>& sampling,
+                                              const torch::Tensor& positions) {
+  auto drafts = sampled_drafts(sampling, positions, draft);
   TORCH_CHECK(static_cast<int64_t>(drafts.rows.size()) == token.size(0), "sampling: one setting per row");
-  return with_q(draft_loop_until(blocks, embed, token, keys, values, start, cos, sin, row_starts, mask_value, k,
-                                 std::ref(drafts), nullptr),
-                drafts);
+  return with_q(draft_loop_until(low, token, start, k, std::ref(drafts), nullptr), drafts);
 }
 
 // Where a pass of T = `length` positions writes and what it sees: kv_length (the slots attended: past
@@ -633,50 +671,39 @@ torch::Tensor apply_allowed(const torch::Tensor& logits, const torch::Tensor& al
 
 // One greedy early-exit draft step in one call, for the rounds whose drafts need the host between
 // steps (a grammar's mask, its forced tokens, copies) or an exit block: the T inputs `tokens` (B, T) at
-// slots start .. start + T - 1 (row b at row_starts[b] .. where rows sit at different slots) through
-// blocks [0, E) (`blocks`, the cache written; query t sees slots up to its own), then through the exit
-// blocks `extra` on block E's output (each writing its own cache layer: `keys`/`values` hold the E
-// blocks' buffers, then the extra blocks'), then the final norm, the draft head, a grammar's mask
-// `allowed` (B, V) bool where given and the argmax on the last input's state (`draft_choice`). The same
-// calls in the same order as the engine's Python step, so the same bits.
+// slots start .. start + T - 1 (row b at low's row_starts[b] .. where rows sit at different slots) through
+// blocks [0, E) (`low`, the cache written; query t sees slots up to its own), then through the exit
+// blocks `extra` on block E's output (each writing its own cache layer), then the final norm, the draft
+// head `draft`, a grammar's mask `allowed` (B, V) bool where given and the argmax on the last input's
+// state (`draft_choice`). The same calls in the same order as the engine's Python step, so the same bits.
 // Returns {draft (B,) int64, hidden (B, T, D) after block E (the verification's input there), sure
-// (1,) bool: some row's draft puts `stop_below` on its top token (`sure`)}; with `choose` false the pass only,
+// (1,) bool: some row's draft puts η on its top token (`sure`)}; with `choose` false the pass only,
 // {hidden, the exit states (B, T, D) the draft head reads} (a verification's tail behind an exit block,
 // which needs no draft); or an empty vector, nothing computed, where `blocks_pass` declines.
-std::vector<torch::Tensor> draft_step(const std::vector<const Block*>& blocks, const std::vector<const Block*>& extra,
-                                      const torch::Tensor& embed, const torch::Tensor& tokens,
-                                      const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
-                                      int64_t start, const torch::Tensor& cos, const torch::Tensor& sin,
-                                      double mask_value, const torch::Tensor& norm, double eps,
-                                      const torch::Tensor& head, const c10::optional<torch::Tensor>& bias,
-                                      const c10::optional<torch::Tensor>& ids, int64_t vocab,
-                                      const c10::optional<torch::Tensor>& allowed, double stop_below,
-                                      const c10::optional<torch::Tensor>& row_starts, bool choose) {
+std::vector<torch::Tensor> draft_step(const Passes& low, const Passes& extra, const Head& draft,
+                                      const torch::Tensor& tokens, int64_t start,
+                                      const c10::optional<torch::Tensor>& allowed, bool choose) {
   TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == torch::kLong, "tokens (B, T) int64");
-  const size_t depth = blocks.size();
-  TORCH_CHECK(keys.size() == depth + extra.size() && values.size() == keys.size(),
-              "a key and a value buffer per block, the exit blocks' last");
+  TORCH_CHECK(low.keys.size() == low.blocks.size() && low.values.size() == low.keys.size() &&
+                  extra.keys.size() == extra.blocks.size() && extra.values.size() == extra.keys.size(),
+              "a key and a value buffer per block");
   const int64_t batch = tokens.size(0), length = tokens.size(1);
-  const auto [kv_length, mask] = pass_mask(batch, length, start, row_starts, mask_value);
-  const std::vector<torch::Tensor> block_keys(keys.begin(), keys.begin() + depth),
-      block_values(values.begin(), values.begin() + depth), extra_keys(keys.begin() + depth, keys.end()),
-      extra_values(values.begin() + depth, values.end());
-  if (!blocks_fit(extra, extra_keys, extra_values, batch, kv_length, embed.scalar_type())) return {};
-  const auto input = embed.index_select(0, tokens.reshape(-1)).view({batch, length, -1});
-  const auto hidden = blocks_pass(blocks, input, block_keys, block_values, start, kv_length, mask, cos, sin,
-                                  row_starts);
+  const auto [kv_length, mask] = pass_mask(batch, length, start, low.row_starts, low.mask_value);
+  if (!blocks_fit(extra.blocks, extra.keys, extra.values, batch, kv_length, low.embed.scalar_type())) return {};
+  const auto input = low.embed.index_select(0, tokens.reshape(-1)).view({batch, length, -1});
+  const auto hidden = blocks_pass(low.blocks, input, low.keys, low.values, start, kv_length, mask, low.cos, low.sin,
+                                  low.row_starts);
   if (!hidden.has_value()) return {};
   auto features = *hidden;
-  if (!extra.empty()) {
-    const auto out = blocks_pass(extra, features, extra_keys, extra_values, start, kv_length, mask, cos, sin,
-                                 row_starts);
+  if (!extra.blocks.empty()) {
+    const auto out = blocks_pass(extra.blocks, features, extra.keys, extra.values, start, kv_length, mask, low.cos,
+                                 low.sin, low.row_starts);
     TORCH_CHECK(out.has_value(), "the exit blocks declined after blocks [0, E) ran");  // checked above
     features = *out;
   }
   if (!choose) return {*hidden, features};
-  const auto chosen = draft_choice(features.select(1, length - 1).contiguous(), norm, eps, head, bias, ids, vocab,
-                                   allowed, stop_below);  // {draft (B,), top (B,)}
-  return {chosen[0], *hidden, torch::full({1}, sure(chosen[1], stop_below), torch::kBool)};
+  const auto chosen = draft_choice(features.select(1, length - 1).contiguous(), draft, allowed);  // {draft, top}
+  return {chosen[0], *hidden, torch::full({1}, sure(chosen[1], draft.stop_below), torch::kBool)};
 }
 
 // The greedy target of each row of h (n, D) under a grammar's masks `allowed` (n, V) bool: the argmax of
@@ -686,8 +713,10 @@ std::vector<torch::Tensor> draft_step(const std::vector<const Block*>& blocks, c
 // the bias added as torch adds it), and takes the first maximum among them as argmax does; the others run the
 // whole head together. So the same tokens, without reading or multiplying the head's refused rows: a plain
 // step under a grammar whose next token is forced skips the head's read.
-torch::Tensor masked_target(const torch::Tensor& h, const torch::Tensor& norm, double eps, const torch::Tensor& head,
-                            const c10::optional<torch::Tensor>& bias, const torch::Tensor& allowed) {
+torch::Tensor masked_target(const torch::Tensor& h, const Head& target, const torch::Tensor& allowed) {
+  const auto &norm = target.norm, &head = target.weight;
+  const auto& bias = target.bias;
+  const double eps = target.eps;
   const int64_t rows = h.size(0), vocab = head.size(0), k = head.size(1);
   TORCH_CHECK(allowed.dim() == 2 && allowed.size(0) == rows && allowed.size(1) == vocab, "allowed (n, V)");
   const auto mask = allowed.to(torch::kBool).contiguous();
@@ -695,8 +724,8 @@ torch::Tensor masked_target(const torch::Tensor& h, const torch::Tensor& norm, d
   const int64_t* count = counts.data_ptr<int64_t>();
   std::vector<int64_t> wide, narrow;
   for (int64_t r = 0; r < rows; ++r) (count[r] > 0 && count[r] * 8 <= vocab ? narrow : wide).push_back(r);
-  auto target = torch::empty({rows}, torch::kLong);
-  int64_t* out = target.data_ptr<int64_t>();
+  auto chosen_tokens = torch::empty({rows}, torch::kLong);
+  int64_t* out = chosen_tokens.data_ptr<int64_t>();
   if (!wide.empty()) {
     const auto index = torch::tensor(wide, torch::kLong);
     auto logits = apply_allowed(head_logits(h.index_select(0, index), norm, eps, head, bias),
@@ -706,7 +735,7 @@ torch::Tensor masked_target(const torch::Tensor& h, const torch::Tensor& norm, d
     const int64_t* chosen = best.data_ptr<int64_t>();
     for (size_t i = 0; i < wide.size(); ++i) out[wide[i]] = chosen[i];
   }
-  if (narrow.empty()) return target;
+  if (narrow.empty()) return chosen_tokens;
   // the normalised rows as `head_logits` computes them, in fp32 as `few_rows_linear` reads them
   const auto normed = final_norm(h, norm, eps).to(torch::kFloat32).contiguous();
   const bool* allow = mask.data_ptr<bool>();
@@ -751,27 +780,21 @@ torch::Tensor masked_target(const torch::Tensor& h, const torch::Tensor& norm, d
     TORCH_CHECK(head.scalar_type() == torch::kBFloat16, "head float32 or bfloat16");
     run(head.data_ptr<at::BFloat16>());
   }
-  return target;
+  return chosen_tokens;
 }
 
-// A verification's pass: blocks [first, last) on T positions at slots start .. start + T - 1 (row b at
-// row_starts[b] .. where rows sit at different slots; query t sees slots up to its own: `causal_mask`, whose
-// `mask_value` beyond is the engine's mask's, its dtype's lowest value; one position of aligned rows sees
-// every slot, with no mask). The input: `hidden` (B, T, D), or the embedding rows of `tokens` (B, T) (a
-// plain step: blocks [0, N)). Returns the states (B, T, D), or nothing where `blocks_pass` declines.
-c10::optional<torch::Tensor> verify_pass(const std::vector<const Block*>& blocks,
-                                         const c10::optional<torch::Tensor>& hidden,
-                                         const c10::optional<torch::Tensor>& tokens, const torch::Tensor& embed,
-                                         const std::vector<torch::Tensor>& keys,
-                                         const std::vector<torch::Tensor>& values, int64_t start,
-                                         const torch::Tensor& cos, const torch::Tensor& sin, double mask_value,
-                                         const c10::optional<torch::Tensor>& row_starts) {
+// A verification's pass: p's blocks on T positions at slots start .. start + T - 1 (row b at
+// row_starts[b] .. where rows sit at different slots; query t sees slots up to its own: `causal_mask`; one
+// position of aligned rows sees every slot, with no mask). The input: `hidden` (B, T, D), or the embedding
+// rows of `tokens` (B, T) (a plain step: blocks [0, N)). Returns the states (B, T, D), or nothing where `blocks_pass` declines.
+c10::optional<torch::Tensor> verify_pass(const Passes& p, const c10::optional<torch::Tensor>& hidden,
+                                         const c10::optional<torch::Tensor>& tokens, int64_t start) {
   TORCH_CHECK(hidden.has_value() != tokens.has_value(), "hidden or tokens, one of them");
-  const torch::Tensor input = hidden.has_value() ? *hidden : embed.index_select(0, tokens->reshape(-1))
+  const torch::Tensor input = hidden.has_value() ? *hidden : p.embed.index_select(0, tokens->reshape(-1))
                                                                  .view({tokens->size(0), tokens->size(1), -1});
   const int64_t batch = input.size(0), length = input.size(1);
-  const auto [kv_length, mask] = pass_mask(batch, length, start, row_starts, mask_value);
-  return blocks_pass(blocks, input, keys, values, start, kv_length, mask, cos, sin, row_starts);
+  const auto [kv_length, mask] = pass_mask(batch, length, start, p.row_starts, p.mask_value);
+  return blocks_pass(p.blocks, input, p.keys, p.values, start, kv_length, mask, p.cos, p.sin, p.row_starts);
 }
 
 // Greedy verification in one call: the target's pass (`verify_pass`), the final norm and LM head
@@ -781,31 +804,26 @@ c10::optional<torch::Tensor> verify_pass(const std::vector<const Block*>& blocks
 // `sampling.accept_greedy` computes it. drafts (B, T - 1) int64; cos, sin (B, T, hd). Returns {decided
 // (B, T + 1) int64: the tokens (B, T), then each row's accepted count}, one tensor for the engine's one host
 // read a round, or an empty vector, nothing computed, where `blocks_pass` declines.
-std::vector<torch::Tensor> verify_greedy(const std::vector<const Block*>& blocks,
+std::vector<torch::Tensor> verify_greedy(const Passes& p, const Head& target,
                                          const c10::optional<torch::Tensor>& hidden,
-                                         const c10::optional<torch::Tensor>& tokens, const torch::Tensor& embed,
-                                         const std::vector<torch::Tensor>& keys,
-                                         const std::vector<torch::Tensor>& values, int64_t start,
-                                         const torch::Tensor& cos, const torch::Tensor& sin, double mask_value,
-                                         const torch::Tensor& norm, double eps, const torch::Tensor& head,
-                                         const c10::optional<torch::Tensor>& bias, const torch::Tensor& drafts,
-                                         const c10::optional<torch::Tensor>& allowed,
-                                         const c10::optional<torch::Tensor>& row_starts) {
-  const auto out = verify_pass(blocks, hidden, tokens, embed, keys, values, start, cos, sin, mask_value, row_starts);
+                                         const c10::optional<torch::Tensor>& tokens, int64_t start,
+                                         const torch::Tensor& drafts, const c10::optional<torch::Tensor>& allowed) {
+  const auto out = verify_pass(p, hidden, tokens, start);
   if (!out.has_value()) return {};
   const int64_t batch = out->size(0), length = out->size(1);
   TORCH_CHECK(drafts.dim() == 2 && drafts.size(0) == batch && drafts.size(1) == length - 1, "drafts (B, T - 1)");
-  torch::Tensor target;
+  torch::Tensor argmax;  // (B, T): the target's tokens
   if (allowed.has_value()) {
-    target = masked_target(out->reshape({batch * length, -1}), norm, eps, head, bias,
-                           allowed->reshape({batch * length, -1})).view({batch, length});
+    argmax = masked_target(out->reshape({batch * length, -1}), target, allowed->reshape({batch * length, -1}))
+                 .view({batch, length});
   } else {
-    auto logits = head_logits(out->reshape({batch * length, -1}), norm, eps, head, bias);
+    auto logits = head_logits(out->reshape({batch * length, -1}), target.norm, target.eps, target.weight,
+                              target.bias);
     if (logits.scalar_type() != torch::kFloat32) logits = logits.to(torch::kFloat32);
-    target = logits.argmax(-1).view({batch, length});
+    argmax = logits.argmax(-1).view({batch, length});
   }
-  const auto accepted = drafts.eq(target.narrow(1, 0, length - 1)).to(torch::kInt).cumprod(1).sum(1);
-  return {torch::cat({target, accepted.to(torch::kLong).unsqueeze(1)}, 1)};
+  const auto accepted = drafts.eq(argmax.narrow(1, 0, length - 1)).to(torch::kInt).cumprod(1).sum(1);
+  return {torch::cat({argmax, accepted.to(torch::kLong).unsqueeze(1)}, 1)};
 }
 
 // Sampled verification in one call (`CpuKernelsBackend.verify_sampled`): `verify_greedy`'s pass and head,
@@ -814,25 +832,19 @@ std::vector<torch::Tensor> verify_greedy(const std::vector<const Block*>& blocks
 // of one-hot p and q); a sampled row's `accept_row` against its drafts' distributions q (B, T - 1, V)
 // with its numbers at the decided tokens' positions (`positions` (B, T) the inputs', + 1). Returns
 // {decided (B, T + 1)}, or an empty vector where `blocks_pass` declines.
-std::vector<torch::Tensor> verify_sampled(const std::vector<const Block*>& blocks,
+std::vector<torch::Tensor> verify_sampled(const Passes& p, const Head& target,
                                           const c10::optional<torch::Tensor>& hidden,
-                                          const c10::optional<torch::Tensor>& tokens, const torch::Tensor& embed,
-                                          const std::vector<torch::Tensor>& keys,
-                                          const std::vector<torch::Tensor>& values, int64_t start,
-                                          const torch::Tensor& cos, const torch::Tensor& sin, double mask_value,
-                                          const torch::Tensor& norm, double eps, const torch::Tensor& head,
-                                          const c10::optional<torch::Tensor>& bias, const torch::Tensor& drafts,
-                                          const torch::Tensor& q, const std::vector<torch::Tensor>& sampling,
-                                          const torch::Tensor& positions,
-                                          const c10::optional<torch::Tensor>& row_starts) {
-  const auto out = verify_pass(blocks, hidden, tokens, embed, keys, values, start, cos, sin, mask_value, row_starts);
+                                          const c10::optional<torch::Tensor>& tokens, int64_t start,
+                                          const torch::Tensor& drafts, const torch::Tensor& q,
+                                          const std::vector<torch::Tensor>& sampling, const torch::Tensor& positions) {
+  const auto out = verify_pass(p, hidden, tokens, start);
   if (!out.has_value()) return {};
   const int64_t batch = out->size(0), length = out->size(1), k = length - 1;
   const auto rows = row_sampling(sampling);
   TORCH_CHECK(static_cast<int64_t>(rows.size()) == batch, "sampling: one setting per row");
   TORCH_CHECK(drafts.dim() == 2 && drafts.size(0) == batch && drafts.size(1) == k, "drafts (B, T - 1)");
-  const auto logits = head_logits(out->reshape({batch * length, -1}), norm, eps, head, bias)
-                          .to(torch::kFloat32).contiguous();  // (B·T, V)
+  const auto logits = head_logits(out->reshape({batch * length, -1}), target.norm, target.eps, target.weight,
+                                  target.bias).to(torch::kFloat32).contiguous();  // (B·T, V)
   const int64_t vocab = logits.size(1);
   TORCH_CHECK(q.dim() == 3 && q.size(0) == batch && q.size(1) == k && q.size(2) == vocab, "q (B, T - 1, V)");
   const auto held_q = q.to(torch::kFloat32).contiguous();
@@ -909,69 +921,58 @@ struct NGramSearch {
   }
 };
 
-// Greedy decoding rounds of one row in one call: the engine's loop of rounds (`SelfSpecGenerator.generate`
-// at a fixed k, or copies at a fixed copy length) without returning to Python between them. Between two
-// passes the host has only this loop to run, not the Python of a round (some 200 calls, each slowed by
-// caches that the pass before flushed with the weights). A round from pending token `token` at slot n
-// (`start` in the first): for k > 0, `draft_loop` over blocks [0, E) (E = `exit_layer`, drafts with the
-// draft head `draft_head`, `draft_bias`, `ids`, `vocab`, stopping below stop_below), then `verify_greedy` over
-// blocks [E, N) on the exit states of its s + 1 inputs; for k = 0 a plain step, `verify_greedy` over
-// blocks [0, N) on the token. The same calls as the engine's compiled rounds, so the same bits. With
-// `history` (the row's tokens so far, the pending one last), a round first looks for a copy of up to
-// `copy_limit` tokens that followed the longest suffix of min_ngram..max_ngram tokens seen before
-// (`NGramSearch`, `ngram.NGramIndex.propose`'s lookup, over the history extended with every kept
-// token), verified from the embedding over [0, N); without one, k = 0 (the `ngram` drafter) takes a plain
-// step and k > 0 (the `hybrid`) drafts with the early exit, and when η did not stop those drafts, a copy
-// that their tokens make possible follows them (the engine's `copy_after`), through blocks [0, E) before
-// the verification over [E, N) of them all. The row keeps the accepted drafts and the target's next token,
-// cut after an eos (`eos` (n_eos,) int64) and at `max_tokens` tokens in all; the last kept token is the
-// next round's pending token at slot n + kept: the rollback is only that, the rejected slots are
-// overwritten later. With `overlap`, a round whose k early-exit drafts ran (no
-// copy after them) verifies on one thread while another drafts the next round ahead (see below): the
-// drafts a fresh draft_loop would make from the same token at the same slot, each pass on one thread.
-// Ends after an eos, at max_tokens or after `max_rounds` rounds. blocks, keys, values: all N blocks and
-// their buffers (1, Hkv, capacity, hd); cos, sin (L, hd): the rotary table, rows by slot (L > the last
-// slot written). Returns {tokens (t,) int64: every kept token, rounds (R, 5) int64: per round its
-// early-exit drafts, copied drafts (after them), accepted count, kept tokens and whether its drafts were
-// made ahead (`overlap`), seconds (R, 2) float64: per round its draft and verification seconds}; an
-// empty vector, nothing computed, where `blocks_pass` declines.
-std::vector<torch::Tensor> greedy_rounds(const std::vector<const Block*>& blocks, int64_t exit_layer,
-                                         const torch::Tensor& embed, const std::vector<torch::Tensor>& keys,
-                                         const std::vector<torch::Tensor>& values, int64_t start, int64_t token,
-                                         const torch::Tensor& cos, const torch::Tensor& sin, double mask_value,
-                                         const torch::Tensor& norm, double eps, const torch::Tensor& head,
-                                         const c10::optional<torch::Tensor>& bias, const torch::Tensor& draft_head,
-                                         const c10::optional<torch::Tensor>& draft_bias,
-                                         const c10::optional<torch::Tensor>& ids, int64_t vocab, int64_t k,
-                                         double stop_below, const torch::Tensor& eos, int64_t max_tokens,
-                                         int64_t max_rounds, const c10::optional<torch::Tensor>& history,
-                                         int64_t min_ngram, int64_t max_ngram, int64_t copy_limit, bool overlap,
-                                         const std::vector<torch::Tensor>& sampling) {
+// Greedy decoding rounds of one row in one call: the engine's loop of rounds (`SelfSpecGenerator.generate` at a
+// fixed k, or copies at a fixed copy length) without returning to Python between them. Between two passes the host
+// has only this loop to run, not the Python of a round (some 200 calls, each slowed by caches that the pass before
+// flushed with the weights). What to run is `request` (`Rounds`). A round from pending token `token` at slot n
+// (`start` in the first): for k > 0, `draft_loop` over blocks [0, E) (E = `exit_layer`, drafts with the draft head
+// `draft`, stopping below its η), then `verify_greedy` over blocks [E, N) on the exit states of its s + 1 inputs
+// (the target's head `target`); for k = 0 a plain step, `verify_greedy` over blocks [0, N) on the token. The same
+// calls as the engine's compiled rounds, so the same bits. With `history` (the row's tokens so far, the pending
+// one last), a round first looks for a copy of up to `copy_limit` tokens that followed the longest suffix of
+// min_ngram..max_ngram tokens seen before (`NGramSearch`, `ngram.NGramIndex.propose`'s lookup, over the history
+// extended with every kept token), verified from the embedding over [0, N); without one, k = 0 (the `ngram`
+// drafter) takes a plain step and k > 0 (the `hybrid`) drafts with the early exit, and when η did not stop those
+// drafts, a copy that their tokens make possible follows them (the engine's `copy_after`), through blocks [0, E)
+// before the verification over [E, N) of them all. The row keeps the accepted drafts and the target's next token,
+// cut after an eos (`eos` (n_eos,) int64) and at `max_tokens` tokens in all; the last kept token is the next
+// round's pending token at slot n + kept: the rollback is only that, the rejected slots are overwritten later.
+// With `overlap`, a round whose k early-exit drafts ran (no copy after them) verifies on one thread while another
+// drafts the next round ahead (see below): the drafts a fresh draft_loop would make from the same token at the
+// same slot, each pass on one thread. Ends after an eos, at max_tokens or after `max_rounds` rounds. `model`: all
+// N blocks and their buffers (1, Hkv, capacity, hd), its cos, sin (L, hd) the rotary table, rows by slot (L > the
+// last slot written). Returns {tokens (t,) int64: every kept token, rounds (R, 5) int64: per round its early-exit
+// drafts, copied drafts (after them), accepted count, kept tokens and whether its drafts were made ahead
+// (`overlap`), seconds (R, 2) float64: per round its draft and verification seconds}; an empty vector, nothing
+// computed, where `blocks_pass` declines.
+std::vector<torch::Tensor> greedy_rounds(const Passes& model, int64_t exit_layer, const Head& target,
+                                         const Head& draft, const Rounds& request) {
   using Clock = std::chrono::steady_clock;
+  const int64_t start = request.start, k = request.k;
+  const int64_t max_tokens = request.max_tokens, max_rounds = request.max_rounds;
+  const int64_t min_ngram = request.min_ngram, max_ngram = request.max_ngram, copy_limit = request.copy_limit;
+  const auto& eos = request.eos;
+  const auto& history = request.history;
+  const auto& sampling = request.sampling;
   const bool copying = history.has_value();
   // a sampled row: its drafts drawn (`SampledDrafts`), its rounds verified by `verify_sampled`
   const bool sampled = !sampling.empty() && !all_greedy(row_sampling(sampling));
   TORCH_CHECK(!sampled || !copying, "sampled rounds draft with the early exit alone");
   const int64_t reach = k + (copying ? copy_limit : 0);  // the most drafts a round verifies
-  const int64_t num_blocks = static_cast<int64_t>(blocks.size());
-  TORCH_CHECK(keys.size() == blocks.size() && values.size() == blocks.size(), "a key and a value buffer a block");
+  const int64_t num_blocks = static_cast<int64_t>(model.blocks.size());
+  TORCH_CHECK(model.keys.size() == model.blocks.size() && model.values.size() == model.blocks.size(),
+              "a key and a value buffer a block");
+  TORCH_CHECK(!model.row_starts.has_value(), "one row at its own slots: no row_starts");
   TORCH_CHECK(0 < exit_layer && exit_layer <= num_blocks && k >= 0, "0 < exit_layer <= N and k >= 0");
   TORCH_CHECK(!copying || (1 <= min_ngram && min_ngram <= max_ngram && copy_limit >= 1), "n-gram settings");
+  const auto &cos = model.cos, &sin = model.sin;
   TORCH_CHECK(cos.dim() == 2 && sin.sizes() == cos.sizes() && cos.size(0) > start + max_tokens + reach,
               "cos and sin (L, hd), L past the last slot a round writes");
-  const std::vector<const Block*> low(blocks.begin(), blocks.begin() + exit_layer),
-      high(blocks.begin() + exit_layer, blocks.end());
-  const std::vector<torch::Tensor> low_keys(keys.begin(), keys.begin() + exit_layer),
-      low_values(values.begin(), values.begin() + exit_layer), high_keys(keys.begin() + exit_layer, keys.end()),
-      high_values(values.begin() + exit_layer, values.end());
+  const Passes low = model.range(0, exit_layer), high = model.range(exit_layer, num_blocks);
   const auto eos_held = eos.to(torch::kLong).contiguous();
   const int64_t* eos_ids = eos_held.data_ptr<int64_t>();
   const int64_t num_eos = eos_held.numel();
   const auto longs = torch::TensorOptions().dtype(torch::kLong);
-  // the rotary rows of `count` slots from `first`, (1, count, hd) as the engine's calls get them
-  const auto rows = [](const torch::Tensor& table, int64_t first, int64_t count) {
-    return table.narrow(0, first, count).unsqueeze(0).contiguous();
-  };
   const auto since = [](Clock::time_point then) { return std::chrono::duration<double>(Clock::now() - then).count(); };
   // the copy drafter: the row's tokens, searched for copies (`NGramIndex`)
   NGramSearch ngrams = copying ? NGramSearch(min_ngram, max_ngram) : NGramSearch();
@@ -979,12 +980,12 @@ std::vector<torch::Tensor> greedy_rounds(const std::vector<const Block*>& blocks
   if (copying) {
     const auto held = history->to(torch::kLong).contiguous();
     ngrams.extend(held.data_ptr<int64_t>(), held.numel());
-    TORCH_CHECK(!ngrams.seq.empty() && ngrams.seq.back() == token, "history ends with the pending token");
+    TORCH_CHECK(!ngrams.seq.empty() && ngrams.seq.back() == request.token, "history ends with the pending token");
   }
   std::vector<int64_t> kept, record;
   std::vector<double> seconds;
-  int64_t slot = start;
-  const int64_t capacity = std::min(keys[0].size(2), cos.size(0));  // slots a pass may write below
+  int64_t slot = start, token = request.token;
+  const int64_t capacity = std::min(model.keys[0].size(2), cos.size(0));  // slots a pass may write below
   // the next round's drafts, made during this round's verification (`overlap`): {drafts (1, k), exit
   // states (1, k + 1, D)} from the exit's own guess of the target's next token, `guess`
   std::vector<torch::Tensor> ahead;
@@ -1005,21 +1006,16 @@ std::vector<torch::Tensor> greedy_rounds(const std::vector<const Block*>& blocks
       draft_seconds = since(began);
       copy.insert(copy.begin(), token);
       const auto input = torch::tensor(copy, longs).view({1, drafted + 1});
-      verified = verify_greedy(blocks, c10::nullopt, input, embed, keys, values, slot, rows(cos, slot, drafted + 1),
-                               rows(sin, slot, drafted + 1), mask_value, norm, eps, head, bias,
-                               input.narrow(1, 1, drafted), c10::nullopt, c10::nullopt);
+      verified = verify_greedy(model.at(slot, drafted + 1), target, c10::nullopt, input, slot,
+                               input.narrow(1, 1, drafted), c10::nullopt);
     } else if (k > 0) {
       // the drafts made ahead during the last round's verification, if it kept them all and its next token
       // was their guess (this round's pending token at the slot they start from)
       reused = !made_ahead.empty() && token == guess && slot == ahead_slot;
       const auto drafts = reused ? made_ahead
-                          : sampled ? draft_loop_sampled(low, embed, pending, low_keys, low_values, slot,
-                                                         rows(cos, slot, k + 1), rows(sin, slot, k + 1), norm, eps,
-                                                         draft_head, draft_bias, ids, vocab, k, stop_below, sampling,
-                                                         positions, c10::nullopt, mask_value)
-                                    : draft_loop(low, embed, pending, low_keys, low_values, slot, rows(cos, slot, k + 1),
-                                                 rows(sin, slot, k + 1), norm, eps, draft_head, draft_bias, ids, vocab,
-                                                 k, stop_below, c10::nullopt, mask_value);
+                          : sampled ? draft_loop_sampled(low.at(slot, k + 1), draft, pending, slot, k, sampling,
+                                                         positions)
+                                    : draft_loop(low.at(slot, k + 1), draft, pending, slot, k);
       if (drafts.empty()) {
         TORCH_CHECK(round == 0, "blocks_pass declined after the first round");
         return {};
@@ -1033,10 +1029,10 @@ std::vector<torch::Tensor> greedy_rounds(const std::vector<const Block*>& blocks
         if (copied) {  // its tokens through blocks [0, E), where the drafts' exit states come from
           const auto input = torch::tensor(tail, longs).view({1, copied});
           const int64_t first = slot + early + 1;
-          const auto [kv_length, mask] = pass_mask(1, copied, first, c10::nullopt, mask_value);
-          const auto out = blocks_pass(low, embed.index_select(0, input.view({-1})).unsqueeze(0), low_keys,
-                                       low_values, first, kv_length, mask, rows(cos, first, copied),
-                                       rows(sin, first, copied), c10::nullopt);
+          const auto [kv_length, mask] = pass_mask(1, copied, first, c10::nullopt, model.mask_value);
+          const auto at = low.at(first, copied);
+          const auto out = blocks_pass(at.blocks, model.embed.index_select(0, input.view({-1})).unsqueeze(0), at.keys,
+                                       at.values, first, kv_length, mask, at.cos, at.sin, c10::nullopt);
           TORCH_CHECK(out.has_value(), "blocks_pass declined a copy after the drafts");
           states = torch::cat({states, *out}, 1);
           tokens = torch::cat({tokens, input}, 1);
@@ -1046,16 +1042,12 @@ std::vector<torch::Tensor> greedy_rounds(const std::vector<const Block*>& blocks
       draft_seconds = since(began);
       const auto verify = [&] {
         if (sampled)  // drafts[1]: their distributions q (1, s, V)
-          return verify_sampled(high, states, c10::nullopt, embed, high_keys, high_values, slot,
-                                rows(cos, slot, drafted + 1), rows(sin, slot, drafted + 1), mask_value, norm, eps,
-                                head, bias, tokens, drafts[1], sampling, positions.narrow(1, 0, drafted + 1),
-                                c10::nullopt);
-        return verify_greedy(high, states, c10::nullopt, embed, high_keys, high_values, slot,
-                             rows(cos, slot, drafted + 1), rows(sin, slot, drafted + 1), mask_value, norm, eps,
-                             head, bias, tokens, c10::nullopt, c10::nullopt);
+          return verify_sampled(high.at(slot, drafted + 1), target, states, c10::nullopt, slot, tokens, drafts[1],
+                                sampling, positions.narrow(1, 0, drafted + 1));
+        return verify_greedy(high.at(slot, drafted + 1), target, states, c10::nullopt, slot, tokens, c10::nullopt);
       };
       const int64_t next = slot + drafted + 1;  // the next round's slot if every draft is accepted
-      if (overlap && early == k && !copied && next + k < capacity) {
+      if (request.overlap && early == k && !copied && next + k < capacity) {
         // The verification (blocks [E, N)) on one thread while the other drafts the next round (blocks
         // [0, E), slots from `next`) from the exit's guess of the target's token after the last draft:
         // the two write different blocks' caches, and ATen runs the `parallel_for`s nested in this pair
@@ -1079,27 +1071,22 @@ std::vector<torch::Tensor> greedy_rounds(const std::vector<const Block*>& blocks
               verdict = decided[drafted + 1] == drafted ? 1 : 0;
               continue;
             }
-            const auto chosen = draft_choice(states.select(1, early).contiguous(), norm, eps, draft_head, draft_bias,
-                                             ids, vocab, c10::nullopt, stop_below);
-            if (!sure(chosen[1], stop_below)) continue;
+            const auto chosen = draft_choice(states.select(1, early).contiguous(), draft, c10::nullopt);
+            if (!sure(chosen[1], draft.stop_below)) continue;
             guess = chosen[0].item<int64_t>();
             const std::function<bool()> stop = [&] {
               const int v = verdict.load();
               return v == 0 || (v == 1 && bonus.load() != guess);
             };
             if (!sampled) {
-              ahead = draft_loop_until(low, embed, chosen[0], low_keys, low_values, next, rows(cos, next, k + 1),
-                                       rows(sin, next, k + 1), c10::nullopt, mask_value, k,
-                                       greedy_drafts(norm, eps, draft_head, draft_bias, ids, vocab, stop_below), stop);
+              ahead = draft_loop_until(low.at(next, k + 1), chosen[0], next, k, greedy_drafts(draft), stop);
               continue;
             }
             // a sampled row: the guess is still the exit's most likely token (the likeliest to be the
             // target's draw), the drafts from it drawn as a fresh round's would be, at the same positions
             auto from_guess = sampled_drafts(sampling, torch::arange(next, next + k + 1, longs).view({1, k + 1}),
-                                             norm, eps, draft_head, draft_bias, ids, vocab, stop_below);
-            ahead = with_q(draft_loop_until(low, embed, chosen[0], low_keys, low_values, next,
-                                            rows(cos, next, k + 1), rows(sin, next, k + 1), c10::nullopt,
-                                            mask_value, k, std::ref(from_guess), stop),
+                                             draft);
+            ahead = with_q(draft_loop_until(low.at(next, k + 1), chosen[0], next, k, std::ref(from_guess), stop),
                            from_guess);
           }
         });
@@ -1108,12 +1095,10 @@ std::vector<torch::Tensor> greedy_rounds(const std::vector<const Block*>& blocks
       }
     } else {
       const auto none = torch::empty({1, 0}, longs);
-      verified = sampled ? verify_sampled(blocks, c10::nullopt, pending.view({1, 1}), embed, keys, values, slot,
-                                          rows(cos, slot, 1), rows(sin, slot, 1), mask_value, norm, eps, head, bias,
-                                          none, torch::empty({1, 0, head.size(0)}), sampling, positions, c10::nullopt)
-                         : verify_greedy(blocks, c10::nullopt, pending.view({1, 1}), embed, keys, values, slot,
-                                         rows(cos, slot, 1), rows(sin, slot, 1), mask_value, norm, eps, head, bias,
-                                         none, c10::nullopt, c10::nullopt);
+      verified = sampled ? verify_sampled(model.at(slot, 1), target, c10::nullopt, pending.view({1, 1}), slot, none,
+                                          torch::empty({1, 0, target.weight.size(0)}), sampling, positions)
+                         : verify_greedy(model.at(slot, 1), target, c10::nullopt, pending.view({1, 1}), slot, none,
+                                         c10::nullopt);
     }
     if (verified.empty()) {
       TORCH_CHECK(round == 0 && (k == 0 || copying), "blocks_pass declined after the first pass");
@@ -1145,7 +1130,41 @@ std::vector<torch::Tensor> greedy_rounds(const std::vector<const Block*>& blocks
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   bind_passes(module);
-  // Tensors only, no Python objects: other Python threads may run meanwhile
+  // The typed state the calls take, made from Python by keyword
+  pybind11::class_<Passes>(module, "Passes", pybind11::module_local())
+      .def(pybind11::init([](std::vector<const Block*> blocks, std::vector<torch::Tensor> keys,
+                             std::vector<torch::Tensor> values, torch::Tensor embed, torch::Tensor cos,
+                             torch::Tensor sin, double mask_value, c10::optional<torch::Tensor> row_starts) {
+             TORCH_CHECK(keys.size() == blocks.size() && values.size() == blocks.size(),
+                         "a key and a value buffer a block");
+             return Passes{std::move(blocks), std::move(keys), std::move(values), std::move(embed), std::move(cos),
+                           std::move(sin), mask_value, std::move(row_starts)};
+           }),
+           pybind11::arg("blocks"), pybind11::arg("keys"), pybind11::arg("values"), pybind11::arg("embed"),
+           pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("mask_value"),
+           pybind11::arg("row_starts") = c10::nullopt, "blocks, their key and value buffers, embedding, rotary rows");
+  pybind11::class_<Head>(module, "Head", pybind11::module_local())
+      .def(pybind11::init([](torch::Tensor norm, double eps, torch::Tensor weight, c10::optional<torch::Tensor> bias,
+                             c10::optional<torch::Tensor> ids, int64_t vocab, double stop_below) {
+             return Head{std::move(norm), eps, std::move(weight), std::move(bias), std::move(ids), vocab, stop_below};
+           }),
+           pybind11::arg("norm"), pybind11::arg("eps"), pybind11::arg("weight"), pybind11::arg("bias") = c10::nullopt,
+           pybind11::arg("ids") = c10::nullopt, pybind11::arg("vocab"), pybind11::arg("stop_below") = 0.0,
+           "a final norm and a (trimmed) head, with η");
+  pybind11::class_<Rounds>(module, "Rounds", pybind11::module_local())
+      .def(pybind11::init([](int64_t start, int64_t token, int64_t k, torch::Tensor eos, int64_t max_tokens,
+                             int64_t max_rounds, c10::optional<torch::Tensor> history, int64_t min_ngram,
+                             int64_t max_ngram, int64_t copy_limit, bool overlap,
+                             std::vector<torch::Tensor> sampling) {
+             return Rounds{start, token, k, std::move(eos), max_tokens, max_rounds, std::move(history), min_ngram,
+                           max_ngram, copy_limit, overlap, std::move(sampling)};
+           }),
+           pybind11::arg("start"), pybind11::arg("token"), pybind11::arg("k"), pybind11::arg("eos"),
+           pybind11::arg("max_tokens"), pybind11::arg("max_rounds"), pybind11::arg("history") = c10::nullopt,
+           pybind11::arg("min_ngram") = 1, pybind11::arg("max_ngram") = 0, pybind11::arg("copy_limit") = 0,
+           pybind11::arg("overlap") = false, pybind11::arg("sampling") = std::vector<torch::Tensor>{},
+           "one row's rounds: what greedy_rounds runs");
+  // Tensors and the typed state only, no Python objects: other Python threads may run meanwhile
   module.def("draft_loop", &draft_loop, "greedy early-exit drafts: k steps of blocks [0, E), head, argmax",
              pybind11::call_guard<pybind11::gil_scoped_release>());
   module.def("draft_choice", &draft_choice, "greedy drafts from exit states: final norm, draft head, mask, argmax",
