@@ -4,7 +4,8 @@ Python loop drafts, leave the same cache, stop below η at the same step; the ve
 accepts what the Python path accepts; the output stays plain greedy's, for every family, batch, k and
 drafter (GPT-2 and windows that cut a slot fall back to Python, which the same assertions cover). And
 one row's rounds in one call (`Backend.greedy_rounds`) decode and count what those calls do, and what the
-Python round does: per round the same draft sources and lengths, accepted drafts and emitted tokens."""
+Python round does: per round the same draft sources and lengths, drafts, accepted drafts and emitted
+tokens."""
 
 import numpy as np
 import pytest
@@ -62,15 +63,17 @@ def rounds_calls(monkeypatch):
 
 @pytest.fixture
 def round_log(monkeypatch):
-    """Every round's draft segments (source, start, length) and accepted counts (B,), as the engine records
-    them whichever path ran the round (`Runner.record`: the fused call's rounds and the Python round's)."""
+    """Every round's draft segments (source, start, length), drafts (B, k) and accepted counts (B,), as the
+    engine records them whichever path ran the round (`Runner.record`: the fused call's rounds and the
+    Python round's)."""
     log = []
     record = Runner.record
 
-    def logged(stats, segments, accepted, *times):
-        drafts = tuple((s.source, s.start, s.length) for s in segments)
-        log.append((drafts, tuple(np.asarray(accepted).tolist())))
-        return record(stats, segments, accepted, *times)
+    def logged(stats, segments, accepted, draft_time, verify_time, drafts):
+        sources = tuple((s.source, s.start, s.length) for s in segments)
+        tokens = tuple(map(tuple, torch.as_tensor(drafts).tolist()))
+        log.append((sources, tokens, tuple(np.asarray(accepted).tolist())))
+        return record(stats, segments, accepted, draft_time, verify_time, drafts)
 
     monkeypatch.setattr(Runner, "record", staticmethod(logged))
     return log
@@ -90,8 +93,8 @@ def _at_levels(log: list, run, *args, **kwargs) -> list:
 
 
 def _same_rounds(outs: list, case) -> None:
-    """Every level's output, statistics and rounds (sources, lengths, accepted counts, and so the tokens each
-    round emitted) equal to the Python round's (the last)."""
+    """Every level's output, statistics and rounds (sources, lengths, drafts, accepted counts, and so the
+    tokens each round emitted) equal to the Python round's (the last)."""
     python, python_rounds = outs[-1]
     for out, rounds in outs[:-1]:
         assert out.sequences == python.sequences, case
@@ -496,7 +499,7 @@ def test_the_hybrids_rounds_in_one_call_draft_and_accept_what_its_rounds_do(fami
                               for o, _ in outs]
                     assert len(set(drafts)) == 1, case
                 assert ran == (family != "gpt2"), case
-                seen.update(tuple(source for source, _, _ in segments) for segments, _ in outs[0][1])
+                seen.update(tuple(source for source, _, _ in segments) for segments, _, _ in outs[0][1])
     assert {("copy",), ("early_exit",), ("early_exit", "copy")} <= seen  # every kind of round ran
 
 

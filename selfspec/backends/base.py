@@ -144,7 +144,8 @@ class Backend:
         round's verification runs beside the next round's drafts (`DecodeSettings.overlap`), keeping
         only drafts a fresh round would make. Returns numpy (tokens (t,), rounds (R, 5): early-exit
         drafts, copied drafts, accepted, kept, drafted ahead; seconds (R, 2): draft and verification
-        seconds), the cache holding start + t positions; or None."""
+        seconds; drafts (d,): every round's drafts in order), the cache holding start + t positions; or
+        None."""
         return None
 
 

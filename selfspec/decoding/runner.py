@@ -329,12 +329,13 @@ class Runner:
                                          None if b.sampling.all_greedy else b.sampling)
         if out is None:
             return None
-        tokens, rounds, seconds = out
+        tokens, rounds, seconds, drafted = out
+        ends = np.cumsum(rounds[:, 0] + rounds[:, 1])  # where each round's drafts end in `drafted`
         if laps is not None:  # the call's own clock splits its time; the rest of it is acceptance
             laps.split({"draft passes": float(seconds[:, 0].sum()),
                         "verification pass": float(seconds[:, 1].sum())}, rest="acceptance")
-        for (early, copied, accepted, _, ahead), (draft_time, verify_time) in zip(rounds.tolist(),
-                                                                                 seconds.tolist()):
+        for (early, copied, accepted, _, ahead), (draft_time, verify_time), end in zip(
+                rounds.tolist(), seconds.tolist(), ends.tolist()):
             segments = [Segment(source, start, length) for source, start, length in
                         (("early_exit", 0, early), ("copy", early, copied)) if length]
             if not segments:  # a plain step, also one whose first E blocks ran before η stopped the draft
@@ -342,7 +343,8 @@ class Runner:
             stats.stopped_below_eta += early < k and not (copied and not early)  # a copy round drafts no exit
             stats.drafted_ahead += ahead
             accepted = np.array([accepted])
-            self.record(stats, segments, accepted, draft_time, verify_time)
+            drafts = drafted[end - early - copied:end][None]  # (1, k): this round's
+            self.record(stats, segments, accepted, draft_time, verify_time, drafts)
             policy.update(segments, accepted, draft_time, verify_time)
         b.lap("statistics")
         finished = len(tokens) >= max_tokens or bool(len(tokens) and np.isin(tokens[-1], eos))
@@ -352,7 +354,10 @@ class Runner:
 
     @staticmethod
     def record(stats: GenerationStats, segments: list[Segment], accepted: np.ndarray, draft_time: float,
-               verify_time: float) -> None:
+               verify_time: float, drafts=None) -> None:
+        """A round's statistics: its draft `segments`, each row's `accepted` count (B,), its seconds. drafts:
+        the round's draft tokens (B, k), for a caller that logs rounds (the tests hold every path's to the
+        Python round's); the statistics count segments, not tokens."""
         k = sum(s.length for s in segments)
         stats.log_round(segments, accepted, k)
         if k:

@@ -85,8 +85,8 @@ def verify_sampled() -> Callable | None:
 
 def greedy_rounds() -> Callable | None:
     """The compiled `greedy_rounds(model: Passes, exit_layer, target: Head, draft: Head, request: Rounds) ->
-    [tokens (t,), rounds (R, 5), seconds (R, 2)]` (one row's rounds at a fixed k: `draft_loop` and
-    `verify_greedy` each round, or with `sampling` (the row's `RowSampling.tensors()`; [] greedy)
+    [tokens (t,), rounds (R, 5), seconds (R, 2), drafts (d,)]` (one row's rounds at a fixed k: `draft_loop`
+    and `verify_greedy` each round, or with `sampling` (the row's `RowSampling.tensors()`; [] greedy)
     `draft_loop_sampled` and `verify_sampled`; with `history` a copy of up to copy_limit tokens first, else a
     plain step (k = 0) or the early exit's drafts, a copy after them where they make one; with `overlap` a
     round's verification beside the next round's drafts, on two threads; the kept tokens cut at an eos and

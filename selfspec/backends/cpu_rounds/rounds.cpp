@@ -943,8 +943,9 @@ struct NGramSearch {
 // N blocks and their buffers (1, Hkv, capacity, hd), its cos, sin (L, hd) the rotary table, rows by slot (L > the
 // last slot written). Returns {tokens (t,) int64: every kept token, rounds (R, 5) int64: per round its early-exit
 // drafts, copied drafts (after them), accepted count, kept tokens and whether its drafts were made ahead
-// (`overlap`), seconds (R, 2) float64: per round its draft and verification seconds}; an empty vector, nothing
-// computed, where `blocks_pass` declines.
+// (`overlap`), seconds (R, 2) float64: per round its draft and verification seconds, drafts (d,) int64: every
+// round's drafts in order, as many a round as it drafted}; an empty vector, nothing computed, where `blocks_pass`
+// declines.
 std::vector<torch::Tensor> greedy_rounds(const Passes& model, int64_t exit_layer, const Head& target,
                                          const Head& draft, const Rounds& request) {
   using Clock = std::chrono::steady_clock;
@@ -982,7 +983,7 @@ std::vector<torch::Tensor> greedy_rounds(const Passes& model, int64_t exit_layer
     ngrams.extend(held.data_ptr<int64_t>(), held.numel());
     TORCH_CHECK(!ngrams.seq.empty() && ngrams.seq.back() == request.token, "history ends with the pending token");
   }
-  std::vector<int64_t> kept, record;
+  std::vector<int64_t> kept, record, drafted_tokens;  // drafted_tokens: every round's drafts, in order
   std::vector<double> seconds;
   int64_t slot = start, token = request.token;
   const int64_t capacity = std::min(model.keys[0].size(2), cos.size(0));  // slots a pass may write below
@@ -1001,8 +1002,10 @@ std::vector<torch::Tensor> greedy_rounds(const Passes& model, int64_t exit_layer
     int64_t early = 0, copied = 0, drafted = 0;  // early-exit drafts, then copied ones
     double draft_seconds = 0.0;
     auto copy = copying ? propose({}) : std::vector<int64_t>{};
+    std::vector<int64_t> round_drafts;  // this round's drafts: early-exit ones, then copied ones
     if (copying && (k == 0 || !copy.empty())) {  // a copy (or a plain step), verified from the embedding
       copied = drafted = static_cast<int64_t>(copy.size());
+      round_drafts = copy;
       draft_seconds = since(began);
       copy.insert(copy.begin(), token);
       const auto input = torch::tensor(copy, longs).view({1, drafted + 1});
@@ -1039,6 +1042,8 @@ std::vector<torch::Tensor> greedy_rounds(const Passes& model, int64_t exit_layer
           drafted += copied;
         }
       }
+      const auto held_tokens = tokens.contiguous();
+      round_drafts.assign(held_tokens.data_ptr<int64_t>(), held_tokens.data_ptr<int64_t>() + drafted);
       draft_seconds = since(began);
       const auto verify = [&] {
         if (sampled)  // drafts[1]: their distributions q (1, s, V)
@@ -1120,12 +1125,14 @@ std::vector<torch::Tensor> greedy_rounds(const Passes& model, int64_t exit_layer
     token = tokens[keep - 1];
     slot += keep;
     record.insert(record.end(), {early, copied, accepted, keep, reused});
+    drafted_tokens.insert(drafted_tokens.end(), round_drafts.begin(), round_drafts.end());
     seconds.insert(seconds.end(), {draft_seconds, since(began) - draft_seconds});
     if (ended) break;
   }
   const auto count = static_cast<int64_t>(record.size()) / 5;
   return {torch::tensor(kept, longs), torch::tensor(record, longs).view({count, 5}),
-          torch::tensor(seconds, torch::TensorOptions().dtype(torch::kDouble)).view({count, 2})};
+          torch::tensor(seconds, torch::TensorOptions().dtype(torch::kDouble)).view({count, 2}),
+          torch::tensor(drafted_tokens, longs)};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
