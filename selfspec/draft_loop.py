@@ -28,7 +28,7 @@ Head = Callable[[torch.Tensor], torch.Tensor]  # exit state (B, D) -> draft logi
 
 
 def draft_loop(step: Step, head: Head, token: torch.Tensor, positions: torch.Tensor, k: int,
-               sampling: RowSampling | None = None, tops: bool = True) -> tuple:
+               sampling: RowSampling | None = None, stop_below: float | None = None) -> tuple:
     """k early-exit drafts from `token` (B,), the pending token at positions[:, 0].
 
     step(token (B,), i): the exit state (B, D) of `token` at positions[:, i] after blocks [0, E), its
@@ -36,26 +36,36 @@ def draft_loop(step: Step, head: Head, token: torch.Tensor, positions: torch.Ten
     positions (B, k + 1): the inputs' positions. sampling: None, or rows that are all greedy, take each
     argmax (the lowest id on a tie); else each row draws from its processed draft distribution with its
     own random numbers at the position the draft takes (`RowSampling.uniforms`, stream DRAFT), a greedy
-    row its argmax. tops: whether to return each step's top draft probability (η's input).
+    row its argmax. stop_below: None for a loop that must run every step (a captured one): each step's
+    top draft probability is returned for `keep_sure` to cut after; else η for a loop run as written, which
+    stops at the first step where no row's draft puts η on its top token (one host read a step; 0: never),
+    as the engine's step-by-step drafts do, and needs no cut.
 
-    Returns (drafts (B, k), q (B, k, V) the drafts' distributions or None when greedy, tops (k, B) or
-    None, states (B, k + 1, D): the exit states of the pending token and of every draft).
+    Returns (drafts (B, s), q (B, s, V) the drafts' distributions or None when greedy, tops (s, B) or
+    None, states (B, s + 1, D): the exit states of the pending token and of every draft), s = k but where
+    η stopped the loop.
     """
-    drafts, qs, top, states = [], [], [], []
+    drafts, qs, tops, states = [], [], [], []
     for i in range(k + 1):
         state = step(token, i)
         states.append(state)
         if i == k:  # the last draft's pass: its exit state only
             break
         logits = head(state).float()  # (B, V)
+        top = None
+        if stop_below is None or stop_below > 0:  # the probability of each row's most likely draft
+            sampled = sampling is not None and not sampling.all_greedy
+            top = sampling.top_probability(logits) if sampled else logits.softmax(-1).amax(-1)
+        if stop_below and not sure_drafts(top[None], stop_below):  # η: no row trusts this step's draft
+            break
         token, probs = pick(logits, sampling, positions[:, i:i + 1] + 1)  # draft i takes position i + 1
         if probs is not None:
             qs.append(probs)
-        if tops:
-            top.append(logits.softmax(-1).amax(-1) if probs is None else sampling.top_probability(logits))
+        if stop_below is None:
+            tops.append(top)
         drafts.append(token)
     stacked = torch.stack(drafts, 1) if drafts else token[:, None][:, :0]
-    return (stacked, torch.stack(qs, 1) if qs else None, torch.stack(top) if top else None,
+    return (stacked, torch.stack(qs, 1) if qs else None, torch.stack(tops) if tops else None,
             torch.stack(states, 1))
 
 

@@ -231,8 +231,8 @@ def test_a_trimmed_head_and_a_bf16_model_draft_the_same_in_the_loop(loop_calls, 
 
 
 def test_the_loop_never_runs_where_a_round_needs_python_between_drafts(loop_calls, monkeypatch):
-    """Sampling (q and the draft's random numbers) keeps the step-by-step loop; the hybrid drafter
-    runs the loop and looks for a copy after it (other drafts than step by step, the same output)."""
+    """Sampled rows (q and the draft's random numbers) run the sampled loop, not the greedy one; the hybrid
+    drafter runs the loop and looks for a copy after it (other drafts than step by step, the same output)."""
     model = low_alpha_model("llama")
     generator = SelfSpecGenerator(model, exit_layer=2)
     prompts = [[5, 17, 33, 5, 17, 33, 5, 17]]  # repeats: copies to find
@@ -242,6 +242,26 @@ def test_the_loop_never_runs_where_a_round_needs_python_between_drafts(loop_call
     compiled, python = _both(generator, prompts, monkeypatch, num_speculations=3, drafter="hybrid")
     assert compiled.sequences == python.sequences == [reference_greedy(model, prompts[0], NEW)]
     assert loop_calls and compiled.stats.copy.drafted > 0
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_the_loop_in_torch_stops_below_eta_where_the_compiled_loop_does(sampled, round_log):
+    """The reference backend drafts with `selfspec.draft_loop` run as written, the CPU kernels with their
+    compiled loop: with η on, each round stops at the same step (before the draft no row is sure of), so
+    per round the sources, drafts and accepted counts agree, and the output, greedy and sampled."""
+    if round_kernels.draft_loop() is None:
+        kernels_unavailable()
+    model = low_alpha_model("llama")
+    sampling = dict(temperature=0.8, top_p=0.95, seed=4) if sampled else {}
+    outs = []
+    for backend in ("reference", "cpu_kernels"):
+        round_log.clear()
+        generator = SelfSpecGenerator(model, exit_layer=2, num_speculations=4, stop_below=0.3,
+                                      backend=backend)
+        out = generator.generate([[5, 17, 33, 2, 71, 8]], max_new_tokens=24, eos_token_id=[], **sampling)
+        outs.append((out.sequences, list(round_log), out.stats.stopped_below_eta))
+    assert outs[0] == outs[1]
+    assert outs[0][2] > 0  # η stopped rounds
 
 
 @pytest.mark.parametrize("family", FAMILIES)

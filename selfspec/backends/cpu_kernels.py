@@ -37,7 +37,6 @@ class CpuKernelsBackend(Backend):
     name = "cpu_kernels"
     fused_rounds = True
     verifies_sampled = True
-    chooses_drafts = True
 
     def __init__(self, view):
         super().__init__(view)
@@ -47,6 +46,12 @@ class CpuKernelsBackend(Backend):
         self._plain_lookup: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # embedding -> plain?
         self._exit_blocks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # exit block -> Block?
         self._exit_blocks_of = None  # the blocks' kernel objects the exit blocks were made beside
+
+    @property
+    def chooses_drafts(self) -> bool:
+        # its compiled choice (`draft_choice`) runs on a family with plain blocks while the kernels run
+        # products; elsewhere the loop in torch drafts what the steps would
+        return self.adapter is not None and kernels.settings().runs("products")
 
     # -- the protocol ----------------------------------------------------------------------------------
     def draft_loop(self, exit_layer, token, cache, positions, head, k, stop_below=0.0, sampling=None):
@@ -249,9 +254,10 @@ class CpuKernelsBackend(Backend):
 
     def _round_call(self, accessor, start: int, end: int, cos: torch.Tensor, sin: torch.Tensor, head: tuple):
         """What a compiled round call over blocks [start, end) needs besides the cache's slots: (the compiled
-        function, `passes(keys, values, row_starts=None, blocks=None)` making the call's `Passes`: those
-        blocks as the kernels' objects (or `blocks`) with the buffers given, the embedding table, cos and sin
-        (B, T, hd) contiguous), or None where it does not apply: the kernels off or missing (the "rounds"
+        function, `passes(keys, values, row_starts=None, blocks=...)` making the call's `Passes`: those blocks
+        as the kernels' objects (or the `blocks` given) with the buffers given, the embedding table, `cos` and
+        `sin` contiguous (a pass's rows (B, T, hd), or the table (L, hd) for `greedy_rounds`)), or None where
+        it does not apply: the kernels off or missing (the "rounds"
         level), weights off the CPU (the kernels read host memory), autograd on, an embedding that is not a
         plain lookup (`nn.Embedding` without hooks), no plain final norm + LM head, a head tensor not in the
         model's dtype, angles not in it."""

@@ -8,8 +8,8 @@ at capture, and every tensor it returns is rewritten by the next replay. So a `C
 - keeps static input buffers: each call copies its arguments into them (the arguments named `static`,
   the KV cache's buffers, are the caller's own, written in place, and must keep their addresses: a new
   address is a new capture);
-- copies the outputs out after each replay: the caller may keep them across replays (the draft loop of
-  the eager static path keeps every step's);
+- copies the outputs out after each replay: the caller may keep them across replays (a round keeps its
+  drafts' exit states until its verification runs, which another captured pass writes);
 - captures one graph per argument signature (shapes, dtypes, the static buffers' addresses), all graphs
   of one pass drawing on one memory pool, and keeps the `KEPT` most recently used: the engine's
   `CachePool` keeps addresses per batch size and capacity, but a pool set that grows leaves the old

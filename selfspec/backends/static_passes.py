@@ -115,11 +115,12 @@ class StaticPasses:
         """`Backend.draft_loop` on static passes: `draft_loop.draft_loop`, the engine's own loop, over this
         module's fixed-shape pass of one position and the draft head, from `token` (B,) at the cache's
         announced positions (B, k + 1); run as written, or captured unrolled as one graph ("graph": one
-        launch for the k steps and the last draft's pass, whatever the rows' settings: `sampling` taken as
-        tensors). η cuts the drafts after it (`draft_loop.keep_sure`, one host read). Returns (drafts (B, s),
-        their distributions q (B, s, V) or None when greedy, exit states (B, s + 1, D)), the cache holding
-        the s + 1 inputs at blocks [0, E); None, nothing run, where it does not apply."""
-        slots = self._slots(cache, 0, exit_layer, slice(0, k + 1))
+        launch for the k steps and the last draft's pass; sampled rows' one graph whatever their settings,
+        `sampling` taken as tensors). η cuts the drafts after it (`draft_loop.keep_sure`, one host read).
+        Returns (drafts (B, s), their distributions q (B, s, V) or None when greedy, exit states (B, s + 1,
+        D)), the cache holding the s + 1 inputs at blocks [0, E); None, nothing run, where it does not apply
+        (no drafts to make, k = 0, included)."""
+        slots = self._slots(cache, 0, exit_layer, slice(0, k + 1)) if k else None
         if slots is None:
             return None
         keys, values, _, cos, sin = slots

@@ -125,8 +125,9 @@ class Batch:
 
     @property
     def loop_drafts(self) -> bool:
-        """Whether a round's early-exit drafts may run in one backend call: a head it reads, no exit block
-        (which the loop does not run), no grammar (whose masks come from the host between drafts)."""
+        """Whether a round's early-exit drafts may run as one loop (`selfspec.draft_loop`, or a backend's call
+        for it): a head it reads, no exit block (which the loop does not run), no grammar (whose masks come
+        from the host between drafts)."""
         d = self.drafting
         return d.tensors is not None and d.exit_block is None and self.grammar is None
 

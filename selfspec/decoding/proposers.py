@@ -5,8 +5,8 @@ positions, appended to the round's `RoundState` (its `Draft`, and the tokens not
 [0, E)) with the rows' grammars told; how many it added (0: none).
 
 - `EarlyExitProposer`: the model's first E blocks, final norm and draft head (trimmed or behind an exit
-  adapter): the round's drafts in one backend call at its start where the backend has one, else one
-  draft a step;
+  adapter): the round's drafts as one loop at its start (`selfspec.draft_loop`: the backend's call for it,
+  or the loop in torch through the model's passes), else (a grammar, an exit block) one draft a step;
 - `CopyProposer`: a copy from the row's context (at the round's start the plan's, after drafts the
   policy's, `DraftPolicy.copy_after`), within the round's copy length, under a grammar cut where the
   grammar refuses and closed where the context's clause ends;
@@ -28,7 +28,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from ..draft_loop import draft_loop, keep_sure, pick
+from ..draft_loop import draft_loop, pick
 from ..sampling import apply_mask
 from .batch import Batch, joined, width
 from .ngram import TokenText
@@ -129,9 +129,10 @@ class EarlyExitProposer:
         self.passes = passes
 
     def propose(self, state: RoundState, k_left: int) -> int:
-        """At the round's start, where the backend drafts in one call (no grammar, no exit block:
-        `Batch.loop_drafts`), all `k_left` drafts in it (`_loop`); else one draft (`_one`), after which the
-        caller adds the free drafts it makes possible and asks again. 0: η stopped the round."""
+        """At the round's start, where the drafts may run as one loop (no grammar, no exit block:
+        `Batch.loop_drafts`), all `k_left` drafts in it (`_loop`: the backend's call, or the loop in torch);
+        else, or where the backend chooses greedy drafts itself step by step, one draft (`_one`), after
+        which the caller adds the free drafts it makes possible and asks again. 0: η stopped the round."""
         if not state.draft.k and state.b.loop_drafts:
             drafted = self._loop(state, k_left)
             if drafted is not None:
@@ -166,18 +167,17 @@ class EarlyExitProposer:
 
     def _torch_loop(self, b: Batch, k: int) -> tuple:
         """`draft_loop.draft_loop` through the model's passes (`RoundPasses.forward`, one position a step)
-        and the draft head, cut by η; the cache's blocks [0, E) then hold the inputs that count."""
+        and the draft head, stopping where η stops it: (drafts (B, s), q or None, exit states (B, s + 1, D)),
+        the cache's blocks [0, E) holding those s + 1 inputs."""
         passes, d = self.passes, b.drafting
 
         def step(token, i):  # the input at position n + i through blocks [0, E): its exit state (B, D)
             return passes.forward(b, token[:, None], i, d.exit_layer)[1][:, -1]
 
         positions = b.lengths_dev[:, None] + b.steps[:k + 1]
-        out = keep_sure(*draft_loop(step, d.head.logits, b.pending_dev, positions, k, b.sampling,
-                                    tops=bool(d.stop_below)), d.stop_below)
-        passes.place(b, 0, k + 1)
-        b.cache.written(0, d.exit_layer, out[0].shape[1] + 1)  # the steps η cut ran for nothing
-        return out
+        drafts, q, _, states = draft_loop(step, d.head.logits, b.pending_dev, positions, k, b.sampling,
+                                          stop_below=d.stop_below)
+        return drafts, q, states
 
     def _one(self, state: RoundState) -> int:
         """One draft at the next draft position, among what the rows' grammars allow (their mask applies

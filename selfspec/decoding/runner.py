@@ -342,10 +342,10 @@ class Runner:
                 draft_time, verify_time = 0.0, draft_time + verify_time
             stats.stopped_below_eta += early < k and not (copied and not early)  # a copy round drafts no exit
             stats.drafted_ahead += ahead
-            accepted = np.array([accepted])
-            drafts = drafted[end - early - copied:end][None]  # (1, k): this round's
-            self.record(stats, segments, accepted, draft_time, verify_time, drafts)
-            policy.update(segments, accepted, draft_time, verify_time)
+            counts = np.array([accepted])
+            round_drafts = drafted[end - early - copied:end][None]  # (1, k)
+            self.record(stats, segments, counts, draft_time, verify_time, round_drafts)
+            policy.update(segments, counts, draft_time, verify_time)
         b.lap("statistics")
         finished = len(tokens) >= max_tokens or bool(len(tokens) and np.isin(tokens[-1], eos))
         early, copied, accepted = np.asarray(rounds, dtype=np.int64).reshape(-1, 5)[:, :3].sum(0)

@@ -485,9 +485,10 @@ DraftChoice greedy_drafts(const Head& draft) {
   };
 }
 
-// Early-exit drafting in one call: the engine's draft loop (`EarlyExitProposer.propose` at a round's start,
-// through `CpuKernelsBackend.draft_loop` / `draft_loop_sampled` in selfspec/backends/cpu_kernels.py) without
-// the Python between its steps.
+// Early-exit drafting in one call: the engine's draft loop (`selfspec/draft_loop.py`, which
+// `EarlyExitProposer._loop` runs at a round's start through `CpuKernelsBackend.draft_loop` in
+// selfspec/backends/cpu_kernels.py) without the Python between its steps; η stops it at the step the engine's
+// loop run as written stops.
 // Step i runs input i at slot start + i through blocks [0, E) (`low`: `blocks_pass`, the cache written;
 // input 0 is `token` (B,), input i > 0 the draft of step i - 1), then, for i < k, `choose` on its exit
 // states gives draft i + 1; a step where no row's draft puts η on its top token (`sure` false) drafts
@@ -548,14 +549,13 @@ std::vector<torch::Tensor> draft_loop(const Passes& low, const Head& draft, cons
   return draft_loop_until(low, token, start, k, greedy_drafts(draft), nullptr);
 }
 
-// The sampled choice of a draft loop (the engine's `RoundPasses.pick` on the draft head's logits): each
+// The sampled choice of a draft loop (the engine's `draft_loop.pick` on the draft head's logits): each
 // sampled row draws its draft from its processed distribution (`row_probs`) with its DRAFT number at the
 // draft's position (its input's + 1), each greedy row takes its argmax; `q` keeps every draft's
 // distribution (B, s, V), which the verification accepts against (one-hot on greedy rows). η reads the
 // processed distribution's top probability on a sampled row, the softmax's on a greedy one
-// (`RowSampling.top_probability`). The draft head: the final norm `norm`, `head` (V', D) + `bias`, a trimmed
-// head's token ids `ids` (V'; the other tokens' logits -inf, so probability 0), V = `vocab`. A trimmed
-// head's V' logits are processed and drawn from alone, in the order of their token ids (`order`: the
+// (`RowSampling.top_probability`). The draft head `draft` (`Head`): a trimmed head's token ids (V'; the other
+// tokens' logits -inf, so probability 0). A trimmed head's V' logits are processed and drawn from alone, in the order of their token ids (`order`: the
 // inverse CDF then walks the tokens as it would over all V), and scattered into q.
 struct SampledDrafts {
   std::vector<RowSampling> rows;
@@ -1149,7 +1149,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
            }),
            pybind11::arg("blocks"), pybind11::arg("keys"), pybind11::arg("values"), pybind11::arg("embed"),
            pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("mask_value"),
-           pybind11::arg("row_starts") = c10::nullopt, "blocks, their key and value buffers, embedding, rotary rows");
+           pybind11::arg("row_starts") = c10::nullopt, "blocks, their key and value buffers, embedding, rotary rows",
+           pybind11::keep_alive<1, 2>());  // the blocks' objects live as long as the Passes that point at them
   pybind11::class_<Head>(module, "Head", pybind11::module_local())
       .def(pybind11::init([](torch::Tensor norm, double eps, torch::Tensor weight, c10::optional<torch::Tensor> bias,
                              c10::optional<torch::Tensor> ids, int64_t vocab, double stop_below) {
