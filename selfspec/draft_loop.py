@@ -54,8 +54,7 @@ def draft_loop(step: Step, head: Head, token: torch.Tensor, positions: torch.Ten
         logits = head(state).float()  # (B, V)
         top = None
         if stop_below is None or stop_below > 0:  # the probability of each row's most likely draft
-            sampled = sampling is not None and not sampling.all_greedy
-            top = sampling.top_probability(logits) if sampled else logits.softmax(-1).amax(-1)
+            top = logits.softmax(-1).amax(-1) if sampling is None else sampling.top_probability(logits)
         if stop_below and not sure_drafts(top[None], stop_below):  # η: no row trusts this step's draft
             break
         token, probs = pick(logits, sampling, positions[:, i:i + 1] + 1)  # draft i takes position i + 1

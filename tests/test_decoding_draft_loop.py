@@ -71,7 +71,10 @@ def round_log(monkeypatch):
 
     def logged(stats, segments, accepted, draft_time, verify_time, drafts):
         sources = tuple((s.source, s.start, s.length) for s in segments)
-        tokens = tuple(map(tuple, torch.as_tensor(drafts).tolist()))
+        rows = len(np.asarray(accepted))
+        joined = (torch.cat([torch.as_tensor(part) for part in drafts], 1) if len(drafts)
+                  else torch.empty(rows, 0, dtype=torch.long))
+        tokens = tuple(map(tuple, joined.tolist()))
         log.append((sources, tokens, tuple(np.asarray(accepted).tolist())))
         return record(stats, segments, accepted, draft_time, verify_time, drafts)
 

@@ -376,7 +376,7 @@ class Engine:
         draft_time, verify_time = clock.seconds(start, drafted), clock.seconds(drafted, verified)
         if not draft.segments:  # a plain step, also one whose E blocks ran before η stopped the draft
             draft_time, verify_time = 0.0, draft_time + verify_time
-        runner.record(stats, draft.segments, accepted, draft_time, verify_time, draft.tokens)
+        runner.record(stats, draft.segments, accepted, draft_time, verify_time, draft.parts)
         b.lap("statistics")
         policy.update(draft.segments, accepted, draft_time, verify_time)
         b.lap("policy")

@@ -343,7 +343,7 @@ class Runner:
             stats.stopped_below_eta += early < k and not (copied and not early)  # a copy round drafts no exit
             stats.drafted_ahead += ahead
             counts = np.array([accepted])
-            round_drafts = drafted[end - early - copied:end][None]  # (1, k)
+            round_drafts = [drafted[end - early - copied:end][None]]  # one part, (1, k)
             self.record(stats, segments, counts, draft_time, verify_time, round_drafts)
             policy.update(segments, counts, draft_time, verify_time)
         b.lap("statistics")
@@ -354,10 +354,11 @@ class Runner:
 
     @staticmethod
     def record(stats: GenerationStats, segments: list[Segment], accepted: np.ndarray, draft_time: float,
-               verify_time: float, drafts=None) -> None:
+               verify_time: float, drafts: list = ()) -> None:
         """A round's statistics: its draft `segments`, each row's `accepted` count (B,), its seconds. drafts:
-        the round's draft tokens (B, k), for a caller that logs rounds (the tests hold every path's to the
-        Python round's); the statistics count segments, not tokens."""
+        the round's draft tokens as parts (B, r) in position order (`Draft.parts`, not joined: only a caller
+        that logs rounds reads them, the tests holding every path's to the Python round's); the statistics
+        count segments, not tokens."""
         k = sum(s.length for s in segments)
         stats.log_round(segments, accepted, k)
         if k:
