@@ -5,6 +5,8 @@ nothing changes; a long context that makes drafting too dear switches it off the
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from helpers import reference_greedy, tiny_model
@@ -134,3 +136,31 @@ def test_rounds_overlap_only_where_the_measured_gain_says_so():
         out = generator.generate([prompt], max_new_tokens=24, eos_token_id=[])
         assert out.sequences[0] == reference_greedy(model, prompt, 24)
         assert asked and set(asked) == {overlapped}, (length, asked)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu_kernels"])
+def test_a_seeded_sampled_row_keeps_its_text_under_a_gate_alone_in_a_batch_and_in_rounds_from_python(backend):
+    """The gate cuts greedy rows' drafts only: a sampled row's draws follow its drafts, and the gate's
+    cuts follow the batch's longest context, its pooled acceptance and where a compiled call ends. Under
+    costs that would cut every round, a seeded sampled row decodes the same text alone (in one compiled
+    call where the backend has them), from Python rounds and beside a longer row; greedy rows are still
+    cut."""
+    model = tiny_model("llama", num_layers=4, max_position_embeddings=512)
+    rng = np.random.default_rng(2)
+    prompt, longer = rng.integers(0, 96, 12).tolist(), rng.integers(0, 96, 200).tolist()
+    settings = DecodeSettings(drafter="early_exit", exit_layer=2, num_speculations=3)
+    sampled = dict(max_new_tokens=48, eos_token_id=[], temperature=0.9, top_p=0.95, seed=7)
+    texts = {}
+    for name, costs, fused in (("no gate", None, True), ("gate", DEAR, True),
+                               ("gate, from Python", DEAR, False)):
+        generator = SelfSpecGenerator(model, settings=dataclasses.replace(settings, fused=fused),
+                                      backend=backend)
+        generator.round_costs = costs
+        texts[name] = generator.generate([prompt], **sampled).sequences[0]
+        if costs is not None:
+            texts[name + ", in a batch"] = generator.generate([prompt, longer], **sampled).sequences[0]
+            greedy = generator.generate([prompt], max_new_tokens=48, eos_token_id=[])
+            assert greedy.stats.plain_steps >= greedy.stats.rounds / 2, name  # still cuts greedy rows
+        else:
+            assert generator.generate([prompt], **sampled).stats.plain_steps == 0
+    assert all(text == texts["no gate"] for text in texts.values()), texts

@@ -36,7 +36,7 @@ from ..model.fast import fixed_width
 from ..sampling import SamplingParams
 from .grammar import GrammarBatch
 from .outputs import GenerationOutput, GenerationStats, NewRow, RoundCounts, RoundOutput
-from .policy import ADAPT_ROUNDS, GATED_ROUNDS, DraftPolicy
+from .policy import ADAPT_ROUNDS, DraftPolicy
 from .profile import RoundProfile
 from .runner import Runner
 from .settings import DecodeSettings
@@ -248,7 +248,7 @@ class Engine:
             runner.check_positions(len(request.prompt), request.max_new_tokens)
         prompts = [list(r.prompt) for r in requests]
         params = [r.sampling for r in requests]
-        self.policy.start(prompts)
+        self.policy.start(prompts, [not p.greedy for p in params])
         seed = options.seed
         if any(r.seed is not None for r in requests):
             drawn = runner.seeds(seed, len(requests), all(p.greedy for p in params))
@@ -266,15 +266,14 @@ class Engine:
 
     def _plan_calls(self) -> None:
         """How many rounds a compiled call may run: one for a caller that reads every round, the
-        rounds_per_step for one that steps the engine itself, a fixed k to the row's end (`GATED_ROUNDS`
-        under a cost gate, which reads the rounds between calls), an adaptive one `ADAPT_ROUNDS` (its
+        rounds_per_step for one that steps the engine itself, a fixed k to the row's end (fewer where a
+        cost gate cuts the row's drafts: `DraftPolicy.rounds_cap`), an adaptive one `ADAPT_ROUNDS` (its
         controller takes every round's counts between calls)."""
         options, policy = self.options, self.policy
         self.fixed = policy.fixed
         most = int(self.limits.max())
-        # rounds between the policy's decisions: a controller's after every few, a gate's after more,
-        # none for a fixed k alone
-        every = ADAPT_ROUNDS if not self.fixed else GATED_ROUNDS if policy.gate is not None else None
+        # rounds between the controller's decisions; none for a fixed k
+        every = ADAPT_ROUNDS if not self.fixed else None
         rounds = (1 if options.watched else max(1, options.rounds_per_step)
                   if options.rounds_per_step is not None else most if every is None else every)
         self.rounds_per_call = rounds if every is None else min(rounds, every)
@@ -342,7 +341,7 @@ class Engine:
         # a row's first round alone: its first token reaches the caller without delay; fewer while the
         # cost gate learns (`DraftPolicy.rounds_cap`)
         watched = self.options.rounds_per_step is not None
-        cap = self.policy.rounds_cap() or self.rounds_per_call
+        cap = self.policy.rounds_cap(rows) or self.rounds_per_call
         most = 1 if watched and not self.counts[row] else min(self.rounds_per_call, cap)
         limit = runner.view.max_positions
         if limit is not None and int(b.lengths[0]) + remaining + reach >= limit:

@@ -25,7 +25,9 @@ Drafters (`SelfSpecGenerator(drafter=...)`):
 A policy sees the emitted tokens of every row (`observe`) and the outcome of every round
 (`update`); `start` resets it for a new `generate` call. With a `CostGate` (`gate`, from the
 checkpoint's measured `RoundCosts`), each source's k is cut to what pays at the batch's longest
-context (`costs.py`): down to a plain step where drafting costs more than it returns.
+context (`costs.py`): down to a plain step where drafting costs more than it returns. It cuts rounds
+of greedy rows only: a sampled row's draws follow its drafts, so they must not depend on the batch it
+shares (its lengths and acceptance) nor on where a compiled call ends (`gated`).
 """
 
 from __future__ import annotations
@@ -47,6 +49,11 @@ COPY_WINDOW = 16  # copy rounds the copy length's α is taken over: copying come
 # cost gate (its α and the rows' contexts change slowly, and each call costs its setup)
 ADAPT_ROUNDS = 8
 GATED_ROUNDS = 32
+
+
+def _flags(count: int, sampled: list[bool] | None) -> np.ndarray:
+    """(count,) bool: which of `count` new rows sample (None: none)."""
+    return np.zeros(count, dtype=bool) if sampled is None else np.asarray(sampled, dtype=bool)
 
 
 @dataclass(frozen=True)
@@ -97,19 +104,23 @@ class DraftPolicy:
     gate: CostGate | None = None
     sources: tuple[str, ...] = ()  # where its drafts come from ("early_exit", "copy"), for the gate
     lengths: np.ndarray = np.zeros(0, dtype=np.int64)  # set per call by `start`
+    sampled: np.ndarray = np.zeros(0, dtype=bool)  # by caller row: whether it draws its tokens
 
-    def start(self, prompts: list[list[int]]) -> None:
-        """A new `generate` call with these prompts (row i = prompts[i])."""
+    def start(self, prompts: list[list[int]], sampled: list[bool] | None = None) -> None:
+        """A new `generate` call with these prompts (row i = prompts[i]); `sampled[i]`: row i draws its
+        tokens (None: every row greedy)."""
         self.lengths = np.array([len(p) for p in prompts], dtype=np.int64)
+        self.sampled = _flags(len(prompts), sampled)
 
     def match_text(self, text) -> None:
         """From the next `start` on, copies may also match the context's text where its tokens differ
         (`ngram.TokenText`), or not (None)."""
 
-    def add(self, prompts: list[list[int]]) -> None:
+    def add(self, prompts: list[list[int]], sampled: list[bool] | None = None) -> None:
         """More rows join the call (`Engine.add` after the first step): their ids follow the rows so far,
         in order."""
         self.lengths = np.concatenate([self.lengths, [len(p) for p in prompts]]).astype(np.int64)
+        self.sampled = np.concatenate([self.sampled, _flags(len(prompts), sampled)])
 
     def plan(self, rows: np.ndarray) -> DraftPlan:
         """The draft of the next round for the running rows `rows` (caller row indices, batch order)."""
@@ -128,23 +139,32 @@ class DraftPolicy:
         """Row rows[s] emitted tokens[s, :emit[s]] this round."""
         self.lengths[rows] += emit
 
+    def gates(self, rows) -> bool:
+        """Whether the gate cuts the drafts of `rows`: a gate, and no row among them sampled. A sampled
+        row's draws depend on its drafts, so a seeded row keeps its text alone, in any batch and in
+        compiled calls or rounds from Python only at the k it was given: the gate's cuts follow the batch's
+        longest context, its pooled acceptance and the calls' boundaries (a greedy row's output is the
+        same at any k)."""
+        return self.gate is not None and not self.sampled[rows].any()
+
     def gated(self, source: str, k: int, rows) -> int:
         """k drafts from `source` cut to what pays at the longest of `rows`' contexts (`CostGate.k`);
-        k itself without a gate."""
-        if self.gate is None or k <= 0:
+        k itself where the gate does not cut these rows (`gates`)."""
+        if k <= 0 or not self.gates(rows):
             return k
         return self.gate.k(source, k, int(self.lengths[rows].max()))
 
-    def rounds_cap(self) -> int | None:
-        """The most rounds the next compiled call may run for the gate's sake: 1 for a probe
+    def rounds_cap(self, rows) -> int | None:
+        """The most rounds the next compiled call for `rows` may run for the gate's sake: 1 for a probe
         (`CostGate.probing`), `ADAPT_ROUNDS` while a source's α is unknown (its first rounds tell the
-        gate), else None (no cap; also without a gate)."""
-        gate = self.gate
-        if gate is None:
+        gate), else `GATED_ROUNDS` (the gate decides between calls); None where the gate does not cut
+        these rows (`gates`)."""
+        if not self.gates(rows):
             return None
+        gate = self.gate
         if gate.probing:
             return 1
-        return ADAPT_ROUNDS if any(gate.alpha(source) is None for source in self.sources) else None
+        return ADAPT_ROUNDS if any(gate.alpha(source) is None for source in self.sources) else GATED_ROUNDS
 
     def overlaps(self, rows) -> bool:
         """Whether rounds may overlap at the longest of `rows`' contexts (`RoundCosts.overlap_pays`; True
@@ -169,7 +189,7 @@ class DraftPolicy:
     @property
     def fixed(self) -> bool:
         """Whether every round drafts alike (a fixed k, no copies), a gate's cuts aside: a fused call may
-        then run to the end without a gate, `GATED_ROUNDS` rounds with one."""
+        then run to the end, where a gate cuts `rounds_cap` rounds."""
         return False
 
     def fuses(self, rounds_per_call: int) -> bool:
@@ -244,13 +264,13 @@ class CopyPolicy(DraftPolicy):
     def match_text(self, text):
         self.text = text
 
-    def start(self, prompts):
-        super().start(prompts)
+    def start(self, prompts, sampled=None):
+        super().start(prompts, sampled)
         self.context = RowIndexes(self.ngram, self.text)
         self.context.add(prompts)
 
-    def add(self, prompts):
-        super().add(prompts)
+    def add(self, prompts, sampled=None):
+        super().add(prompts, sampled)
         self.context.add(prompts)
 
     def observe(self, rows, tokens, emit):

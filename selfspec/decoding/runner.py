@@ -203,7 +203,7 @@ class Runner:
         # a cache of their own (b's may be the pool's, `new_cache`), moved onto b's after
         new = self.start(prompts, params, seeds, settings, capacity, role="joining")
         new.rows = first + np.arange(len(joining))
-        policy.add(prompts)
+        policy.add(prompts, [not p.greedy for p in params])
         if b.grammar is not None:
             b.grammar.add([row.constraint for row in joining])
         b.add_rows(new)
