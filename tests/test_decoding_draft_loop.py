@@ -431,8 +431,9 @@ def test_an_adaptive_k_changes_between_calls_and_sees_every_round(rounds_calls):
     generator = SelfSpecGenerator(model, exit_layer=2)
     prompt = BATCHES["one"][0]
     controller = Cycling()
-    out = generator.generate([prompt], max_new_tokens=60, eos_token_id=[], num_speculations=controller)
-    assert out.sequences == [reference_greedy(model, prompt, 60)]
+    new = 3 * ADAPT_ROUNDS + 24  # more than two calls' rounds: every k of the cycle runs
+    out = generator.generate([prompt], max_new_tokens=new, eos_token_id=[], num_speculations=controller)
+    assert out.sequences == [reference_greedy(model, prompt, new)]
     assert controller.updates == out.stats.rounds and len(rounds_calls) == controller.calls
     assert len(rounds_calls) == -(-out.stats.rounds // ADAPT_ROUNDS) and len(out.stats.k_rounds) == 3
 

@@ -16,8 +16,13 @@ stored settings): `rows8` (8 greedy rows), `mixed8` (7 greedy + 1 at temperature
 timed over the prompts. Only `load_tuned`, `generate` and the engine API are used, so the script runs
 against older trees of the package too.
 
+`--seeds N`: a sampled cell decodes every prompt N times, seeds 0..N-1: a sampled decode's speed depends
+on the text it draws (its drafts' acceptance on that text), so one draw per prompt measures little.
+
 `--context L`: the prompts are windows of L tokens of `argparse.py` (long contexts), and a cell's rate
-counts decode time only (the call's total less its prefill), as a server's inter-token latency does.
+counts decode time only (the call's total less its prefill), as a server's inter-token latency does;
+`--decode-only` counts so at the default prompts too (a prefill, which drafting does not touch, is some
+fifth of a 128-token call there).
 """
 
 import argparse
@@ -94,6 +99,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--context", type=int, default=None,
                         help="prompts of this many tokens; decode time only")
+    parser.add_argument("--seeds", type=int, default=1, help="draws per prompt of a sampled cell")
+    parser.add_argument("--decode-only", action="store_true",
+                        help="rates over decode time (implied by --context)")
     args = parser.parse_args()
     generator, prompts = (_random_model() if args.model is None
                           else _checkpoint(args.model, args.prompts, args.context))
@@ -113,12 +121,14 @@ def main() -> None:
         batch = cell.pop("batch", 1)
         generator.generate([prompts[0]] * batch, max_new_tokens=16, eos_token_id=[], **cell)  # warm-up
         start, tokens, seconds = time.perf_counter(), 0, 0.0
+        draws = [{"seed": seed} for seed in range(args.seeds)] if suffix else [{}]
         for prompt in prompts:
-            out = generator.generate([prompt] * batch, max_new_tokens=args.new_tokens, eos_token_id=[],
-                                     **cell)
-            tokens += sum(len(s) for s in out.sequences)
-            seconds += out.stats.total_time - out.stats.prefill_time
-        rates[name] = tokens / (seconds if args.context else time.perf_counter() - start)
+            for draw in draws:
+                out = generator.generate([prompt] * batch, max_new_tokens=args.new_tokens, eos_token_id=[],
+                                         **{**cell, **draw})
+                tokens += sum(len(s) for s in out.sequences)
+                seconds += out.stats.total_time - out.stats.prefill_time
+        rates[name] = tokens / (seconds if args.context or args.decode_only else time.perf_counter() - start)
     print(json.dumps(rates))
 
 

@@ -29,6 +29,8 @@ def run(tree: str, args: argparse.Namespace) -> dict:
     command = [sys.executable, str(SCRIPT), "--cells", args.cells, "--prompts", str(args.prompts),
                "--new-tokens", str(args.new_tokens)] + (["--model", args.model] if args.model else [])
     command += ["--context", str(args.context)] if args.context else []
+    command += ["--seeds", str(args.seeds)] if args.seeds > 1 else []
+    command += ["--decode-only"] if args.decode_only else []
     out = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -43,6 +45,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--context", type=int, default=None,
                         help="prompts of this many tokens (engine_ab.py)")
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="draws per prompt of a sampled cell (engine_ab.py)")
+    parser.add_argument("--decode-only", action="store_true", help="rates over decode time (engine_ab.py)")
     parser.add_argument("--extensions", default="/tmp/tree_ab_extensions")
     args = parser.parse_args()
     for tree in args.trees:  # builds the kernels and warms the file cache: not timed
@@ -55,6 +60,8 @@ def main() -> None:
     first, last = args.trees[0], args.trees[-1]
     cells = args.cells.split(",")
     context = f", {args.context}-token prompts, decode time only" if args.context else ""
+    context += f", sampled cells {args.seeds} draws a prompt" if args.seeds > 1 else ""
+    context += ", decode time only" if args.decode_only and not args.context else ""
     print(f"{args.model or 'random Llama'}: {args.prompts} prompts x {args.new_tokens} tokens{context}, "
           f"median of {args.repeats} interleaved repeats")
     print("| cell | " + " | ".join(f"{t} tok/s" for t in args.trees) + f" | {last} / {first} (low-high) |"

@@ -13,19 +13,19 @@ position adds to a verification (a verification of k drafts costs 1 + k·s(L) pl
 measured lengths they are interpolated, past the last extrapolated along the last segment.
 
 `CostGate` picks each round's k from them (Leviathan et al.'s expected speedup): among 0..k (k the
-controller's, or the copy length), the k that maximises E(k, α) / (k·c + 1 + k·s), with α the drafts'
-own acceptance so far (per source: early exit, copies) and c = 0 for copies. k = 0 is a plain step:
-a row whose drafts stop paying decodes plainly, and a source that drafted nothing for `probe_every`
-rounds drafts again once, so α stays current and drafting returns where it pays again. The gate reads
-the stored costs and accepted counts only, never clocks: the same prompts decode in the same rounds on
-any machine.
+controller's, or the copy length), the k that maximises E(k, α) / R(k), with α the drafts' own
+acceptance so far (per source: early exit, copies) and R(k) the round's cost: measured per k where the
+costs hold whole rounds (`RoundCosts.rounds`), else k·c + 1 + k·s (c = 0 for copies). k = 0 is a plain
+step: a row whose drafts stop paying decodes plainly, and a source that drafted nothing for
+`probe_every` rounds drafts again once, so α stays current and drafting returns where it pays again.
+The gate reads the stored costs and accepted counts only, never clocks: the same prompts decode in the
+same rounds on any machine.
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
-
-import numpy as np
 
 from ..errors import UserError
 from ..metrics import expected_tokens
@@ -39,7 +39,13 @@ class RoundCosts:
     draft[i]: one early-exit draft step at `exit_layer` (with its V' head) at lengths[i], in plain steps;
     verify_slope[i]: what each drafted position adds to a verification there (a verification of k
     drafts costs 1 + k·verify_slope plain steps); overlap_gain[i]: the early exit's speed with its
-    rounds overlapped over its speed without (`DecodeSettings.overlap`; empty: not measured).
+    rounds overlapped over its speed without (`DecodeSettings.overlap`; empty: not measured);
+    rounds[i][j - 1]: a whole early-exit round of j drafts there (its draft loop and verification), j =
+    1..K (empty: not measured). A round is not k draft steps and a verification that each grow by the
+    same amount a draft: its draft loop runs blocks [0, E) once more than it drafts and each call has
+    its setup, and the verification's cost steps with the kernels' tiles of queries, so k·c + 1 + k·s,
+    measured at one k, prices the other k wrong (at 512 tokens on the embedded default a round of one
+    draft 5% low, of two 2% high): where measured, the gate prices each k by its own round.
     """
 
     lengths: tuple[int, ...]
@@ -48,6 +54,7 @@ class RoundCosts:
     exit_layer: int
     draft_vocab_size: int = 0
     overlap_gain: tuple[float, ...] = ()
+    rounds: tuple[tuple[float, ...], ...] = ()
 
     def __post_init__(self):
         n = len(self.lengths)
@@ -57,14 +64,19 @@ class RoundCosts:
             raise UserError(f"round_costs: lengths must be increasing, got {list(self.lengths)}")
         if self.overlap_gain and len(self.overlap_gain) != n:
             raise UserError("round_costs: overlap_gain must give a value for every length, or none")
+        if self.rounds and (len(self.rounds) != n or {len(r) for r in self.rounds} == {0}
+                            or len({len(r) for r in self.rounds}) != 1):
+            raise UserError("round_costs: rounds must give every length the same number of round costs "
+                            "(one a draft count), or none")
 
     def _interpolate(self, series, length: int) -> float:
         """`series` (one value a length) at `length`: linear between the measured lengths, along the
-        nearest segment beyond them (never below 0)."""
-        lengths, series = np.asarray(self.lengths, dtype=float), np.asarray(series, dtype=float)
+        nearest segment beyond them (never below 0). Plain Python: the gate asks once a call, for a few
+        values of a few points, where array calls cost more than the arithmetic."""
+        lengths = self.lengths
         if len(lengths) == 1:
             return float(series[0])
-        i = int(np.clip(np.searchsorted(lengths, length) - 1, 0, len(lengths) - 2))
+        i = min(max(bisect.bisect_left(lengths, length) - 1, 0), len(lengths) - 2)
         slope = (series[i + 1] - series[i]) / (lengths[i + 1] - lengths[i])
         return max(0.0, float(series[i] + slope * (length - lengths[i])))
 
@@ -78,11 +90,20 @@ class RoundCosts:
         then run slower than one after the other on every thread."""
         return not self.overlap_gain or self._interpolate(self.overlap_gain, length) >= 1.0
 
+    def round_costs(self, k_max: int, length: int, drafted: bool = True) -> list[float]:
+        """Rounds of 0..k_max drafts at `length`, in plain steps (0 drafts: a plain step, 1); drafted=False:
+        the drafts cost nothing to make (copies). Past the measured rounds (`rounds`; none for copies):
+        the last measured one's, then a draft step and a verified position more a draft."""
+        c, s = self.at(length)
+        step = (c if drafted else 0.0) + s
+        measured = min(len(self.rounds[0]) if self.rounds and drafted else 0, k_max)
+        costs = [1.0] + [self._interpolate([r[j] for r in self.rounds], length) for j in range(measured)]
+        return costs + [costs[-1] + step * j for j in range(1, k_max - measured + 1)]
+
     def rate(self, k: int, alpha: float, length: int, drafted: bool = True) -> float:
         """Expected tokens per plain step's time of a round of k drafts at `length` (1.0: plain
-        decoding's); drafted=False: the drafts cost nothing to make (copies)."""
-        c, s = self.at(length)
-        return expected_tokens(k, alpha) / ((k * c if drafted else 0.0) + 1.0 + k * s)
+        decoding's), every draft accepted with probability `alpha`."""
+        return expected_tokens(k, alpha) / self.round_costs(k, length, drafted)[k]
 
     def applies_to(self, exit_layer: int, draft_vocab_size: int) -> bool:
         """Whether the draft costs were measured for this early exit (the verification's hold for any)."""
@@ -92,7 +113,8 @@ class RoundCosts:
         return {"lengths": list(self.lengths), "draft": [round(x, 4) for x in self.draft],
                 "verify_slope": [round(x, 4) for x in self.verify_slope], "exit_layer": self.exit_layer,
                 "draft_vocab_size": self.draft_vocab_size,
-                **({"overlap_gain": [round(x, 4) for x in self.overlap_gain]} if self.overlap_gain else {})}
+                **({"overlap_gain": [round(x, 4) for x in self.overlap_gain]} if self.overlap_gain else {}),
+                **({"rounds": [[round(x, 4) for x in r] for r in self.rounds]} if self.rounds else {})}
 
     @classmethod
     def from_json(cls, entry: dict) -> RoundCosts:
@@ -100,7 +122,8 @@ class RoundCosts:
             return cls(tuple(int(x) for x in entry["lengths"]), tuple(float(x) for x in entry["draft"]),
                        tuple(float(x) for x in entry["verify_slope"]), int(entry["exit_layer"]),
                        int(entry.get("draft_vocab_size", 0)),
-                       tuple(float(x) for x in entry.get("overlap_gain", ())))
+                       tuple(float(x) for x in entry.get("overlap_gain", ())),
+                       tuple(tuple(float(x) for x in r) for r in entry.get("rounds", ())))
         except (KeyError, TypeError, ValueError) as error:
             raise UserError(f"round_costs in selfspec.json is malformed ({error}); rerun selfspec eval sweep "
                             f"--write-back") from None
@@ -138,14 +161,22 @@ class CostGate:
         compiled call then runs that one round alone."""
         return any(self.idle[s] >= self.probe_every and self.alpha(s) is not None for s in self.SOURCES)
 
+    def learning(self, sources) -> bool:
+        """Whether the gate still learns its first α: nothing of `sources` tested yet, or a source tested
+        fewer than `min_tested` drafts (one that never drafted, a copy that never matched, holds nothing
+        up)."""
+        tested = [self.windows[s].tested for s in sources]
+        return not any(tested) or any(0 < t < self.min_tested for t in tested)
+
     def k(self, source: str, k_max: int, length: int) -> int:
         alpha = self.alpha(source)
         drafted = source == "early_exit"
         if (k_max <= 0 or alpha is None or self.idle[source] >= self.probe_every
                 or (drafted and not self.gates_early_exit)):
             return k_max
-        rates = [self.costs.rate(k, alpha, length, drafted) for k in range(k_max + 1)]
-        return int(np.argmax(rates))  # the first best: the fewer drafts where two tie
+        rounds = self.costs.round_costs(k_max, length, drafted)
+        rates = [expected_tokens(k, alpha) / cost for k, cost in enumerate(rounds)]
+        return rates.index(max(rates))  # the first best: the fewer drafts where two tie
 
     def record(self, drafts: dict) -> None:
         for source in self.SOURCES:

@@ -44,11 +44,15 @@ from .ngram import NGramConfig, RowIndexes
 
 DRAFTERS = ("early_exit", "ngram", "hybrid")
 COPY_WINDOW = 16  # copy rounds the copy length's α is taken over: copying comes and goes with the text
-# rounds a compiled call runs under an adaptive k (`controller.WindowRule`, `CostModelRule`: the controller
-# sees every round's counts after the call and sets the k of the next call), and for a fixed k under a
-# cost gate (its α and the rows' contexts change slowly, and each call costs its setup)
-ADAPT_ROUNDS = 8
+# rounds a compiled call runs under an adaptive k or copy length (`controller.WindowRule`, `CostModelRule`:
+# the controller sees every round's counts after the call and sets the next call's), and for a fixed k under
+# a cost gate. Each call costs some 0.5 ms around its rounds (its setup, the Python between calls, caches
+# the passes flushed), a round 0.5-1 ms on the embedded default: calls of 8 rounds cost the copies and the
+# hybrid 6-9% against calls of 32 (docs/performance.md, "Calls of adaptive rounds"), and α and the contexts
+# change slowly
+ADAPT_ROUNDS = 32
 GATED_ROUNDS = 32
+LEARN_ROUNDS = 8  # a gated row's first call: the gate's first α, so its first cut, come from these rounds
 
 
 def _flags(count: int, sampled: list[bool] | None) -> np.ndarray:
@@ -156,15 +160,15 @@ class DraftPolicy:
 
     def rounds_cap(self, rows) -> int | None:
         """The most rounds the next compiled call for `rows` may run for the gate's sake: 1 for a probe
-        (`CostGate.probing`), `ADAPT_ROUNDS` while a source's α is unknown (its first rounds tell the
-        gate), else `GATED_ROUNDS` (the gate decides between calls); None where the gate does not cut
-        these rows (`gates`)."""
+        (`CostGate.probing`), `LEARN_ROUNDS` while it learns a source's α (`CostGate.learning`: its first
+        rounds tell the gate), else `GATED_ROUNDS` (the gate decides between calls); None where the gate
+        does not cut these rows (`gates`)."""
         if not self.gates(rows):
             return None
         gate = self.gate
         if gate.probing:
             return 1
-        return ADAPT_ROUNDS if any(gate.alpha(source) is None for source in self.sources) else GATED_ROUNDS
+        return LEARN_ROUNDS if gate.learning(self.sources) else GATED_ROUNDS
 
     def overlaps(self, rows) -> bool:
         """Whether rounds may overlap at the longest of `rows`' contexts (`RoundCosts.overlap_pays`; True

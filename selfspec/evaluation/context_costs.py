@@ -68,49 +68,59 @@ def measure_round_costs(generator: SelfSpecGenerator, tokens: list[int], setting
                         lengths: tuple[int, ...], new_tokens: int = NEW_TOKENS, repeats: int = 3,
                         progress: bool = True) -> tuple[RoundCosts, list[dict]]:
     """The round's costs at each context length (`RoundCosts`) and a row per length (L, plain step
-    seconds, c, s, α): `settings`' early exit (E, V', adapter) drafting k drafts a round (its k when
-    fixed, else 2; η off, no overlap, so that each pass is timed alone) against plain steps, on a context
-    of `tokens` repeated to L, `repeats` interleaved repeats (median). With `settings.overlap` the same
-    drafts with overlapped rounds too: their speed over the drafts' without (`overlap_gain`, decode time
-    only). The generator's own gate is off while it measures."""
+    seconds, c, s, α, the rounds of 1..k drafts): `settings`' early exit (E, V', adapter) drafting j
+    drafts a round for j = 1..k (k its k when fixed, else 2, at least 2; η off, no overlap, so that each
+    pass is timed alone) against plain steps, on a context of `tokens` repeated to L, `repeats`
+    interleaved repeats (median). c, s and α are those at k; a round's cost is its passes' (draft loop
+    and verification) over a plain step's. With `settings.overlap` the k drafts with overlapped rounds
+    too: their speed over the drafts' without (`overlap_gain`, decode time only). The generator's own
+    gate is off while it measures."""
     k = settings.num_speculations
-    k = k if isinstance(k, int) and k else 2
-    drafting = settings.override(drafter="early_exit", num_speculations=k, stop_below=0.0, overlap=False)
+    k = max(k, 2) if isinstance(k, int) and k else 2
+    drafting = [settings.override(drafter="early_exit", num_speculations=j, stop_below=0.0, overlap=False)
+                for j in range(1, k + 1)]
     plain = settings.override(drafter="early_exit", num_speculations=0)
-    overlapped = drafting.override(overlap=True) if settings.overlap else None
+    overlapped = drafting[-1].override(overlap=True) if settings.overlap else None
     kept, generator.round_costs = generator.round_costs, None
     rows = []
     try:
         for length in tqdm(lengths, desc="round costs", unit="length", disable=not progress):
             context = context_of(tokens, length)
-            samples = {"plain": [], "c": [], "s": [], "alpha": [], "overlap_gain": []}
+            samples = {"plain": [], "c": [], "s": [], "alpha": [], "overlap_gain": [], "rounds": []}
             for repeat in range(repeats + 1):  # the first, untimed: warms the caches and the kernels
-                order = (plain, drafting, overlapped) if repeat % 2 else (overlapped, drafting, plain)
-                order = [s for s in order if s is not None]
+                order = [plain, *drafting, overlapped]
+                order = [s for s in (order if repeat % 2 else order[::-1]) if s is not None]
                 runs = {id(s): generator.generate([context], max_new_tokens=new_tokens, eos_token_id=[],
                                                   settings=s, profile=True).stats for s in order}
                 if not repeat:
                     continue
-                base, spec = runs[id(plain)], runs[id(drafting)]
+                base, spec = runs[id(plain)], runs[id(drafting[-1])]
                 step = _per_pass(base, "verification pass", base.rounds)
-                drafted_rounds = spec.rounds - spec.plain_steps
                 samples["plain"].append(step)
                 samples["c"].append(_per_pass(spec, "draft passes", spec.draft_steps) / step)
-                verify = _per_pass(spec, "verification pass", drafted_rounds) / step
+                verify = _per_pass(spec, "verification pass", spec.rounds - spec.plain_steps) / step
                 samples["s"].append(max(0.0, (verify - 1.0) / k))
                 samples["alpha"].append(spec.acceptance_rate)
+                samples["rounds"].append([_round(runs[id(s)]) / step for s in drafting])
                 if overlapped is not None:
                     ahead = runs[id(overlapped)]
                     samples["overlap_gain"].append(_decode_seconds(spec) / _decode_seconds(ahead))
             keys = ("c", "s", "alpha", "overlap_gain") if overlapped is not None else ("c", "s", "alpha")
             rows.append({"length": length, "plain_step_seconds": statistics.median(samples["plain"]),
-                         **{key: statistics.median(samples[key]) for key in keys}})
+                         **{key: statistics.median(samples[key]) for key in keys},
+                         "rounds": [statistics.median(r) for r in zip(*samples["rounds"])]})
     finally:
         generator.round_costs = kept
     costs = RoundCosts(*(tuple(r[key] for r in rows) for key in ("length", "c", "s")), settings.exit_layer,
                        settings.draft_vocab_size, tuple(r.get("overlap_gain", 1.0) for r in rows)
-                       if overlapped is not None else ())
+                       if overlapped is not None else (), tuple(tuple(r["rounds"]) for r in rows))
     return costs, rows
+
+
+def _round(stats) -> float:
+    """Seconds of a drafted round's passes (its draft loop and its verification)."""
+    return (stats.profile["draft passes"] + stats.profile["verification pass"]) / max(
+        stats.rounds - stats.plain_steps, 1)
 
 
 def costs_table(rows: list[dict], k: int = 2) -> str:
@@ -118,13 +128,16 @@ def costs_table(rows: list[dict], k: int = 2) -> str:
     the speedup the cost model expects at that α."""
     from ..metrics import expected_tokens
 
-    lines = [f"| context | plain step | c (draft step) | v (verify k={k}) | α | expected speedup at k={k} |",
-             "|---:|---:|---:|---:|---:|---:|"]
+    lines = [f"| context | plain step | c (draft step) | v (verify k={k}) | rounds of 1, 2, ... drafts | α | "
+             f"expected speedup at k={k} |", "|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         verify = 1 + k * r["s"]
-        expected = expected_tokens(k, min(max(r["alpha"], 0.0), 1.0)) / (k * r["c"] + verify)
+        measured = r.get("rounds", [])
+        cost = measured[k - 1] if k <= len(measured) else k * r["c"] + verify
+        expected = expected_tokens(k, min(max(r["alpha"], 0.0), 1.0)) / cost
         lines.append(f"| {r['length']} | {r['plain_step_seconds'] * 1e3:.2f} ms | {r['c']:.3f} | "
-                     f"{verify:.3f} | {r['alpha']:.3f} | {expected:.2f}x |")
+                     f"{verify:.3f} | {', '.join(f'{x:.3f}' for x in measured) or '-'} | {r['alpha']:.3f} | "
+                     f"{expected:.2f}x |")
     return "\n".join(lines)
 
 
