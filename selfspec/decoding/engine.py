@@ -36,7 +36,7 @@ from ..model.fast import fixed_width
 from ..sampling import SamplingParams
 from .grammar import GrammarBatch
 from .outputs import GenerationOutput, GenerationStats, NewRow, RoundCounts, RoundOutput
-from .policy import ADAPT_ROUNDS, DraftPolicy
+from .policy import ADAPT_MOST, ADAPT_ROUNDS, DraftPolicy
 from .profile import RoundProfile
 from .runner import Runner
 from .settings import DecodeSettings
@@ -277,6 +277,10 @@ class Engine:
         rounds = (1 if options.watched else max(1, options.rounds_per_step)
                   if options.rounds_per_step is not None else most if every is None else every)
         self.rounds_per_call = rounds if every is None else min(rounds, every)
+        # calls sized by the controller alone grow while it keeps its drafts (`_span`); a caller's own size
+        # (one round for a watcher, a stepped engine's rounds) stays
+        self.grows = every is not None and not options.watched and options.rounds_per_step is None
+        self._last_drafts, self._last_span = None, self.rounds_per_call
         self.one_call = self.runner.fuses(self.b, policy, self.rounds_per_call)
 
     def _grow(self, rows: int) -> None:
@@ -341,8 +345,8 @@ class Engine:
         # a row's first round alone: its first token reaches the caller without delay; fewer while the
         # cost gate learns (`DraftPolicy.rounds_cap`)
         watched = self.options.rounds_per_step is not None
-        cap = self.policy.rounds_cap(rows) or self.rounds_per_call
-        most = 1 if watched and not self.counts[row] else min(self.rounds_per_call, cap)
+        span, cap = self._span(drafts), self.policy.rounds_cap(rows)
+        most = 1 if watched and not self.counts[row] else span if cap is None else min(span, cap)
         limit = runner.view.max_positions
         if limit is not None and int(b.lengths[0]) + remaining + reach >= limit:
             return None
@@ -351,6 +355,18 @@ class Engine:
         if fused is None:  # the kernels declined: rounds from Python from now on
             self.one_call = False
         return fused
+
+    def _span(self, drafts: FusedDrafts) -> int:
+        """Rounds the next call may run: `rounds_per_call`; under an adaptive k or copy length
+        (`ADAPT_ROUNDS` rounds a call), twice the last call's, up to `ADAPT_MOST`, while the controller
+        keeps asking for the same drafts, and `ADAPT_ROUNDS` again once it changes them: a call costs its
+        setup around the rounds, and a controller that changes nothing needs no chance to."""
+        if not self.grows:
+            return self.rounds_per_call
+        same = (drafts.k, drafts.copy_length) == self._last_drafts
+        self._last_drafts = (drafts.k, drafts.copy_length)
+        self._last_span = min(2 * self._last_span, ADAPT_MOST) if same else self.rounds_per_call
+        return self._last_span
 
     def _round(self, rows: np.ndarray):
         """One round from Python: draft, verify, accept; (tokens, emit, finished, `RoundCounts`)."""

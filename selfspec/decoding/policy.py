@@ -45,12 +45,14 @@ from .ngram import NGramConfig, RowIndexes
 DRAFTERS = ("early_exit", "ngram", "hybrid")
 COPY_WINDOW = 16  # copy rounds the copy length's α is taken over: copying comes and goes with the text
 # rounds a compiled call runs under an adaptive k or copy length (`controller.WindowRule`, `CostModelRule`:
-# the controller sees every round's counts after the call and sets the next call's), and for a fixed k under
-# a cost gate. Each call costs some 0.5 ms around its rounds (its setup, the Python between calls, caches
-# the passes flushed), a round 0.5-1 ms on the embedded default: calls of 8 rounds cost the copies and the
-# hybrid 6-9% against calls of 32 (docs/performance.md, "Calls of adaptive rounds"), and α and the contexts
-# change slowly
-ADAPT_ROUNDS = 32
+# the controller sees every round's counts after the call and sets the next call's): `ADAPT_ROUNDS`, twice
+# the last call's (up to `ADAPT_MOST`) while the controller keeps its drafts (`Engine._span`); and for a
+# fixed k under a cost gate. Each call costs some 0.5 ms around its rounds (its setup, the Python between
+# calls, caches the passes flushed), a round 0.5-1 ms on the embedded default: calls of 8 rounds cost its
+# copies and hybrid 6-9% against calls of 32, which cost SmolLM2's copies (20 ms rounds) 3% in a copy
+# length that adapts later (docs/performance.md, "Calls of adaptive rounds")
+ADAPT_ROUNDS = 8
+ADAPT_MOST = 64
 GATED_ROUNDS = 32
 LEARN_ROUNDS = 8  # a gated row's first call: the gate's first α, so its first cut, come from these rounds
 
