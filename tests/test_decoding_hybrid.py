@@ -233,7 +233,7 @@ class _CopyThenEarlyExit(DraftPolicy):
     def __init__(self, expected):
         self.expected, self.rounds = expected, 0
 
-    def start(self, prompts, sampled=None):
+    def start(self, prompts):
         self.done = [0] * len(prompts)
 
     def observe(self, rows, tokens, emit):

@@ -14,6 +14,7 @@ from selfspec.checkpoint import load_tuned, read_settings
 from selfspec.cli import main
 from selfspec.decoding import DecodeSettings, RoundCosts
 from selfspec.errors import UserError
+from selfspec.evaluation.context_costs import MEASURED_ROUNDS
 from selfspec.evaluation.exits import format_exit_table
 from selfspec.evaluation.perplexity import perplexity, perplexity_gate
 from selfspec.evaluation.results import SweepReport
@@ -265,8 +266,8 @@ def test_cli_sweep_measures_the_grid_plots_and_writes_back_the_best(tiny_run, tm
     assert (costs["exit_layer"], costs["draft_vocab_size"]) == (stored_settings.exit_layer,
                                                                 stored_settings.draft_vocab_size)
     assert all(c > 0 for c in costs["draft"]) and all(s >= 0 for s in costs["verify_slope"])
-    # a whole round of each 1..k drafts (k at least 2) at every length (timings: only their shape here)
-    k = max(stored_settings.num_speculations, 2)
+    # a whole round of each 1..k drafts (k at least 2, at most 4) at every length (timings: their shape)
+    k = min(max(stored_settings.num_speculations, 2), MEASURED_ROUNDS)
     assert len(costs["rounds"]) == 2 and all(len(r) == k and min(r) > 0 for r in costs["rounds"])
     assert load_tuned(str(ckpt)).round_costs == RoundCosts.from_json(costs)
 

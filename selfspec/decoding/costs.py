@@ -65,14 +65,14 @@ class RoundCosts:
         if self.overlap_gain and len(self.overlap_gain) != n:
             raise UserError("round_costs: overlap_gain must give a value for every length, or none")
         if self.rounds and (len(self.rounds) != n or {len(r) for r in self.rounds} == {0}
-                            or len({len(r) for r in self.rounds}) != 1):
-            raise UserError("round_costs: rounds must give every length the same number of round costs "
-                            "(one a draft count), or none")
+                            or len({len(r) for r in self.rounds}) != 1 or min(map(min, self.rounds)) <= 0):
+            raise UserError("round_costs: rounds must give every length the same number of positive round "
+                            "costs (one a draft count), or none")
 
     def _interpolate(self, series, length: int) -> float:
         """`series` (one value a length) at `length`: linear between the measured lengths, along the
-        nearest segment beyond them (never below 0). Plain Python: the gate asks once a call, for a few
-        values of a few points, where array calls cost more than the arithmetic."""
+        nearest segment beyond them (never below 0). Plain Python: the gate asks once a round or a
+        compiled call, for a few values of a few points, where array calls cost more than the arithmetic."""
         lengths = self.lengths
         if len(lengths) == 1:
             return float(series[0])
@@ -97,13 +97,11 @@ class RoundCosts:
         c, s = self.at(length)
         step = (c if drafted else 0.0) + s
         measured = min(len(self.rounds[0]) if self.rounds and drafted else 0, k_max)
-        costs = [1.0] + [self._interpolate([r[j] for r in self.rounds], length) for j in range(measured)]
+        # a round verifies at least the plain step's position: never below one (extrapolated past the
+        # measured lengths, a falling segment could reach 0)
+        costs = [1.0] + [max(1.0, self._interpolate([r[j] for r in self.rounds], length))
+                         for j in range(measured)]
         return costs + [costs[-1] + step * j for j in range(1, k_max - measured + 1)]
-
-    def rate(self, k: int, alpha: float, length: int, drafted: bool = True) -> float:
-        """Expected tokens per plain step's time of a round of k drafts at `length` (1.0: plain
-        decoding's), every draft accepted with probability `alpha`."""
-        return expected_tokens(k, alpha) / self.round_costs(k, length, drafted)[k]
 
     def applies_to(self, exit_layer: int, draft_vocab_size: int) -> bool:
         """Whether the draft costs were measured for this early exit (the verification's hold for any)."""
@@ -149,6 +147,7 @@ class CostGate:
         self.min_tested, self.probe_every = min_tested, probe_every
         self.windows = {s: AcceptanceWindow(window) for s in self.SOURCES}
         self.idle = dict.fromkeys(self.SOURCES, 0)  # rounds since the source last drafted
+        self.rounds = 0  # rounds recorded
 
     def alpha(self, source: str) -> float | None:
         """The source's α over its last `window` rounds, None before `min_tested` drafts were tested."""
@@ -162,11 +161,12 @@ class CostGate:
         return any(self.idle[s] >= self.probe_every and self.alpha(s) is not None for s in self.SOURCES)
 
     def learning(self, sources) -> bool:
-        """Whether the gate still learns its first α: nothing of `sources` tested yet, or a source tested
-        fewer than `min_tested` drafts (one that never drafted, a copy that never matched, holds nothing
-        up)."""
+        """Whether the gate still learns its first α: fewer than `min_tested` rounds recorded and nothing
+        of `sources` tested yet, or a source tested fewer than `min_tested` drafts (a source that has not
+        drafted since, a copy that never matched, holds nothing up)."""
         tested = [self.windows[s].tested for s in sources]
-        return not any(tested) or any(0 < t < self.min_tested for t in tested)
+        starting = not any(tested) and self.rounds < self.min_tested
+        return starting or any(0 < t < self.min_tested for t in tested)
 
     def k(self, source: str, k_max: int, length: int) -> int:
         alpha = self.alpha(source)
@@ -179,6 +179,7 @@ class CostGate:
         return rates.index(max(rates))  # the first best: the fewer drafts where two tie
 
     def record(self, drafts: dict) -> None:
+        self.rounds += 1
         for source in self.SOURCES:
             k, accepted = drafts.get(source, (0, ()))
             if self.windows[source].add(k, () if accepted is None else accepted):

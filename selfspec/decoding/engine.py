@@ -248,7 +248,8 @@ class Engine:
             runner.check_positions(len(request.prompt), request.max_new_tokens)
         prompts = [list(r.prompt) for r in requests]
         params = [r.sampling for r in requests]
-        self.policy.start(prompts, [not p.greedy for p in params])
+        self.policy.start(prompts)
+        self.policy.sample_rows([not p.greedy for p in params])
         seed = options.seed
         if any(r.seed is not None for r in requests):
             drawn = runner.seeds(seed, len(requests), all(p.greedy for p in params))
@@ -267,8 +268,9 @@ class Engine:
     def _plan_calls(self) -> None:
         """How many rounds a compiled call may run: one for a caller that reads every round, the
         rounds_per_step for one that steps the engine itself, a fixed k to the row's end (fewer where a
-        cost gate cuts the row's drafts: `DraftPolicy.rounds_cap`), an adaptive one `ADAPT_ROUNDS` (its
-        controller takes every round's counts between calls)."""
+        cost gate cuts the row's drafts: `DraftPolicy.rounds_cap`), an adaptive one `ADAPT_ROUNDS` and
+        more while its controller keeps its drafts (`_span`; it takes every round's counts between
+        calls)."""
         options, policy = self.options, self.policy
         self.fixed = policy.fixed
         most = int(self.limits.max())
@@ -280,7 +282,7 @@ class Engine:
         # calls sized by the controller alone grow while it keeps its drafts (`_span`); a caller's own size
         # (one round for a watcher, a stepped engine's rounds) stays
         self.grows = every is not None and not options.watched and options.rounds_per_step is None
-        self._last_drafts, self._last_span = None, self.rounds_per_call
+        self._last_call = (None, self.rounds_per_call)  # the last compiled call's drafts and span
         self.one_call = self.runner.fuses(self.b, policy, self.rounds_per_call)
 
     def _grow(self, rows: int) -> None:
@@ -320,6 +322,7 @@ class Engine:
         joining, self.joining = self.joining, []
         first = len(self.requests) - len(joining)
         self.runner.join(self.b, joining, first, self.policy, self.options.settings, self.k_max)
+        self.policy.sample_rows([not r.sampling.greedy for r in self.requests])
         self._grow(len(joining))
         self.b.lap("other")
 
@@ -342,10 +345,11 @@ class Engine:
             drafts = FusedDrafts(k=0)
         remaining = int(self.limits[row] - self.counts[row])
         reach = drafts.k + drafts.copy_length  # the most drafts a round verifies
-        # a row's first round alone: its first token reaches the caller without delay; fewer while the
-        # cost gate learns (`DraftPolicy.rounds_cap`)
+        # a row's first round alone: its first token reaches the caller without delay; no more than a cost
+        # gate lets run between its decisions (`DraftPolicy.rounds_cap`)
         watched = self.options.rounds_per_step is not None
-        span, cap = self._span(drafts), self.policy.rounds_cap(rows)
+        key, span = self._span(row, drafts)
+        cap = self.policy.rounds_cap(rows)
         most = 1 if watched and not self.counts[row] else span if cap is None else min(span, cap)
         limit = runner.view.max_positions
         if limit is not None and int(b.lengths[0]) + remaining + reach >= limit:
@@ -354,23 +358,26 @@ class Engine:
                                    self.laps)
         if fused is None:  # the kernels declined: rounds from Python from now on
             self.one_call = False
+        else:
+            self._last_call = (key, span)
         return fused
 
-    def _span(self, drafts: FusedDrafts) -> int:
-        """Rounds the next call may run: `rounds_per_call`; under an adaptive k or copy length
-        (`ADAPT_ROUNDS` rounds a call), twice the last call's, up to `ADAPT_MOST`, while the controller
-        keeps asking for the same drafts, and `ADAPT_ROUNDS` again once it changes them: a call costs its
-        setup around the rounds, and a controller that changes nothing needs no chance to."""
+    def _span(self, row: int, drafts: FusedDrafts) -> tuple[tuple, int]:
+        """(what the call drafts, the rounds it may run): `rounds_per_call`; under an adaptive k or copy
+        length (`ADAPT_ROUNDS` rounds a call), twice the last call's span, up to `ADAPT_MOST`, when the
+        last call ran for the same row with the same drafts, and `ADAPT_ROUNDS` again once they change: a
+        call costs its setup around the rounds, and a controller that changes nothing needs no chance
+        to. A call a gate cuts shorter (`DraftPolicy.rounds_cap`) keeps the span for the next."""
+        key = (row, drafts.k, drafts.copy_length)
         if not self.grows:
-            return self.rounds_per_call
-        same = (drafts.k, drafts.copy_length) == self._last_drafts
-        self._last_drafts = (drafts.k, drafts.copy_length)
-        self._last_span = min(2 * self._last_span, ADAPT_MOST) if same else self.rounds_per_call
-        return self._last_span
+            return key, self.rounds_per_call
+        last, span = self._last_call
+        return key, min(2 * span, ADAPT_MOST) if key == last else self.rounds_per_call
 
     def _round(self, rows: np.ndarray):
         """One round from Python: draft, verify, accept; (tokens, emit, finished, `RoundCounts`)."""
         runner, policy, b, stats = self.runner, self.policy, self.b, self.stats
+        self._last_call = (None, self.rounds_per_call)  # a compiled call after it starts its span again
         plan = policy.plan(rows)
         k_max = policy.k_max + (FORCED_PER_ROUND if b.forces else 0)
         if runner.backend.max_pass_positions is not None:  # a round's k + 1 positions in one pass

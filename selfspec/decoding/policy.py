@@ -45,21 +45,16 @@ from .ngram import NGramConfig, RowIndexes
 DRAFTERS = ("early_exit", "ngram", "hybrid")
 COPY_WINDOW = 16  # copy rounds the copy length's α is taken over: copying comes and goes with the text
 # rounds a compiled call runs under an adaptive k or copy length (`controller.WindowRule`, `CostModelRule`:
-# the controller sees every round's counts after the call and sets the next call's): `ADAPT_ROUNDS`, twice
-# the last call's (up to `ADAPT_MOST`) while the controller keeps its drafts (`Engine._span`); and for a
-# fixed k under a cost gate. Each call costs some 0.5 ms around its rounds (its setup, the Python between
-# calls, caches the passes flushed), a round 0.5-1 ms on the embedded default: calls of 8 rounds cost its
-# copies and hybrid 6-9% against calls of 32, which cost SmolLM2's copies (20 ms rounds) 3% in a copy
-# length that adapts later (docs/performance.md, "Calls of adaptive rounds")
+# the controller sees every round's counts after the call and sets the next call's): `ADAPT_ROUNDS`, then
+# twice the last call's, up to `ADAPT_MOST`, while the controller keeps its drafts (`Engine._span`). A call
+# costs some 0.5 ms around its rounds (its setup, the Python between calls, caches the passes flushed), a
+# round 0.5-1 ms on the embedded default: calls of 8 rounds cost its copies and hybrid 6-9% against calls
+# of 32, which cost SmolLM2's copies (20 ms rounds) 3% in a copy length that adapts later
+# (docs/performance.md, "Calls of adaptive rounds")
 ADAPT_ROUNDS = 8
 ADAPT_MOST = 64
-GATED_ROUNDS = 32
+GATED_ROUNDS = 32  # the most rounds a call runs where a cost gate cuts the row's drafts (it decides between)
 LEARN_ROUNDS = 8  # a gated row's first call: the gate's first α, so its first cut, come from these rounds
-
-
-def _flags(count: int, sampled: list[bool] | None) -> np.ndarray:
-    """(count,) bool: which of `count` new rows sample (None: none)."""
-    return np.zeros(count, dtype=bool) if sampled is None else np.asarray(sampled, dtype=bool)
 
 
 @dataclass(frozen=True)
@@ -111,22 +106,27 @@ class DraftPolicy:
     sources: tuple[str, ...] = ()  # where its drafts come from ("early_exit", "copy"), for the gate
     lengths: np.ndarray = np.zeros(0, dtype=np.int64)  # set per call by `start`
     sampled: np.ndarray = np.zeros(0, dtype=bool)  # by caller row: whether it draws its tokens
+    _gating = True  # whether the gate cut the rows of the round last planned (`gated`)
 
-    def start(self, prompts: list[list[int]], sampled: list[bool] | None = None) -> None:
-        """A new `generate` call with these prompts (row i = prompts[i]); `sampled[i]`: row i draws its
-        tokens (None: every row greedy)."""
+    def start(self, prompts: list[list[int]]) -> None:
+        """A new `generate` call with these prompts (row i = prompts[i])."""
         self.lengths = np.array([len(p) for p in prompts], dtype=np.int64)
-        self.sampled = _flags(len(prompts), sampled)
+        self.sampled = np.zeros(len(prompts), dtype=bool)
+
+    def sample_rows(self, sampled) -> None:
+        """Which rows draw their tokens, by caller row (every row so far; the engine tells after `start`
+        and after rows join): the gate leaves their drafts alone (`gates`)."""
+        self.sampled = np.asarray(sampled, dtype=bool)
 
     def match_text(self, text) -> None:
         """From the next `start` on, copies may also match the context's text where its tokens differ
         (`ngram.TokenText`), or not (None)."""
 
-    def add(self, prompts: list[list[int]], sampled: list[bool] | None = None) -> None:
+    def add(self, prompts: list[list[int]]) -> None:
         """More rows join the call (`Engine.add` after the first step): their ids follow the rows so far,
         in order."""
         self.lengths = np.concatenate([self.lengths, [len(p) for p in prompts]]).astype(np.int64)
-        self.sampled = np.concatenate([self.sampled, _flags(len(prompts), sampled)])
+        self.sampled = np.concatenate([self.sampled, np.zeros(len(prompts), dtype=bool)])
 
     def plan(self, rows: np.ndarray) -> DraftPlan:
         """The draft of the next round for the running rows `rows` (caller row indices, batch order)."""
@@ -155,8 +155,10 @@ class DraftPolicy:
 
     def gated(self, source: str, k: int, rows) -> int:
         """k drafts from `source` cut to what pays at the longest of `rows`' contexts (`CostGate.k`);
-        k itself where the gate does not cut these rows (`gates`)."""
-        if k <= 0 or not self.gates(rows):
+        k itself where the gate does not cut these rows (`gates`). The gate then learns these rows'
+        rounds only where it cuts them: a sampled row's acceptance is not a greedy one's."""
+        self._gating = self.gates(rows)
+        if k <= 0 or not self._gating:
             return k
         return self.gate.k(source, k, int(self.lengths[rows].max()))
 
@@ -178,8 +180,9 @@ class DraftPolicy:
         return self.gate is None or self.gate.costs.overlap_pays(int(self.lengths[rows].max()))
 
     def gate_record(self, drafts: dict) -> None:
-        """The gate learns a round's drafts, {source: (k, accepted counts of the rows that tested them)}."""
-        if self.gate is not None:
+        """The gate learns a round's drafts, {source: (k, accepted counts of the rows that tested them)},
+        where it cut the round's rows (`gated`)."""
+        if self.gate is not None and self._gating:
             self.gate.record(drafts)
 
     def update(self, segments: list[Segment], accepted: np.ndarray, draft_time: float,
@@ -270,13 +273,13 @@ class CopyPolicy(DraftPolicy):
     def match_text(self, text):
         self.text = text
 
-    def start(self, prompts, sampled=None):
-        super().start(prompts, sampled)
+    def start(self, prompts):
+        super().start(prompts)
         self.context = RowIndexes(self.ngram, self.text)
         self.context.add(prompts)
 
-    def add(self, prompts, sampled=None):
-        super().add(prompts, sampled)
+    def add(self, prompts):
+        super().add(prompts)
         self.context.add(prompts)
 
     def observe(self, rows, tokens, emit):

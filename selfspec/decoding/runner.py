@@ -49,7 +49,8 @@ One row decoding greedily with early-exit drafts (or plain steps) or with copies
 runs its rounds in compiled calls of many rounds where the kernels apply (`Backend.greedy_rounds`):
 the same passes, so the same tokens, without the host's Python between them; the statistics and the
 policy then take the rounds' counts. A fixed k runs to the row's end in one call; an adaptive k (or
-copy length) changes between calls of `ADAPT_ROUNDS` rounds; a call that streams or stops at strings
+copy length) changes between calls of `ADAPT_ROUNDS` rounds, more while it stays (`Engine._span`), and a
+cost gate's k between calls of at most `GATED_ROUNDS`; a call that streams or stops at strings
 runs one round per call, and a stepped engine's (`engine(rounds_per_step=...)`: the server) that many.
 """
 
@@ -203,7 +204,7 @@ class Runner:
         # a cache of their own (b's may be the pool's, `new_cache`), moved onto b's after
         new = self.start(prompts, params, seeds, settings, capacity, role="joining")
         new.rows = first + np.arange(len(joining))
-        policy.add(prompts, [not p.greedy for p in params])
+        policy.add(prompts)
         if b.grammar is not None:
             b.grammar.add([row.constraint for row in joining])
         b.add_rows(new)

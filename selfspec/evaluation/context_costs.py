@@ -1,9 +1,10 @@
 """A round's costs by context length, measured through the engine: what the cost gate decides from.
 
 `measure_round_costs` decodes a context of L tokens at each length L plainly and with the early exit
-at a fixed k (`generate(profile=True)`: the passes' own seconds), interleaved over repeats, and
-returns the `decoding.RoundCosts` (c: a draft step, s: what a drafted position adds to a verification,
-both in plain steps at that length), with each length's α and plain step beside them. `selfspec eval
+at each fixed k of 1..k (`generate(profile=True)`: the passes' own seconds), interleaved over repeats,
+and returns the `decoding.RoundCosts` (c: a draft step, s: what a drafted position adds to a
+verification, R(j): a whole round of j drafts, all in plain steps at that length), with each length's α
+and plain step beside them. `selfspec eval
 sweep --write-back` stores the costs in selfspec.json (`round_costs`, per device type), where
 `load_tuned` finds them; `selfspec doctor` and `selfspec eval speedup` print them by length.
 """
@@ -24,6 +25,7 @@ AUTO_LENGTHS = (64, 256, 1024)
 AUTO_LONGEST = 4096
 NEW_TOKENS = 32  # tokens each measuring decode makes after its context
 ROOM = NEW_TOKENS + 16  # what a context leaves of the model's positions: the decode and a round's drafts
+MEASURED_ROUNDS = 4  # whole rounds measured of 1..4 drafts (more: `RoundCosts.round_costs` extrapolates)
 
 
 def cost_lengths(spec: str | tuple, max_positions: int | None) -> tuple[int, ...]:
@@ -69,7 +71,8 @@ def measure_round_costs(generator: SelfSpecGenerator, tokens: list[int], setting
                         progress: bool = True) -> tuple[RoundCosts, list[dict]]:
     """The round's costs at each context length (`RoundCosts`) and a row per length (L, plain step
     seconds, c, s, α, the rounds of 1..k drafts): `settings`' early exit (E, V', adapter) drafting j
-    drafts a round for j = 1..k (k its k when fixed, else 2, at least 2; η off, no overlap, so that each
+    drafts a round for j = 1..k (k its k when fixed, else 2, at least 2; whole rounds up to
+    `MEASURED_ROUNDS` drafts, and k itself for c and s; η off, no overlap, so that each
     pass is timed alone) against plain steps, on a context of `tokens` repeated to L, `repeats`
     interleaved repeats (median). c, s and α are those at k; a round's cost is its passes' (draft loop
     and verification) over a plain step's. With `settings.overlap` the k drafts with overlapped rounds
@@ -78,7 +81,7 @@ def measure_round_costs(generator: SelfSpecGenerator, tokens: list[int], setting
     k = settings.num_speculations
     k = max(k, 2) if isinstance(k, int) and k else 2
     drafting = [settings.override(drafter="early_exit", num_speculations=j, stop_below=0.0, overlap=False)
-                for j in range(1, k + 1)]
+                for j in sorted({*range(1, min(k, MEASURED_ROUNDS) + 1), k})]
     plain = settings.override(drafter="early_exit", num_speculations=0)
     overlapped = drafting[-1].override(overlap=True) if settings.overlap else None
     kept, generator.round_costs = generator.round_costs, None
@@ -101,7 +104,7 @@ def measure_round_costs(generator: SelfSpecGenerator, tokens: list[int], setting
                 verify = _per_pass(spec, "verification pass", spec.rounds - spec.plain_steps) / step
                 samples["s"].append(max(0.0, (verify - 1.0) / k))
                 samples["alpha"].append(spec.acceptance_rate)
-                samples["rounds"].append([_round(runs[id(s)]) / step for s in drafting])
+                samples["rounds"].append([_round(runs[id(s)]) / step for s in drafting[:MEASURED_ROUNDS]])
                 if overlapped is not None:
                     ahead = runs[id(overlapped)]
                     samples["overlap_gain"].append(_decode_seconds(spec) / _decode_seconds(ahead))
@@ -119,8 +122,8 @@ def measure_round_costs(generator: SelfSpecGenerator, tokens: list[int], setting
 
 def _round(stats) -> float:
     """Seconds of a drafted round's passes (its draft loop and its verification)."""
-    return (stats.profile["draft passes"] + stats.profile["verification pass"]) / max(
-        stats.rounds - stats.plain_steps, 1)
+    drafted = stats.rounds - stats.plain_steps
+    return _per_pass(stats, "draft passes", drafted) + _per_pass(stats, "verification pass", drafted)
 
 
 def costs_table(rows: list[dict], k: int = 2) -> str:
@@ -141,5 +144,5 @@ def costs_table(rows: list[dict], k: int = 2) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["AUTO_LENGTHS", "AUTO_LONGEST", "NEW_TOKENS", "ROOM", "context_of", "cost_lengths", "costs_table",
-           "measure_round_costs"]
+__all__ = ["AUTO_LENGTHS", "AUTO_LONGEST", "MEASURED_ROUNDS", "NEW_TOKENS", "ROOM", "context_of",
+           "cost_lengths", "costs_table", "measure_round_costs"]
