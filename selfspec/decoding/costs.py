@@ -44,8 +44,8 @@ class RoundCosts:
     1..K (empty: not measured). A round is not k draft steps and a verification that each grow by the
     same amount a draft: its draft loop runs blocks [0, E) once more than it drafts and each call has
     its setup, and the verification's cost steps with the kernels' tiles of queries, so k·c + 1 + k·s,
-    measured at one k, prices the other k wrong (at 512 tokens on the embedded default a round of one
-    draft 5% low, of two 2% high): where measured, the gate prices each k by its own round.
+    measured at one k, prices the other k wrong, near the α where the gate changes its mind (figures:
+    docs/performance.md, "The cost gate"): where measured, the gate prices each k by its own round.
     """
 
     lengths: tuple[int, ...]

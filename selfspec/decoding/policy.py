@@ -46,11 +46,10 @@ DRAFTERS = ("early_exit", "ngram", "hybrid")
 COPY_WINDOW = 16  # copy rounds the copy length's α is taken over: copying comes and goes with the text
 # rounds a compiled call runs under an adaptive k or copy length (`controller.WindowRule`, `CostModelRule`:
 # the controller sees every round's counts after the call and sets the next call's): `ADAPT_ROUNDS`, then
-# twice the last call's, up to `ADAPT_MOST`, while the controller keeps its drafts (`Engine._span`). A call
-# costs some 0.5 ms around its rounds (its setup, the Python between calls, caches the passes flushed), a
-# round 0.5-1 ms on the embedded default: calls of 8 rounds cost its copies and hybrid 6-9% against calls
-# of 32, which cost SmolLM2's copies (20 ms rounds) 3% in a copy length that adapts later
-# (docs/performance.md, "Calls of adaptive rounds")
+# twice the last call's, up to `ADAPT_MOST`, while the controller keeps its drafts (`Engine._span`). Each
+# call costs its setup around its rounds (the Python between calls, caches the passes flushed), dear where
+# rounds are cheap; long calls make a model with dear rounds adapt its copy length late. Growing only while
+# nothing changes serves both (figures: docs/performance.md, "Calls of adaptive rounds")
 ADAPT_ROUNDS = 8
 ADAPT_MOST = 64
 GATED_ROUNDS = 32  # the most rounds a call runs where a cost gate cuts the row's drafts (it decides between)

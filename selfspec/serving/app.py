@@ -586,8 +586,8 @@ def serve(options: ServeOptions) -> None:
     # handler it found; a no-op one lets the command return, so a stop on request exits 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
     # What is alive now (the model, the libraries) is never garbage: frozen out of the collector, the
-    # idle server's collection (`SelfSpecGenerator.release_memory`) reads only what requests made, in
-    # well under a millisecond rather than a 200 ms pause of every stream and /health.
+    # idle server's collection (`SelfSpecGenerator.release_memory`) reads only what requests made, not
+    # the whole heap: a full collection pauses every stream and /health.
     gc.collect()
     gc.freeze()
     uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=options.grace,

@@ -329,9 +329,9 @@ class Scheduler:
         """The rounds a lone row decodes per compiled call: `rounds_per_call` when set, else about
         `CALL_SECONDS` of them at the measured pace of a lone row's rounds (ADAPT_ROUNDS until one was
         measured). Why: every call costs its own (the Python between calls, the first round's draft
-        that overlapped rounds could not make ahead); calls of a fixed 8 rounds cost a model whose round
-        takes half a millisecond a sixth of its time, while a model whose round takes 30 ms loses little
-        by one round a call and would hold a request that arrives for a quarter of a second. A request
+        that overlapped rounds could not make ahead), dear for a model with cheap rounds, while a model
+        with dear rounds loses little by short calls and would hold a request that arrives for the whole
+        of a long one (figures: docs/performance.md, "The fused loop against Python rounds"). A request
         that arrives joins, and a stream gets its text, within about a call. A call's length changes no
         token (greedy rows only decode several rounds a call)."""
         if self.rounds_per_call is not None:
