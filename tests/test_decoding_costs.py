@@ -52,12 +52,41 @@ def test_measured_rounds_price_each_k_by_its_own_round_and_past_them_a_step_more
         assert gate.alpha("early_exit") == 5 / 8 and gate.k("early_exit", 2, 64) == k, rounds
 
 
+def test_copies_are_priced_by_their_own_measured_rounds_where_measured():
+    """Copies' positions run every block: rounds of 1, 4 and 10 copies measured at two lengths price 1..10
+    copies (interpolated in the length, then in the count, along the last segment past it), not 1 + k·s.
+    With them, an α at which the early exit's s says copies pay cuts them to plain steps."""
+    linear = RoundCosts((64, 1024), (0.3, 0.5), (0.05, 0.05), exit_layer=3)
+    costs = dataclasses.replace(linear, copy_lengths=(1, 4, 10),
+                                copy_rounds=((1.5, 2.1, 3.0), (1.7, 2.3, 3.8)))
+    assert costs.round_costs(10, 64, drafted=False) == pytest.approx(
+        [1.0, 1.5, 1.7, 1.9, 2.1, 2.25, 2.4, 2.55, 2.7, 2.85, 3.0])
+    assert costs.round_costs(4, 544, drafted=False)[4] == pytest.approx(2.2)  # halfway between 2.1 and 2.3
+    assert costs.round_costs(12, 64, drafted=False)[12] == pytest.approx(3.3)  # past 10: 0.15 a copy
+    assert costs.round_costs(2, 64) == linear.round_costs(2, 64)  # the early exit's rounds as before
+    assert RoundCosts.from_json(costs.to_json()) == costs
+    one = dataclasses.replace(linear, copy_lengths=(4,), copy_rounds=((1.8,), (2.0,)))
+    assert one.round_costs(2, 64, drafted=False) == pytest.approx([1.0, 1.2, 1.4])
+    # α = 0.4: 2 copies yield 1.56 tokens, at 1 + 2·0.05 = 1.1 steps the best k (1.418 tokens a step); at
+    # the measured rounds no k pays (1 copy: 1.4 / 1.5, 2: 1.56 / 1.7, 4: 1.6496 / 2.1)
+    for priced, k in ((linear, 2), (costs, 0)):
+        gate = CostGate(priced, min_tested=1)
+        gate.record({"copy": (5, np.array([2, 0, 0]))})
+        assert gate.alpha("copy") == pytest.approx(2 / 5) and gate.k("copy", 4, 64) == k
+
+
 @pytest.mark.parametrize("entry", [{"lengths": [64], "draft": [0.3]}, {"lengths": [64, 32], "draft": [1, 1],
                                     "verify_slope": [0, 0], "exit_layer": 1}, {"lengths": "x"},
                                    {"lengths": [64], "draft": [0.3], "verify_slope": [0], "exit_layer": 1,
                                     "rounds": [[1.4], [1.6]]},
                                    {"lengths": [64], "draft": [0.3], "verify_slope": [0], "exit_layer": 1,
-                                    "rounds": [[0.0]]}])
+                                    "rounds": [[0.0]]},
+                                   {"lengths": [64], "draft": [0.3], "verify_slope": [0], "exit_layer": 1,
+                                    "copy_lengths": [1, 4], "copy_rounds": [[1.2]]},
+                                   {"lengths": [64], "draft": [0.3], "verify_slope": [0], "exit_layer": 1,
+                                    "copy_lengths": [4, 1], "copy_rounds": [[1.2, 1.1]]},
+                                   {"lengths": [64], "draft": [0.3], "verify_slope": [0], "exit_layer": 1,
+                                    "copy_rounds": [[1.2]]}])
 def test_malformed_round_costs_are_one_line_errors(entry):
     with pytest.raises(UserError, match="round_costs"):
         RoundCosts.from_json(entry)

@@ -14,7 +14,7 @@ from selfspec.checkpoint import load_tuned, read_settings
 from selfspec.cli import main
 from selfspec.decoding import DecodeSettings, RoundCosts
 from selfspec.errors import UserError
-from selfspec.evaluation.context_costs import MEASURED_ROUNDS
+from selfspec.evaluation.context_costs import COPY_LENGTHS, MEASURED_ROUNDS
 from selfspec.evaluation.exits import format_exit_table
 from selfspec.evaluation.perplexity import perplexity, perplexity_gate
 from selfspec.evaluation.results import SweepReport
@@ -269,6 +269,10 @@ def test_cli_sweep_measures_the_grid_plots_and_writes_back_the_best(tiny_run, tm
     # a whole round of each 1..k drafts (k at least 2, at most 4) at every length (timings: their shape)
     k = min(max(stored_settings.num_speculations, 2), MEASURED_ROUNDS)
     assert len(costs["rounds"]) == 2 and all(len(r) == k and min(r) > 0 for r in costs["rounds"])
+    # rounds of copies, at every length, of 1, 2, 4, 8 and max_copy copies (fewer where max_copy is lower)
+    max_copy = stored_settings.ngram.max_copy
+    assert costs["copy_lengths"] == sorted({j for j in COPY_LENGTHS if j < max_copy} | {max_copy})
+    assert len(costs["copy_rounds"]) == 2 and all(min(r) >= 1.0 for r in costs["copy_rounds"])
     assert load_tuned(str(ckpt)).round_costs == RoundCosts.from_json(costs)
 
 

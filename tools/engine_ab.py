@@ -13,8 +13,8 @@ a suffix: `plain@t0.8p0.95` (temperature 0.8, top-p 0.95, seed 0), `stored@t0.3`
 Rows of their own settings in one batch, through the engine API (`engine().add(NewRow(...))`, the
 stored settings): `rows8` (8 greedy rows), `mixed8` (7 greedy + 1 at temperature 0.8, top-p 0.95),
 `sampled8` (8 rows at temperature 0.8, top-p 0.95, seeds 0..7). fp32; each cell is warmed up first, then
-timed over the prompts. Only `load_tuned`, `generate` and the engine API are used, so the script runs
-against older trees of the package too.
+timed over the prompts, the cells taking turns prompt by prompt. Only `load_tuned`, `generate` and the
+engine API are used, so the script runs against older trees of the package too.
 
 `--seeds N`: a sampled cell decodes every prompt N times, seeds 0..N-1: a sampled decode's speed depends
 on the text it draws (its drafts' acceptance on that text), so one draw per prompt measures little.
@@ -105,7 +105,7 @@ def main() -> None:
     args = parser.parse_args()
     generator, prompts = (_random_model() if args.model is None
                           else _checkpoint(args.model, args.prompts, args.context))
-    rates = {}
+    rates, cells = {}, {}
     for name in args.cells.split(","):
         if name in ROWS:
             rows_rate(generator, prompts, ROWS[name], 16)  # warm-up
@@ -120,15 +120,23 @@ def main() -> None:
             cell.update(sampling(suffix))
         batch = cell.pop("batch", 1)
         generator.generate([prompts[0]] * batch, max_new_tokens=16, eos_token_id=[], **cell)  # warm-up
-        start, tokens, seconds = time.perf_counter(), 0, 0.0
-        draws = [{"seed": seed} for seed in range(args.seeds)] if suffix else [{}]
-        for prompt in prompts:
+        cells[name] = (cell, batch, [{"seed": seed} for seed in range(args.seeds)] if suffix else [{}])
+    # the cells take turns prompt by prompt (the order rotating), so that a slow second of the machine
+    # falls on all of them, not on one cell's whole run
+    totals = {name: [0, 0.0] for name in cells}
+    names = list(cells)
+    for i, prompt in enumerate(prompts):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            cell, batch, draws = cells[name]
             for draw in draws:
+                start = time.perf_counter()
                 out = generator.generate([prompt] * batch, max_new_tokens=args.new_tokens, eos_token_id=[],
                                          **{**cell, **draw})
-                tokens += sum(len(s) for s in out.sequences)
-                seconds += out.stats.total_time - out.stats.prefill_time
-        rates[name] = tokens / (seconds if args.context or args.decode_only else time.perf_counter() - start)
+                wall = time.perf_counter() - start
+                totals[name][0] += sum(len(s) for s in out.sequences)
+                totals[name][1] += (out.stats.total_time - out.stats.prefill_time
+                                    if args.context or args.decode_only else wall)
+    rates.update({name: tokens / seconds for name, (tokens, seconds) in totals.items()})
     print(json.dumps(rates))
 
 

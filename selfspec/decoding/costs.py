@@ -15,7 +15,8 @@ measured lengths they are interpolated, past the last extrapolated along the las
 `CostGate` picks each round's k from them (Leviathan et al.'s expected speedup): among 0..k (k the
 controller's, or the copy length), the k that maximises E(k, α) / R(k), with α the drafts' own
 acceptance so far (per source: early exit, copies) and R(k) the round's cost: measured per k where the
-costs hold whole rounds (`RoundCosts.rounds`), else k·c + 1 + k·s (c = 0 for copies). k = 0 is a plain
+costs hold whole rounds (`RoundCosts.rounds`; copies: `copy_rounds`), else k·c + 1 + k·s (c = 0 for
+copies). k = 0 is a plain
 step: a row whose drafts stop paying decodes plainly, and a source that drafted nothing for
 `probe_every` rounds drafts again once, so α stays current and drafting returns where it pays again.
 The gate reads the stored costs and accepted counts only, never clocks: the same prompts decode in the
@@ -41,11 +42,15 @@ class RoundCosts:
     drafts costs 1 + k·verify_slope plain steps); overlap_gain[i]: the early exit's speed with its
     rounds overlapped over its speed without (`DecodeSettings.overlap`; empty: not measured);
     rounds[i][j - 1]: a whole early-exit round of j drafts there (its draft loop and verification), j =
-    1..K (empty: not measured). A round is not k draft steps and a verification that each grow by the
-    same amount a draft: its draft loop runs blocks [0, E) once more than it drafts and each call has
-    its setup, and the verification's cost steps with the kernels' tiles of queries, so k·c + 1 + k·s,
-    measured at one k, prices the other k wrong, near the α where the gate changes its mind (figures:
-    docs/performance.md, "The cost gate"): where measured, the gate prices each k by its own round.
+    1..K (empty: not measured); copy_rounds[i][n]: a round of copy_lengths[n] copies there (the copies'
+    lookup and their verification: j + 1 positions through every block; empty: not measured). A round
+    is not k draft steps and a verification that each grow by the same amount a draft: its draft loop
+    runs blocks [0, E) once more than it drafts and each call has its setup, and the verification's cost
+    steps with the kernels' tiles of queries, so k·c + 1 + k·s, measured at one k, prices the other k
+    wrong, near the α where the gate changes its mind (figures: docs/performance.md, "The cost gate"):
+    where measured, the gate prices each k by its own round. Copies' positions run every block, not
+    blocks [E, N) as drafted ones do, so the early exit's s prices a copy far too cheap (copies then ran
+    below plain at long contexts): they have rounds of their own.
     """
 
     lengths: tuple[int, ...]
@@ -55,6 +60,8 @@ class RoundCosts:
     draft_vocab_size: int = 0
     overlap_gain: tuple[float, ...] = ()
     rounds: tuple[tuple[float, ...], ...] = ()
+    copy_lengths: tuple[int, ...] = ()
+    copy_rounds: tuple[tuple[float, ...], ...] = ()
 
     def __post_init__(self):
         n = len(self.lengths)
@@ -68,6 +75,14 @@ class RoundCosts:
                             or len({len(r) for r in self.rounds}) != 1 or min(map(min, self.rounds)) <= 0):
             raise UserError("round_costs: rounds must give every length the same number of positive round "
                             "costs (one a draft count), or none")
+        lengths_ok = list(self.copy_lengths) == sorted(set(self.copy_lengths)) and min(self.copy_lengths,
+                                                                                        default=1) >= 1
+        if (bool(self.copy_lengths) != bool(self.copy_rounds) or not lengths_ok
+                or (self.copy_rounds and (len(self.copy_rounds) != n
+                                          or {len(r) for r in self.copy_rounds} != {len(self.copy_lengths)}
+                                          or min(map(min, self.copy_rounds)) <= 0))):
+            raise UserError("round_costs: copy_rounds must give every length a positive round cost for each "
+                            "of the increasing copy_lengths, or neither be given")
 
     def _interpolate(self, series, length: int) -> float:
         """`series` (one value a length) at `length`: linear between the measured lengths, along the
@@ -92,8 +107,11 @@ class RoundCosts:
 
     def round_costs(self, k_max: int, length: int, drafted: bool = True) -> list[float]:
         """Rounds of 0..k_max drafts at `length`, in plain steps (0 drafts: a plain step, 1); drafted=False:
-        the drafts cost nothing to make (copies). Past the measured rounds (`rounds`; none for copies):
-        the last measured one's, then a draft step and a verified position more a draft."""
+        copies. Past the measured rounds (`rounds`): the last measured one's, then a draft step and a
+        verified position more a draft. Copies: by `copy_rounds` where measured (linear between the
+        measured copy lengths, along the last segment past them), else 1 + k·s."""
+        if not drafted and self.copy_rounds:
+            return [1.0] + self._copy_rounds(k_max, length)
         c, s = self.at(length)
         step = (c if drafted else 0.0) + s
         measured = min(len(self.rounds[0]) if self.rounds and drafted else 0, k_max)
@@ -102,6 +120,21 @@ class RoundCosts:
         costs = [1.0] + [max(1.0, self._interpolate([r[j] for r in self.rounds], length))
                          for j in range(measured)]
         return costs + [costs[-1] + step * j for j in range(1, k_max - measured + 1)]
+
+    def _copy_rounds(self, k_max: int, length: int) -> list[float]:
+        """Rounds of 1..k_max copies at `length`: `copy_rounds` interpolated in the length, then linearly in
+        the copy count between the measured counts (along the nearest segment past them), each at least a
+        plain step. One measured count: each copy adds its share of what that round adds to a step."""
+        counts = self.copy_lengths
+        at = [self._interpolate([r[n] for r in self.copy_rounds], length) for n in range(len(counts))]
+        if len(at) == 1:
+            return [max(1.0, 1.0 + (at[0] - 1.0) * j / counts[0]) for j in range(1, k_max + 1)]
+        costs = []
+        for j in range(1, k_max + 1):
+            i = min(max(bisect.bisect_left(counts, j) - 1, 0), len(counts) - 2)
+            slope = (at[i + 1] - at[i]) / (counts[i + 1] - counts[i])
+            costs.append(max(1.0, at[i] + slope * (j - counts[i])))
+        return costs
 
     def applies_to(self, exit_layer: int, draft_vocab_size: int) -> bool:
         """Whether the draft costs were measured for this early exit (the verification's hold for any)."""
@@ -112,7 +145,10 @@ class RoundCosts:
                 "verify_slope": [round(x, 4) for x in self.verify_slope], "exit_layer": self.exit_layer,
                 "draft_vocab_size": self.draft_vocab_size,
                 **({"overlap_gain": [round(x, 4) for x in self.overlap_gain]} if self.overlap_gain else {}),
-                **({"rounds": [[round(x, 4) for x in r] for r in self.rounds]} if self.rounds else {})}
+                **({"rounds": [[round(x, 4) for x in r] for r in self.rounds]} if self.rounds else {}),
+                **({"copy_lengths": list(self.copy_lengths),
+                    "copy_rounds": [[round(x, 4) for x in r] for r in self.copy_rounds]}
+                   if self.copy_rounds else {})}
 
     @classmethod
     def from_json(cls, entry: dict) -> RoundCosts:
@@ -121,7 +157,9 @@ class RoundCosts:
                        tuple(float(x) for x in entry["verify_slope"]), int(entry["exit_layer"]),
                        int(entry.get("draft_vocab_size", 0)),
                        tuple(float(x) for x in entry.get("overlap_gain", ())),
-                       tuple(tuple(float(x) for x in r) for r in entry.get("rounds", ())))
+                       tuple(tuple(float(x) for x in r) for r in entry.get("rounds", ())),
+                       tuple(int(x) for x in entry.get("copy_lengths", ())),
+                       tuple(tuple(float(x) for x in r) for r in entry.get("copy_rounds", ())))
         except (KeyError, TypeError, ValueError) as error:
             raise UserError(f"round_costs in selfspec.json is malformed ({error}); rerun selfspec eval sweep "
                             f"--write-back") from None

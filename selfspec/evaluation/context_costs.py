@@ -1,10 +1,10 @@
 """A round's costs by context length, measured through the engine: what the cost gate decides from.
 
-`measure_round_costs` decodes a context of L tokens at each length L plainly and with the early exit
-at each fixed k of 1..k (`generate(profile=True)`: the passes' own seconds), interleaved over repeats,
-and returns the `decoding.RoundCosts` (c: a draft step, s: what a drafted position adds to a
-verification, R(j): a whole round of j drafts, all in plain steps at that length), with each length's α
-and plain step beside them. `selfspec eval
+`measure_round_costs` decodes a context of L tokens at each length L plainly, with the early exit at
+each fixed k of 1..k and with copies of fixed lengths (`generate(profile=True)`: the passes' own
+seconds), interleaved over repeats, and returns the `decoding.RoundCosts` (c: a draft step, s: what a
+drafted position adds to a verification, R(j): a whole round of j drafts, a round of j copies, all in
+plain steps at that length), with each length's α and plain step beside them. `selfspec eval
 sweep --write-back` stores the costs in selfspec.json (`round_costs`, per device type), where
 `load_tuned` finds them; `selfspec doctor` and `selfspec eval speedup` print them by length.
 """
@@ -16,6 +16,9 @@ import statistics
 from tqdm.auto import tqdm
 
 from ..decoding import DecodeSettings, RoundCosts, SelfSpecGenerator
+from ..decoding.controller import FixedK
+from ..decoding.ngram import NGramConfig
+from ..decoding.policy import CopyPolicy
 from ..errors import UserError
 
 # lengths a write-back measures: the cost of a pass grows about linearly in the context, so a few points
@@ -26,6 +29,11 @@ AUTO_LONGEST = 4096
 NEW_TOKENS = 32  # tokens each measuring decode makes after its context
 ROOM = NEW_TOKENS + 16  # what a context leaves of the model's positions: the decode and a round's drafts
 MEASURED_ROUNDS = 4  # whole rounds measured of 1..4 drafts (more: `RoundCosts.round_costs` extrapolates)
+# copy rounds measured of these many copies (and of the settings' max_copy), on a context that repeats its
+# first COPY_PERIOD tokens (half a shorter context), so that most rounds find a copy (between the counts:
+# `RoundCosts` interpolates)
+COPY_LENGTHS = (1, 2, 4, 8)
+COPY_PERIOD = 32
 
 
 def cost_lengths(spec: str | tuple, max_positions: int | None) -> tuple[int, ...]:
@@ -75,30 +83,44 @@ def measure_round_costs(generator: SelfSpecGenerator, tokens: list[int], setting
     `MEASURED_ROUNDS` drafts, and k itself for c and s; η off, no overlap, so that each
     pass is timed alone) against plain steps, on a context of `tokens` repeated to L, `repeats`
     interleaved repeats (median). c, s and α are those at k; a round's cost is its passes' (draft loop
-    and verification) over a plain step's. With `settings.overlap` the k drafts with overlapped rounds
-    too: their speed over the drafts' without (`overlap_gain`, decode time only). The generator's own
-    gate is off while it measures."""
+    and verification) over a plain step's. A round of j copies (j in `COPY_LENGTHS` and the settings'
+    max_copy) likewise: its lookup and verification over a plain step's, on a context repeating its first
+    `COPY_PERIOD` tokens, over the same run's plain steps (none stored where some copy length never found
+    a copy). With `settings.overlap` the k drafts with overlapped rounds too: their speed over the
+    drafts' without (`overlap_gain`, decode time only). The generator's own gate is off while it measures."""
     k = settings.num_speculations
     k = max(k, 2) if isinstance(k, int) and k else 2
     drafting = [settings.override(drafter="early_exit", num_speculations=j, stop_below=0.0, overlap=False)
                 for j in sorted({*range(1, min(k, MEASURED_ROUNDS) + 1), k})]
     plain = settings.override(drafter="early_exit", num_speculations=0)
     overlapped = drafting[-1].override(overlap=True) if settings.overlap else None
+    ngram = settings.ngram
+    copy_lengths = tuple(sorted({j for j in COPY_LENGTHS if j < ngram.max_copy} | {ngram.max_copy}))
     kept, generator.round_costs = generator.round_costs, None
     rows = []
     try:
         for length in tqdm(lengths, desc="round costs", unit="length", disable=not progress):
             context = context_of(tokens, length)
-            samples = {"plain": [], "c": [], "s": [], "alpha": [], "overlap_gain": [], "rounds": []}
+            repeating = context_of(tokens[:min(COPY_PERIOD, max(length // 2, 1))], length)
+            samples = {key: [] for key in ("plain", "c", "s", "alpha", "overlap_gain", "rounds", "copies")}
             for repeat in range(repeats + 1):  # the first, untimed: warms the caches and the kernels
-                order = [plain, *drafting, overlapped]
+                order = [plain, *drafting, overlapped, *copy_lengths]
                 order = [s for s in (order if repeat % 2 else order[::-1]) if s is not None]
-                runs = {id(s): generator.generate([context], max_new_tokens=new_tokens, eos_token_id=[],
-                                                  settings=s, profile=True).stats for s in order}
+                runs = {}
+                for s in order:
+                    if isinstance(s, int):  # j copies a round, copies alone (the `ngram` drafter's rounds)
+                        # any one-token match copies: a round whose bonus token left the cycle still copies
+                        policy = CopyPolicy(NGramConfig(ngram.max_ngram, 1, s), FixedK(0), FixedK(s))
+                        runs[s] = generator.generate([repeating], max_new_tokens=new_tokens, eos_token_id=[],
+                                                     settings=drafting[0], drafter=policy, profile=True).stats
+                    else:
+                        runs[id(s)] = generator.generate([context], max_new_tokens=new_tokens,
+                                                         eos_token_id=[], settings=s, profile=True).stats
                 if not repeat:
                     continue
                 base, spec = runs[id(plain)], runs[id(drafting[-1])]
                 step = _per_pass(base, "verification pass", base.rounds)
+                samples["copies"].append([_copy_round(runs[j], step) for j in copy_lengths])
                 samples["plain"].append(step)
                 samples["c"].append(_per_pass(spec, "draft passes", spec.draft_steps) / step)
                 verify = _per_pass(spec, "verification pass", spec.rounds - spec.plain_steps) / step
@@ -109,15 +131,34 @@ def measure_round_costs(generator: SelfSpecGenerator, tokens: list[int], setting
                     ahead = runs[id(overlapped)]
                     samples["overlap_gain"].append(_decode_seconds(spec) / _decode_seconds(ahead))
             keys = ("c", "s", "alpha", "overlap_gain") if overlapped is not None else ("c", "s", "alpha")
+            copies = [[x for x in r if x is not None] for r in zip(*samples["copies"])]
             rows.append({"length": length, "plain_step_seconds": statistics.median(samples["plain"]),
                          **{key: statistics.median(samples[key]) for key in keys},
-                         "rounds": [statistics.median(r) for r in zip(*samples["rounds"])]})
+                         "rounds": [statistics.median(r) for r in zip(*samples["rounds"])],
+                         "copy_rounds": [statistics.median(r) if r else None for r in copies]})
     finally:
         generator.round_costs = kept
+    copied = all(None not in r["copy_rounds"] for r in rows)
     costs = RoundCosts(*(tuple(r[key] for r in rows) for key in ("length", "c", "s")), settings.exit_layer,
                        settings.draft_vocab_size, tuple(r.get("overlap_gain", 1.0) for r in rows)
-                       if overlapped is not None else (), tuple(tuple(r["rounds"]) for r in rows))
+                       if overlapped is not None else (), tuple(tuple(r["rounds"]) for r in rows),
+                       copy_lengths if copied else (),
+                       tuple(tuple(r["copy_rounds"]) for r in rows) if copied else ())
+    for row in rows:
+        row["copy_lengths"] = list(copy_lengths)
     return costs, rows
+
+
+def _copy_round(stats, step: float) -> float | None:
+    """A copy run's drafted round over its own plain steps (rounds that found no copy; where it had none,
+    over `step`, the plain run's): the rounds' own clocks (`GenerationStats.draft_time`, `verify_time`,
+    `plain_time`), so that both sides of the ratio ran at the same minutes of the machine. None where no
+    round copied."""
+    drafted = stats.rounds - stats.plain_steps
+    if not drafted:
+        return None
+    plain = stats.plain_time / stats.plain_steps if stats.plain_steps else step
+    return max((stats.draft_time + stats.verify_time) / drafted, plain) / plain
 
 
 def _round(stats) -> float:
@@ -127,22 +168,25 @@ def _round(stats) -> float:
 
 
 def costs_table(rows: list[dict], k: int = 2) -> str:
-    """Markdown: per context length, the plain step, c, the verification of k drafts (1 + k·s), α, and
-    the speedup the cost model expects at that α."""
+    """Markdown: per context length, the plain step, c, the verification of k drafts (1 + k·s), the
+    measured rounds of 1, 2, ... drafts and of j copies, α, and the speedup the cost model expects at
+    that α."""
     from ..metrics import expected_tokens
 
-    lines = [f"| context | plain step | c (draft step) | v (verify k={k}) | rounds of 1, 2, ... drafts | α | "
-             f"expected speedup at k={k} |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [f"| context | plain step | c (draft step) | v (verify k={k}) | rounds of 1, 2, ... drafts | "
+             f"rounds of j copies | α | expected speedup at k={k} |", "|---:" * 8 + "|"]
     for r in rows:
         verify = 1 + k * r["s"]
         measured = r.get("rounds", [])
         cost = measured[k - 1] if k <= len(measured) else k * r["c"] + verify
         expected = expected_tokens(k, min(max(r["alpha"], 0.0), 1.0)) / cost
+        copies = ", ".join(f"{j}: {'-' if x is None else f'{x:.3f}'}"
+                           for j, x in zip(r.get("copy_lengths", []), r.get("copy_rounds", [])))
         lines.append(f"| {r['length']} | {r['plain_step_seconds'] * 1e3:.2f} ms | {r['c']:.3f} | "
-                     f"{verify:.3f} | {', '.join(f'{x:.3f}' for x in measured) or '-'} | {r['alpha']:.3f} | "
-                     f"{expected:.2f}x |")
+                     f"{verify:.3f} | {', '.join(f'{x:.3f}' for x in measured) or '-'} | {copies or '-'} | "
+                     f"{r['alpha']:.3f} | {expected:.2f}x |")
     return "\n".join(lines)
 
 
-__all__ = ["AUTO_LENGTHS", "AUTO_LONGEST", "MEASURED_ROUNDS", "NEW_TOKENS", "ROOM", "context_of",
-           "cost_lengths", "costs_table", "measure_round_costs"]
+__all__ = ["AUTO_LENGTHS", "AUTO_LONGEST", "COPY_LENGTHS", "COPY_PERIOD", "MEASURED_ROUNDS", "NEW_TOKENS",
+           "ROOM", "context_of", "cost_lengths", "costs_table", "measure_round_costs"]
