@@ -22,8 +22,8 @@ from helpers import FAMILIES, P_MIN, chi_square_p, kernels_unavailable, tiny_mod
 
 from selfspec.data import train_tokenizer
 from selfspec.decoding import DecodeSettings, SamplingParams, SelfSpecGenerator
+from selfspec.decoding.batch import no_lap
 from selfspec.decoding.grammar import Constraint, GrammarBatch, GrammarTokenizer
-from selfspec.decoding.profile import no_lap
 from selfspec.errors import UserError
 
 PERSON = {"type": "object", "properties": {

@@ -10,10 +10,10 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from selfspec.decoding.batch import no_lap
 from selfspec.decoding.controller import FixedK
 from selfspec.decoding.ngram import NGramConfig, RowIndexes
 from selfspec.decoding.policy import CopyPolicy
-from selfspec.decoding.profile import no_lap
 from selfspec.decoding.proposers import CopyProposer, EarlyExitProposer, ForcedProposer, Proposer, RoundState
 
 

@@ -35,6 +35,7 @@ class CpuKernelsBackend(Backend):
     """`Backend` on selfspec's compiled CPU kernels (see the module docstring)."""
 
     name = "cpu_kernels"
+    round_calls = True
     fused_rounds = True
     verifies_sampled = True
 

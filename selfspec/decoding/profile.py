@@ -60,13 +60,9 @@ class RoundProfile:
         self._last = now
 
 
-def no_lap(part: str) -> None:
-    """The lap of a call that is not profiled: nothing."""
-
-
 def overhead(seconds: dict) -> float:
     """Seconds outside the model's passes (every part but `PASSES`)."""
     return sum(value for part, value in seconds.items() if part not in PASSES)
 
 
-__all__ = ["PARTS", "PASSES", "RoundProfile", "no_lap", "overhead"]
+__all__ = ["PARTS", "PASSES", "RoundProfile", "overhead"]

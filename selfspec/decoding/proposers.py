@@ -147,11 +147,13 @@ class EarlyExitProposer:
         draft time holds it. The drafts made (fewer than k: η stopped the round), or None: nothing run
         (the backend declined, and chooses greedy drafts itself step by step: `Backend.chooses_drafts`)."""
         b, draft, passes = state.b, state.draft, self.passes
-        d, positions = b.drafting, passes.place(b, 0, k + 1)["positions"]
-        out = passes.backend.draft_loop(d.exit_layer, b.pending_dev, b.cache, positions, d.tensors, k,
-                                        d.stop_below, b.sampling)
+        d, backend, out = b.drafting, passes.backend, None
+        if backend.round_calls:
+            positions = passes.place(b, 0, k + 1)["positions"]
+            out = backend.draft_loop(d.exit_layer, b.pending_dev, b.cache, positions, d.tensors, k,
+                                     d.stop_below, b.sampling)
         if out is None:
-            if b.sampling.all_greedy and passes.backend.chooses_drafts:
+            if b.sampling.all_greedy and backend.chooses_drafts:
                 return None
             out = self._torch_loop(b, k)
         drafts, q, hidden = out  # (B, s), (B, s, V) or None, (B, s + 1, D)

@@ -79,7 +79,7 @@ class Verifier:
         Python first). decided (B, k+2) as `verify`'s, or None with nothing run but the tail."""
         num_layers, backend = self.view.num_layers, self.passes.backend
         greedy = b.sampling.all_greedy
-        if not (greedy or backend.verifies_sampled):
+        if not backend.round_calls or not (greedy or backend.verifies_sampled):
             return None
         q = None if greedy else self._q(b, draft)
 
