@@ -145,6 +145,30 @@ def test_the_reference_runs_no_compiled_call_and_the_cpu_kernels_do():
     assert joined == stepped("reference")
 
 
+def test_the_engine_asks_a_backend_for_round_calls_only_where_it_may_have_them():
+    """`Backend.round_calls`: the reference declines every round call, so a round does not ask it (its
+    draft loop and verification run from Python); a backend that has them is asked (rounds from Python:
+    not fused), and both decode alike."""
+    model = tiny_model("llama")
+    settings = DecodeSettings(drafter="early_exit", exit_layer=2, num_speculations=3, fused=False)
+    asked, outputs = [], {}
+    for backend in ("reference", "cpu_kernels"):
+        cls = type(SelfSpecGenerator(model, settings=settings, backend=backend).runner.backend)
+        declined = cls.verify_greedy
+
+        def counted(self, *args, name=backend, declined=declined, **kwargs):
+            asked.append(name)
+            return declined(self, *args, **kwargs)
+        cls.verify_greedy = counted
+        try:
+            gen = SelfSpecGenerator(model, settings=settings, backend=backend)
+            outputs[backend] = gen.generate([PROMPTS[0]], max_new_tokens=NEW, eos_token_id=[]).sequences
+        finally:
+            cls.verify_greedy = declined
+    assert "reference" not in asked and (kernels.extension() is None or "cpu_kernels" in asked), asked
+    assert outputs["cpu_kernels"] == outputs["reference"]
+
+
 def test_make_backend_picks_and_refuses():
     view = DecoderView(tiny_model("llama"))
     assert isinstance(make_backend(view), CpuKernelsBackend)  # a CPU

@@ -67,6 +67,10 @@ def test_copies_are_priced_by_their_own_measured_rounds_where_measured():
     assert RoundCosts.from_json(costs.to_json()) == costs
     one = dataclasses.replace(linear, copy_lengths=(4,), copy_rounds=((1.8,), (2.0,)))
     assert one.round_costs(2, 64, drafted=False) == pytest.approx([1.0, 1.2, 1.4])
+    # noise that makes more copies measure cheaper never prices long copies as free: a copy more costs
+    # at least as much (a running maximum), and past the last count at least as much as it
+    noisy = dataclasses.replace(linear, copy_lengths=(1, 2), copy_rounds=((1.5, 1.2), (1.5, 1.2)))
+    assert noisy.round_costs(4, 64, drafted=False) == pytest.approx([1.0, 1.5, 1.5, 1.5, 1.5])
     # α = 0.4: 2 copies yield 1.56 tokens, at 1 + 2·0.05 = 1.1 steps the best k (1.418 tokens a step); at
     # the measured rounds no k pays (1 copy: 1.4 / 1.5, 2: 1.56 / 1.7, 4: 1.6496 / 2.1)
     for priced, k in ((linear, 2), (costs, 0)):
@@ -86,10 +90,34 @@ def test_copies_are_priced_by_their_own_measured_rounds_where_measured():
                                    {"lengths": [64], "draft": [0.3], "verify_slope": [0], "exit_layer": 1,
                                     "copy_lengths": [4, 1], "copy_rounds": [[1.2, 1.1]]},
                                    {"lengths": [64], "draft": [0.3], "verify_slope": [0], "exit_layer": 1,
-                                    "copy_rounds": [[1.2]]}])
+                                    "copy_rounds": [[1.2]]},
+                                   *({"lengths": [64], "draft": [0.3], "verify_slope": [0], "exit_layer": 1,
+                                      "copy_lengths": lengths, "copy_rounds": rounds}
+                                     for lengths, rounds in (([1], [[float("nan")]]), ([1], [[0.0]]),
+                                                             ("12", [[1, 1]]), ([1.7], [[1.2]]), ([1], "1"),
+                                                             ([0], [[1.2]])))])
 def test_malformed_round_costs_are_one_line_errors(entry):
     with pytest.raises(UserError, match="round_costs"):
         RoundCosts.from_json(entry)
+
+
+def test_a_copy_round_is_priced_by_the_same_runs_plain_steps_where_it_had_some():
+    """`_copy_round`: a copy run's drafted rounds (draft + verify time) over a plain step, the run's own
+    plain steps where it had any (both sides in the same seconds), else the plain run's; None where no
+    round copied; never below a plain step."""
+    from types import SimpleNamespace
+
+    from selfspec.evaluation.context_costs import _copy_round
+
+    plain = SimpleNamespace(plain_time=2.0, plain_steps=4)  # 0.5 s a step
+    run = SimpleNamespace(rounds=6, plain_steps=2, plain_time=0.4, draft_time=0.2, verify_time=1.0)
+    assert _copy_round(run, plain) == pytest.approx((1.2 / 4) / 0.2)  # its own steps: 0.2 s each
+    alone = SimpleNamespace(rounds=4, plain_steps=0, plain_time=0.0, draft_time=0.2, verify_time=3.8)
+    assert _copy_round(alone, plain) == pytest.approx(2.0)  # 1 s a round over the plain run's 0.5 s a step
+    assert _copy_round(SimpleNamespace(rounds=3, plain_steps=3, plain_time=0.6, draft_time=0.0,
+                                       verify_time=0.0), plain) is None
+    cheap = SimpleNamespace(rounds=2, plain_steps=1, plain_time=1.0, draft_time=0.0, verify_time=0.1)
+    assert _copy_round(cheap, plain) == 1.0
 
 
 def test_the_gate_drafts_until_it_knows_alpha_then_stops_where_drafts_cannot_pay_and_probes_again():

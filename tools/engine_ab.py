@@ -125,7 +125,7 @@ def main() -> None:
     # falls on all of them, not on one cell's whole run
     totals = {name: [0, 0.0] for name in cells}
     names = list(cells)
-    for i, prompt in enumerate(prompts):
+    for i, prompt in enumerate(prompts if names else []):
         for name in names[i % len(names):] + names[:i % len(names)]:
             cell, batch, draws = cells[name]
             for draw in draws:

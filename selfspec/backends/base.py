@@ -52,9 +52,9 @@ class Backend:
     `stop_below` η (0: never stop)."""
 
     name = "base"
-    # whether it has calls of a round's operations at all (draft loop and steps, verification, exit pass):
-    # where not, the engine runs them from Python without asking (the reference backend)
-    round_calls = False
+    # whether it may have calls of the round's draft loop and verification (`draft_loop`, `verify_greedy`,
+    # `verify_sampled`): where not (the reference backend), the engine runs them from Python without asking
+    round_calls = True
     fused_rounds = False  # the capability `greedy_rounds`
     max_pass_positions: int | None = None  # the most positions one pass takes (a round's k + 1); None: any
     pools_caches = False  # whether caches are made through `capacity`/`allocate` and kept for the next call

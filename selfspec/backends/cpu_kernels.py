@@ -35,7 +35,6 @@ class CpuKernelsBackend(Backend):
     """`Backend` on selfspec's compiled CPU kernels (see the module docstring)."""
 
     name = "cpu_kernels"
-    round_calls = True
     fused_rounds = True
     verifies_sampled = True
 

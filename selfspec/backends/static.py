@@ -28,7 +28,6 @@ class StaticBackend(Backend):
     name = "static"
     max_pass_positions = WIDTH  # every pass is padded to this many positions
     pools_caches = True  # captured passes are specific to the cache buffers' shapes and addresses
-    round_calls = True
     verifies_sampled = True  # sampled rounds in two passes of their own (draft loop, verification)
 
     def __init__(self, view, mode: str = "eager"):

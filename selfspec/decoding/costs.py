@@ -26,6 +26,7 @@ same rounds on any machine.
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass
 
 from ..errors import UserError
@@ -77,10 +78,11 @@ class RoundCosts:
                             "costs (one a draft count), or none")
         lengths_ok = list(self.copy_lengths) == sorted(set(self.copy_lengths)) and min(self.copy_lengths,
                                                                                         default=1) >= 1
-        if (bool(self.copy_lengths) != bool(self.copy_rounds) or not lengths_ok
-                or (self.copy_rounds and (len(self.copy_rounds) != n
-                                          or {len(r) for r in self.copy_rounds} != {len(self.copy_lengths)}
-                                          or min(map(min, self.copy_rounds)) <= 0))):
+        values = [x for r in self.copy_rounds for x in r]
+        rounds_ok = not self.copy_rounds or (
+            len(self.copy_rounds) == n and {len(r) for r in self.copy_rounds} == {len(self.copy_lengths)}
+            and all(math.isfinite(x) and x > 0 for x in values))
+        if bool(self.copy_lengths) != bool(self.copy_rounds) or not lengths_ok or not rounds_ok:
             raise UserError("round_costs: copy_rounds must give every length a positive round cost for each "
                             "of the increasing copy_lengths, or neither be given")
 
@@ -123,12 +125,15 @@ class RoundCosts:
 
     def _copy_rounds(self, k_max: int, length: int) -> list[float]:
         """Rounds of 1..k_max copies at `length`: `copy_rounds` interpolated in the length, then linearly in
-        the copy count between the measured counts (along the nearest segment past them), each at least a
-        plain step. One measured count: each copy adds its share of what that round adds to a step."""
-        counts = self.copy_lengths
-        at = [self._interpolate([r[n] for r in self.copy_rounds], length) for n in range(len(counts))]
+        the copy count between the measured counts, each at least a plain step. A copy more never costs
+        less (a running maximum over the counts: measured rounds carry noise, and a falling segment would
+        price long copies as free); past the last count along the last segment, at least flat. One
+        measured count: each copy adds its share of what that round adds to a step."""
+        counts, at = self.copy_lengths, []
+        for n in range(len(counts)):
+            at.append(max(1.0, *at[-1:], self._interpolate([r[n] for r in self.copy_rounds], length)))
         if len(at) == 1:
-            return [max(1.0, 1.0 + (at[0] - 1.0) * j / counts[0]) for j in range(1, k_max + 1)]
+            return [1.0 + (at[0] - 1.0) * j / counts[0] for j in range(1, k_max + 1)]
         costs = []
         for j in range(1, k_max + 1):
             i = min(max(bisect.bisect_left(counts, j) - 1, 0), len(counts) - 2)
@@ -152,6 +157,15 @@ class RoundCosts:
 
     @classmethod
     def from_json(cls, entry: dict) -> RoundCosts:
+        for key in ("copy_lengths", "copy_rounds"):
+            if not isinstance(entry.get(key, []), list) or (
+                    key == "copy_rounds" and not all(isinstance(r, list) for r in entry.get(key, []))):
+                raise UserError(f"round_costs in selfspec.json is malformed ({key} must be a list"
+                                f"{' of lists' if key == 'copy_rounds' else ''}); rerun selfspec eval sweep "
+                                f"--write-back")
+        if any(int(x) != x for x in entry.get("copy_lengths", []) if isinstance(x, (int, float))):
+            raise UserError("round_costs in selfspec.json is malformed (copy_lengths must be whole numbers); "
+                            "rerun selfspec eval sweep --write-back")
         try:
             return cls(tuple(int(x) for x in entry["lengths"]), tuple(float(x) for x in entry["draft"]),
                        tuple(float(x) for x in entry["verify_slope"]), int(entry["exit_layer"]),
@@ -169,9 +183,10 @@ class CostGate:
     """Each round's k from the round's costs at the batch's longest context and the drafts' acceptance.
 
     `k(source, k_max, length)`: the best k in 0..k_max for drafts from `source` ("early_exit": draft
-    steps cost c each; "copy": free); k_max itself until the source has `min_tested` tested drafts, for
-    one round after the source drafted nothing for `probe_every` rounds, and for the early exit when
-    the costs were measured at another exit (`gates_early_exit` False: `RoundCosts.applies_to`).
+    steps cost c each; "copy": no draft steps, their rounds `copy_rounds` where measured); k_max itself
+    until the source has `min_tested` tested drafts, for one round after the source drafted nothing for
+    `probe_every` rounds, and for the early exit when the costs were measured at another exit
+    (`gates_early_exit` False: `RoundCosts.applies_to`).
     `record(drafts)` takes a round's drafts per source, {source: (k, accepted counts of the rows that
     tested them)}; {} for a round that drafted nothing. A probe is offered for one round: a source that
     does not draft then (a copy finds no match) is offered the next after `probe_every` rounds more.

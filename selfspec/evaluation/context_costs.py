@@ -95,6 +95,7 @@ def measure_round_costs(generator: SelfSpecGenerator, tokens: list[int], setting
     plain = settings.override(drafter="early_exit", num_speculations=0)
     overlapped = drafting[-1].override(overlap=True) if settings.overlap else None
     ngram = settings.ngram
+    copying = settings.override(drafter="ngram", stop_below=0.0, overlap=False)  # the `ngram` drafter's path
     copy_lengths = tuple(sorted({j for j in COPY_LENGTHS if j < ngram.max_copy} | {ngram.max_copy}))
     kept, generator.round_costs = generator.round_costs, None
     rows = []
@@ -112,7 +113,7 @@ def measure_round_costs(generator: SelfSpecGenerator, tokens: list[int], setting
                         # any one-token match copies: a round whose bonus token left the cycle still copies
                         policy = CopyPolicy(NGramConfig(ngram.max_ngram, 1, s), FixedK(0), FixedK(s))
                         runs[s] = generator.generate([repeating], max_new_tokens=new_tokens, eos_token_id=[],
-                                                     settings=drafting[0], drafter=policy, profile=True).stats
+                                                     settings=copying, drafter=policy, profile=True).stats
                     else:
                         runs[id(s)] = generator.generate([context], max_new_tokens=new_tokens,
                                                          eos_token_id=[], settings=s, profile=True).stats
@@ -120,7 +121,7 @@ def measure_round_costs(generator: SelfSpecGenerator, tokens: list[int], setting
                     continue
                 base, spec = runs[id(plain)], runs[id(drafting[-1])]
                 step = _per_pass(base, "verification pass", base.rounds)
-                samples["copies"].append([_copy_round(runs[j], step) for j in copy_lengths])
+                samples["copies"].append([_copy_round(runs[j], base) for j in copy_lengths])
                 samples["plain"].append(step)
                 samples["c"].append(_per_pass(spec, "draft passes", spec.draft_steps) / step)
                 verify = _per_pass(spec, "verification pass", spec.rounds - spec.plain_steps) / step
@@ -149,16 +150,17 @@ def measure_round_costs(generator: SelfSpecGenerator, tokens: list[int], setting
     return costs, rows
 
 
-def _copy_round(stats, step: float) -> float | None:
-    """A copy run's drafted round over its own plain steps (rounds that found no copy; where it had none,
-    over `step`, the plain run's): the rounds' own clocks (`GenerationStats.draft_time`, `verify_time`,
-    `plain_time`), so that both sides of the ratio ran at the same minutes of the machine. None where no
-    round copied."""
+def _copy_round(stats, plain) -> float | None:
+    """A copy run's drafted round over a plain step, both by the rounds' own clocks
+    (`GenerationStats.draft_time` + `verify_time` over its drafted rounds, `plain_time` over plain steps):
+    the same run's plain steps (rounds that found no copy), so that both sides ran in the same seconds of
+    the machine, else the plain run's (`plain`). None where no round copied."""
     drafted = stats.rounds - stats.plain_steps
     if not drafted:
         return None
-    plain = stats.plain_time / stats.plain_steps if stats.plain_steps else step
-    return max((stats.draft_time + stats.verify_time) / drafted, plain) / plain
+    source = stats if stats.plain_steps else plain
+    step = source.plain_time / max(source.plain_steps, 1)
+    return max((stats.draft_time + stats.verify_time) / drafted, step) / step
 
 
 def _round(stats) -> float:
