@@ -145,7 +145,7 @@ def test_the_reference_runs_no_compiled_call_and_the_cpu_kernels_do():
     assert joined == stepped("reference")
 
 
-def test_the_engine_asks_a_backend_for_round_calls_only_where_it_may_have_them():
+def test_the_engine_asks_a_backend_for_round_calls_only_where_it_may_have_them(monkeypatch):
     """`Backend.round_calls`: the reference declines every round call, so a round does not ask it (its
     draft loop and verification run from Python); a backend that has them is asked (rounds from Python:
     not fused), and both decode alike."""
@@ -153,18 +153,14 @@ def test_the_engine_asks_a_backend_for_round_calls_only_where_it_may_have_them()
     settings = DecodeSettings(drafter="early_exit", exit_layer=2, num_speculations=3, fused=False)
     asked, outputs = [], {}
     for backend in ("reference", "cpu_kernels"):
-        cls = type(SelfSpecGenerator(model, settings=settings, backend=backend).runner.backend)
-        declined = cls.verify_greedy
+        gen = SelfSpecGenerator(model, settings=settings, backend=backend)
+        cls = type(gen.runner.backend)
 
-        def counted(self, *args, name=backend, declined=declined, **kwargs):
+        def counted(self, *args, name=backend, declined=cls.verify_greedy, **kwargs):
             asked.append(name)
             return declined(self, *args, **kwargs)
-        cls.verify_greedy = counted
-        try:
-            gen = SelfSpecGenerator(model, settings=settings, backend=backend)
-            outputs[backend] = gen.generate([PROMPTS[0]], max_new_tokens=NEW, eos_token_id=[]).sequences
-        finally:
-            cls.verify_greedy = declined
+        monkeypatch.setattr(cls, "verify_greedy", counted)
+        outputs[backend] = gen.generate([PROMPTS[0]], max_new_tokens=NEW, eos_token_id=[]).sequences
     assert "reference" not in asked and (kernels.extension() is None or "cpu_kernels" in asked), asked
     assert outputs["cpu_kernels"] == outputs["reference"]
 

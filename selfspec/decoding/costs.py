@@ -125,20 +125,16 @@ class RoundCosts:
 
     def _copy_rounds(self, k_max: int, length: int) -> list[float]:
         """Rounds of 1..k_max copies at `length`: `copy_rounds` interpolated in the length, then linearly in
-        the copy count between the measured counts, each at least a plain step. A copy more never costs
-        less (a running maximum over the counts: measured rounds carry noise, and a falling segment would
-        price long copies as free); past the last count along the last segment, at least flat. One
-        measured count: each copy adds its share of what that round adds to a step."""
-        counts, at = self.copy_lengths, []
-        for n in range(len(counts)):
-            at.append(max(1.0, *at[-1:], self._interpolate([r[n] for r in self.copy_rounds], length)))
-        if len(at) == 1:
-            return [1.0 + (at[0] - 1.0) * j / counts[0] for j in range(1, k_max + 1)]
+        the copy count between the measured counts, from 0 copies (a plain step, 1) on, and along the last
+        segment past them. A copy more never costs less (a running maximum over the counts: measured rounds
+        carry noise, and a falling segment would price long copies as free)."""
+        counts, at = (0, *self.copy_lengths), [1.0]
+        for n in range(len(self.copy_lengths)):
+            at.append(max(at[-1], self._interpolate([r[n] for r in self.copy_rounds], length)))
         costs = []
         for j in range(1, k_max + 1):
-            i = min(max(bisect.bisect_left(counts, j) - 1, 0), len(counts) - 2)
-            slope = (at[i + 1] - at[i]) / (counts[i + 1] - counts[i])
-            costs.append(max(1.0, at[i] + slope * (j - counts[i])))
+            i = min(bisect.bisect_left(counts, j) - 1, len(counts) - 2)
+            costs.append(at[i] + (at[i + 1] - at[i]) / (counts[i + 1] - counts[i]) * (j - counts[i]))
         return costs
 
     def applies_to(self, exit_layer: int, draft_vocab_size: int) -> bool:

@@ -1,11 +1,11 @@
 """A round's costs by context length, measured through the engine: what the cost gate decides from.
 
 `measure_round_costs` decodes a context of L tokens at each length L plainly, with the early exit at
-each fixed k of 1..k and with copies of fixed lengths (`generate(profile=True)`: the passes' own
-seconds), interleaved over repeats, and returns the `decoding.RoundCosts` (c: a draft step, s: what a
-drafted position adds to a verification, R(j): a whole round of j drafts, a round of j copies, all in
-plain steps at that length), with each length's α and plain step beside them. `selfspec eval
-sweep --write-back` stores the costs in selfspec.json (`round_costs`, per device type), where
+each fixed k of 1..k (`generate(profile=True)`: the passes' own seconds) and with copies of fixed
+lengths (the rounds' own clocks), interleaved over repeats, and returns the `decoding.RoundCosts` (c: a
+draft step, s: what a drafted position adds to a verification, R(j): a whole round of j drafts, a round
+of j copies, all in plain steps at that length), with each length's α and plain step beside them.
+`selfspec eval sweep --write-back` stores the costs in selfspec.json (`round_costs`, per device type), where
 `load_tuned` finds them; `selfspec doctor` and `selfspec eval speedup` print them by length.
 """
 
@@ -113,7 +113,7 @@ def measure_round_costs(generator: SelfSpecGenerator, tokens: list[int], setting
                         # any one-token match copies: a round whose bonus token left the cycle still copies
                         policy = CopyPolicy(NGramConfig(ngram.max_ngram, 1, s), FixedK(0), FixedK(s))
                         runs[s] = generator.generate([repeating], max_new_tokens=new_tokens, eos_token_id=[],
-                                                     settings=copying, drafter=policy, profile=True).stats
+                                                     settings=copying, drafter=policy).stats
                     else:
                         runs[id(s)] = generator.generate([context], max_new_tokens=new_tokens,
                                                          eos_token_id=[], settings=s, profile=True).stats
@@ -136,6 +136,7 @@ def measure_round_costs(generator: SelfSpecGenerator, tokens: list[int], setting
             rows.append({"length": length, "plain_step_seconds": statistics.median(samples["plain"]),
                          **{key: statistics.median(samples[key]) for key in keys},
                          "rounds": [statistics.median(r) for r in zip(*samples["rounds"])],
+                         "copy_lengths": list(copy_lengths),
                          "copy_rounds": [statistics.median(r) if r else None for r in copies]})
     finally:
         generator.round_costs = kept
@@ -145,8 +146,6 @@ def measure_round_costs(generator: SelfSpecGenerator, tokens: list[int], setting
                        if overlapped is not None else (), tuple(tuple(r["rounds"]) for r in rows),
                        copy_lengths if copied else (),
                        tuple(tuple(r["copy_rounds"]) for r in rows) if copied else ())
-    for row in rows:
-        row["copy_lengths"] = list(copy_lengths)
     return costs, rows
 
 
