@@ -149,6 +149,40 @@ def test_the_gate_drafts_until_it_knows_alpha_then_stops_where_drafts_cannot_pay
     assert cheap.k("early_exit", 4, 100) == 4
 
 
+def test_the_gate_says_how_many_rounds_a_call_may_run_before_a_cut_source_is_due_its_probe():
+    """`CostGate.rounds_to_probe`: None while no source was cut to no drafts, else the rounds left until
+    the cut source's probe (`probe_every` idle rounds), at least 1; a k that drafts again clears it."""
+    gate = CostGate(DEAR, min_tested=4, probe_every=5)
+    assert gate.k("early_exit", 3, 100) == 3 and gate.rounds_to_probe() is None  # α not known: no cut
+    gate.record({"early_exit": (3, np.array([3, 3]))})
+    assert gate.k("early_exit", 3, 100) == 0 and gate.rounds_to_probe() == 5
+    for left in (4, 3, 2, 1):
+        gate.record({})
+        assert gate.k("early_exit", 3, 100) == 0 and gate.rounds_to_probe() == left
+    gate.record({})
+    assert gate.k("early_exit", 3, 100) == 3 and gate.rounds_to_probe() is None  # the probe itself
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu_kernels"])
+def test_a_cut_row_probes_on_time_in_compiled_calls_too(backend, monkeypatch):
+    """Plain steps after a cut last `probe_every` rounds (16), then a round drafts again: a compiled call
+    of plain steps ends at the probe (`DraftPolicy.rounds_cap`) rather than running its `GATED_ROUNDS`
+    (32), which kept a row whose first α dipped plain for twice as long where its drafts paid again."""
+    model = tiny_model("llama", num_layers=4)
+    drafted = []
+    record = CostGate.record
+    monkeypatch.setattr(CostGate, "record", lambda gate, drafts: (
+        drafted.append(drafts.get("early_exit", (0,))[0] > 0), record(gate, drafts))[1])
+    generator = SelfSpecGenerator(model, settings=DecodeSettings(drafter="early_exit", exit_layer=2,
+                                                                 num_speculations=3), backend=backend)
+    generator.round_costs = DEAR
+    prompt = [5, 6, 7, 8] * 6
+    out = generator.generate([prompt], max_new_tokens=100, eos_token_id=[])
+    assert out.sequences[0] == reference_greedy(model, prompt, 100)
+    runs = "".join("d" if d else "." for d in drafted).split("d")
+    assert max(len(r) for r in runs) == 16 and sum(len(r) == 16 for r in runs) >= 3, drafted
+
+
 def test_the_gate_learns_its_first_alpha_from_a_sources_first_drafts_and_not_from_a_silent_one():
     """`CostGate.learning` (a gated call's first rounds run alone for it): until `min_tested` rounds
     passed with nothing tested, or while a source has tested a few drafts but fewer than `min_tested`."""

@@ -182,7 +182,8 @@ class CostGate:
     steps cost c each; "copy": no draft steps, their rounds `copy_rounds` where measured); k_max itself
     until the source has `min_tested` tested drafts, for one round after the source drafted nothing for
     `probe_every` rounds, and for the early exit when the costs were measured at another exit
-    (`gates_early_exit` False: `RoundCosts.applies_to`).
+    (`gates_early_exit` False: `RoundCosts.applies_to`). `rounds_to_probe()`: how many rounds a compiled
+    call may run before a source it cut to no drafts is due its probe.
     `record(drafts)` takes a round's drafts per source, {source: (k, accepted counts of the rows that
     tested them)}; {} for a round that drafted nothing. A probe is offered for one round: a source that
     does not draft then (a copy finds no match) is offered the next after `probe_every` rounds more.
@@ -196,6 +197,7 @@ class CostGate:
         self.min_tested, self.probe_every = min_tested, probe_every
         self.windows = {s: AcceptanceWindow(window) for s in self.SOURCES}
         self.idle = dict.fromkeys(self.SOURCES, 0)  # rounds since the source last drafted
+        self.cut = dict.fromkeys(self.SOURCES, False)  # whether the last `k` cut the source to none
         self.rounds = 0  # rounds recorded
 
     def alpha(self, source: str) -> float | None:
@@ -220,12 +222,23 @@ class CostGate:
     def k(self, source: str, k_max: int, length: int) -> int:
         alpha = self.alpha(source)
         drafted = source == "early_exit"
+        self.cut[source] = False
         if (k_max <= 0 or alpha is None or self.idle[source] >= self.probe_every
                 or (drafted and not self.gates_early_exit)):
             return k_max
         rounds = self.costs.round_costs(k_max, length, drafted)
         rates = [expected_tokens(k, alpha) / cost for k, cost in enumerate(rounds)]
-        return rates.index(max(rates))  # the first best: the fewer drafts where two tie
+        best = rates.index(max(rates))  # the first best: the fewer drafts where two tie
+        self.cut[source] = best == 0
+        return best
+
+    def rounds_to_probe(self) -> int | None:
+        """Rounds until the first source the last `k` cut to no drafts is due its probe (`probe_every`
+        idle rounds), at least 1; None where no source was cut. A compiled call of plain steps that ran
+        past it would hold the probe back to the call's end: a row whose α dipped once at the start
+        would decode plainly for the whole call where drafting pays again."""
+        due = [self.probe_every - self.idle[s] for s in self.SOURCES if self.cut[s]]
+        return max(1, min(due)) if due else None
 
     def record(self, drafts: dict) -> None:
         self.rounds += 1

@@ -157,21 +157,24 @@ class DraftPolicy:
         k itself where the gate does not cut these rows (`gates`). The gate then learns these rows'
         rounds only where it cuts them: a sampled row's acceptance is not a greedy one's."""
         self._gating = self.gates(rows)
-        if k <= 0 or not self._gating:
+        if not self._gating:
             return k
         return self.gate.k(source, k, int(self.lengths[rows].max()))
 
     def rounds_cap(self, rows) -> int | None:
         """The most rounds the next compiled call for `rows` may run for the gate's sake: 1 for a probe
         (`CostGate.probing`), `LEARN_ROUNDS` while it learns a source's α (`CostGate.learning`: its first
-        rounds tell the gate), else `GATED_ROUNDS` (the gate decides between calls); None where the gate
-        does not cut these rows (`gates`)."""
+        rounds tell the gate), else `GATED_ROUNDS` (the gate decides between calls), and no further than
+        the next probe of a source this call's drafts (`fused_drafts`, asked first) were cut off from
+        (`CostGate.rounds_to_probe`); None where the gate does not cut these rows (`gates`)."""
         if not self.gates(rows):
             return None
         gate = self.gate
         if gate.probing:
             return 1
-        return LEARN_ROUNDS if gate.learning(self.sources) else GATED_ROUNDS
+        if gate.learning(self.sources):
+            return LEARN_ROUNDS
+        return min(GATED_ROUNDS, gate.rounds_to_probe() or GATED_ROUNDS)
 
     def overlaps(self, rows) -> bool:
         """Whether rounds may overlap at the longest of `rows`' contexts (`RoundCosts.overlap_pays`; True
