@@ -50,23 +50,28 @@ class AcceptanceWindow:
 
     def __init__(self, size: int):
         self.rounds: deque = deque(maxlen=size)  # (accepted, tested) per round
+        # their sums, kept as rounds come and go: α is read after every round (a compiled call's rounds
+        # are shown to the policy one by one), where summing the window each time cost more than the rest
+        self.accepted = self.tested = 0
 
     def add(self, k: int, accepted) -> bool:
         """A round of k drafts and its rows' accepted counts (B,); whether it tested any (k > 0, B > 0)."""
         if k <= 0 or not len(accepted):
             return False
-        self.rounds.append(round_counts(accepted, k))
+        if len(self.rounds) == self.rounds.maxlen:
+            gone, gone_tested = self.rounds[0]
+            self.accepted -= gone
+            self.tested -= gone_tested
+        counts = round_counts(accepted, k)
+        self.rounds.append(counts)
+        self.accepted += counts[0]
+        self.tested += counts[1]
         return True
-
-    @property
-    def tested(self) -> int:
-        return sum(t for _, t in self.rounds)
 
     def alpha(self, prior: float = 0.0, prior_weight: float = 0.0) -> float | None:
         """Pooled α, shrunk towards `prior` by `prior_weight` pseudo-tests; None with no data and no prior."""
-        accepted = sum(a for a, _ in self.rounds) + prior * prior_weight
-        tested = sum(t for _, t in self.rounds) + prior_weight
-        return accepted / tested if tested else None
+        tested = self.tested + prior_weight
+        return (self.accepted + prior * prior_weight) / tested if tested else None
 
 
 class WindowRule(Controller):

@@ -8,9 +8,10 @@ its q is one-hot (see `sampling.accept_sampled`: accept with probability p(x), o
 from p with x removed).
 
 `NGramIndex` keeps, per n in [min_ngram, max_ngram], a hash table from every n-gram of the
-sequence that has a following token to the position after its most recent occurrence. Appending a
-token indexes the n-grams that end just before it, so a lookup is one dictionary probe per n and
-the sequence is never rescanned (Hugging Face's candidate generator rescans it every step).
+sequence that has a following token to the position after its most recent occurrence. A lookup
+first indexes the n-grams ending before the tokens appended since the last one, so it is one
+dictionary probe per n and the sequence is never rescanned (Hugging Face's candidate generator
+rescans it every step).
 
 Copies matched on the text (`TokenText`, given to the index): a reply often spells what it copies
 with other tokens than the context. JSON puts a value after a quote where the prompt had it after a
@@ -111,27 +112,42 @@ class NGramIndex:
         # n -> {n-gram: position of the token after its latest occurrence}
         self.tables: dict[int, dict[tuple, int]] = {
             n: {} for n in range(config.min_ngram, config.max_ngram + 1)}
+        self.indexed = 0  # the tables hold the n-grams ending before this position
+        self.array = np.zeros(0, dtype=np.int64)  # `history`'s copy of the tokens so far
         self.text = text
         self.chars, self.starts = [], []  # the pieces so far, each token's first character
         self.length, self.joined = 0, None  # the text's length, and the text itself once asked for
         self.extend(tokens)
 
     def extend(self, tokens) -> None:
-        """Append tokens; index every n-gram that now has a following token."""
+        """Append tokens. Their n-grams are indexed when a proposal first needs them (`propose`): a row
+        whose copies the compiled rounds search (`NGramSearch`, from the sequence's end) never asks, and
+        indexing a long prompt in Python cost milliseconds before its first token."""
         start = len(self.tokens)
-        self.tokens.extend(int(t) for t in tokens)
-        seq = self.tokens
+        self.tokens.extend(tokens.tolist() if isinstance(tokens, np.ndarray) else (int(t) for t in tokens))
         if self.text is not None:
-            for token in seq[start:]:
+            for token in self.tokens[start:]:
                 piece = self.text.piece(token)
                 self.starts.append(self.length)
                 self.chars.append(piece)
                 self.length += len(piece)
             self.joined = None
-        for follow in range(max(start, 1), len(seq)):  # the n-grams ending just before `follow`
+
+    def history(self) -> np.ndarray:
+        """(t,) the tokens so far as an array, grown by the tokens added since the last call (not made
+        again from the whole list each compiled call)."""
+        if len(self.array) < len(self.tokens):
+            self.array = np.concatenate([self.array, np.array(self.tokens[len(self.array):], dtype=np.int64)])
+        return self.array
+
+    def _index(self) -> None:
+        """Index every n-gram that has a following token and is not indexed yet."""
+        seq = self.tokens
+        for follow in range(max(self.indexed, 1), len(seq)):  # the n-grams ending just before `follow`
             for n, table in self.tables.items():
                 if follow >= n:
                     table[tuple(seq[follow - n:follow])] = follow
+        self.indexed = len(seq)
 
     def propose(self, limit: int, extra=()) -> tuple[list[int], int]:
         """Up to `limit` tokens that followed the longest matching suffix, and that suffix's length n.
@@ -145,6 +161,8 @@ class NGramIndex:
         period: what copying again after the copied tokens would propose, in one round instead of
         several.
         """
+        if self.indexed < len(self.tokens):
+            self._index()
         extra = [int(t) for t in extra]
         seq = self.tokens + extra if extra else self.tokens
         for n in range(min(self.config.max_ngram, len(seq) - 1), self.config.min_ngram - 1, -1):
@@ -199,7 +217,7 @@ class RowIndexes:
 
     def history(self, row: int) -> np.ndarray:
         """(t,) the row's tokens so far, the pending token last."""
-        return np.array(self.indexes[row].tokens, dtype=np.int64)
+        return self.indexes[row].history()
 
     def copies(self, rows: np.ndarray, limit: int, extra: np.ndarray | None = None) -> np.ndarray:
         """The copies (B, r) of the rows `rows` (batch order), up to `limit` tokens each, after the drafts

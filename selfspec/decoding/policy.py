@@ -69,7 +69,7 @@ class Segment:
         """(rows whose verifier tested this segment, their accepted drafts within it) from the
         round's accepted counts (B,): a segment is tested only when every earlier draft was accepted."""
         reached = accepted >= self.start
-        return reached, np.clip(accepted[reached] - self.start, 0, self.length)
+        return reached, np.minimum(accepted[reached] - self.start, self.length)  # ≥ 0 where reached
 
 
 @dataclass

@@ -335,10 +335,13 @@ class Runner:
         if laps is not None:  # the call's own clock splits its time; the rest of it is acceptance
             laps.split({"draft passes": float(seconds[:, 0].sum()),
                         "verification pass": float(seconds[:, 1].sum())}, rest="acceptance")
+        made = {}  # (early, copied) -> the round's segments: a call's rounds repeat a few shapes
         for (early, copied, accepted, _, ahead), (draft_time, verify_time), end in zip(
                 rounds.tolist(), seconds.tolist(), ends.tolist()):
-            segments = [Segment(source, start, length) for source, start, length in
-                        (("early_exit", 0, early), ("copy", early, copied)) if length]
+            segments = made.get((early, copied))
+            if segments is None:
+                segments = made[early, copied] = [Segment(source, start, length) for source, start, length
+                                                  in (("early_exit", 0, early), ("copy", early, copied)) if length]
             if not segments:  # a plain step, also one whose first E blocks ran before η stopped the draft
                 draft_time, verify_time = 0.0, draft_time + verify_time
             stats.stopped_below_eta += early < k and not (copied and not early)  # a copy round drafts no exit
