@@ -340,8 +340,8 @@ class Runner:
                 rounds.tolist(), seconds.tolist(), ends.tolist()):
             segments = made.get((early, copied))
             if segments is None:
-                segments = made[early, copied] = [Segment(source, start, length) for source, start, length
-                                                  in (("early_exit", 0, early), ("copy", early, copied)) if length]
+                parts = (("early_exit", 0, early), ("copy", early, copied))
+                segments = made[early, copied] = [Segment(*part) for part in parts if part[2]]
             if not segments:  # a plain step, also one whose first E blocks ran before η stopped the draft
                 draft_time, verify_time = 0.0, draft_time + verify_time
             stats.stopped_below_eta += early < k and not (copied and not early)  # a copy round drafts no exit
