@@ -166,8 +166,9 @@ def test_the_gate_says_how_many_rounds_a_call_may_run_before_a_cut_source_is_due
 @pytest.mark.parametrize("backend", ["reference", "cpu_kernels"])
 def test_a_cut_row_probes_on_time_in_compiled_calls_too(backend, monkeypatch):
     """Plain steps after a cut last `probe_every` rounds (16), then a round drafts again: a compiled call
-    of plain steps ends at the probe (`DraftPolicy.rounds_cap`) rather than running its `GATED_ROUNDS`
-    (32), which kept a row whose first α dipped plain for twice as long where its drafts paid again."""
+    of plain steps ends at the probe (`DraftPolicy.rounds_cap`). A call of `GATED_ROUNDS` (32) read its
+    17th round as a probe refused and counted the idle rounds again from 0, so the row drafted again only
+    where a call happened to end on a due probe (84 plain rounds in a row here)."""
     model = tiny_model("llama", num_layers=4)
     drafted = []
     record = CostGate.record
@@ -175,12 +176,35 @@ def test_a_cut_row_probes_on_time_in_compiled_calls_too(backend, monkeypatch):
         drafted.append(drafts.get("early_exit", (0,))[0] > 0), record(gate, drafts))[1])
     generator = SelfSpecGenerator(model, settings=DecodeSettings(drafter="early_exit", exit_layer=2,
                                                                  num_speculations=3), backend=backend)
+    calls = []  # each compiled call's (k, max_rounds)
+    rounds = generator.backend.greedy_rounds
+    generator.backend.greedy_rounds = lambda *args, **kwargs: (
+        calls.append((args[3].k, args[6])) or rounds(*args, **kwargs))
     generator.round_costs = DEAR
     prompt = [5, 6, 7, 8] * 6
     out = generator.generate([prompt], max_new_tokens=100, eos_token_id=[])
     assert out.sequences[0] == reference_greedy(model, prompt, 100)
     runs = "".join("d" if d else "." for d in drafted).split("d")
     assert max(len(r) for r in runs) == 16 and sum(len(r) == 16 for r in runs) >= 3, drafted
+    if backend == "cpu_kernels":  # the rounds ran in compiled calls: the plain ones end at the probe
+        assert (0, 16) in calls and all(most <= 16 for k, most in calls if k == 0), calls
+
+
+def test_a_call_that_still_learns_one_sources_alpha_ends_at_the_other_sources_probe():
+    """A hybrid whose early exit is cut while a copy has tested a few drafts (the gate still learns the
+    copies' α: calls of `LEARN_ROUNDS`) still ends its call where the early exit's probe is due."""
+    from selfspec.decoding.ngram import NGramConfig
+    from selfspec.decoding.policy import LEARN_ROUNDS, make_policy
+
+    gate = CostGate(DEAR, min_tested=4, probe_every=16)
+    policy = make_policy("hybrid", 3, NGramConfig(), gate)
+    policy.start([[5, 6, 7, 8] * 6])
+    gate.record({"early_exit": (3, np.array([3, 3]))})  # α known: no draft of the exit pays
+    gate.record({"copy": (3, np.array([0]))})  # one copy tested: the copies' α still unknown
+    for _ in range(11):
+        gate.record({})
+    assert policy.fused_drafts(0).k == 0 and gate.learning(policy.sources)
+    assert policy.rounds_cap([0]) == 16 - gate.idle["early_exit"] < LEARN_ROUNDS
 
 
 def test_the_gate_learns_its_first_alpha_from_a_sources_first_drafts_and_not_from_a_silent_one():

@@ -58,7 +58,7 @@ class AcceptanceWindow:
         """A round of k drafts and its rows' accepted counts (B,); whether it tested any (k > 0, B > 0)."""
         if k <= 0 or not len(accepted):
             return False
-        if len(self.rounds) == self.rounds.maxlen:
+        if self.rounds.maxlen and len(self.rounds) == self.rounds.maxlen:  # the oldest round leaves
             gone, gone_tested = self.rounds[0]
             self.accepted -= gone
             self.tested -= gone_tested

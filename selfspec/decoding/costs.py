@@ -234,11 +234,12 @@ class CostGate:
 
     def rounds_to_probe(self) -> int | None:
         """Rounds until the first source the last `k` cut to no drafts is due its probe (`probe_every`
-        idle rounds), at least 1; None where no source was cut. A compiled call of plain steps that ran
-        past it would hold the probe back to the call's end: a row whose α dipped once at the start
-        would decode plainly for the whole call where drafting pays again."""
+        idle rounds); None where no source was cut. A compiled call that ran past it (plain steps, or a
+        hybrid's early-exit rounds while its copies are cut) would read the round after as a probe refused
+        and start the idle count again: the source would draft again only where a call happened to end
+        on a due probe."""
         due = [self.probe_every - self.idle[s] for s in self.SOURCES if self.cut[s]]
-        return max(1, min(due)) if due else None
+        return min(due) if due else None  # ≥ 1: a source `probe_every` idle rounds long is not cut
 
     def record(self, drafts: dict) -> None:
         self.rounds += 1

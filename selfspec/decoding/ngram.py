@@ -112,7 +112,7 @@ class NGramIndex:
         # n -> {n-gram: position of the token after its latest occurrence}
         self.tables: dict[int, dict[tuple, int]] = {
             n: {} for n in range(config.min_ngram, config.max_ngram + 1)}
-        self.indexed = 0  # the tables hold the n-grams ending before this position
+        self.indexed = 0  # the tables hold the n-grams whose following token lies below this position
         self.array = np.zeros(0, dtype=np.int64)  # `history`'s copy of the tokens so far
         self.text = text
         self.chars, self.starts = [], []  # the pieces so far, each token's first character
@@ -135,7 +135,7 @@ class NGramIndex:
 
     def history(self) -> np.ndarray:
         """(t,) the tokens so far as an array, grown by the tokens added since the last call (not made
-        again from the whole list each compiled call)."""
+        again from the whole list each compiled call). Shared: read it, do not write to it."""
         if len(self.array) < len(self.tokens):
             self.array = np.concatenate([self.array, np.array(self.tokens[len(self.array):], dtype=np.int64)])
         return self.array
@@ -216,7 +216,7 @@ class RowIndexes:
             self.indexes[row].extend(tokens[slot, :emit[slot]])
 
     def history(self, row: int) -> np.ndarray:
-        """(t,) the row's tokens so far, the pending token last."""
+        """(t,) the row's tokens so far, the pending token last (`NGramIndex.history`: shared, read only)."""
         return self.indexes[row].history()
 
     def copies(self, rows: np.ndarray, limit: int, extra: np.ndarray | None = None) -> np.ndarray:

@@ -159,6 +159,7 @@ class DraftPolicy:
         self._gating = self.gates(rows)
         if not self._gating:
             return k
+        # asked at k <= 0 too: the gate's cut (`rounds_cap`) must be this call's
         return self.gate.k(source, k, int(self.lengths[rows].max()))
 
     def rounds_cap(self, rows) -> int | None:
@@ -172,9 +173,9 @@ class DraftPolicy:
         gate = self.gate
         if gate.probing:
             return 1
-        if gate.learning(self.sources):
-            return LEARN_ROUNDS
-        return min(GATED_ROUNDS, gate.rounds_to_probe() or GATED_ROUNDS)
+        cap = LEARN_ROUNDS if gate.learning(self.sources) else GATED_ROUNDS
+        due = gate.rounds_to_probe()
+        return cap if due is None else min(cap, due)
 
     def overlaps(self, rows) -> bool:
         """Whether rounds may overlap at the longest of `rows`' contexts (`RoundCosts.overlap_pays`; True

@@ -341,7 +341,8 @@ class Runner:
             segments = made.get((early, copied))
             if segments is None:
                 parts = (("early_exit", 0, early), ("copy", early, copied))
-                segments = made[early, copied] = [Segment(*part) for part in parts if part[2]]
+                segments = made[early, copied] = [Segment(source, start, length)
+                                                  for source, start, length in parts if length]
             if not segments:  # a plain step, also one whose first E blocks ran before η stopped the draft
                 draft_time, verify_time = 0.0, draft_time + verify_time
             stats.stopped_below_eta += early < k and not (copied and not early)  # a copy round drafts no exit
