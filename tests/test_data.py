@@ -332,3 +332,21 @@ def test_load_errors_name_the_problem(hf_cache):
     with pytest.raises(ValueError, match="no column 'text'; its columns are content, id") as error:
         data.load_text_corpus(str(hf_cache / "rows.jsonl"))
     assert "\n" not in str(error.value)
+
+
+def test_mixed_lengths_cut_a_share_of_the_batches_evenly_into_consecutive_short_blocks():
+    # the short micro-batches lie evenly through the run, the same at any point a resume starts from
+    assert [data.is_short_batch(m, 0.5) for m in range(6)] == [False, True] * 3
+    assert [m for m in range(12) if data.is_short_batch(m, 0.25)] == [3, 7, 11]
+    assert not any(data.is_short_batch(m, 0.0) for m in range(8))
+    assert all(data.is_short_batch(m, 1.0) for m in range(8))
+    ids = torch.arange(2 * 8).reshape(2, 8)
+    mask = ids % 3 == 0
+    cut = data.cut_blocks({"input_ids": ids, "target_mask": mask}, 4)
+    # each block's consecutive stretches: the same tokens, in order, with at most 4 tokens of context
+    assert cut["input_ids"].tolist() == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    assert torch.equal(cut["target_mask"], mask.reshape(4, 4))
+    with pytest.raises(ValueError, match="cannot be cut into blocks of 3"):
+        data.cut_blocks({"input_ids": ids}, 3)
+    with pytest.raises(ValueError, match="cannot cut 'features'"):
+        data.cut_blocks({"input_ids": ids, "features": torch.zeros(2, 8, 5)}, 4)

@@ -61,6 +61,23 @@ def test_a_trained_run_is_reused_wherever_the_cache_lives():
     assert not _trains_alike(a, to_dict(load_config("demo_finetune", ["optim.max_steps=3"])))
 
 
+def test_a_run_stored_before_a_config_field_existed_is_reused_at_that_fields_default():
+    current = to_dict(load_config("embedded_base"))
+    stored = {**current, "data": {k: v for k, v in current["data"].items()
+                                  if k not in ("short_block_size", "short_fraction")}}
+    assert _trains_alike(stored, current)  # the field's default is what that run trained with
+    mixed = to_dict(load_config("embedded_base", ["data.block_size=512", "data.short_block_size=256"]))
+    assert not _trains_alike(stored, mixed)
+    assert not _trains_alike({**stored, "seed": 1}, current)
+
+
+def test_a_recipe_of_mixed_lengths_overridden_to_short_blocks_cuts_none():
+    # a quick run of the demo's recipe on short blocks needs no second override
+    cfg = load_config("demo_finetune", ["data.block_size=32"])
+    assert cfg.data.short_block_size == 256 and cfg.data.cut_length is None
+    assert load_config("demo_finetune").data.cut_length == 256
+
+
 @pytest.mark.parametrize("command", ["train", "pretrain"])
 def test_the_training_commands_take_a_recipe_overrides_and_an_output_dir(command, tmp_path, monkeypatch):
     """What the commands hand the loop: the recipe, then the overrides, then --output-dir."""

@@ -133,6 +133,35 @@ def test_wandb_logs_online_whenever_wandb_is_logged_in(tmp_path, monkeypatch):
     assert wandb_logged_in()
 
 
+def test_mixed_lengths_train_every_other_micro_batch_on_short_blocks_and_resume_in_step(tiny_run, tmp_path,
+                                                                                         monkeypatch):
+    seen = []
+    forward = SelfSpecObjective.forward
+
+    def spy(self, input_ids, **kwargs):
+        if self.training:
+            seen.append((tuple(input_ids.shape), input_ids.flatten().tolist()))
+        return forward(self, input_ids, **kwargs)
+
+    monkeypatch.setattr(SelfSpecObjective, "forward", spy)
+    mixed = ("data.short_block_size=8", "optim.max_steps=4", "eval_every=0", "save_every=2")
+    train(run_config(tiny_run, tmp_path / "mixed", *mixed), progress=False)
+    # block_size 32, batch 4: long steps see (4, 32), short ones the same 128 tokens as (16, 8)
+    assert [shape for shape, _ in seen] == [(4, 32), (16, 8)] * 2
+    mixed_tokens = [tokens for _, tokens in seen]
+    seen.clear()
+    train(run_config(tiny_run, tmp_path / "whole", "optim.max_steps=4", "eval_every=0", "save_every=0"),
+          progress=False)
+    assert [shape for shape, _ in seen] == [(4, 32)] * 4
+    assert mixed_tokens == [tokens for _, tokens in seen]  # the same data in the same order, only cut
+    # a resume from step 2 goes on with a long step, then a short one, as the whole run did
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "mixed", resumed)
+    seen.clear()
+    train(run_config(tiny_run, resumed, *mixed), resume=True, progress=False)
+    assert [shape for shape, _ in seen] == [(4, 32), (16, 8)]
+
+
 def test_resume_without_state_is_a_clear_error(tiny_run, tmp_path):
     with pytest.raises(ValueError, match="no saved state"):
         train(run_config(tiny_run, tmp_path), resume=True, progress=False)

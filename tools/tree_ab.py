@@ -2,6 +2,7 @@
 
     git archive OLD | tar -x -C /tmp/old
     python tools/tree_ab.py --trees /tmp/old . --model runs/demo/model --cells plain,stored --repeats 5
+    python tools/tree_ab.py --trees /tmp/old . --models OLD_MODEL NEW_MODEL ...   # a checkpoint each
 
 Each repeat runs every tree once, in turn (each run its own process: a warm-up, then the timed cells),
 the order rotated from repeat to repeat, so a slow minute of the machine, or a tree's place in the
@@ -22,12 +23,12 @@ from pathlib import Path
 SCRIPT = Path(__file__).with_name("engine_ab.py")
 
 
-def run(tree: str, args: argparse.Namespace) -> dict:
-    """One `engine_ab.py` run under `tree`'s package: {cell: tokens/s}."""
+def run(tree: str, model: str | None, args: argparse.Namespace) -> dict:
+    """One `engine_ab.py` run under `tree`'s package on `model`: {cell: tokens/s}."""
     env = dict(os.environ, PYTHONPATH=str(Path(tree).resolve()),
                TORCH_EXTENSIONS_DIR=str(Path(args.extensions) / Path(tree).resolve().name))
     command = [sys.executable, str(SCRIPT), "--cells", args.cells, "--prompts", str(args.prompts),
-               "--new-tokens", str(args.new_tokens)] + (["--model", args.model] if args.model else [])
+               "--new-tokens", str(args.new_tokens)] + (["--model", model] if model else [])
     command += ["--context", str(args.context)] if args.context else []
     command += ["--seeds", str(args.seeds)] if args.seeds > 1 else []
     command += ["--decode-only"] if args.decode_only else []
@@ -39,6 +40,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trees", nargs="+", required=True, help="package roots, the old first")
     parser.add_argument("--model", default=None)
+    parser.add_argument("--models", nargs="+", default=None,
+                        help="a checkpoint per tree, in --trees' order (old code on the old checkpoint)")
     parser.add_argument("--cells", default="plain,stored")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -50,31 +53,40 @@ def main() -> None:
     parser.add_argument("--decode-only", action="store_true", help="rates over decode time (engine_ab.py)")
     parser.add_argument("--extensions", default="/tmp/tree_ab_extensions")
     args = parser.parse_args()
-    for tree in args.trees:  # builds the kernels and warms the file cache: not timed
-        run(tree, argparse.Namespace(**{**vars(args), "prompts": 1, "new_tokens": 8}))
-    runs = {tree: [] for tree in args.trees}
+    if args.models and len(args.models) != len(args.trees):
+        parser.error(f"--models names {len(args.models)} checkpoints for {len(args.trees)} trees; "
+                     "give one a tree")
+    models = args.models or [args.model] * len(args.trees)
+    arms = list(range(len(args.trees)))  # a tree may run twice, on two checkpoints
+    warm = argparse.Namespace(**{**vars(args), "prompts": 1, "new_tokens": 8})
+    for arm in arms:  # builds the kernels and warms the file cache: not timed
+        run(args.trees[arm], models[arm], warm)
+    runs = {arm: [] for arm in arms}
     for repeat in range(args.repeats):  # the order rotates: no tree always runs first (or last)
-        shift = repeat % len(args.trees)
-        for tree in args.trees[shift:] + args.trees[:shift]:
-            runs[tree].append(run(tree, args))
-    first, last = args.trees[0], args.trees[-1]
+        shift = repeat % len(arms)
+        for arm in arms[shift:] + arms[:shift]:
+            runs[arm].append(run(args.trees[arm], models[arm], args))
+    names = [tree if not args.models else f"{tree} on {model}" for tree, model in zip(args.trees, models)]
+    first, last = arms[0], arms[-1]
     cells = args.cells.split(",")
     context = f", {args.context}-token prompts, decode time only" if args.context else ""
     context += f", sampled cells {args.seeds} draws a prompt" if args.seeds > 1 else ""
     context += ", decode time only" if args.decode_only and not args.context else ""
-    print(f"{args.model or 'random Llama'}: {args.prompts} prompts x {args.new_tokens} tokens{context}, "
+    checkpoints = " / ".join(dict.fromkeys(m or "random Llama" for m in models))
+    print(f"{checkpoints}: {args.prompts} prompts x {args.new_tokens} tokens{context}, "
           f"median of {args.repeats} interleaved repeats")
-    print("| cell | " + " | ".join(f"{t} tok/s" for t in args.trees) + f" | {last} / {first} (low-high) |"
-          + ("".join(f" {t} x plain |" for t in args.trees) if "plain" in cells else ""))
-    print("|---|" + "---:|" * (len(args.trees) + 1 + (len(args.trees) if "plain" in cells else 0)))
+    print("| cell | " + " | ".join(f"{n} tok/s" for n in names)
+          + f" | {names[last]} / {names[first]} (low-high) |"
+          + ("".join(f" {n} x plain |" for n in names) if "plain" in cells else ""))
+    print("|---|" + "---:|" * (len(arms) + 1 + (len(arms) if "plain" in cells else 0)))
     for cell in cells:
-        medians = [statistics.median(r[cell] for r in runs[t]) for t in args.trees]
+        medians = [statistics.median(r[cell] for r in runs[arm]) for arm in arms]
         ratios = [b[cell] / a[cell] for a, b in zip(runs[first], runs[last])]
         row = f"| {cell} | " + " | ".join(f"{m:.1f}" for m in medians)
         row += f" | {statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f}) |"
         if "plain" in cells:
-            row += "".join(f" {statistics.median(r[cell] / r['plain'] for r in runs[t]):.3f} |"
-                           for t in args.trees)
+            row += "".join(f" {statistics.median(r[cell] / r['plain'] for r in runs[arm]):.3f} |"
+                           for arm in arms)
         print(row)
 
 

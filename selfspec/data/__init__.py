@@ -13,13 +13,15 @@ Everything upstream of the training loop lives here:
 - ``load_chat_corpus`` / ``pack_chat_dataset``: conversations (ShareGPT, chat files) split by id,
   rendered by the chat template, packed with a mask of the assistant tokens (``chat``).
 - ``load_corpus`` / ``pack_split``: either kind by its source, for the loop and the evaluations.
+- ``cut_blocks`` / ``is_short_batch``: mixed lengths, a share of the long blocks' batches cut into
+  short blocks (``data.short_block_size``).
 
 Generated artefacts are written atomically (built in a temp dir beside the target, then renamed),
 so an interrupted build never leaves a half-written corpus or tokenizer that a later run would
 silently reuse.
 """
 
-from .blocks import block_tensors, draft_mask, load_corpus, pack_split
+from .blocks import block_tensors, cut_blocks, draft_mask, is_short_batch, load_corpus, pack_split
 from .chat import ChatDataError, is_chat_source, load_chat_corpus, pack_chat_dataset
 from .constants import EOS_TOKEN, SPLITS
 from .packing import count_tokens, pack_dataset
@@ -35,7 +37,8 @@ from .stdlib import (
 )
 from .tokenizer import load_or_train_tokenizer, stdlib_tokenizer_dir, train_tokenizer
 
-__all__ = ["ChatDataError", "block_tensors", "draft_mask", "is_chat_source", "load_chat_corpus",
+__all__ = ["ChatDataError", "block_tensors", "cut_blocks", "draft_mask", "is_short_batch", "is_chat_source",
+           "load_chat_corpus",
            "load_corpus",
            "pack_chat_dataset", "pack_split", "EOS_TOKEN", "SPLITS",
            "STDLIB_CORPUS_FORMAT", "build_stdlib_corpus",

@@ -6,6 +6,7 @@ tokens; text (stdlib, .txt, text .jsonl, datasets) gives blocks whose every toke
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import datasets
@@ -48,3 +49,24 @@ def block_tensors(blocks: datasets.Dataset) -> tuple[torch.Tensor, torch.Tensor 
 def draft_mask(blocks: datasets.Dataset) -> torch.Tensor | None:
     """(n, T) the targets the early exit drafts (`pack_split(skip_forced=True)`), else None."""
     return blocks["draft_mask"][:] if "draft_mask" in blocks.column_names else None
+
+
+def is_short_batch(micro: int, fraction: float) -> bool:
+    """Whether micro-batch `micro` (0-based, counted over the whole run) is one of the `fraction` that
+    `DataConfig.short_block_size` cuts short: floor((m + 1) f) > floor(m f), so the short ones lie
+    evenly through the run (every other one at 0.5), alike on every process and after a resume."""
+    return math.floor((micro + 1) * fraction) > math.floor(micro * fraction)
+
+
+def cut_blocks(batch: dict, length: int) -> dict:
+    """A batch of packed (B, T) blocks as (B * T / length, length) blocks: each block's consecutive
+    stretches, the same tokens with contexts of at most `length` (`DataConfig.short_block_size`)."""
+    shape = batch["input_ids"].shape
+    if shape[1] % length:
+        raise ValueError(f"blocks of {shape[1]} tokens cannot be cut into blocks of {length}")
+    cut = {}
+    for key, value in batch.items():
+        if not (torch.is_tensor(value) and value.shape == shape):
+            raise ValueError(f"cannot cut {key!r} into shorter blocks: not a (B, T) tensor like input_ids")
+        cut[key] = value.reshape(-1, length)
+    return cut

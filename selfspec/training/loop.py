@@ -330,7 +330,8 @@ class _Run:
 
     def batches(self):
         """Training batches forever, epoch after epoch, from where `micro` says the run is: dicts of
-        input_ids (B, T) and, for chat data, target_mask (B, T); or an exit adapter's cached features
+        input_ids (B, T) and, for chat data, target_mask (B, T), a share of them cut into shorter
+        blocks under `data.short_block_size`; or an exit adapter's cached features
         (`training.features`)."""
         batches_per_epoch = len(self.loader)
         while True:
@@ -339,6 +340,9 @@ class _Run:
             epoch_loader = self.accelerator.skip_first_batches(self.loader, offset) if offset else self.loader
             for batch in epoch_loader:
                 self.micro += 1
+                data = self.cfg.data
+                if data.cut_length and data_lib.is_short_batch(self.micro - 1, data.short_fraction):
+                    batch = data_lib.cut_blocks(batch, data.cut_length)
                 yield batch
 
 
@@ -718,9 +722,15 @@ def train_or_reuse(cfg: RunConfig, kind: str = "tuned", force: bool = False, res
 
 
 def _trains_alike(a: dict, b: dict) -> bool:
-    """Two runs' configs equal in what they train: where the caches live does not count."""
+    """Two runs' configs equal in what they train: where the caches live does not count, and a field
+    added to the config since a run was stored counts at its default (what that run trained with)."""
+    defaults = to_dict(RunConfig())
+
     def result_fields(training: dict) -> dict:
-        return {**training, "data": {k: v for k, v in training.get("data", {}).items() if k != "cache_dir"}}
+        filled = {key: {**value, **training.get(key, {})} if isinstance(value, dict)
+                  else training.get(key, value) for key, value in defaults.items()}
+        filled.update({key: value for key, value in training.items() if key not in defaults})
+        return {**filled, "data": {k: v for k, v in filled["data"].items() if k != "cache_dir"}}
     return result_fields(a) == result_fields(b)
 
 
