@@ -213,7 +213,8 @@ class DataConfig:
         _check(self.short_block_size is None or (self.short_block_size >= 2 and (
                self.block_size <= self.short_block_size or self.block_size % self.short_block_size == 0)),
                "short_block_size", self.short_block_size,
-               f"it must be >= 2 and divide block_size ({self.block_size}), or null")
+               f"it must be >= 2 and divide block_size ({self.block_size}), or be at least block_size (no "
+               "batch is cut), or null")
         _check(0 <= self.short_fraction <= 1, "short_fraction", self.short_fraction, "it must be in [0, 1]")
         _check(self.tokenizer_vocab_size >= 260, "tokenizer_vocab_size", self.tokenizer_vocab_size,
                "it must be >= 260 (256 bytes plus merges and the end-of-text token)")
@@ -221,9 +222,9 @@ class DataConfig:
     @property
     def cut_length(self) -> int | None:
         """The length `short_fraction` of the batches are cut to: `short_block_size` where it is shorter
-        than `block_size`, else None (no batch is cut)."""
+        than `block_size` and the fraction is above 0, else None (no batch is cut)."""
         short = self.short_block_size
-        return short if short is not None and short < self.block_size else None
+        return short if short is not None and short < self.block_size and self.short_fraction > 0 else None
 
     @property
     def cache_path(self) -> Path:
@@ -463,8 +464,8 @@ class RunConfig:
                    "use kl or argmax, or cache_features: false")
             _check(not self.cache_features or self.data.cut_length is None, "data.short_block_size",
                    self.data.short_block_size, "cached features were computed over whole blocks, so "
-                   "cutting them shorter cannot shorten their context: set it to null, or "
-                   "cache_features: false")
+                   "cutting them shorter cannot shorten their context: set it to null (or "
+                   "data.short_fraction: 0), or cache_features: false")
         _check(self.model.fp32_master_weights or not (self.mixed_precision == "fp16"
                                                        and self.model.dtype == "float16"),
                "model.fp32_master_weights", self.model.fp32_master_weights,

@@ -91,7 +91,7 @@ def test_bad_values_name_field_value_and_what_is_allowed(override, message):
     (lambda: EarlyExitConfig(draft_vocab_size=0), r"^draft_vocab_size = 0 is not allowed; it must be >= 1"),
     (lambda: DataConfig(block_size=1), r"^block_size = 1 is not allowed; it must be >= 2$"),
     (lambda: DataConfig(block_size=256, short_block_size=100),
-     r"^short_block_size = 100 is not allowed; it must be >= 2 and divide block_size \(256\), or null"),
+     r"^short_block_size = 100 is not allowed; it must be >= 2 and divide block_size \(256\), or be at"),
     (lambda: DataConfig(short_fraction=1.5),
      r"^short_fraction = 1.5 is not allowed; it must be in \[0, 1\]$"),
     (lambda: RunConfig(trainable="adapter", data=DataConfig(block_size=512, short_block_size=256)),

@@ -69,6 +69,11 @@ def test_a_run_stored_before_a_config_field_existed_is_reused_at_that_fields_def
     mixed = to_dict(load_config("embedded_base", ["data.block_size=512", "data.short_block_size=256"]))
     assert not _trains_alike(stored, mixed)
     assert not _trains_alike({**stored, "seed": 1}, current)
+    # a nested section filled alike; a section stored as None, or no config at all, is not the current one
+    arch = {k: v for k, v in current["model"]["arch"].items() if k != "tie_word_embeddings"}
+    assert _trains_alike({**stored, "model": {**current["model"], "arch": arch}}, current)
+    assert not _trains_alike({**stored, "data": None}, current)
+    assert not _trains_alike({}, current)
 
 
 def test_a_recipe_of_mixed_lengths_overridden_to_short_blocks_cuts_none():
@@ -76,6 +81,7 @@ def test_a_recipe_of_mixed_lengths_overridden_to_short_blocks_cuts_none():
     cfg = load_config("demo_finetune", ["data.block_size=32"])
     assert cfg.data.short_block_size == 256 and cfg.data.cut_length is None
     assert load_config("demo_finetune").data.cut_length == 256
+    assert load_config("demo_finetune", ["data.short_fraction=0"]).data.cut_length is None
 
 
 @pytest.mark.parametrize("command", ["train", "pretrain"])

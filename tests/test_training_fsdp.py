@@ -110,10 +110,10 @@ def test_two_fsdp_processes_equal_one_plain_process_and_resume_bit_for_bit(tiny_
 # `optim.grad_clip` 0.1 bites on every step (the gradients' norms are 0.3 to 1.1): a clip that
 # missed the parameters would show in the weights; every other batch cut into 8-token blocks, as the
 # recipe cuts its 2,048-token blocks into 256
-LOOP = ["data.block_size=32", "data.short_block_size=8", "data.max_eval_blocks=4", "optim.max_steps=4", "optim.warmup_steps=1",
-        "optim.grad_clip=0.1", "early_exit.layers=2:4", "early_exit.token_fraction=1.0",
-        "layer_dropout.p_max=0.3", "layer_dropout.per_sample=false", "exit_layer=2", "eval_every=2",
-        "save_every=2", "log_with=[jsonl]"]
+LOOP = ["data.block_size=32", "data.short_block_size=8", "data.max_eval_blocks=4", "optim.max_steps=4",
+        "optim.warmup_steps=1", "optim.grad_clip=0.1", "early_exit.layers=2:4",
+        "early_exit.token_fraction=1.0", "layer_dropout.p_max=0.3", "layer_dropout.per_sample=false",
+        "exit_layer=2", "eval_every=2", "save_every=2", "log_with=[jsonl]"]
 
 
 def _selfspec_train(out: Path, processes: int, data: list[str], *extra: str, resume: bool = False,

@@ -53,6 +53,8 @@ def main() -> None:
     parser.add_argument("--decode-only", action="store_true", help="rates over decode time (engine_ab.py)")
     parser.add_argument("--extensions", default="/tmp/tree_ab_extensions")
     args = parser.parse_args()
+    if args.models and args.model:
+        parser.error("give --model (one checkpoint for every tree) or --models (one a tree), not both")
     if args.models and len(args.models) != len(args.trees):
         parser.error(f"--models names {len(args.models)} checkpoints for {len(args.trees)} trees; "
                      "give one a tree")

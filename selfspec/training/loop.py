@@ -724,13 +724,21 @@ def train_or_reuse(cfg: RunConfig, kind: str = "tuned", force: bool = False, res
 def _trains_alike(a: dict, b: dict) -> bool:
     """Two runs' configs equal in what they train: where the caches live does not count, and a field
     added to the config since a run was stored counts at its default (what that run trained with)."""
+    if not a or not b:  # a run that stored no config is never taken for another
+        return False
     defaults = to_dict(RunConfig())
 
+    def filled(stored, default):
+        """`stored` with the fields it lacks taken from `default`, section by section."""
+        if not (isinstance(stored, dict) and isinstance(default, dict)):
+            return stored
+        return {**default, **{key: filled(value, default.get(key)) for key, value in stored.items()}}
+
     def result_fields(training: dict) -> dict:
-        filled = {key: {**value, **training.get(key, {})} if isinstance(value, dict)
-                  else training.get(key, value) for key, value in defaults.items()}
-        filled.update({key: value for key, value in training.items() if key not in defaults})
-        return {**filled, "data": {k: v for k, v in filled["data"].items() if k != "cache_dir"}}
+        run = filled(training, defaults)
+        data = run.get("data")
+        return {**run, "data": {k: v for k, v in data.items() if k != "cache_dir"} if isinstance(data, dict)
+                else data}
     return result_fields(a) == result_fields(b)
 
 
