@@ -181,11 +181,11 @@ class DataConfig:
     short_block_size: int | None = None
     """Mixed lengths: cut `short_fraction` of the training micro-batches into blocks of this many
     tokens (a divisor of `block_size`; none are cut where `block_size` is not longer), the rest
-    training on whole blocks. A (B, block_size) batch
-    becomes (B * block_size / short_block_size, short_block_size): the same tokens a step, so short
-    and long contexts both keep their acceptance. Long blocks alone teach positions past the
-    pretraining's length but give the first positions a fraction of the updates (the embedded
-    default tuned on 2,048-token blocks alone accepted less at 32-token prompts)."""
+    training on whole blocks. A (B, block_size) batch becomes (B * block_size / short_block_size,
+    short_block_size): the same tokens a step, so short and long contexts both keep their acceptance.
+    Long blocks alone teach positions past the pretraining's length but give the first positions a
+    fraction of the updates (the embedded default tuned on 2,048-token blocks alone accepted less at
+    32-token prompts)."""
     short_fraction: float = 0.5
     """Share of micro-batches cut into `short_block_size` blocks, spread evenly over the run."""
     max_train_blocks: int | None = None

@@ -38,8 +38,7 @@ from .stdlib import (
 from .tokenizer import load_or_train_tokenizer, stdlib_tokenizer_dir, train_tokenizer
 
 __all__ = ["ChatDataError", "block_tensors", "cut_blocks", "draft_mask", "is_short_batch", "is_chat_source",
-           "load_chat_corpus",
-           "load_corpus",
+           "load_chat_corpus", "load_corpus",
            "pack_chat_dataset", "pack_split", "EOS_TOKEN", "SPLITS",
            "STDLIB_CORPUS_FORMAT", "build_stdlib_corpus",
            "content_exclusion_reason", "count_tokens", "iter_stdlib_files", "load_or_train_tokenizer",
