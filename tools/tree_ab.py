@@ -59,17 +59,17 @@ def main() -> None:
         parser.error(f"--models names {len(args.models)} checkpoints for {len(args.trees)} trees; "
                      "give one a tree")
     models = args.models or [args.model] * len(args.trees)
-    arms = list(range(len(args.trees)))  # a tree may run twice, on two checkpoints
+    arms = list(zip(args.trees, models))  # a tree may run twice, on two checkpoints
     warm = argparse.Namespace(**{**vars(args), "prompts": 1, "new_tokens": 8})
-    for arm in arms:  # builds the kernels and warms the file cache: not timed
-        run(args.trees[arm], models[arm], warm)
-    runs = {arm: [] for arm in arms}
+    for tree, model in arms:  # builds the kernels and warms the file cache: not timed
+        run(tree, model, warm)
+    runs = [[] for _ in arms]  # runs[i]: arm i's repeats
+    order = list(range(len(arms)))
     for repeat in range(args.repeats):  # the order rotates: no tree always runs first (or last)
         shift = repeat % len(arms)
-        for arm in arms[shift:] + arms[:shift]:
-            runs[arm].append(run(args.trees[arm], models[arm], args))
-    names = [tree if not args.models else f"{tree} on {model}" for tree, model in zip(args.trees, models)]
-    first, last = arms[0], arms[-1]
+        for i in order[shift:] + order[:shift]:
+            runs[i].append(run(*arms[i], args))
+    names = [tree if not args.models else f"{tree} on {model}" for tree, model in arms]
     cells = args.cells.split(",")
     context = f", {args.context}-token prompts, decode time only" if args.context else ""
     context += f", sampled cells {args.seeds} draws a prompt" if args.seeds > 1 else ""
@@ -78,17 +78,17 @@ def main() -> None:
     print(f"{checkpoints}: {args.prompts} prompts x {args.new_tokens} tokens{context}, "
           f"median of {args.repeats} interleaved repeats")
     print("| cell | " + " | ".join(f"{n} tok/s" for n in names)
-          + f" | {names[last]} / {names[first]} (low-high) |"
+          + f" | {names[-1]} / {names[0]} (low-high) |"
           + ("".join(f" {n} x plain |" for n in names) if "plain" in cells else ""))
     print("|---|" + "---:|" * (len(arms) + 1 + (len(arms) if "plain" in cells else 0)))
     for cell in cells:
-        medians = [statistics.median(r[cell] for r in runs[arm]) for arm in arms]
-        ratios = [b[cell] / a[cell] for a, b in zip(runs[first], runs[last])]
+        medians = [statistics.median(r[cell] for r in arm_runs) for arm_runs in runs]
+        ratios = [b[cell] / a[cell] for a, b in zip(runs[0], runs[-1])]
         row = f"| {cell} | " + " | ".join(f"{m:.1f}" for m in medians)
         row += f" | {statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f}) |"
         if "plain" in cells:
-            row += "".join(f" {statistics.median(r[cell] / r['plain'] for r in runs[arm]):.3f} |"
-                           for arm in arms)
+            row += "".join(f" {statistics.median(r[cell] / r['plain'] for r in arm_runs):.3f} |"
+                           for arm_runs in runs)
         print(row)
 
 

@@ -334,13 +334,13 @@ class _Run:
         blocks under `data.short_block_size`; or an exit adapter's cached features
         (`training.features`)."""
         batches_per_epoch = len(self.loader)
+        data = self.cfg.data
         while True:
             epoch, offset = divmod(self.micro, batches_per_epoch)
             self.loader.set_epoch(epoch)
             epoch_loader = self.accelerator.skip_first_batches(self.loader, offset) if offset else self.loader
             for batch in epoch_loader:
                 self.micro += 1
-                data = self.cfg.data
                 if data.cut_length and data_lib.is_short_batch(self.micro - 1, data.short_fraction):
                     batch = data_lib.cut_blocks(batch, data.cut_length)
                 yield batch
