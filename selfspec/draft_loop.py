@@ -77,7 +77,7 @@ def pick(logits: torch.Tensor, sampling: RowSampling | None, position: torch.Ten
     if sampling is None or sampling.all_greedy:
         return greedy_tokens(logits), None
     probs = sampling.probs(logits)
-    return sample(probs, sampling.uniforms(position, DRAFT)[:, 0]), probs
+    return sample(probs, sampling.uniforms(position, DRAFT)[:, 0], on_host=not sampling.in_capture), probs
 
 
 def keep_sure(drafts: torch.Tensor, q: torch.Tensor | None, tops: torch.Tensor | None, states: torch.Tensor,

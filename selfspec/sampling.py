@@ -22,6 +22,7 @@ true here:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -280,18 +281,48 @@ def _host_uniforms(seeds: np.ndarray, positions: np.ndarray, stream: int) -> np.
     return h.astype(np.float64) * 2.0**-32
 
 
-def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sampling: (..., V) probabilities (need not sum to 1) and (...) uniforms -> (...) ids.
+# The race's per-token key: mixed into the draw's number, it gives each token its own uniform
+_TOKEN_KEY = 0x27D4EB2F
 
-    Never returns a zero-probability token: the cumulative sum is taken in float64 and the result
-    is clamped to the last token with positive probability.
+
+def token_keys(vocab: int, device) -> torch.Tensor:
+    """(V,) int64: `_mix32` of each token id with `_TOKEN_KEY`. Made anew each call: a captured pass
+    replays the operations it ran at capture, so a cache would change them."""
+    return _mix32(torch.arange(vocab, device=device) ^ _TOKEN_KEY)
+
+
+@functools.lru_cache(maxsize=8)
+def _host_token_keys(vocab: int) -> np.ndarray:
+    """`token_keys` in numpy: (V,) uint32."""
+    return _host_mix32(np.arange(vocab, dtype=np.uint32) ^ np.uint32(_TOKEN_KEY))
+
+
+def race_numbers(u: torch.Tensor, vocab: int, on_host: bool = False) -> torch.Tensor:
+    """(...) uniforms -> (..., V) int64: each token's 32 random bits for the race, mix32(u's bits ^ key_v).
+    `on_host` (a CPU tensor outside a captured pass, which may not read the host) in numpy's uint32
+    arithmetic (a handful of vectorised operations), else as tensor operations: the same bits."""
+    bits = (u.double() * 2.0**32).to(torch.int64)  # u is h / 2^32, h 32 bits
+    if on_host and u.device.type == "cpu":
+        held = bits.numpy().astype(np.uint32)[..., None]
+        return torch.from_numpy(_host_mix32(held ^ _host_token_keys(vocab)).astype(np.int64))
+    return _mix32(bits[..., None] ^ token_keys(vocab, u.device))
+
+
+def sample(probs: torch.Tensor, u: torch.Tensor, on_host: bool = False) -> torch.Tensor:
+    """An exponential race (the Gumbel-max trick): (..., V) probabilities (need not sum to 1) and (...)
+    uniforms -> (...) ids, argmax_v p_v / e_v with e_v = -ln u_v, each token's own uniform
+    u_v = (`race_numbers` + 1/2) / 2^32. Token v wins with probability p_v / Σ p; never a
+    zero-probability token; no sort and no cumulative sum.
+
+    Why a race rather than the inverse CDF: two distributions raced with the same u give the same token
+    with probability close to their overlap Σ min(p, q) (the inverse CDF's agreement is far lower), so
+    a draft distribution raced with the target's number at a position guesses the target's draw there
+    (`greedy_rounds`' overlapped sampled rounds). `on_host`: see `race_numbers`.
     """
-    cdf = probs.double().cumsum(-1)  # (..., V)
-    target = (u * cdf[..., -1])[..., None]
-    index = torch.searchsorted(cdf, target, right=True)[..., 0]
-    vocab = probs.shape[-1]
-    last_positive = vocab - 1 - (probs > 0).flip(-1).int().argmax(-1)
-    return torch.minimum(index, last_positive)
+    h = race_numbers(u, probs.shape[-1], on_host)  # (..., V)
+    e = -torch.log((h.double() + 0.5) * 2.0**-32)  # (..., V) > 0: exponential numbers
+    score = torch.where(probs > 0, probs.double() / e, -1.0)
+    return score.argmax(-1)
 
 
 def residual_probs(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -343,7 +374,8 @@ def accept_greedy(drafts: torch.Tensor, target_logits: torch.Tensor):
 
 
 def accept_sampled(drafts: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
-                   u_accept: torch.Tensor, u_target: torch.Tensor, live: int | None = None):
+                   u_accept: torch.Tensor, u_target: torch.Tensor, live: int | None = None,
+                   on_host: bool = False):
     """Speculative sampling: accept draft i with probability min(1, p_i(d)/q_i(d)).
 
     drafts: (B, k) drawn from q (B, k, V); p: (B, k+1, V) target probabilities; u_accept (B, k) and
@@ -352,6 +384,7 @@ def accept_sampled(drafts: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
     (tokens (B, k+1), accepted (B,)) like `accept_greedy`. live: the drafts' columns that hold drafts
     (None: all k), the rest padding of a fixed-shape pass: never accepted, and the column after the
     last live one draws the bonus from p itself, so the decisions are those of the live drafts alone.
+    on_host: the draw's, `sample`'s.
     """
     k = drafts.shape[1]
     columns = torch.arange(k + 1, device=drafts.device)
@@ -360,13 +393,15 @@ def accept_sampled(drafts: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
     q_draft = q.gather(-1, drafts[..., None])[..., 0]  # (B, k), > 0: d was drawn from q
     # u < p/q, without dividing
     accepted = ((u_accept * q_draft < p_draft) & real[:k]).int().cumprod(1).sum(1)
-    # What the target emits at each position if the round stops there: the residual after a
-    # rejection at a draft's column, the bonus from p past the drafts. Drawn for all positions, kept
-    # at `accepted`.
-    fallback = torch.where(real[:, None], residual_probs(p, F.pad(q, (0, 0, 0, 1))), p)  # (B, k+1, V)
-    corrections = sample(fallback, u_target)  # (B, k+1)
+    # What the target emits at the column where the round stops (`accepted`): the residual after a
+    # rejection at a draft's column, the bonus from p past the drafts; drawn at that column alone
+    at = accepted[:, None, None].expand(-1, 1, p.shape[-1])  # (B, 1, V)
+    p_at = p.gather(1, at)[:, 0]  # (B, V)
+    q_at = F.pad(q, (0, 0, 0, 1)).gather(1, at)[:, 0]  # (B, V), zeros past the drafts
+    fallback = torch.where(real[accepted][:, None], residual_probs(p_at, q_at), p_at)
+    correction = sample(fallback, u_target.gather(1, accepted[:, None])[:, 0], on_host)  # (B,)
     keep_draft = columns < accepted[:, None]
-    tokens = torch.where(keep_draft, F.pad(drafts, (0, 1)), corrections)
+    tokens = torch.where(keep_draft, F.pad(drafts, (0, 1)), correction[:, None])
     return tokens, accepted
 
 

@@ -1,4 +1,4 @@
-"""Logits processing, counter-based random numbers, inverse-CDF sampling and the accept/reject rule."""
+"""Logits processing, counter-based random numbers, the race (`sample`) and the accept/reject rule."""
 
 import numpy as np
 import pytest
@@ -59,16 +59,34 @@ def test_uniforms_are_uniform_deterministic_and_keyed():
     assert big.min() >= 0 and big.max() < 1
 
 
-def test_inverse_cdf_sampling_matches_the_distribution_and_skips_zeros():
+def test_race_sampling_matches_the_distribution_and_skips_zeros():
     probs = torch.tensor([0.0, 0.1, 0.0, 0.35, 0.05, 0.5, 0.0])
     n = 50_000
     u = uniforms(torch.arange(n), torch.zeros(n, 1, dtype=torch.long), TARGET)[:, 0]
     tokens = sample(probs.expand(n, -1), u).numpy()
     assert chi_square_p(tokens, probs.numpy()) > P_MIN
     # the extreme uniforms still land on positive-probability tokens, also for unnormalised rows
-    edge = sample(torch.tensor([[0.0, 2.0, 0.0], [0.3, 0.0, 0.0]]), torch.tensor([1 - 2**-32, 1 - 2**-32]))
-    assert edge.tolist() == [1, 0]
-    assert sample(probs[None], torch.tensor([0.0])).item() == 1
+    edge = torch.tensor([[0.0, 2.0, 0.0], [0.3, 0.0, 0.0]])
+    for extreme in (0.0, 1 - 2**-32):
+        assert sample(edge, torch.tensor([extreme, extreme])).tolist() == [1, 0]
+
+
+def test_distributions_raced_with_one_number_agree_about_as_often_as_they_overlap():
+    """Why the race: q raced with p's own number gives p's draw with probability near Σ min(p, q)
+    (an overlapped sampled round guesses the target's token so); independent draws agree far less."""
+    g = torch.Generator().manual_seed(0)
+    p = (torch.randn(64, 4096, generator=g) * 3).softmax(-1)  # (64, V) peaked, like a model's
+    q = (p.log() + torch.randn(64, 4096, generator=g) * 0.5).softmax(-1)  # a close draft
+    overlap = torch.minimum(p, q).sum(-1).mean().item()
+    n = 200
+    seeds = torch.arange(n).repeat_interleave(64)
+    u = uniforms(seeds, torch.arange(64).repeat(n)[:, None], TARGET)[:, 0]
+    same = (sample(p.repeat(n, 1), u) == sample(q.repeat(n, 1), u)).double().mean().item()
+    other = uniforms(seeds, torch.arange(64).repeat(n)[:, None], DRAFT)[:, 0]
+    apart = (sample(p.repeat(n, 1), u) == sample(q.repeat(n, 1), other)).double().mean().item()
+    assert 0.4 < overlap < 0.95
+    assert same > 0.8 * overlap  # a maximal coupling would reach the overlap itself
+    assert apart < 0.8 * same
 
 
 def test_residual_is_clipped_normalised_and_falls_back_to_p():
@@ -131,13 +149,11 @@ def test_accept_rule_emits_the_target_distribution():
     assert chi_square_p(tokens[full, 2].numpy(), p[2].numpy()) > P_MIN
 
 
-def test_accept_rule_with_an_unclipped_residual_is_rejected(monkeypatch):
-    def unclipped(p, q):  # the bug: max(0, p − q) written as p − q; it sums to ~0, so it falls back to p
-        residual = p - q
-        total = residual.sum(-1, keepdim=True)
-        return torch.where(total > 0, residual / total.clamp_min(torch.finfo(residual.dtype).tiny), p)
-
-    monkeypatch.setattr(sampling, "residual_probs", unclipped)
+def test_accept_rule_that_redraws_a_rejection_from_p_is_rejected(monkeypatch):
+    """The test has power: a rejected draft replaced by a draw from p itself (the residual forgotten)
+    over-weights the tokens q drafts often. (A residual left unclipped, p − q, races as the clipped one:
+    the race never picks a token at or below 0.)"""
+    monkeypatch.setattr(sampling, "residual_probs", lambda p, q: p)
     p, q = _distributions()
     tokens, _ = _speculative_first_tokens(200_000, 2, p, q)
     assert chi_square_p(tokens[:, 0].numpy(), p[0].numpy()) < 1e-6
@@ -178,6 +194,12 @@ def test_the_hosts_random_numbers_are_the_devices_bit_for_bit():
         host = rows.uniforms(positions, stream)
         assert torch.equal(host, uniforms(rows.seeds, positions, stream))
         assert torch.equal(host, sampling.RowSampling.captured(rows.tensors()).uniforms(positions, stream))
+    # the race's per-token numbers alike: numpy on the CPU, tensor operations elsewhere
+    u = uniforms(rows.seeds, positions, TARGET)  # (7, 9)
+    bits = (u * 2.0**32).to(torch.int64)[..., None]
+    assert torch.equal(sampling.race_numbers(u, 4096, on_host=True),
+                       sampling._mix32(bits ^ sampling.token_keys(4096, "cpu")))
+    assert torch.equal(sampling.race_numbers(u, 4096, on_host=True), sampling.race_numbers(u, 4096))
 
 
 def test_the_compiled_rows_sampling_is_selfspecs_rule():
@@ -200,6 +222,11 @@ def test_the_compiled_rows_sampling_is_selfspecs_rule():
     for seed, position, stream in [(3, 10, DRAFT), (2**40 + 5, 99, ACCEPT), (-7, 2**33 + 1, TARGET)]:
         assert module.uniform(seed, position, stream) == uniforms(torch.tensor([seed]),
                                                                   torch.tensor([[position]]), stream).item()
+    # the race: the same token as `sample` for every number (the skipped logarithms change nothing)
+    probs = rows.probs(torch.randn(6, 4096, generator=torch.Generator().manual_seed(3)) * 4.0)
+    u = uniforms(torch.arange(50), torch.zeros(50, 1, dtype=torch.long), TARGET)[:, 0]
+    for row in probs:
+        assert [module.draw(row, x) for x in u.tolist()] == sample(row.expand(50, -1), u).tolist()
 
 
 def test_eta_keeps_the_drafts_before_the_first_step_no_row_is_sure_of():

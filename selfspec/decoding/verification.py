@@ -59,7 +59,8 @@ class Verifier:
         positions = b.lengths_dev[:, None] + b.steps[1:k + 2]  # (B, k+1): positions n+1 .. n+k+1
         return decided(*accept_sampled(draft.tokens, self._q(b, draft), b.sampling.probs(p_logits),
                                        b.sampling.uniforms(positions[:, :k], ACCEPT),
-                                       b.sampling.uniforms(positions, TARGET)))
+                                       b.sampling.uniforms(positions, TARGET),
+                                       on_host=not b.sampling.in_capture))
 
     def _q(self, b: Batch, draft: Draft) -> torch.Tensor:
         """The drafts' distributions (B, k, V): one-hot for copied and forced drafts (deterministic given

@@ -237,9 +237,9 @@ bool sure(const torch::Tensor& top, double stop_below) {
 // The engine's sampled rounds process logits (`RowSampling.probs`), draw (`sample`) and accept
 // (`accept_sampled`) with tensor operations over the batch; the compiled calls below do the same for one
 // row at a time in a few passes over its V logits: no sort of the vocabulary (top-k by a selection, top-p
-// among the tokens that can be in its nucleus), the random numbers from the same hash. The probabilities'
-// sums run in another order than torch's, so a draw can differ from the engine's only where u falls
-// within rounding of a boundary of the CDF.
+// among the tokens that can be in its nucleus), the random numbers from the same hash and the draw by the same race (`draw`). The
+// probabilities' sums run in another order than torch's, so a draw can differ from the engine's only where
+// two tokens' race scores lie within that rounding of each other.
 
 // Streams of random numbers (`sampling.DRAFT`, `ACCEPT`, `TARGET`)
 constexpr int kDraftStream = 0, kAcceptStream = 1, kTargetStream = 2;
@@ -418,22 +418,26 @@ float row_probs(const float* logits, int64_t vocab, const RowSampling& s, float*
   return 1.f / sum;
 }
 
-// `sampling.sample` for one row: the token at u of the cumulative distribution of `probs` (V, need not
-// sum to 1), summed in float64 in token order; never a zero-probability token.
-int64_t draw(const float* probs, int64_t vocab, double u) {
-  double total = 0.0;
-  int64_t last = 0;
-  for (int64_t j = 0; j < vocab; ++j) {
-    total += probs[j];
-    if (probs[j] > 0) last = j;
+// `sampling.sample` for one row: the exponential race over `probs` (n, need not sum to 1), token j's number
+// u_j = (mix32(u's bits ^ mix32(id ^ key)) + 1/2) / 2^32 by its token id (`ids[j]`, or j), the winner
+// argmax p_j / -ln u_j (the first on a tie); never a zero-probability token. Since -ln x >= 1 - x, a token
+// with p_j <= best · (1 - u_j) cannot win and skips its logarithm: most of a flat distribution's tokens.
+int64_t draw(const float* probs, int64_t n, double u, const int64_t* ids = nullptr) {
+  constexpr uint32_t kTokenKey = 0x27D4EB2Fu;  // `sampling._TOKEN_KEY`
+  const auto bits = static_cast<uint32_t>(u * 0x1p32);
+  double best = -1.0;
+  int64_t winner = -1, last = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    if (!(probs[j] > 0)) continue;
+    last = j;
+    const uint32_t id = static_cast<uint32_t>(ids ? ids[j] : j);
+    const double v = (static_cast<double>(mix32(bits ^ mix32(id ^ kTokenKey))) + 0.5) * 0x1p-32;
+    const double p = probs[j];
+    if (winner >= 0 && p <= best * (1.0 - v)) continue;
+    const double score = p / -std::log(v);
+    if (score > best) best = score, winner = j;
   }
-  const double target = u * total;
-  double cdf = 0.0;
-  for (int64_t j = 0; j < vocab; ++j) {
-    cdf += probs[j];
-    if (cdf > target) return std::min(j, last);
-  }
-  return last;
+  return winner >= 0 ? winner : last;
 }
 
 // `sampling.accept_sampled` for one sampled row: drafts d (k), their distributions q (k, V), `target(i)` the
@@ -555,8 +559,9 @@ std::vector<torch::Tensor> draft_loop(const Passes& low, const Head& draft, cons
 // distribution (B, s, V), which the verification accepts against (one-hot on greedy rows). η reads the
 // processed distribution's top probability on a sampled row, the softmax's on a greedy one
 // (`RowSampling.top_probability`). The draft head `draft` (`Head`): a trimmed head's token ids (V'; the other
-// tokens' logits -inf, so probability 0). A trimmed head's V' logits are processed and drawn from alone, in the order of their token ids (`order`: the
-// inverse CDF then walks the tokens as it would over all V), and scattered into q.
+// tokens' logits -inf, so probability 0). A trimmed head's V' logits are processed and drawn from alone, in the
+// order of their token ids (`order`; the race keys each by its id, `draw`'s `ids`, as over all V), and
+// scattered into q.
 struct SampledDrafts {
   std::vector<RowSampling> rows;
   torch::Tensor positions;  // (B, k + 1) int64: the inputs' positions
@@ -566,11 +571,11 @@ struct SampledDrafts {
   int64_t made = 0;  // the drafts q holds
   std::vector<float> logits, probs;  // (B, V'): a step's choice's, kept for the next
 
-  std::pair<torch::Tensor, bool> operator()(const torch::Tensor& states, int64_t step) {
-    const int64_t batch = states.size(0), d = states.size(1), width = draft.weight.size(0), vocab = draft.vocab;
+  // the draft head's logits (B, V') of the exit states (B, D) into `logits`, `probs` sized alike
+  void head(const torch::Tensor& states) {
+    const int64_t batch = states.size(0), d = states.size(1), width = draft.weight.size(0);
     logits.resize(batch * width);
     probs.resize(batch * width);
-    if (!q.defined()) q = torch::zeros({batch, positions.size(1) - 1, vocab}, torch::kFloat32);
     auto run = [&](const auto* h) {
       using T = std::remove_const_t<std::remove_pointer_t<decltype(h)>>;
       draft_logits<T>(h, batch, d, draft, order.empty() ? nullptr : order.data(), logits.data());
@@ -581,6 +586,26 @@ struct SampledDrafts {
       TORCH_CHECK(states.scalar_type() == torch::kBFloat16, "float32 or bfloat16");
       run(states.data_ptr<at::BFloat16>());
     }
+  }
+
+  // One sampled row's guess of the target's token at `position` from the exit state (1, D) of its input:
+  // its processed draft distribution raced with the target's own number there (TARGET), which gives the
+  // target's draw with probability near the two distributions' overlap (`sampling.sample`). Returns {the
+  // guess, the processed distribution's top probability (η's)}.
+  std::pair<int64_t, float> target_guess(const torch::Tensor& state, int64_t position) {
+    TORCH_CHECK(state.size(0) == 1 && rows.size() == 1 && !rows[0].greedy, "one sampled row");
+    head(state);
+    const int64_t width = draft.weight.size(0);
+    const float top = row_probs(logits.data(), width, rows[0], probs.data());
+    const int64_t i = draw(probs.data(), width, uniform(rows[0].seed, position, kTargetStream),
+                           tokens.empty() ? nullptr : tokens.data());
+    return {tokens.empty() ? i : tokens[i], top};
+  }
+
+  std::pair<torch::Tensor, bool> operator()(const torch::Tensor& states, int64_t step) {
+    const int64_t batch = states.size(0), width = draft.weight.size(0), vocab = draft.vocab;
+    if (!q.defined()) q = torch::zeros({batch, positions.size(1) - 1, vocab}, torch::kFloat32);
+    head(states);
     auto token = torch::empty({batch}, torch::kLong);
     float* drafted = q.data_ptr<float>() + step * vocab;  // row b's at b · k · V
     const int64_t* position = positions.data_ptr<int64_t>();
@@ -592,7 +617,8 @@ struct SampledDrafts {
         const float top = row_probs(row, width, rows[b], p);
         const int64_t at = position[b * positions.size(1) + step] + 1;
         const int64_t i = rows[b].greedy ? first_max(row, width)
-                                         : draw(p, width, uniform(rows[b].seed, at, kDraftStream));
+                                         : draw(p, width, uniform(rows[b].seed, at, kDraftStream),
+                                                tokens.empty() ? nullptr : tokens.data());
         token.data_ptr<int64_t>()[b] = tokens.empty() ? i : tokens[i];
         float* q_row = drafted + b * q.size(1) * vocab;
         for (int64_t c = 0; c < width; ++c) q_row[tokens.empty() ? c : tokens[c]] = p[c];
@@ -1076,22 +1102,28 @@ std::vector<torch::Tensor> greedy_rounds(const Passes& model, int64_t exit_layer
               verdict = decided[drafted + 1] == drafted ? 1 : 0;
               continue;
             }
-            const auto chosen = draft_choice(states.select(1, early).contiguous(), draft, c10::nullopt);
-            if (!sure(chosen[1], draft.stop_below)) continue;
-            guess = chosen[0].item<int64_t>();
+            const auto state = states.select(1, early).contiguous();  // (1, D): the last draft's exit state
             const std::function<bool()> stop = [&] {
               const int v = verdict.load();
               return v == 0 || (v == 1 && bonus.load() != guess);
             };
-            if (!sampled) {
+            if (!sampled) {  // the guess: the exit's argmax
+              const auto chosen = draft_choice(state, draft, c10::nullopt);
+              if (!sure(chosen[1], draft.stop_below)) continue;
+              guess = chosen[0].item<int64_t>();
               ahead = draft_loop_until(low.at(next, k + 1), chosen[0], next, k, greedy_drafts(draft), stop);
               continue;
             }
-            // a sampled row: the guess is still the exit's most likely token (the likeliest to be the
-            // target's draw), the drafts from it drawn as a fresh round's would be, at the same positions
+            // a sampled row: the guess is the exit's distribution raced with the target's number for the
+            // token after the last draft (at position `next`), the drafts from it drawn as a fresh round's
+            // would be, at the same positions
             auto from_guess = sampled_drafts(sampling, torch::arange(next, next + k + 1, longs).view({1, k + 1}),
                                              draft);
-            ahead = with_q(draft_loop_until(low.at(next, k + 1), chosen[0], next, k, std::ref(from_guess), stop),
+            const auto [guessed, top] = from_guess.target_guess(state, next);
+            if (!(draft.stop_below <= 0 || !(top < draft.stop_below))) continue;
+            guess = guessed;
+            ahead = with_q(draft_loop_until(low.at(next, k + 1), torch::full({1}, guess, longs), next, k,
+                                            std::ref(from_guess), stop),
                            from_guess);
           }
         });
@@ -1200,6 +1232,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
     return probs;
   }, "`RowSampling.probs` row by row");
   module.def("uniform", &uniform, "`sampling.uniforms` for one key (seed, position, stream)");
+  module.def("draw", [](const torch::Tensor& probs, double u) {
+    const auto held = probs.to(torch::kFloat32).contiguous();
+    TORCH_CHECK(held.dim() == 1, "probs (V,)");
+    return draw(held.data_ptr<float>(), held.numel(), u);
+  }, "`sampling.sample` for one row: the exponential race over probs (V,) with the number u");
   module.def("greedy_rounds", &greedy_rounds, "greedy rounds of one row: drafts, verification, what it keeps",
              pybind11::call_guard<pybind11::gil_scoped_release>());
   // `greedy_rounds`' copy drafter on its own, for the test that holds it to `ngram.NGramIndex`
