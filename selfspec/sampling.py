@@ -297,15 +297,29 @@ def _host_token_keys(vocab: int) -> np.ndarray:
     return _host_mix32(np.arange(vocab, dtype=np.uint32) ^ np.uint32(_TOKEN_KEY))
 
 
-def race_numbers(u: torch.Tensor, vocab: int, on_host: bool = False) -> torch.Tensor:
-    """(...) uniforms -> (..., V) int64: each token's 32 random bits for the race, mix32(u's bits ^ key_v).
-    `on_host` (a CPU tensor outside a captured pass, which may not read the host) in numpy's uint32
-    arithmetic (a handful of vectorised operations), else as tensor operations: the same bits."""
+def race_numbers(u: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(...) uniforms -> (..., V) int64: each token's 32 random bits for the race, mix32(u's bits ^ key_v),
+    as tensor operations on u's device (`_host_race` makes the same bits in numpy)."""
     bits = (u.double() * 2.0**32).to(torch.int64)  # u is h / 2^32, h 32 bits
-    if on_host and u.device.type == "cpu":
-        held = bits.numpy().astype(np.uint32)[..., None]
-        return torch.from_numpy(_host_mix32(held ^ _host_token_keys(vocab)).astype(np.int64))
     return _mix32(bits[..., None] ^ token_keys(vocab, u.device))
+
+
+def _host_race(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """`sample` on CPU tensors in numpy, the same winner for less work: a token takes a logarithm only if
+    it can still win. Since -ln x >= 1 - x, a token's score p / -ln u is at most p / (1 - u); one whose
+    bound falls below the score of its row's likeliest token cannot win (nor can a zero-probability one)."""
+    vocab = probs.shape[-1]
+    held = probs.detach().reshape(-1, vocab).numpy()  # (N, V)
+    bits = (u.double() * 2.0**32).to(torch.int64).reshape(-1).numpy().astype(np.uint32)  # (N,)
+    uniform = (_host_mix32(bits[:, None] ^ _host_token_keys(vocab)) + 0.5) * 2.0**-32  # (N, V) float64
+    rows = np.arange(held.shape[0])
+    top = held.argmax(-1)  # (N,) each row's likeliest token: its score is a floor under the winner's
+    floor = held[rows, top].astype(np.float64) / -np.log(uniform[rows, top])
+    live = np.flatnonzero(held > floor[:, None] * (1.0 - uniform))  # the few that may beat it
+    scores = np.full(held.shape, -1.0)
+    scores.flat[live] = held.flat[live] / -np.log(uniform.flat[live])
+    scores[rows, top] = floor
+    return torch.from_numpy(scores.argmax(-1)).reshape(probs.shape[:-1])
 
 
 def sample(probs: torch.Tensor, u: torch.Tensor, on_host: bool = False) -> torch.Tensor:
@@ -317,10 +331,12 @@ def sample(probs: torch.Tensor, u: torch.Tensor, on_host: bool = False) -> torch
     Why a race rather than the inverse CDF: two distributions raced with the same u give the same token
     with probability close to their overlap Σ min(p, q) (the inverse CDF's agreement is far lower), so
     a draft distribution raced with the target's number at a position guesses the target's draw there
-    (`greedy_rounds`' overlapped sampled rounds). `on_host`: see `race_numbers`.
+    (`greedy_rounds`' overlapped sampled rounds). `on_host`: CPU tensors outside a captured pass (which
+    may not read the host) race in numpy (`_host_race`), the same winner.
     """
-    h = race_numbers(u, probs.shape[-1], on_host)  # (..., V)
-    e = -torch.log((h.double() + 0.5) * 2.0**-32)  # (..., V) > 0: exponential numbers
+    if on_host and probs.device.type == "cpu":
+        return _host_race(probs, u)
+    e = -torch.log((race_numbers(u, probs.shape[-1]).double() + 0.5) * 2.0**-32)  # (..., V) > 0
     score = torch.where(probs > 0, probs.double() / e, -1.0)
     return score.argmax(-1)
 

@@ -194,12 +194,11 @@ def test_the_hosts_random_numbers_are_the_devices_bit_for_bit():
         host = rows.uniforms(positions, stream)
         assert torch.equal(host, uniforms(rows.seeds, positions, stream))
         assert torch.equal(host, sampling.RowSampling.captured(rows.tensors()).uniforms(positions, stream))
-    # the race's per-token numbers alike: numpy on the CPU, tensor operations elsewhere
+    # the race alike: in numpy over the positive tokens on the host, tensor operations over all elsewhere
     u = uniforms(rows.seeds, positions, TARGET)  # (7, 9)
-    bits = (u * 2.0**32).to(torch.int64)[..., None]
-    assert torch.equal(sampling.race_numbers(u, 4096, on_host=True),
-                       sampling._mix32(bits ^ sampling.token_keys(4096, "cpu")))
-    assert torch.equal(sampling.race_numbers(u, 4096, on_host=True), sampling.race_numbers(u, 4096))
+    logits = torch.randn(7, 9, 4096, generator=torch.Generator().manual_seed(1)) * 3
+    for probs in (logits.softmax(-1), SamplingParams(0.8, 0, 0.9).probs(logits)):  # all tokens; a nucleus
+        assert torch.equal(sample(probs, u, on_host=True), sample(probs, u))
 
 
 def test_the_compiled_rows_sampling_is_selfspecs_rule():
