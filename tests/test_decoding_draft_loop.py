@@ -588,11 +588,12 @@ def _stepped(generator, prompt, settings, sampling, seed):
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gpt2"])
 def test_a_sampled_rows_rounds_in_one_call_draw_what_its_rounds_from_python_draw(family, rounds_calls):
     """One sampled row at a fixed k (0: plain steps), η on and off, a trimmed head, overlapped rounds (the
-    next round drafted ahead from the exit's most likely token, kept when the target drew it): its rounds
-    in one compiled call (`greedy_rounds` with the row's sampling), round by round in the compiled draft loop
-    and verification (`draft_loop_sampled`, `verify_sampled`) and round by round in torch operations
-    (`selfspec.sampling`'s rule) draw the same tokens from the same drafts: per round its tokens, drafts
-    and accepted drafts, and the call's statistics. GPT-2 runs its rounds from Python throughout."""
+    next round drafted ahead from the exit's guess of the target's draw, kept when the target drew it):
+    its rounds in one compiled call (`greedy_rounds` with the row's sampling), round by round in the
+    compiled draft loop and verification (`draft_loop_sampled`, `verify_sampled`) and round by round in
+    torch operations (`selfspec.sampling`'s rule) draw the same tokens from the same drafts: per round its
+    tokens, drafts and accepted drafts, and the call's statistics. GPT-2 runs its rounds from Python
+    throughout."""
     model = low_alpha_model(family)
     prompt = BATCHES["one"][0]
     counts = np.arange(96)[::-1].copy()

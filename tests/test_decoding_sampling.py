@@ -65,10 +65,16 @@ def test_race_sampling_matches_the_distribution_and_skips_zeros():
     u = uniforms(torch.arange(n), torch.zeros(n, 1, dtype=torch.long), TARGET)[:, 0]
     tokens = sample(probs.expand(n, -1), u).numpy()
     assert chi_square_p(tokens, probs.numpy()) > P_MIN
-    # the extreme uniforms still land on positive-probability tokens, also for unnormalised rows
-    edge = torch.tensor([[0.0, 2.0, 0.0], [0.3, 0.0, 0.0]])
-    for extreme in (0.0, 1 - 2**-32):
-        assert sample(edge, torch.tensor([extreme, extreme])).tolist() == [1, 0]
+    # the extreme uniforms (float64: 32 bits) still land on positive-probability tokens, unnormalised
+    # rows and bf16 ones too, alike on the host and in tensor operations
+    edge = torch.tensor([[0.0, 2.0, 0.0, 0.0], [0.3, 0.0, 0.0, 0.0], [0.0, 0.5, 0.0, 0.5],
+                         [0.0, 0.0, 0.0, 0.0]])
+    for extreme in (0.0, 1 - 2**-32, 1.0):
+        u = torch.full((4,), extreme, dtype=torch.float64)
+        for rows in (edge, edge.bfloat16()):
+            drawn = sample(rows, u)
+            assert drawn.tolist()[:2] == [1, 0] and drawn[2] in (1, 3) and drawn[3] == 0  # none: the first
+            assert torch.equal(sample(rows, u, on_host=True), drawn)
 
 
 def test_distributions_raced_with_one_number_agree_about_as_often_as_they_overlap():
@@ -151,8 +157,8 @@ def test_accept_rule_emits_the_target_distribution():
 
 def test_accept_rule_that_redraws_a_rejection_from_p_is_rejected(monkeypatch):
     """The test has power: a rejected draft replaced by a draw from p itself (the residual forgotten)
-    over-weights the tokens q drafts often. (A residual left unclipped, p − q, races as the clipped one:
-    the race never picks a token at or below 0.)"""
+    over-weights the tokens q drafts often. (A residual left unclipped, p − q, races as the clipped one
+    wherever it sums above 0: the race never picks a token at or below 0.)"""
     monkeypatch.setattr(sampling, "residual_probs", lambda p, q: p)
     p, q = _distributions()
     tokens, _ = _speculative_first_tokens(200_000, 2, p, q)

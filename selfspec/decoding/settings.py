@@ -54,8 +54,9 @@ class DecodeSettings:
         below η (Kangaroo: 0.6 at batch 1; in a batch, once no row's reaches it); 0: never stops.
     ngram: the copy settings of "ngram" and "hybrid".
     overlap: verify a round on one thread while another drafts the next round from the exit's guess of
-        the target's next token (kept when the target accepts every draft and that guess): greedy,
-        one row, the CPU kernels' rounds in one call (`backends.cpu_rounds.greedy_rounds`). Each pass then
+        the target's next token (kept when the target accepts every draft and that guess): greedy or
+        sampled (the guess then raced with the target's own number, `sampling.sample`), one row, the
+        CPU kernels' rounds in one call (`backends.cpu_rounds.greedy_rounds`). Each pass then
         runs on one thread, so it pays where one thread runs a pass nearly as fast as all of them (a
         small model on a few cores); the same drafts, tokens and statistics either way.
     fused: a lone unconstrained row's rounds run many in one compiled call where the backend has them

@@ -238,8 +238,8 @@ bool sure(const torch::Tensor& top, double stop_below) {
 // (`accept_sampled`) with tensor operations over the batch; the compiled calls below do the same for one
 // row at a time in a few passes over its V logits: no sort of the vocabulary (top-k by a selection, top-p
 // among the tokens that can be in its nucleus), the random numbers from the same hash and the draw by the same race (`draw`). The
-// probabilities' sums run in another order than torch's, so a draw can differ from the engine's only where
-// two tokens' race scores lie within that rounding of each other.
+// probabilities' sums run in another order than torch's (and std::log may round otherwise than torch's), so
+// a draw can differ from the engine's only where two tokens' race scores lie within that rounding.
 
 // Streams of random numbers (`sampling.DRAFT`, `ACCEPT`, `TARGET`)
 constexpr int kDraftStream = 0, kAcceptStream = 1, kTargetStream = 2;
@@ -424,12 +424,11 @@ float row_probs(const float* logits, int64_t vocab, const RowSampling& s, float*
 // with p_j <= best · (1 - u_j) cannot win and skips its logarithm: most of a flat distribution's tokens.
 int64_t draw(const float* probs, int64_t n, double u, const int64_t* ids = nullptr) {
   constexpr uint32_t kTokenKey = 0x27D4EB2Fu;  // `sampling._TOKEN_KEY`
-  const auto bits = static_cast<uint32_t>(u * 0x1p32);
+  const auto bits = static_cast<uint32_t>(static_cast<uint64_t>(u * 0x1p32));  // u = 1: 0, as `sample`'s
   double best = -1.0;
-  int64_t winner = -1, last = 0;
+  int64_t winner = -1;
   for (int64_t j = 0; j < n; ++j) {
     if (!(probs[j] > 0)) continue;
-    last = j;
     const uint32_t id = static_cast<uint32_t>(ids ? ids[j] : j);
     const double v = (static_cast<double>(mix32(bits ^ mix32(id ^ kTokenKey))) + 0.5) * 0x1p-32;
     const double p = probs[j];
@@ -437,7 +436,7 @@ int64_t draw(const float* probs, int64_t n, double u, const int64_t* ids = nullp
     const double score = p / -std::log(v);
     if (score > best) best = score, winner = j;
   }
-  return winner >= 0 ? winner : last;
+  return winner >= 0 ? winner : 0;  // no positive token: the first, as `sample`'s argmax
 }
 
 // `sampling.accept_sampled` for one sampled row: drafts d (k), their distributions q (k, V), `target(i)` the
