@@ -297,11 +297,15 @@ def _host_token_keys(vocab: int) -> np.ndarray:
     return _host_mix32(np.arange(vocab, dtype=np.uint32) ^ np.uint32(_TOKEN_KEY))
 
 
+def _race_bits(u: torch.Tensor) -> torch.Tensor:
+    """(...) uniforms -> (...) int64: their 32 bits (u is h / 2^32; u = 1 gives 0, as the C++ `draw`)."""
+    return (u.double() * 2.0**32).to(torch.int64) & _MASK32
+
+
 def race_numbers(u: torch.Tensor, vocab: int) -> torch.Tensor:
     """(...) uniforms -> (..., V) int64: each token's 32 random bits for the race, mix32(u's bits ^ key_v),
     as tensor operations on u's device (`_host_race` makes the same bits in numpy)."""
-    bits = (u.double() * 2.0**32).to(torch.int64) & _MASK32  # u is h / 2^32, h 32 bits (u = 1: 0)
-    return _mix32(bits[..., None] ^ token_keys(vocab, u.device))
+    return _mix32(_race_bits(u)[..., None] ^ token_keys(vocab, u.device))
 
 
 def _host_race(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -311,7 +315,7 @@ def _host_race(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     vocab = probs.shape[-1]
     held = probs.detach().reshape(-1, vocab)  # (N, V)
     held = (held if held.dtype in (torch.float32, torch.float64) else held.float()).numpy()
-    bits = ((u.double() * 2.0**32).to(torch.int64) & _MASK32).reshape(-1).numpy().astype(np.uint32)  # (N,)
+    bits = _race_bits(u).reshape(-1).numpy().astype(np.uint32)  # (N,)
     uniform = (_host_mix32(bits[:, None] ^ _host_token_keys(vocab)) + 0.5) * 2.0**-32  # (N, V) float64
     rows = np.arange(held.shape[0])
     top = held.argmax(-1)  # (N,) each row's likeliest token: its score is a floor under the winner's

@@ -237,9 +237,10 @@ bool sure(const torch::Tensor& top, double stop_below) {
 // The engine's sampled rounds process logits (`RowSampling.probs`), draw (`sample`) and accept
 // (`accept_sampled`) with tensor operations over the batch; the compiled calls below do the same for one
 // row at a time in a few passes over its V logits: no sort of the vocabulary (top-k by a selection, top-p
-// among the tokens that can be in its nucleus), the random numbers from the same hash and the draw by the same race (`draw`). The
-// probabilities' sums run in another order than torch's (and std::log may round otherwise than torch's), so
-// a draw can differ from the engine's only where two tokens' race scores lie within that rounding.
+// among the tokens that can be in its nucleus), the random numbers from the same hash and the draw by the
+// same race (`draw`). The probabilities' sums run in another order than torch's (and std::log may round
+// otherwise than torch's), so a draw can differ from the engine's only where two tokens' race scores lie
+// within that rounding.
 
 // Streams of random numbers (`sampling.DRAFT`, `ACCEPT`, `TARGET`)
 constexpr int kDraftStream = 0, kAcceptStream = 1, kTargetStream = 2;
@@ -1119,7 +1120,7 @@ std::vector<torch::Tensor> greedy_rounds(const Passes& model, int64_t exit_layer
             auto from_guess = sampled_drafts(sampling, torch::arange(next, next + k + 1, longs).view({1, k + 1}),
                                              draft);
             const auto [guessed, top] = from_guess.target_guess(state, next);
-            if (!(draft.stop_below <= 0 || !(top < draft.stop_below))) continue;
+            if (draft.stop_below > 0 && top < draft.stop_below) continue;  // η: not sure enough to draft
             guess = guessed;
             ahead = with_q(draft_loop_until(low.at(next, k + 1), torch::full({1}, guess, longs), next, k,
                                             std::ref(from_guess), stop),
