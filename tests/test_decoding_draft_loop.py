@@ -13,7 +13,7 @@ import torch
 from helpers import FAMILIES, kernels_unavailable, low_alpha_model, reference_greedy, step_joining, tiny_model
 
 import selfspec.backends.cpu_rounds as round_kernels
-from selfspec.decoding import DecodeSettings, NewRow, SamplingParams, SelfSpecGenerator
+from selfspec.decoding import CallOptions, DecodeSettings, Engine, NewRow, SamplingParams, SelfSpecGenerator
 from selfspec.decoding.runner import Runner
 from selfspec.model import fast
 
@@ -623,16 +623,19 @@ def test_a_sampled_rows_rounds_in_one_call_draw_what_its_rounds_from_python_draw
 
 
 def test_one_sampled_row_keeps_its_greedy_batch_mates_on_the_compiled_round(monkeypatch):
-    """7 greedy rows and 1 sampled one: every round's drafts and verification are one compiled call each
-    (`draft_loop_sampled`, `verify_sampled`: the greedy rows take their argmax inside them), no round
-    falls back to torch operations, and each row decodes what it decodes alone (greedy rows plain
-    greedy's tokens, the sampled row its seed's)."""
+    """7 greedy rows and 1 sampled one in one `Engine` (`engine()` would give each kind a lane of its own):
+    every round's drafts and verification are one compiled call each (`draft_loop_sampled`,
+    `verify_sampled`: the greedy rows take their argmax inside them), no round falls back to torch
+    operations, and each row decodes what it decodes alone (greedy rows plain greedy's tokens, the sampled
+    row its seed's)."""
     loops, verifications = _count(monkeypatch, "draft_loop_sampled"), _count(monkeypatch, "verify_sampled")
     model = low_alpha_model("llama")
     generator = SelfSpecGenerator(model, exit_layer=2, num_speculations=3)
     prompts = [[5 + i, 17, 33, 2 + i, 71, 8] for i in range(8)]
     sampled = SamplingParams(temperature=0.8, top_p=0.95)
-    engine = generator.engine(eos_token_id=[])
+    settings, policy = generator._resolve(None, None, None)
+    engine = Engine(generator.runner.for_engine(), policy,
+                    CallOptions(settings, SamplingParams(), generator._eos_ids([])))
     for i, prompt in enumerate(prompts):
         engine.add(NewRow(prompt, NEW, seed=i, sampling=sampled if i == 7 else SamplingParams()))
     sampled_rounds = 0  # the rounds the sampled row ran in (the batch greedy after it finishes)

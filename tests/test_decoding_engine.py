@@ -80,7 +80,7 @@ def test_a_step_runs_without_autograd_on_any_thread_and_bad_requests_are_refused
             engine = generator.engine(eos_token_id=[])
             engine.add(NewRow(PROMPTS[0], 6))
             engine.step()
-            seen.append(any(k.requires_grad for k in engine.b.cache.keys if k is not None))
+            seen.append(any(k.requires_grad for k in engine.lane(False).b.cache.keys if k is not None))
             while not engine.done:
                 engine.step()
             seen.append(engine.output().sequences == [reference_greedy(model, PROMPTS[0], 6)])

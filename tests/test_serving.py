@@ -630,9 +630,9 @@ def test_a_server_on_captured_passes_replies_as_its_engine_does_alone(tiny_run):
                                                    skip_special_tokens=True)
 
 
-def test_a_wave_led_by_a_sampled_request_decodes_at_the_sampled_pick(tiny_run):
-    """A sweep's sampled pick (`formats.sampled`) drafts the waves whose first request samples; a greedy
-    wave keeps the checkpoint's own settings. Each wave's rounds show which k it drafted."""
+def test_a_wave_drafts_sampled_rows_at_the_sampled_pick_and_greedy_rows_at_the_stored_settings(tiny_run):
+    """A sweep's sampled pick (`formats.sampled`) drafts a wave's sampled rows, the checkpoint's own settings
+    its greedy rows, whichever request leads the wave (`Lanes`). Each wave's rounds show which k drafted."""
     from selfspec.decoding import SAMPLED, DecodeSettings
 
     generator = chat_generator(tiny_run)
@@ -645,10 +645,11 @@ def test_a_wave_led_by_a_sampled_request_decodes_at_the_sampled_pick(tiny_run):
     sampled = dict(greedy, temperature=0.9, seed=1)
     scheduler._decode([Job(**sampled), Job(**greedy)])
     scheduler._decode([Job(**greedy), Job(**sampled)])
-    assert set(waves[0].k_rounds) == {3} and set(waves[1].k_rounds) == {1}
-    # picks at two temperatures: a wave decodes at the one nearest its first request's
+    scheduler._decode([Job(**greedy), Job(**greedy)])
+    assert set(waves[0].k_rounds) == set(waves[1].k_rounds) == {1, 3} and set(waves[2].k_rounds) == {1}
+    # picks at two temperatures: a wave's sampled rows decode at the one nearest its first sampled request's
     generator.format_settings = {"sampled@0.8": DecodeSettings(exit_layer=2, num_speculations=2),
                                  "sampled@0.3": DecodeSettings(exit_layer=2, num_speculations=4)}
-    scheduler._decode([Job(**dict(sampled, temperature=0.25)), Job(**greedy)])
+    scheduler._decode([Job(**greedy), Job(**dict(sampled, temperature=0.25))])
     scheduler._decode([Job(**dict(sampled, temperature=1.0)), Job(**greedy)])
-    assert set(waves[2].k_rounds) == {4} and set(waves[3].k_rounds) == {2}
+    assert set(waves[3].k_rounds) == {1, 4} and set(waves[4].k_rounds) == {1, 2}

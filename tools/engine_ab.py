@@ -10,8 +10,9 @@ pick where it has one), `ngram` (copies), `hybrid`, `early_exit` (each drafter a
 `k=N` (the stored drafter at k = N), `overlapped` (the early exit at the stored E, k, V' with its rounds
 overlapped), `batch4` (the stored settings, 4 rows), each greedy, or sampled with
 a suffix: `plain@t0.8p0.95` (temperature 0.8, top-p 0.95, seed 0), `stored@t0.3`, `stored@t1k50`.
-Rows of their own settings in one batch, through the engine API (`engine().add(NewRow(...))`, the
-stored settings): `rows8` (8 greedy rows), `mixed8` (7 greedy + 1 at temperature 0.8, top-p 0.95),
+Rows of their own settings in one batch, through the engine API (`engine().add(NewRow(...))`: the
+stored settings; sampled rows at the sampled pick where the tree decodes them in a lane of their own):
+`rows8` (8 greedy rows), `mixed8` (7 greedy + 1 at temperature 0.8, top-p 0.95),
 `sampled8` (8 rows at temperature 0.8, top-p 0.95, seeds 0..7). fp32; each cell is warmed up first, then
 timed over the prompts, the cells taking turns prompt by prompt. Only `load_tuned`, `generate` and the
 engine API are used, so the script runs against older trees of the package too.

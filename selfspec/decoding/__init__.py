@@ -9,6 +9,7 @@ from .draft_head import DraftHead
 from .engine import CallOptions, Engine
 from .generation import GenerationConfig
 from .grammar import Constraint
+from .lanes import Lanes
 from .ngram import NGramConfig
 from .outputs import GenerationOutput, GenerationStats, NewRow, RoundCounts, RoundOutput
 from .policy import DRAFTERS, DraftPlan, DraftPolicy, make_policy
@@ -26,7 +27,7 @@ from .speculative import SelfSpecGenerator
 __all__ = ["ADAPTIVE_K", "DRAFTERS", "PLAIN", "SAMPLED", "CallOptions", "DecodeSettings", "Engine",
            "RoundOutput", "parse_num_speculations", "sampled_key", "sampled_pick", "CacheLengthError",
            "Constraint", "Controller", "CostGate", "CostModelRule", "DraftHead", "DraftPlan", "DraftPolicy",
-           "FixedK", "GenerationConfig", "GenerationOutput", "GenerationStats", "KVCache", "NGramConfig",
-           "NewRow",
+           "FixedK", "GenerationConfig", "GenerationOutput", "GenerationStats", "KVCache", "Lanes",
+           "NGramConfig", "NewRow",
            "RoundCosts", "RoundCounts", "SamplingParams", "SelfSpecGenerator", "WindowRule", "accept_greedy",
            "accept_sampled", "make_controller", "make_policy", "residual_probs"]

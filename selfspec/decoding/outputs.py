@@ -71,6 +71,25 @@ class GenerationStats(AcceptanceStats):
                 getattr(self, segment.source).update(kept, segment.length, rounds=rounds)
         self._rounds.clear()
 
+    def merge(self, other: GenerationStats) -> None:
+        """Add another decode's counts and times to these, per source too (the lanes of one call,
+        `lanes.Lanes`); its profile's seconds part by part."""
+        other.fold_rounds()
+        self.fold_rounds()
+        super().merge(other)
+        for name in ("draft_steps", "plain_steps", "stopped_below_eta", "drafted_ahead", "grammar_time",
+                     "draft_time", "verify_time", "plain_time", "prefill_time", "total_time",
+                     "generated_tokens"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for source in SOURCES:
+            getattr(self, source).merge(getattr(other, source))
+        self.num_layers = self.num_layers or other.num_layers
+        self.exit_layer = self.exit_layer or other.exit_layer
+        if other.profile is not None:
+            mine = self.profile or {}
+            self.profile = {part: mine.get(part, 0.0) + other.profile.get(part, 0.0)
+                            for part in {**mine, **other.profile}}
+
     @property
     def draft_cost(self) -> float:
         """c = draft time per step ÷ time of one full forward step.

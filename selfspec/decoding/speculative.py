@@ -27,6 +27,7 @@ from .draft_head import DraftHead
 from .engine import CallOptions, Engine
 from .generation import GenerationConfig
 from .grammar import GrammarTokenizer, constraints_for_rows
+from .lanes import Lanes
 from .ngram import TokenText
 from .outputs import GenerationOutput, GenerationStats, NewRow, RoundOutput
 from .policy import DraftPolicy
@@ -245,20 +246,30 @@ class SelfSpecGenerator:
 
     def engine(self, settings: DecodeSettings | None = None, *, sampling: SamplingParams | None = None,
                eos_token_id=None, structured: bool = False, rounds_per_step: int = 1,
-               draft_max_rows: int | None = None) -> Engine:
-        """A decode to step yourself (`engine.Engine`): `add(NewRow(prompt, max_new_tokens, seed, ...,
-        sampling=SamplingParams(...)))` returns the row, `step()` runs a round and returns each running
-        row's `RoundOutput`, `cancel(row)` ends one, `output()` gives what `generate` returns. Each row
-        brings its own sampling settings, seed, stop strings and constraint, or takes the engine's.
-        settings: how to draft (default the generator's); sampling: the rows' that bring none (None:
-        greedy); structured: the rows start under a grammar (a row that brings a constraint opens it);
-        rounds_per_step: a lone greedy row's rounds per step where the CPU kernels run them in one call
-        (its first step one round); draft_max_rows: as `generate`'s."""
-        settings, policy = self._resolve(settings, None, None)
-        options = CallOptions(settings, sampling or SamplingParams(), self._eos_ids(eos_token_id),
-                              grammar=structured, rounds_per_step=rounds_per_step,
-                              draft_max_rows=draft_max_rows)
-        return Engine(self.runner.for_engine(), policy, options)
+               draft_max_rows: int | None = None) -> Lanes:
+        """A decode to step yourself (`lanes.Lanes`, as an `engine.Engine`): `add(NewRow(prompt,
+        max_new_tokens, seed, ..., sampling=SamplingParams(...)))` returns the row, `step()` runs a round
+        and returns each running row's `RoundOutput`, `cancel(row)` ends one, `output()` gives what
+        `generate` returns. Each row brings its own sampling settings, seed, stop strings and constraint,
+        or takes the engine's; greedy and sampled rows decode in two batches of their own.
+        settings: how to draft (default: the generator's for greedy rows, and for sampled rows the
+        checkpoint's sampled pick nearest the first one's temperature, as `generate` decodes them);
+        sampling: the rows' that bring none (None: greedy); structured: the rows start under a grammar (a
+        row that brings a constraint opens it); rounds_per_step: a lone row's rounds per step where the
+        CPU kernels run them in one call (its first step one round); draft_max_rows: as `generate`'s."""
+        eos = self._eos_ids(eos_token_id)
+
+        def lane(sampled: bool, first: SamplingParams) -> Engine:
+            chosen = settings
+            if chosen is None and sampled:
+                picked = sampled_pick(self.format_settings, first.temperature)  # a sampled sweep's pick
+                chosen = None if picked is None else self.format_settings[picked]
+            resolved, policy = self._resolve(chosen, None, None)
+            options = CallOptions(resolved, sampling or SamplingParams(), eos, grammar=structured,
+                                  rounds_per_step=rounds_per_step, draft_max_rows=draft_max_rows)
+            return Engine(self.runner.for_engine(), policy, options)
+
+        return Lanes(lane, sampling or SamplingParams())
 
     def chat(self, messages, **kwargs) -> GenerationOutput:
         """Reply to a conversation, a list of {"role", "content"} messages (or to a list of

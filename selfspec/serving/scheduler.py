@@ -1,17 +1,18 @@
 """One decode loop for every request: jobs wait in a bounded queue and decode together, joining the
 batch at round boundaries (continuous batching).
 
-A wave is one `Engine` (`decoding.engine`) that this loop steps: it starts with the waiting jobs, as many
+A wave is one engine (`SelfSpecGenerator.engine`: greedy rows at the checkpoint's settings, sampled rows
+at its sampled pick, in lanes of their own) that this loop steps: it starts with the waiting jobs, as many
 as `max_batch` whose prompts and token limits fit the model's positions together, whatever each asks
 (every request brings its own sampling settings, seed and JSON schema or none: `NewRow`). Before every
 step jobs that arrived since join it, prefilled apart, up to `max_batch` running rows. Rows accept
 different numbers of drafts each round, and a row's tokens do not depend on the other rows nor on when
 it joined (greedy; sampled rows each draw from their own seed where their rounds depend on them alone:
-the early exit at a fixed k). After every step each job takes its row's new tokens (`RoundOutput`),
-streams the text the engine says it can already show (`Engine.text`), and when it is done (the engine
-ended its row: its own `max_tokens`, an eos, a stop string; or a client that went away, whose row is
-cancelled) its row leaves before the next round. The wave ends when no row
-runs and no job can join; the next waiting job starts the next.
+the early exit at a fixed k, as the sampled picks draft, whatever greedy rows share the wave). After every
+step each job takes its row's new tokens (`RoundOutput`), streams the text the engine says it can
+already show (`Engine.text`), and when it is done (the engine ended its row: its own `max_tokens`, an
+eos, a stop string; or a client that went away, whose row is cancelled) its row leaves before the next
+round. The wave ends when no row runs and no job can join; the next waiting job starts the next.
 
 A row that fails its wave fails only itself: when a step raises, the wave's unfinished jobs decode
 again in two halves without it being known which row failed (`Scheduler._isolate`), until a job that
@@ -40,7 +41,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..decoding import Constraint, NewRow, RoundOutput, SamplingParams, sampled_pick
+from ..decoding import Constraint, NewRow, RoundOutput, SamplingParams
 from ..decoding.engine import ADAPT_ROUNDS
 from ..errors import UserError
 
@@ -408,14 +409,14 @@ class Scheduler:
                 self.freed = True
 
     def _decode(self, wave: list[Job], admitting: bool = True) -> None:
-        """Decode `wave` on one engine (`decoding.Engine`), stepped here: waiting jobs join it at round
+        """Decode `wave` on one engine (`decoding.Lanes`), stepped here: waiting jobs join it at round
         boundaries while `admitting`, a job whose client went away is cancelled; when a step fails,
         `_isolate` finds the failing row."""
         self.largest_wave = max(self.largest_wave, len(wave))
         self.active = wave
         failure, out = None, None
         try:
-            engine = self.generator.engine(self._settings(wave), rounds_per_step=self.call_rounds(),
+            engine = self.generator.engine(rounds_per_step=self.call_rounds(),
                                            draft_max_rows=self.draft_max_rows)
             jobs = {engine.add(job.row()): job for job in wave}  # the engine's row -> its job
             last = None  # when the previous step returned, while one row decodes alone
@@ -451,17 +452,6 @@ class Scheduler:
                 job.end("length" if len(job.tokens) >= job.max_tokens else "stop")
         if self.on_wave is not None:
             self.on_wave(wave, out.stats)
-
-    def _settings(self, wave: list[Job]):
-        """How a wave drafts: at the checkpoint's sampled pick (a sampled sweep's, at the temperature
-        nearest its first request's: `sampled_pick`) when that request samples and there is one, else at
-        the generator's own settings (None). Rows
-        that join later keep the wave's: every setting is lossless, one is faster for greedy rows and
-        the other for sampled ones, and clients of one front end mostly sample alike."""
-        if wave[0].sampling.greedy:
-            return None
-        picked = sampled_pick(self.generator.format_settings, wave[0].temperature)
-        return None if picked is None else self.generator.format_settings[picked]
 
     def _admitted(self, wave: list[Job]) -> list[Job]:
         """The waiting jobs that join the wave now (appended to it), oldest first, while fewer than
