@@ -79,8 +79,8 @@ class Stages:
     """What stages 2-6 (`_tune_and_measure`) measure: the gate's allowed increase, the blocks the
     agreement tables read, and the sweep's grid (E as offsets from the recipe's exit, None: every exit
     the recipe trains; k; V'; copy thresholds) over the benchmark's `num_prompts` prompts, each
-    `sweep_tokens` new tokens (None: the benchmark's max_new_tokens); a last benchmark after prompts of
-    `long_prompt_tokens` tokens (None: none)."""
+    `sweep_tokens` new tokens (None: the benchmark's max_new_tokens), its best cells re-timed after prompts
+    of `long_prompt_tokens` tokens too, and a last benchmark after such prompts (None: neither)."""
 
     max_increase: float = 0.01
     max_blocks: int = 64
@@ -230,7 +230,8 @@ def _tune_and_measure(base_dir: Path, base_out: Path, finetune_config: str, forc
                        ks=stages.sweep_ks, drafters=DRAFTERS, draft_vocab_sizes=stages.sweep_vocabs,
                        min_ngrams=stages.sweep_min_ngrams, num_prompts=stages.num_prompts,
                        max_new_tokens=stages.sweep_tokens or max_new_tokens, repeats=repeats,
-                       out=str(out / "sweep"), write_back=True))
+                       confirm_context=stages.long_prompt_tokens or 0, out=str(out / "sweep"),
+                       write_back=True))
     print("== 6/6 decoding benchmark, each drafter at its fastest: plain, early exit, copies, hybrid vs "
           "Hugging Face's greedy, early exit and prompt lookup (greedy, batch 1)")
     # with the sweep's re-timed cells beside the methods: does its pick hold up here?

@@ -217,6 +217,39 @@ def _prompt_file(tmp_path: Path) -> Path:
     return path
 
 
+def test_a_sweep_that_retimes_after_long_prompts_judges_each_repeat_by_both(tiny_ckpt, capsys):
+    """`confirm_context`: a re-timed cell's speedup per repeat is the geometric mean of its speedups after
+    the short and the long prompts (the medians of each beside it); too long for the model: one line."""
+    import math
+
+    from helpers import sharp_llama
+
+    from selfspec.evaluation.options import SweepGrid
+    from selfspec.evaluation.sweep import _confirmed_speedups, run_sweep
+    from selfspec.evaluation.timing import LoadedCheckpoint, Timings
+
+    def timed(seconds: dict) -> Timings:  # one batch of 10 tokens per repeat
+        return Timings(seconds={n: [[s] for s in v] for n, v in seconds.items()},
+                       tokens={n: [[10] for _ in v] for n, v in seconds.items()})
+
+    short = timed({"plain": [1.0, 1.0, 1.0], "cell": [0.5, 0.8, 1.0]})  # speedups 2, 1.25, 1
+    long = timed({"plain": [1.0, 1.0, 1.0], "cell": [2.0, 1.25, 0.5]})  # 0.5, 0.8, 2
+    out = _confirmed_speedups(short, long, "cell", "plain")
+    assert math.isclose(out["speedup"], 1.0) and math.isclose(out["speedup_short"], 1.25)
+    assert math.isclose(out["speedup_long"], 0.8)
+    assert "speedup_long" not in _confirmed_speedups(short, None, "cell", "plain")
+
+    grid = SweepGrid(ks=(1, 2), max_new_tokens=6, repeats=1, warmup=0, confirm=1, confirm_repeats=2)
+    report = run_sweep(LoadedCheckpoint(sharp_llama(), DecodeSettings()), [[5, 17, 33, 2, 11, 8]], [1], grid,
+                       progress=False, long_prompts=[[(7 * i) % 64 for i in range(48)]])
+    assert report["confirmed"] and all(row["identical_to_plain"] and row["speedup_long"] > 0
+                                       for row in report["confirmed"])
+    assert cli.main(["eval", "sweep", "--model", str(tiny_ckpt), "--confirm-context", "100000"]) == 2
+    assert "--confirm-context 100000 plus --max-new-tokens" in capsys.readouterr().err
+    assert cli.main(["eval", "sweep", "--model", str(tiny_ckpt), "--confirm-context", "-1"]) == 2
+    assert "--confirm-context must be >= 0" in capsys.readouterr().err
+
+
 def test_a_sweep_whose_table_eta_cuts_every_round_still_reports():
     """At η = 0.999 no draft is sure enough: the table's cells have nothing to predict from (NaN)."""
     import math

@@ -218,6 +218,9 @@ class SweepGrid(TimingOptions, SamplingOptions):
     confirm_repeats: int = 5
     """interleaved repeats of the re-timing; a cell is stored only when the interval of its paired
     speedups is above 1"""
+    confirm_context: int = 0
+    """also re-time those cells after prompts of this many tokens from --corpus (0: no); a cell's speedup
+    is then the geometric mean of its short and long ones, so that the pick holds up at long contexts"""
 
     def check(self):
         def listed(value, parse, kind):
@@ -274,6 +277,9 @@ class SweepOptions(ModelOption, CorpusPromptOptions, SweepGrid, QuestionOptions,
 
     def check(self):
         _counts_at_least_one(self)
+        if self.confirm_context < 0:
+            raise UserError(f"--confirm-context must be >= 0 (0: short prompts only), "
+                            f"got {self.confirm_context}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -90,6 +90,7 @@ class SweepReport(TypedDict):
     prompts_from: NotRequired[str]
     # a greedy write-back's round costs by context length (`context_costs.measure_round_costs`' rows)
     round_costs: NotRequired[list[dict]]
+    confirm_context: NotRequired[int]  # the long prompts' tokens where the re-timing ran after them too
 
 
 class SuiteReport(TypedDict):

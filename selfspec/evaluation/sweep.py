@@ -19,7 +19,11 @@ all run at 1.00× shows 1.03×. So the sweep re-times its best cells (each draft
 against plain decoding, interleaved, with `confirm_repeats` repeats, and judges each by its paired
 speedups (cell ÷ plain within one repeat): their median, and a distribution-free
 confidence interval for that median (`paired.median_interval`). "best" and "fastest_per_drafter" are the
-re-timed cells; the write-back stores a cell only when the interval's lower end beats plain.
+re-timed cells; the write-back stores a cell only when the interval's lower end beats plain. With
+`confirm_context` the cells are re-timed after long prompts too, and a repeat's speedup is the geometric
+mean of its short and long ones: a setting that pays after 64 tokens of context may not after 1,024 (a
+longer draft loses more as the exit's acceptance falls with the context), and a checkpoint's one pick
+serves both.
 
     selfspec eval sweep --model runs/demo/model --exit-layers 2:10:2 --ks 1,2,4,6,8 --write-back
 
@@ -58,7 +62,7 @@ from .costs import pooled_costs, source_summary, weight_cost, weights_in_cache
 from .diagnosis import summary
 from .options import SweepGrid, SweepOptions, float_list, int_list, k_list, k_order
 from .paired import beats_plain, median_interval, paired_speedups
-from .prompts import JSON_EXTRACT, Structured, read_prompts, suite_prompts
+from .prompts import JSON_EXTRACT, Structured, prompts_from_corpus, read_prompts, suite_prompts
 from .report import publish, pyplot, save_figure
 from .results import SweepReport
 from .timing import LoadedCheckpoint, Timings, constraint_keywords, interleaved_rates, load_checkpoint
@@ -178,7 +182,8 @@ def check_drafters(drafters, draft_vocab_sizes, min_ngrams, token_counts) -> Non
 
 
 def run_sweep(checkpoint: LoadedCheckpoint, prompts: list[list[int]], exit_layers: list[int],
-              grid: SweepGrid | None = None, *, progress: bool = True) -> SweepReport:
+              grid: SweepGrid | None = None, *, progress: bool = True,
+              long_prompts: list[list[int]] | None = None) -> SweepReport:
     """Measure every setting of the grid against plain decoding; returns the report as a dict.
 
     checkpoint.settings: the settings the grid varies (the checkpoint's, or `DecodeSettings()`);
@@ -187,7 +192,8 @@ def run_sweep(checkpoint: LoadedCheckpoint, prompts: list[list[int]], exit_layer
     grid.stop_belows: the η values of the early exit's stopping rule (0: never stops); the first one's
     cells give the α and c per exit. grid.confirm / confirm_repeats: re-time each drafter's `confirm`
     fastest lossless cells (`confirm_candidates`) with plain decoding over `confirm_repeats` interleaved
-    repeats ("best", "fastest_per_drafter" and "confirmed" come from them); confirm = 0 judges the cells
+    repeats ("best", "fastest_per_drafter" and "confirmed" come from them), and after `long_prompts` too
+    where given (each repeat's speedup the geometric mean of the two); confirm = 0 judges the cells
     by the grid's own repeats. prompts may be `prompts.Structured` (structured output): each decodes
     under its grammar, which needs the checkpoint's tokenizer.
     """
@@ -226,11 +232,14 @@ def run_sweep(checkpoint: LoadedCheckpoint, prompts: list[list[int]], exit_layer
         cells = [settings_of(row) for row in candidates]
         again = interleaved_rates([plain, *cells], run, [[p] for p in prompts], grid.confirm_repeats,
                                   grid.warmup, device, "confirm" if progress else None)
-        plain_rates = again.rates(plain)
-        confirmed = [{**_brief(row), **median_interval(paired_speedups(again.rates(cell), plain_rates)),
+        longer = None if not long_prompts else interleaved_rates(
+            [plain, *cells], run, [[p] for p in long_prompts], grid.confirm_repeats, grid.warmup, device,
+            "confirm, long prompts" if progress else None)
+        confirmed = [{**_brief(row), **_confirmed_speedups(again, longer, cell, plain),
                       "tokens_per_second": statistics.median(again.rates(cell)),
                       "grid_speedup": row["speedup"], "drafter": row["drafter"],
-                      "identical_to_plain": _identical(again, cell, plain, grid)}
+                      "identical_to_plain": _identical(again, cell, plain, grid) if longer is None else
+                      _identical(again, cell, plain, grid) and _identical(longer, cell, plain, grid)}
                      for row, cell in zip(candidates, cells)]
         confirmed = [row for row in confirmed if row["identical_to_plain"] is not False]
     else:
@@ -318,6 +327,20 @@ def _grid_rows(timings: Timings, settings: list[DecodeSettings], exit_layers: li
             row["measured_over_predicted"] = row["speedup"] / row["predicted_speedup"]
         rows.append(row)
     return per_exit, rows
+
+
+def _confirmed_speedups(short: Timings, long: Timings | None, cell: DecodeSettings,
+                        plain: DecodeSettings) -> dict:
+    """A re-timed cell's median paired speedup and its interval (`median_interval`): over the short
+    prompts' repeats, or with `long` each repeat's geometric mean of its short and long speedups, the
+    medians of both beside it ("speedup_short", "speedup_long")."""
+    ratios = paired_speedups(short.rates(cell), short.rates(plain))
+    if long is None:
+        return median_interval(ratios)
+    long_ratios = paired_speedups(long.rates(cell), long.rates(plain))
+    both = [(a * b) ** 0.5 for a, b in zip(ratios, long_ratios)]
+    return {**median_interval(both), "speedup_short": statistics.median(ratios),
+            "speedup_long": statistics.median(long_ratios)}
 
 
 def _identical(timings: Timings, cell: DecodeSettings, plain: DecodeSettings, grid: SweepGrid) -> bool | None:
@@ -414,6 +437,12 @@ def to_markdown(report: dict) -> str:
         lines += [f"| {_describe(row)} | {row['grid_speedup']:.2f} | {row['speedup']:.3f} | "
                   f"{row['low']:.3f}-{row['high']:.3f} | {row['coverage']:.0%} | {_spread(row)} | "
                   f"{'yes' if beats_plain(row) else 'no'} |" for row in report["confirmed"]]
+        if report.get("confirm_context"):
+            lines += ["", f"Re-timed after prompts of {report['confirm_context']} tokens too; each repeat's "
+                          f"speedup is the geometric mean of the short and the long one:", "",
+                      "| setting | short prompts | long prompts |", "|---|---:|---:|"]
+            lines += [f"| {_describe(row)} | {row['speedup_short']:.3f} | {row['speedup_long']:.3f} |"
+                      for row in report["confirmed"]]
     if report.get("fastest_per_drafter"):
         lines += ["", "Fastest per drafter: " + "; ".join(
             f"{_describe(row)}: {row['speedup']:.2f}× ({row['low']:.2f}-{row['high']:.2f})"
@@ -512,7 +541,12 @@ def sweep(options: SweepOptions) -> SweepReport:
         chosen = read_prompts(tokenizer, options.prompts, options.corpus, options.num_prompts,
                               options.prompt_tokens)
     lengths = cost_lengths(options.cost_lengths, DecoderView(lm).max_positions)
-    report = run_sweep(checkpoint, chosen, list(exit_layers), options)
+    long_prompts = None
+    if options.confirm_context:
+        long_prompts = long_sweep_prompts(tokenizer, options, DecoderView(lm).max_positions)
+    report = run_sweep(checkpoint, chosen, list(exit_layers), options, long_prompts=long_prompts)
+    if long_prompts:
+        report["confirm_context"] = options.confirm_context
     report.update(model=model, prompts_from=", ".join(filter(None, (options.suites, options.questions)))
                   or options.prompts or options.corpus)
     if options.write_back:  # a sampled grid's pick: for calls near its temperature (`formats["sampled@T"]`)
@@ -523,6 +557,16 @@ def sweep(options: SweepOptions) -> SweepReport:
             report["round_costs"] = write_back_costs(model, checkpoint, chosen, lengths)
     publish(options.out, "sweep", report, to_markdown(report), plot)
     return report
+
+
+def long_sweep_prompts(tokenizer, options: SweepOptions, max_positions: int | None) -> list[list[int]]:
+    """The long prompts of `confirm_context` tokens (`prompts_from_corpus`, from --corpus's test documents
+    twice as long), or a UserError where the model's positions cannot hold them and the new tokens."""
+    need = options.confirm_context + options.max_new_tokens + 16  # and a round's drafts
+    if max_positions is not None and need > max_positions:
+        raise UserError(f"--confirm-context {options.confirm_context} plus --max-new-tokens "
+                        f"{options.max_new_tokens} passes the model's {max_positions} positions; lower it")
+    return prompts_from_corpus(tokenizer, options.corpus, options.num_prompts, options.confirm_context)
 
 
 def write_back_costs(model: str, checkpoint: LoadedCheckpoint, prompts: list,
