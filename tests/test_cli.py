@@ -225,29 +225,34 @@ def test_a_sweep_that_retimes_after_long_prompts_judges_each_repeat_by_both(tiny
     from helpers import sharp_llama
 
     from selfspec.evaluation.options import SweepGrid
-    from selfspec.evaluation.sweep import _confirmed_speedups, run_sweep
+    from selfspec.evaluation.sweep import _confirmed_speedups, run_sweep, to_markdown
     from selfspec.evaluation.timing import LoadedCheckpoint, Timings
 
-    def timed(seconds: dict) -> Timings:  # one batch of 10 tokens per repeat
-        return Timings(seconds={n: [[s] for s in v] for n, v in seconds.items()},
-                       tokens={n: [[10] for _ in v] for n, v in seconds.items()})
-
-    short = timed({"plain": [1.0, 1.0, 1.0], "cell": [0.5, 0.8, 1.0]})  # speedups 2, 1.25, 1
-    long = timed({"plain": [1.0, 1.0, 1.0], "cell": [2.0, 1.25, 0.5]})  # 0.5, 0.8, 2
-    out = _confirmed_speedups(short, long, "cell", "plain")
+    # three repeats of two batches (a short prompt, a long one), 10 tokens each; seconds per repeat
+    seconds = {"plain": [(1.0, 1.0)] * 3, "cell": [(0.5, 2.0), (0.8, 1.25), (1.0, 0.5)]}
+    timed = Timings(seconds={n: [list(r) for r in v] for n, v in seconds.items()},
+                    tokens={n: [[10, 10] for _ in v] for n, v in seconds.items()})
+    # speedups: short 2, 1.25, 1; long 0.5, 0.8, 2; their geometric means 1, 1, 1.41
+    out = _confirmed_speedups(timed, "cell", "plain", [0], [1])
     assert math.isclose(out["speedup"], 1.0) and math.isclose(out["speedup_short"], 1.25)
     assert math.isclose(out["speedup_long"], 0.8)
-    assert "speedup_long" not in _confirmed_speedups(short, None, "cell", "plain")
+    alone = _confirmed_speedups(timed, "cell", "plain", [0])
+    assert "speedup_long" not in alone and math.isclose(alone["speedup"], 1.25)
 
     grid = SweepGrid(ks=(1, 2), max_new_tokens=6, repeats=1, warmup=0, confirm=1, confirm_repeats=2)
     report = run_sweep(LoadedCheckpoint(sharp_llama(), DecodeSettings()), [[5, 17, 33, 2, 11, 8]], [1], grid,
                        progress=False, long_prompts=[[(7 * i) % 64 for i in range(48)]])
     assert report["confirmed"] and all(row["identical_to_plain"] and row["speedup_long"] > 0
                                        for row in report["confirmed"])
+    assert report["confirm_context"] == 48
+    assert "Re-timed after prompts of 48 tokens too" in to_markdown(report)
     assert cli.main(["eval", "sweep", "--model", str(tiny_ckpt), "--confirm-context", "100000"]) == 2
     assert "--confirm-context 100000 plus --max-new-tokens" in capsys.readouterr().err
     assert cli.main(["eval", "sweep", "--model", str(tiny_ckpt), "--confirm-context", "-1"]) == 2
     assert "--confirm-context must be >= 0" in capsys.readouterr().err
+    assert cli.main(["eval", "sweep", "--model", str(tiny_ckpt), "--confirm-context", "64",
+                     "--confirm", "0"]) == 2
+    assert "pass --confirm 1 or more" in capsys.readouterr().err
 
 
 def test_a_sweep_whose_table_eta_cuts_every_round_still_reports():

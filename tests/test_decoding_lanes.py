@@ -79,3 +79,20 @@ def test_a_cancelled_row_and_its_text_are_found_in_its_lane():
     out = engine.output()
     assert out.finish_reasons == ["length", "cancelled"] and len(out.sequences[0]) == 12
     assert 0 < len(out.sequences[1]) < 12
+
+
+def test_a_refused_request_leaves_no_lane_behind():
+    """A request `Engine.add` refuses (no prompt) raises before its lane is kept: the other lane's rows
+    decode as if it had never been asked for."""
+    from selfspec.errors import UserError
+
+    generator = SelfSpecGenerator(low_alpha_model("llama"), exit_layer=2, num_speculations=2)
+    prompt = _prompts()[0]
+    engine = generator.engine(eos_token_id=[])
+    engine.add(NewRow(prompt, 6))
+    with pytest.raises(UserError, match="needs a prompt"):
+        engine.add(NewRow([], 6, seed=1, sampling=SAMPLED))
+    assert engine.lane(True) is None
+    while not engine.done:
+        engine.step()
+    assert engine.output().sequences == [reference_greedy(generator.view.model, prompt, 6)]

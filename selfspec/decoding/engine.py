@@ -16,7 +16,8 @@ tokens do not depend on when it joined (greedy; a sampled row draws from its own
 row before the next round (its tokens so far stay). A step is one round for every running row, or
 for a lone greedy row that the CPU kernels run, one compiled call of several rounds.
 `SelfSpecGenerator.generate` is a loop over these calls, its streamer and stop strings adapters around
-them; `SelfSpecGenerator.engine` makes one to step yourself (the server's scheduler does). The engine
+them; `SelfSpecGenerator.engine` makes one for the greedy rows and one for the sampled rows of a decode to
+step yourself (`lanes.Lanes`; the server's scheduler steps them). The engine
 owns the decode's state and steps the model's `Runner` (`runner.py`: start, join, round, advance), the
 one algorithm whichever caller steps it.
 """

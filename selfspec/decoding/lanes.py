@@ -44,9 +44,12 @@ class Lanes:
     def add(self, request: NewRow) -> int:
         """Queue a request in its lane; returns its row (the order of `add`)."""
         sampled = not (request.sampling or self.sampling).greedy
-        if sampled not in self.lanes:
-            self.lanes[sampled] = self.make(sampled, request.sampling or self.sampling)
-        self.where.append((sampled, self.lanes[sampled].add(request)))
+        new = sampled not in self.lanes
+        lane = self.make(sampled, request.sampling or self.sampling) if new else self.lanes[sampled]
+        at = lane.add(request)  # a refused request raises here, before a new lane is kept
+        if new:
+            self.lanes[sampled] = lane
+        self.where.append((sampled, at))
         self.callers[sampled].append(len(self.where) - 1)
         return len(self.where) - 1
 
@@ -94,7 +97,7 @@ class Lanes:
         stats = GenerationStats()
         for out in outs.values():
             stats.merge(out.stats)
-        stats.exit_layer = outs[False].stats.exit_layer  # the greedy lane's, as a call without lanes
+        stats.exit_layer = outs[False].stats.exit_layer  # where both ran, the greedy lane's
         stats.total_time = time.perf_counter() - self.wall
 
         def column(name: str, absent=None):  # a per-row field of the lanes' outputs, in the caller's order

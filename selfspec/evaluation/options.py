@@ -24,7 +24,7 @@ from ..flags import (
     StaticPassesOption,
     option,
 )
-from .prompts import SUITES  # noqa: F401 - named in docstrings
+from .prompts import JSON_EXTRACT, SUITES  # noqa: F401 - SUITES: named in docstrings
 from .timing import DEFAULT_METHODS, METHODS, check_methods  # noqa: F401 - METHODS: named in a docstring
 
 
@@ -218,9 +218,6 @@ class SweepGrid(TimingOptions, SamplingOptions):
     confirm_repeats: int = 5
     """interleaved repeats of the re-timing; a cell is stored only when the interval of its paired
     speedups is above 1"""
-    confirm_context: int = 0
-    """also re-time those cells after prompts of this many tokens from --corpus (0: no); a cell's speedup
-    is then the geometric mean of its short and long ones, so that the pick holds up at long contexts"""
 
     def check(self):
         def listed(value, parse, kind):
@@ -274,12 +271,21 @@ class SweepOptions(ModelOption, CorpusPromptOptions, SweepGrid, QuestionOptions,
     """comma list of {SUITES} (the sweep times their first turns instead of --prompts/--corpus)"""
     max_per_category: int | None = 1
     """the first N questions of each category (default: 1)"""
+    confirm_context: int = 0
+    """re-time the --confirm cells after prompts of this many tokens from --corpus too (0: no); a cell's
+    speedup is then the geometric mean of its short and long ones, so that the pick holds up at long
+    contexts"""
 
     def check(self):
         _counts_at_least_one(self)
         if self.confirm_context < 0:
             raise UserError(f"--confirm-context must be >= 0 (0: short prompts only), "
                             f"got {self.confirm_context}")
+        if self.confirm_context and not self.confirm:
+            raise UserError("--confirm-context re-times the --confirm cells: pass --confirm 1 or more")
+        if self.confirm_context and self.prompts == JSON_EXTRACT:
+            raise UserError("--confirm-context times free text after long prompts, not the extraction "
+                            "prompts' schemas: leave it out with --prompts json-extract")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -181,6 +181,9 @@ def check_drafters(drafters, draft_vocab_sizes, min_ngrams, token_counts) -> Non
         DecodeSettings().override(min_ngram=n)  # validates
 
 
+LONG_PROMPT_ROOM = 16  # positions past a long prompt and its new tokens that a round's drafts may take
+
+
 def run_sweep(checkpoint: LoadedCheckpoint, prompts: list[list[int]], exit_layers: list[int],
               grid: SweepGrid | None = None, *, progress: bool = True,
               long_prompts: list[list[int]] | None = None) -> SweepReport:
@@ -192,10 +195,10 @@ def run_sweep(checkpoint: LoadedCheckpoint, prompts: list[list[int]], exit_layer
     grid.stop_belows: the η values of the early exit's stopping rule (0: never stops); the first one's
     cells give the α and c per exit. grid.confirm / confirm_repeats: re-time each drafter's `confirm`
     fastest lossless cells (`confirm_candidates`) with plain decoding over `confirm_repeats` interleaved
-    repeats ("best", "fastest_per_drafter" and "confirmed" come from them), and after `long_prompts` too
-    where given (each repeat's speedup the geometric mean of the two); confirm = 0 judges the cells
-    by the grid's own repeats. prompts may be `prompts.Structured` (structured output): each decodes
-    under its grammar, which needs the checkpoint's tokenizer.
+    repeats ("best", "fastest_per_drafter" and "confirmed" come from them), after `long_prompts` too
+    where given (interleaved with the short ones; each repeat's speedup the geometric mean of the two);
+    confirm = 0 judges the cells by the grid's own repeats. prompts may be `prompts.Structured`
+    (structured output): each decodes under its grammar, which needs the checkpoint's tokenizer.
     """
     grid = grid or SweepGrid()
     num_layers = count_layers(checkpoint.model)
@@ -230,16 +233,17 @@ def run_sweep(checkpoint: LoadedCheckpoint, prompts: list[list[int]], exit_layer
         if fused_applies(device, structured):
             candidates = with_python_rounds(candidates)
         cells = [settings_of(row) for row in candidates]
-        again = interleaved_rates([plain, *cells], run, [[p] for p in prompts], grid.confirm_repeats,
-                                  grid.warmup, device, "confirm" if progress else None)
-        longer = None if not long_prompts else interleaved_rates(
-            [plain, *cells], run, [[p] for p in long_prompts], grid.confirm_repeats, grid.warmup, device,
-            "confirm, long prompts" if progress else None)
-        confirmed = [{**_brief(row), **_confirmed_speedups(again, longer, cell, plain),
-                      "tokens_per_second": statistics.median(again.rates(cell)),
+        # the long prompts' decodes interleaved with the short ones', so each repeat's two speedups share
+        # the machine's state
+        batches = [[p] for p in [*prompts, *(long_prompts or [])]]
+        short = range(len(prompts))
+        long = range(len(prompts), len(batches)) if long_prompts else None
+        again = interleaved_rates([plain, *cells], run, batches, grid.confirm_repeats, grid.warmup, device,
+                                  "confirm" if progress else None)
+        confirmed = [{**_brief(row), **_confirmed_speedups(again, cell, plain, short, long),
+                      "tokens_per_second": statistics.median(again.rates(cell, short)),
                       "grid_speedup": row["speedup"], "drafter": row["drafter"],
-                      "identical_to_plain": _identical(again, cell, plain, grid) if longer is None else
-                      _identical(again, cell, plain, grid) and _identical(longer, cell, plain, grid)}
+                      "identical_to_plain": _identical(again, cell, plain, grid)}
                      for row, cell in zip(candidates, cells)]
         confirmed = [row for row in confirmed if row["identical_to_plain"] is not False]
     else:
@@ -259,6 +263,7 @@ def run_sweep(checkpoint: LoadedCheckpoint, prompts: list[list[int]], exit_layer
             "confirm_repeats": grid.confirm_repeats if grid.confirm else grid.repeats,
             "confirmed": sorted(confirmed, key=lambda row: -row["speedup"]),
             "fastest_per_drafter": fastest, "best": best,
+            **({"confirm_context": len(long_prompts[0])} if grid.confirm and long_prompts else {}),
             "all_identical_to_plain": len(lossless) == len(rows) if grid.sampling().greedy else None,
             "diagnosis": diagnosis(rows, per_exit, fastest, generator.view)}
 
@@ -329,15 +334,16 @@ def _grid_rows(timings: Timings, settings: list[DecodeSettings], exit_layers: li
     return per_exit, rows
 
 
-def _confirmed_speedups(short: Timings, long: Timings | None, cell: DecodeSettings,
-                        plain: DecodeSettings) -> dict:
-    """A re-timed cell's median paired speedup and its interval (`median_interval`): over the short
-    prompts' repeats, or with `long` each repeat's geometric mean of its short and long speedups, the
-    medians of both beside it ("speedup_short", "speedup_long")."""
-    ratios = paired_speedups(short.rates(cell), short.rates(plain))
+def _confirmed_speedups(timings: Timings, cell: DecodeSettings, plain: DecodeSettings, short,
+                        long=None) -> dict:
+    """A re-timed cell's median paired speedup and its interval (`median_interval`) over the repeats of
+    `timings`, on the batches `short` (indices); with `long` (the long prompts' batches) each repeat's
+    speedup is the geometric mean of its speedups on both, their medians beside it ("speedup_short",
+    "speedup_long")."""
+    ratios = paired_speedups(timings.rates(cell, short), timings.rates(plain, short))
     if long is None:
         return median_interval(ratios)
-    long_ratios = paired_speedups(long.rates(cell), long.rates(plain))
+    long_ratios = paired_speedups(timings.rates(cell, long), timings.rates(plain, long))
     both = [(a * b) ** 0.5 for a, b in zip(ratios, long_ratios)]
     return {**median_interval(both), "speedup_short": statistics.median(ratios),
             "speedup_long": statistics.median(long_ratios)}
@@ -545,8 +551,6 @@ def sweep(options: SweepOptions) -> SweepReport:
     if options.confirm_context:
         long_prompts = long_sweep_prompts(tokenizer, options, DecoderView(lm).max_positions)
     report = run_sweep(checkpoint, chosen, list(exit_layers), options, long_prompts=long_prompts)
-    if long_prompts:
-        report["confirm_context"] = options.confirm_context
     report.update(model=model, prompts_from=", ".join(filter(None, (options.suites, options.questions)))
                   or options.prompts or options.corpus)
     if options.write_back:  # a sampled grid's pick: for calls near its temperature (`formats["sampled@T"]`)
@@ -562,10 +566,11 @@ def sweep(options: SweepOptions) -> SweepReport:
 def long_sweep_prompts(tokenizer, options: SweepOptions, max_positions: int | None) -> list[list[int]]:
     """The long prompts of `confirm_context` tokens (`prompts_from_corpus`, from --corpus's test documents
     twice as long), or a UserError where the model's positions cannot hold them and the new tokens."""
-    need = options.confirm_context + options.max_new_tokens + 16  # and a round's drafts
+    need = options.confirm_context + options.max_new_tokens + LONG_PROMPT_ROOM
     if max_positions is not None and need > max_positions:
         raise UserError(f"--confirm-context {options.confirm_context} plus --max-new-tokens "
-                        f"{options.max_new_tokens} passes the model's {max_positions} positions; lower it")
+                        f"{options.max_new_tokens} and {LONG_PROMPT_ROOM} positions for a round's drafts "
+                        f"pass the model's {max_positions}; lower --confirm-context")
     return prompts_from_corpus(tokenizer, options.corpus, options.num_prompts, options.confirm_context)
 
 
@@ -606,6 +611,8 @@ def write_back_fastest(model_dir: str, report: dict, report_path: Path,
     record = {"speedup": best["speedup"], "interval": [best["low"], best["high"]],
               "coverage": best["coverage"], "report": str(report_path),
               "prompts_from": report.get("prompts_from"),
+              # the speedups judged after prompts of this many tokens too (their geometric mean), or absent
+              **({"confirm_context": report["confirm_context"]} if report.get("confirm_context") else {}),
               # every lossless re-timed cell: `selfspec eval speedup --candidates` times them again
               "candidates": [{key: row[key] for key in ("drafter", "settings", "speedup")}
                              for row in report.get("confirmed", [])]}
