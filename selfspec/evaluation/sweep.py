@@ -232,20 +232,7 @@ def run_sweep(checkpoint: LoadedCheckpoint, prompts: list[list[int]], exit_layer
         candidates = confirm_candidates(lossless, grid.confirm)
         if fused_applies(device, structured):
             candidates = with_python_rounds(candidates)
-        cells = [settings_of(row) for row in candidates]
-        # the long prompts' decodes interleaved with the short ones', so each repeat's two speedups share
-        # the machine's state
-        batches = [[p] for p in [*prompts, *(long_prompts or [])]]
-        short = range(len(prompts))
-        long = range(len(prompts), len(batches)) if long_prompts else None
-        again = interleaved_rates([plain, *cells], run, batches, grid.confirm_repeats, grid.warmup, device,
-                                  "confirm" if progress else None)
-        confirmed = [{**_brief(row), **_confirmed_speedups(again, cell, plain, short, long),
-                      "tokens_per_second": statistics.median(again.rates(cell, short)),
-                      "grid_speedup": row["speedup"], "drafter": row["drafter"],
-                      "identical_to_plain": _identical(again, cell, plain, grid)}
-                     for row, cell in zip(candidates, cells)]
-        confirmed = [row for row in confirmed if row["identical_to_plain"] is not False]
+        confirmed = _confirm(candidates, plain, run, prompts, long_prompts, grid, device, progress)
     else:
         plain_rates = timings.rates(plain)
         confirmed = [{**_brief(row), **median_interval(paired_speedups(timings.rates(s), plain_rates)),
@@ -332,6 +319,27 @@ def _grid_rows(timings: Timings, settings: list[DecodeSettings], exit_layers: li
             row["measured_over_predicted"] = row["speedup"] / row["predicted_speedup"]
         rows.append(row)
     return per_exit, rows
+
+
+def _confirm(candidates: list[dict], plain: DecodeSettings, run, prompts: list, long_prompts: list | None,
+             grid: SweepGrid, device, progress: bool) -> list[dict]:
+    """The lossless `candidates` (grid rows) re-timed against `plain` over `grid.confirm_repeats`
+    interleaved repeats, on `prompts` and `long_prompts` (or none): each with its paired speedups
+    (`_confirmed_speedups`)."""
+    cells = [settings_of(row) for row in candidates]
+    # the long prompts' decodes interleaved with the short ones', so each repeat's two speedups share the
+    # machine's state
+    batches = [[p] for p in [*prompts, *(long_prompts or [])]]
+    short = range(len(prompts))
+    long = range(len(prompts), len(batches)) if long_prompts else None
+    again = interleaved_rates([plain, *cells], run, batches, grid.confirm_repeats, grid.warmup, device,
+                              "confirm" if progress else None)
+    confirmed = [{**_brief(row), **_confirmed_speedups(again, cell, plain, short, long),
+                  "tokens_per_second": statistics.median(again.rates(cell, short)),
+                  "grid_speedup": row["speedup"], "drafter": row["drafter"],
+                  "identical_to_plain": _identical(again, cell, plain, grid)}
+                 for row, cell in zip(candidates, cells)]
+    return [row for row in confirmed if row["identical_to_plain"] is not False]
 
 
 def _confirmed_speedups(timings: Timings, cell: DecodeSettings, plain: DecodeSettings, short,
