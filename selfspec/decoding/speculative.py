@@ -214,8 +214,7 @@ class SelfSpecGenerator:
         if settings is None and len(kinds) == 1 and kinds <= self.format_settings.keys():
             settings = self.format_settings[kinds.pop()]  # the format's own fastest
         elif settings is None and not kinds and config.temperature > 0:
-            picked = sampled_pick(self.format_settings, config.temperature)  # a sampled sweep's pick
-            settings = None if picked is None else self.format_settings[picked]
+            settings = self._sampled_settings(config.temperature)
         settings, policy = self._resolve(settings, config.drafter, config.num_speculations)
         if self.view.model.training:
             warnings.warn("the model is in training mode (dropout on): outputs will not match eval mode",
@@ -260,16 +259,19 @@ class SelfSpecGenerator:
         eos = self._eos_ids(eos_token_id)
 
         def lane(sampled: bool, first: SamplingParams) -> Engine:
-            chosen = settings
-            if chosen is None and sampled:
-                picked = sampled_pick(self.format_settings, first.temperature)  # a sampled sweep's pick
-                chosen = None if picked is None else self.format_settings[picked]
+            chosen = self._sampled_settings(first.temperature) if settings is None and sampled else settings
             resolved, policy = self._resolve(chosen, None, None)
             options = CallOptions(resolved, sampling or SamplingParams(), eos, grammar=structured,
                                   rounds_per_step=rounds_per_step, draft_max_rows=draft_max_rows)
             return Engine(self.runner.for_engine(), policy, options)
 
         return Lanes(lane, sampling or SamplingParams())
+
+    def _sampled_settings(self, temperature: float) -> DecodeSettings | None:
+        """A sampled sweep's pick for calls at `temperature` (the stored one nearest it, `sampled_pick`), or
+        None where the checkpoint has none."""
+        picked = sampled_pick(self.format_settings, temperature)
+        return None if picked is None else self.format_settings[picked]
 
     def chat(self, messages, **kwargs) -> GenerationOutput:
         """Reply to a conversation, a list of {"role", "content"} messages (or to a list of
