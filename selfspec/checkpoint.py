@@ -22,7 +22,9 @@ read by `read_settings` and written by `save_tuned` and `write_settings` only:
                     sweep that chose the settings (`candidates`: the cells it re-timed)
     formats         optional: {kind: {settings, fastest, and the sweep's record}} of sweeps under a kind of
                     constraint ("json_schema", ...) or sampled at temperature T ("sampled@T"; "sampled"
-                    from sweeps that did not record T), each the default of such calls
+                    from sweeps that did not record T), each the default of such calls, or after long
+                    prompts ("context@T": greedy decodes at the checkpoint's settings switch to it once
+                    their longest context reaches T tokens; `selfspec eval sweep --context`)
     round_costs     optional, written by a greedy sweep's write-back: {device type: {lengths, draft,
                     verify_slope, exit_layer, draft_vocab_size, overlap_gain?}}, a round's costs by
                     context length (`decoding.RoundCosts`), from which decoding drafts only where

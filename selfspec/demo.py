@@ -79,8 +79,9 @@ class Stages:
     """What stages 2-6 (`_tune_and_measure`) measure: the gate's allowed increase, the blocks the
     agreement tables read, and the sweep's grid (E as offsets from the recipe's exit, None: every exit
     the recipe trains; k; V'; copy thresholds) over the benchmark's `num_prompts` prompts, each
-    `sweep_tokens` new tokens (None: the benchmark's max_new_tokens), its best cells re-timed after prompts
-    of `long_prompt_tokens` tokens too, and a last benchmark after such prompts (None: neither)."""
+    `sweep_tokens` new tokens (None: the benchmark's max_new_tokens), a sweep of the early exit after prompts
+    of `long_prompt_tokens` tokens (the pick greedy decodes switch to at long contexts), and a last
+    benchmark after such prompts (None: neither)."""
 
     max_increase: float = 0.01
     max_blocks: int = 64
@@ -225,13 +226,8 @@ def _tune_and_measure(base_dir: Path, base_out: Path, finetune_config: str, forc
     if "token_counts" not in meta:  # a checkpoint trained before the fine-tune counted its tokens
         draft_vocab_counts(DraftVocabOptions(model=str(tuned_dir), data=tune_cfg.data.source))
     num_layers = len(after)  # `after` has layers 1..N
-    sweep(SweepOptions(model=str(tuned_dir), exit_layers=tuple(sweep_exit_layers(tune_cfg, num_layers,
-                                                                                 stages.sweep_exits)),
-                       ks=stages.sweep_ks, drafters=DRAFTERS, draft_vocab_sizes=stages.sweep_vocabs,
-                       min_ngrams=stages.sweep_min_ngrams, num_prompts=stages.num_prompts,
-                       max_new_tokens=stages.sweep_tokens or max_new_tokens, repeats=repeats,
-                       confirm_context=stages.long_prompt_tokens or 0, out=str(out / "sweep"),
-                       write_back=True))
+    _greedy_sweeps(tuned_dir, tuple(sweep_exit_layers(tune_cfg, num_layers, stages.sweep_exits)), stages,
+                   stages.sweep_tokens or max_new_tokens, repeats, out)
     print("== 6/6 decoding benchmark, each drafter at its fastest: plain, early exit, copies, hybrid vs "
           "Hugging Face's greedy, early exit and prompt lookup (greedy, batch 1)")
     # with the sweep's re-timed cells beside the methods: does its pick hold up here?
@@ -268,6 +264,23 @@ def _tune_and_measure(base_dir: Path, base_out: Path, finetune_config: str, forc
                                  num_prompts=stages.num_prompts, prompt_tokens=stages.long_prompt_tokens,
                                  out=str(out / "benchmark-long"), methods="plain,early_exit,ngram,hybrid"))
     return passed
+
+
+def _greedy_sweeps(tuned_dir: Path, exit_layers: tuple[int, ...], stages: Stages, max_new_tokens: int,
+                   repeats: int, out: Path) -> None:
+    """Stage 5's greedy sweeps, each pick written into selfspec.json: every drafter after short prompts,
+    then with `stages.long_prompt_tokens` the early exit after prompts that long (the pick greedy decodes
+    switch to at long contexts, `formats["context@T"]`)."""
+    common = dict(model=str(tuned_dir), exit_layers=exit_layers, draft_vocab_sizes=stages.sweep_vocabs,
+                  num_prompts=stages.num_prompts, max_new_tokens=max_new_tokens, repeats=repeats,
+                  write_back=True)
+    sweep(SweepOptions(ks=stages.sweep_ks, drafters=DRAFTERS, min_ngrams=stages.sweep_min_ngrams,
+                       out=str(out / "sweep"), **common))
+    if stages.long_prompt_tokens:
+        print(f"   ... and the early exit after prompts of {stages.long_prompt_tokens} tokens: the pick that "
+              f"greedy decodes switch to once their context grows long")
+        sweep(SweepOptions(ks=tuple(k for k in stages.sweep_ks if k != "auto"), drafters=("early_exit",),
+                           context=stages.long_prompt_tokens, out=str(out / "sweep-long"), **common))
 
 
 def sweep_exit_layers(tune_cfg, num_layers: int, offsets=None) -> list[int]:

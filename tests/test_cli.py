@@ -295,3 +295,43 @@ def test_generate_under_a_json_schema_exits_1_when_the_reply_is_cut(tiny_ckpt, t
     assert "does not compile" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # argparse: the constraint flags exclude each other
         cli.main(["generate", str(tiny_ckpt), "x", "--regex", "a", "--grammar", "g.lark"])
+
+
+def test_a_sweep_after_long_prompts_stores_a_pick_that_greedy_decodes_switch_to(tiny_ckpt, tmp_path, capsys):
+    """`--context L`: the grid after L-token prompts from the corpus; its write-back goes under
+    `formats["context@T"]`, T the geometric mean of L and the short prompts' length, and a greedy decode of
+    the loaded checkpoint switches to it at T tokens of context while the checkpoint's own settings stay."""
+    import json
+
+    from selfspec import load_tuned
+    from selfspec.checkpoint import read_meta
+    from selfspec.decoding import context_key
+    from selfspec.evaluation.sweep import write_back_fastest
+
+    out = tmp_path / "sweep"
+    assert cli.main(["eval", "sweep", "--model", str(tiny_ckpt), "--exit-layers", "1,2", "--ks", "1",
+                     "--drafters", "early_exit", "--num-prompts", "2", "--prompt-tokens", "16",
+                     "--max-new-tokens", "6", "--repeats", "1", "--warmup", "0", "--confirm", "0",
+                     "--context", "64", "--out", str(out)]) == 0
+    report = json.loads((out / "sweep.json").read_text())
+    assert report["context"] == 64 and report["from_tokens"] == 32  # √(16 · 64)
+    assert "the pick for greedy decodes from 32 tokens of context on" in (out / "sweep.md").read_text()
+    pick = DecodeSettings(exit_layer=1, num_speculations=1)
+    entry = {"drafter": "early_exit", "settings": pick.to_json(), "speedup": 1.4, "low": 1.2, "high": 1.6,
+             "coverage": 0.9, "identical_to_plain": True}
+    assert write_back_fastest(str(tiny_ckpt), {"best": entry, "fastest_per_drafter": {"early_exit": entry},
+                                               "context": 64}, out / "sweep.json",
+                              constraint_kind=context_key(32))
+    assert "for greedy decodes from 32 tokens of context on" in capsys.readouterr().out
+    assert read_meta(tiny_ckpt)["formats"]["context@32"]["context"] == 64
+    generator = load_tuned(tiny_ckpt)
+    assert generator.settings == DecodeSettings(exit_layer=2, num_speculations=3)
+    short = generator.generate([[5, 17, 33, 2, 11]], max_new_tokens=12, eos_token_id=[])
+    long = generator.generate([[(7 * i) % 50 for i in range(40)]], max_new_tokens=12, eos_token_id=[])
+    assert short.stats.exit_layer == 2 and long.stats.exit_layer == 1
+    for flags, said in ((["--context", "-1"], "--context must be >= 0"),
+                        (["--context", "64", "--confirm-context", "64"], "leave out --confirm-context"),
+                        (["--context", "64", "--temperature", "0.8"], "leave out --temperature"),
+                        (["--context", "100000"], "--context 100000 plus --max-new-tokens")):
+        assert cli.main(["eval", "sweep", "--model", str(tiny_ckpt), *flags]) == 2
+        assert said in capsys.readouterr().err, flags

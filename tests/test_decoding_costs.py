@@ -292,6 +292,11 @@ def test_rounds_overlap_only_where_the_measured_gain_says_so():
         out = generator.generate([prompt], max_new_tokens=24, eos_token_id=[])
         assert out.sequences[0] == reference_greedy(model, prompt, 24)
         assert asked and set(asked) == {overlapped}, (length, asked)
+    # costs measured at another exit say nothing of this one's overlap: its settings decide
+    generator.round_costs = dataclasses.replace(generator.round_costs, exit_layer=3)
+    asked.clear()
+    generator.generate([prompt], max_new_tokens=24, eos_token_id=[])
+    assert asked and set(asked) == {True}
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu_kernels"])

@@ -66,6 +66,23 @@ class _Clock:
 
 
 @dataclass(frozen=True)
+class ContextSwitch:
+    """Settings a greedy decode switches to once its longest context reaches `from_tokens` tokens, and
+    the policy its rounds then plan with (a checkpoint's long-context pick, `settings.CONTEXT`).
+
+    A round's cost grows with the context faster than a plain step's (the verification's attention over
+    k + 1 queries), and the exit's acceptance falls: an exit that pays most after short prompts may not
+    after long ones. Switching is lossless for greedy rows (the cache holds every layer of every kept
+    position, so any E drafts from it, and greedy rows keep the target's tokens at any settings). Only a
+    batch of greedy rows switches: a sampled row's drafts, and so its draws, depend on its own settings
+    alone, never on its batch-mates' lengths."""
+
+    from_tokens: int
+    settings: DecodeSettings
+    policy: DraftPolicy
+
+
+@dataclass(frozen=True)
 class CallOptions:
     """What one decode fixes for all its rows.
 
@@ -79,7 +96,8 @@ class CallOptions:
     rounds_per_step: a caller that reads every step (a server) lets a lone row run this many rounds in
     one compiled call (its first round alone, so its first token comes at once), None: no such caller;
     watched: a caller that reads every round (a streamer, stop strings): one round per call;
-    profile: time each part of every round (`GenerationStats.profile`).
+    profile: time each part of every round (`GenerationStats.profile`); switches: the `ContextSwitch`es
+    of a greedy decode, by ascending `from_tokens` (none: `settings` throughout).
     """
 
     settings: DecodeSettings
@@ -92,6 +110,7 @@ class CallOptions:
     rounds_per_step: int | None = None
     watched: bool = False
     profile: bool = False
+    switches: tuple[ContextSwitch, ...] = ()
 
 
 class Engine:
@@ -113,7 +132,10 @@ class Engine:
         self.laps = None  # the profile's laps (`profile`), from the first round on
         self.clock = _Clock(runner.view.device)
         # a grammar's forced tokens may join any round once a row brings a constraint: room for them
-        self.k_max = policy.k_max + (0 if options.settings.is_plain else FORCED_PER_ROUND)
+        self.switches = list(options.switches)  # those still ahead, nearest first
+        self.k_max = max([policy.k_max + (0 if options.settings.is_plain else FORCED_PER_ROUND)]
+                         + [s.policy.k_max + (0 if s.settings.is_plain else FORCED_PER_ROUND)
+                            for s in self.switches])
         self.texts: list[RowText] = []  # each row's text and stop strings (none without a tokenizer)
         self.reasons: list[str | None] = []  # each row's finish reason: "stop", "length", "cancelled"
         self.wall = time.perf_counter()
@@ -169,6 +191,8 @@ class Engine:
                 self._drop_cancelled()
             if not self.b.rows.size:
                 return []
+            if self.switches:
+                self._switch_for_context()
             return self._step()
 
     def _step(self) -> list[RoundOutput]:
@@ -327,6 +351,31 @@ class Engine:
         self._grow(len(joining))
         self.b.lap("other")
 
+    def _switch_for_context(self) -> None:
+        """Take the settings of the last `ContextSwitch` the batch's longest context has reached: its
+        drafting, and its policy, started on every row's context so far. Only while every row is greedy
+        (`ContextSwitch`); not where either side drafts through an exit block (its cache layers)."""
+        b = self.b
+        longest = int(b.lengths.max())
+        reached = [s for s in self.switches if longest >= s.from_tokens]
+        if not reached or not b.sampling.all_greedy or self.policy.sampled.any():
+            return
+        switch = reached[-1]
+        self.switches = self.switches[len(reached):]
+        drafting = self.runner.drafting(switch.settings)
+        if drafting.exit_block is not None or b.drafting.exit_block is not None:
+            self.switches = []
+            return
+        policy = switch.policy
+        if b.grammar is not None:
+            policy.match_text(self.runner.token_text)
+        policy.start([list(r.prompt) + self.generated[row, :self.counts[row]].tolist()
+                      for row, r in enumerate(self.requests)])
+        policy.sample_rows(self.policy.sampled)
+        b.drafting, self.policy = drafting, policy
+        self.stats.exit_layer = switch.settings.exit_layer
+        self._plan_calls()
+
     def _plain(self, rows: np.ndarray) -> bool:
         """A greedy round of more rows than `draft_max_rows` drafts nothing (a plain step)."""
         most = self.options.draft_max_rows
@@ -352,6 +401,9 @@ class Engine:
         key, span = self._span(row, drafts)
         cap = self.policy.rounds_cap(rows)
         most = 1 if watched and not self.counts[row] else span if cap is None else min(span, cap)
+        ahead = self.switches[0].from_tokens - int(b.lengths[0]) if self.switches else remaining
+        if ahead < remaining:  # no further than the next switch's context: a round emits at most reach + 1
+            most = min(most, max(1, ahead // (reach + 1)))
         limit = runner.view.max_positions
         if limit is not None and int(b.lengths[0]) + remaining + reach >= limit:
             return None
@@ -414,4 +466,4 @@ class Engine:
         return tokens, emit, finished, done
 
 
-__all__ = ["ADAPT_ROUNDS", "FORCED_PER_ROUND", "CallOptions", "Engine"]
+__all__ = ["ADAPT_ROUNDS", "FORCED_PER_ROUND", "CallOptions", "ContextSwitch", "Engine"]

@@ -179,8 +179,12 @@ class DraftPolicy:
 
     def overlaps(self, rows) -> bool:
         """Whether rounds may overlap at the longest of `rows`' contexts (`RoundCosts.overlap_pays`; True
-        without a gate)."""
-        return self.gate is None or self.gate.costs.overlap_pays(int(self.lengths[rows].max()))
+        without a gate, or with costs measured for another exit: how much overlapping gains depends on how
+        the exit splits the blocks between the two threads, so another exit's gain says nothing)."""
+        gate = self.gate
+        if gate is None or not gate.gates_early_exit:
+            return True
+        return gate.costs.overlap_pays(int(self.lengths[rows].max()))
 
     def gate_record(self, drafts: dict) -> None:
         """The gate learns a round's drafts, {source: (k, accepted counts of the rows that tested them)},

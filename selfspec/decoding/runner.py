@@ -145,6 +145,13 @@ class Runner:
             return None
         return adapter
 
+    def drafting(self, settings: DecodeSettings) -> Drafting:
+        """How rounds at `settings` draft (`batch.Drafting`): their E, draft head, exit block, η, ..."""
+        head = self.draft_head(settings)
+        return Drafting(settings.exit_layer, head, self.exit_block(settings),
+                        None if settings.is_plain else head.tensors(), settings.stop_below, settings.overlap,
+                        settings.fused, forced=not settings.is_plain)
+
     def round(self, b: Batch, plan: DraftPlan, policy: DraftPolicy, clock, k_max: int):
         """One round for every row: draft, verify all drafts in one pass, accept a prefix.
 
@@ -220,15 +227,11 @@ class Runner:
         """Allocate the cache and prefill every prompt token but the last (the first pending token);
         params: each row's sampling settings."""
         device, rows = self.view.device, len(prompts)
-        exit_block = self.exit_block(settings)
-        head = self.draft_head(settings)
-        extra_layers = 0 if exit_block is None else exit_block.cache_layers
+        drafting = self.drafting(settings)
+        extra_layers = 0 if drafting.exit_block is None else drafting.exit_block.cache_layers
         seeds = np.array(self.seeds(seed, rows, all(p.greedy for p in params)), dtype=np.int64)
         b = Batch(cache=self.new_cache(self.view.num_layers + extra_layers, rows, capacity, role),
-                   params=list(params), sampling=RowSampling.of(params, device, seeds),
-                   drafting=Drafting(settings.exit_layer, head, exit_block,
-                                     None if settings.is_plain else head.tensors(), settings.stop_below,
-                                     settings.overlap, settings.fused, forced=not settings.is_plain),
+                   params=list(params), sampling=RowSampling.of(params, device, seeds), drafting=drafting,
                    grammar=None, steps=torch.arange(capacity, device=device), rows=np.arange(rows),
                    lengths=np.zeros(rows, dtype=np.int64),
                    pending=np.array([p[-1] for p in prompts], dtype=np.int64), seeds=seeds)

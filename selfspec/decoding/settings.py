@@ -203,5 +203,29 @@ def sampled_pick(keys, temperature: float) -> str | None:
     return SAMPLED if SAMPLED in keys else None
 
 
-__all__ = ["ADAPTIVE_K", "FIELDS", "PLAIN", "SAMPLED", "DecodeSettings", "parse_num_speculations",
-           "sampled_key", "sampled_pick"]
+# The `format_settings` key prefix of a greedy pick for long contexts: a draft's acceptance falls with the
+# context while a round's verification grows dearer than a plain step, so the (E, k) that pays most after
+# short prompts (a shallow exit, longer drafts) loses to a deeper exit with shorter drafts after long
+# ones (figures: docs/results.md, "Long contexts"). A sweep after long prompts stores its pick under
+# "context@T", and a greedy decode switches to it once its longest context reaches T tokens
+# (`engine.ContextSwitch`).
+CONTEXT = "context"
+
+
+def context_key(from_tokens: int) -> str:
+    """The `formats` key of the pick that greedy decodes switch to from `from_tokens` of context on."""
+    return f"{CONTEXT}@{from_tokens}"
+
+
+def context_picks(keys) -> list[tuple[int, str]]:
+    """The stored long-context picks among `formats` keys `keys`: (from_tokens, key), ascending."""
+    picks = []
+    for key in keys:
+        name, _, at = key.partition("@")
+        if name == CONTEXT and at.isdigit() and int(at) > 0:
+            picks.append((int(at), key))
+    return sorted(picks)
+
+
+__all__ = ["ADAPTIVE_K", "CONTEXT", "FIELDS", "PLAIN", "SAMPLED", "DecodeSettings", "context_key",
+           "context_picks", "parse_num_speculations", "sampled_key", "sampled_pick"]

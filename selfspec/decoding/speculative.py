@@ -24,7 +24,7 @@ from ..sampling import SamplingParams
 from .controller import Controller
 from .costs import CostGate, RoundCosts
 from .draft_head import DraftHead
-from .engine import CallOptions, Engine
+from .engine import CallOptions, ContextSwitch, Engine
 from .generation import GenerationConfig
 from .grammar import GrammarTokenizer, constraints_for_rows
 from .lanes import Lanes
@@ -33,7 +33,7 @@ from .outputs import GenerationOutput, GenerationStats, NewRow, RoundOutput
 from .policy import DraftPolicy
 from .prefix import PrefixCache
 from .runner import Runner
-from .settings import DecodeSettings, sampled_pick
+from .settings import DecodeSettings, context_picks, sampled_pick
 
 
 class _RowOrderStream:
@@ -83,7 +83,9 @@ class SelfSpecGenerator:
         never reads them); format_settings: {constraint kind:
         settings}, the default of a `generate` call whose constrained rows all have that kind
         ("json_schema", "regex", "lark"), as a sweep on such prompts stored it; under `SAMPLED`
-        ("sampled") the default of an unconstrained sampled call (temperature > 0).
+        ("sampled@T") the default of an unconstrained sampled call (temperature > 0); under "context@T"
+        (`context_key`) the settings an unconstrained greedy decode at the generator's own settings
+        switches to once its longest context reaches T tokens (`engine.ContextSwitch`).
     static_passes: None, or run every decoding pass of up to `static_passes.WIDTH` positions (plain
         steps, drafts, verifications; rounds are capped to that many) at fixed shapes, the path for
         CUDA graphs (`backends.static`): "eager" as written, "compile" through `torch.compile`
@@ -211,6 +213,8 @@ class SelfSpecGenerator:
         prompts = self._prompts(input_ids, attention_mask)
         constraints = constraints_for_rows(len(prompts), config.json_schema, config.regex, config.grammar)
         kinds = {c.kind for c in constraints or () if c is not None}
+        own = (settings is None and constraints is None and config.temperature == 0
+               and config.drafter is None and config.num_speculations is None)
         if settings is None and len(kinds) == 1 and kinds <= self.format_settings.keys():
             settings = self.format_settings[kinds.pop()]  # the format's own fastest
         elif settings is None and not kinds and config.temperature > 0:
@@ -223,7 +227,8 @@ class SelfSpecGenerator:
         options = CallOptions(settings, SamplingParams(config.temperature, config.top_k, config.top_p),
                               self._eos_ids(config.eos_token_id), stops, config.seed,
                               grammar=constraints is not None, draft_max_rows=config.draft_max_rows,
-                              watched=streamer is not None or bool(stops), profile=config.profile)
+                              watched=streamer is not None or bool(stops), profile=config.profile,
+                              switches=self._context_switches() if own else ())
         engine = Engine(self.runner.for_engine(), policy, options)
         stream = _RowOrderStream(streamer, prompts) if streamer is not None else None
         if config.max_new_tokens > 0:
@@ -261,8 +266,10 @@ class SelfSpecGenerator:
         def lane(sampled: bool, first: SamplingParams) -> Engine:
             chosen = self._sampled_settings(first.temperature) if settings is None and sampled else settings
             resolved, policy = self._resolve(chosen, None, None)
+            own = settings is None and not sampled and not structured
             options = CallOptions(resolved, sampling or SamplingParams(), eos, grammar=structured,
-                                  rounds_per_step=rounds_per_step, draft_max_rows=draft_max_rows)
+                                  rounds_per_step=rounds_per_step, draft_max_rows=draft_max_rows,
+                                  switches=self._context_switches() if own else ())
             return Engine(self.runner.for_engine(), policy, options)
 
         return Lanes(lane, sampling or SamplingParams())
@@ -272,6 +279,12 @@ class SelfSpecGenerator:
         None where the checkpoint has none."""
         picked = sampled_pick(self.format_settings, temperature)
         return None if picked is None else self.format_settings[picked]
+
+    def _context_switches(self) -> tuple[ContextSwitch, ...]:
+        """The long-context picks stored for greedy decodes at the generator's settings (`context_picks`),
+        as `ContextSwitch`es with fresh policies, by ascending context."""
+        return tuple(ContextSwitch(at, *self._resolve(self.format_settings[key], None, None))
+                     for at, key in context_picks(self.format_settings))
 
     def chat(self, messages, **kwargs) -> GenerationOutput:
         """Reply to a conversation, a list of {"role", "content"} messages (or to a list of

@@ -276,8 +276,20 @@ class SweepOptions(ModelOption, CorpusPromptOptions, SweepGrid, QuestionOptions,
     speedup is then the geometric mean of its short and long ones, so that the pick holds up at long
     contexts"""
 
+    context: int = 0
+    """time the grid after prompts of this many tokens from --corpus instead (0: short prompts): a pick
+    for long contexts, which --write-back stores for greedy decodes from the geometric mean of this and the
+    short prompts' length on"""
+
     def check(self):
         _counts_at_least_one(self)
+        if self.context < 0:
+            raise UserError(f"--context must be >= 0 (0: short prompts), got {self.context}")
+        if self.context and (self.confirm_context or self.prompts or self.suites or self.questions):
+            raise UserError("--context times the grid after long prompts from --corpus: leave out "
+                            "--confirm-context, --prompts, --suite and --question")
+        if self.context and not self.sampling().greedy:
+            raise UserError("--context picks settings for greedy decodes: leave out --temperature")
         if self.confirm_context < 0:
             raise UserError(f"--confirm-context must be >= 0 (0: short prompts only), "
                             f"got {self.confirm_context}")

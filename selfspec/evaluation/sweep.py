@@ -23,7 +23,10 @@ re-timed cells; the write-back stores a cell only when the interval's lower end 
 `confirm_context` the cells are re-timed after long prompts too, and a repeat's speedup is the geometric
 mean of its short and long ones: a setting that pays after 64 tokens of context may not after 1,024 (a
 longer draft loses more as the exit's acceptance falls with the context), and a checkpoint's one pick
-serves both.
+serves both. With `context` the whole grid runs after prompts of that many tokens instead, and the
+write-back stores its pick under `formats["context@T"]` (`switch_length`): greedy decodes switch to it once
+their longest context reaches T tokens (`decoding.ContextSwitch`), where a deeper exit with shorter drafts
+beats the short prompts' pick.
 
     selfspec eval sweep --model runs/demo/model --exit-layers 2:10:2 --ks 1,2,4,6,8 --write-back
 
@@ -51,7 +54,16 @@ from ..checkpoint import (
     write_settings,
 )
 from ..config import parse_layers
-from ..decoding import ADAPTIVE_K, DRAFTERS, SAMPLED, DecodeSettings, SelfSpecGenerator, sampled_key
+from ..decoding import (
+    ADAPTIVE_K,
+    CONTEXT,
+    DRAFTERS,
+    SAMPLED,
+    DecodeSettings,
+    SelfSpecGenerator,
+    context_key,
+    sampled_key,
+)
 from ..decoding.settings import FIELDS
 from ..errors import UserError
 from ..metrics import predicted_speedup
@@ -412,6 +424,9 @@ def to_markdown(report: dict) -> str:
              f"{report['num_prompts']} prompts, batch 1, {report['max_new_tokens']} new tokens, greedy, "
              f"{report['device']}; plain {report['plain_tokens_per_second']:.1f} tokens/s; median of "
              f"{report['repeats']} interleaved repeats after {report['warmup']} warm-up."]
+    if report.get("context"):
+        lines += ["", f"After prompts of {report['context']} tokens: the pick for greedy decodes from "
+                      f"{report['from_tokens']} tokens of context on."]
     if early:
         lines += ["",
                   "Early-exit drafts, cells: measured × (cost model E(k,α)/(k·c + v), v the cell's measured "
@@ -554,15 +569,22 @@ def sweep(options: SweepOptions) -> SweepReport:
     else:
         chosen = read_prompts(tokenizer, options.prompts, options.corpus, options.num_prompts,
                               options.prompt_tokens)
-    lengths = cost_lengths(options.cost_lengths, DecoderView(lm).max_positions)
+    max_positions = DecoderView(lm).max_positions
+    lengths = cost_lengths(options.cost_lengths, max_positions)
     long_prompts = None
     if options.confirm_context:
-        long_prompts = long_sweep_prompts(tokenizer, options, DecoderView(lm).max_positions)
+        long_prompts = long_sweep_prompts(tokenizer, options, max_positions, options.confirm_context)
+    from_tokens = None
+    if options.context:  # the grid after long prompts: a pick from `from_tokens` of context on
+        from_tokens = switch_length(chosen, options.context)
+        chosen = long_sweep_prompts(tokenizer, options, max_positions, options.context)
     report = run_sweep(checkpoint, chosen, list(exit_layers), options, long_prompts=long_prompts)
     report.update(model=model, prompts_from=", ".join(filter(None, (options.suites, options.questions)))
-                  or options.prompts or options.corpus)
+                  or options.prompts or options.corpus,
+                  **({"context": options.context, "from_tokens": from_tokens} if from_tokens else {}))
     if options.write_back:  # a sampled grid's pick: for calls near its temperature (`formats["sampled@T"]`)
         kind = ("json_schema" if options.prompts == JSON_EXTRACT
+                else context_key(from_tokens) if from_tokens
                 else None if options.sampling().greedy else sampled_key(options.sampling().temperature))
         write_back_fastest(model, report, Path(options.out) / "sweep.json", constraint_kind=kind)
         if kind is None and lengths:
@@ -571,15 +593,26 @@ def sweep(options: SweepOptions) -> SweepReport:
     return report
 
 
-def long_sweep_prompts(tokenizer, options: SweepOptions, max_positions: int | None) -> list[list[int]]:
-    """The long prompts of `confirm_context` tokens (`prompts_from_corpus`, from --corpus's test documents
-    twice as long), or a UserError where the model's positions cannot hold them and the new tokens."""
-    need = options.confirm_context + options.max_new_tokens + LONG_PROMPT_ROOM
+def long_sweep_prompts(tokenizer, options: SweepOptions, max_positions: int | None,
+                       length: int) -> list[list[int]]:
+    """Prompts of `length` tokens (`prompts_from_corpus`, from --corpus's test documents twice as long), or
+    a UserError where the model's positions cannot hold them and the new tokens."""
+    need = length + options.max_new_tokens + LONG_PROMPT_ROOM
     if max_positions is not None and need > max_positions:
-        raise UserError(f"--confirm-context {options.confirm_context} plus --max-new-tokens "
-                        f"{options.max_new_tokens} and {LONG_PROMPT_ROOM} positions for a round's drafts "
-                        f"pass the model's {max_positions}; lower --confirm-context")
-    return prompts_from_corpus(tokenizer, options.corpus, options.num_prompts, options.confirm_context)
+        flag = "--context" if options.context else "--confirm-context"
+        raise UserError(f"{flag} {length} plus --max-new-tokens {options.max_new_tokens} and "
+                        f"{LONG_PROMPT_ROOM} positions for a round's drafts pass the model's "
+                        f"{max_positions}; lower {flag}")
+    return prompts_from_corpus(tokenizer, options.corpus, options.num_prompts, length)
+
+
+def switch_length(short_prompts: list, context: int) -> int:
+    """From how many tokens of context a pick timed after `context`-token prompts serves greedy decodes:
+    the geometric mean of that and the short prompts' median length (where the checkpoint's own pick was
+    timed). Speedups by (E, k) move about linearly in log context (docs/results.md, "Long contexts"), so
+    two picks cross near the middle of their lengths on a log scale."""
+    short = statistics.median(len(p) for p in short_prompts)
+    return max(1, min(context, round((short * context) ** 0.5)))
 
 
 def write_back_costs(model: str, checkpoint: LoadedCheckpoint, prompts: list,
@@ -621,6 +654,8 @@ def write_back_fastest(model_dir: str, report: dict, report_path: Path,
               "prompts_from": report.get("prompts_from"),
               # the speedups judged after prompts of this many tokens too (their geometric mean), or absent
               **({"confirm_context": report["confirm_context"]} if report.get("confirm_context") else {}),
+              # a long-context pick: timed after prompts of this many tokens
+              **({"context": report["context"]} if report.get("context") else {}),
               # every lossless re-timed cell: `selfspec eval speedup --candidates` times them again
               "candidates": [{key: row[key] for key in ("drafter", "settings", "speedup")}
                              for row in report.get("confirmed", [])]}
@@ -628,8 +663,10 @@ def write_back_fastest(model_dir: str, report: dict, report_path: Path,
         formats = {**read_meta(model_dir).get("formats", {}),
                    constraint_kind: {"settings": best["settings"], **record, "fastest": fastest}}
         update_meta(model_dir, formats=formats)
-        under = (f"for sampled calls near temperature {constraint_kind.partition('@')[2]}"
-                 if constraint_kind.startswith(SAMPLED) else f"under a {constraint_kind} constraint")
+        at = constraint_kind.partition("@")[2]
+        under = (f"for sampled calls near temperature {at}" if constraint_kind.startswith(SAMPLED)
+                 else f"for greedy decodes from {at} tokens of context on"
+                 if constraint_kind.startswith(CONTEXT) else f"under a {constraint_kind} constraint")
         print(f"{model_dir}/{META_FILE}: {under}, {_describe(best)}")
         return True
     write_settings(model_dir, DecodeSettings.from_json(best["settings"]), fastest=fastest, sweep=record)
