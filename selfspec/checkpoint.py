@@ -232,15 +232,16 @@ def sweep_candidates(path: str | Path, meta: dict | None = None,
 
 
 def format_settings(path: str | Path, meta: dict | None = None) -> dict[str, DecodeSettings]:
-    """{constraint kind: settings}: what calls under a constraint of that kind ("json_schema",
-    "regex", "lark") decode with, as a sweep on such prompts stored it (empty without one)."""
+    """{kind: settings}: what calls under a constraint of that kind ("json_schema", "regex", "lark"),
+    sampled calls ("sampled@T") and greedy decodes past T tokens of context ("context@T") decode with,
+    as sweeps stored them (empty without one)."""
     meta = read_meta(path) if meta is None else meta
     try:
         return {kind: DecodeSettings.from_json(entry["settings"])
                 for kind, entry in meta.get("formats", {}).items()}
     except (AttributeError, KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"{Path(path) / META_FILE}: bad \"formats\" entry ({exc}); re-run "
-                              f"`selfspec eval sweep --prompts json-extract --write-back`") from None
+                              f"`selfspec eval sweep --write-back` with the sweep that stored it") from None
 
 
 def _flat_fastest(entry: dict, own: DecodeSettings) -> DecodeSettings:

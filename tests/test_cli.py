@@ -303,9 +303,12 @@ def test_a_sweep_after_long_prompts_stores_a_pick_that_greedy_decodes_switch_to(
     the loaded checkpoint switches to it at T tokens of context while the checkpoint's own settings stay."""
     import json
 
+    from helpers import assert_shape
+
     from selfspec import load_tuned
     from selfspec.checkpoint import read_meta
     from selfspec.decoding import context_key
+    from selfspec.evaluation.results import SweepReport
     from selfspec.evaluation.sweep import write_back_fastest
 
     out = tmp_path / "sweep"
@@ -314,6 +317,7 @@ def test_a_sweep_after_long_prompts_stores_a_pick_that_greedy_decodes_switch_to(
                      "--max-new-tokens", "6", "--repeats", "1", "--warmup", "0", "--confirm", "0",
                      "--context", "64", "--out", str(out)]) == 0
     report = json.loads((out / "sweep.json").read_text())
+    assert_shape(report, SweepReport)
     assert report["context"] == 64 and report["from_tokens"] == 32  # √(16 · 64)
     assert "the pick for greedy decodes from 32 tokens of context on" in (out / "sweep.md").read_text()
     pick = DecodeSettings(exit_layer=1, num_speculations=1)
@@ -329,9 +333,13 @@ def test_a_sweep_after_long_prompts_stores_a_pick_that_greedy_decodes_switch_to(
     short = generator.generate([[5, 17, 33, 2, 11]], max_new_tokens=12, eos_token_id=[])
     long = generator.generate([[(7 * i) % 50 for i in range(40)]], max_new_tokens=12, eos_token_id=[])
     assert short.stats.exit_layer == 2 and long.stats.exit_layer == 1
+    assert write_back_fastest(str(tiny_ckpt), {"best": entry, "fastest_per_drafter": {"early_exit": entry}},
+                              out / "sweep.json", constraint_kind=context_key(48))  # a new pick replaces it
+    assert [k for k in read_meta(tiny_ckpt)["formats"] if k.startswith("context@")] == ["context@48"]
     for flags, said in ((["--context", "-1"], "--context must be >= 0"),
-                        (["--context", "64", "--confirm-context", "64"], "leave out --confirm-context"),
-                        (["--context", "64", "--temperature", "0.8"], "leave out --temperature"),
-                        (["--context", "100000"], "--context 100000 plus --max-new-tokens")):
+                        (["--context", "128", "--confirm-context", "64"], "leave out --confirm-context"),
+                        (["--context", "128", "--temperature", "0.8"], "leave out --temperature"),
+                        (["--context", "100000"], "--context 100000 plus --max-new-tokens"),
+                        (["--context", "64", "--prompt-tokens", "64"], "must exceed --prompt-tokens 64")):
         assert cli.main(["eval", "sweep", "--model", str(tiny_ckpt), *flags]) == 2
         assert said in capsys.readouterr().err, flags

@@ -402,7 +402,7 @@ class Engine:
         cap = self.policy.rounds_cap(rows)
         most = 1 if watched and not self.counts[row] else span if cap is None else min(span, cap)
         ahead = self.switches[0].from_tokens - int(b.lengths[0]) if self.switches else remaining
-        if ahead < remaining:  # no further than the next switch's context: a round emits at most reach + 1
+        if 0 < ahead < remaining:  # stop short of the next switch: a round emits at most reach + 1 tokens
             most = min(most, max(1, ahead // (reach + 1)))
         limit = runner.view.max_positions
         if limit is not None and int(b.lengths[0]) + remaining + reach >= limit:

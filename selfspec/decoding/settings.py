@@ -222,7 +222,7 @@ def context_picks(keys) -> list[tuple[int, str]]:
     picks = []
     for key in keys:
         name, _, at = key.partition("@")
-        if name == CONTEXT and at.isdigit() and int(at) > 0:
+        if name == CONTEXT and at.isascii() and at.isdigit() and int(at) > 0:
             picks.append((int(at), key))
     return sorted(picks)
 

@@ -84,8 +84,9 @@ class SelfSpecGenerator:
         settings}, the default of a `generate` call whose constrained rows all have that kind
         ("json_schema", "regex", "lark"), as a sweep on such prompts stored it; under `SAMPLED`
         ("sampled@T") the default of an unconstrained sampled call (temperature > 0); under "context@T"
-        (`context_key`) the settings an unconstrained greedy decode at the generator's own settings
-        switches to once its longest context reaches T tokens (`engine.ContextSwitch`).
+        (`context_key`) the settings a greedy decode at the generator's own settings switches to once its
+        longest context reaches T tokens (`engine.ContextSwitch`): an unconstrained `generate` call, and the
+        greedy lane of `engine()`, whose rows may bring constraints (lossless either way).
     static_passes: None, or run every decoding pass of up to `static_passes.WIDTH` positions (plain
         steps, drafts, verifications; rounds are capped to that many) at fixed shapes, the path for
         CUDA graphs (`backends.static`): "eager" as written, "compile" through `torch.compile`

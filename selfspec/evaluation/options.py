@@ -288,6 +288,9 @@ class SweepOptions(ModelOption, CorpusPromptOptions, SweepGrid, QuestionOptions,
         if self.context and (self.confirm_context or self.prompts or self.suites or self.questions):
             raise UserError("--context times the grid after long prompts from --corpus: leave out "
                             "--confirm-context, --prompts, --suite and --question")
+        if self.context and self.context <= self.prompt_tokens:
+            raise UserError(f"--context {self.context} must exceed --prompt-tokens {self.prompt_tokens} (the "
+                            f"short prompts the checkpoint's own pick was timed on)")
         if self.context and not self.sampling().greedy:
             raise UserError("--context picks settings for greedy decodes: leave out --temperature")
         if self.confirm_context < 0:

@@ -91,6 +91,8 @@ class SweepReport(TypedDict):
     # a greedy write-back's round costs by context length (`context_costs.measure_round_costs`' rows)
     round_costs: NotRequired[list[dict]]
     confirm_context: NotRequired[int]  # the long prompts' tokens where the re-timing ran after them too
+    context: NotRequired[int]  # --context: the prompts' tokens where the whole grid ran
+    from_tokens: NotRequired[int]  # --context: the context from which greedy decodes take its pick
 
 
 class SuiteReport(TypedDict):

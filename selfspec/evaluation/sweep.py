@@ -660,8 +660,9 @@ def write_back_fastest(model_dir: str, report: dict, report_path: Path,
               "candidates": [{key: row[key] for key in ("drafter", "settings", "speedup")}
                              for row in report.get("confirmed", [])]}
     if constraint_kind is not None:
-        formats = {**read_meta(model_dir).get("formats", {}),
-                   constraint_kind: {"settings": best["settings"], **record, "fastest": fastest}}
+        formats = {key: entry for key, entry in read_meta(model_dir).get("formats", {}).items()
+                   if not (constraint_kind.startswith(CONTEXT) and key.startswith(CONTEXT))}  # one long pick
+        formats[constraint_kind] = {"settings": best["settings"], **record, "fastest": fastest}
         update_meta(model_dir, formats=formats)
         at = constraint_kind.partition("@")[2]
         under = (f"for sampled calls near temperature {at}" if constraint_kind.startswith(SAMPLED)
