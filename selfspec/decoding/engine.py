@@ -133,9 +133,8 @@ class Engine:
         self.clock = _Clock(runner.view.device)
         # a grammar's forced tokens may join any round once a row brings a constraint: room for them
         self.switches = list(options.switches)  # those still ahead, nearest first
-        self.k_max = max([policy.k_max + (0 if options.settings.is_plain else FORCED_PER_ROUND)]
-                         + [s.policy.k_max + (0 if s.settings.is_plain else FORCED_PER_ROUND)
-                            for s in self.switches])
+        self.k_max = max(p.k_max + (0 if settings.is_plain else FORCED_PER_ROUND) for settings, p in
+                         [(options.settings, policy), *((s.settings, s.policy) for s in self.switches)])
         self.texts: list[RowText] = []  # each row's text and stop strings (none without a tokenizer)
         self.reasons: list[str | None] = []  # each row's finish reason: "stop", "length", "cancelled"
         self.wall = time.perf_counter()
